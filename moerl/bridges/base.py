@@ -1,0 +1,213 @@
+"""What a bridge is: a config mapping and weight-name rules between a HF architecture and the generic model."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from moerl.errors import ConfigError
+from moerl.model.config import ModelConfig, RopeConfig
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One HF tensor name pattern <-> one moerl parameter (or a slice of it).
+
+    Placeholders: ``{i}`` layer index, ``{e}`` expert index (the HF tensor is expert e's slice of the 3D
+    moerl tensor), ``{x}`` any dotted path. ``part`` = "gate" | "up" selects that half of the
+    ``gate_up_proj`` rows. ``load`` / ``save`` transform the tensor on the way in / out.
+    """
+
+    hf: str
+    moerl: str
+    part: str | None = None
+    load: Callable[[torch.Tensor], torch.Tensor] | None = None
+    save: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "_hf_re", _compile(self.hf))
+        object.__setattr__(self, "_moerl_re", _compile(self.moerl))
+
+
+def _compile(template: str) -> re.Pattern:
+    pattern = re.escape(template)
+    pattern = pattern.replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{e\}", r"(?P<e>\d+)")
+    pattern = pattern.replace(r"\{x\}", r"(?P<x>[\w.]+)")
+    return re.compile(pattern + "$")
+
+
+def match(template_re: re.Pattern, name: str) -> dict | None:
+    m = template_re.match(name)
+    return m.groupdict() if m else None
+
+
+def expert_rules(prefix: str, gate: str, up: str, down: str) -> tuple[Rule, ...]:
+    """Per-expert 2D checkpoint tensors (HF's on-disk layout) stacked into the 3D moerl experts."""
+    hf = f"model.layers.{{i}}.{prefix}.experts.{{e}}"
+    moerl = "layers.{i}.mlp.experts"
+    return (
+        Rule(f"{hf}.{gate}.weight", f"{moerl}.gate_up_proj", part="gate"),
+        Rule(f"{hf}.{up}.weight", f"{moerl}.gate_up_proj", part="up"),
+        Rule(f"{hf}.{down}.weight", f"{moerl}.down_proj"),
+    )
+
+
+COMMON_RULES = (
+    Rule("lm_head.weight", "lm_head.weight"),
+    Rule("model.{x}", "{x}"),  # everything else: the same name under "model."
+)
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Model sizes shared by every architecture's preset (see moerl.presets)."""
+
+    name: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int = 2048
+
+
+@dataclass(frozen=True)
+class Bridge:
+    """A HF architecture family: config mapping, weight-name rules and a preset config writer."""
+
+    architectures: tuple[str, ...]
+    model_type: str
+    config_from_hf: Callable[[HFConfig], ModelConfig]
+    preset_config: Callable[[Preset], dict]
+    rules: tuple[Rule, ...] = ()
+    ignore: Callable[[str, ModelConfig], bool] = field(default=lambda name, cfg: False)
+
+    @property
+    def all_rules(self) -> tuple[Rule, ...]:
+        return self.rules + COMMON_RULES
+
+
+_MISSING = object()
+
+
+class HFConfig:
+    """Typed access to a config.json dict; errors name the field, the expected type and what was found."""
+
+    def __init__(self, data: dict, source: str):
+        self.data, self.source = data, source
+
+    def _check(self, key: str, value, typ: type | tuple):
+        ok = isinstance(value, typ) and not (typ in (int, float) and isinstance(value, bool))
+        if typ is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if not ok:
+            want = typ.__name__ if isinstance(typ, type) else " or ".join(t.__name__ for t in typ)
+            raise ConfigError(
+                f"{self.source}: field {key!r} must be {want}, got {type(value).__name__} {value!r}"
+            )
+        return value
+
+    def req(self, key: str, typ: type | tuple):
+        """A required field of the given type."""
+        value = self.data.get(key, _MISSING)
+        if value is _MISSING or value is None:
+            raise ConfigError(f"{self.source}: required field {key!r} is missing")
+        return self._check(key, value, typ)
+
+    def opt(self, key: str, typ: type | tuple, default=None):
+        """An optional field: ``default`` when absent or null."""
+        value = self.data.get(key)
+        return default if value is None else self._check(key, value, typ)
+
+    def first(self, keys: tuple[str, ...], typ: type | tuple):
+        """The first of several alias fields that is present (e.g. num_experts / num_local_experts)."""
+        for key in keys:
+            if self.data.get(key) is not None:
+                return self.req(key, typ)
+        raise ConfigError(f"{self.source}: required field {keys[0]!r} is missing (also looked for {keys[1:]})")
+
+    def rope(self) -> RopeConfig:
+        """RoPE from ``rope_parameters`` (transformers v5) or ``rope_theta`` + ``rope_scaling`` (older)."""
+        params = self.opt("rope_parameters", dict) or dict(self.opt("rope_scaling", dict) or {})
+        theta = params.get("rope_theta", self.opt("rope_theta", float, 10000.0))
+        kind = params.get("rope_type", params.get("type", "default"))
+        sub = HFConfig(params, f"{self.source} rope_parameters")
+        return RopeConfig(
+            theta=float(theta),
+            kind=kind,
+            factor=sub.opt("factor", float, 1.0),
+            original_max_position_embeddings=sub.opt("original_max_position_embeddings", int),
+            beta_fast=sub.opt("beta_fast", float, 32.0),
+            beta_slow=sub.opt("beta_slow", float, 1.0),
+            mscale=sub.opt("mscale", float),
+            mscale_all_dim=sub.opt("mscale_all_dim", float),
+            attention_factor=sub.opt("attention_factor", float),
+            truncate=sub.opt("truncate", bool, True),
+            low_freq_factor=sub.opt("low_freq_factor", float, 1.0),
+            high_freq_factor=sub.opt("high_freq_factor", float, 4.0),
+        )
+
+
+def sparse_layers(num_layers: int, step: int = 1, dense: list[int] | tuple = (), first_dense: int = 0) -> list[int]:
+    """MoE layer indices from the usual patterns: every ``step``-th, an explicit dense list, first-k dense."""
+    return [i for i in range(num_layers) if (i + 1) % step == 0 and i not in dense and i >= first_dense]
+
+
+def common_fields(c: HFConfig) -> dict:
+    """ModelConfig fields every Llama-style family spells the same way."""
+    hidden, heads = c.req("hidden_size", int), c.req("num_attention_heads", int)
+    return dict(
+        vocab_size=c.req("vocab_size", int),
+        hidden_size=hidden,
+        num_layers=c.req("num_hidden_layers", int),
+        num_heads=heads,
+        num_kv_heads=c.opt("num_key_value_heads", int, heads),
+        head_dim=c.opt("head_dim", int, hidden // heads),
+        max_position_embeddings=c.opt("max_position_embeddings", int, 4096),
+        rms_norm_eps=c.opt("rms_norm_eps", float, 1e-6),
+        tie_word_embeddings=c.opt("tie_word_embeddings", bool, False),
+        rope=c.rope(),
+    )
+
+
+def layer_types(c: HFConfig, num_layers: int, all_sliding: bool = False) -> tuple[list[str], int | None]:
+    """Per-layer attention kind from ``layer_types`` (v5) or, when ``all_sliding``, a window on every layer."""
+    window = c.opt("sliding_window", int)
+    types = c.opt("layer_types", list)
+    if types is not None:
+        kinds = ["sliding" if t == "sliding_attention" else "full" for t in types]
+        return kinds, (window if "sliding" in kinds else None)
+    if all_sliding and window:
+        return ["sliding"] * num_layers, window
+    return ["full"] * num_layers, None
+
+
+def common_preset(p: Preset, architecture: str, model_type: str, bos: int, eos: int, pad: int) -> dict:
+    """config.json fields shared by every family's preset."""
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": p.vocab_size,
+        "hidden_size": p.hidden_size,
+        "num_hidden_layers": p.num_layers,
+        "num_attention_heads": p.num_heads,
+        "num_key_value_heads": p.num_kv_heads,
+        "head_dim": p.head_dim,
+        "num_experts_per_tok": p.top_k,
+        "max_position_embeddings": p.max_position_embeddings,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "pad_token_id": pad,
+    }

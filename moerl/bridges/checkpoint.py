@@ -1,0 +1,205 @@
+"""Read a HF checkpoint directory into the generic model, tensor by tensor, and write one back."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from moerl.bridges.base import Bridge, HFConfig, Rule, match
+from moerl.bridges.registry import get_bridge
+from moerl.errors import CheckpointError
+from moerl.model.transformer import MoEModel
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def read_config(path: str | os.PathLike) -> dict:
+    """config.json of a HF checkpoint directory, with clear errors for a bad path or file."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint path {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint path {str(path)!r} is not a directory")
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise CheckpointError(f"{cfg_file} does not exist: not a Hugging Face checkpoint directory")
+    try:
+        return json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no 'weight_map' object")
+        files = [path / f for f in dict.fromkeys(weight_map.values())]
+        for f in files:
+            if not f.exists():
+                raise CheckpointError(f"{f.name} is listed in {index.name} but does not exist in {path}")
+        return files
+    single = path / "model.safetensors"
+    if single.exists():
+        return [single]
+    raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {path}")
+
+
+def iter_tensors(path: Path) -> Iterator[tuple[str, Path, callable]]:
+    """(name, file, loader) for every tensor; the loader reads that one tensor only."""
+    for file in _weight_files(path):
+        try:
+            handle = safe_open(file, framework="pt")
+            names = list(handle.keys())
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{file} is not a readable safetensors file (truncated or corrupt?): {e}") from None
+        for name in names:
+            def load(handle=handle, name=name, file=file):
+                try:
+                    return handle.get_tensor(name)
+                except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+                    raise CheckpointError(f"tensor {name!r} in {file} cannot be read (corrupt file?): {e}") from None
+            yield name, file, load
+
+
+def _destination(model: MoEModel, params: dict, rule: Rule, groups: dict) -> tuple[str, torch.Tensor] | None:
+    target = rule.moerl.format(**groups)
+    if target not in params:
+        return None
+    dest = params[target]
+    if "e" in groups:
+        e = int(groups["e"])
+        if e >= dest.shape[0]:
+            return None
+        dest = dest[e]
+    if rule.part:
+        half = dest.shape[-2] // 2
+        dest = dest[..., :half, :] if rule.part == "gate" else dest[..., half:, :]
+    return target, dest
+
+
+def load_model(
+    path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
+) -> MoEModel:
+    """Load a HF checkpoint directory (single or sharded safetensors) into a MoEModel.
+
+    The model is allocated once, empty, and each checkpoint tensor is copied into its place as it is read
+    (per-expert tensors into their slice of the 3D experts), so no second full copy is held.
+    """
+    path = Path(path)
+    hf = read_config(path)
+    bridge = get_bridge(hf, source=str(path / "config.json"))
+    cfg = bridge.config_from_hf(HFConfig(hf, str(path / "config.json")))
+    with torch.device("meta"):
+        model = MoEModel(cfg, dtype)
+    model.to_empty(device=device)
+    model.init_rope()
+    model.hf_config = hf
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    filled = dict.fromkeys(params, 0)
+    seen: set[str] = set()
+    rules = bridge.all_rules
+    with torch.no_grad():
+        for name, file, load in iter_tensors(path):
+            if bridge.ignore(name, cfg) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            place = None
+            for rule in rules:
+                groups = match(rule._hf_re, name)
+                if groups is not None and (place := _destination(model, params, rule, groups)):
+                    break
+            if place is None:
+                raise CheckpointError(
+                    f"unexpected tensor {name!r} in {file.name}: no parameter of this "
+                    f"{hf.get('architectures', ['?'])[0]} model (config.json) takes it"
+                )
+            target, dest = place
+            tensor = load()
+            if rule.load is not None:
+                tensor = rule.load(tensor)
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise CheckpointError(
+                    f"tensor {name!r} in {file.name} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(dest.shape)} (for {target})"
+                )
+            dest.copy_(tensor)
+            filled[target] += dest.numel()
+            seen.add(name)
+    missing = [hf_name for target, n in filled.items() if n < params[target].numel()
+               for hf_name, _ in _to_hf(bridge, model, target, params[target]) if hf_name not in seen]
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise CheckpointError(f"missing tensor(s) in {path}: {', '.join(missing[:5])}{more}")
+    return model
+
+
+def _to_hf(bridge: Bridge, model: MoEModel, name: str, tensor: torch.Tensor):
+    """(hf_name, tensor) pairs that hold moerl parameter ``name``."""
+    own = [(r, g) for r in bridge.rules if (g := match(r._moerl_re, name)) is not None]
+    if not own:
+        own = [next((r, g) for r in bridge.all_rules[len(bridge.rules):] if (g := match(r._moerl_re, name)))]
+    for rule, groups in own:
+        experts = range(tensor.shape[0]) if "{e}" in rule.hf else [None]
+        for e in experts:
+            t = tensor if e is None else tensor[e]
+            if rule.part:
+                half = t.shape[-2] // 2
+                t = t[..., :half, :] if rule.part == "gate" else t[..., half:, :]
+            if rule.save is not None:
+                t = rule.save(t)
+            yield rule.hf.format(**groups, **({} if e is None else {"e": e})), t
+
+
+def export_model(
+    model: MoEModel,
+    out_dir: str | os.PathLike,
+    tokenizer_dir: str | os.PathLike | None = None,
+    max_shard_bytes: int = 4 * 1024**3,
+) -> Path:
+    """Write ``model`` as a HF checkpoint directory: config.json, (sharded) safetensors, tokenizer files."""
+    if model.hf_config is None:
+        raise CheckpointError("the model has no hf_config: load it with load_model or build it with init_model")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    bridge = get_bridge(model.hf_config, source="model.hf_config")
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in model.state_dict().items():
+        for hf_name, t in _to_hf(bridge, model, name, tensor.detach()):
+            nbytes = t.numel() * t.element_size()
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][hf_name] = t.contiguous().cpu()
+            size += nbytes
+    for old in out.glob("model*.safetensors*"):
+        old.unlink()
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], out / "model.safetensors", metadata=meta)
+    else:
+        weight_map, total = {}, 0
+        for n, shard in enumerate(shards, 1):
+            fname = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, out / fname, metadata=meta)
+            weight_map |= dict.fromkeys(shard, fname)
+            total += sum(t.numel() * t.element_size() for t in shard.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    hf = dict(model.hf_config)
+    hf["dtype"] = str(model.dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True))
+    if tokenizer_dir is not None:
+        for f in TOKENIZER_FILES:
+            src = Path(tokenizer_dir) / f
+            if src.exists() and src.resolve() != (out / f).resolve():
+                shutil.copy(src, out / f)
+    return out

@@ -1,0 +1,95 @@
+"""DeepSeek-V3: multi-head latent attention, sigmoid router with a selection-only bias, group-limited top-k,
+routed scaling, a shared expert, first-k dense layers, interleaved rotary pairs, YaRN with mscale."""
+
+import re
+
+from moerl.bridges.base import Bridge, HFConfig, Preset, Rule, common_fields, common_preset, expert_rules, sparse_layers
+from moerl.bridges.registry import register
+from moerl.errors import ConfigError
+from moerl.model.config import ModelConfig
+from moerl.model.rope import yarn_softmax_mscale
+
+ARCH = "DeepseekV3ForCausalLM"
+
+
+def config_from_hf(c: HFConfig) -> ModelConfig:
+    f = common_fields(c)
+    scoring = c.opt("scoring_func", str, "sigmoid")
+    if scoring != "sigmoid":
+        raise ConfigError(f"{c.source}: field 'scoring_func' is {scoring!r}; DeepSeek-V3 allows: sigmoid")
+    nope, rope_dim = c.req("qk_nope_head_dim", int), c.req("qk_rope_head_dim", int)
+    bias = c.opt("attention_bias", bool, False)
+    moe_size = c.req("moe_intermediate_size", int)
+    return ModelConfig(
+        **f,
+        intermediate_size=c.req("intermediate_size", int),
+        num_experts=c.first(("n_routed_experts", "num_local_experts"), int),
+        top_k=c.req("num_experts_per_tok", int),
+        moe_intermediate_size=moe_size,
+        moe_layers=sparse_layers(f["num_layers"], c.opt("moe_layer_freq", int, 1),
+                                 first_dense=c.opt("first_k_dense_replace", int, 0)),
+        attention="mla",
+        qkv_bias=bias,
+        o_bias=bias,
+        q_lora_rank=c.opt("q_lora_rank", int),
+        kv_lora_rank=c.req("kv_lora_rank", int),
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=c.req("v_head_dim", int),
+        rope_interleave=c.opt("rope_interleave", bool, True),
+        attn_scale=(nope + rope_dim) ** -0.5 * yarn_softmax_mscale(f["rope"]),
+        scoring="sigmoid",
+        score_correction_bias=True,
+        norm_topk_prob=c.opt("norm_topk_prob", bool, True),
+        routed_scaling_factor=c.opt("routed_scaling_factor", float, 1.0),
+        n_group=c.opt("n_group", int, 1),
+        topk_group=c.opt("topk_group", int, 1),
+        shared_expert_size=moe_size * c.opt("n_shared_experts", int, 0),
+    )
+
+
+def preset_config(p: Preset, bos: int, eos: int, pad: int) -> dict:
+    cfg = common_preset(p, ARCH, "deepseek_v3", bos, eos, pad) | {
+        "n_routed_experts": p.num_experts,
+        "n_shared_experts": 1,
+        "moe_intermediate_size": p.moe_intermediate_size,
+        "intermediate_size": p.intermediate_size,
+        "first_k_dense_replace": 1,
+        "n_group": 4 if p.num_experts % 4 == 0 else 1,
+        "topk_group": 2 if p.num_experts % 4 == 0 else 1,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "q_lora_rank": p.hidden_size // 2,
+        "kv_lora_rank": p.hidden_size // 4,
+        "qk_nope_head_dim": p.head_dim,
+        "qk_rope_head_dim": p.head_dim // 2,
+        "v_head_dim": p.head_dim,
+        "rope_interleave": True,
+        "attention_bias": False,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+    }
+    cfg["head_dim"] = p.head_dim // 2  # transformers reads the rotary dim from head_dim
+    cfg["num_key_value_heads"] = p.num_heads  # MLA: every head has its own k/v from the latent
+    return cfg
+
+
+def _mtp_layer(name: str, cfg: ModelConfig) -> bool:
+    # multi-token-prediction layers sit after the decoder (layer index >= num_hidden_layers); not used here
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    return m is not None and int(m.group(1)) >= cfg.num_layers
+
+
+BRIDGE = register(
+    Bridge(
+        architectures=(ARCH,),
+        model_type="deepseek_v3",
+        config_from_hf=config_from_hf,
+        preset_config=preset_config,
+        rules=(
+            Rule("model.layers.{i}.mlp.gate.weight", "layers.{i}.mlp.router.weight"),
+            Rule("model.layers.{i}.mlp.gate.e_score_correction_bias", "layers.{i}.mlp.router.e_score_correction_bias"),
+            *expert_rules("mlp", "gate_proj", "up_proj", "down_proj"),
+        ),
+        ignore=_mtp_layer,
+    )
+)

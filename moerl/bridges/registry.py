@@ -1,0 +1,49 @@
+"""Bridges by HF ``architectures`` name (and by ``model_type`` as an alias for the CLI)."""
+
+from __future__ import annotations
+
+from moerl.bridges.base import Bridge
+from moerl.errors import UnknownArchitectureError
+
+_BRIDGES: dict[str, Bridge] = {}
+
+
+def register(bridge: Bridge) -> Bridge:
+    for arch in bridge.architectures:
+        _BRIDGES[arch] = bridge
+    return bridge
+
+
+def supported() -> list[str]:
+    """HF architecture names moerl can load."""
+    _load_families()
+    return sorted(_BRIDGES)
+
+
+def bridge_for_arch(arch: str) -> Bridge:
+    """Bridge by HF architecture (``Qwen3MoeForCausalLM``) or model_type (``qwen3_moe``)."""
+    _load_families()
+    if arch in _BRIDGES:
+        return _BRIDGES[arch]
+    for bridge in _BRIDGES.values():
+        if bridge.model_type == arch:
+            return bridge
+    raise UnknownArchitectureError(
+        f"unknown architecture {arch!r}; supported: {', '.join(supported())} "
+        f"(or their model_type: {', '.join(sorted({b.model_type for b in _BRIDGES.values()}))})"
+    )
+
+
+def get_bridge(hf_config: dict, source: str = "config.json") -> Bridge:
+    """The bridge for a config.json dict, from its ``architectures`` list."""
+    archs = hf_config.get("architectures")
+    if not archs or not isinstance(archs, list):
+        raise UnknownArchitectureError(
+            f"{source}: field 'architectures' is missing or not a list; supported: {', '.join(supported())}"
+        )
+    return bridge_for_arch(archs[0])
+
+
+def _load_families() -> None:
+    # importing a family module registers its bridge
+    from moerl.bridges import deepseek_v3, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe  # noqa: F401

@@ -1,0 +1,133 @@
+"""ModelConfig: every knob of the generic MoE decoder.
+
+Bridges fill this from a Hugging Face ``config.json``; the model never reads HF configs itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(slots=True)
+class RopeConfig:
+    """Rotary embedding. ``kind``: default | linear | yarn | llama3."""
+
+    theta: float = 10000.0
+    kind: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+    # llama3
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """The generic MoE decoder. Per-layer structure comes from ``layer_types`` and ``moe_layers``."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # dense MLP layers
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    moe_layers: list[int]  # indices of MoE layers; the others are dense MLP layers
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    # attention
+    attention: str = "gqa"  # gqa | mla
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: str = "none"  # none | head (per head, Qwen3) | full (whole projection, OLMoE)
+    clip_qkv: float | None = None
+    layer_types: list[str] = field(default_factory=list)  # "full" | "sliding" per layer
+    sliding_window: int | None = None
+    attention_sinks: bool = False
+    attn_scale: float | None = None  # None: rotary-inclusive q/k head dim ** -0.5
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    rope_dim: int | None = None  # rotated dims per head (None: all of head_dim)
+    rope_interleave: bool = False  # rotary pairs stored interleaved (DeepSeek)
+    # multi-head latent attention (DeepSeek-V3)
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # router
+    scoring: str = "softmax"  # softmax | sigmoid
+    topk_before_softmax: bool = False  # softmax over the k chosen logits (GPT-OSS)
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    router_bias: bool = False
+    score_correction_bias: bool = False  # sigmoid: bias added for selection only
+    n_group: int = 1
+    topk_group: int = 1
+    # experts
+    expert_bias: bool = False
+    activation: str = "silu"  # silu | swiglu_clamped (GPT-OSS)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    shared_expert_size: int = 0  # intermediate size of the shared expert MLP; 0 = none
+    shared_expert_gate: bool = False  # sigmoid(Linear(H, 1)) on the shared expert output
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            self.layer_types = ["full"] * self.num_layers
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field when the combination cannot be built."""
+        from moerl.errors import ConfigError
+
+        def bad(name: str, why: str) -> ConfigError:
+            return ConfigError(f"ModelConfig.{name}={getattr(self, name)!r}: {why}")
+
+        if self.attention not in ("gqa", "mla"):
+            raise bad("attention", "allowed: gqa, mla")
+        if self.qk_norm not in ("none", "head", "full"):
+            raise bad("qk_norm", "allowed: none, head, full")
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise bad("scoring", "allowed: softmax, sigmoid")
+        if self.activation not in ("silu", "swiglu_clamped"):
+            raise bad("activation", "allowed: silu, swiglu_clamped")
+        if self.rope.kind not in ("default", "linear", "yarn", "llama3"):
+            raise ConfigError(f"ModelConfig.rope.kind={self.rope.kind!r}: allowed: default, linear, yarn, llama3")
+        if len(self.layer_types) != self.num_layers:
+            raise bad("layer_types", f"needs {self.num_layers} entries (num_layers)")
+        if any(t not in ("full", "sliding") for t in self.layer_types):
+            raise bad("layer_types", "entries allowed: full, sliding")
+        if "sliding" in self.layer_types and not self.sliding_window:
+            raise bad("sliding_window", "sliding layers need a window > 0")
+        if any(not 0 <= i < self.num_layers for i in self.moe_layers):
+            raise bad("moe_layers", f"indices must lie in [0, {self.num_layers})")
+        if self.moe_layers and not 1 <= self.top_k <= self.num_experts:
+            raise bad("top_k", f"must lie in [1, num_experts={self.num_experts}]")
+        if self.num_heads % self.num_kv_heads:
+            raise bad("num_kv_heads", f"must divide num_heads={self.num_heads}")
+        if self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+            raise bad("n_group", f"must divide num_experts and be >= topk_group={self.topk_group}")
+
+    @property
+    def moe_layer_set(self) -> frozenset[int]:
+        return frozenset(self.moe_layers)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        d = dict(d)
+        d["rope"] = RopeConfig(**d.get("rope", {}))
+        return cls(**d)

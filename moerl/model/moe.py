@@ -1,0 +1,179 @@
+"""MoE block: fp32 router with routing capture and replay, 3D experts with a grouped and a loop path."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moerl.model.config import ModelConfig
+
+
+class Router(nn.Module):
+    """Scores tokens against experts in fp32, whatever the model dtype, and picks top-k.
+
+    Its parameters and buffers stay fp32 through ``model.to(dtype)``: ``_apply`` casts them back.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
+        self.scoring, self.topk_before_softmax = cfg.scoring, cfg.topk_before_softmax
+        self.norm_topk_prob, self.scale = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.zeros(cfg.num_experts, dtype=torch.float32)) if cfg.router_bias else None
+        if cfg.score_correction_bias:
+            self.e_score_correction_bias = nn.Buffer(torch.zeros(cfg.num_experts, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for t in [*self._parameters.values(), *self._buffers.values()]:
+            if t is not None and t.is_floating_point() and t.dtype != torch.float32:
+                t.data = t.data.float()
+        return self
+
+    def _select(self, logits: torch.Tensor) -> torch.Tensor:
+        """Top-k expert indices [N, k] by the model's rule."""
+        if self.topk_before_softmax:
+            return logits.topk(self.top_k, dim=-1).indices
+        if self.scoring == "softmax":
+            # top-k of the probabilities, not the logits: the same ties as the HF reference
+            return logits.softmax(-1).topk(self.top_k, dim=-1).indices
+        choice = logits.sigmoid()
+        if self.e_score_correction_bias is not None:
+            choice = choice + self.e_score_correction_bias
+        if self.n_group > 1:
+            n, per_group = choice.shape[0], self.num_experts // self.n_group
+            grouped = choice.view(n, self.n_group, per_group)
+            group_score = grouped.topk(min(2, per_group), dim=-1).values.sum(-1)
+            keep = group_score.topk(self.topk_group, dim=-1).indices
+            group_mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
+            choice = choice.masked_fill(~group_mask.repeat_interleave(per_group, dim=1), float("-inf"))
+        return choice.topk(self.top_k, dim=-1).indices
+
+    def gate_weights(self, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """fp32 gate weights [N, k] at indices ``idx`` from this forward's scores, by the model's rule."""
+        if self.scoring == "sigmoid":
+            w = logits.sigmoid().gather(1, idx)
+            if self.norm_topk_prob:
+                w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        elif self.topk_before_softmax:
+            w = logits.gather(1, idx).softmax(-1)
+        else:
+            w = logits.softmax(-1).gather(1, idx)
+            if self.norm_topk_prob:
+                w = w / w.sum(-1, keepdim=True)
+        return w * self.scale if self.scale != 1.0 else w
+
+    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> (gate weights [N, k] fp32, expert indices [N, k] int64).
+
+        ``replay`` [N, k] replaces the router's own choice; rows holding -1 keep the router's own choice.
+        """
+        logits = F.linear(x.float(), self.weight, self.bias)
+        if replay is None:
+            idx = self._select(logits)
+        else:
+            idx = replay.long()
+            free = idx[:, 0] < 0
+            if free.any():
+                idx = torch.where(free[:, None], self._select(logits), idx)
+        return self.gate_weights(logits, idx), idx
+
+
+def _activate(gate_up: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    if activation == "silu":
+        return F.silu(gate) * up
+    # GPT-OSS: clamped SwiGLU with (up + 1)
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * gate * torch.sigmoid(gate * alpha)
+
+
+class Experts(nn.Module):
+    """E experts as 3D tensors: ``gate_up_proj`` [E, 2I, H] (gate rows first), ``down_proj`` [E, H, I]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.num_experts = e
+        self.activation, self.alpha, self.limit = cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * i)) if cfg.expert_bias else None
+        self.down_proj_bias = nn.Parameter(torch.zeros(e, h)) if cfg.expert_bias else None
+        self.grouped = True  # False: the per-expert loop, kept as the reference
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, H], idx/weights [N, k] -> sum_k weights * expert_idx(x), [N, H] in x's dtype."""
+        if self.grouped:
+            return self._grouped(x, idx, weights)
+        return self._loop(x, idx, weights)
+
+    def _grouped(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        k = idx.shape[1]
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)
+        token = order // k
+        expert = flat[order]
+        offs = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)
+        h = torch._grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offs=offs)
+        if self.gate_up_proj_bias is not None:
+            h = h + self.gate_up_proj_bias[expert]
+        h = _activate(h, self.activation, self.alpha, self.limit)
+        y = torch._grouped_mm(h, self.down_proj.transpose(1, 2), offs=offs)
+        if self.down_proj_bias is not None:
+            y = y + self.down_proj_bias[expert]
+        y = (y * weights.reshape(-1)[order, None]).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token, y)
+
+    def _loop(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            token, slot = (idx == e).nonzero(as_tuple=True)
+            if token.numel() == 0:
+                continue
+            bias = self.gate_up_proj_bias[e] if self.gate_up_proj_bias is not None else None
+            h = _activate(F.linear(x[token], self.gate_up_proj[e], bias), self.activation, self.alpha, self.limit)
+            bias = self.down_proj_bias[e] if self.down_proj_bias is not None else None
+            y = F.linear(h, self.down_proj[e], bias) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(x.dtype))
+        return out
+
+
+class MLP(nn.Module):
+    """Dense SwiGLU MLP (also the shared expert)."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    """Router + routed experts + optional (gated) shared expert."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.router = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared_experts = MLP(cfg.hidden_size, cfg.shared_expert_size) if cfg.shared_expert_size else None
+        self.shared_experts_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if cfg.shared_expert_gate else None
+
+    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> (output [N, H], chosen experts [N, k])."""
+        weights, idx = self.router(x, replay)
+        out = self.experts(x, idx, weights)
+        if self.shared_experts is not None:
+            shared = self.shared_experts(x)
+            if self.shared_experts_gate is not None:
+                shared = torch.sigmoid(self.shared_experts_gate(x)) * shared
+            out = out + shared
+        return out, idx

@@ -1,0 +1,281 @@
+"""The generic MoE decoder: attention (GQA / MLA, qk-norm, sliding window, sinks), dense MLP and MoE layers.
+
+Plain PyTorch, no parallelism inside: plans in ``moerl.parallel`` wrap it from outside.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moerl.errors import ReplayError
+from moerl.model.config import ModelConfig
+from moerl.model.moe import MLP, MoE
+from moerl.model.rope import apply_rope, inv_freq_and_scale, rope_cos_sin
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32; the weight multiplies after casting back (the Llama convention)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def attend(q, k, v, mask: torch.Tensor, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, Hq, T, d], k [B, Hkv, S, d], v [B, Hkv, S, dv], mask bool [B, 1, T, S] -> [B, T, Hq * dv].
+
+    ``sinks`` [Hq]: a learned logit per head that joins the softmax and is then dropped (GPT-OSS).
+    """
+    if sinks is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    else:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        scores = (q @ k.transpose(-1, -2)).float() * scale
+        scores = scores.masked_fill(~mask, float("-inf"))
+        sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        out = probs.to(v.dtype) @ v
+    return out.transpose(1, 2).flatten(2)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with RoPE and the per-architecture options of ModelConfig."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        h, nh, nkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, d
+        self.rope_dim = cfg.rope_dim or d
+        self.q_proj = nn.Linear(h, nh * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, nkv * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, nkv * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(nh * d, h, bias=cfg.o_bias)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm != "none":
+            full = cfg.qk_norm == "full"
+            self.q_norm = RMSNorm(nh * d if full else d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(nkv * d if full else d, cfg.rms_norm_eps)
+        self.clip_qkv = cfg.clip_qkv
+        self.sinks = nn.Parameter(torch.zeros(nh)) if cfg.attention_sinks else None
+        self.scale = cfg.attn_scale or d**-0.5
+        self.sliding = cfg.layer_types[layer] == "sliding"
+
+    def forward(self, x, cos, sin, mask) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (z.clamp(-self.clip_qkv, self.clip_qkv) for z in (q, k, v))
+        q = q.view(b, t, self.num_heads, self.head_dim)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        r = self.rope_dim
+        q = torch.cat([apply_rope(q[..., :r], cos, sin), q[..., r:]], dim=-1)
+        k = torch.cat([apply_rope(k[..., :r], cos, sin), k[..., r:]], dim=-1)
+        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.scale, self.sinks)
+        return self.o_proj(out)
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V3): low-rank q and a shared compressed kv latent."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        h, nh = cfg.hidden_size, cfg.num_heads
+        self.num_heads, self.kv_lora_rank = nh, cfg.kv_lora_rank
+        self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        qk_dim = self.nope + self.rope_dim
+        if cfg.q_lora_rank:
+            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=cfg.qkv_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, nh * qk_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(h, nh * qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, cfg.kv_lora_rank + self.rope_dim, bias=cfg.qkv_bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, nh * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(nh * self.v_dim, h, bias=cfg.o_bias)
+        self.interleave = cfg.rope_interleave
+        self.scale = cfg.attn_scale or qk_dim**-0.5
+        self.sliding = cfg.layer_types[layer] == "sliding"
+
+    def forward(self, x, cos, sin, mask) -> torch.Tensor:
+        b, t, _ = x.shape
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(b, t, self.num_heads, self.nope + self.rope_dim)
+        q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, t, self.num_heads, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        q_rope = apply_rope(q_rope, cos, sin, self.interleave)
+        k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, self.interleave).expand(-1, -1, self.num_heads, -1)
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        k = torch.cat([k_nope, k_rope], dim=-1)
+        return self.o_proj(attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.scale))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = (MLAttention if cfg.attention == "mla" else Attention)(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.is_moe = layer in cfg.moe_layer_set
+        self.mlp = MoE(cfg) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, cos, sin, mask, replay=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        h = self.post_attention_layernorm(x)
+        if not self.is_moe:
+            return x + self.mlp(h), None
+        out, idx = self.mlp(h.flatten(0, 1), replay)
+        return x + out.view_as(x), idx
+
+
+@dataclass(slots=True)
+class ModelOutput:
+    logits: torch.Tensor  # [B, T, V] in the model dtype
+    routed: torch.Tensor | None = None  # [B, T, L_moe, k] int64 chosen experts, when capture or replay
+
+
+def build_mask(attention_mask: torch.Tensor | None, b: int, t: int, window: int | None, device) -> torch.Tensor:
+    """Boolean [B, 1, T, T]: causal, padded keys hidden, optional sliding window (i - j < window).
+
+    Every query sees itself, so fully padded rows stay finite instead of becoming NaN.
+    """
+    i = torch.arange(t, device=device)
+    mask = i[None, :] <= i[:, None]
+    if window:
+        mask = mask & (i[:, None] - i[None, :] < window)
+    mask = mask.expand(b, 1, t, t)
+    if attention_mask is not None:
+        mask = mask & attention_mask.bool()[:, None, None, :]
+    return mask | torch.eye(t, dtype=torch.bool, device=device)
+
+
+class MoEModel(nn.Module):
+    """Decoder-only MoE language model built from a ModelConfig.
+
+    ``forward`` can capture each MoE layer's chosen experts and can replay given ones (R3).
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.moe_layer_ids = [i for i, layer in enumerate(self.layers) if layer.is_moe]
+        self.hf_config: dict | None = None  # set by the bridge loader; export writes it back
+        self.init_rope()
+        if dtype is not None:
+            self.to(dtype)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def init_rope(self) -> None:
+        """Compute the rotary table: fp32, on the CPU (a plain attribute, so ``to(dtype)`` leaves it fp32)."""
+        cfg = self.config
+        dim = cfg.qk_rope_head_dim if cfg.attention == "mla" else (cfg.rope_dim or cfg.head_dim)
+        self.inv_freq, self.rope_scale = inv_freq_and_scale(cfg.rope, dim, cfg.max_position_embeddings)
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+        """Random init: normal(0, std) matrices and experts, zero biases, unit norms."""
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif p.ndim == 1:
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32) * std)
+        for layer in self.layers:
+            if layer.is_moe and layer.mlp.router.e_score_correction_bias is not None:
+                layer.mlp.router.e_score_correction_bias.zero_()
+
+    def set_expert_path(self, grouped: bool) -> None:
+        """Pick the grouped-GEMM expert path (default) or the per-expert reference loop."""
+        for i in self.moe_layer_ids:
+            self.layers[i].mlp.experts.grouped = grouped
+
+    def _check_replay(self, replay: torch.Tensor, b: int, t: int) -> torch.Tensor:
+        n_moe, k, e = len(self.moe_layer_ids), self.config.top_k, self.config.num_experts
+        if replay.ndim != 4 or replay.shape[0] != b or replay.shape[1] not in (t, t - 1) or replay.shape[2:] != (
+            n_moe,
+            k,
+        ):
+            raise ReplayError(
+                f"replay has shape {tuple(replay.shape)}; this forward needs "
+                f"[B={b}, T={t} or T-1={t - 1}, L_moe={n_moe}, k={k}]"
+            )
+        replay = replay.long()
+        bad = (replay < -1) | (replay >= e)
+        if bad.any():
+            col = int(bad.nonzero()[0, 2])
+            value = int(replay[..., col, :][bad[..., col, :]][0])
+            raise ReplayError(
+                f"replay[..., {col}, :] (model layer {self.moe_layer_ids[col]}) holds expert {value}, "
+                f"outside [0, {e}) (-1 means: use the router's own choice)"
+            )
+        if replay.shape[1] == t - 1:  # the last token has no recorded row: it routes itself
+            replay = torch.cat([replay, replay.new_full((b, 1, n_moe, k), -1)], dim=1)
+        return replay
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        replay: torch.Tensor | None = None,
+        capture: bool = False,
+    ) -> ModelOutput:
+        """Logits for ``input_ids`` [B, T].
+
+        positions: [B, T] rotary positions (default 0..T-1). attention_mask: [B, T], 1 = token, 0 = padding.
+        replay: [B, T or T-1, L_moe, k] expert indices to use instead of the router's top-k (-1: own choice).
+        capture: return the chosen experts of every MoE layer as ``routed``.
+        """
+        b, t = input_ids.shape
+        if positions is None:
+            positions = torch.arange(t, device=input_ids.device).expand(b, t)
+        if replay is not None:
+            replay = self._check_replay(replay, b, t).flatten(0, 1)
+        x = self.embed_tokens(input_ids)
+        if self.inv_freq.device != x.device:
+            self.inv_freq = self.inv_freq.to(x.device)
+        cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, positions, x.dtype)
+        masks = {
+            False: build_mask(attention_mask, b, t, None, x.device),
+            True: build_mask(attention_mask, b, t, self.config.sliding_window, x.device),
+        }
+        routed = []
+        for layer in self.layers:
+            col = len(routed)
+            x, idx = layer(x, cos, sin, masks[layer.self_attn.sliding], replay[:, col] if replay is not None and
+                           layer.is_moe else None)
+            if idx is not None:
+                routed.append(idx)
+        x = self.norm(x)
+        logits = self.lm_head(x) if self.lm_head is not None else F.linear(x, self.embed_tokens.weight)
+        keep = (capture or replay is not None) and routed
+        return ModelOutput(logits, torch.stack(routed, dim=1).view(b, t, len(routed), -1) if keep else None)

@@ -1,0 +1,93 @@
+"""Tiny random models built by transformers from real architecture configs, saved as HF checkpoints.
+
+The test oracle: transformers builds and runs these; moerl must load them and reproduce their numbers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+VOCAB = 128
+
+# Real config fields of each family, shrunk: 2-4 layers, 8 experts, small hidden. Each one switches on the
+# features of its family (dense layers, shared experts, sliding windows, sinks, MLA, YaRN, groups, clipping).
+CONFIGS: dict[str, dict] = {
+    "Qwen3MoeForCausalLM": dict(
+        model_type="qwen3_moe", hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1], vocab_size=VOCAB,
+    ),
+    "Qwen2MoeForCausalLM": dict(
+        model_type="qwen2_moe", hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=8, num_experts_per_tok=2, use_sliding_window=True, sliding_window=6, max_window_layers=2,
+        decoder_sparse_step=1, vocab_size=VOCAB,
+    ),
+    "MixtralForCausalLM": dict(
+        model_type="mixtral", hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, sliding_window=6, vocab_size=VOCAB,
+    ),
+    "OlmoeForCausalLM": dict(
+        model_type="olmoe", hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, clip_qkv=3.0, vocab_size=VOCAB,
+        eos_token_id=2, pad_token_id=0,
+    ),
+    "DeepseekV3ForCausalLM": dict(
+        model_type="deepseek_v3", hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, max_position_embeddings=256, vocab_size=VOCAB,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 64,
+                         "beta_fast": 32.0, "beta_slow": 1.0},
+    ),
+    "GptOssForCausalLM": dict(
+        model_type="gpt_oss", hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"], vocab_size=VOCAB,
+    ),
+}
+ARCHS = list(CONFIGS)
+
+
+def build_hf_model(arch: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A transformers model of ``arch`` with every parameter random (norms near 1, biases and sinks nonzero)."""
+    kwargs = dict(CONFIGS[arch]) | overrides
+    cfg = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    cfg.architectures = [arch]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            scale = 0.02 if p.ndim >= 2 else 0.1
+            p.copy_(torch.randn(p.shape, generator=gen) * scale + (1.0 if "norm" in name else 0.0))
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:  # selection-only bias: make it matter
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.05)
+    return model.eval()
+
+
+def save_hf_model(arch: str, path: Path, seed: int = 0, **save_kwargs) -> torch.nn.Module:
+    model = build_hf_model(arch, seed)
+    model.save_pretrained(path, **save_kwargs)
+    return model
+
+
+def hf_router_choices(model: torch.nn.Module, input_ids: torch.Tensor, **kwargs) -> tuple[torch.Tensor, list]:
+    """Logits and each MoE layer's chosen experts [N, k], read off the transformers routers with hooks."""
+    choices, hooks = [], []
+    for module in model.modules():
+        if type(module).__name__.lower().endswith("router"):  # every v5 router returns (logits, weights, indices)
+            hooks.append(module.register_forward_hook(lambda m, i, out: choices.append(out[2].detach())))
+    try:
+        with torch.no_grad():
+            logits = model(input_ids, **kwargs).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    return logits, choices

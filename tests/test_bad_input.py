@@ -1,0 +1,151 @@
+"""Bad checkpoints and configs fail with errors that name the thing that is wrong."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from moerl.bridges import load_model
+from moerl.errors import CheckpointError, ConfigError, UnknownArchitectureError
+
+ARCH = "Qwen3MoeForCausalLM"
+
+
+@pytest.fixture
+def ckpt(hf_checkpoints, tmp_path):
+    """A writable copy of the Qwen3-MoE test checkpoint."""
+    dst = tmp_path / "ckpt"
+    shutil.copytree(hf_checkpoints[ARCH][0], dst)
+    return dst
+
+
+def _edit_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    for key, value in changes.items():
+        if value is ...:
+            cfg.pop(key)
+        else:
+            cfg[key] = value
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def _edit_tensors(path, fn):
+    tensors = load_file(path / "model.safetensors")
+    fn(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_unknown_architecture_lists_supported(ckpt):
+    _edit_config(ckpt, architectures=["LlamaForCausalLM"])
+    with pytest.raises(UnknownArchitectureError) as e:
+        load_model(ckpt)
+    msg = str(e.value)
+    assert "'LlamaForCausalLM'" in msg
+    for arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM",
+                 "DeepseekV3ForCausalLM", "GptOssForCausalLM"):
+        assert arch in msg
+
+
+def test_missing_architectures_field(ckpt):
+    _edit_config(ckpt, architectures=...)
+    with pytest.raises(UnknownArchitectureError, match="'architectures' is missing"):
+        load_model(ckpt)
+
+
+def test_missing_tensor_is_named(ckpt):
+    _edit_tensors(ckpt, lambda t: t.pop("model.layers.2.mlp.experts.5.up_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensor\(s\).*model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight"):
+        load_model(ckpt)
+
+
+def test_missing_plain_tensor_is_named(ckpt):
+    _edit_tensors(ckpt, lambda t: t.pop("model.layers.0.self_attn.q_norm.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensor\(s\).*model\.layers\.0\.self_attn\.q_norm\.weight"):
+        load_model(ckpt)
+
+
+def test_unexpected_tensor_is_named(ckpt):
+    _edit_tensors(ckpt, lambda t: t.__setitem__("model.layers.0.mlp.mystery.weight", torch.zeros(2)))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.0\.mlp\.mystery\.weight'"):
+        load_model(ckpt)
+
+
+def test_expert_beyond_num_experts_is_unexpected(ckpt):
+    _edit_tensors(ckpt, lambda t: t.__setitem__("model.layers.0.mlp.experts.8.up_proj.weight", torch.zeros(32, 64)))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.0\.mlp\.experts\.8\.up_proj"):
+        load_model(ckpt)
+
+
+def test_wrong_shape_names_both_shapes(ckpt):
+    _edit_tensors(ckpt, lambda t: t.__setitem__("model.layers.0.self_attn.k_proj.weight", torch.zeros(16, 64)))
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.self_attn\.k_proj\.weight'.*shape \(16, 64\).*expects \(32, 64\)"):
+        load_model(ckpt)
+
+
+def test_config_field_missing(ckpt):
+    _edit_config(ckpt, hidden_size=...)
+    with pytest.raises(ConfigError, match=r"config\.json: required field 'hidden_size' is missing"):
+        load_model(ckpt)
+
+
+def test_config_field_wrong_type(ckpt):
+    _edit_config(ckpt, num_experts_per_tok="2")
+    with pytest.raises(ConfigError, match=r"field 'num_experts_per_tok' must be int, got str '2'"):
+        load_model(ckpt)
+
+
+def test_config_bool_is_not_an_int(ckpt):
+    _edit_config(ckpt, num_hidden_layers=True)
+    with pytest.raises(ConfigError, match=r"'num_hidden_layers' must be int, got bool"):
+        load_model(ckpt)
+
+
+def test_config_value_outside_allowed(ckpt):
+    _edit_config(ckpt, num_experts_per_tok=9)
+    with pytest.raises(ConfigError, match=r"top_k=9.*\[1, num_experts=8\]"):
+        load_model(ckpt)
+
+
+def test_config_json_not_json(ckpt):
+    (ckpt / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"config\.json is not valid JSON"):
+        load_model(ckpt)
+
+
+def test_truncated_safetensors(ckpt):
+    data = (ckpt / "model.safetensors").read_bytes()
+    (ckpt / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*(truncated or corrupt|cannot be read)"):
+        load_model(ckpt)
+
+
+def test_corrupt_safetensors_header(ckpt):
+    (ckpt / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage-header}")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is not a readable safetensors file"):
+        load_model(ckpt)
+
+
+def test_no_weights_file(ckpt):
+    (ckpt / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"no model\.safetensors or model\.safetensors\.index\.json"):
+        load_model(ckpt)
+
+
+def test_shard_listed_in_index_but_absent(ckpt):
+    (ckpt / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}})
+    )
+    with pytest.raises(CheckpointError, match=r"model-00002-of-00002\.safetensors is listed"):
+        load_model(ckpt)
+
+
+def test_path_does_not_exist(tmp_path):
+    with pytest.raises(CheckpointError, match=r"checkpoint path '.*nowhere' does not exist"):
+        load_model(tmp_path / "nowhere")
+
+
+def test_path_without_config(tmp_path):
+    with pytest.raises(CheckpointError, match=r"config\.json does not exist"):
+        load_model(tmp_path)
