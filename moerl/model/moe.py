@@ -35,14 +35,14 @@ class Router(nn.Module):
                 t.data = t.data.float()
         return self
 
-    def _select(self, logits: torch.Tensor) -> torch.Tensor:
+    def _select(self, logits: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """Top-k expert indices [N, k] by the model's rule."""
         if self.topk_before_softmax:
             return logits.topk(self.top_k, dim=-1).indices
         if self.scoring == "softmax":
             # top-k of the probabilities, not the logits: the same ties as the HF reference
-            return logits.softmax(-1).topk(self.top_k, dim=-1).indices
-        choice = logits.sigmoid()
+            return scores.topk(self.top_k, dim=-1).indices
+        choice = scores
         if self.e_score_correction_bias is not None:
             choice = choice + self.e_score_correction_bias
         if self.n_group > 1:
@@ -54,18 +54,20 @@ class Router(nn.Module):
             choice = choice.masked_fill(~group_mask.repeat_interleave(per_group, dim=1), float("-inf"))
         return choice.topk(self.top_k, dim=-1).indices
 
-    def gate_weights(self, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    def scores(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """Per-expert fp32 scores: softmax or sigmoid of the logits (None when softmax follows the top-k)."""
+        if self.topk_before_softmax:
+            return None
+        return logits.sigmoid() if self.scoring == "sigmoid" else logits.softmax(-1)
+
+    def gate_weights(self, logits: torch.Tensor, scores: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor:
         """fp32 gate weights [N, k] at indices ``idx`` from this forward's scores, by the model's rule."""
-        if self.scoring == "sigmoid":
-            w = logits.sigmoid().gather(1, idx)
-            if self.norm_topk_prob:
-                w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        elif self.topk_before_softmax:
+        if self.topk_before_softmax:
             w = logits.gather(1, idx).softmax(-1)
         else:
-            w = logits.softmax(-1).gather(1, idx)
+            w = scores.gather(1, idx)
             if self.norm_topk_prob:
-                w = w / w.sum(-1, keepdim=True)
+                w = w / (w.sum(-1, keepdim=True) + (1e-20 if self.scoring == "sigmoid" else 0.0))
         return w * self.scale if self.scale != 1.0 else w
 
     def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,14 +76,15 @@ class Router(nn.Module):
         ``replay`` [N, k] replaces the router's own choice; rows holding -1 keep the router's own choice.
         """
         logits = F.linear(x.float(), self.weight, self.bias)
+        scores = self.scores(logits)
         if replay is None:
-            idx = self._select(logits)
+            idx = self._select(logits, scores)
         else:
             idx = replay.long()
             free = idx[:, 0] < 0
             if free.any():
-                idx = torch.where(free[:, None], self._select(logits), idx)
-        return self.gate_weights(logits, idx), idx
+                idx = torch.where(free[:, None], self._select(logits, scores), idx)
+        return self.gate_weights(logits, scores, idx), idx
 
 
 def _activate(gate_up: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
@@ -116,18 +119,18 @@ class Experts(nn.Module):
     def _grouped(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         k = idx.shape[1]
         flat = idx.reshape(-1)
-        order = flat.argsort(stable=True)
+        order = flat.argsort(stable=True)  # (token, slot) pairs sorted by expert
         token = order // k
-        expert = flat[order]
         offs = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)
-        h = torch._grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offs=offs)
+        gate = weights.reshape(-1)[order, None].to(x.dtype)
+        h = torch._grouped_mm(x.index_select(0, token), self.gate_up_proj.transpose(1, 2), offs=offs)
         if self.gate_up_proj_bias is not None:
-            h = h + self.gate_up_proj_bias[expert]
-        h = _activate(h, self.activation, self.alpha, self.limit)
+            h = h + self.gate_up_proj_bias[flat[order]]
+        # the gate weight scales the small [*, I] activation, not the [*, H] output: down_proj is linear
+        h = _activate(h, self.activation, self.alpha, self.limit) * gate
         y = torch._grouped_mm(h, self.down_proj.transpose(1, 2), offs=offs)
         if self.down_proj_bias is not None:
-            y = y + self.down_proj_bias[expert]
-        y = (y * weights.reshape(-1)[order, None]).to(x.dtype)
+            y = y + self.down_proj_bias[flat[order]] * gate
         return torch.zeros_like(x).index_add_(0, token, y)
 
     def _loop(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

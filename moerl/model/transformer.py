@@ -26,19 +26,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
-def attend(q, k, v, mask: torch.Tensor, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+def attend(q, k, v, mask: torch.Tensor | None, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, T, d], k [B, Hkv, S, d], v [B, Hkv, S, dv], mask bool [B, 1, T, S] -> [B, T, Hq * dv].
 
-    ``sinks`` [Hq]: a learned logit per head that joins the softmax and is then dropped (GPT-OSS).
+    ``mask`` None means plain causal (T == S). ``sinks`` [Hq]: a learned logit per head that joins the softmax
+    and is then dropped (GPT-OSS).
     """
     if sinks is None:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        causal = mask is None
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
     else:
+        if mask is None:
+            mask = build_mask(None, 1, q.shape[2], None, q.device)
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         scores = (q @ k.transpose(-1, -2)).float() * scale
@@ -84,8 +86,11 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         r = self.rope_dim
-        q = torch.cat([apply_rope(q[..., :r], cos, sin), q[..., r:]], dim=-1)
-        k = torch.cat([apply_rope(k[..., :r], cos, sin), k[..., r:]], dim=-1)
+        if r == self.head_dim:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:  # partial rotary: only the first r dims of each head rotate
+            q = torch.cat([apply_rope(q[..., :r], cos, sin), q[..., r:]], dim=-1)
+            k = torch.cat([apply_rope(k[..., :r], cos, sin), k[..., r:]], dim=-1)
         out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.scale, self.sinks)
         return self.o_proj(out)
 
@@ -264,9 +269,11 @@ class MoEModel(nn.Module):
         if self.inv_freq.device != x.device:
             self.inv_freq = self.inv_freq.to(x.device)
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, positions, x.dtype)
+        window = self.config.sliding_window if self.config.sliding_window and self.config.sliding_window < t else None
+        plain = attention_mask is None  # no padding: the causal kernel, no mask tensor
         masks = {
-            False: build_mask(attention_mask, b, t, None, x.device),
-            True: build_mask(attention_mask, b, t, self.config.sliding_window, x.device),
+            False: None if plain else build_mask(attention_mask, b, t, None, x.device),
+            True: None if plain and window is None else build_mask(attention_mask, b, t, window, x.device),
         }
         routed = []
         for layer in self.layers:
