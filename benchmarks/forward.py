@@ -66,17 +66,24 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=128)
     args = p.parse_args()
-    print(f"# forward tokens/s, {args.arch}, bf16, batch {args.batch} x {args.seq} tokens, median of {args.rounds} "
-          f"interleaved rounds; torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{platform.processor() or platform.machine()}")
-    print("| preset | params | transformers (experts impl) | moerl grouped | moerl loop | grouped / transformers "
-          "| loop / transformers | grouped / loop |")
+    print(
+        f"# forward tokens/s, {args.arch}, bf16, batch {args.batch} x {args.seq} tokens, median of {args.rounds} "
+        f"interleaved rounds; torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{platform.processor() or platform.machine()}"
+    )
+    print(
+        "| preset | params | transformers (experts impl) | moerl grouped | moerl loop | grouped / transformers "
+        "| loop / transformers | grouped / loop |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for preset in args.presets:
         r = bench(preset, args.arch, args.rounds, args.batch, args.seq)
         hf, g, loop = r["transformers"], r["moerl grouped"], r["moerl loop"]
-        print(f"| {preset} | {r['params'] / 1e6:.1f}M | {hf:,.0f} ({r['experts_impl']}) | {g:,.0f} | {loop:,.0f} "
-              f"| {g / hf:.2f}x | {loop / hf:.2f}x | {g / loop:.2f}x |", flush=True)
+        print(
+            f"| {preset} | {r['params'] / 1e6:.1f}M | {hf:,.0f} ({r['experts_impl']}) | {g:,.0f} | {loop:,.0f} "
+            f"| {g / hf:.2f}x | {loop / hf:.2f}x | {g / loop:.2f}x |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -15,8 +15,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @torch.no_grad()
-def sample(model, prompt_ids: list[int], max_tokens: int, temperature: float, eos_id: int | None,
-           generator: torch.Generator) -> list[int]:
+def sample(
+    model, prompt_ids: list[int], max_tokens: int, temperature: float, eos_id: int | None, generator: torch.Generator
+) -> list[int]:
     """Plain sampling by full recompute, one sequence. The rollout engine (moerl.engine) replaces this."""
     ids = list(prompt_ids)
     for _ in range(max_tokens):
@@ -28,7 +29,7 @@ def sample(model, prompt_ids: list[int], max_tokens: int, temperature: float, eo
         ids.append(nxt)
         if nxt == eos_id:
             break
-    return ids[len(prompt_ids):]
+    return ids[len(prompt_ids) :]
 
 
 def cmd_init_model(args) -> None:
@@ -64,8 +65,11 @@ def cmd_demo(args) -> None:
     print(f"[demo] building the tiny Qwen3-MoE checkpoint in {out}")
     cmd_init_model(argparse.Namespace(arch="qwen3_moe", preset="tiny", out_dir=out, seed=0, dtype="float32"))
     print("[demo] generating from it (random weights: the text is noise until the RL loop trains it)")
-    cmd_generate(argparse.Namespace(model_dir=out, prompt=["12+7=", "3*4="], max_tokens=16, temperature=1.0,
-                                    seed=0, dtype="bfloat16"))
+    cmd_generate(
+        argparse.Namespace(
+            model_dir=out, prompt=["12+7=", "3*4="], max_tokens=16, temperature=1.0, seed=0, dtype="bfloat16"
+        )
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

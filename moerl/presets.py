@@ -15,11 +15,33 @@ _VOCAB = 128  # the char tokenizer's 100 ids, rounded up
 
 PRESETS = {
     # ~1M parameters (Qwen3-MoE): fast enough to train on a laptop CPU in minutes
-    "tiny": Preset("tiny", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
-                   num_experts=8, top_k=2, moe_intermediate_size=64, intermediate_size=256, vocab_size=_VOCAB),
+    "tiny": Preset(
+        "tiny",
+        hidden_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        num_experts=8,
+        top_k=2,
+        moe_intermediate_size=64,
+        intermediate_size=256,
+        vocab_size=_VOCAB,
+    ),
     # ~57M parameters (Qwen3-MoE)
-    "small": Preset("small", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
-                    num_experts=16, top_k=2, moe_intermediate_size=256, intermediate_size=1024, vocab_size=_VOCAB),
+    "small": Preset(
+        "small",
+        hidden_size=512,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=64,
+        num_experts=16,
+        top_k=2,
+        moe_intermediate_size=256,
+        intermediate_size=1024,
+        vocab_size=_VOCAB,
+    ),
 }
 assert vocab_size() <= _VOCAB
 

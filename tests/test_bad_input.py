@@ -43,8 +43,14 @@ def test_unknown_architecture_lists_supported(ckpt):
         load_model(ckpt)
     msg = str(e.value)
     assert "'LlamaForCausalLM'" in msg
-    for arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM",
-                 "DeepseekV3ForCausalLM", "GptOssForCausalLM"):
+    for arch in (
+        "Qwen3MoeForCausalLM",
+        "Qwen2MoeForCausalLM",
+        "MixtralForCausalLM",
+        "OlmoeForCausalLM",
+        "DeepseekV3ForCausalLM",
+        "GptOssForCausalLM",
+    ):
         assert arch in msg
 
 
@@ -56,7 +62,8 @@ def test_missing_architectures_field(ckpt):
 
 def test_missing_tensor_is_named(ckpt):
     _edit_tensors(ckpt, lambda t: t.pop("model.layers.2.mlp.experts.5.up_proj.weight"))
-    with pytest.raises(CheckpointError, match=r"missing tensor\(s\).*model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight"):
+    pattern = r"missing tensor\(s\).*model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight"
+    with pytest.raises(CheckpointError, match=pattern):
         load_model(ckpt)
 
 
@@ -80,7 +87,8 @@ def test_expert_beyond_num_experts_is_unexpected(ckpt):
 
 def test_wrong_shape_names_both_shapes(ckpt):
     _edit_tensors(ckpt, lambda t: t.__setitem__("model.layers.0.self_attn.k_proj.weight", torch.zeros(16, 64)))
-    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.self_attn\.k_proj\.weight'.*shape \(16, 64\).*expects \(32, 64\)"):
+    pattern = r"'model\.layers\.0\.self_attn\.k_proj\.weight'.*shape \(16, 64\).*expects \(32, 64\)"
+    with pytest.raises(CheckpointError, match=pattern):
         load_model(ckpt)
 
 

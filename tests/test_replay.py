@@ -55,9 +55,20 @@ def test_replay_gate_weights_follow_the_forward_scores():
     """Under replay the gates come from this forward's own router scores at the replayed experts."""
     from moerl.model import ModelConfig, MoEModel
 
-    cfg = ModelConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=8,
-                      intermediate_size=32, num_experts=4, top_k=2, moe_intermediate_size=8, moe_layers=[0],
-                      norm_topk_prob=True)
+    cfg = ModelConfig(
+        vocab_size=32,
+        hidden_size=16,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=32,
+        num_experts=4,
+        top_k=2,
+        moe_intermediate_size=8,
+        moe_layers=[0],
+        norm_topk_prob=True,
+    )
     model = MoEModel(cfg)
     model.init_weights(std=0.5, generator=torch.Generator().manual_seed(0))
     router = model.layers[0].mlp.router

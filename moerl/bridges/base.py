@@ -110,9 +110,7 @@ class HFConfig:
             return float(value)
         if not ok:
             want = typ.__name__ if isinstance(typ, type) else " or ".join(t.__name__ for t in typ)
-            raise ConfigError(
-                f"{self.source}: field {key!r} must be {want}, got {type(value).__name__} {value!r}"
-            )
+            raise ConfigError(f"{self.source}: field {key!r} must be {want}, got {type(value).__name__} {value!r}")
         return value
 
     def req(self, key: str, typ: type | tuple):

@@ -62,11 +62,13 @@ def iter_tensors(path: Path) -> Iterator[tuple[str, Path, callable]]:
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"{file} is not a readable safetensors file (truncated or corrupt?): {e}") from None
         for name in names:
+
             def load(handle=handle, name=name, file=file):
                 try:
                     return handle.get_tensor(name)
                 except (SafetensorError, OSError, ValueError, RuntimeError) as e:
                     raise CheckpointError(f"tensor {name!r} in {file} cannot be read (corrupt file?): {e}") from None
+
             yield name, file, load
 
 
@@ -133,8 +135,13 @@ def load_model(
             dest.copy_(tensor)
             filled[target] += dest.numel()
             seen.add(name)
-    missing = [hf_name for target, n in filled.items() if n < params[target].numel()
-               for hf_name, _ in _to_hf(bridge, model, target, params[target]) if hf_name not in seen]
+    missing = [
+        hf_name
+        for target, n in filled.items()
+        if n < params[target].numel()
+        for hf_name, _ in _to_hf(bridge, model, target, params[target])
+        if hf_name not in seen
+    ]
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(f"missing tensor(s) in {path}: {', '.join(missing[:5])}{more}")
@@ -145,7 +152,7 @@ def _to_hf(bridge: Bridge, model: MoEModel, name: str, tensor: torch.Tensor):
     """(hf_name, tensor) pairs that hold moerl parameter ``name``."""
     own = [(r, g) for r in bridge.rules if (g := match(r._moerl_re, name)) is not None]
     if not own:
-        own = [next((r, g) for r in bridge.all_rules[len(bridge.rules):] if (g := match(r._moerl_re, name)))]
+        own = [next((r, g) for r in bridge.all_rules[len(bridge.rules) :] if (g := match(r._moerl_re, name)))]
     for rule, groups in own:
         experts = range(tensor.shape[0]) if "{e}" in rule.hf else [None]
         for e in experts:

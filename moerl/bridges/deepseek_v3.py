@@ -26,8 +26,9 @@ def config_from_hf(c: HFConfig) -> ModelConfig:
         num_experts=c.first(("n_routed_experts", "num_local_experts"), int),
         top_k=c.req("num_experts_per_tok", int),
         moe_intermediate_size=moe_size,
-        moe_layers=sparse_layers(f["num_layers"], c.opt("moe_layer_freq", int, 1),
-                                 first_dense=c.opt("first_k_dense_replace", int, 0)),
+        moe_layers=sparse_layers(
+            f["num_layers"], c.opt("moe_layer_freq", int, 1), first_dense=c.opt("first_k_dense_replace", int, 0)
+        ),
         attention="mla",
         qkv_bias=bias,
         o_bias=bias,

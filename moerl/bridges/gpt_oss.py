@@ -44,8 +44,15 @@ def preset_config(p: Preset, bos: int, eos: int, pad: int) -> dict:
         "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(p.num_layers)],
         "swiglu_alpha": 1.702,
         "swiglu_limit": 7.0,
-        "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
-                            "beta_slow": 1.0, "original_max_position_embeddings": 4096, "truncate": False},
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 4096,
+            "truncate": False,
+        },
     }
 
 
@@ -66,12 +73,24 @@ BRIDGE = register(
         config_from_hf=config_from_hf,
         preset_config=preset_config,
         rules=(
-            Rule("model.layers.{i}.mlp.experts.gate_up_proj", "layers.{i}.mlp.experts.gate_up_proj",
-                 load=lambda t: _deinterleave(t).transpose(1, 2), save=lambda t: _interleave(t.transpose(1, 2))),
-            Rule("model.layers.{i}.mlp.experts.gate_up_proj_bias", "layers.{i}.mlp.experts.gate_up_proj_bias",
-                 load=_deinterleave, save=_interleave),
-            Rule("model.layers.{i}.mlp.experts.down_proj", "layers.{i}.mlp.experts.down_proj",
-                 load=lambda t: t.transpose(1, 2), save=lambda t: t.transpose(1, 2)),
+            Rule(
+                "model.layers.{i}.mlp.experts.gate_up_proj",
+                "layers.{i}.mlp.experts.gate_up_proj",
+                load=lambda t: _deinterleave(t).transpose(1, 2),
+                save=lambda t: _interleave(t.transpose(1, 2)),
+            ),
+            Rule(
+                "model.layers.{i}.mlp.experts.gate_up_proj_bias",
+                "layers.{i}.mlp.experts.gate_up_proj_bias",
+                load=_deinterleave,
+                save=_interleave,
+            ),
+            Rule(
+                "model.layers.{i}.mlp.experts.down_proj",
+                "layers.{i}.mlp.experts.down_proj",
+                load=lambda t: t.transpose(1, 2),
+                save=lambda t: t.transpose(1, 2),
+            ),
         ),
     )
 )

@@ -57,7 +57,9 @@ BRIDGE = register(
         model_type="qwen3_moe",
         config_from_hf=config_from_hf,
         preset_config=preset_config,
-        rules=(Rule("model.layers.{i}.mlp.gate.weight", "layers.{i}.mlp.router.weight"),
-               *expert_rules("mlp", "gate_proj", "up_proj", "down_proj")),
+        rules=(
+            Rule("model.layers.{i}.mlp.gate.weight", "layers.{i}.mlp.router.weight"),
+            *expert_rules("mlp", "gate_proj", "up_proj", "down_proj"),
+        ),
     )
 )

@@ -225,9 +225,15 @@ class MoEModel(nn.Module):
 
     def _check_replay(self, replay: torch.Tensor, b: int, t: int) -> torch.Tensor:
         n_moe, k, e = len(self.moe_layer_ids), self.config.top_k, self.config.num_experts
-        if replay.ndim != 4 or replay.shape[0] != b or replay.shape[1] not in (t, t - 1) or replay.shape[2:] != (
-            n_moe,
-            k,
+        if (
+            replay.ndim != 4
+            or replay.shape[0] != b
+            or replay.shape[1] not in (t, t - 1)
+            or replay.shape[2:]
+            != (
+                n_moe,
+                k,
+            )
         ):
             raise ReplayError(
                 f"replay has shape {tuple(replay.shape)}; this forward needs "
@@ -278,8 +284,13 @@ class MoEModel(nn.Module):
         routed = []
         for layer in self.layers:
             col = len(routed)
-            x, idx = layer(x, cos, sin, masks[layer.self_attn.sliding], replay[:, col] if replay is not None and
-                           layer.is_moe else None)
+            x, idx = layer(
+                x,
+                cos,
+                sin,
+                masks[layer.self_attn.sliding],
+                replay[:, col] if replay is not None and layer.is_moe else None,
+            )
             if idx is not None:
                 routed.append(idx)
         x = self.norm(x)
