@@ -170,8 +170,12 @@ def export_model(
     out_dir: str | os.PathLike,
     tokenizer_dir: str | os.PathLike | None = None,
     max_shard_bytes: int = 4 * 1024**3,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write ``model`` as a HF checkpoint directory: config.json, (sharded) safetensors, tokenizer files."""
+    """Write ``model`` as a HF checkpoint directory: config.json, (sharded) safetensors, tokenizer files.
+
+    ``state_dict`` replaces the model's own weights (e.g. with LoRA merged in); LoRA tensors are never written.
+    """
     if model.hf_config is None:
         raise CheckpointError("the model has no hf_config: load it with load_model or build it with init_model")
     out = Path(out_dir)
@@ -179,7 +183,10 @@ def export_model(
     bridge = get_bridge(model.hf_config, source="model.hf_config")
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for name, tensor in model.state_dict().items():
+    state = model.state_dict() if state_dict is None else state_dict
+    for name, tensor in state.items():
+        if ".lora." in name:
+            continue
         for hf_name, t in _to_hf(bridge, model, name, tensor.detach()):
             nbytes = t.numel() * t.element_size()
             if shards[-1] and size + nbytes > max_shard_bytes:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moerl.model.config import ModelConfig
+from moerl.model.lora import ExpertLora, Linear
 
 
 class Router(nn.Module):
@@ -109,6 +110,7 @@ class Experts(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * i)) if cfg.expert_bias else None
         self.down_proj_bias = nn.Parameter(torch.zeros(e, h)) if cfg.expert_bias else None
         self.grouped = True  # False: the per-expert loop, kept as the reference
+        self.lora: ExpertLora | None = None
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, H], idx/weights [N, k] -> sum_k weights * expert_idx(x), [N, H] in x's dtype."""
@@ -120,31 +122,68 @@ class Experts(nn.Module):
         k = idx.shape[1]
         flat = idx.reshape(-1)
         order = flat.argsort(stable=True)  # (token, slot) pairs sorted by expert
-        token = order // k
+        token, expert = order // k, flat[order]
         offs = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)
         gate = weights.reshape(-1)[order, None].to(x.dtype)
-        h = torch._grouped_mm(x.index_select(0, token), self.gate_up_proj.transpose(1, 2), offs=offs)
+        lora = self.lora if self.lora is not None and self.lora.ctx.active else None
+        xs = x.index_select(0, token)
+        h = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs)
+        if lora is not None:
+            groups = lora.groups(token, expert, offs)
+            delta, rows = lora.gate_up_delta(x, xs, token, groups)
+            h = h + delta.to(h.dtype) if rows is None else h.index_add(0, rows, delta.to(h.dtype))
         if self.gate_up_proj_bias is not None:
-            h = h + self.gate_up_proj_bias[flat[order]]
+            h = h + self.gate_up_proj_bias[expert]
         # the gate weight scales the small [*, I] activation, not the [*, H] output: down_proj is linear
         h = _activate(h, self.activation, self.alpha, self.limit) * gate
         y = torch._grouped_mm(h, self.down_proj.transpose(1, 2), offs=offs)
+        token_delta = None
+        if lora is not None:
+            delta, rows = lora.down_delta(h, token, x.shape[0], groups)
+            if lora.layout == "shared_outer":
+                token_delta = delta
+            else:
+                y = y + delta.to(y.dtype) if rows is None else y.index_add(0, rows, delta.to(y.dtype))
         if self.down_proj_bias is not None:
-            y = y + self.down_proj_bias[flat[order]] * gate
-        return torch.zeros_like(x).index_add_(0, token, y)
+            y = y + self.down_proj_bias[expert] * gate
+        out = torch.zeros_like(x).index_add_(0, token, y)
+        return out if token_delta is None else out + token_delta.to(x.dtype)
 
     def _loop(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
+        lora = self.lora if self.lora is not None and self.lora.ctx.active else None
+        slot_of = lora.ctx.token_slots if lora is not None else None
         for e in range(self.num_experts):
             token, slot = (idx == e).nonzero(as_tuple=True)
             if token.numel() == 0:
                 continue
+            xe = x[token]
             bias = self.gate_up_proj_bias[e] if self.gate_up_proj_bias is not None else None
-            h = _activate(F.linear(x[token], self.gate_up_proj[e], bias), self.activation, self.alpha, self.limit)
+            gu = F.linear(xe, self.gate_up_proj[e], bias)
+            adapters = self._loop_adapters(lora, slot_of, token)
+            for s, rows in adapters:  # naive LoRA: per expert, per adapter
+                gu_a, gu_b, _, _ = lora.factors(s, e)
+                d = (xe[rows].to(gu_a.dtype) @ gu_a.T) @ gu_b.T * lora.scale[s]
+                gu = gu.index_add(0, rows, d.to(gu.dtype))
+            h = _activate(gu, self.activation, self.alpha, self.limit)
             bias = self.down_proj_bias[e] if self.down_proj_bias is not None else None
-            y = F.linear(h, self.down_proj[e], bias) * weights[token, slot, None]
+            y = F.linear(h, self.down_proj[e], bias)
+            for s, rows in adapters:
+                _, _, dn_a, dn_b = lora.factors(s, e)
+                d = (h[rows].to(dn_a.dtype) @ dn_a.T) @ dn_b.T * lora.scale[s]
+                y = y.index_add(0, rows, d.to(y.dtype))
+            y = y * weights[token, slot, None]
             out.index_add_(0, token, y.to(x.dtype))
         return out
+
+    @staticmethod
+    def _loop_adapters(lora, slot_of, token) -> list[tuple[int, torch.Tensor]]:
+        if lora is None:
+            return []
+        if slot_of is None:
+            return [(lora.ctx.single, torch.arange(token.numel()))]
+        row_slot = slot_of[token]
+        return [(int(s), (row_slot == s).nonzero().squeeze(1)) for s in row_slot.unique().tolist() if s >= 0]
 
 
 class MLP(nn.Module):
@@ -152,9 +191,9 @@ class MLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = Linear(hidden, intermediate, bias=False)
+        self.up_proj = Linear(hidden, intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

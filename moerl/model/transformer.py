@@ -13,6 +13,7 @@ from torch import nn
 
 from moerl.errors import ReplayError
 from moerl.model.config import ModelConfig
+from moerl.model.lora import Linear, LoraContext
 from moerl.model.moe import MLP, MoE
 from moerl.model.rope import apply_rope, inv_freq_and_scale, rope_cos_sin
 
@@ -59,10 +60,10 @@ class Attention(nn.Module):
         h, nh, nkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, d
         self.rope_dim = cfg.rope_dim or d
-        self.q_proj = nn.Linear(h, nh * d, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(h, nkv * d, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(h, nkv * d, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(nh * d, h, bias=cfg.o_bias)
+        self.q_proj = Linear(h, nh * d, bias=cfg.qkv_bias)
+        self.k_proj = Linear(h, nkv * d, bias=cfg.qkv_bias)
+        self.v_proj = Linear(h, nkv * d, bias=cfg.qkv_bias)
+        self.o_proj = Linear(nh * d, h, bias=cfg.o_bias)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm != "none":
             full = cfg.qk_norm == "full"
@@ -105,15 +106,15 @@ class MLAttention(nn.Module):
         self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         qk_dim = self.nope + self.rope_dim
         if cfg.q_lora_rank:
-            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=cfg.qkv_bias)
+            self.q_a_proj = Linear(h, cfg.q_lora_rank, bias=cfg.qkv_bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, nh * qk_dim, bias=False)
+            self.q_b_proj = Linear(cfg.q_lora_rank, nh * qk_dim, bias=False)
         else:
-            self.q_proj = nn.Linear(h, nh * qk_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(h, cfg.kv_lora_rank + self.rope_dim, bias=cfg.qkv_bias)
+            self.q_proj = Linear(h, nh * qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(h, cfg.kv_lora_rank + self.rope_dim, bias=cfg.qkv_bias)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, nh * (self.nope + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(nh * self.v_dim, h, bias=cfg.o_bias)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, nh * (self.nope + self.v_dim), bias=False)
+        self.o_proj = Linear(nh * self.v_dim, h, bias=cfg.o_bias)
         self.interleave = cfg.rope_interleave
         self.scale = cfg.attn_scale or qk_dim**-0.5
         self.sliding = cfg.layer_types[layer] == "sliding"
@@ -190,6 +191,7 @@ class MoEModel(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.moe_layer_ids = [i for i, layer in enumerate(self.layers) if layer.is_moe]
         self.hf_config: dict | None = None  # set by the bridge loader; export writes it back
+        self.lora_ctx: LoraContext | None = None  # set by attach_lora
         self.init_rope()
         if dtype is not None:
             self.to(dtype)
@@ -259,14 +261,20 @@ class MoEModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         replay: torch.Tensor | None = None,
         capture: bool = False,
+        adapters: int | torch.Tensor | None = None,
     ) -> ModelOutput:
         """Logits for ``input_ids`` [B, T].
 
         positions: [B, T] rotary positions (default 0..T-1). attention_mask: [B, T], 1 = token, 0 = padding.
         replay: [B, T or T-1, L_moe, k] expert indices to use instead of the router's top-k (-1: own choice).
         capture: return the chosen experts of every MoE layer as ``routed``.
+        adapters: LoRA slot for every token (int) or per sequence ([B], -1 = none); None = base model only.
         """
         b, t = input_ids.shape
+        if self.lora_ctx is not None:
+            self.lora_ctx.set(adapters, b, t)
+        elif adapters is not None:
+            raise ValueError("adapters given but this model has no LoRA attached (moerl.model.lora.attach_lora)")
         if positions is None:
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
         if replay is not None:

@@ -1,0 +1,309 @@
+"""LoRA on linear layers and on 3D experts, with several adapters resident at once.
+
+Each adapted module holds ``S`` adapter *slots* (stacked A / B tensors); every token of a forward picks a slot
+(or none) through the model's shared ``LoraContext``. The trainer uses one slot, the engine many.
+
+Expert layouts (DESIGN "Expert adapters"):
+- ``per_expert``: expert e has its own A/B on gate_up and on down.
+- ``shared_outer``: the hidden-size side is shared across experts: one gate_up A ``[r, H]`` (the shrink runs once
+  per token) and one down B ``[H, r]`` (the expand runs once per token, after the routed sum); the
+  intermediate-size side stays per expert.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LAYOUTS = ("per_expert", "shared_outer")
+
+
+class LoraContext:
+    """The adapter slot of every token in the current forward, shared by all LoRA weights of one model."""
+
+    def __init__(self):
+        self.enabled = True
+        self.single: int | None = None  # every token uses this slot
+        self.token_slots: torch.Tensor | None = None  # [N] slot per flattened token, -1 = no adapter
+
+    def set(self, adapters: int | torch.Tensor | None, batch: int, seq: int) -> None:
+        """``adapters``: None (no LoRA), a slot for all tokens, or a slot per sequence [B] (-1 = none)."""
+        self.single, self.token_slots = None, None
+        if adapters is None or isinstance(adapters, int):
+            self.single = adapters
+            return
+        adapters = adapters.long()
+        first = int(adapters[0])
+        if bool((adapters == first).all()):
+            self.single = first if first >= 0 else None
+            return
+        self.token_slots = adapters.repeat_interleave(seq)
+
+    @property
+    def active(self) -> bool:
+        return self.enabled and (self.single is not None or self.token_slots is not None)
+
+    def slot_rows(self, n: int) -> list[tuple[int, torch.Tensor | None]]:
+        """(slot, token rows or None for all rows) for each slot present among ``n`` flattened tokens."""
+        if self.single is not None:
+            return [(self.single, None)]
+        slots = self.token_slots
+        assert slots.numel() == n, "token slots do not match the tokens of this forward"
+        return [(int(s), (slots == s).nonzero().squeeze(1)) for s in slots.unique().tolist() if s >= 0]
+
+
+@dataclass(slots=True)
+class LoraConfig:
+    """Shape of the adapters a model carries: which modules, rank, scale, expert layout, number of slots."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    targets: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts"]
+    )
+    layout: str = "per_expert"  # per_expert | shared_outer
+    rslora: bool = False  # scale alpha / sqrt(r) instead of alpha / r
+    dropout: float = 0.0
+    expert_rank_norm: bool = False  # expert adapters get rank // top_k
+    slots: int = 1
+
+    def scale(self, rank: int) -> float:
+        return self.alpha / math.sqrt(rank) if self.rslora else self.alpha / rank
+
+
+class LinearLora(nn.Module):
+    """Slots of (A [r, in], B [out, r]) for one linear layer; ``forward`` returns the delta."""
+
+    def __init__(self, ctx: LoraContext, slots: int, rank: int, d_in: int, d_out: int, dropout: float, dtype):
+        super().__init__()
+        self.ctx = ctx
+        self.lora_A = nn.Parameter(torch.zeros(slots, rank, d_in, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.zeros(slots, d_out, rank, dtype=dtype))
+        self.scale = nn.Buffer(torch.zeros(slots))
+        self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = (*x.shape[:-1], self.lora_B.shape[1])
+        x2 = self.dropout(x.reshape(-1, x.shape[-1]).to(self.lora_A.dtype))
+        rows = self.ctx.slot_rows(x2.shape[0])
+        if len(rows) == 1 and rows[0][1] is None:
+            s = rows[0][0]
+            return ((x2 @ self.lora_A[s].T) @ self.lora_B[s].T * self.scale[s]).to(x.dtype).view(shape)
+        out = x2.new_zeros(x2.shape[0], self.lora_B.shape[1])
+        for s, idx in rows:
+            out = out.index_add(0, idx, (x2[idx] @ self.lora_A[s].T) @ self.lora_B[s].T * self.scale[s])
+        return out.to(x.dtype).view(shape)
+
+    def delta_weight(self, slot: int) -> torch.Tensor:
+        """scale * B @ A for merging: [out, in]."""
+        return self.lora_B[slot] @ self.lora_A[slot] * self.scale[slot]
+
+
+class Linear(nn.Linear):
+    """nn.Linear that adds its LoRA delta when adapters are attached and active."""
+
+    def __init__(self, d_in: int, d_out: int, bias: bool = True):
+        super().__init__(d_in, d_out, bias=bias)
+        self.lora: LinearLora | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if self.lora is not None and self.lora.ctx.active:
+            y = y + self.lora(x)
+        return y
+
+
+class ExpertLora(nn.Module):
+    """Adapters on the 3D experts, both projections, in the ``per_expert`` or ``shared_outer`` layout."""
+
+    def __init__(self, ctx: LoraContext, slots: int, rank: int, e: int, h: int, i: int, layout: str, dtype):
+        super().__init__()
+        self.ctx, self.layout, self.num_experts = ctx, layout, e
+        shared = layout == "shared_outer"
+        self.gate_up_A = nn.Parameter(torch.zeros((slots, rank, h) if shared else (slots, e, rank, h), dtype=dtype))
+        self.gate_up_B = nn.Parameter(torch.zeros(slots, e, 2 * i, rank, dtype=dtype))
+        self.down_A = nn.Parameter(torch.zeros(slots, e, rank, i, dtype=dtype))
+        self.down_B = nn.Parameter(torch.zeros((slots, h, rank) if shared else (slots, e, h, rank), dtype=dtype))
+        self.scale = nn.Buffer(torch.zeros(slots))
+
+    # -- per (slot, expert) factors, for the naive path and for merging ------------------------------------
+    def factors(self, slot: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate_up A [r, H], gate_up B [2I, r], down A [r, I], down B [H, r]) of one expert in one slot."""
+        shared = self.layout == "shared_outer"
+        gu_a = self.gate_up_A[slot] if shared else self.gate_up_A[slot, expert]
+        dn_b = self.down_B[slot] if shared else self.down_B[slot, expert]
+        return gu_a, self.gate_up_B[slot, expert], self.down_A[slot, expert], dn_b
+
+    def delta_weights(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """scale * B @ A for gate_up [E, 2I, H] and down [E, H, I]."""
+        s = self.scale[slot]
+        gu, dn = [], []
+        for e in range(self.num_experts):
+            gu_a, gu_b, dn_a, dn_b = self.factors(slot, e)
+            gu.append(gu_b @ gu_a * s)
+            dn.append(dn_b @ dn_a * s)
+        return torch.stack(gu), torch.stack(dn)
+
+    # -- fused path: inside the grouped expert computation ------------------------------------------------
+    def groups(self, token: torch.Tensor, expert: torch.Tensor, offs: torch.Tensor):
+        """Group the expert-sorted rows by (slot, expert) for the LoRA GEMMs.
+
+        Returns (perm, offs, slot): ``perm`` None when every row uses one slot ``slot`` (the rows are already
+        grouped by expert); else the rows with an adapter ordered by (slot, expert), with ``slot`` None.
+        """
+        if self.ctx.single is not None:
+            return None, offs, self.ctx.single
+        row_slot = self.ctx.token_slots[token]
+        keep = (row_slot >= 0).nonzero().squeeze(1)
+        key = row_slot[keep] * self.num_experts + expert[keep]
+        order = key.argsort(stable=True)
+        n_groups = self.gate_up_B.shape[0] * self.num_experts
+        offs = torch.bincount(key, minlength=n_groups).cumsum(0).to(torch.int32)
+        return keep[order], offs, None
+
+    def _stack(self, t: torch.Tensor, slot: int | None, per_expert: bool) -> torch.Tensor:
+        """Weights for grouped_mm: [groups, in, out] over experts of one slot or over (slot, expert) pairs."""
+        if slot is not None:
+            t = t[slot]
+        elif per_expert:
+            t = t.flatten(0, 1)
+        return t.transpose(-1, -2)
+
+    def _row_scale(self, token: torch.Tensor, perm, slot) -> torch.Tensor | float:
+        if slot is not None:
+            return self.scale[slot]
+        return self.scale[self.ctx.token_slots[token[perm]]].unsqueeze(1)
+
+    def gate_up_delta(self, x, xs, token, groups) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """LoRA delta of gate_up for the expert-sorted rows: (delta, perm) to add at rows ``perm`` (or all)."""
+        perm, offs, slot = groups
+        dt = self.gate_up_B.dtype
+        if self.layout == "shared_outer":  # shrink once per token, then gather the rows
+            tok = token if perm is None else token[perm]
+            if slot is not None:
+                xa = (x.to(dt) @ self.gate_up_A[slot].T)[tok]
+            else:
+                xa_tok = x.new_zeros(x.shape[0], self.gate_up_A.shape[1], dtype=dt)
+                for s, idx in self.ctx.slot_rows(x.shape[0]):
+                    xa_tok = xa_tok.index_copy(0, idx, x[idx].to(dt) @ self.gate_up_A[s].T)
+                xa = xa_tok[tok]
+        else:
+            rows = xs if perm is None else xs[perm]
+            xa = torch._grouped_mm(rows.to(dt), self._stack(self.gate_up_A, slot, True), offs=offs)
+        xa = xa * self._row_scale(token, perm, slot)
+        return torch._grouped_mm(xa, self._stack(self.gate_up_B, slot, True), offs=offs), perm
+
+    def down_delta(self, hs, token, n_tokens, groups):
+        """LoRA delta of down for the (gate-weighted) expert-sorted activations ``hs``.
+
+        per_expert: (delta rows, perm) to add to the expert outputs before the routed sum.
+        shared_outer: (delta [N, H] per token, None): the shrinks are summed per token, then expanded once.
+        """
+        perm, offs, slot = groups
+        dt = self.down_A.dtype
+        rows = hs if perm is None else hs[perm]
+        ha = torch._grouped_mm(rows.to(dt), self._stack(self.down_A, slot, True), offs=offs)
+        ha = ha * self._row_scale(token, perm, slot)
+        if self.layout == "per_expert":
+            return torch._grouped_mm(ha, self._stack(self.down_B, slot, True), offs=offs), perm
+        tok = token if perm is None else token[perm]
+        u = ha.new_zeros(n_tokens, ha.shape[1]).index_add_(0, tok, ha)  # routed sum in rank space
+        if slot is not None:
+            return u @ self.down_B[slot].T, None
+        out = u.new_zeros(n_tokens, self.down_B.shape[1])
+        for s, idx in self.ctx.slot_rows(n_tokens):
+            out = out.index_copy(0, idx, u[idx] @ self.down_B[s].T)
+        return out, None
+
+
+def _init_A(t: torch.Tensor, generator: torch.Generator | None) -> None:
+    # PEFT's default: kaiming-uniform(a=sqrt(5)) on A, i.e. U(-1/sqrt(fan_in), 1/sqrt(fan_in)); B stays zero
+    bound = 1 / math.sqrt(t.shape[-1])
+    t.copy_(torch.rand(t.shape, generator=generator) * 2 * bound - bound)
+
+
+def lora_candidates(model: nn.Module) -> list[str]:
+    """Names LoRA targets can use: linear layers by leaf name and qualified name, and ``experts``."""
+    names = set()
+    for path, mod in model.named_modules():
+        if isinstance(mod, Linear) and "router" not in path:
+            parts = path.split(".")
+            names.add(parts[-1])
+            names.add(".".join(parts[-2:]))
+        elif type(mod).__name__ == "Experts":
+            names.add("experts")
+    return sorted(names)
+
+
+def attach_lora(
+    model: nn.Module, cfg: LoraConfig, dtype: torch.dtype | None = None, generator: torch.Generator | None = None
+) -> LoraContext:
+    """Attach adapters (A random, B zero, every slot) to the modules ``cfg.targets`` names; returns the context.
+
+    A target matches a linear layer whose path ends with it (``gate_proj`` matches dense and shared-expert MLPs,
+    ``shared_experts.gate_proj`` only the latter); ``experts`` matches the routed experts.
+    """
+    from moerl.errors import ConfigError
+
+    if cfg.rank < 1:
+        raise ConfigError(f"lora.rank={cfg.rank}: must be >= 1")
+    if cfg.layout not in LAYOUTS:
+        raise ConfigError(f"lora.layout={cfg.layout!r}: allowed: {', '.join(LAYOUTS)}")
+    mcfg = model.config
+    dtype = dtype or torch.float32
+    ctx = LoraContext()
+    expert_rank = max(1, cfg.rank // mcfg.top_k) if cfg.expert_rank_norm else cfg.rank
+    used = set()
+    for path, mod in model.named_modules():
+        hit = [t for t in cfg.targets if path == t or path.endswith("." + t)]
+        if not hit:
+            continue
+        if isinstance(mod, Linear) and "router" not in path:
+            mod.lora = LinearLora(ctx, cfg.slots, cfg.rank, mod.in_features, mod.out_features, cfg.dropout, dtype)
+            mod.lora.to(mod.weight.device)
+            mod.lora.scale.fill_(cfg.scale(cfg.rank))
+            with torch.no_grad():
+                _init_A(mod.lora.lora_A, generator)
+        elif type(mod).__name__ == "Experts":
+            e, i2, h = mod.gate_up_proj.shape
+            mod.lora = ExpertLora(ctx, cfg.slots, expert_rank, e, h, i2 // 2, cfg.layout, dtype)
+            mod.lora.to(mod.gate_up_proj.device)
+            mod.lora.scale.fill_(cfg.scale(expert_rank))
+            with torch.no_grad():
+                _init_A(mod.lora.gate_up_A, generator)
+                _init_A(mod.lora.down_A, generator)
+        else:
+            continue
+        used.update(hit)
+    unmatched = [t for t in cfg.targets if t not in used]
+    if unmatched:
+        raise ConfigError(
+            f"lora.targets {unmatched} match no module of this model; candidates: {', '.join(lora_candidates(model))}"
+        )
+    model.lora_ctx = ctx
+    return ctx
+
+
+def lora_modules(model: nn.Module) -> dict[str, LinearLora | ExpertLora]:
+    """Module path -> its LoRA weights, for every adapted module."""
+    return {p: m.lora for p, m in model.named_modules() if getattr(m, "lora", None) is not None}
+
+
+@torch.no_grad()
+def merged_state_dict(model: nn.Module, slot: int = 0) -> dict[str, torch.Tensor]:
+    """The base state dict with adapter ``slot`` merged into the weights (W + scale * B @ A), no LoRA keys."""
+    state = {k: v for k, v in model.state_dict().items() if ".lora." not in k}
+    for path, lora in lora_modules(model).items():
+        if isinstance(lora, LinearLora):
+            w = state[f"{path}.weight"]
+            state[f"{path}.weight"] = (w.float() + lora.delta_weight(slot).float()).to(w.dtype)
+        else:
+            gu, dn = lora.delta_weights(slot)
+            for name, d in (("gate_up_proj", gu), ("down_proj", dn)):
+                w = state[f"{path}.{name}"]
+                state[f"{path}.{name}"] = (w.float() + d.float()).to(w.dtype)
+    return state
