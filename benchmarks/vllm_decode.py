@@ -67,6 +67,7 @@ def main(argv=None):
     real_stdout = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     with contextlib.redirect_stdout(sys.stderr):
+        import torch
         import vllm
         from vllm import LLM, SamplingParams
 
@@ -103,7 +104,8 @@ def main(argv=None):
         run(args.seed)  # warm-up
         times = [run(args.seed + 1 + r) for r in range(args.rounds)]
         median_s = statistics.median(times)
-        print(f"round times (s): {[round(t, 4) for t in times]}", file=sys.stderr)
+        rounded = [round(t, 4) for t in times]
+        print(f"round times (s): {rounded}, torch threads {torch.get_num_threads()}", file=sys.stderr)
 
     result = {
         "engine": "vllm",

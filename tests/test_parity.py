@@ -3,12 +3,21 @@
 import pytest
 import torch
 from hf_models import ARCHS, VOCAB, build_hf_model, hf_router_choices
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from moerl.bridges import export_model, load_model
 
 FP32_TOL = 1e-4  # max abs logits difference, fp32
 BF16_TOL = 0.02  # max abs logits difference, bf16 vs transformers bf16 (measured 0.002-0.008; |logits| < 1)
+
+
+def _tensor_names(path) -> set[str]:
+    names = set()
+    for f in path.glob("*.safetensors"):
+        with safe_open(f, "pt") as handle:
+            names |= set(handle.keys())
+    return names
 
 
 def _ids(b=2, t=24, seed=1):
@@ -81,6 +90,8 @@ def test_export_reloads_in_transformers_with_same_logits(arch, hf_checkpoints, t
     ids = _ids()
     with torch.no_grad():
         assert (reloaded(ids).logits - model(ids).logits).abs().max().item() <= FP32_TOL
+    # the same tensor names as the checkpoint transformers wrote (other readers, e.g. vLLM, map by name)
+    assert _tensor_names(tmp_path / "export") == _tensor_names(hf_checkpoints[arch][0])
     again = load_model(tmp_path / "export", dtype=torch.float32)  # and our own loader reads the shards
     for (name, a), b in zip(model.state_dict().items(), again.state_dict().values(), strict=True):
         assert torch.equal(a, b), name

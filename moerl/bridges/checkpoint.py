@@ -152,7 +152,8 @@ def _to_hf(bridge: Bridge, model: MoEModel, name: str, tensor: torch.Tensor):
     """(hf_name, tensor) pairs that hold moerl parameter ``name``."""
     own = [(r, g) for r in bridge.rules if (g := match(r._moerl_re, name)) is not None]
     if not own:
-        own = [next((r, g) for r in bridge.all_rules[len(bridge.rules) :] if (g := match(r._moerl_re, name)))]
+        common = bridge.all_rules[len(bridge.rules) :]
+        own = [next((r, g) for r in common if (g := match(r._moerl_re, name)) is not None)]
     for rule, groups in own:
         experts = range(tensor.shape[0]) if "{e}" in rule.hf else [None]
         for e in experts:

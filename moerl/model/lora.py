@@ -307,3 +307,26 @@ def merged_state_dict(model: nn.Module, slot: int = 0) -> dict[str, torch.Tensor
                 w = state[f"{path}.{name}"]
                 state[f"{path}.{name}"] = (w.float() + d.float()).to(w.dtype)
     return state
+
+
+def default_targets(model: nn.Module) -> list[str]:
+    """Every linear layer (by leaf name) but the router and lm_head, plus the routed experts."""
+    return [n for n in lora_candidates(model) if "." not in n]
+
+
+LINEAR_KEYS = ("lora_A", "lora_B")
+EXPERT_KEYS = ("gate_up_A", "gate_up_B", "down_A", "down_B")
+
+
+@torch.no_grad()
+def slot_tensors(model: nn.Module, slot: int = 0) -> dict[str, torch.Tensor]:
+    """One adapter slot as moerl-named tensors: ``{module}.lora_A`` [r, in], ``{module}.lora_B`` [out, r],
+    ``{experts}.gate_up_A`` ([r, H] shared or [E, r, H]), ``.gate_up_B`` [E, 2I, r], ``.down_A`` [E, r, I],
+    ``.down_B`` ([H, r] shared or [E, H, r]), and ``{module}.scale`` (0-d). What the engine loads."""
+    out = {}
+    for path, lora in lora_modules(model).items():
+        keys = LINEAR_KEYS if isinstance(lora, LinearLora) else EXPERT_KEYS
+        for key in keys:
+            out[f"{path}.{key}"] = getattr(lora, key)[slot].detach().clone()
+        out[f"{path}.scale"] = lora.scale[slot].detach().clone()
+    return out

@@ -6,6 +6,7 @@ Plain PyTorch, no parallelism inside: plans in ``moerl.parallel`` wrap it from o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,18 @@ from moerl.model.config import ModelConfig
 from moerl.model.lora import Linear, LoraContext
 from moerl.model.moe import MLP, MoE
 from moerl.model.rope import apply_rope, inv_freq_and_scale, rope_cos_sin
+
+
+class KVCacheView(Protocol):
+    """What attention needs from a KV cache for one forward (the rollout engine implements it)."""
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's k/v [B, C, Hkv, d]; return every visible key/value [B, S, Hkv, d]."""
+        ...
+
+    def mask(self, sliding: bool) -> torch.Tensor:
+        """Boolean [B, 1, C, S]: which cached keys each new query may attend to."""
+        ...
 
 
 class RMSNorm(nn.Module):
@@ -73,8 +86,9 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(nh)) if cfg.attention_sinks else None
         self.scale = cfg.attn_scale or d**-0.5
         self.sliding = cfg.layer_types[layer] == "sliding"
+        self.layer = layer
 
-    def forward(self, x, cos, sin, mask) -> torch.Tensor:
+    def forward(self, x, cos, sin, mask, cache: KVCacheView | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.qk_norm == "full":
@@ -92,6 +106,9 @@ class Attention(nn.Module):
         else:  # partial rotary: only the first r dims of each head rotate
             q = torch.cat([apply_rope(q[..., :r], cos, sin), q[..., r:]], dim=-1)
             k = torch.cat([apply_rope(k[..., :r], cos, sin), k[..., r:]], dim=-1)
+        if cache is not None:
+            k, v = cache.update(self.layer, k, v)
+            mask = cache.mask(self.sliding)
         out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.scale, self.sinks)
         return self.o_proj(out)
 
@@ -118,8 +135,9 @@ class MLAttention(nn.Module):
         self.interleave = cfg.rope_interleave
         self.scale = cfg.attn_scale or qk_dim**-0.5
         self.sliding = cfg.layer_types[layer] == "sliding"
+        self.layer = layer
 
-    def forward(self, x, cos, sin, mask) -> torch.Tensor:
+    def forward(self, x, cos, sin, mask, cache: KVCacheView | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         if hasattr(self, "q_proj"):
             q = self.q_proj(x)
@@ -134,6 +152,9 @@ class MLAttention(nn.Module):
         k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, self.interleave).expand(-1, -1, self.num_heads, -1)
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope], dim=-1)
+        if cache is not None:  # the cache holds per-head k/v expanded from the latent
+            k, v = cache.update(self.layer, k, v)
+            mask = cache.mask(self.sliding)
         return self.o_proj(attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.scale))
 
 
@@ -146,8 +167,8 @@ class DecoderLayer(nn.Module):
         self.is_moe = layer in cfg.moe_layer_set
         self.mlp = MoE(cfg) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, mask, replay=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+    def forward(self, x, cos, sin, mask, replay=None, cache=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         h = self.post_attention_layernorm(x)
         if not self.is_moe:
             return x + self.mlp(h), None
@@ -262,6 +283,8 @@ class MoEModel(nn.Module):
         replay: torch.Tensor | None = None,
         capture: bool = False,
         adapters: int | torch.Tensor | None = None,
+        cache: KVCacheView | None = None,
+        logits_index: torch.Tensor | None = None,
     ) -> ModelOutput:
         """Logits for ``input_ids`` [B, T].
 
@@ -269,6 +292,8 @@ class MoEModel(nn.Module):
         replay: [B, T or T-1, L_moe, k] expert indices to use instead of the router's top-k (-1: own choice).
         capture: return the chosen experts of every MoE layer as ``routed``.
         adapters: LoRA slot for every token (int) or per sequence ([B], -1 = none); None = base model only.
+        cache: a KV cache view (the rollout engine): attention reads and writes it and takes its masks.
+        logits_index: [B] one position per row: logits come back as [B, V] for those positions only.
         """
         b, t = input_ids.shape
         if self.lora_ctx is not None:
@@ -284,7 +309,7 @@ class MoEModel(nn.Module):
             self.inv_freq = self.inv_freq.to(x.device)
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, positions, x.dtype)
         window = self.config.sliding_window if self.config.sliding_window and self.config.sliding_window < t else None
-        plain = attention_mask is None  # no padding: the causal kernel, no mask tensor
+        plain = attention_mask is None or cache is not None  # no padding: the causal kernel, no mask tensor
         masks = {
             False: None if plain else build_mask(attention_mask, b, t, None, x.device),
             True: None if plain and window is None else build_mask(attention_mask, b, t, window, x.device),
@@ -298,9 +323,12 @@ class MoEModel(nn.Module):
                 sin,
                 masks[layer.self_attn.sliding],
                 replay[:, col] if replay is not None and layer.is_moe else None,
+                cache,
             )
             if idx is not None:
                 routed.append(idx)
+        if logits_index is not None:
+            x = x[torch.arange(b, device=x.device), logits_index]
         x = self.norm(x)
         logits = self.lm_head(x) if self.lm_head is not None else F.linear(x, self.embed_tokens.weight)
         keep = (capture or replay is not None) and routed

@@ -1,0 +1,81 @@
+"""Engine and sampling configuration, validated on construction with errors that name the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moerl.errors import ConfigError
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How one request is sampled. ``temperature`` 0 is greedy.
+
+    Logprobs are of the sampled token under the model's distribution after temperature (fp32 log-softmax of
+    logits / temperature; temperature 0 counts as 1), before top-k / top-p / min_tokens masking, so they are the
+    numbers the trainer recomputes.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # stop strings; the text ends before them
+    ignore_eos: bool = False
+    seed: int | None = None
+    n: int = 1
+    logprobs: bool = True
+
+    def __post_init__(self) -> None:
+        def bad(name: str, rule: str) -> ConfigError:
+            return ConfigError(f"SamplingParams.{name}={getattr(self, name)!r}: {rule}")
+
+        if not self.temperature >= 0:
+            raise bad("temperature", "must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", "must lie in (0, 1]")
+        if self.top_k < 0:
+            raise bad("top_k", "must be >= 0 (0 = off)")
+        if self.max_tokens < 1:
+            raise bad("max_tokens", "must be >= 1")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", f"must lie in [0, max_tokens={self.max_tokens}]")
+        if self.n < 1:
+            raise bad("n", "must be >= 1")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """KV cache, batching and adapter limits of the native engine.
+
+    The KV cache is preallocated: ``num_blocks`` blocks of ``block_size`` tokens. By default it holds
+    ``max_num_seqs`` sequences of ``max_model_len`` tokens; ``kv_cache_bytes`` caps it (a budget that cannot
+    hold one full-length sequence is refused).
+    """
+
+    max_num_seqs: int = 64
+    max_model_len: int = 1024
+    block_size: int = 16
+    kv_cache_bytes: int | None = None
+    max_num_batched_tokens: int = 2048  # prefill tokens per step (longer prompts are prefilled in chunks)
+    capture_routing: bool = True
+    max_loras: int = 0  # adapter slots; 0 = LoRA off
+    max_lora_rank: int = 16
+    lora_layout: str = "per_expert"
+    lora_targets: list[str] | None = None  # None: every linear layer and the experts
+    fused_lora: bool = True  # False: the naive per-expert, per-adapter reference path
+    seed: int = 0
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_model_len", "block_size", "max_num_batched_tokens", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"EngineConfig.{name}={getattr(self, name)!r}: must be >= 1")
+        if self.max_loras < 0:
+            raise ConfigError(f"EngineConfig.max_loras={self.max_loras!r}: must be >= 0")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ConfigError(f"EngineConfig.kv_cache_bytes={self.kv_cache_bytes!r}: must be >= 1")

@@ -1,0 +1,58 @@
+"""Sampling: temperature, top-k, top-p, min_tokens, per-sequence seeded generators, sampled-token logprobs."""
+
+from __future__ import annotations
+
+import torch
+
+from moerl.engine.config import SamplingParams
+
+
+def sequence_generator(seed: int | None, sample_index: int) -> torch.Generator | None:
+    """A generator for sample ``sample_index`` of a request seeded with ``seed`` (None: the engine's)."""
+    if seed is None:
+        return None
+    return torch.Generator().manual_seed(hash((seed, sample_index)) & (2**63 - 1))
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    num_generated: list[int],
+    eos_id: int | None,
+    fallback: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next tokens [M] and their logprobs [M] (fp32, log-softmax of logits / temperature) for logits [M, V]."""
+    logits = logits.float()
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
+    z = logits / temps[:, None]
+    logp = z.log_softmax(-1)
+    masked = z
+    for i, p in enumerate(params):  # min_tokens: no stop token yet
+        if num_generated[i] < p.min_tokens:
+            stops = list(p.stop_token_ids) + ([] if p.ignore_eos or eos_id is None else [eos_id])
+            if stops:
+                masked = masked.clone() if masked is z else masked
+                masked[i, stops] = float("-inf")
+    top_k = torch.tensor([p.top_k for p in params])
+    top_p = torch.tensor([p.top_p for p in params])
+    if bool((top_k > 0).any() or (top_p < 1).any()):
+        ordered, order = masked.sort(dim=-1, descending=True)
+        rank = torch.arange(ordered.shape[1])[None, :]
+        drop = (top_k[:, None] > 0) & (rank >= top_k[:, None])
+        probs = ordered.softmax(-1)
+        drop |= (probs.cumsum(-1) - probs) >= top_p[:, None]  # keep the smallest prefix reaching top_p
+        masked = torch.full_like(masked, float("-inf")).scatter(1, order, ordered.masked_fill(drop, float("-inf")))
+    tokens = torch.empty(len(params), dtype=torch.long)
+    probs = masked.softmax(-1)
+    shared = []
+    for i, p in enumerate(params):
+        if p.temperature == 0:
+            tokens[i] = masked[i].argmax()
+        elif generators[i] is not None:
+            tokens[i] = torch.multinomial(probs[i], 1, generator=generators[i])
+        else:
+            shared.append(i)
+    if shared:
+        tokens[shared] = torch.multinomial(probs[shared], 1, generator=fallback).squeeze(1)
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)

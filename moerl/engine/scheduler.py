@@ -1,0 +1,98 @@
+"""Continuous batching: admit requests while slots and cache blocks last, prefill in chunks, then decode."""
+
+from __future__ import annotations
+
+from collections import deque
+from math import ceil
+
+from moerl.engine.config import EngineConfig
+from moerl.engine.kv_cache import BlockAllocator, KVCache
+from moerl.engine.sequence import Group, Sequence
+
+
+class Scheduler:
+    """Owns the queues. A group (one request, n samples) is admitted whole: its blocks are allocated up front
+    (the prompt's full blocks once, shared by the samples), so a running sequence never waits for memory."""
+
+    def __init__(self, cfg: EngineConfig, cache: KVCache):
+        self.cfg, self.cache = cfg, cache
+        self.blocks = BlockAllocator(cache.num_blocks)
+        self.waiting: deque[Group] = deque()
+        self.prefilling: list[Group] = []
+        self.running: list[Sequence] = []
+
+    def blocks_needed(self, group: Group) -> int:
+        bs = self.cache.block_size
+        prompt = len(group.prompt)
+        own = ceil((prompt + group.max_tokens - 1) / bs) - prompt // bs  # the last token never enters the cache
+        return prompt // bs + group.params.n * own
+
+    def fits(self, group: Group) -> str | None:
+        """Why the group can never run here (None when it can)."""
+        if group.params.n > self.cfg.max_num_seqs:
+            return f"n={group.params.n} samples exceed EngineConfig.max_num_seqs={self.cfg.max_num_seqs}"
+        need = self.blocks_needed(group)
+        if need > self.cache.num_blocks:
+            return f"needs {need} KV cache blocks, the cache has {self.cache.num_blocks}"
+        return None
+
+    def add(self, group: Group) -> None:
+        self.waiting.append(group)
+
+    @property
+    def num_active(self) -> int:
+        return len(self.running) + sum(g.params.n for g in self.prefilling)
+
+    def _admit(self) -> None:
+        bs = self.cache.block_size
+        while self.waiting:
+            group = self.waiting[0]
+            if self.num_active + group.params.n > self.cfg.max_num_seqs:
+                return
+            if self.blocks_needed(group) > self.blocks.num_free:
+                return
+            self.waiting.popleft()
+            shared = self.blocks.allocate(len(group.prompt) // bs)
+            own = (self.blocks_needed(group) - len(shared)) // group.params.n
+            for seq in group.seqs:
+                if seq.index > 0:
+                    self.blocks.share(shared)
+                seq.block_table = shared + self.blocks.allocate(own)
+            self.prefilling.append(group)
+
+    def next_batch(self) -> tuple[str, list[tuple[Sequence, int]]] | None:
+        """("prefill", [(parent sequence, chunk length)]) or ("decode", [(sequence, 1)]), or None when idle."""
+        self._admit()
+        if self.prefilling:
+            budget, batch = self.cfg.max_num_batched_tokens, []
+            for group in self.prefilling:
+                seq = group.seqs[0]
+                chunk = min(len(group.prompt) - seq.num_cached, budget)
+                if chunk <= 0:
+                    break
+                batch.append((seq, chunk))
+                budget -= chunk
+            return "prefill", batch
+        if self.running:
+            return "decode", [(s, 1) for s in self.running]
+        return None
+
+    def prompt_done(self, group: Group) -> None:
+        """The parent has prefilled the prompt: the other samples take its cache (copying the partial block)."""
+        self.prefilling.remove(group)
+        parent, bs = group.seqs[0], self.cache.block_size
+        prompt = len(group.prompt)
+        for seq in group.seqs[1:]:
+            if prompt % bs:
+                self.cache.copy_block(parent.block_table[prompt // bs], seq.block_table[prompt // bs])
+            seq.num_cached = prompt
+        self.running.extend(group.seqs)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self.blocks.release(seq.block_table)
+        seq.block_table = []
+        self.running.remove(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)

@@ -1,0 +1,79 @@
+"""Requests, the sequences they sample, and what comes back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moerl.engine.config import SamplingParams
+
+
+@dataclass(slots=True)
+class Request:
+    """One prompt (token ids, or text with the checkpoint's tokenizer), how to sample it, and an optional adapter."""
+
+    prompt: list[int] | str
+    params: SamplingParams = field(default_factory=SamplingParams)
+    adapter: str | None = None
+    request_id: str | None = None
+
+
+@dataclass(slots=True)
+class Completion:
+    """One sample of a request."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: torch.Tensor | None  # [G] fp32, sampled-token logprob after temperature
+    finish_reason: str  # stop | length | error
+    routed_experts: torch.Tensor | None  # [T-1, L_moe, k] uint8 (int16 when E > 256), prompt rows included
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[Completion]
+    weight_version: int
+    error: str | None = None  # set when the request was rejected (e.g. prompt longer than the context window)
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One sample in flight: its tokens (prompt + generated), cache blocks and what it has produced."""
+
+    group: Group
+    index: int
+    tokens: list[int]
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0  # tokens whose keys/values are in the cache
+    logprobs: list[float] = field(default_factory=list)
+    routed: list[torch.Tensor] = field(default_factory=list)  # [L_moe, k] per generated token that ran
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+    text: str | None = None
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - len(self.group.prompt)
+
+
+@dataclass(slots=True, eq=False)
+class Group:
+    """A request in flight: its prompt is prefilled once (by ``seqs[0]``), then its n samples share it."""
+
+    order: int
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    adapter_slot: int  # -1: base model
+    max_tokens: int  # params.max_tokens clipped to the context window
+    seqs: list[Sequence] = field(default_factory=list)
+    prompt_routed: list[torch.Tensor] = field(default_factory=list)  # [chunk, L_moe, k] per prefill chunk
+    weight_version: int = 0
+
+    @property
+    def done(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
