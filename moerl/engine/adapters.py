@@ -66,7 +66,7 @@ class AdapterSlots:
                 )
             slot = free[0]
         with torch.no_grad():
-            for path, lora in self.modules.items():
+            for lora in self.modules.values():
                 for p in lora.parameters():
                     p[slot].zero_()
                 lora.scale[slot] = 0.0

@@ -167,29 +167,26 @@ class LLMEngine:
     def _step(self) -> int:
         kind, batch = self.scheduler.next_batch()
         bs = self.cache.block_size
-        b, c = len(batch), max(n for _, n in batch)
-        ids = torch.zeros(b, c, dtype=torch.long)
-        positions = torch.zeros(b, c, dtype=torch.long)
-        lengths = torch.tensor([n for _, n in batch])
+        c = max(n for _, n in batch)
         nb = max(ceil((s.num_cached + n) / bs) for s, n in batch)
-        tables = torch.zeros(b, nb, dtype=torch.long)
-        for r, (s, n) in enumerate(batch):
-            ids[r, :n] = torch.tensor(s.tokens[s.num_cached : s.num_cached + n])
-            positions[r] = torch.arange(s.num_cached, s.num_cached + c)
-            table = s.block_table[:nb]
-            tables[r, : len(table)] = torch.tensor(table)
         device = self.model.embed_tokens.weight.device
-        view = StepView(self.cache, tables.to(device), positions.to(device), lengths.to(device))
+        ids = torch.tensor([s.tokens[s.num_cached : s.num_cached + n] + [0] * (c - n) for s, n in batch])
+        starts = torch.tensor([s.num_cached for s, _ in batch])
+        positions = starts[:, None] + torch.arange(c)[None, :]
+        tables = torch.tensor([s.block_table[:nb] + [0] * (nb - len(s.block_table[:nb])) for s, _ in batch])
+        lengths = torch.tensor([n for _, n in batch])
+        ids, positions, tables, lengths = (t.to(device) for t in (ids, positions, tables, lengths))
+        view = StepView(self.cache, tables, positions, lengths)
         adapters = None
         if self.adapters is not None:
             adapters = torch.tensor([s.group.adapter_slot for s, _ in batch], device=device)
         out = self.model(
-            ids.to(device),
-            positions=positions.to(device),
+            ids,
+            positions=positions,
             capture=self.config.capture_routing,
             adapters=adapters,
             cache=view,
-            logits_index=(lengths - 1).to(device),
+            logits_index=lengths - 1,
         )
         routed = (
             out.routed.to(torch.uint8 if self.model.config.num_experts <= 256 else torch.int16).cpu()

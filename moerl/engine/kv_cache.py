@@ -49,19 +49,25 @@ class BlockAllocator:
 
 
 class KVCache:
-    """Preallocated key/value pools: per layer ``[num_blocks, block_size, heads, dim]``."""
+    """Preallocated key/value pools, head-major: per layer ``[heads, num_blocks * block_size, dim]``.
+
+    Token slot ``block * block_size + offset`` of a head is one row; head-major keeps the rows a sequence's
+    attention reads contiguous per head, so one ``index_select`` gathers them in the layout the matmul wants.
+    """
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device="cpu"):
         heads, dk, dv = kv_shape(cfg)
         self.block_size, self.num_blocks = block_size, num_blocks
-        self.k = [torch.zeros(num_blocks, block_size, heads, dk, dtype=dtype, device=device) for _ in cfg.layer_types]
-        self.v = [torch.zeros(num_blocks, block_size, heads, dv, dtype=dtype, device=device) for _ in cfg.layer_types]
+        n = num_blocks * block_size
+        self.k = [torch.zeros(heads, n, dk, dtype=dtype, device=device) for _ in cfg.layer_types]
+        self.v = [torch.zeros(heads, n, dv, dtype=dtype, device=device) for _ in cfg.layer_types]
         self.nbytes = sum(t.numel() * t.element_size() for t in self.k + self.v)
         self.sliding_window = cfg.sliding_window
 
     def copy_block(self, src: int, dst: int) -> None:
+        bs = self.block_size
         for pool in self.k + self.v:
-            pool[dst].copy_(pool[src])
+            pool[:, dst * bs : (dst + 1) * bs].copy_(pool[:, src * bs : (src + 1) * bs])
 
 
 class StepView:
@@ -80,8 +86,17 @@ class StepView:
         self.slots = torch.where(real, block * bs + positions % bs, -1).reshape(-1)
         self.write = self.slots >= 0
         self.write_rows = self.write.nonzero().squeeze(1)
-        self.write_slots = self.slots[self.write_rows]
+        write_slots = self.slots[self.write_rows]
+        heads, n = cache.k[0].shape[0], cache.k[0].shape[1]
+        self.write_at = (torch.arange(heads, device=write_slots.device)[:, None] * n + write_slots[None, :]).reshape(-1)
         s = block_tables.shape[1] * bs
+        # row of every visible key position in the flattened [H * slots, d] pool, head-major: [H * B * S]
+        dev = block_tables.device
+        key_slots = (block_tables[:, :, None] * bs + torch.arange(bs, device=dev)).reshape(-1)
+        heads, n = cache.k[0].shape[0], cache.k[0].shape[1]
+        head_base = torch.arange(heads, device=dev)[:, None] * n
+        self.read_rows = (head_base + key_slots[None, :]).reshape(-1)
+        self.b = b
         key_pos = torch.arange(s)[None, None, :]
         q_pos = positions[:, :, None]
         visible = key_pos <= q_pos
@@ -91,11 +106,15 @@ class StepView:
         self._sliding: torch.Tensor | None = None
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        kc, vc = self.cache.k[layer], self.cache.v[layer]
-        kflat, vflat = kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:])
-        kflat.index_copy_(0, self.write_slots, k.reshape(-1, *k.shape[2:])[self.write_rows])
-        vflat.index_copy_(0, self.write_slots, v.reshape(-1, *v.shape[2:])[self.write_rows])
-        return kc[self.block_tables].flatten(1, 2), vc[self.block_tables].flatten(1, 2)
+        out = []
+        for pool, new in ((self.cache.k[layer], k), (self.cache.v[layer], v)):
+            h, _, d = pool.shape
+            flat = pool.view(-1, d)  # dim-0 gathers and scatters are the fast ones
+            rows = new.reshape(-1, h, d)[self.write_rows].transpose(0, 1).reshape(-1, d)  # [H * n, d]
+            flat.index_copy_(0, self.write_at, rows)
+            gathered = flat.index_select(0, self.read_rows)  # [H * B * S, d]
+            out.append(gathered.view(h, self.b, -1, d).transpose(0, 1))  # [B, H, S, d], contiguous per head
+        return out[0], out[1]
 
     def mask(self, sliding: bool) -> torch.Tensor:
         if not sliding or not self.cache.sliding_window:

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moerl.model.grouped import Groups, group_mm
+
 LAYOUTS = ("per_expert", "shared_outer")
 
 
@@ -149,21 +151,19 @@ class ExpertLora(nn.Module):
         return torch.stack(gu), torch.stack(dn)
 
     # -- fused path: inside the grouped expert computation ------------------------------------------------
-    def groups(self, token: torch.Tensor, expert: torch.Tensor, offs: torch.Tensor):
+    def groups(self, token: torch.Tensor, expert: torch.Tensor, by_expert):
         """Group the expert-sorted rows by (slot, expert) for the LoRA GEMMs.
 
-        Returns (perm, offs, slot): ``perm`` None when every row uses one slot ``slot`` (the rows are already
+        Returns (perm, groups, slot): ``perm`` None when every row uses one slot ``slot`` (the rows are already
         grouped by expert); else the rows with an adapter ordered by (slot, expert), with ``slot`` None.
         """
         if self.ctx.single is not None:
-            return None, offs, self.ctx.single
+            return None, by_expert, self.ctx.single
         row_slot = self.ctx.token_slots[token]
         keep = (row_slot >= 0).nonzero().squeeze(1)
         key = row_slot[keep] * self.num_experts + expert[keep]
         order = key.argsort(stable=True)
-        n_groups = self.gate_up_B.shape[0] * self.num_experts
-        offs = torch.bincount(key, minlength=n_groups).cumsum(0).to(torch.int32)
-        return keep[order], offs, None
+        return keep[order], Groups(key[order], self.gate_up_B.shape[0] * self.num_experts), None
 
     def _stack(self, t: torch.Tensor, slot: int | None, per_expert: bool) -> torch.Tensor:
         """Weights for grouped_mm: [groups, in, out] over experts of one slot or over (slot, expert) pairs."""
@@ -180,7 +180,7 @@ class ExpertLora(nn.Module):
 
     def gate_up_delta(self, x, xs, token, groups) -> tuple[torch.Tensor, torch.Tensor | None]:
         """LoRA delta of gate_up for the expert-sorted rows: (delta, perm) to add at rows ``perm`` (or all)."""
-        perm, offs, slot = groups
+        perm, groups, slot = groups
         dt = self.gate_up_B.dtype
         if self.layout == "shared_outer":  # shrink once per token, then gather the rows
             tok = token if perm is None else token[perm]
@@ -193,9 +193,9 @@ class ExpertLora(nn.Module):
                 xa = xa_tok[tok]
         else:
             rows = xs if perm is None else xs[perm]
-            xa = torch._grouped_mm(rows.to(dt), self._stack(self.gate_up_A, slot, True), offs=offs)
+            xa = group_mm(rows.to(dt), self._stack(self.gate_up_A, slot, True), groups)
         xa = xa * self._row_scale(token, perm, slot)
-        return torch._grouped_mm(xa, self._stack(self.gate_up_B, slot, True), offs=offs), perm
+        return group_mm(xa, self._stack(self.gate_up_B, slot, True), groups), perm
 
     def down_delta(self, hs, token, n_tokens, groups):
         """LoRA delta of down for the (gate-weighted) expert-sorted activations ``hs``.
@@ -203,13 +203,13 @@ class ExpertLora(nn.Module):
         per_expert: (delta rows, perm) to add to the expert outputs before the routed sum.
         shared_outer: (delta [N, H] per token, None): the shrinks are summed per token, then expanded once.
         """
-        perm, offs, slot = groups
+        perm, groups, slot = groups
         dt = self.down_A.dtype
         rows = hs if perm is None else hs[perm]
-        ha = torch._grouped_mm(rows.to(dt), self._stack(self.down_A, slot, True), offs=offs)
+        ha = group_mm(rows.to(dt), self._stack(self.down_A, slot, True), groups)
         ha = ha * self._row_scale(token, perm, slot)
         if self.layout == "per_expert":
-            return torch._grouped_mm(ha, self._stack(self.down_B, slot, True), offs=offs), perm
+            return group_mm(ha, self._stack(self.down_B, slot, True), groups), perm
         tok = token if perm is None else token[perm]
         u = ha.new_zeros(n_tokens, ha.shape[1]).index_add_(0, tok, ha)  # routed sum in rank space
         if slot is not None:

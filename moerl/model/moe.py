@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moerl.model.config import ModelConfig
+from moerl.model.grouped import Groups, group_mm
 from moerl.model.lora import ExpertLora, Linear
 
 
@@ -123,20 +124,20 @@ class Experts(nn.Module):
         flat = idx.reshape(-1)
         order = flat.argsort(stable=True)  # (token, slot) pairs sorted by expert
         token, expert = order // k, flat[order]
-        offs = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)
+        by_expert = Groups(expert, self.num_experts)
         gate = weights.reshape(-1)[order, None].to(x.dtype)
         lora = self.lora if self.lora is not None and self.lora.ctx.active else None
         xs = x.index_select(0, token)
-        h = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs)
+        h = group_mm(xs, self.gate_up_proj.transpose(1, 2), by_expert)
         if lora is not None:
-            groups = lora.groups(token, expert, offs)
+            groups = lora.groups(token, expert, by_expert)
             delta, rows = lora.gate_up_delta(x, xs, token, groups)
             h = h + delta.to(h.dtype) if rows is None else h.index_add(0, rows, delta.to(h.dtype))
         if self.gate_up_proj_bias is not None:
             h = h + self.gate_up_proj_bias[expert]
         # the gate weight scales the small [*, I] activation, not the [*, H] output: down_proj is linear
         h = _activate(h, self.activation, self.alpha, self.limit) * gate
-        y = torch._grouped_mm(h, self.down_proj.transpose(1, 2), offs=offs)
+        y = group_mm(h, self.down_proj.transpose(1, 2), by_expert)
         token_delta = None
         if lora is not None:
             delta, rows = lora.down_delta(h, token, x.shape[0], groups)

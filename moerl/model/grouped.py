@@ -1,0 +1,37 @@
+"""Grouped GEMM over rows sorted by group (expert, or adapter slot x expert)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class Groups:
+    """Rows sorted by group (an expert, or a (slot, expert) pair) and how a grouped GEMM runs over them.
+
+    On CUDA: ``torch._grouped_mm`` with the group offsets. On the CPU ``torch._grouped_mm`` is one small GEMM
+    per group, and per-call overhead dominates when groups are small (decode); there a single bmm over a
+    capacity-padded ``[groups, max rows, K]`` buffer is faster. It is used while groups average <= 64 rows and
+    padding at most quadruples the work; large groups (prefill) keep the per-group GEMMs.
+    """
+
+    __slots__ = ("offs", "padded", "group", "pos", "cap")
+
+    def __init__(self, keys: torch.Tensor, n_groups: int):
+        counts = torch.bincount(keys, minlength=n_groups)
+        ends = counts.cumsum(0)
+        self.offs = ends.to(torch.int32)
+        self.cap = int(counts.max()) if not keys.is_cuda and keys.numel() else 0
+        rows = keys.numel()
+        self.padded = not keys.is_cuda and 0 < rows <= 64 * n_groups and n_groups * self.cap <= 4 * rows
+        if self.padded:
+            self.group = keys
+            self.pos = torch.arange(keys.numel(), device=keys.device) - (ends - counts)[keys]
+
+
+def group_mm(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """Row block g of ``x`` [M, K] (rows sorted by group) times ``w[g]`` [K, N] -> [M, N]."""
+    if not groups.padded:
+        return torch._grouped_mm(x, w, offs=groups.offs)
+    buf = x.new_zeros(w.shape[0], groups.cap, x.shape[1])
+    buf[groups.group, groups.pos] = x
+    return torch.bmm(buf, w)[groups.group, groups.pos]
