@@ -72,7 +72,7 @@ def iter_tensors(path: Path) -> Iterator[tuple[str, Path, callable]]:
             yield name, file, load
 
 
-def _destination(model: MoEModel, params: dict, rule: Rule, groups: dict) -> tuple[str, torch.Tensor] | None:
+def _destination(params: dict, rule: Rule, groups: dict) -> tuple[str, torch.Tensor] | None:
     target = rule.moerl.format(**groups)
     if target not in params:
         return None
@@ -86,6 +86,15 @@ def _destination(model: MoEModel, params: dict, rule: Rule, groups: dict) -> tup
         half = dest.shape[-2] // 2
         dest = dest[..., :half, :] if rule.part == "gate" else dest[..., half:, :]
     return target, dest
+
+
+def resolve(bridge: Bridge, params: dict, name: str) -> tuple[Rule, dict, str, torch.Tensor] | None:
+    """(rule, placeholder values, moerl parameter name, destination view) for HF tensor ``name``, or None."""
+    for rule in bridge.all_rules:
+        groups = match(rule._hf_re, name)
+        if groups is not None and (place := _destination(params, rule, groups)):
+            return rule, groups, *place
+    return None
 
 
 def load_model(
@@ -108,22 +117,17 @@ def load_model(
     params = dict(model.named_parameters()) | dict(model.named_buffers())
     filled = dict.fromkeys(params, 0)
     seen: set[str] = set()
-    rules = bridge.all_rules
     with torch.no_grad():
         for name, file, load in iter_tensors(path):
             if bridge.ignore(name, cfg) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
                 continue
-            place = None
-            for rule in rules:
-                groups = match(rule._hf_re, name)
-                if groups is not None and (place := _destination(model, params, rule, groups)):
-                    break
+            place = resolve(bridge, params, name)
             if place is None:
                 raise CheckpointError(
                     f"unexpected tensor {name!r} in {file.name}: no parameter of this "
                     f"{hf.get('architectures', ['?'])[0]} model (config.json) takes it"
                 )
-            target, dest = place
+            rule, _, target, dest = place
             tensor = load()
             if rule.load is not None:
                 tensor = rule.load(tensor)

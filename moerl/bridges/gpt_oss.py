@@ -92,5 +92,6 @@ BRIDGE = register(
                 save=lambda t: t.transpose(1, 2),
             ),
         ),
+        gate_up_rows=lambda b: _deinterleave(b.transpose(-1, -2)).transpose(-1, -2),
     )
 )

@@ -1,0 +1,230 @@
+"""The native engine: fidelity to a full forward, sampling, batching and memory, bad requests."""
+
+import pytest
+import torch
+from hf_models import ARCHS
+
+from moerl.engine import EngineConfig, LLMEngine, Request, RequestError, SamplingParams
+from moerl.errors import CheckpointError, ConfigError
+from moerl.presets import init_model
+
+
+def k3(d: torch.Tensor) -> float:
+    return (d.exp() - 1 - d).mean().item()
+
+
+def full_forward_check(model, out, temperature=1.0, adapters=None):
+    """k3 KL of engine vs full-forward logprobs and whether the routed experts match, for one completion."""
+    prompt, c = out.prompt_token_ids, out.outputs[0]
+    ids = torch.tensor([prompt + c.token_ids])
+    with torch.no_grad():
+        ref = model(ids, capture=True, adapters=adapters)
+    logits = ref.logits[0, len(prompt) - 1 : -1].float() / (temperature or 1.0)
+    lp = logits.log_softmax(-1).gather(1, torch.tensor(c.token_ids)[:, None]).squeeze(1)
+    routed_ok = torch.equal(ref.routed[0, :-1].to(c.routed_experts.dtype), c.routed_experts)
+    return k3(lp - c.logprobs), routed_ok
+
+
+def _prompts(n, lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, 100, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_engine_logprobs_and_routing_match_a_full_forward_fp32(arch, hf_checkpoints):
+    # chunked prefill (8 tokens a step), prompts across block edges, n=2 sharing a prompt, sliding windows of 6
+    engine = LLMEngine(
+        hf_checkpoints[arch][0],
+        EngineConfig(max_num_seqs=6, max_model_len=64, block_size=4, max_num_batched_tokens=8),
+        dtype=torch.float32,
+    )
+    requests = [
+        Request(p, SamplingParams(temperature=0.8, max_tokens=12, n=2, seed=i))
+        for i, p in enumerate(_prompts(4, [3, 9, 14, 5]))
+    ]
+    outs = engine.generate(requests)
+    for out in outs:
+        assert len(out.outputs) == 2
+        for c in out.outputs:
+            kl, routed_ok = full_forward_check(
+                engine.model, type(out)(out.request_id, out.prompt_token_ids, [c], 0), temperature=0.8
+            )
+            assert kl <= 1e-6, f"k3 {kl}"
+            assert routed_ok
+            assert c.routed_experts.shape == (
+                len(out.prompt_token_ids) + len(c.token_ids) - 1,
+                len(engine.model.moe_layer_ids),
+                engine.model.config.top_k,
+            )
+            assert c.routed_experts.dtype == torch.uint8
+    assert engine.scheduler.blocks.num_free == engine.cache.num_blocks  # every block came back
+
+
+def test_engine_bf16_logprobs_close(hf_checkpoints):
+    engine = LLMEngine(hf_checkpoints["Qwen3MoeForCausalLM"][0], EngineConfig(max_num_seqs=8, max_model_len=64))
+    outs = engine.generate(_prompts(8, [5, 11]), SamplingParams(max_tokens=16, seed=1))
+    kls = [full_forward_check(engine.model, o)[0] for o in outs]
+    assert max(kls) <= 1e-3  # measured ~1e-5: bf16 batched decode vs one full bf16 forward
+
+
+def test_greedy_matches_argmax_and_seeds_repeat(hf_checkpoints):
+    engine = LLMEngine(
+        hf_checkpoints["MixtralForCausalLM"][0], EngineConfig(max_num_seqs=4, max_model_len=64), dtype=torch.float32
+    )
+    prompt = _prompts(1, [7])[0]
+    greedy = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=10))[0].outputs[0]
+    ids = torch.tensor([prompt + greedy.token_ids])
+    with torch.no_grad():
+        argmax = engine.model(ids).logits[0, len(prompt) - 1 : -1].argmax(-1).tolist()
+    assert greedy.token_ids == argmax
+    assert engine.generate([prompt], SamplingParams(top_k=1, max_tokens=10, seed=3))[0].outputs[0].token_ids == argmax
+    a = engine.generate([prompt] * 3, SamplingParams(max_tokens=10, seed=7))
+    b = engine.generate([prompt] * 3, SamplingParams(max_tokens=10, seed=7))
+    c = engine.generate([prompt], SamplingParams(max_tokens=10, seed=8))
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert a[0].outputs[0].token_ids != c[0].outputs[0].token_ids
+
+
+def test_top_p_keeps_the_nucleus(hf_checkpoints):
+    engine = LLMEngine(
+        hf_checkpoints["Qwen3MoeForCausalLM"][0], EngineConfig(max_num_seqs=8, max_model_len=64), dtype=torch.float32
+    )
+    prompt = _prompts(1, [6])[0]
+    out = engine.generate([Request(prompt, SamplingParams(top_p=0.05, max_tokens=1, n=16, seed=0))])[0]
+    with torch.no_grad():
+        probs = engine.model(torch.tensor([prompt])).logits[0, -1].softmax(-1)
+    ordered, order = probs.sort(descending=True)
+    keep = int(((ordered.cumsum(0) - ordered) < 0.05).sum())  # the smallest prefix reaching 5% of the mass
+    nucleus = set(order[:keep].tolist())
+    assert keep < 20
+    assert {c.token_ids[0] for c in out.outputs} <= nucleus
+
+
+def test_stops_min_tokens_and_lengths(tmp_path):
+    init_model("qwen3_moe", "tiny", tmp_path, seed=0)
+    engine = LLMEngine(tmp_path, EngineConfig(max_num_seqs=8, max_model_len=64))
+    eos = engine.tokenizer.eos_token_id
+    prompt = "12+7="
+    free = engine.generate([prompt], SamplingParams(max_tokens=20, seed=0, ignore_eos=True))[0].outputs[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 20
+    stop_tok = free.token_ids[4]
+    cut = engine.generate([prompt], SamplingParams(max_tokens=20, seed=0, ignore_eos=True, stop_token_ids=[stop_tok]))[
+        0
+    ].outputs[0]
+    assert cut.finish_reason == "stop" and cut.token_ids == free.token_ids[: free.token_ids.index(stop_tok) + 1]
+    text = free.text
+    stop_str = text[6:8]
+    s = engine.generate([prompt], SamplingParams(max_tokens=20, seed=0, ignore_eos=True, stop=[stop_str]))[0]
+    assert s.outputs[0].finish_reason == "stop" and s.outputs[0].text == text[: text.index(stop_str)]
+    # min_tokens: eos can never be sampled before it
+    outs = engine.generate(
+        [prompt] * 4,
+        SamplingParams(max_tokens=12, min_tokens=12, temperature=3.0, seed=2, stop_token_ids=[free.token_ids[0]]),
+    )
+    for o in outs:
+        toks = o.outputs[0].token_ids
+        assert len(toks) == 12 and eos not in toks[:-1] and free.token_ids[0] not in toks[:-1]
+
+
+def test_continuous_batching_with_a_small_cache(hf_checkpoints):
+    cfg = EngineConfig(max_num_seqs=3, max_model_len=32, block_size=4)
+    engine = LLMEngine(hf_checkpoints["OlmoeForCausalLM"][0], cfg, dtype=torch.float32)
+    assert engine.kv_cache_bytes == engine.cache.nbytes > 0
+    outs = engine.generate(_prompts(10, [4, 13, 7]), SamplingParams(max_tokens=9, seed=0, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 9 for o in outs)
+    for o in outs[:3]:
+        assert full_forward_check(engine.model, o)[0] <= 1e-6
+    # a budget for one full-length sequence at a time still serves every request
+    per_block = engine.cache.nbytes // engine.cache.num_blocks
+    tight = LLMEngine(
+        engine.model, EngineConfig(max_num_seqs=8, max_model_len=32, block_size=4, kv_cache_bytes=per_block * 8)
+    )
+    assert tight.cache.num_blocks == 8
+    again = tight.generate(_prompts(10, [4, 13, 7]), SamplingParams(max_tokens=9, seed=0, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 9 for o in again)
+
+
+def test_n_samples_prefill_once_and_share_the_prompt(hf_checkpoints):
+    engine = LLMEngine(
+        hf_checkpoints["Qwen3MoeForCausalLM"][0],
+        EngineConfig(max_num_seqs=8, max_model_len=64, block_size=4),
+        dtype=torch.float32,
+    )
+    calls = []
+    forward = engine.model.forward
+    engine.model.forward = lambda *a, **k: calls.append(a[0].shape) or forward(*a, **k)
+    prompt = _prompts(1, [10])[0]
+    out = engine.generate([Request(prompt, SamplingParams(max_tokens=4, n=4, seed=0))])[0]
+    engine.model.forward = forward
+    assert calls[0] == (1, 10)  # one prefill row for the four samples
+    assert all(shape[0] == 4 and shape[1] == 1 for shape in calls[1:])
+    group_blocks = engine.scheduler.blocks_needed(engine._group(0, Request(prompt, SamplingParams(max_tokens=4, n=4))))
+    assert group_blocks < 4 * engine.scheduler.blocks_needed(
+        engine._group(0, Request(prompt, SamplingParams(max_tokens=4)))
+    )
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    rows = [c.routed_experts[: len(prompt)] for c in out.outputs]
+    assert all(torch.equal(r, rows[0]) for r in rows)
+
+
+def test_update_weights_keeps_router_fp32_bit_for_bit_and_tags_version(hf_checkpoints):
+    engine = LLMEngine(hf_checkpoints["Qwen3MoeForCausalLM"][0], EngineConfig(max_num_seqs=2, max_model_len=32))
+    name = "layers.0.mlp.router.weight"
+    new = torch.randn_like(engine.model.get_parameter(name), dtype=torch.float32)
+    engine.update_weights({name: new, "norm.weight": torch.ones(64)}, version=7)
+    assert engine.model.get_parameter(name).dtype == torch.float32
+    assert torch.equal(engine.model.get_parameter(name), new)
+    assert engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].weight_version == 7
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'layers\.0\.mlp\.nope'"):
+        engine.update_weights({"layers.0.mlp.nope": new}, version=8)
+    with pytest.raises(CheckpointError, match=r"'norm\.weight' has shape \(3,\), the model expects \(64,\)"):
+        engine.update_weights({"norm.weight": torch.ones(3)}, version=8)
+    assert engine.weight_version == 7
+
+
+def test_prompt_longer_than_context_fails_alone(hf_checkpoints):
+    engine = LLMEngine(hf_checkpoints["Qwen3MoeForCausalLM"][0], EngineConfig(max_num_seqs=4, max_model_len=16))
+    outs = engine.generate([[5] * 8, [6] * 16, [7] * 30, [8] * 4], SamplingParams(max_tokens=4))
+    assert [o.error is None for o in outs] == [True, False, False, True]
+    assert "prompt of 16 tokens does not fit the context window (EngineConfig.max_model_len=16)" in outs[1].error
+    assert outs[1].outputs == [] and len(outs[0].outputs[0].token_ids) == 4 and len(outs[3].outputs[0].token_ids) == 4
+    clipped = engine.generate([[5] * 14], SamplingParams(max_tokens=10))[0].outputs[0]
+    assert len(clipped.token_ids) == 2 and clipped.finish_reason == "length"  # ran into the context window
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "rule"),
+    [
+        ("temperature", -0.5, "must be >= 0"),
+        ("top_p", 0.0, r"must lie in \(0, 1\]"),
+        ("top_p", 1.5, r"must lie in \(0, 1\]"),
+        ("max_tokens", 0, "must be >= 1"),
+        ("n", 0, "must be >= 1"),
+        ("top_k", -1, "must be >= 0"),
+        ("min_tokens", 50, r"must lie in \[0, max_tokens=16\]"),
+    ],
+)
+def test_invalid_sampling_params_name_the_field(field, value, rule):
+    with pytest.raises(ConfigError, match=rf"SamplingParams\.{field}={value!r}: {rule}"):
+        SamplingParams(**{field: value})
+
+
+def test_bad_requests_raise_before_anything_runs(hf_checkpoints):
+    engine = LLMEngine(hf_checkpoints["Qwen3MoeForCausalLM"][0], EngineConfig(max_num_seqs=2, max_model_len=32))
+    with pytest.raises(RequestError, match="request 1: empty prompt"):
+        engine.generate([[5, 6], []])
+    with pytest.raises(RequestError, match=r"request 0: prompt token 500 outside the vocabulary \[0, 128\)"):
+        engine.generate([[5, 500]])
+    with pytest.raises(RequestError, match="adapter 'x' asked for, but EngineConfig.max_loras=0"):
+        engine.generate([Request([5, 6], adapter="x")])
+    assert engine.scheduler.blocks.num_free == engine.cache.num_blocks
+
+
+def test_engine_config_errors(hf_checkpoints):
+    path = hf_checkpoints["Qwen3MoeForCausalLM"][0]
+    with pytest.raises(ConfigError, match=r"EngineConfig\.kv_cache_bytes=1000: one sequence of max_model_len=64"):
+        LLMEngine(path, EngineConfig(max_model_len=64, kv_cache_bytes=1000))
+    with pytest.raises(ConfigError, match=r"EngineConfig\.max_num_seqs=0: must be >= 1"):
+        EngineConfig(max_num_seqs=0)
+    with pytest.raises(ConfigError, match=r"max_model_len=100000: exceeds the model's max_position_embeddings"):
+        LLMEngine(path, EngineConfig(max_model_len=100000))
