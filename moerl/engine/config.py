@@ -69,7 +69,7 @@ class EngineConfig:
     lora_targets: list[str] | None = None  # None: every linear layer and the experts
     fused_lora: bool = True  # False: the naive per-expert, per-adapter reference path
     seed: int = 0
-    progress: bool = False
+    progress: bool | None = None  # tokens/s bar; None: on for long generations when stderr is a terminal
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "block_size", "max_num_batched_tokens", "max_lora_rank"):

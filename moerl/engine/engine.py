@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from math import ceil
 from pathlib import Path
 
@@ -159,7 +160,10 @@ class LLMEngine:
         for g in groups:
             self.scheduler.add(g)
         total = sum(g.params.n * g.max_tokens for g in groups)
-        with tqdm(total=total, unit="tok", disable=not self.config.progress, desc="generate") as bar:
+        show = self.config.progress
+        if show is None:
+            show = total >= 4096 and sys.stderr.isatty()
+        with tqdm(total=total, unit="tok", disable=not show, desc="generate") as bar:
             while self.scheduler.has_work():
                 bar.update(self._step())
         return [item if isinstance(item, RequestOutput) else self._output(item) for item in items]

@@ -88,17 +88,21 @@ class LinearLora(nn.Module):
         self.scale = nn.Buffer(torch.zeros(slots))
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = (*x.shape[:-1], self.lora_B.shape[1])
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y`` (the base layer's output for ``x``) plus this layer's LoRA delta."""
         x2 = self.dropout(x.reshape(-1, x.shape[-1]).to(self.lora_A.dtype))
+        y2 = y.reshape(-1, y.shape[-1])
         rows = self.ctx.slot_rows(x2.shape[0])
         if len(rows) == 1 and rows[0][1] is None:
             s = rows[0][0]
-            return ((x2 @ self.lora_A[s].T) @ self.lora_B[s].T * self.scale[s]).to(x.dtype).view(shape)
-        out = x2.new_zeros(x2.shape[0], self.lora_B.shape[1])
+            xa = F.linear(x2, self.lora_A[s]) * self.scale[s]
+            if xa.dtype == y.dtype:  # expand and add in one GEMM
+                return torch.addmm(y2, xa, self.lora_B[s].T).view_as(y)
+            return y + F.linear(xa, self.lora_B[s]).to(y.dtype).view_as(y)
+        delta = x2.new_zeros(x2.shape[0], self.lora_B.shape[1])
         for s, idx in rows:
-            out = out.index_add(0, idx, (x2[idx] @ self.lora_A[s].T) @ self.lora_B[s].T * self.scale[s])
-        return out.to(x.dtype).view(shape)
+            delta = delta.index_add(0, idx, F.linear(F.linear(x2[idx], self.lora_A[s]) * self.scale[s], self.lora_B[s]))
+        return y + delta.to(y.dtype).view_as(y)
 
     def delta_weight(self, slot: int) -> torch.Tensor:
         """scale * B @ A for merging: [out, in]."""
@@ -115,7 +119,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
         if self.lora is not None and self.lora.ctx.active:
-            y = y + self.lora(x)
+            y = self.lora(x, y)
         return y
 
 

@@ -1,0 +1,5 @@
+"""What the RL loop talks to for rollouts: the InferenceEngine protocol and its implementations."""
+
+from moerl.rollout.engine import InferenceEngine, make_engine
+
+__all__ = ["InferenceEngine", "make_engine"]

@@ -1,0 +1,31 @@
+"""The InferenceEngine protocol: generate, push weights, load adapters. The native engine implements it as is."""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from moerl.engine import EngineConfig, LLMEngine, Request, RequestOutput
+from moerl.errors import ConfigError
+
+
+@runtime_checkable
+class InferenceEngine(Protocol):
+    """A rollout backend. Outputs carry sampled-token logprobs, routed experts and the weight version."""
+
+    weight_version: int
+
+    def generate(self, requests: list[Request]) -> list[RequestOutput]: ...
+
+    def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None: ...
+
+    def add_adapter(self, name: str, source: str | os.PathLike | dict[str, torch.Tensor]) -> None: ...
+
+
+def make_engine(kind: str, model, config: EngineConfig | None = None, **kwargs) -> InferenceEngine:
+    """An engine by name: ``native`` (moerl's own, in process)."""
+    if kind == "native":
+        return LLMEngine(model, config, **kwargs)
+    raise ConfigError(f"rollout engine {kind!r}: allowed: native")
