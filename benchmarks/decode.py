@@ -2,8 +2,8 @@
 variants) vs transformers ``generate`` vs vLLM (CPU build, in its own venv; the column is skipped without it).
 
 64 concurrent sequences x 64 new tokens (16-token prompts), bf16, Qwen3-MoE presets. The in-process contenders
-run interleaved round by round (median of rounds after a warm-up); vLLM runs in a subprocess right after each
-moerl round. Peak memory: each contender once more in a child process of its own, ru_maxrss.
+run interleaved round by round, in a rotating order (median of rounds after a warm-up); vLLM runs in a
+subprocess before each round. Peak memory: each contender once more in a child process of its own (VmHWM).
 
     python benchmarks/decode.py [--presets tiny small] [--rounds 3] [--vllm-python /work/vllm-venv/bin/python]
 """
@@ -143,10 +143,18 @@ def child_peak_mb(name: str, ckpt: str, num_seqs: int, new_tokens: int) -> float
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_mb"]
 
 
+def peak_rss_mb() -> float:
+    # VmHWM: this process image's high-water mark (ru_maxrss would still count the parent's pages after exec)
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def child(args) -> None:
     run, _ = build(args.child, args.ckpt, args.num_seqs, 16 + args.new_tokens + 16)
     run(args.new_tokens, 0)
-    print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    print(json.dumps({"peak_rss_mb": peak_rss_mb()}))
 
 
 def bench(preset: str, args, vllm_python: str | None) -> None:
@@ -160,13 +168,14 @@ def bench(preset: str, args, vllm_python: str | None) -> None:
         for n in names:  # warm-up
             runs[n][0](args.new_tokens, 0)
         for r in range(args.rounds):
-            for n in names:
+            if vllm_python:
+                vllm.append(vllm_round(vllm_python, ckpt, args.num_seqs, args.new_tokens, 1))
+                time.sleep(2)  # let the machine settle after the subprocess exits
+            for n in names[r % len(names) :] + names[: r % len(names)]:  # rotate who runs first
                 start = time.perf_counter()
                 produced = runs[n][0](args.new_tokens, r + 1)
                 times[n].append(time.perf_counter() - start)
                 assert produced == args.num_seqs * args.new_tokens, (n, produced)
-            if vllm_python:
-                vllm.append(vllm_round(vllm_python, ckpt, args.num_seqs, args.new_tokens, 1))
         peaks = {n: child_peak_mb(n, ckpt, args.num_seqs, args.new_tokens) for n in names}
     tokens = args.num_seqs * args.new_tokens
     tps = {n: tokens / statistics.median(t) for n, t in times.items()}

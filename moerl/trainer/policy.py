@@ -1,0 +1,224 @@
+"""Policy: the trained model in one of three modes (lora | full | mxfp8), its optimizer and its LR schedule."""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from moerl.bridges import load_model
+from moerl.errors import ConfigError, MoerlError
+from moerl.model.lora import LoraConfig, attach_lora
+from moerl.trainer.batch import Batch
+from moerl.trainer.optim import MasterWeights, lr_lambda
+
+MODES = ("lora", "full", "mxfp8")
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+LossFn = Callable[[torch.Tensor, Batch, torch.Tensor | None], tuple[torch.Tensor, dict[str, float]]]
+
+
+class TrainingStopped(MoerlError, RuntimeError):
+    """Training cannot go on (e.g. too many consecutive non-finite steps); a checkpoint was written first."""
+
+
+@dataclass(slots=True)
+class OptimConfig:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm; 0 = off
+    schedule: str = "constant"  # constant | cosine (after warmup_steps of linear warm-up)
+    warmup_steps: int = 0
+    total_steps: int = 1000
+    min_lr_ratio: float = 0.0
+
+
+@dataclass(slots=True)
+class PolicyConfig:
+    mode: str = "lora"
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    micro_batch_size: int = 8
+    dtype: str = "bfloat16"  # compute dtype of the model (lora: the frozen base; full: the bf16 copy)
+    reference: bool = False  # full / mxfp8: keep a frozen copy for reference logprobs (lora: adapters off)
+    max_nan_steps: int = 3  # consecutive non-finite steps that stop training
+    mx_scale_mode: str = "rceil"  # mxfp8: floor | rceil
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"PolicyConfig.mode={self.mode!r}: allowed: {', '.join(MODES)}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"PolicyConfig.dtype={self.dtype!r}: allowed: {', '.join(DTYPES)}")
+        if self.micro_batch_size < 1:
+            raise ConfigError(f"PolicyConfig.micro_batch_size={self.micro_batch_size}: must be >= 1")
+
+
+class Policy:
+    """The model being trained. ``forward_logprobs`` gives fp32 per-token logprobs (R3 replay optional);
+    ``train_step`` runs micro-batches, accumulates gradients, clips, steps AdamW and the LR schedule.
+
+    lora: the base is frozen in the compute dtype, adapters are fp32; reference = the same model, adapters off.
+    full: the model computes in the compute dtype; fp32 master weights and optimizer state; optional frozen
+    reference copy. The router is fp32 in every mode.
+    """
+
+    def __init__(self, checkpoint: str | os.PathLike, cfg: PolicyConfig | None = None):
+        self.cfg = cfg = cfg or PolicyConfig()
+        self.checkpoint = Path(checkpoint)
+        self.model = load_model(checkpoint, dtype=DTYPES[cfg.dtype]).eval()
+        self.ref_model = None
+        self.master: MasterWeights | None = None
+        if cfg.mode == "lora":
+            for p in self.model.parameters():
+                p.requires_grad_(False)
+            attach_lora(self.model, cfg.lora, dtype=torch.float32)
+            self.trainable = {n: p for n, p in self.model.named_parameters() if ".lora." in n}
+            for p in self.trainable.values():
+                p.requires_grad_(True)
+            params = list(self.trainable.values())
+        else:
+            if cfg.mode == "mxfp8":
+                from moerl.model.mx import apply_mxfp8
+
+                apply_mxfp8(self.model, cfg.mx_scale_mode)
+            if cfg.reference:
+                self.ref_model = copy.deepcopy(self.model).requires_grad_(False)
+            self.trainable = dict(self.model.named_parameters())
+            self.master = MasterWeights(self.trainable)
+            params = self.master.parameters()
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(
+            params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(o.schedule, o.warmup_steps, o.total_steps, o.min_lr_ratio)
+        )
+        self.step = 0
+        self.nan_skipped = 0
+        self.nan_streak = 0
+        self.stop_checkpoint_dir: Path | None = None  # where to save before TrainingStopped
+
+    @property
+    def adapters(self) -> int | None:
+        return 0 if self.cfg.mode == "lora" else None
+
+    def _logprobs(self, model, mb: Batch, replay: bool, adapters, temperature: float, entropy: bool):
+        out = model(
+            mb.input_ids, attention_mask=mb.attention_mask, replay=mb.replay if replay else None, adapters=adapters
+        )
+        logits = out.logits[:, :-1].float() / temperature
+        logp_all = logits.log_softmax(-1)
+        lp = F.pad(logp_all.gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1), (1, 0))
+        lp = lp * mb.attention_mask
+        ent = None
+        if entropy:
+            ent = F.pad(-(logp_all.exp() * logp_all).sum(-1), (1, 0)) * mb.attention_mask
+        return lp, ent
+
+    @torch.no_grad()
+    def forward_logprobs(
+        self,
+        batch: Batch,
+        replay: bool = True,
+        reference: bool = False,
+        temperature: float = 1.0,
+        entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """fp32 logprobs [B, T] of every token given the ones before it (0 at position 0 and on padding).
+
+        ``replay``: use ``batch.replay`` (R3). ``reference``: the reference model (LoRA: adapters off; full: the
+        frozen copy), never with replay.
+        """
+        model, adapters = self.model, self.adapters
+        if reference:
+            replay, adapters = False, None
+            if self.cfg.mode != "lora":
+                if self.ref_model is None:
+                    raise ConfigError(f"reference logprobs in mode {self.cfg.mode!r} need PolicyConfig.reference=True")
+                model = self.ref_model
+        parts = [
+            self._logprobs(model, mb, replay, adapters, temperature, entropy)
+            for mb in batch.split(self.cfg.micro_batch_size)
+        ]
+        lp = torch.cat([p[0] for p in parts])
+        return lp, (torch.cat([p[1] for p in parts]) if entropy else None)
+
+    def train_step(
+        self, batch: Batch, loss_fn: LossFn, replay: bool = True, temperature: float = 1.0, entropy: bool = False
+    ) -> dict[str, float]:
+        """One optimizer step over ``batch`` (micro-batched). ``loss_fn(logprobs, micro_batch, entropy)`` returns
+        (loss, metrics), normalised by the whole batch (``micro_batch.total_tokens`` / ``total_seqs``) so the
+        accumulated gradient is the full batch's. A non-finite loss or gradient skips the step."""
+        params = self.optimizer.param_groups[0]["params"]
+        for p in [*params, *self.trainable.values()]:
+            p.grad = None
+        self.model.train()
+        total, metrics = 0.0, {}
+        try:
+            for mb in batch.split(self.cfg.micro_batch_size):
+                lp, ent = self._logprobs(self.model, mb, replay, self.adapters, temperature, entropy)
+                loss, m = loss_fn(lp, mb, ent)
+                loss.backward()
+                total += float(loss.detach())
+                for k, v in m.items():
+                    metrics[k] = metrics.get(k, 0.0) + float(v) * len(mb) / len(batch)
+        finally:
+            self.model.eval()
+        if self.master is not None:
+            self.master.grads_to_master()
+        clip = self.cfg.optim.grad_clip or math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+        lr = self.optimizer.param_groups[0]["lr"]
+        if not (math.isfinite(total) and math.isfinite(grad_norm)):
+            self.nan_skipped += 1
+            self.nan_streak += 1
+            for p in params:
+                p.grad = None
+            if self.nan_streak >= self.cfg.max_nan_steps:
+                where = ""
+                if self.stop_checkpoint_dir is not None:
+                    from moerl.trainer.checkpoint import save_checkpoint
+
+                    save_checkpoint(self.stop_checkpoint_dir, self)
+                    where = f"; checkpoint of the last good state saved to {self.stop_checkpoint_dir}"
+                raise TrainingStopped(
+                    f"{self.nan_streak} consecutive steps had a non-finite loss or gradient (loss {total}, "
+                    f"grad norm {grad_norm}) at step {self.step}{where}"
+                )
+            return {
+                "loss": total,
+                "grad_norm": grad_norm,
+                "lr": lr,
+                "skipped": 1.0,
+                "nan_skipped": float(self.nan_skipped),
+                **metrics,
+            }
+        self.optimizer.step()
+        self.scheduler.step()
+        if self.master is not None:
+            self.master.master_to_model()
+        self.nan_streak = 0
+        self.step += 1
+        return {
+            "loss": total,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "skipped": 0.0,
+            "nan_skipped": float(self.nan_skipped),
+            **metrics,
+        }
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint stores as weights: the adapters (lora) or the fp32 masters (full / mxfp8)."""
+        if self.master is not None:
+            return {n: p.detach() for n, p in self.master.master.items()}
+        return {n: p.detach() for n, p in self.trainable.items()}
