@@ -89,8 +89,10 @@ class Bridge:
     preset_config: Callable[[Preset], dict]
     rules: tuple[Rule, ...] = ()
     ignore: Callable[[str, ModelConfig], bool] = field(default=lambda name, cfg: False)
-    # HF order of gate_up's output rows -> moerl's (gate rows, then up rows), for LoRA B factors [..., 2I, r]
+    # HF order of gate_up's output rows -> moerl's (gate rows, then up rows), for LoRA B factors [..., 2I, r];
+    # and back, for export
     gate_up_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
+    gate_up_rows_save: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def all_rules(self) -> tuple[Rule, ...]:

@@ -93,5 +93,6 @@ BRIDGE = register(
             ),
         ),
         gate_up_rows=lambda b: _deinterleave(b.transpose(-1, -2)).transpose(-1, -2),
+        gate_up_rows_save=lambda b: _interleave(b.transpose(-1, -2)).transpose(-1, -2),
     )
 )

@@ -1,4 +1,4 @@
-"""PEFT adapter directories -> moerl adapter tensors (the format ``LLMEngine.add_adapter`` and LoRA slots take).
+"""PEFT adapter directories <-> moerl adapter tensors (the format ``LLMEngine.add_adapter`` and LoRA slots take).
 
 Reads ``adapter_config.json`` + ``adapter_model.safetensors`` for the model's HF architecture:
 - linear layers (``target_modules``): ``{module}.lora_A.weight`` [r, in], ``.lora_B.weight`` [out, r];
@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from moerl.bridges.checkpoint import resolve
 from moerl.bridges.registry import get_bridge
@@ -130,4 +130,82 @@ def read_peft_adapter(path: str | os.PathLike, model) -> dict[str, torch.Tensor]
             e, h, i = mcfg.num_experts, mcfg.hidden_size, mcfg.moe_intermediate_size
             d_in, d_out = (i, h) if other == "down" else (h, 2 * i)
             out[f"{module}.{other}_A"], out[f"{module}.{other}_B"] = torch.zeros(e, 1, d_in), torch.zeros(e, d_out, 1)
+    return out
+
+
+def write_peft_adapter(model, out_dir: str | os.PathLike, slot: int = 0) -> Path:
+    """Write adapter ``slot`` of ``model`` as a PEFT directory that ``peft.PeftModel.from_pretrained`` loads onto
+    the transformers model (and vLLM reads): linear layers by ``target_modules``, the 3D experts by
+    ``target_parameters`` (gate_up the inner ParamWrapper, down the outer).
+
+    Scales are folded into B (``lora_alpha`` = r). ``shared_outer`` experts are written per expert: the shared
+    gate_up A and down B are repeated for every expert, which gives the same function; PEFT and vLLM know no
+    shared layout. Dense-MLP and shared-expert adapters are refused: on transformers v5 MoE models PEFT maps
+    every ``gate_proj`` / ``up_proj`` / ``down_proj`` target to the fused experts, so it cannot load them.
+    """
+    from moerl.bridges.checkpoint import _to_hf
+    from moerl.model.lora import LinearLora, lora_modules
+
+    bridge = get_bridge(model.hf_config)
+    tensors, target_modules, linear_ranks, expert_ranks = {}, set(), set(), set()
+    for path, lora in lora_modules(model).items():
+        s = lora.scale[slot].detach().float()
+        if isinstance(lora, LinearLora):
+            if path.rsplit(".", 1)[-1] in ("gate_proj", "up_proj", "down_proj"):
+                raise CheckpointError(
+                    f"adapter on {path!r} cannot be written for PEFT: on transformers v5 MoE models PEFT maps "
+                    f"gate_proj / up_proj / down_proj targets to the fused experts; export merged weights instead "
+                    f"(export_model(..., state_dict=merged_state_dict(model))) or leave dense MLPs out of lora.targets"
+                )
+            weight = model.get_parameter(f"{path}.weight")
+            hf_name = next(iter(_to_hf(bridge, model, f"{path}.weight", weight)))[0].removesuffix(".weight")
+            a, b = lora.lora_A[slot].detach().float(), lora.lora_B[slot].detach().float() * s
+            tensors[f"{PREFIX}{hf_name}.lora_A.weight"], tensors[f"{PREFIX}{hf_name}.lora_B.weight"] = a, b
+            target_modules.add(hf_name.rsplit(".", 1)[-1])
+            linear_ranks.add(a.shape[0])
+            continue
+        e = lora.num_experts
+        gu_a, gu_b, dn_a, dn_b = (
+            getattr(lora, k)[slot].detach().float() for k in ("gate_up_A", "gate_up_B", "down_A", "down_B")
+        )
+        if gu_a.ndim == 2:  # shared_outer: the shared factors, once per expert
+            gu_a, dn_b = gu_a.expand(e, *gu_a.shape), dn_b.expand(e, *dn_b.shape)
+        gu_b, dn_b = gu_b * s, dn_b * s
+        if bridge.gate_up_rows_save is not None:
+            gu_b = bridge.gate_up_rows_save(gu_b)
+        rank = gu_a.shape[1]
+        hf_experts = f"model.{path}"  # transformers v5 keeps the experts module at model.layers.{i}.mlp.experts
+        for name, a, b in ((f"{hf_experts}.base_layer", gu_a, gu_b), (hf_experts, dn_a, dn_b)):
+            tensors[f"{PREFIX}{name}.lora_A.weight"] = a.reshape(e * rank, a.shape[-1]).contiguous()  # expert-major
+            tensors[f"{PREFIX}{name}.lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], rank * e).contiguous()
+        expert_ranks.add(rank)
+    if len(linear_ranks) > 1 or len(expert_ranks) > 1:
+        raise CheckpointError(f"adapter ranks differ between modules ({linear_ranks | expert_ranks}); cannot write")
+    r = next(iter(linear_ranks or expert_ranks))
+    config = {
+        "peft_type": "LORA",
+        "base_model_name_or_path": None,
+        "r": r,
+        "lora_alpha": r,  # the scales are folded into B
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": sorted(target_modules),
+        "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if expert_ranks else None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "use_rslora": False,
+        "use_dora": False,
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "task_type": "CAUSAL_LM",
+    }
+    if expert_ranks and linear_ranks and expert_ranks != linear_ranks:
+        re_ = next(iter(expert_ranks))
+        config["rank_pattern"] = {r".*\.gate_up_proj": re_, r".*\.down_proj": re_}
+        config["alpha_pattern"] = dict(config["rank_pattern"])
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return out
