@@ -110,14 +110,21 @@ class LinearLora(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear that adds its LoRA delta when adapters are attached and active."""
+    """nn.Linear that adds its LoRA delta when adapters are attached and active, and runs MXFP8 GEMMs when
+    ``mx`` is set (moerl.model.mx.apply_mxfp8)."""
 
     def __init__(self, d_in: int, d_out: int, bias: bool = True):
         super().__init__(d_in, d_out, bias=bias)
         self.lora: LinearLora | None = None
+        self.mx: str | None = None  # MXFP8 scale mode when the layer's GEMMs are MX-quantized
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        if self.mx is not None:
+            from moerl.model.mx import mx_linear
+
+            y = mx_linear(x, self.weight, self.bias, self.mx)
+        else:
+            y = F.linear(x, self.weight, self.bias)
         if self.lora is not None and self.lora.ctx.active:
             y = self.lora(x, y)
         return y

@@ -112,6 +112,21 @@ class Experts(nn.Module):
         self.down_proj_bias = nn.Parameter(torch.zeros(e, h)) if cfg.expert_bias else None
         self.grouped = True  # False: the per-expert loop, kept as the reference
         self.lora: ExpertLora | None = None
+        self.mx: str | None = None  # MXFP8 scale mode when the expert GEMMs are MX-quantized
+
+    def _gmm(self, x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
+        if self.mx is None:
+            return group_mm(x, w, groups)
+        from moerl.model.mx import mx_group_mm
+
+        return mx_group_mm(x, w, groups, self.mx)
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.mx is None:
+            return F.linear(x, w, bias)
+        from moerl.model.mx import mx_linear
+
+        return mx_linear(x, w, bias, self.mx)
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, H], idx/weights [N, k] -> sum_k weights * expert_idx(x), [N, H] in x's dtype."""
@@ -128,7 +143,7 @@ class Experts(nn.Module):
         gate = weights.reshape(-1)[order, None].to(x.dtype)
         lora = self.lora if self.lora is not None and self.lora.ctx.active else None
         xs = x.index_select(0, token)
-        h = group_mm(xs, self.gate_up_proj.transpose(1, 2), by_expert)
+        h = self._gmm(xs, self.gate_up_proj.transpose(1, 2), by_expert)
         if lora is not None:
             groups = lora.groups(token, expert, by_expert)
             delta, rows = lora.gate_up_delta(x, xs, token, groups)
@@ -137,7 +152,7 @@ class Experts(nn.Module):
             h = h + self.gate_up_proj_bias[expert]
         # the gate weight scales the small [*, I] activation, not the [*, H] output: down_proj is linear
         h = _activate(h, self.activation, self.alpha, self.limit) * gate
-        y = group_mm(h, self.down_proj.transpose(1, 2), by_expert)
+        y = self._gmm(h, self.down_proj.transpose(1, 2), by_expert)
         token_delta = None
         if lora is not None:
             delta, rows = lora.down_delta(h, token, x.shape[0], groups)
@@ -160,7 +175,7 @@ class Experts(nn.Module):
                 continue
             xe = x[token]
             bias = self.gate_up_proj_bias[e] if self.gate_up_proj_bias is not None else None
-            gu = F.linear(xe, self.gate_up_proj[e], bias)
+            gu = self._linear(xe, self.gate_up_proj[e], bias)
             adapters = self._loop_adapters(lora, slot_of, token)
             for s, rows in adapters:  # naive LoRA: per expert, per adapter
                 gu_a, gu_b, _, _ = lora.factors(s, e)
@@ -168,7 +183,7 @@ class Experts(nn.Module):
                 gu = gu.index_add(0, rows, d.to(gu.dtype))
             h = _activate(gu, self.activation, self.alpha, self.limit)
             bias = self.down_proj_bias[e] if self.down_proj_bias is not None else None
-            y = F.linear(h, self.down_proj[e], bias)
+            y = self._linear(h, self.down_proj[e], bias)
             for s, rows in adapters:
                 _, _, dn_a, dn_b = lora.factors(s, e)
                 d = (h[rows].to(dn_a.dtype) @ dn_a.T) @ dn_b.T * lora.scale[s]

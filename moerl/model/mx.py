@@ -1,0 +1,127 @@
+"""MXFP8 emulation: block-32 microscaling with E8M0 scales and E4M3 elements, from torchao's MX primitives,
+wired into linear layers and grouped expert GEMMs with autograd.
+
+Every GEMM quantizes both operands along its reduction dimension: the forward ``x @ w.T`` along K, the input
+gradient ``g @ w`` along N, the weight gradient ``g.T @ x`` along the tokens (per expert group for the experts,
+each group padded with zero rows to a multiple of 32). Casts saturate. A block holding inf or NaN dequantizes to
+NaN (the OCP rule: its scale is NaN), so a non-finite value cannot pass through as a large finite one.
+Router, embeddings, lm_head and norms are never quantized.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+BLOCK = 32
+SCALE_MODES = ("floor", "rceil")
+
+
+def _mode(mode: str):
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+
+    if mode not in SCALE_MODES:
+        from moerl.errors import ConfigError
+
+        raise ConfigError(f"MX scale mode {mode!r}: allowed: {', '.join(SCALE_MODES)}")
+    return ScaleCalculationMode.FLOOR if mode == "floor" else ScaleCalculationMode.RCEIL
+
+
+def mx_quantize(x: torch.Tensor, mode: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
+    """(E8M0 scales [..., K / 32], E4M3 data [..., K]) of ``x`` in blocks of 32 along its last dim (K % 32 == 0)."""
+    from torchao.prototype.mx_formats.mx_tensor import to_mx
+
+    return to_mx(x.contiguous(), torch.float8_e4m3fn, BLOCK, _mode(mode))
+
+
+def mx_dequantize(scale: torch.Tensor, data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    from torchao.prototype.mx_formats.mx_tensor import to_dtype
+
+    return to_dtype(data, scale, torch.float8_e4m3fn, BLOCK, dtype)
+
+
+def mx_fake_quant(x: torch.Tensor, dim: int = -1, mode: str = "rceil") -> torch.Tensor:
+    """Quantize to MXFP8 along ``dim`` (zero-padded to a multiple of 32) and back to ``x.dtype``."""
+    moved = x.movedim(dim, -1)
+    k = moved.shape[-1]
+    pad = (-k) % BLOCK
+    flat = F.pad(moved, (0, pad)).reshape(-1, k + pad)
+    scale, data = mx_quantize(flat, mode)
+    out = mx_dequantize(scale, data, x.dtype)
+    bad = ~torch.isfinite(flat.view(flat.shape[0], -1, BLOCK)).all(-1, keepdim=True)
+    if bad.any():
+        out = out.view(flat.shape[0], -1, BLOCK).masked_fill(bad, float("nan")).view_as(flat)
+    return out.view(*moved.shape[:-1], k + pad)[..., :k].movedim(-1, dim)
+
+
+class _MXLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, w, mode):
+        ctx.save_for_backward(x2, w)
+        ctx.mode = mode
+        return mx_fake_quant(x2, -1, mode) @ mx_fake_quant(w, -1, mode).T
+
+    @staticmethod
+    def backward(ctx, g):
+        x2, w = ctx.saved_tensors
+        m = ctx.mode
+        gx = mx_fake_quant(g, -1, m) @ mx_fake_quant(w, 0, m)  # reduce over N
+        gw = mx_fake_quant(g, 0, m).T @ mx_fake_quant(x2, 0, m)  # reduce over the tokens
+        return gx, gw, None
+
+
+def mx_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, mode: str) -> torch.Tensor:
+    """``F.linear`` with MXFP8 operands in the forward and both backward GEMMs."""
+    y = _MXLinear.apply(x.reshape(-1, x.shape[-1]), w, mode).view(*x.shape[:-1], w.shape[0])
+    return y if bias is None else y + bias
+
+
+def _pad_groups(rows: torch.Tensor, offs: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """Rows sorted by group -> [groups, cap, D] with each group's rows first, then zeros; cap % 32 == 0."""
+    ends = offs.long()
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    cap = max(BLOCK, -(-int(counts.max()) // BLOCK) * BLOCK) if rows.shape[0] else BLOCK
+    group = torch.repeat_interleave(torch.arange(n_groups, device=rows.device), counts)
+    pos = torch.arange(rows.shape[0], device=rows.device) - (ends - counts)[group]
+    buf = rows.new_zeros(n_groups, cap, rows.shape[1])
+    buf[group, pos] = rows
+    return buf
+
+
+class _MXGroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, groups, mode):
+        from moerl.model.grouped import group_mm
+
+        ctx.save_for_backward(x, w)
+        ctx.groups, ctx.mode = groups, mode
+        return group_mm(mx_fake_quant(x, -1, mode), mx_fake_quant(w, 1, mode), groups)
+
+    @staticmethod
+    def backward(ctx, g):
+        from moerl.model.grouped import group_mm
+
+        x, w = ctx.saved_tensors
+        m, groups = ctx.mode, ctx.groups
+        gx = group_mm(mx_fake_quant(g.contiguous(), -1, m), mx_fake_quant(w, 2, m).transpose(1, 2), groups)
+        xp = mx_fake_quant(_pad_groups(x, groups.offs, w.shape[0]), 1, m)  # along each group's tokens
+        gp = mx_fake_quant(_pad_groups(g, groups.offs, w.shape[0]), 1, m)
+        gw = torch.bmm(xp.transpose(1, 2), gp)  # [G, K, N]
+        return gx, gw, None, None
+
+
+def mx_group_mm(x: torch.Tensor, w: torch.Tensor, groups, mode: str) -> torch.Tensor:
+    """``group_mm`` with MXFP8 operands in the forward and both backward GEMMs."""
+    return _MXGroupedMM.apply(x, w, groups, mode)
+
+
+def apply_mxfp8(model: torch.nn.Module, mode: str = "rceil") -> None:
+    """Quantize every linear layer and the experts' GEMMs of ``model`` (not the router, embeddings, lm_head,
+    norms or the shared-expert gate)."""
+    from moerl.model.lora import Linear
+    from moerl.model.moe import Experts
+
+    _mode(mode)
+    for mod in model.modules():
+        if isinstance(mod, (Linear, Experts)):
+            mod.mx = mode

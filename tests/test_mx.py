@@ -1,0 +1,125 @@
+"""MXFP8: the quantizer against torchao and hand-computed vectors; MX GEMM gradients; an MXFP8 training run."""
+
+import pytest
+import torch
+from torchao.prototype.mx_formats.config import ScaleCalculationMode
+from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
+
+from moerl.errors import ConfigError
+from moerl.model.grouped import Groups, group_mm
+from moerl.model.mx import mx_fake_quant, mx_group_mm, mx_linear, mx_quantize
+from moerl.trainer import OptimConfig, Policy, PolicyConfig
+from moerl.trainer.losses import sft_loss
+
+
+def block(*values):
+    return torch.tensor(list(values) + [0.0] * (32 - len(values)))
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        # floor (OCP): X = 2^(floor(log2 amax) - 8) = 2; 1000 / 2 = 500 saturates to 448 -> 896
+        ("floor", [1.0, 0.5, 448.0, 896.0]),
+        # rceil: X = 2^ceil(log2(amax / 448)) = 4; 1000 / 4 = 250 rounds to 256 -> 1024
+        ("rceil", [1.0, 0.5, 448.0, 1024.0]),
+    ],
+)
+def test_hand_computed_saturation_and_scales(mode, expected):
+    out = mx_fake_quant(block(1.0, 0.5, 448.0, 1000.0)[None], mode=mode)[0]
+    assert out[:4].tolist() == expected and (out[4:] == 0).all()
+
+
+def test_hand_computed_rounding_zero_and_tiny_blocks():
+    # amax 1.0625: X = 2^-8; 1.0625 * 256 = 272 is a tie between 256 and 288 -> even mantissa -> 256 -> 1.0
+    assert mx_fake_quant(block(1.0625, 0.75)[None], mode="floor")[0, :2].tolist() == [1.0, 0.75]
+    assert (mx_fake_quant(torch.zeros(2, 64)) == 0).all()  # all-zero blocks stay zero
+    # 1e-30: X = 2^(floor(log2 1e-30) - 8) = 2^-108; 1e-30 * 2^108 = 324.5 -> 320 (E4M3 step 32 there)
+    tiny = mx_fake_quant(torch.full((1, 32), 1e-30), mode="floor")
+    assert torch.equal(tiny, torch.full((1, 32), 320 * 2.0**-108))
+
+
+def test_non_finite_blocks_become_nan():
+    x = torch.ones(3, 64)
+    x[0, 3], x[1, 40] = float("inf"), float("nan")
+    out = mx_fake_quant(x)
+    assert out[0, :32].isnan().all() and torch.equal(out[0, 32:], x[0, 32:])
+    assert out[1, 32:].isnan().all() and torch.equal(out[1, :32], x[1, :32])
+    assert torch.equal(out[2], x[2])
+
+
+@pytest.mark.parametrize("mode", ["floor", "rceil"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bit_exact_against_torchao_along_any_dim(mode, dtype):
+    torchao_mode = ScaleCalculationMode.FLOOR if mode == "floor" else ScaleCalculationMode.RCEIL
+    x = (torch.randn(64, 96, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    scale, data = mx_quantize(x, mode)
+    ref_scale, ref_data = to_mx(x, torch.float8_e4m3fn, 32, torchao_mode)
+    assert torch.equal(scale.view(torch.uint8), ref_scale.view(torch.uint8))
+    assert torch.equal(data.view(torch.uint8), ref_data.view(torch.uint8))
+    ref_cols = to_dtype(
+        *reversed(to_mx(x.T.contiguous(), torch.float8_e4m3fn, 32, torchao_mode)), torch.float8_e4m3fn, 32, dtype
+    ).T
+    assert torch.equal(mx_fake_quant(x, 0, mode), ref_cols)
+    odd = x[:, :40]  # K not a multiple of 32: zero-padded, then cropped
+    ref_odd = to_dtype(
+        *reversed(to_mx(torch.nn.functional.pad(odd, (0, 24)), torch.float8_e4m3fn, 32, torchao_mode)),
+        torch.float8_e4m3fn,
+        32,
+        dtype,
+    )[:, :40]
+    assert torch.equal(mx_fake_quant(odd, -1, mode), ref_odd)
+
+
+def test_unknown_scale_mode():
+    with pytest.raises(ConfigError, match=r"MX scale mode 'even': allowed: floor, rceil"):
+        mx_fake_quant(torch.ones(1, 32), mode="even")
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_mx_linear_gradients_close_to_bf16():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(96, 128, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(64, 128, generator=g) * 0.1).bfloat16().requires_grad_()
+    r = torch.randn(96, 64, generator=g).bfloat16()
+    (mx_linear(x, w, None, "rceil") * r).sum().backward()
+    mx_gx, mx_gw = x.grad.float(), w.grad.float()
+    x.grad = w.grad = None
+    (torch.nn.functional.linear(x, w) * r).sum().backward()
+    # E4M3 keeps 3 mantissa bits: ~3% relative error per GEMM operand; stated tolerance 8% (relative Frobenius)
+    assert _rel(mx_gx, x.grad.float()) < 0.08 and _rel(mx_gw, w.grad.float()) < 0.08
+    assert _rel(mx_gx, x.grad.float()) > 1e-4  # and it is really quantized
+
+
+def test_mx_grouped_gemm_gradients_close_to_bf16():
+    g = torch.Generator().manual_seed(1)
+    experts, k, n = 4, 64, 96
+    keys = torch.sort(torch.randint(0, experts, (150,), generator=g)).values
+    groups = Groups(keys, experts)
+    x = torch.randn(150, k, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(experts, k, n, generator=g) * 0.1).bfloat16().requires_grad_()
+    r = torch.randn(150, n, generator=g).bfloat16()
+    (mx_group_mm(x, w, groups, "rceil") * r).sum().backward()
+    mx_gx, mx_gw = x.grad.float(), w.grad.float()
+    x.grad = w.grad = None
+    (group_mm(x, w, groups) * r).sum().backward()
+    assert _rel(mx_gx, x.grad.float()) < 0.08 and _rel(mx_gw, w.grad.float()) < 0.08
+
+
+def test_mxfp8_training_loss_falls_and_keeps_router_embeddings_unquantized(hf_checkpoints):
+    from test_trainer import make_batch
+
+    pol = Policy(
+        hf_checkpoints["Qwen3MoeForCausalLM"][0],
+        PolicyConfig(mode="mxfp8", dtype="bfloat16", optim=OptimConfig(lr=1e-3)),
+    )
+    model = pol.model
+    assert model.layers[0].self_attn.q_proj.mx == "rceil" and model.layers[0].mlp.experts.mx == "rceil"
+    assert not hasattr(model.layers[0].mlp.router, "mx") and not hasattr(model.lm_head, "mx")
+    assert model.layers[0].mlp.router.weight.dtype == torch.float32
+    batch = make_batch()
+    losses = [pol.train_step(batch, sft_loss)["loss"] for _ in range(10)]
+    assert losses[-1] < losses[0] - 0.3, losses
