@@ -73,6 +73,7 @@ class LLMEngine:
         self.adapters = AdapterSlots(model, cfg) if cfg.max_loras else None
         model.set_expert_path(grouped=cfg.fused_lora)
         self.weight_version = 0
+        self._staged: dict[str, torch.Tensor] = {}
         self.generator = torch.Generator().manual_seed(cfg.seed)
         eos = (tokenizer.eos_token_id if tokenizer is not None else None) or (model.hf_config or {}).get("eos_token_id")
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
@@ -88,23 +89,49 @@ class LLMEngine:
     def remove_adapter(self, name: str) -> None:
         self.adapters.remove(name)
 
-    @torch.no_grad()
-    def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Replace model tensors by name (moerl names), all or nothing, and tag later outputs with ``version``.
+    def stage_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Check and hold one bucket of named tensors (moerl names) until ``commit_weights``.
 
-        Tensors are copied into the existing parameters, so the router stays fp32 whatever dtype arrives.
+        MXFP8 buckets carry ``name`` (E4M3 data) with ``name + MX_SCALE`` (E8M0 scales); they are dequantized here.
         """
+        from moerl.model.mx import MX_SCALE, mx_dequantize
+
         params = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
         for name, t in tensors.items():
+            if name.endswith(MX_SCALE):
+                continue
             if name not in params:
                 raise CheckpointError(f"update_weights: unexpected tensor {name!r}: the model has no such parameter")
+            if name + MX_SCALE in tensors:
+                t = mx_dequantize(tensors[name + MX_SCALE], t, torch.float32)
             if tuple(t.shape) != tuple(params[name].shape):
                 raise CheckpointError(
                     f"update_weights: tensor {name!r} has shape {tuple(t.shape)}, the model expects "
                     f"{tuple(params[name].shape)}"
                 )
-        for name, t in tensors.items():
+            self._staged[name] = t
+
+    @torch.no_grad()
+    def commit_weights(self, version: int) -> None:
+        """Apply every staged tensor at once (between generation steps) and tag later outputs with ``version``.
+
+        Tensors are copied into the existing parameters, so the router stays fp32 whatever dtype arrives.
+        """
+        params = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
+        for name, t in self._staged.items():
             params[name].copy_(t)
+        self._staged = {}
+        self.weight_version = version
+
+    def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Replace model tensors by name, all or nothing, and tag later outputs with ``version``."""
+        self._staged = {}
+        self.stage_weights(tensors)
+        self.commit_weights(version)
+
+    def set_adapter(self, name: str, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Load (or replace) adapter ``name`` and tag later outputs with ``version`` (LoRA weight sync)."""
+        self.add_adapter(name, tensors)
         self.weight_version = version
 
     # -- generation ----------------------------------------------------------------------------------------

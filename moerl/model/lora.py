@@ -13,7 +13,7 @@ Expert layouts (DESIGN "Expert adapters"):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -64,9 +64,7 @@ class LoraConfig:
 
     rank: int = 8
     alpha: float = 16.0
-    targets: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts"]
-    )
+    targets: list[str] | None = None  # None: every linear layer (not router / lm_head) and the routed experts
     layout: str = "per_expert"  # per_expert | shared_outer
     rslora: bool = False  # scale alpha / sqrt(r) instead of alpha / r
     dropout: float = 0.0
@@ -266,11 +264,12 @@ def attach_lora(
         raise ConfigError(f"lora.layout={cfg.layout!r}: allowed: {', '.join(LAYOUTS)}")
     mcfg = model.config
     dtype = dtype or torch.float32
+    targets = cfg.targets or default_targets(model)
     ctx = LoraContext()
     expert_rank = max(1, cfg.rank // mcfg.top_k) if cfg.expert_rank_norm else cfg.rank
     used = set()
     for path, mod in model.named_modules():
-        hit = [t for t in cfg.targets if path == t or path.endswith("." + t)]
+        hit = [t for t in targets if path == t or path.endswith("." + t)]
         if not hit:
             continue
         if isinstance(mod, Linear) and "router" not in path:
@@ -290,7 +289,7 @@ def attach_lora(
         else:
             continue
         used.update(hit)
-    unmatched = [t for t in cfg.targets if t not in used]
+    unmatched = [t for t in targets if t not in used]
     if unmatched:
         raise ConfigError(
             f"lora.targets {unmatched} match no module of this model; candidates: {', '.join(lora_candidates(model))}"

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 BLOCK = 32
 SCALE_MODES = ("floor", "rceil")
+MX_SCALE = ".mx_scale"  # suffix of the E8M0 scales that travel with E4M3 weights in a weight sync
 
 
 def _mode(mode: str):

@@ -1,0 +1,112 @@
+"""Run configuration: nested dataclasses loaded from YAML plus dotted ``key.sub=value`` overrides, validated.
+
+An unknown key is an error that names it and the closest valid keys; a value of the wrong type names the key,
+the expected type and the value. The resolved config is written to the run directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from pathlib import Path
+
+import yaml
+
+from moerl.errors import ConfigError
+
+
+def _type_name(t) -> str:
+    return getattr(t, "__name__", str(t))
+
+
+def _coerce(key: str, value, t):
+    """``value`` as type ``t`` (a dataclass, a builtin, a list/dict annotation, or an Optional/Union)."""
+    origin = typing.get_origin(t)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(t)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(key, value, a)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0]
+    if dataclasses.is_dataclass(t):
+        if isinstance(value, t):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key {key!r} must be a mapping, got {type(value).__name__} {value!r}")
+        return from_dict(t, value, prefix=key + ".")
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config key {key!r} must be a list, got {type(value).__name__} {value!r}")
+        (inner,) = typing.get_args(t)[:1] or (typing.Any,)
+        return [v if inner is typing.Any else _coerce(f"{key}[{i}]", v, inner) for i, v in enumerate(value)]
+    if origin is dict or t is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key {key!r} must be a mapping, got {type(value).__name__} {value!r}")
+        return dict(value)
+    if t is typing.Any:
+        return value
+    if t is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if t in (int, float) and isinstance(value, bool) or not isinstance(value, t):
+        raise ConfigError(f"config key {key!r} must be {_type_name(t)}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def from_dict(cls, data: dict, prefix: str = ""):
+    """Build dataclass ``cls`` from a nested dict, checking keys and types; missing keys keep their defaults."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
+            hint = f"; did you mean {', '.join(prefix + c for c in close)}?" if close else ""
+            raise ConfigError(f"unknown config key {prefix + key!r}{hint} (valid here: {', '.join(names)})")
+        kwargs[key] = _coerce(prefix + key, value, hints[key])
+    return cls(**kwargs)
+
+
+def to_dict(obj) -> dict:
+    return dataclasses.asdict(obj)
+
+
+def set_dotted(data: dict, dotted: str, value) -> None:
+    node = data
+    *parents, last = dotted.split(".")
+    for p in parents:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted!r}: {p!r} is not a section")
+    node[last] = value
+
+
+def load_config(cls, path: str | os.PathLike | None = None, overrides: list[str] | tuple = ()):
+    """``cls`` from a YAML file (optional) and ``key.sub=value`` overrides (values parsed as YAML scalars)."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping")
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key.sub=value")
+        key, raw = item.split("=", 1)
+        set_dotted(data, key.strip(), yaml.safe_load(raw))
+    return from_dict(cls, data)
+
+
+def save_config(obj, path: str | os.PathLike) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(obj), sort_keys=False))
