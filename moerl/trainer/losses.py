@@ -1,13 +1,197 @@
-"""Losses that ``Policy.train_step`` takes. (The RL losses of the loop live with the algorithms.)"""
+"""Losses that ``Policy.train_step`` takes: ``sft_loss`` and the RL policy losses (PPO-clip, GSPO, CISPO)."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
+from moerl.errors import ConfigError
 from moerl.trainer.batch import Batch
+from moerl.trainer.mismatch import KINDS as MISMATCH_KINDS
+from moerl.trainer.mismatch import LEVELS as MISMATCH_LEVELS
+from moerl.trainer.mismatch import mismatch_metrics, mismatch_weights
+from moerl.trainer.policy import LossFn
 
 
 def sft_loss(logprobs: torch.Tensor, mb: Batch, entropy: torch.Tensor | None = None):
     """Negative log-likelihood of the ``loss_mask`` tokens, averaged over every such token of the whole batch."""
     nll = -(logprobs * mb.loss_mask).sum() / mb.total_tokens
     return nll, {"nll": float(nll.detach()) * mb.total_tokens / max(1, int(mb.loss_mask.sum()))}
+
+
+LOSS_KINDS = ("ppo", "gspo", "cispo")
+REDUCTIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+@dataclass(slots=True)
+class PolicyLossConfig:
+    """The RL policy loss. ``kind``: ppo | gspo | cispo. ``clip_low`` / ``clip_high``: the ratio is clipped to
+    ``[1 - clip_low, 1 + clip_high]`` (clip-higher when ``clip_high > clip_low``). ``dual_clip`` (c > 1, ppo / gspo):
+    caps the loss of negative-advantage tokens at ``-c * A``. ``reduction``: token_mean | seq_mean_token_sum |
+    seq_mean_token_mean. ``kl_coef`` / ``kl_estimator`` (k1 | k2 | k3): KL to the reference, added to the loss
+    unless ``kl_in_reward``; then the loop shapes the rewards instead, e.g. per sequence
+    ``r - kl_coef * (kl_penalty(logp, ref_logp, kl_estimator) * loss_mask).sum(1)`` before the advantages.
+    ``entropy_coef``: entropy bonus (needs ``train_step(..., entropy=True)``). ``mismatch`` (none | tis | mis | icepop),
+    ``mismatch_level`` (token | sequence | geometric), ``mismatch_cap`` (TIS cap), ``mismatch_low`` /
+    ``mismatch_high`` (MIS / IcePop band): see ``moerl.trainer.mismatch``."""
+
+    kind: str = "ppo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    reduction: str = "token_mean"
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    kl_in_reward: bool = False
+    entropy_coef: float = 0.0
+    mismatch: str = "none"
+    mismatch_level: str = "token"
+    mismatch_cap: float = 2.0
+    mismatch_low: float = 0.5
+    mismatch_high: float = 2.0
+
+    def __post_init__(self) -> None:
+        choices = (
+            ("kind", LOSS_KINDS),
+            ("reduction", REDUCTIONS),
+            ("kl_estimator", KL_ESTIMATORS),
+            ("mismatch", MISMATCH_KINDS),
+            ("mismatch_level", MISMATCH_LEVELS),
+        )
+        for name, allowed in choices:
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"PolicyLossConfig.{name}={getattr(self, name)!r}: allowed: {', '.join(allowed)}")
+        rules = (
+            ("clip_low", 0 <= self.clip_low < 1, "must be in [0, 1)"),
+            ("clip_high", self.clip_high >= 0, "must be >= 0"),
+            ("dual_clip", self.dual_clip is None or self.dual_clip > 1, "must be None or > 1"),
+            ("dual_clip", self.dual_clip is None or self.kind != "cispo", "applies to kind ppo or gspo only"),
+            ("kl_coef", 0 <= self.kl_coef < math.inf, "must be finite and >= 0"),
+            ("entropy_coef", 0 <= self.entropy_coef < math.inf, "must be finite and >= 0"),
+            ("mismatch_level", self.mismatch != "icepop" or self.mismatch_level == "token", "icepop allows: token"),
+            ("mismatch_cap", self.mismatch_cap >= 1, "must be >= 1"),
+            ("mismatch_low", 0 <= self.mismatch_low <= 1, "must be in [0, 1]"),
+            ("mismatch_high", self.mismatch_high >= 1, "must be >= 1"),
+        )
+        for name, ok, rule in rules:
+            if not ok:
+                raise ConfigError(f"PolicyLossConfig.{name}={getattr(self, name)!r}: {rule}")
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token KL(policy || reference) estimate from sampled-token logprobs, with ``d = ref_logprobs - logprobs``:
+    k1 = ``-d``, k2 = ``d^2 / 2``, k3 = ``exp(d) - 1 - d`` (unbiased and >= 0). Differentiable in ``logprobs``."""
+    if estimator not in KL_ESTIMATORS:
+        raise ConfigError(f"kl estimator={estimator!r}: allowed: {', '.join(KL_ESTIMATORS)}")
+    d = ref_logprobs - logprobs
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return d.square() / 2
+    return d.exp() - 1 - d
+
+
+def reduce_loss(
+    values: torch.Tensor, mask: torch.Tensor, reduction: str, total_tokens: int, total_seqs: int
+) -> torch.Tensor:
+    """Reduce per-token ``values`` [B, T] over ``mask`` with GLOBAL totals, so micro-batch results add up to the
+    full batch's: token_mean = ``sum(v * m) / total_tokens``; seq_mean_token_sum = ``sum_i sum_t(v * m) /
+    total_seqs``; seq_mean_token_mean = ``sum_i (sum_t(v * m) / n_i) / total_seqs`` (``n_i``: row i's tokens)."""
+    vm = values * mask
+    if reduction == "token_mean":
+        return vm.sum() / max(1, total_tokens)
+    if reduction == "seq_mean_token_sum":
+        return vm.sum() / max(1, total_seqs)
+    if reduction == "seq_mean_token_mean":
+        return (vm.sum(1) / mask.sum(1).clamp(min=1)).sum() / max(1, total_seqs)
+    raise ConfigError(f"reduction={reduction!r}: allowed: {', '.join(REDUCTIONS)}")
+
+
+def _mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    return float((x.detach() * mask).sum()) / max(1.0, float(mask.sum()))
+
+
+def make_policy_loss(cfg: PolicyLossConfig) -> LossFn:
+    """A ``loss_fn(logprobs, micro_batch, entropy) -> (loss, metrics)`` for ``Policy.train_step``.
+
+    Reads ``extras``: ``advantages`` ([B] or [B, T]); ``old_logprobs`` (absent: ``logprobs.detach()``, i.e. one
+    on-policy update); ``ref_logprobs`` (needed when ``kl_coef > 0`` and not ``kl_in_reward``); ``rollout_logprobs``
+    (needed by a mismatch correction). With ``r = exp(logp - old_logp)`` per loss token and ``A`` the advantage:
+
+    - ppo: ``L = max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high))``; with dual-clip c, for ``A < 0``:
+      ``L = min(L, -c * A)``.
+    - gspo: the same with ``r`` replaced by the sequence ratio ``s = exp(mean_t (logp - old_logp))`` over the
+      sequence's loss tokens, for every one of its tokens (the gradient flows through the mean).
+    - cispo: ``L = -sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * logp`` (gradient through ``logp`` only).
+
+    ``L`` is multiplied by the mismatch weights, reduced with ``cfg.reduction`` over the global totals, then
+    ``+ kl_coef * reduce(kl)`` and ``- entropy_coef * reduce(entropy)``.
+
+    Metrics are means over this micro-batch's own loss tokens (``pg_loss``: its reduction with the micro-batch's own
+    totals); ``train_step`` averages them weighted by rows, exact when micro-batches hold equal token counts:
+    ``pg_loss``, ``clip_frac`` (tokens whose loss clipping changed, dual-clip included; cispo: whose weight was
+    clipped), ``ratio_mean``, ``kl`` (with ``ref_logprobs``), ``entropy`` (when given), ``mismatch_k3`` and
+    ``mismatch_frac_large_diff`` (with ``rollout_logprobs``, old vs rollout logprobs), ``mismatch_weight_mean``.
+    """
+
+    def loss_fn(
+        logprobs: torch.Tensor, mb: Batch, entropy: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        ex = mb.extras
+        mask = mb.loss_mask.to(logprobs.dtype)
+        if "advantages" not in ex:
+            raise ConfigError("the policy loss needs extras['advantages'] ([B] per sequence or [B, T] per token)")
+        adv = ex["advantages"].to(logprobs.dtype)
+        adv = adv[:, None] if adv.dim() == 1 else adv
+        old = ex.get("old_logprobs")
+        old = logprobs.detach() if old is None else old.to(logprobs.dtype)
+        log_ratio = (logprobs - old) * mask
+        if cfg.kind == "gspo":
+            log_ratio = (log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(mask)
+        ratio = log_ratio.exp()
+        clipped = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
+        if cfg.kind == "cispo":
+            pg = -clipped.detach() * adv * logprobs
+            changed = clipped != ratio
+        else:
+            unclipped = -adv * ratio
+            pg = torch.maximum(unclipped, -adv * clipped)
+            if cfg.dual_clip is not None:
+                pg = torch.where(adv < 0, torch.minimum(pg, -cfg.dual_clip * adv), pg)
+            changed = pg != unclipped
+        metrics = {"clip_frac": _mean(changed.to(mask.dtype), mask), "ratio_mean": _mean(ratio, mask)}
+        rollout = ex.get("rollout_logprobs")
+        if rollout is not None:
+            metrics.update({f"mismatch_{k}": v for k, v in mismatch_metrics(old, rollout, mask).items()})
+        if cfg.mismatch != "none":
+            if rollout is None:
+                raise ConfigError(f"PolicyLossConfig.mismatch={cfg.mismatch!r} needs extras['rollout_logprobs']")
+            bounds = (cfg.mismatch_cap, cfg.mismatch_low, cfg.mismatch_high)
+            w = mismatch_weights(old.detach(), rollout, mask, cfg.mismatch, cfg.mismatch_level, *bounds)
+            pg = pg * w
+            metrics["mismatch_weight_mean"] = _mean(w, mask)
+        n_tok, n_seq = int(mask.sum()), int((mask.sum(1) > 0).sum())
+        metrics["pg_loss"] = float(reduce_loss(pg.detach(), mask, cfg.reduction, n_tok, n_seq))
+        loss = reduce_loss(pg, mask, cfg.reduction, mb.total_tokens, mb.total_seqs)
+        kl_in_loss = cfg.kl_coef > 0 and not cfg.kl_in_reward
+        ref = ex.get("ref_logprobs")
+        if ref is not None:
+            kl = kl_penalty(logprobs * mask, ref.to(logprobs.dtype) * mask, cfg.kl_estimator)
+            metrics["kl"] = _mean(kl, mask)
+            if kl_in_loss:
+                loss = loss + cfg.kl_coef * reduce_loss(kl, mask, cfg.reduction, mb.total_tokens, mb.total_seqs)
+        elif kl_in_loss:
+            raise ConfigError("PolicyLossConfig.kl_coef > 0 (KL in the loss) needs extras['ref_logprobs']")
+        if entropy is not None:
+            metrics["entropy"] = _mean(entropy, mask)
+            if cfg.entropy_coef > 0:
+                bonus = reduce_loss(entropy, mask, cfg.reduction, mb.total_tokens, mb.total_seqs)
+                loss = loss - cfg.entropy_coef * bonus
+        elif cfg.entropy_coef > 0:
+            raise ConfigError("PolicyLossConfig.entropy_coef > 0 needs the entropy: train_step(..., entropy=True)")
+        return loss, metrics
+
+    return loss_fn
