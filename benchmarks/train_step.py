@@ -32,8 +32,9 @@ MODES = ("lora", "full", "mxfp8")
 
 def make_policy(ckpt: str, mode: str, micro: int) -> Policy:
     lora = LoraConfig(rank=16, alpha=32, targets=["q_proj", "k_proj", "v_proj", "o_proj", "experts"])
-    return Policy(ckpt, PolicyConfig(mode=mode, dtype="bfloat16", lora=lora, micro_batch_size=micro,
-                                     optim=OptimConfig(lr=1e-5)))
+    return Policy(
+        ckpt, PolicyConfig(mode=mode, dtype="bfloat16", lora=lora, micro_batch_size=micro, optim=OptimConfig(lr=1e-5))
+    )
 
 
 def make_batch(b: int, t: int) -> Batch:
@@ -83,20 +84,36 @@ def main() -> None:
         del policies
         peaks = {}
         for m in MODES:
-            cmd = [sys.executable, __file__, "--child", m, "--ckpt", ckpt, "--batch", str(args.batch), "--seq",
-                   str(args.seq), "--micro", str(args.micro)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                m,
+                "--ckpt",
+                ckpt,
+                "--batch",
+                str(args.batch),
+                "--seq",
+                str(args.seq),
+                "--micro",
+                str(args.micro),
+            ]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True)
             peaks[m] = json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"]
     tps = {m: tokens / statistics.median(t) for m, t in times.items()}
-    print(f"# train step, qwen3_moe {args.preset}, batch {args.batch} x {args.seq} tokens (micro-batch {args.micro}),"
-          f" median of {args.rounds} interleaved rounds; torch {torch.__version__}, {torch.get_num_threads()} threads,"
-          f" {platform.machine()}")
+    print(
+        f"# train step, qwen3_moe {args.preset}, batch {args.batch} x {args.seq} tokens (micro-batch {args.micro}),"
+        f" median of {args.rounds} interleaved rounds; torch {torch.__version__}, {torch.get_num_threads()} threads,"
+        f" {platform.machine()}"
+    )
     print("| mode | tokens/s | vs full | peak RSS (MB) |")
     print("|---|---|---|---|")
     for m in MODES:
         print(f"| {m} | {tps[m]:,.0f} | {tps[m] / tps['full']:.2f}x | {peaks[m]:,.0f} |")
-    print(f"\nLoRA / full = {tps['lora'] / tps['full']:.2f}x; MXFP8 emulation / bf16 full = "
-          f"{tps['mxfp8'] / tps['full']:.2f}x")
+    print(
+        f"\nLoRA / full = {tps['lora'] / tps['full']:.2f}x; MXFP8 emulation / bf16 full = "
+        f"{tps['mxfp8'] / tps['full']:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -1,11 +1,10 @@
-"""``moerl`` command line: init-model, generate, archs, demo."""
+"""``moerl`` command line: init-model, generate, archs, train, plot, demo."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -61,15 +60,28 @@ def cmd_archs(args) -> None:
 
 
 def cmd_demo(args) -> None:
-    out = Path(args.run_dir) / "model"
-    print(f"[demo] building the tiny Qwen3-MoE checkpoint in {out}")
-    cmd_init_model(argparse.Namespace(arch="qwen3_moe", preset="tiny", out_dir=out, seed=0, dtype="float32"))
-    print("[demo] generating from it (random weights: the text is noise until the RL loop trains it)")
-    cmd_generate(
-        argparse.Namespace(
-            model_dir=out, prompt=["12+7=", "3*4="], max_tokens=16, temperature=1.0, seed=0, dtype="bfloat16"
-        )
-    )
+    from moerl.demo import run_demo
+
+    run_demo(args.run_dir, sft_steps=args.sft_steps, rl_steps=args.rl_steps)
+
+
+def cmd_train(args) -> None:
+    from moerl.config import load_config
+    from moerl.loop import RunConfig, train
+
+    overrides = list(args.overrides)
+    if args.config is not None and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
+        overrides.insert(0, args.config)  # no file given, only overrides
+        args.config = None
+    cfg = load_config(RunConfig, args.config, overrides)
+    summary = train(cfg, resume=args.resume)
+    print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
+
+
+def cmd_plot(args) -> None:
+    from moerl.metrics import plot_run
+
+    print(plot_run(args.run_dir, args.out))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,9 +108,22 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("archs", help="list the supported HF architectures")
     s.set_defaults(func=cmd_archs)
 
-    s = sub.add_parser("demo", help="the main job (see README)")
+    s = sub.add_parser("demo", help="the main job: a tiny MoE learns arithmetic (warm-up, then GRPO + LoRA + R3)")
     s.add_argument("--run-dir", default="runs/demo")
+    s.add_argument("--sft-steps", type=int, default=150)
+    s.add_argument("--rl-steps", type=int, default=40)
     s.set_defaults(func=cmd_demo)
+
+    s = sub.add_parser("train", help="run the RL loop from a YAML config with key.sub=value overrides")
+    s.add_argument("config", nargs="?", help="YAML file (optional: defaults plus overrides also work)")
+    s.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=20 policy.mode=full")
+    s.add_argument("--resume", action="store_true", help="continue from run_dir/checkpoint")
+    s.set_defaults(func=cmd_train)
+
+    s = sub.add_parser("plot", help="write a PNG of a run's reward and mismatch curves")
+    s.add_argument("run_dir")
+    s.add_argument("--out", default=None)
+    s.set_defaults(func=cmd_plot)
     return p
 
 

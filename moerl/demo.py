@@ -1,0 +1,75 @@
+"""``moerl demo``: a tiny MoE learns arithmetic on a CPU in minutes — supervised warm-up, then GRPO with LoRA
+on every layer and the experts, with rollout routing replay; held-out accuracy before and after RL."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from moerl.loop import AlgoSection, EnvSection, ModelSection, RolloutSection, RunConfig, TrainSection, train
+from moerl.model.lora import LoraConfig
+from moerl.trainer import OptimConfig, Policy, PolicyConfig
+from moerl.trainer.losses import PolicyLossConfig
+
+ENV = {"max_operand": 9, "ops": "+", "num_terms": 2}
+
+
+def demo_config(run_dir: Path, model_path: Path, rl_steps: int) -> RunConfig:
+    return RunConfig(
+        run_dir=str(run_dir / "rl"),
+        model=ModelSection(path=str(model_path)),
+        policy=PolicyConfig(
+            mode="lora",
+            dtype="bfloat16",
+            lora=LoraConfig(rank=8, alpha=16, layout="shared_outer"),
+            optim=OptimConfig(lr=2e-3, schedule="constant", grad_clip=1.0),
+            micro_batch_size=128,
+        ),
+        rollout=RolloutSection(prompts_per_step=16, group_size=8, max_tokens=4, temperature=1.0, max_model_len=32),
+        algo=AlgoSection(advantage="grpo", loss=PolicyLossConfig(kind="ppo", clip_low=0.2, clip_high=0.28), r3=True),
+        env=EnvSection(name="arithmetic", kwargs=dict(ENV), eval_problems=200),
+        train=TrainSection(steps=rl_steps, checkpoint_every=10),
+    )
+
+
+def run_demo(run_dir: str = "runs/demo", sft_steps: int = 150, rl_steps: int = 40, log=print) -> dict:
+    """Build, warm up, train with GRPO; returns accuracies, timings and where the outputs are."""
+    from transformers import AutoTokenizer
+
+    from moerl.bridges import export_model
+    from moerl.envs import make_env
+    from moerl.presets import init_model
+    from moerl.trainer.sft import run_sft
+
+    run_dir = Path(run_dir)
+    start = time.perf_counter()
+    base = run_dir / "base_model"
+    init_model("qwen3_moe", "tiny", base, seed=0)
+    log(f"[demo] tiny Qwen3-MoE (4 layers, 8 experts top-2) written to {base}")
+    env = make_env("arithmetic", **ENV)
+    tok = AutoTokenizer.from_pretrained(base)
+    warm = Policy(
+        base,
+        PolicyConfig(
+            mode="full",
+            dtype="float32",
+            micro_batch_size=256,
+            optim=OptimConfig(lr=3e-3, schedule="cosine", warmup_steps=10, total_steps=sft_steps),
+        ),
+    )
+    run_sft(warm, tok, env.sft_examples(4000, seed=1), steps=sft_steps, batch_size=128, log=log)
+    sft_model = run_dir / "sft_model"
+    export_model(warm.model, sft_model, tokenizer_dir=base)
+    del warm
+    t_sft = time.perf_counter() - start
+    log(f"[demo] supervised warm-up done in {t_sft:.0f}s; GRPO (LoRA on every layer and the experts, R3) next")
+    cfg = demo_config(run_dir, sft_model, rl_steps)
+    summary = train(cfg)
+    summary["seconds"] = time.perf_counter() - start
+    summary["seconds_sft"] = t_sft
+    log(
+        f"[demo] held-out accuracy: {summary['accuracy_before']:.1%} before RL -> {summary['accuracy_after']:.1%} "
+        f"after {rl_steps} GRPO steps ({summary['seconds']:.0f}s in all)"
+    )
+    log(f"[demo] run directory {cfg.run_dir}: metrics.jsonl, tensorboard/, checkpoint/, adapter/, curves.png")
+    return summary

@@ -1,0 +1,222 @@
+"""The environment interfaces, deterministic train/test sampling, and ``safe_reward``.
+
+An environment hands out :class:`Problem` s and scores completions (text) the inference engine generated for them.
+Single-turn environments implement :class:`Environment`; episodic ones (tool use) implement
+:class:`MultiTurnEnvironment`.
+
+**Stop convention.** A completion is the text the model generated *before* its EOS token: targets given for
+supervised warm-up (e.g. ``ArithmeticEnv.sft_examples``) carry no terminator (``"19"``, not ``"19\\n"``), the
+trainer appends the tokenizer's EOS, and the engine stops on EOS. Rewards read a completion from its start and ignore
+whatever follows the answer, so a model that does not stop is judged on what it said first.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import math
+import numbers
+import os
+import pickle
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any, Protocol, runtime_checkable
+
+from moerl.errors import ConfigError
+
+SPLITS = ("train", "test")
+TEST_FRACTION = 0.1
+
+
+@dataclass(slots=True)
+class Problem:
+    """One task: the prompt text, the gold answer the reward compares against, and free-form metadata."""
+
+    prompt: str
+    answer: object
+    meta: dict = field(default_factory=dict)
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """A single-turn environment: one completion per problem, scored by ``reward``."""
+
+    name: str
+
+    def problems(self, n: int, seed: int, split: str = "train") -> list[Problem]:
+        """``n`` problems, the same for the same ``(seed, split)``; no train problem is ever a test problem."""
+        ...
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        """1.0 for a correct completion, 0.0 otherwise (unless the environment documents another scale)."""
+        ...
+
+
+@runtime_checkable
+class MultiTurnEnvironment(Protocol):
+    """An episodic environment: the model and the environment alternate for at most ``max_turns`` completions."""
+
+    name: str
+    max_turns: int
+
+    def problems(self, n: int, seed: int, split: str = "train") -> list[Problem]:
+        """As :meth:`Environment.problems`."""
+        ...
+
+    def start(self, problem: Problem) -> Any:
+        """A fresh episode state for ``problem``."""
+        ...
+
+    def step(self, state: Any, completion: str) -> tuple[str | None, float | None]:
+        """Consume one completion: ``(message to append, None)`` while the episode goes on, ``(None, reward)`` at
+        its end."""
+        ...
+
+
+def check_split(split: str) -> None:
+    """Raise ConfigError unless ``split`` is ``"train"`` or ``"test"``."""
+    if split not in SPLITS:
+        raise ConfigError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+
+
+def split_of(key: str, test_fraction: float = TEST_FRACTION) -> str:
+    """The split a problem belongs to, from a hash of its key (its prompt): stable across runs and seeds."""
+    h = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
+    return "test" if h < test_fraction * 2**64 else "train"
+
+
+def sample_problems(
+    name: str, n: int, seed: int, split: str, make: Callable[[random.Random], Problem], max_tries: int = 1000
+) -> list[Problem]:
+    """``n`` problems drawn by ``make`` from an RNG seeded by ``(name, split, seed)``, keeping those whose prompt
+    hashes into ``split``. Raises ConfigError when the problem space is too small to find them."""
+    check_split(split)
+    if n < 0:
+        raise ConfigError(f"n must be >= 0, got {n}")
+    rng = random.Random(f"{name}:{split}:{seed}")  # str seeds hash with sha512: the same in every process
+    out: list[Problem] = []
+    for _ in range(max_tries * (n + 1)):
+        if len(out) == n:
+            return out
+        p = make(rng)
+        if split_of(p.prompt) == split:
+            out.append(p)
+    raise ConfigError(f"{name}: could not draw {n} {split} problems; widen the config (the problem space is too small)")
+
+
+# ---- safe_reward: the reward function runs in a persistent worker process, killed on timeout ----
+
+
+def serve(fd: int) -> None:
+    """Worker loop on socket ``fd``: unpickle (fn, args), acknowledge, run, send ("ok", float) | ("error", reason)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
+    conn = Connection(fd)
+    cache: dict[bytes, Callable] = {}
+    while True:
+        try:
+            fn_bytes, args_bytes = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            fn = cache.get(fn_bytes) or pickle.loads(fn_bytes)
+            args = pickle.loads(args_bytes)
+        except BaseException as e:  # reported to the parent, which raises
+            conn.send(("load", f"{type(e).__name__}: {e}"))
+            continue
+        if len(cache) >= 8:
+            cache.clear()
+        cache[fn_bytes] = fn
+        conn.send(("ready", None))
+        try:
+            value = fn(*args)
+        except BaseException as e:  # any failure of a reward function is a 0 reward
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+            continue
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+        conn.send(("ok", float(value)) if ok else ("error", f"reward is {value!r}, not a finite number"))
+
+
+class _Worker:
+    """A ``python -c`` child running :func:`serve` over a socket pair. A plain subprocess rather than a
+    multiprocessing one: no fork of a parent holding torch / OpenMP threads, and no re-import of the parent's
+    ``__main__`` as spawn does (which breaks under stdin or notebooks and re-runs unguarded scripts)."""
+
+    LOAD_TIMEOUT_S = 120.0  # importing a reward function's module (sympy, ...) in a fresh process
+
+    def __init__(self) -> None:
+        mine, theirs = socket.socketpair()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        code = f"from moerl.envs.base import serve; serve({theirs.fileno()})"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()], env=env)
+        theirs.close()
+        self.conn = Connection(mine.detach())
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.conn.close()
+
+
+_worker: _Worker | None = None
+_lock = threading.Lock()
+
+
+def _shutdown() -> None:
+    global _worker
+    if _worker is not None:
+        _worker.kill()
+        _worker = None
+
+
+atexit.register(_shutdown)
+
+
+def safe_reward(fn: Callable[..., float], *args: Any, timeout_s: float) -> tuple[float, str | None]:
+    """Run ``fn(*args)`` with a time limit: ``(reward, None)``, or ``(0.0, "error")`` when it raises, kills its process
+    or returns something other than a finite int/float (bool, NaN, inf and None included), or ``(0.0, "timeout")``
+    when it runs longer than ``timeout_s`` seconds.
+
+    The call runs in a persistent worker process (started on first use, one per parent process, calls serialised).
+    A process rather than a thread because a thread cannot be stopped: a runaway reward would keep a core busy for
+    good, and one stuck in C code holding the GIL (a huge ``int`` power, say) would stall the caller too. On timeout
+    the worker is killed and a new one starts on the next call. ``fn`` and ``args`` must therefore pickle
+    (module-level functions, methods of picklable objects, not lambdas or ``__main__`` functions); the worker keeps
+    the last few unpickled functions, and the clock starts once ``fn`` is loaded there (its module imported). Raises
+    ConfigError when ``fn`` or ``args`` cannot be pickled or loaded in the worker (a programming error, not a bad
+    completion).
+    """
+    global _worker
+    if not (isinstance(timeout_s, int | float) and math.isfinite(timeout_s) and timeout_s > 0):
+        raise ConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    try:
+        payload = (pickle.dumps(fn), pickle.dumps(args))
+    except Exception as e:
+        raise ConfigError(f"safe_reward runs {fn!r} in a worker process: it and its arguments must pickle ({e})") from e
+    with _lock:
+        if _worker is None or _worker.proc.poll() is not None:
+            _worker = _Worker()
+        conn = _worker.conn
+        try:
+            conn.send(payload)
+            kind, detail = conn.recv() if conn.poll(_Worker.LOAD_TIMEOUT_S) else ("load", "timed out")
+        except (EOFError, OSError) as e:
+            kind, detail = "load", f"the worker process died ({e!r}); see its stderr"
+        if kind == "load":
+            _shutdown()
+            raise ConfigError(f"safe_reward: the worker process could not load {fn!r}: {detail}")
+        if not conn.poll(timeout_s):
+            _shutdown()
+            return 0.0, "timeout"
+        try:
+            kind, detail = conn.recv()
+        except (EOFError, OSError):  # fn killed its process (crash, OOM kill, os._exit)
+            _shutdown()
+            return 0.0, "error"
+    return (detail, None) if kind == "ok" else (0.0, "error")

@@ -1,0 +1,504 @@
+"""The RL loop: prompts -> engine (n samples, routing capture) -> rewards -> advantages -> old / reference
+logprobs (R3 replay) -> PPO epochs over mini-batches -> weight sync -> metrics -> checkpoint. Reads top to bottom;
+``train`` is the whole loop, the helpers below it build its pieces."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from moerl.config import save_config
+from moerl.engine import EngineConfig, Request, SamplingParams
+from moerl.envs import make_env
+from moerl.envs.base import Problem, safe_reward
+from moerl.errors import ConfigError
+from moerl.metrics import MetricsLogger, plot_run
+from moerl.rollout import make_engine
+from moerl.sync import sync_policy
+from moerl.sync.weights import ADAPTER
+from moerl.trainer import Batch, Policy, PolicyConfig
+from moerl.trainer.advantages import compute_advantages, dynamic_sampling_keep
+from moerl.trainer.checkpoint import load_checkpoint, save_checkpoint
+from moerl.trainer.losses import PolicyLossConfig, kl_penalty, make_policy_loss
+from moerl.trainer.mismatch import mismatch_metrics
+
+
+@dataclass(slots=True)
+class ModelSection:
+    path: str | None = None  # a HF checkpoint directory; None: a random one of ``arch`` / ``preset``
+    arch: str = "qwen3_moe"
+    preset: str = "tiny"
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class RolloutSection:
+    engine: str = "native"
+    prompts_per_step: int = 16
+    group_size: int = 8
+    max_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_model_len: int = 128
+    max_num_seqs: int = 128
+
+
+@dataclass(slots=True)
+class AlgoSection:
+    advantage: str = "grpo"  # grpo | rloo | reinforce_pp
+    std_normalize: bool = True  # grpo: divide by the group's reward std
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+    r3: bool = True  # replay the engine's routing in the old-logprob and training forwards
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill with new prompts
+    max_refills: int = 3
+    overlong_filter: bool = False  # DAPO: sequences cut by max_tokens do not enter the loss
+    reward_timeout_s: float = 5.0
+
+
+@dataclass(slots=True)
+class EnvSection:
+    name: str = "arithmetic"
+    kwargs: dict = field(default_factory=dict)
+    eval_problems: int = 64
+
+
+@dataclass(slots=True)
+class TrainSection:
+    steps: int = 50
+    seed: int = 0
+    checkpoint_every: int = 10
+    eval_every: int = 0  # 0: evaluate before and after only
+    export_adapter: bool = True  # lora: write a PEFT adapter at the end
+
+
+@dataclass(slots=True)
+class RunConfig:
+    run_dir: str = "runs/run"
+    model: ModelSection = field(default_factory=ModelSection)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    algo: AlgoSection = field(default_factory=AlgoSection)
+    env: EnvSection = field(default_factory=EnvSection)
+    train: TrainSection = field(default_factory=TrainSection)
+
+
+@dataclass(slots=True)
+class Rollout:
+    """One sampled sequence ready for training."""
+
+    group: int
+    tokens: list[int]  # prompt + completion
+    num_prompt: int
+    loss_mask: list[int]  # over tokens: 1 on the model's own tokens
+    rollout_logprobs: list[float]  # over tokens (0 off the mask)
+    routed: torch.Tensor | None  # [len(tokens) - 1, L_moe, k]
+    reward: float
+    finish_reason: str
+    reward_error: str | None
+
+
+def train(cfg: RunConfig, resume: bool = False) -> dict:
+    """Run the RL loop described by ``cfg``; returns the final metrics (incl. held-out accuracy before / after)."""
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    model_path = ensure_model(cfg, run_dir)
+    env = make_env(cfg.env.name, **cfg.env.kwargs)
+    policy = Policy(model_path, cfg.policy)
+    engine = build_engine(cfg, model_path, policy)
+    loss_fn = make_policy_loss(cfg.algo.loss)
+    metrics = MetricsLogger(run_dir)
+    start = 0
+    ckpt_dir = run_dir / "checkpoint"
+    policy.stop_checkpoint_dir = ckpt_dir
+    if resume:
+        if not (ckpt_dir / "checkpoint.json").exists():
+            raise ConfigError(f"--resume: no checkpoint in {ckpt_dir}")
+        start = load_checkpoint(ckpt_dir, policy)["step"]
+    sync_policy(policy, engine, version=start)
+    summary = {"accuracy_before": evaluate(cfg, env, engine, policy)} if start == 0 else {}
+
+    for step in range(start, cfg.train.steps):
+        t0 = time.perf_counter()
+        # 1. prompts -> engine -> rewards (DAPO dynamic sampling refills groups that carry no signal)
+        rollouts, gen_tokens, dropped, refills = [], 0, 0, 0
+        seed = cfg.train.seed * 1_000_003 + step
+        while len({r.group for r in rollouts}) < cfg.rollout.prompts_per_step:
+            want = cfg.rollout.prompts_per_step - len({r.group for r in rollouts})
+            problems = env.problems(want, seed=seed * 101 + refills, split="train")
+            batch_rollouts = generate(
+                cfg,
+                env,
+                engine,
+                policy,
+                problems,
+                seed * 101 + refills,
+                first_group=len(rollouts) and max(r.group for r in rollouts) + 1,
+            )
+            gen_tokens += sum(sum(r.loss_mask) for r in batch_rollouts)
+            if cfg.algo.dynamic_sampling:
+                kept, n_dropped = keep_informative(batch_rollouts, cfg.rollout.group_size)
+                dropped += n_dropped
+                batch_rollouts = kept
+            rollouts += batch_rollouts
+            refills += 1
+            if not cfg.algo.dynamic_sampling or refills > cfg.algo.max_refills:
+                break
+        t_gen = time.perf_counter() - t0
+        if not rollouts:  # every group was uninformative: nothing to learn from this step
+            metrics.log(step + 1, {"dropped_groups": float(dropped), "skipped": 1.0})
+            continue
+
+        # 2. a training batch with the engine's routing and logprobs
+        batch = build_batch(rollouts, cfg)
+        t1 = time.perf_counter()
+        old_logprobs = policy.forward_logprobs(batch, replay=cfg.algo.r3)[0]
+        mm_on = mismatch_metrics(old_logprobs, batch.extras["rollout_logprobs"], batch.loss_mask)
+        mm_off = mm_on
+        if cfg.algo.r3:  # what the mismatch would be without routing replay
+            mm_off = mismatch_metrics(
+                policy.forward_logprobs(batch, replay=False)[0], batch.extras["rollout_logprobs"], batch.loss_mask
+            )
+        batch.extras["old_logprobs"] = old_logprobs
+        rewards = torch.tensor([r.reward for r in rollouts])
+        loss_cfg = cfg.algo.loss
+        if loss_cfg.kl_coef > 0:
+            batch.extras["ref_logprobs"] = policy.forward_logprobs(batch, reference=True)[0]
+            if loss_cfg.kl_in_reward:
+                kl = kl_penalty(old_logprobs, batch.extras["ref_logprobs"], loss_cfg.kl_estimator)
+                rewards = rewards - loss_cfg.kl_coef * (kl * batch.loss_mask).sum(1)
+
+        # 3. advantages per group
+        n = cfg.rollout.group_size
+        grouped = rewards.view(-1, n)
+        kwargs = {"std_normalize": cfg.algo.std_normalize} if cfg.algo.advantage == "grpo" else {}
+        batch.extras["advantages"] = compute_advantages(grouped, cfg.algo.advantage, **kwargs).reshape(-1)
+
+        # 4. PPO epochs over mini-batches
+        t2 = time.perf_counter()
+        train_metrics: list[dict] = []
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(cfg.algo.ppo_epochs):
+            order = torch.randperm(len(batch), generator=gen)
+            for idx in order.chunk(cfg.algo.mini_batches):
+                mb = Batch(
+                    batch.input_ids[idx],
+                    batch.attention_mask[idx],
+                    batch.loss_mask[idx],
+                    None if batch.replay is None else batch.replay[idx],
+                    {k: v[idx] for k, v in batch.extras.items()},
+                )
+                train_metrics.append(
+                    policy.train_step(
+                        mb, loss_fn, replay=cfg.algo.r3, entropy=True, temperature=cfg.rollout.temperature
+                    )
+                )
+        t3 = time.perf_counter()
+
+        # 5. weight sync, metrics, checkpoint
+        stats = sync_policy(policy, engine, version=step + 1)
+        t4 = time.perf_counter()
+        trained_tokens = int(batch.loss_mask.sum()) * cfg.algo.ppo_epochs
+        row = {
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+            "accuracy": float((torch.tensor([r.reward for r in rollouts]) >= 1.0).float().mean()),
+            "response_length": float(batch.loss_mask.sum(1).float().mean()),
+            "reward_errors": float(sum(r.reward_error == "error" for r in rollouts)),
+            "reward_timeouts": float(sum(r.reward_error == "timeout" for r in rollouts)),
+            "dropped_groups": float(dropped),
+            "mismatch_k3_r3": mm_on["k3"],
+            "mismatch_frac_r3": mm_on["frac_large_diff"],
+            "mismatch_k3_no_r3": mm_off["k3"],
+            "mismatch_frac_no_r3": mm_off["frac_large_diff"],
+            "gen_tokens_per_s": gen_tokens / max(t_gen, 1e-9),
+            "train_tokens_per_s": trained_tokens / max(t3 - t2, 1e-9),
+            "seconds_generate": t_gen,
+            "seconds_logprobs": t2 - t1,
+            "seconds_train": t3 - t2,
+            "seconds_sync": t4 - t3,
+            "sync_bytes": float(stats.bytes),
+            "weight_version": float(stats.version),
+        }
+        for key in train_metrics[0]:
+            row[key] = sum(m[key] for m in train_metrics) / len(train_metrics)
+        if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0:
+            row["eval_accuracy"] = evaluate(cfg, env, engine, policy)
+        metrics.log(step + 1, row)
+        if cfg.train.checkpoint_every and (step + 1) % cfg.train.checkpoint_every == 0:
+            save_checkpoint(ckpt_dir, policy, state={"step": step + 1})
+
+    summary["accuracy_after"] = evaluate(cfg, env, engine, policy)
+    metrics.log(cfg.train.steps, {"eval_accuracy": summary["accuracy_after"]})
+    save_checkpoint(ckpt_dir, policy, state={"step": cfg.train.steps})
+    summary |= finish(cfg, run_dir, policy)
+    metrics.close()
+    return summary
+
+
+# -- the pieces -------------------------------------------------------------------------------------------------
+
+
+def ensure_model(cfg: RunConfig, run_dir: Path) -> Path:
+    """The checkpoint to start from: ``model.path``, or a random model written once into the run directory."""
+    if cfg.model.path is not None:
+        return Path(cfg.model.path)
+    path = run_dir / "base_model"
+    if not (path / "config.json").exists():
+        from moerl.presets import init_model
+
+        init_model(cfg.model.arch, cfg.model.preset, path, seed=cfg.model.seed)
+    return path
+
+
+def build_engine(cfg: RunConfig, model_path: Path, policy: Policy):
+    """The rollout engine on its own copy of the base weights, set up for the policy's mode."""
+    lora = cfg.policy.mode == "lora"
+    lcfg = cfg.policy.lora
+    ecfg = EngineConfig(
+        max_num_seqs=cfg.rollout.max_num_seqs,
+        max_model_len=cfg.rollout.max_model_len,
+        max_loras=1 if lora else 0,
+        max_lora_rank=lcfg.rank,
+        lora_layout=lcfg.layout,
+        lora_targets=lcfg.targets,
+        seed=cfg.train.seed,
+    )
+    engine = make_engine(cfg.rollout.engine, model_path, ecfg)
+    if cfg.policy.mode == "mxfp8":
+        from moerl.model.mx import apply_mxfp8
+
+        apply_mxfp8(engine.model, cfg.policy.mx_scale_mode)
+    return engine
+
+
+def generate(
+    cfg: RunConfig, env, engine, policy: Policy, problems: list[Problem], seed: int, first_group: int = 0
+) -> list[Rollout]:
+    """n samples per problem, scored. Multi-turn environments run their episodes turn by turn."""
+    adapter = ADAPTER if cfg.policy.mode == "lora" else None
+    n = cfg.rollout.group_size
+    params = [
+        SamplingParams(
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            max_tokens=cfg.rollout.max_tokens,
+            n=n,
+            seed=seed * 7919 + i,
+        )
+        for i in range(len(problems))
+    ]
+    if hasattr(env, "start"):
+        return multi_turn(env, engine, problems, params, adapter, first_group)
+    outs = engine.generate([Request(p.prompt, sp, adapter=adapter) for p, sp in zip(problems, params, strict=True)])
+    rollouts = []
+    for g, (problem, out) in enumerate(zip(problems, outs, strict=True)):
+        if out.error is not None:
+            raise ConfigError(f"rollout of {problem.prompt!r} failed: {out.error} (raise rollout.max_model_len?)")
+        for c in out.outputs:
+            reward, err = safe_reward(env.reward, problem, c.text, timeout_s=cfg.algo.reward_timeout_s)
+            p = len(out.prompt_token_ids)
+            tokens = out.prompt_token_ids + c.token_ids
+            rollouts.append(
+                Rollout(
+                    first_group + g,
+                    tokens,
+                    p,
+                    [0] * p + [1] * len(c.token_ids),
+                    [0.0] * p + c.logprobs.tolist(),
+                    c.routed_experts,
+                    reward,
+                    c.finish_reason,
+                    err,
+                )
+            )
+    return rollouts
+
+
+def multi_turn(
+    env, engine, problems: list[Problem], params: list[SamplingParams], adapter, first_group: int = 0
+) -> list[Rollout]:
+    """Episodes: the model speaks, the environment answers (its tokens are not trained on), until done."""
+    tok = engine.tokenizer
+    episodes = []
+    for g, (problem, sp) in enumerate(zip(problems, params, strict=True)):
+        for j in range(sp.n):
+            ids = tok(problem.prompt)["input_ids"]
+            episodes.append(
+                {
+                    "group": first_group + g,
+                    "problem": problem,
+                    "state": env.start(problem),
+                    "tokens": ids,
+                    "num_prompt": len(ids),
+                    "mask": [0] * len(ids),
+                    "lp": [0.0] * len(ids),
+                    "routed": None,
+                    "reward": None,
+                    "finish": "stop",
+                    "error": None,
+                    "seed": sp.seed * 31 + j,
+                    "params": sp,
+                }
+            )
+    active = episodes
+    for turn in range(env.max_turns):
+        if not active:
+            break
+        reqs = [
+            Request(
+                e["tokens"],
+                SamplingParams(
+                    temperature=e["params"].temperature,
+                    top_p=e["params"].top_p,
+                    max_tokens=e["params"].max_tokens,
+                    seed=e["seed"] + turn,
+                ),
+                adapter=adapter,
+            )
+            for e in active
+        ]
+        outs = engine.generate(reqs)
+        still = []
+        for e, out in zip(active, outs, strict=True):
+            if out.error is not None:  # the context filled up: the episode ends unfinished
+                e["reward"], e["finish"] = 0.0, "length"
+                continue
+            c = out.outputs[0]
+            e["tokens"] = e["tokens"] + c.token_ids
+            e["mask"] += [1] * len(c.token_ids)
+            e["lp"] += c.logprobs.tolist()
+            e["routed"] = c.routed_experts
+            e["finish"] = c.finish_reason
+            try:
+                message, reward = env.step(e["state"], c.text)
+            except Exception:  # noqa: BLE001 - a broken environment scores 0 and the run goes on
+                message, reward, e["error"] = None, 0.0, "error"
+            if message is None or turn == env.max_turns - 1:
+                e["reward"] = float(reward or 0.0)
+                continue
+            extra = tok(message, add_special_tokens=False)["input_ids"]
+            e["tokens"] = e["tokens"] + extra
+            e["mask"] += [0] * len(extra)
+            e["lp"] += [0.0] * len(extra)
+            e["routed"] = None  # covered again by the next turn's request
+            still.append(e)
+        active = still
+    rollouts = []
+    for e in episodes:
+        routed = e["routed"]
+        if routed is not None and routed.shape[0] != len(e["tokens"]) - 1:
+            routed = None  # the last turn did not cover the whole sequence: train without replay rows for it
+        rollouts.append(
+            Rollout(
+                e["group"],
+                e["tokens"],
+                e["num_prompt"],
+                e["mask"],
+                e["lp"],
+                routed,
+                float(e["reward"] or 0.0),
+                e["finish"],
+                e["error"],
+            )
+        )
+    return rollouts
+
+
+def keep_informative(rollouts: list[Rollout], group_size: int) -> tuple[list[Rollout], int]:
+    """DAPO dynamic sampling: drop groups whose rewards are all equal."""
+    groups: dict[int, list[Rollout]] = {}
+    for r in rollouts:
+        groups.setdefault(r.group, []).append(r)
+    rewards = torch.tensor([[r.reward for r in g] for g in groups.values()])
+    keep = dynamic_sampling_keep(rewards)
+    kept = [r for k, g in zip(keep.tolist(), groups.values(), strict=True) if k for r in g]
+    return kept, int((~keep).sum())
+
+
+def build_batch(rollouts: list[Rollout], cfg: RunConfig) -> Batch:
+    """Right-padded rows with the loss mask, the engine's logprobs and (R3) its routing per token."""
+    t = max(len(r.tokens) for r in rollouts)
+    b = len(rollouts)
+    ids = torch.zeros(b, t, dtype=torch.long)
+    mask = torch.zeros(b, t, dtype=torch.long)
+    loss_mask = torch.zeros(b, t, dtype=torch.long)
+    rollout_lp = torch.zeros(b, t)
+    replay = None
+    shape = next((r.routed.shape[1:] for r in rollouts if r.routed is not None), None)
+    if cfg.algo.r3 and shape is not None:
+        replay = torch.full((b, t - 1, *shape), -1, dtype=torch.long)  # -1: route yourself (padding)
+    for i, r in enumerate(rollouts):
+        n = len(r.tokens)
+        ids[i, :n] = torch.tensor(r.tokens)
+        mask[i, :n] = 1
+        loss_mask[i, :n] = torch.tensor(r.loss_mask)
+        rollout_lp[i, :n] = torch.tensor(r.rollout_logprobs)
+        if replay is not None and r.routed is not None:
+            replay[i, : n - 1] = r.routed.long()
+        if cfg.algo.overlong_filter and r.finish_reason == "length":
+            loss_mask[i] = 0
+    if int(loss_mask.sum()) == 0:
+        loss_mask[:, -1:] = 0  # keep the batch well-formed; nothing is learned from it
+    batch = Batch(
+        ids,
+        mask,
+        loss_mask,
+        replay,
+        {"rollout_logprobs": rollout_lp},
+        total_tokens=max(1, int(loss_mask.sum())),
+        total_seqs=max(1, int((loss_mask.sum(1) > 0).sum())),
+    )
+    return batch
+
+
+def evaluate(cfg: RunConfig, env, engine, policy: Policy) -> float:
+    """Held-out accuracy: greedy answers to ``env.eval_problems`` test-split problems."""
+    if cfg.env.eval_problems <= 0:
+        return math.nan
+    problems = env.problems(cfg.env.eval_problems, seed=cfg.train.seed, split="test")
+    adapter = ADAPTER if cfg.policy.mode == "lora" else None
+    if hasattr(env, "start"):
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=cfg.rollout.max_tokens, n=1, seed=i)
+            for i in range(len(problems))
+        ]
+        rollouts = multi_turn(env, engine, problems, params, adapter)
+        return sum(r.reward >= 1.0 for r in rollouts) / len(rollouts)
+    outs = engine.generate(
+        [
+            Request(p.prompt, SamplingParams(temperature=0.0, max_tokens=cfg.rollout.max_tokens), adapter=adapter)
+            for p in problems
+        ]
+    )
+    scores = [
+        safe_reward(env.reward, p, o.outputs[0].text, timeout_s=cfg.algo.reward_timeout_s)[0]
+        for p, o in zip(problems, outs, strict=True)
+    ]
+    return sum(s >= 1.0 for s in scores) / len(scores)
+
+
+def finish(cfg: RunConfig, run_dir: Path, policy: Policy) -> dict:
+    """Export what the run made (PEFT adapter or merged weights) and the picture of its curves."""
+    out = {}
+    if cfg.policy.mode == "lora" and cfg.train.export_adapter:
+        from moerl.bridges.peft import write_peft_adapter
+        from moerl.errors import CheckpointError
+
+        try:
+            write_peft_adapter(policy.model, run_dir / "adapter")
+            out["adapter"] = str(run_dir / "adapter")
+        except CheckpointError as e:  # adapters PEFT cannot express: merged weights instead
+            from moerl.bridges import export_model
+            from moerl.model.lora import merged_state_dict
+
+            export_model(policy.model, run_dir / "merged", state_dict=merged_state_dict(policy.model))
+            out["merged"], out["adapter_note"] = str(run_dir / "merged"), str(e)
+    out["plot"] = str(plot_run(run_dir))
+    return out

@@ -1,0 +1,87 @@
+"""Per-step metrics: a jsonl file and TensorBoard scalars in the run directory; ``plot_run`` draws the curves."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+METRICS = "metrics.jsonl"
+
+
+class MetricsLogger:
+    """Appends one JSON line per step to ``run_dir/metrics.jsonl`` and writes TensorBoard scalars."""
+
+    def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True):
+        self.path = Path(run_dir) / METRICS
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        row = {"step": step} | {
+            k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()
+        }
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
+    path = Path(run_dir) / METRICS
+    if not path.exists():
+        from moerl.errors import ConfigError
+
+        raise ConfigError(f"{path} does not exist: not a moerl run directory")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
+    """A PNG of reward / accuracy and of the rollout-vs-trainer mismatch (R3 on and off) per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+
+    def series(key):
+        pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, label in (
+        ("reward_mean", "reward mean"),
+        ("accuracy", "train accuracy"),
+        ("eval_accuracy", "held-out accuracy"),
+    ):
+        x, y = series(key)
+        if x:
+            ax1.plot(x, y, marker="o" if key == "eval_accuracy" else None, label=label)
+    ax1.set_xlabel("step")
+    ax1.set_title("reward")
+    ax1.legend()
+    for key, label in (("mismatch_k3_r3", "k3 KL, R3 on"), ("mismatch_k3_no_r3", "k3 KL, R3 off")):
+        x, y = series(key)
+        if x:
+            ax2.plot(x, y, label=label)
+    ax2.set_yscale("symlog", linthresh=1e-8)
+    ax2.set_xlabel("step")
+    ax2.set_title("rollout vs trainer logprobs")
+    ax2.legend()
+    fig.tight_layout()
+    out = Path(out) if out is not None else Path(run_dir) / "curves.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
