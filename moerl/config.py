@@ -57,6 +57,11 @@ def _coerce(key: str, value, t):
         return value
     if t is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if t is float and isinstance(value, str):  # YAML 1.1 reads 2e-4 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if t in (int, float) and isinstance(value, bool) or not isinstance(value, t):
         raise ConfigError(f"config key {key!r} must be {_type_name(t)}, got {type(value).__name__} {value!r}")
     return value

@@ -5,10 +5,12 @@ logprobs (R3 replay) -> PPO epochs over mini-batches -> weight sync -> metrics -
 from __future__ import annotations
 
 import math
+import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from moerl.config import save_config
@@ -110,6 +112,9 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
     save_config(cfg, run_dir / "config.yaml")
     model_path = ensure_model(cfg, run_dir)
     env = make_env(cfg.env.name, **cfg.env.kwargs)
+    random.seed(cfg.train.seed)  # adapter init, dropout, shuffles: a run is a function of its config
+    np.random.seed(cfg.train.seed)
+    torch.manual_seed(cfg.train.seed)
     policy = Policy(model_path, cfg.policy)
     engine = build_engine(cfg, model_path, policy)
     loss_fn = make_policy_loss(cfg.algo.loss)
@@ -122,7 +127,12 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
             raise ConfigError(f"--resume: no checkpoint in {ckpt_dir}")
         start = load_checkpoint(ckpt_dir, policy)["step"]
     sync_policy(policy, engine, version=start)
-    summary = {"accuracy_before": evaluate(cfg, env, engine, policy)} if start == 0 else {}
+    summary = {}
+    if start == 0:
+        summary = {
+            "accuracy_before": evaluate(cfg, env, engine, policy),
+            "accuracy_sampled_before": evaluate(cfg, env, engine, policy, sampled=True),
+        }
 
     for step in range(start, cfg.train.steps):
         t0 = time.perf_counter()
@@ -235,7 +245,11 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
             save_checkpoint(ckpt_dir, policy, state={"step": step + 1})
 
     summary["accuracy_after"] = evaluate(cfg, env, engine, policy)
-    metrics.log(cfg.train.steps, {"eval_accuracy": summary["accuracy_after"]})
+    summary["accuracy_sampled_after"] = evaluate(cfg, env, engine, policy, sampled=True)
+    metrics.log(
+        cfg.train.steps,
+        {"eval_accuracy": summary["accuracy_after"], "eval_accuracy_sampled": summary["accuracy_sampled_after"]},
+    )
     save_checkpoint(ckpt_dir, policy, state={"step": cfg.train.steps})
     summary |= finish(cfg, run_dir, policy)
     metrics.close()
@@ -458,28 +472,28 @@ def build_batch(rollouts: list[Rollout], cfg: RunConfig) -> Batch:
     return batch
 
 
-def evaluate(cfg: RunConfig, env, engine, policy: Policy) -> float:
-    """Held-out accuracy: greedy answers to ``env.eval_problems`` test-split problems."""
+def evaluate(cfg: RunConfig, env, engine, policy: Policy, sampled: bool = False) -> float:
+    """Held-out accuracy on ``env.eval_problems`` test-split problems: greedy answers, or (``sampled``) the mean
+    over 4 samples each at the rollout temperature."""
     if cfg.env.eval_problems <= 0:
         return math.nan
     problems = env.problems(cfg.env.eval_problems, seed=cfg.train.seed, split="test")
     adapter = ADAPTER if cfg.policy.mode == "lora" else None
+    temperature, n = (cfg.rollout.temperature, 4) if sampled else (0.0, 1)
+    params = [
+        SamplingParams(
+            temperature=temperature, top_p=cfg.rollout.top_p, max_tokens=cfg.rollout.max_tokens, n=n, seed=10_007 + i
+        )
+        for i in range(len(problems))
+    ]
     if hasattr(env, "start"):
-        params = [
-            SamplingParams(temperature=0.0, max_tokens=cfg.rollout.max_tokens, n=1, seed=i)
-            for i in range(len(problems))
-        ]
         rollouts = multi_turn(env, engine, problems, params, adapter)
         return sum(r.reward >= 1.0 for r in rollouts) / len(rollouts)
-    outs = engine.generate(
-        [
-            Request(p.prompt, SamplingParams(temperature=0.0, max_tokens=cfg.rollout.max_tokens), adapter=adapter)
-            for p in problems
-        ]
-    )
+    outs = engine.generate([Request(p.prompt, sp, adapter=adapter) for p, sp in zip(problems, params, strict=True)])
     scores = [
-        safe_reward(env.reward, p, o.outputs[0].text, timeout_s=cfg.algo.reward_timeout_s)[0]
+        safe_reward(env.reward, p, c.text, timeout_s=cfg.algo.reward_timeout_s)[0]
         for p, o in zip(problems, outs, strict=True)
+        for c in o.outputs
     ]
     return sum(s >= 1.0 for s in scores) / len(scores)
 

@@ -1,0 +1,200 @@
+"""The RL loop end to end: every mode learns an easy task, resume continues with the same numbers, configs."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from moerl.cli import main
+from moerl.config import load_config
+from moerl.errors import ConfigError
+from moerl.loop import RunConfig, build_batch, keep_informative, train
+from moerl.trainer.losses import PolicyLossConfig
+
+EASY = {"max_operand": 4, "ops": "+", "num_terms": 2}
+
+
+@pytest.fixture(scope="session")
+def warm_model(tmp_path_factory):
+    """A tiny Qwen3-MoE that has seen the easy task for a few supervised steps: it gets some answers right."""
+    from transformers import AutoTokenizer
+
+    from moerl.bridges import export_model
+    from moerl.envs import make_env
+    from moerl.presets import init_model
+    from moerl.trainer import OptimConfig, Policy, PolicyConfig
+    from moerl.trainer.sft import run_sft
+
+    root = tmp_path_factory.mktemp("warm")
+    init_model("qwen3_moe", "tiny", root / "base", seed=0)
+    env = make_env("arithmetic", **EASY)
+    pol = Policy(
+        root / "base", PolicyConfig(mode="full", dtype="float32", micro_batch_size=256, optim=OptimConfig(lr=3e-3))
+    )
+    run_sft(pol, AutoTokenizer.from_pretrained(root / "base"), env.sft_examples(500, seed=0), steps=25, batch_size=64)
+    export_model(pol.model, root / "warm", tokenizer_dir=root / "base")
+    return root / "warm"
+
+
+def _cfg(run_dir, model, mode, steps, **over) -> RunConfig:
+    overrides = [
+        f"run_dir={run_dir}",
+        f"model.path={model}",
+        f"policy.mode={mode}",
+        "policy.dtype=float32",
+        f"train.steps={steps}",
+        "train.checkpoint_every=2",
+        "env.name=arithmetic",
+        f"env.kwargs={json.dumps(EASY)}",
+        "env.eval_problems=16",
+        "rollout.prompts_per_step=8",
+        "rollout.group_size=8",
+        "rollout.max_tokens=3",
+        "rollout.max_model_len=32",
+        "policy.micro_batch_size=64",
+        "policy.lora.rank=8",
+        "policy.lora.alpha=16",
+    ]
+    overrides += [f"{k}={v}" for k, v in over.items()]
+    return load_config(RunConfig, None, overrides)
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def four_problems(monkeypatch):
+    """Training draws from four fixed easy problems, so a step-to-step rise in reward is learning, not luck."""
+    from moerl.envs.arithmetic import ArithmeticEnv
+
+    fixed = ArithmeticEnv(**EASY).problems(4, seed=3)
+    held_out = ArithmeticEnv.problems
+    monkeypatch.setattr(
+        ArithmeticEnv,
+        "problems",
+        lambda self, n, seed, split="train": (fixed * n)[:n] if split == "train" else held_out(self, n, seed, split),
+    )
+
+
+# (mode, learning rate, extra overrides, required rise): measured on this machine, fp32, seeded, deterministic:
+# full 0.62 -> 0.89, mxfp8 0.63 -> 0.86 (first 3 steps -> last 5), lora 0.65 -> 0.76 (first 3 -> second half)
+MODES = [
+    ("full", 1e-3, {}, 0.15),
+    ("mxfp8", 1e-3, {}, 0.15),
+    ("lora", 3e-3, {"algo.ppo_epochs": 2, "algo.mini_batches": 2}, 0.06),
+]
+
+
+@pytest.mark.parametrize(("mode", "lr", "extra", "rise"), MODES)
+def test_each_mode_raises_the_mean_reward(mode, lr, extra, rise, warm_model, four_problems, tmp_path):
+    cfg = _cfg(
+        tmp_path / mode, warm_model, mode, steps=15, **{"policy.optim.lr": lr, "rollout.prompts_per_step": 4, **extra}
+    )
+    train(cfg)
+    rows = [r for r in _rows(tmp_path / mode) if "reward_mean" in r]
+    rewards = [r["reward_mean"] for r in rows]
+    assert len(rewards) == 15
+    first = sum(rewards[:3]) / 3
+    late = rewards[-5:] if mode != "lora" else rewards[7:]
+    assert sum(late) / len(late) > first + rise, rewards
+    assert rows[0]["mismatch_k3_r3"] is not None and rows[0]["weight_version"] == 1.0
+    assert rows[-1]["mismatch_k3_r3"] < 1e-3  # engine and trainer agree on the synced weights
+    assert (tmp_path / mode / "curves.png").exists() and (tmp_path / mode / "checkpoint" / "checkpoint.json").exists()
+    assert (tmp_path / mode / "config.yaml").exists()
+    if mode == "lora":
+        assert (tmp_path / mode / "adapter" / "adapter_config.json").exists()
+
+
+def test_resume_continues_with_the_same_numbers(warm_model, tmp_path):
+    keys = ("reward_mean", "loss", "grad_norm", "mismatch_k3_r3", "lr")
+    full = train(_cfg(tmp_path / "a", warm_model, "lora", steps=4))  # checkpoints after steps 2 and 4
+    assert full["accuracy_after"] >= 0
+    straight = {r["step"]: r for r in _rows(tmp_path / "a") if "loss" in r}
+    # the same run killed after step 2: its checkpoint is what step 2 left behind
+    train(_cfg(tmp_path / "b", warm_model, "lora", steps=2))
+    shutil.copytree(tmp_path / "b" / "checkpoint", tmp_path / "b" / "kept")
+    train(_cfg(tmp_path / "b", warm_model, "lora", steps=4), resume=True)
+    resumed = {r["step"]: r for r in _rows(tmp_path / "b") if "loss" in r}
+    for step in (3, 4):
+        for k in keys:
+            assert resumed[step][k] == straight[step][k], (step, k)
+
+
+def test_dynamic_sampling_and_overlong_filter(warm_model, tmp_path):
+    cfg = _cfg(
+        tmp_path / "dapo",
+        warm_model,
+        "lora",
+        steps=2,
+        **{"algo.dynamic_sampling": "true", "algo.overlong_filter": "true", "algo.advantage": "rloo"},
+    )
+    train(cfg)
+    rows = [r for r in _rows(tmp_path / "dapo") if "loss" in r]
+    assert all("dropped_groups" in r for r in rows)
+
+
+def test_keep_informative_and_build_batch():
+    from moerl.loop import Rollout
+
+    def ro(group, reward, finish="stop"):
+        return Rollout(
+            group,
+            [1, 2, 3, 4],
+            2,
+            [0, 0, 1, 1],
+            [0.0, 0.0, -0.5, -0.25],
+            torch.zeros(3, 2, 2, dtype=torch.uint8),
+            reward,
+            finish,
+            None,
+        )
+
+    rollouts = [ro(0, 1.0), ro(0, 1.0), ro(1, 0.0), ro(1, 1.0, "length")]
+    kept, dropped = keep_informative(rollouts, 2)
+    assert dropped == 1 and [r.group for r in kept] == [1, 1]
+    cfg = RunConfig()
+    cfg.algo.overlong_filter = True
+    batch = build_batch(kept, cfg)
+    assert batch.loss_mask.tolist() == [[0, 0, 1, 1], [0, 0, 0, 0]]
+    assert batch.extras["rollout_logprobs"][0].tolist() == [0.0, 0.0, -0.5, -0.25]
+    assert batch.replay.shape == (2, 3, 2, 2)
+
+
+def test_config_files_overrides_and_errors(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("run_dir: runs/x\npolicy:\n  mode: full\n  optim:\n    lr: 0.001\nalgo:\n  loss:\n    kind: gspo\n")
+    cfg = load_config(RunConfig, path, ["policy.optim.lr=2e-4", "rollout.group_size=4", "algo.loss.clip_high=0.28"])
+    assert cfg.policy.mode == "full" and cfg.policy.optim.lr == 2e-4 and cfg.rollout.group_size == 4
+    assert isinstance(cfg.algo.loss, PolicyLossConfig) and cfg.algo.loss.kind == "gspo"
+    with pytest.raises(ConfigError, match=r"unknown config key 'rollout.group_sise'; did you mean rollout.group_size"):
+        load_config(RunConfig, None, ["rollout.group_sise=4"])
+    with pytest.raises(ConfigError, match=r"config key 'train.steps' must be int, got str 'many'"):
+        load_config(RunConfig, None, ["train.steps=many"])
+    with pytest.raises(ConfigError, match=r"PolicyConfig.mode='qlora': allowed"):
+        load_config(RunConfig, None, ["policy.mode=qlora"])
+    with pytest.raises(ConfigError, match=r"config file '.*nope.yaml' does not exist"):
+        load_config(RunConfig, tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match=r"override 'steps' must look like key.sub=value"):
+        load_config(RunConfig, None, ["steps"])
+
+
+def test_cli_train_and_plot(warm_model, tmp_path, capsys):
+    run = tmp_path / "cli"
+    args = [
+        f"run_dir={run}",
+        f"model.path={warm_model}",
+        "train.steps=1",
+        "rollout.prompts_per_step=2",
+        "rollout.group_size=2",
+        "rollout.max_tokens=2",
+        "env.eval_problems=4",
+        "policy.dtype=float32",
+    ]
+    assert main(["train", *args]) == 0
+    assert "accuracy_after=" in capsys.readouterr().out
+    assert (run / "config.yaml").read_text().count("prompts_per_step: 2") == 1
+    assert main(["plot", str(run), "--out", str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").stat().st_size > 1000
+    assert main(["train", "rollout.group_sise=2"]) == 2
