@@ -110,8 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("demo", help="the main job: a tiny MoE learns arithmetic (warm-up, then GRPO + LoRA + R3)")
     s.add_argument("--run-dir", default="runs/demo")
-    s.add_argument("--sft-steps", type=int, default=150)
-    s.add_argument("--rl-steps", type=int, default=40)
+    s.add_argument("--sft-steps", type=int, default=120)
+    s.add_argument("--rl-steps", type=int, default=300)
     s.set_defaults(func=cmd_demo)
 
     s = sub.add_parser("train", help="run the RL loop from a YAML config with key.sub=value overrides")

@@ -11,7 +11,7 @@ from moerl.model.lora import LoraConfig
 from moerl.trainer import OptimConfig, Policy, PolicyConfig
 from moerl.trainer.losses import PolicyLossConfig
 
-ENV = {"max_operand": 9, "ops": "+", "num_terms": 2}
+ENV = {"max_operand": 19, "ops": "+", "num_terms": 2}  # 400 problems; 10% held out by hash, never trained on
 
 
 def demo_config(run_dir: Path, model_path: Path, rl_steps: int) -> RunConfig:
@@ -22,7 +22,7 @@ def demo_config(run_dir: Path, model_path: Path, rl_steps: int) -> RunConfig:
             mode="lora",
             dtype="bfloat16",
             lora=LoraConfig(rank=8, alpha=16, layout="shared_outer"),
-            optim=OptimConfig(lr=2e-3, schedule="constant", grad_clip=1.0),
+            optim=OptimConfig(lr=1e-3, schedule="constant", grad_clip=1.0),
             micro_batch_size=128,
         ),
         rollout=RolloutSection(prompts_per_step=16, group_size=8, max_tokens=4, temperature=1.0, max_model_len=32),
@@ -32,7 +32,7 @@ def demo_config(run_dir: Path, model_path: Path, rl_steps: int) -> RunConfig:
     )
 
 
-def run_demo(run_dir: str = "runs/demo", sft_steps: int = 150, rl_steps: int = 40, log=print) -> dict:
+def run_demo(run_dir: str = "runs/demo", sft_steps: int = 120, rl_steps: int = 300, log=print) -> dict:
     """Build, warm up, train with GRPO; returns accuracies, timings and where the outputs are."""
     from transformers import AutoTokenizer
 

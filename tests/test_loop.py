@@ -198,3 +198,16 @@ def test_cli_train_and_plot(warm_model, tmp_path, capsys):
     assert main(["plot", str(run), "--out", str(tmp_path / "c.png")]) == 0
     assert (tmp_path / "c.png").stat().st_size > 1000
     assert main(["train", "rollout.group_sise=2"]) == 2
+
+
+def test_every_example_config_loads():
+    from pathlib import Path
+
+    examples = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
+    assert len(examples) >= 6
+    modes, envs = set(), set()
+    for path in examples:
+        cfg = load_config(RunConfig, path)
+        modes.add(cfg.policy.mode)
+        envs.add(cfg.env.name)
+    assert modes == {"lora", "full", "mxfp8"} and envs == {"arithmetic", "countdown", "math", "calculator"}

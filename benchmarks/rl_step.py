@@ -1,0 +1,121 @@
+"""Seconds per RL step and samples/s: moerl's loop vs TRL's GRPOTrainer (in its own venv; the column is skipped
+without it), same checkpoint, prompts and sizes: 16 prompts x group 8 x 16 new tokens, tiny and small presets.
+
+moerl: the full step of ``moerl.loop.train`` (generate with routing capture, rewards, old logprobs with R3,
+one PPO epoch, weight sync), LoRA mode on every linear layer and the experts, bf16. The first step is a warm-up;
+the median of the rest is reported. TRL: ``benchmarks/trl_grpo_step.py`` in a subprocess, the same way.
+
+    python benchmarks/rl_step.py [--presets tiny small] [--steps 5] [--trl-python /work/trl-venv/bin/python]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from moerl.config import load_config
+from moerl.loop import RunConfig, train
+from moerl.presets import init_model
+
+HERE = Path(__file__).resolve().parent
+STAGES = ("seconds_generate", "seconds_logprobs", "seconds_train", "seconds_sync")
+
+
+def moerl_step(ckpt: str, run_dir: str, args) -> dict:
+    cfg = load_config(
+        RunConfig,
+        None,
+        [
+            f"run_dir={run_dir}",
+            f"model.path={ckpt}",
+            "policy.mode=lora",
+            "policy.dtype=bfloat16",
+            "policy.micro_batch_size=64",
+            f"train.steps={args.steps}",
+            "train.checkpoint_every=0",
+            "train.export_adapter=false",
+            "env.name=arithmetic",
+            "env.eval_problems=0",
+            f"rollout.prompts_per_step={args.prompts}",
+            f"rollout.group_size={args.group}",
+            f"rollout.max_tokens={args.new_tokens}",
+            f"rollout.max_model_len={16 + args.new_tokens}",
+        ],
+    )
+    train(cfg)
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "seconds_train" in r][1:]  # the first step warms up
+    secs = statistics.median(sum(r[s] for s in STAGES) for r in steps)
+    stage = {s.removeprefix("seconds_"): statistics.median(r[s] for r in steps) for s in STAGES}
+    return {"seconds_per_step": secs, "samples_per_s": args.prompts * args.group / secs, "stages": stage}
+
+
+def trl_step(python: str, ckpt: str, args) -> dict:
+    cmd = [
+        python,
+        str(HERE / "trl_grpo_step.py"),
+        "--model",
+        ckpt,
+        "--prompts",
+        str(args.prompts),
+        "--group",
+        str(args.group),
+        "--new-tokens",
+        str(args.new_tokens),
+        "--steps",
+        str(args.steps),
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--presets", nargs="+", default=["tiny", "small"])
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--trl-python", default=os.environ.get("MOERL_TRL_PYTHON", "/work/trl-venv/bin/python"))
+    args = p.parse_args()
+    trl = args.trl_python if Path(args.trl_python).exists() else None
+    print(
+        f"# RL step, {args.prompts} prompts x group {args.group} x {args.new_tokens} new tokens; torch "
+        f"{torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}; TRL: "
+        f"{'yes' if trl else 'not installed, skipped'}"
+    )
+    print(
+        "| preset | moerl s/step | moerl samples/s | moerl stages (gen / logprobs / train / sync s) "
+        "| TRL s/step | TRL samples/s | moerl / TRL |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for preset in args.presets:
+        with tempfile.TemporaryDirectory() as d:
+            ckpt = str(Path(d) / "model")
+            init_model("qwen3_moe", preset, ckpt, seed=0)
+            ours = moerl_step(ckpt, str(Path(d) / "run"), args)
+            theirs = trl_step(trl, ckpt, args) if trl else None
+        st = " / ".join(f"{v:.2f}" for v in ours["stages"].values())
+        t_cols = (
+            (
+                f"{theirs['seconds_per_step']:.2f} | {theirs['samples_per_s']:.1f} | "
+                f"{ours['samples_per_s'] / theirs['samples_per_s']:.2f}x"
+            )
+            if theirs
+            else "n/a | n/a | n/a"
+        )
+        print(
+            f"| {preset} | {ours['seconds_per_step']:.2f} | {ours['samples_per_s']:.1f} | {st} | {t_cols} |", flush=True
+        )
+
+
+if __name__ == "__main__":
+    main()
