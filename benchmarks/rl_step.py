@@ -2,8 +2,9 @@
 without it), same checkpoint, prompts and sizes: 16 prompts x group 8 x 16 new tokens, tiny and small presets.
 
 moerl: the full step of ``moerl.loop.train`` (generate with routing capture, rewards, old logprobs with R3,
-one PPO epoch, weight sync), LoRA mode on every linear layer and the experts, bf16. The first step is a warm-up;
-the median of the rest is reported. TRL: ``benchmarks/trl_grpo_step.py`` in a subprocess, the same way.
+one PPO epoch, weight sync), in full mode (bf16 compute, fp32 masters: what TRL's trainer does) and in LoRA mode
+(every linear layer and the experts). The first step is a warm-up; the median of the rest is reported.
+TRL: ``benchmarks/trl_grpo_step.py`` in a subprocess (full fine-tune, bf16 autocast), the same way.
 
     python benchmarks/rl_step.py [--presets tiny small] [--steps 5] [--trl-python /work/trl-venv/bin/python]
 """
@@ -29,14 +30,14 @@ HERE = Path(__file__).resolve().parent
 STAGES = ("seconds_generate", "seconds_logprobs", "seconds_train", "seconds_sync")
 
 
-def moerl_step(ckpt: str, run_dir: str, args) -> dict:
+def moerl_step(ckpt: str, run_dir: str, args, mode: str) -> dict:
     cfg = load_config(
         RunConfig,
         None,
         [
             f"run_dir={run_dir}",
             f"model.path={ckpt}",
-            "policy.mode=lora",
+            f"policy.mode={mode}",
             "policy.dtype=bfloat16",
             "policy.micro_batch_size=64",
             f"train.steps={args.steps}",
@@ -92,29 +93,23 @@ def main() -> None:
         f"{torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}; TRL: "
         f"{'yes' if trl else 'not installed, skipped'}"
     )
-    print(
-        "| preset | moerl s/step | moerl samples/s | moerl stages (gen / logprobs / train / sync s) "
-        "| TRL s/step | TRL samples/s | moerl / TRL |"
-    )
-    print("|---|---|---|---|---|---|---|")
+    print("| preset | engine | s/step | samples/s | stages (gen / logprobs / train / sync s) | vs TRL |")
+    print("|---|---|---|---|---|---|")
     for preset in args.presets:
         with tempfile.TemporaryDirectory() as d:
             ckpt = str(Path(d) / "model")
             init_model("qwen3_moe", preset, ckpt, seed=0)
-            ours = moerl_step(ckpt, str(Path(d) / "run"), args)
-            theirs = trl_step(trl, ckpt, args) if trl else None
-        st = " / ".join(f"{v:.2f}" for v in ours["stages"].values())
-        t_cols = (
-            (
-                f"{theirs['seconds_per_step']:.2f} | {theirs['samples_per_s']:.1f} | "
-                f"{ours['samples_per_s'] / theirs['samples_per_s']:.2f}x"
+            rows = {f"moerl {m}": moerl_step(ckpt, str(Path(d) / m), args, m) for m in ("full", "lora")}
+            if trl:
+                rows["TRL GRPOTrainer"] = trl_step(trl, ckpt, args)
+        ref = rows.get("TRL GRPOTrainer")
+        for name, r in rows.items():
+            st = " / ".join(f"{v:.2f}" for v in r["stages"].values()) if "stages" in r else "-"
+            vs = f"{r['samples_per_s'] / ref['samples_per_s']:.2f}x" if ref else "n/a"
+            print(
+                f"| {preset} | {name} | {r['seconds_per_step']:.2f} | {r['samples_per_s']:.1f} | {st} | {vs} |",
+                flush=True,
             )
-            if theirs
-            else "n/a | n/a | n/a"
-        )
-        print(
-            f"| {preset} | {ours['seconds_per_step']:.2f} | {ours['samples_per_s']:.1f} | {st} | {t_cols} |", flush=True
-        )
 
 
 if __name__ == "__main__":
