@@ -26,9 +26,14 @@ def demo_config(run_dir: Path, model_path: Path, rl_steps: int) -> RunConfig:
             micro_batch_size=128,
         ),
         rollout=RolloutSection(prompts_per_step=16, group_size=8, max_tokens=4, temperature=1.0, max_model_len=32),
-        algo=AlgoSection(advantage="grpo", loss=PolicyLossConfig(kind="ppo", clip_low=0.2, clip_high=0.28), r3=True),
+        algo=AlgoSection(
+            advantage="grpo",
+            loss=PolicyLossConfig(kind="ppo", clip_low=0.2, clip_high=0.28),
+            mini_batches=2,
+            r3=True,
+        ),
         env=EnvSection(name="arithmetic", kwargs=dict(ENV), eval_problems=200),
-        train=TrainSection(steps=rl_steps, checkpoint_every=10),
+        train=TrainSection(steps=rl_steps, checkpoint_every=50, eval_every=50),
     )
 
 
