@@ -458,8 +458,6 @@ def build_batch(rollouts: list[Rollout], cfg: RunConfig) -> Batch:
             replay[i, : n - 1] = r.routed.long()
         if cfg.algo.overlong_filter and r.finish_reason == "length":
             loss_mask[i] = 0
-    if int(loss_mask.sum()) == 0:
-        loss_mask[:, -1:] = 0  # keep the batch well-formed; nothing is learned from it
     batch = Batch(
         ids,
         mask,

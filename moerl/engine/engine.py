@@ -123,9 +123,13 @@ class LLMEngine:
         self._staged = {}
         self.weight_version = version
 
+    def discard_staged(self) -> None:
+        """Drop what was staged but not committed (start of a new update, or an aborted one)."""
+        self._staged = {}
+
     def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """Replace model tensors by name, all or nothing, and tag later outputs with ``version``."""
-        self._staged = {}
+        self.discard_staged()
         self.stage_weights(tensors)
         self.commit_weights(version)
 

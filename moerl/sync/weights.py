@@ -89,7 +89,7 @@ def sync_policy(policy, engine, version: int, bucket_bytes: int = 64 * 2**20) ->
         n_buckets = 1
     else:
         n_buckets = 0
-        engine._staged = {}
+        engine.discard_staged()
         for bucket in buckets(tensors, bucket_bytes):
             engine.stage_weights(bucket)
             n_buckets += 1
