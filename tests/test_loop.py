@@ -211,3 +211,22 @@ def test_every_example_config_loads():
         modes.add(cfg.policy.mode)
         envs.add(cfg.env.name)
     assert modes == {"lora", "full", "mxfp8"} and envs == {"arithmetic", "countdown", "math", "calculator"}
+
+
+def test_reward_errors_and_timeouts_score_zero_are_counted_and_the_run_goes_on(warm_model, tmp_path, monkeypatch):
+    from hostile_env import HostileEnv
+
+    from moerl.envs import ENVS
+
+    monkeypatch.setitem(ENVS, "hostile", HostileEnv)
+    cfg = _cfg(
+        tmp_path / "hostile",
+        warm_model,
+        "lora",
+        steps=2,
+        **{"env.name": "hostile", "algo.reward_timeout_s": 0.3, "env.eval_problems": 0},
+    )
+    train(cfg)
+    rows = [r for r in _rows(tmp_path / "hostile") if "reward_mean" in r]
+    assert len(rows) == 2  # both steps ran
+    assert sum(r["reward_errors"] for r in rows) > 0 and sum(r["reward_timeouts"] for r in rows) > 0
