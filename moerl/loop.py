@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from moerl.config import save_config
 from moerl.engine import EngineConfig, Request, SamplingParams
@@ -134,7 +136,8 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
             "accuracy_sampled_before": evaluate(cfg, env, engine, policy, sampled=True),
         }
 
-    for step in range(start, cfg.train.steps):
+    bar = tqdm(range(start, cfg.train.steps), desc="rl", unit="step", disable=not sys.stderr.isatty())
+    for step in bar:
         t0 = time.perf_counter()
         # 1. prompts -> engine -> rewards (DAPO dynamic sampling refills groups that carry no signal)
         rollouts, gen_tokens, dropped, refills = [], 0, 0, 0
@@ -241,6 +244,7 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
         if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0:
             row["eval_accuracy"] = evaluate(cfg, env, engine, policy)
         metrics.log(step + 1, row)
+        bar.set_postfix(reward=f"{row['reward_mean']:.3f}", k3=f"{row['mismatch_k3_r3']:.1e}")
         if cfg.train.checkpoint_every and (step + 1) % cfg.train.checkpoint_every == 0:
             save_checkpoint(ckpt_dir, policy, state={"step": step + 1})
 
