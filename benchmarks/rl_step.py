@@ -38,7 +38,7 @@ def moerl_step(ckpt: str, run_dir: str, args, mode: str) -> dict:
             f"run_dir={run_dir}",
             f"model.path={ckpt}",
             f"policy.mode={mode}",
-            "policy.dtype=bfloat16",
+            f"policy.dtype={args.dtype}",
             "policy.micro_batch_size=64",
             f"train.steps={args.steps}",
             "train.checkpoint_every=0",
@@ -85,11 +85,13 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="moerl trainer compute dtype")
     p.add_argument("--trl-python", default=os.environ.get("MOERL_TRL_PYTHON", "/work/trl-venv/bin/python"))
     args = p.parse_args()
     trl = args.trl_python if Path(args.trl_python).exists() else None
     print(
-        f"# RL step, {args.prompts} prompts x group {args.group} x {args.new_tokens} new tokens; torch "
+        f"# RL step, {args.prompts} prompts x group {args.group} x {args.new_tokens} new tokens, moerl trainer "
+        f"{args.dtype} (engine bf16); torch "
         f"{torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}; TRL: "
         f"{'yes' if trl else 'not installed, skipped'}"
     )
