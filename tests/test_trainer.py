@@ -127,6 +127,7 @@ def test_replay_reproduces_rollout_routing_and_router_learns(hf_checkpoints):
         assert torch.allclose(lp[i, n : len(rows[i])], o.outputs[0].logprobs, atol=1e-5)
     other = Batch(ids, mask, mask, replay=(replay + 1) % 8)
     assert not torch.allclose(pol.forward_logprobs(other)[0], lp, atol=1e-3)
+    assert torch.equal(pol.forward_logprobs(Batch(ids, mask, mask), replay=replay)[0], lp)  # replay given directly
     router = pol.model.get_parameter("layers.0.mlp.router.weight").detach().clone()
     pol.train_step(batch, sft_loss)
     assert not torch.equal(pol.model.get_parameter("layers.0.mlp.router.weight"), router)

@@ -6,7 +6,7 @@ import copy
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -128,16 +128,20 @@ class Policy:
     def forward_logprobs(
         self,
         batch: Batch,
-        replay: bool = True,
+        replay: bool | torch.Tensor = True,
         reference: bool = False,
         temperature: float = 1.0,
         entropy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """fp32 logprobs [B, T] of every token given the ones before it (0 at position 0 and on padding).
 
-        ``replay``: use ``batch.replay`` (R3). ``reference``: the reference model (LoRA: adapters off; full: the
-        frozen copy), never with replay.
+        ``replay``: True uses ``batch.replay`` (R3); a tensor [B, T or T-1, L_moe, k] is used in its place; False
+        routes by the model's own router. ``reference``: the reference model (LoRA: adapters off; full: the frozen
+        copy), never with replay.
         """
+        if isinstance(replay, torch.Tensor):
+            batch = replace(batch, replay=replay)
+            replay = True
         model, adapters = self.model, self.adapters
         if reference:
             replay, adapters = False, None
