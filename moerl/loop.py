@@ -132,8 +132,8 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
     summary = {}
     if start == 0:
         summary = {
-            "accuracy_before": evaluate(cfg, env, engine, policy),
-            "accuracy_sampled_before": evaluate(cfg, env, engine, policy, sampled=True),
+            "accuracy_before": evaluate(cfg, env, engine),
+            "accuracy_sampled_before": evaluate(cfg, env, engine, sampled=True),
         }
 
     bar = tqdm(range(start, cfg.train.steps), desc="rl", unit="step", disable=not sys.stderr.isatty())
@@ -145,14 +145,11 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
         while len({r.group for r in rollouts}) < cfg.rollout.prompts_per_step:
             want = cfg.rollout.prompts_per_step - len({r.group for r in rollouts})
             problems = env.problems(want, seed=seed * 101 + refills, split="train")
+            params = sampling_params(
+                cfg, len(problems), cfg.rollout.temperature, cfg.rollout.group_size, seed=(seed * 101 + refills) * 7919
+            )
             batch_rollouts = generate(
-                cfg,
-                env,
-                engine,
-                policy,
-                problems,
-                seed * 101 + refills,
-                first_group=len(rollouts) and max(r.group for r in rollouts) + 1,
+                cfg, env, engine, problems, params, first_group=len(rollouts) and max(r.group for r in rollouts) + 1
             )
             gen_tokens += sum(sum(r.loss_mask) for r in batch_rollouts)
             if cfg.algo.dynamic_sampling:
@@ -242,14 +239,14 @@ def train(cfg: RunConfig, resume: bool = False) -> dict:
         for key in train_metrics[0]:
             row[key] = sum(m[key] for m in train_metrics) / len(train_metrics)
         if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0:
-            row["eval_accuracy"] = evaluate(cfg, env, engine, policy)
+            row["eval_accuracy"] = evaluate(cfg, env, engine)
         metrics.log(step + 1, row)
         bar.set_postfix(reward=f"{row['reward_mean']:.3f}", k3=f"{row['mismatch_k3_r3']:.1e}")
         if cfg.train.checkpoint_every and (step + 1) % cfg.train.checkpoint_every == 0:
             save_checkpoint(ckpt_dir, policy, state={"step": step + 1})
 
-    summary["accuracy_after"] = evaluate(cfg, env, engine, policy)
-    summary["accuracy_sampled_after"] = evaluate(cfg, env, engine, policy, sampled=True)
+    summary["accuracy_after"] = evaluate(cfg, env, engine)
+    summary["accuracy_sampled_after"] = evaluate(cfg, env, engine, sampled=True)
     metrics.log(
         cfg.train.steps,
         {"eval_accuracy": summary["accuracy_after"], "eval_accuracy_sampled": summary["accuracy_sampled_after"]},
@@ -296,22 +293,20 @@ def build_engine(cfg: RunConfig, model_path: Path, policy: Policy):
     return engine
 
 
-def generate(
-    cfg: RunConfig, env, engine, policy: Policy, problems: list[Problem], seed: int, first_group: int = 0
-) -> list[Rollout]:
-    """n samples per problem, scored. Multi-turn environments run their episodes turn by turn."""
-    adapter = ADAPTER if cfg.policy.mode == "lora" else None
-    n = cfg.rollout.group_size
-    params = [
-        SamplingParams(
-            temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p,
-            max_tokens=cfg.rollout.max_tokens,
-            n=n,
-            seed=seed * 7919 + i,
-        )
-        for i in range(len(problems))
+def sampling_params(cfg: RunConfig, count: int, temperature: float, n: int, seed: int) -> list[SamplingParams]:
+    """One SamplingParams per problem (seeds ``seed``, ``seed + 1``, ...), the rest from ``cfg.rollout``."""
+    r = cfg.rollout
+    return [
+        SamplingParams(temperature=temperature, top_p=r.top_p, max_tokens=r.max_tokens, n=n, seed=seed + i)
+        for i in range(count)
     ]
+
+
+def generate(
+    cfg: RunConfig, env, engine, problems: list[Problem], params: list[SamplingParams], first_group: int = 0
+) -> list[Rollout]:
+    """``params[i].n`` samples of ``problems[i]``, scored. Multi-turn environments run their episodes turn by turn."""
+    adapter = ADAPTER if cfg.policy.mode == "lora" else None
     if hasattr(env, "start"):
         return multi_turn(env, engine, problems, params, adapter, first_group)
     outs = engine.generate([Request(p.prompt, sp, adapter=adapter) for p, sp in zip(problems, params, strict=True)])
@@ -474,30 +469,15 @@ def build_batch(rollouts: list[Rollout], cfg: RunConfig) -> Batch:
     return batch
 
 
-def evaluate(cfg: RunConfig, env, engine, policy: Policy, sampled: bool = False) -> float:
+def evaluate(cfg: RunConfig, env, engine, sampled: bool = False) -> float:
     """Held-out accuracy on ``env.eval_problems`` test-split problems: greedy answers, or (``sampled``) the mean
     over 4 samples each at the rollout temperature."""
     if cfg.env.eval_problems <= 0:
         return math.nan
     problems = env.problems(cfg.env.eval_problems, seed=cfg.train.seed, split="test")
-    adapter = ADAPTER if cfg.policy.mode == "lora" else None
     temperature, n = (cfg.rollout.temperature, 4) if sampled else (0.0, 1)
-    params = [
-        SamplingParams(
-            temperature=temperature, top_p=cfg.rollout.top_p, max_tokens=cfg.rollout.max_tokens, n=n, seed=10_007 + i
-        )
-        for i in range(len(problems))
-    ]
-    if hasattr(env, "start"):
-        rollouts = multi_turn(env, engine, problems, params, adapter)
-        return sum(r.reward >= 1.0 for r in rollouts) / len(rollouts)
-    outs = engine.generate([Request(p.prompt, sp, adapter=adapter) for p, sp in zip(problems, params, strict=True)])
-    scores = [
-        safe_reward(env.reward, p, c.text, timeout_s=cfg.algo.reward_timeout_s)[0]
-        for p, o in zip(problems, outs, strict=True)
-        for c in o.outputs
-    ]
-    return sum(s >= 1.0 for s in scores) / len(scores)
+    rollouts = generate(cfg, env, engine, problems, sampling_params(cfg, len(problems), temperature, n, seed=10_007))
+    return sum(r.reward >= 1.0 for r in rollouts) / len(rollouts)
 
 
 def finish(cfg: RunConfig, run_dir: Path, policy: Policy) -> dict:

@@ -5,7 +5,7 @@ Bridges fill this from a Hugging Face ``config.json``; the model never reads HF 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -122,12 +122,3 @@ class ModelConfig:
     @property
     def moe_layer_set(self) -> frozenset[int]:
         return frozenset(self.moe_layers)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> ModelConfig:
-        d = dict(d)
-        d["rope"] = RopeConfig(**d.get("rope", {}))
-        return cls(**d)
