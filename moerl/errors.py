@@ -22,3 +22,15 @@ class UnknownArchitectureError(MoerlError, KeyError):
 
 class ReplayError(MoerlError, ValueError):
     """Replayed expert indices do not fit the forward: wrong shape or out of range."""
+
+
+class RequestError(MoerlError, ValueError):
+    """A request cannot be served as given (empty prompt, unknown adapter, token outside the vocabulary)."""
+
+
+class RunDirError(MoerlError, RuntimeError):
+    """A run directory cannot be used as asked: it holds another run, another process owns it, or it is unwritable."""
+
+
+class TrainingStopped(MoerlError, RuntimeError):
+    """Training cannot go on (non-finite loss, logprobs or weights); the last good checkpoint is on disk."""

@@ -16,12 +16,8 @@ from moerl.engine.kv_cache import KVCache, StepView, bytes_per_block
 from moerl.engine.sampler import sample, sequence_generator
 from moerl.engine.scheduler import Scheduler
 from moerl.engine.sequence import Completion, Group, Request, RequestOutput, Sequence
-from moerl.errors import CheckpointError, ConfigError, MoerlError
+from moerl.errors import CheckpointError, ConfigError, RequestError
 from moerl.model.transformer import MoEModel
-
-
-class RequestError(MoerlError, ValueError):
-    """A request cannot be served as given (empty prompt, unknown adapter, token outside the vocabulary)."""
 
 
 class LLMEngine:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from moerl.bridges import load_model
-from moerl.errors import ConfigError, MoerlError
+from moerl.errors import ConfigError, TrainingStopped
 from moerl.model.lora import LoraConfig, attach_lora
 from moerl.trainer.batch import Batch
 from moerl.trainer.optim import MasterWeights, lr_lambda
@@ -22,10 +22,6 @@ MODES = ("lora", "full", "mxfp8")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 LossFn = Callable[[torch.Tensor, Batch, torch.Tensor | None], tuple[torch.Tensor, dict[str, float]]]
-
-
-class TrainingStopped(MoerlError, RuntimeError):
-    """Training cannot go on (e.g. too many consecutive non-finite steps); a checkpoint was written first."""
 
 
 @dataclass(slots=True)
