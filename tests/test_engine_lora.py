@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from moerl.bridges import load_model
 from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
-from moerl.errors import CheckpointError, ConfigError
+from moerl.errors import CheckpointError, ConfigError, RequestError
 from moerl.model.lora import LoraConfig, attach_lora, lora_modules, merged_state_dict, slot_tensors
 
 ARCH = "Qwen3MoeForCausalLM"
@@ -178,7 +178,7 @@ def test_adapter_errors(hf_checkpoints):
     path = hf_checkpoints[ARCH][0]
     tensors, _ = _trained_adapter(path, "per_expert", rank=4, seed=4)
     engine = LLMEngine(path, EngineConfig(max_num_seqs=2, max_model_len=32, max_loras=1, max_lora_rank=4))
-    with pytest.raises(ConfigError, match=r"request 0: unknown adapter 'nope'; loaded adapters: none"):
+    with pytest.raises(RequestError, match=r"request 0: unknown adapter 'nope'; loaded adapters: none"):
         engine.generate([Request([5, 6], adapter="nope")])
     bad = dict(tensors)
     bad["layers.0.self_attn.q_proj.lora_A"] = torch.zeros(4, 32)

@@ -36,6 +36,28 @@ def read_config(path: str | os.PathLike) -> dict:
         raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
 
 
+def load_tokenizer(path: str | os.PathLike):
+    """The checkpoint's tokenizer (``AutoTokenizer.from_pretrained``). A missing or malformed one is a
+    CheckpointError naming the file and the cause, not a traceback from deep inside transformers."""
+    path = Path(path)
+    if not (path / "tokenizer_config.json").exists() and not (path / "tokenizer.json").exists():
+        raise CheckpointError(f"{path} has no tokenizer (tokenizer_config.json or tokenizer.json)")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        file = path / name
+        if file.exists():
+            try:
+                json.loads(file.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise CheckpointError(f"{file} is not valid JSON: {e}") from None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - transformers raises anything from KeyError to TypeError on bad files
+        file = path / "tokenizer.json" if (path / "tokenizer.json").exists() else path / "tokenizer_config.json"
+        raise CheckpointError(f"{file}: cannot load the tokenizer: {type(e).__name__}: {e}") from None
+
+
 def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():

@@ -42,7 +42,12 @@ def read_peft_adapter(path: str | os.PathLike, model) -> dict[str, torch.Tensor]
     for f in (cfg_file, weights):
         if not f.exists():
             raise CheckpointError(f"{f} does not exist: not a PEFT adapter directory")
-    cfg = json.loads(cfg_file.read_text())
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{cfg_file}: expected a JSON object, got {type(cfg).__name__}")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise CheckpointError(f"{cfg_file}: peft_type {cfg.get('peft_type')!r} is not LORA")
     if cfg.get("use_dora"):
@@ -72,12 +77,22 @@ def read_peft_adapter(path: str | os.PathLike, model) -> dict[str, torch.Tensor]
         if set(ab) != {"lora_A", "lora_B"}:
             raise CheckpointError(f"{weights.name}: module {hf_module!r} has {sorted(ab)}, needs lora_A and lora_B")
         a, b = ab["lora_A"], ab["lora_B"]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] == 0 or a.shape[0] != b.shape[1]:
+            raise CheckpointError(
+                f"{weights.name}: module {hf_module!r} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; "
+                "needs [r, in] and [out, r] with the same rank r >= 1"
+            )
         experts_module = hf_module.removesuffix(".base_layer")
         place = resolve(bridge, params, f"{experts_module}.gate_up_proj")
         if experts_module.endswith("experts") and place is not None:  # a ParamWrapper on the 3D experts
             moerl_module = place[2].removesuffix(".gate_up_proj")
             e, h, i = mcfg.num_experts, mcfg.hidden_size, mcfg.moe_intermediate_size
             rank = a.shape[0] // e
+            if rank == 0 or a.shape[0] % e:
+                raise CheckpointError(
+                    f"{weights.name}: expert module {hf_module!r} has lora_A {tuple(a.shape)}: its rows must be "
+                    f"num_experts={e} x rank r >= 1"
+                )
             a_e = a.view(e, rank, a.shape[1])  # [E, r, in]
             b_e = b.view(b.shape[0], rank, e).permute(2, 0, 1)  # [E, out, r]
             is_gate_up = b.shape[0] == 2 * i if 2 * i != h else a.shape[1] == h

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 from dataclasses import dataclass, field
 
 from moerl.errors import ConfigError
@@ -32,6 +35,23 @@ class SamplingParams:
         def bad(name: str, rule: str) -> ConfigError:
             return ConfigError(f"SamplingParams.{name}={getattr(self, name)!r}: {rule}")
 
+        # types first (int-valued numpy / torch scalars become ints), once per request: the decode loop trusts them
+        for name in ("temperature", "top_p"):
+            value = real_or_none(getattr(self, name))
+            if value is None:
+                raise bad(name, "must be a finite real number")
+            setattr(self, name, value)
+        for name in ("top_k", "max_tokens", "min_tokens", "n", "seed"):
+            value = getattr(self, name)
+            if value is None and name == "seed":
+                continue
+            value = int_or_none(value)
+            if value is None:
+                raise bad(name, "must be an int")
+            setattr(self, name, value)
+        for name in ("ignore_eos", "logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be True or False")
         if not self.temperature >= 0:
             raise bad("temperature", "must be >= 0")
         if not 0 < self.top_p <= 1:
@@ -44,8 +64,33 @@ class SamplingParams:
             raise bad("min_tokens", f"must lie in [0, max_tokens={self.max_tokens}]")
         if self.n < 1:
             raise bad("n", "must be >= 1")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        # an empty stop string would match at once and end every completion empty
+        if not isinstance(stops, list | tuple) or not all(isinstance(s, str) and s for s in stops):
+            raise bad("stop", "must be non-empty strings (a str or a list of them)")
+        self.stop = list(stops)
+        ids = [int_or_none(t) for t in self.stop_token_ids] if isinstance(self.stop_token_ids, list | tuple) else [None]
+        if None in ids:
+            raise bad("stop_token_ids", "must be a list of int token ids")
+        self.stop_token_ids = ids
+
+
+def int_or_none(value) -> int | None:
+    """``value`` as an int when it is one (int, numpy or torch integer scalar; not a bool), else None."""
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")).endswith("bool"):  # numpy / torch bools
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def real_or_none(value) -> float | None:
+    """``value`` as a finite float when it is a real number (not a bool, str or None), else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
 
 
 @dataclass(slots=True)

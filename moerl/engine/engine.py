@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from math import ceil
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
 from moerl.engine.adapters import AdapterSlots
-from moerl.engine.config import EngineConfig, SamplingParams
+from moerl.engine.config import EngineConfig, SamplingParams, int_or_none
 from moerl.engine.kv_cache import KVCache, StepView, bytes_per_block
 from moerl.engine.sampler import sample, sequence_generator
 from moerl.engine.scheduler import Scheduler
@@ -40,9 +42,9 @@ class LLMEngine:
 
             path = Path(model)
             if tokenizer is None and (path / "tokenizer.json").exists():
-                from transformers import AutoTokenizer
+                from moerl.bridges.checkpoint import load_tokenizer
 
-                tokenizer = AutoTokenizer.from_pretrained(path)
+                tokenizer = load_tokenizer(path)
             model = load_model(path, dtype=dtype)
         self.model, self.tokenizer = model.eval(), tokenizer
         mcfg = model.config
@@ -83,6 +85,9 @@ class LLMEngine:
         self.adapters.add(name, source)
 
     def remove_adapter(self, name: str) -> None:
+        """Free adapter ``name``'s slot; an unknown name is a RequestError listing the loaded ones."""
+        if self.adapters is None:
+            raise ConfigError(f"remove_adapter({name!r}): EngineConfig.max_loras=0: this engine has no adapter slots")
         self.adapters.remove(name)
 
     def stage_weights(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -135,67 +140,126 @@ class LLMEngine:
         self.weight_version = version
 
     # -- generation ----------------------------------------------------------------------------------------
-    def _group(self, i: int, req: Request) -> Group | RequestOutput:
-        prompt = req.prompt
-        rid = req.request_id or str(self._order + i)
+    def _token_ids(self, prompt, rid: str) -> list[int]:
+        """The prompt as a list of ints: text through the tokenizer; a list, tuple, 1-D tensor or array of ints."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError(f"request {rid}: a text prompt needs a tokenizer (pass token ids or a tokenizer)")
-            prompt = self.tokenizer(prompt)["input_ids"]
-        prompt = [int(t) for t in prompt]
+            return self.tokenizer(prompt)["input_ids"]
+        if isinstance(prompt, torch.Tensor | np.ndarray):
+            kind = "tensor" if isinstance(prompt, torch.Tensor) else "array"
+            if prompt.ndim != 1:
+                raise RequestError(
+                    f"request {rid}: prompt {kind} has shape {tuple(prompt.shape)}; token ids must be 1-D"
+                )
+            if "int" not in str(prompt.dtype):  # float, bool, complex: int() would truncate or coerce silently
+                raise RequestError(f"request {rid}: prompt is a {prompt.dtype} {kind}; token ids must be integers")
+            return prompt.tolist()
+        if not isinstance(prompt, list | tuple):
+            raise RequestError(
+                f"request {rid}: prompt must be text or a list of token ids, not {type(prompt).__name__}"
+            )
+        ids = [int_or_none(t) for t in prompt]
+        if None in ids:
+            j = ids.index(None)
+            raise RequestError(f"request {rid}: prompt token {prompt[j]!r} at position {j} is not an integer token id")
+        return ids
+
+    def _group(self, i: int, req: Request) -> Group | RequestOutput:
+        """Check one request (raising RequestError) and build its group, or a rejected output if it cannot run."""
+        rid = req.request_id or str(self._order + i)
+        p = req.params
+        if not isinstance(p, SamplingParams):
+            raise RequestError(f"request {rid}: params must be a SamplingParams, not {type(p).__name__}")
+        prompt = self._token_ids(req.prompt, rid)
         if not prompt:
             raise RequestError(f"request {rid}: empty prompt")
         vocab = self.model.config.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"request {rid}: prompt token {bad[0]} outside the vocabulary [0, {vocab})")
+        bad = [t for t in p.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"request {rid}: stop token id {bad[0]} outside the vocabulary [0, {vocab})")
         slot = -1
         if req.adapter is not None:
+            if not isinstance(req.adapter, str):
+                raise RequestError(f"request {rid}: adapter must be a name (str), not {type(req.adapter).__name__}")
             if self.adapters is None:
                 raise RequestError(f"request {rid}: adapter {req.adapter!r} asked for, but EngineConfig.max_loras=0")
-            slot = self.adapters.slot(req.adapter, rid)
-        p = req.params
+            slot = self.adapters.slot(req.adapter, f"request {rid}")
         room = self.config.max_model_len - len(prompt)
         if room < 1:
             error = (
-                f"prompt of {len(prompt)} tokens does not fit the context window "
+                f"request {rid}: prompt of {len(prompt)} tokens does not fit the context window "
                 f"(EngineConfig.max_model_len={self.config.max_model_len})"
             )
-            return RequestOutput(rid, prompt, [], self.weight_version, error=error)
+            return RequestOutput(rid, prompt, [], self.weight_version, error=error, error_kind="rejected")
         group = Group(
-            self._order + i, rid, prompt, p, slot, min(p.max_tokens, room), weight_version=self.weight_version
+            self._order + i,
+            rid,
+            prompt,
+            p,
+            slot,
+            min(p.max_tokens, room),
+            weight_version=self.weight_version,
+            adapter=req.adapter,
         )
         group.seqs = [Sequence(group, j, list(prompt), generator=sequence_generator(p.seed, j)) for j in range(p.n)]
         why = self.scheduler.fits(group)
         if why is not None:
-            return RequestOutput(rid, prompt, [], self.weight_version, error=f"request {rid}: {why}")
+            error = f"request {rid}: {why}"
+            return RequestOutput(rid, prompt, [], self.weight_version, error=error, error_kind="rejected")
         return group
 
     @torch.inference_mode()
     def generate(
-        self, requests: list[Request | str | list[int]], params: SamplingParams | None = None
+        self,
+        requests: list[Request | str | list[int]],
+        params: SamplingParams | None = None,
+        on_token: Callable[[int, int, int, str | None], None] | None = None,
     ) -> list[RequestOutput]:
         """Run every request to completion; outputs come back in request order.
 
-        Bad requests (empty prompt, unknown adapter, token outside the vocabulary) raise before anything runs; a
-        prompt that does not fit the context window fails alone, with ``error`` set on its output.
+        Bad requests (empty prompt, non-integer or out-of-vocabulary token, unknown adapter) raise RequestError
+        before anything runs. A request that cannot run here (prompt longer than the context window, more than the
+        cache) fails alone, and so does one whose logits turn non-finite: see ``RequestOutput.error``.
+
+        ``on_token(request_index, sample_index, token_id, finish_reason)`` (streaming) is called after every
+        sampled token, in the order they are sampled; ``finish_reason`` is None until the sample's last token
+        (a sample whose request fails while running gets no last call: its output says "error").
+
+        If anything raises while generating (KeyboardInterrupt, or from ``on_token``, included), this call's
+        requests are dropped and their cache blocks freed and zeroed before the exception propagates, so the next
+        call runs as on a fresh engine (seeded samples repeat bit for bit).
         """
         reqs = [r if isinstance(r, Request) else Request(r, params or SamplingParams()) for r in requests]
+        first = self._order
         items = [self._group(i, r) for i, r in enumerate(reqs)]  # validates all before any runs
         self._order += len(reqs)
         groups = [g for g in items if isinstance(g, Group)]
-        for g in groups:
-            self.scheduler.add(g)
         total = sum(g.params.n * g.max_tokens for g in groups)
         show = self.config.progress
         if show is None:
             show = total >= 4096 and sys.stderr.isatty()
-        with tqdm(total=total, unit="tok", disable=not show, desc="generate") as bar:
-            while self.scheduler.has_work():
-                bar.update(self._step())
+        hook = None
+        if on_token is not None:
+
+            def hook(s: Sequence, token: int, reason: str | None) -> None:
+                on_token(s.group.order - first, s.index, token, reason)
+
+        try:
+            for g in groups:
+                self.scheduler.add(g)
+            with tqdm(total=total, unit="tok", disable=not show, desc="generate") as bar:
+                while self.scheduler.has_work():
+                    bar.update(self._step(hook))
+        except BaseException:
+            self.scheduler.abort(groups)
+            raise
         return [item if isinstance(item, RequestOutput) else self._output(item) for item in items]
 
-    def _step(self) -> int:
+    def _step(self, hook: Callable[[Sequence, int, str | None], None] | None = None) -> int:
         kind, batch = self.scheduler.next_batch()
         bs = self.cache.block_size
         c = max(n for _, n in batch)
@@ -204,7 +268,11 @@ class LLMEngine:
         ids = torch.tensor([s.tokens[s.num_cached : s.num_cached + n] + [0] * (c - n) for s, n in batch])
         starts = torch.tensor([s.num_cached for s, _ in batch])
         positions = starts[:, None] + torch.arange(c)[None, :]
-        tables = torch.tensor([s.block_table[:nb] + [0] * (nb - len(s.block_table[:nb])) for s, _ in batch])
+        # short tables are padded with their own first block: its unused slots are masked (weight 0), and only a
+        # sequence's own blocks are sure to hold finite values (0 * NaN from another's block would be NaN)
+        tables = torch.tensor(
+            [s.block_table[:nb] + s.block_table[:1] * (nb - len(s.block_table[:nb])) for s, _ in batch]
+        )
         lengths = torch.tensor([n for _, n in batch])
         ids, positions, tables, lengths = (t.to(device) for t in (ids, positions, tables, lengths))
         view = StepView(self.cache, tables, positions, lengths)
@@ -240,8 +308,15 @@ class LLMEngine:
         if not to_sample:
             return 0
         seqs = [s for s, _ in to_sample]
+        rows = out.logits[[r for _, r in to_sample]]
+        finite = rows.isfinite().all(-1)  # one vectorised check per step, on the rows being sampled only
+        logits, finite = rows.cpu(), finite.cpu()
+        if not bool(finite.all()):
+            seqs, logits = self._fail_non_finite(seqs, logits, finite)
+            if not seqs:
+                return 0
         tokens, logprobs = sample(
-            out.logits[[r for _, r in to_sample]].cpu(),
+            logits,
             [s.group.params for s in seqs],
             [s.generator for s in seqs],
             [s.num_generated for s in seqs],
@@ -254,7 +329,33 @@ class LLMEngine:
             reason = self._stop_reason(s, tok)
             if reason is not None:
                 self.scheduler.finish(s, reason)
+            if hook is not None:
+                hook(s, tok, reason)
         return len(seqs)
+
+    def _fail_non_finite(
+        self, seqs: list[Sequence], logits: torch.Tensor, finite: torch.Tensor
+    ) -> tuple[list[Sequence], torch.Tensor]:
+        """Fail every request with a non-finite row (all its samples end, their blocks are freed and zeroed);
+        return the other sequences and their logits."""
+        failed: set[Group] = set()
+        for i in (~finite).nonzero().flatten().tolist():
+            s, g = seqs[i], seqs[i].group
+            if g in failed:
+                continue
+            failed.add(g)
+            what = "nan" if bool(logits[i].isnan().any()) else "inf"
+            adapter = f"adapter {g.adapter!r}" if g.adapter is not None else "base model"
+            g.error = (
+                f"request {g.request_id}: non-finite logits ({what}) at generated token {s.num_generated} of sample "
+                f"{s.index} ({adapter}, weight version {g.weight_version})"
+            )
+            g.error_kind = "non_finite"
+            for seq in g.seqs:
+                if seq.finish_reason is None:
+                    self.scheduler.finish(seq, "error", zero=True)
+        keep = [i for i, s in enumerate(seqs) if s.group not in failed]
+        return [seqs[i] for i in keep], logits[keep]
 
     def _stop_reason(self, s: Sequence, token: int) -> str | None:
         p = s.group.params
@@ -278,9 +379,10 @@ class LLMEngine:
             routed = None
             if prompt_routed is not None:
                 routed = torch.cat([prompt_routed, torch.stack(s.routed)]) if s.routed else prompt_routed
+                routed = routed[: len(s.tokens) - 1]  # a failed sample ran a token it got no successor for
             text = s.text
             if text is None:
                 text = self.tokenizer.decode(generated, skip_special_tokens=True) if self.tokenizer else ""
             logprobs = torch.tensor(s.logprobs, dtype=torch.float32) if g.params.logprobs else None
             outs.append(Completion(s.index, generated, text, logprobs, s.finish_reason, routed))
-        return RequestOutput(g.request_id, g.prompt, outs, g.weight_version)
+        return RequestOutput(g.request_id, g.prompt, outs, g.weight_version, error=g.error, error_kind=g.error_kind)

@@ -41,11 +41,15 @@ class BlockAllocator:
         for b in blocks:
             self.refs[b] += 1
 
-    def release(self, blocks: list[int]) -> None:
+    def release(self, blocks: list[int]) -> list[int]:
+        """Drop one reference to each block; returns the blocks that became free."""
+        freed = []
         for b in blocks:
             self.refs[b] -= 1
             if self.refs[b] == 0:
                 self.free.append(b)
+                freed.append(b)
+        return freed
 
 
 class KVCache:
@@ -63,6 +67,16 @@ class KVCache:
         self.v = [torch.zeros(heads, n, dv, dtype=dtype, device=device) for _ in cfg.layer_types]
         self.nbytes = sum(t.numel() * t.element_size() for t in self.k + self.v)
         self.sliding_window = cfg.sliding_window
+
+    def zero(self, blocks: list[int]) -> None:
+        """Zero these blocks in every pool. Attention weighs the unused slots of a block by 0, and 0 * NaN = NaN:
+        blocks a non-finite sequence wrote must not reach the next owner as they are."""
+        if not blocks:
+            return
+        bs = self.block_size
+        slots = (torch.tensor(blocks)[:, None] * bs + torch.arange(bs)).flatten().to(self.k[0].device)
+        for pool in self.k + self.v:
+            pool.index_fill_(1, slots, 0)
 
     def copy_block(self, src: int, dst: int) -> None:
         bs = self.block_size

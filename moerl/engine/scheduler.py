@@ -88,11 +88,31 @@ class Scheduler:
             seq.num_cached = prompt
         self.running.extend(group.seqs)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: str, zero: bool = False) -> None:
+        """End a running sequence and release its blocks (``zero``: wipe those that become free, see KVCache.zero)."""
         seq.finish_reason = reason
-        self.blocks.release(seq.block_table)
+        freed = self.blocks.release(seq.block_table)
+        if zero:
+            self.cache.zero(freed)
         seq.block_table = []
         self.running.remove(seq)
+
+    def abort(self, groups: list[Group]) -> None:
+        """Drop these groups wherever they are (waiting, prefilling, running) and free and zero all their blocks.
+
+        Used when a generate call is interrupted: the next one then finds the scheduler as a fresh engine would.
+        """
+        dropped = set(groups)
+        self.waiting = deque(g for g in self.waiting if g not in dropped)
+        self.prefilling = [g for g in self.prefilling if g not in dropped]
+        self.running = [s for s in self.running if s.group not in dropped]
+        freed = []
+        for group in groups:
+            for seq in group.seqs:
+                freed += self.blocks.release(seq.block_table)
+                seq.block_table = []
+                seq.finish_reason = seq.finish_reason or "abort"
+        self.cache.zero(freed)  # the fault may have come from non-finite values
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)

@@ -27,17 +27,22 @@ class Completion:
     token_ids: list[int]
     text: str
     logprobs: torch.Tensor | None  # [G] fp32, sampled-token logprob after temperature
-    finish_reason: str  # stop | length | error
+    finish_reason: str  # stop | length | error (its request failed: RequestOutput.error)
     routed_experts: torch.Tensor | None  # [T-1, L_moe, k] uint8 (int16 when E > 256), prompt rows included
 
 
 @dataclass(slots=True)
 class RequestOutput:
+    """What one request produced. ``error`` says why it failed (None: it did not), naming the request;
+    ``error_kind`` is "rejected" (it never ran: the prompt does not fit the context window or the cache) or
+    "non_finite" (its logits went NaN / inf while it ran: its completions so far come back, ending in "error")."""
+
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[Completion]
     weight_version: int
-    error: str | None = None  # set when the request was rejected (e.g. prompt longer than the context window)
+    error: str | None = None
+    error_kind: str | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -73,6 +78,9 @@ class Group:
     seqs: list[Sequence] = field(default_factory=list)
     prompt_routed: list[torch.Tensor] = field(default_factory=list)  # [chunk, L_moe, k] per prefill chunk
     weight_version: int = 0
+    adapter: str | None = None
+    error: str | None = None  # set when the group failed while running (see RequestOutput)
+    error_kind: str | None = None
 
     @property
     def done(self) -> bool:
