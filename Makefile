@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/moerl demo
+	$(VENV)/bin/moerl demo --overwrite
 
 test: $(STAMP)
 	$(PY) -m ruff check moerl tests benchmarks

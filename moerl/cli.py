@@ -13,44 +13,111 @@ from moerl.errors import MoerlError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-@torch.no_grad()
-def sample(
-    model, prompt_ids: list[int], max_tokens: int, temperature: float, eos_id: int | None, generator: torch.Generator
-) -> list[int]:
-    """Plain sampling by full recompute, one sequence. The rollout engine (moerl.engine) replaces this."""
-    ids = list(prompt_ids)
-    for _ in range(max_tokens):
-        logits = model(torch.tensor([ids])).logits[0, -1].float()
-        if temperature == 0:
-            nxt = int(logits.argmax())
-        else:
-            nxt = int(torch.multinomial((logits / temperature).softmax(-1), 1, generator=generator))
-        ids.append(nxt)
-        if nxt == eos_id:
-            break
-    return ids[len(prompt_ids) :]
-
-
 def cmd_init_model(args) -> None:
+    from pathlib import Path
+
+    from moerl.errors import RunDirError
     from moerl.presets import count_params, init_model
 
+    out = Path(args.out_dir)
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"init-model: {str(out)!r} exists and is not a directory")
+    present = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if present and not args.overwrite:
+        shown = ", ".join(present[:5]) + (", ..." if len(present) > 5 else "")
+        raise RunDirError(
+            f"init-model: {str(out)!r} is not empty ({shown}); pass --overwrite to write the checkpoint over it"
+        )
+    if present:
+        print(f"moerl: --overwrite: writing the checkpoint over {out} (other files there are kept)", file=sys.stderr)
     model = init_model(args.arch, args.preset, args.out_dir, seed=args.seed, dtype=DTYPES[args.dtype])
     print(f"wrote {args.arch} preset {args.preset} ({count_params(model) / 1e6:.2f}M parameters) to {args.out_dir}")
 
 
+class _Printer:
+    """Prints completions in (prompt, sample) order as ``'prompt' -> text  (N tokens, reason)``.
+
+    Fed token by token (``--stream``), the first unfinished completion is written as its tokens arrive and later
+    ones wait until it ends; fed the final outputs, it writes the same text at once.
+    """
+
+    def __init__(self, prompts: list[str], n: int, tokenizer):
+        self.prompts, self.n, self.tok = prompts, n, tokenizer
+        self.order = [(i, j) for i in range(len(prompts)) for j in range(n)]
+        self.tokens: dict[tuple[int, int], list[int]] = {key: [] for key in self.order}
+        self.ends: dict[tuple[int, int], str | None] = {}  # finish reason; None: rejected, nothing to print
+        self.pos, self.shown = 0, -1  # shown: characters of the current completion written (-1: not begun)
+
+    def token(self, i: int, j: int, token: int, finish: str | None) -> None:
+        """The engine's ``on_token`` hook."""
+        self.tokens[i, j].append(token)
+        if finish is not None:
+            self.ends[i, j] = finish
+        self._write()
+
+    def outputs(self, outs) -> None:
+        """Everything the engine returned (this also ends completions that failed or were never run)."""
+        for i, out in enumerate(outs):
+            for j in range(self.n):
+                self.ends[i, j] = None
+            for c in out.outputs:
+                self.tokens[i, c.index], self.ends[i, c.index] = list(c.token_ids), c.finish_reason
+        self._write()
+
+    def _write(self) -> None:
+        while self.pos < len(self.order):
+            key = self.order[self.pos]
+            done = key in self.ends
+            if not done and not self.tokens[key]:
+                break  # nothing to show yet (and it may turn out rejected)
+            if done and self.ends[key] is None:
+                self.pos += 1
+                continue
+            if self.shown < 0:
+                label = repr(self.prompts[key[0]]) + (f" #{key[1]}" if self.n > 1 else "")
+                sys.stdout.write(f"{label} -> ")
+                self.shown = 0
+            text = self.tok.decode(self.tokens[key], skip_special_tokens=True)
+            if not done:
+                text = text.rstrip("\ufffd")  # an unfinished multi-byte character waits for its next token
+            sys.stdout.write(text[self.shown :])
+            self.shown = len(text)
+            if not done:
+                break
+            sys.stdout.write(f"  ({len(self.tokens[key])} tokens, {self.ends[key]})\n")
+            self.pos, self.shown = self.pos + 1, -1
+        sys.stdout.flush()
+
+
 def cmd_generate(args) -> None:
-    from transformers import AutoTokenizer
-
+    """Sample continuations of ``--prompt``s with the rollout engine (KV cache, the engine's checks)."""
     from moerl.bridges import load_model
+    from moerl.bridges.checkpoint import load_tokenizer
+    from moerl.engine import EngineConfig, LLMEngine, Request, RequestError, SamplingParams
 
+    def params(i: int) -> SamplingParams:  # prompt i is seeded with seed + i: equal prompts differ
+        return SamplingParams(args.temperature, args.top_p, args.top_k, args.max_tokens, n=args.n, seed=args.seed + i)
+
+    params(0)  # bad sampling options fail here, before the model is loaded
+    tok = load_tokenizer(args.model_dir)
     model = load_model(args.model_dir, dtype=DTYPES[args.dtype])
-    tok = AutoTokenizer.from_pretrained(args.model_dir)
-    gen = torch.Generator().manual_seed(args.seed)
-    for prompt in args.prompt:
-        start = time.perf_counter()
-        out = sample(model, tok(prompt)["input_ids"], args.max_tokens, args.temperature, tok.eos_token_id, gen)
-        secs = time.perf_counter() - start
-        print(f"{prompt!r} -> {tok.decode(out, skip_special_tokens=True)!r}  ({len(out)} tokens, {secs:.2f}s)")
+    max_len = args.max_model_len
+    if max_len is None:  # the model's window, capped at what these prompts can use: the KV cache is sized by it
+        longest = max(len(tok(p)["input_ids"]) for p in args.prompt)
+        max_len = min(model.config.max_position_embeddings, longest + args.max_tokens)
+    n_seqs = max(args.n, min(len(args.prompt) * args.n, 64))
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=n_seqs, max_model_len=max_len), tokenizer=tok)
+    printer = _Printer(args.prompt, args.n, tok)
+    start = time.perf_counter()
+    reqs = [Request(p, params(i)) for i, p in enumerate(args.prompt)]
+    outs = engine.generate(reqs, on_token=printer.token if args.stream else None)
+    secs = time.perf_counter() - start
+    printer.outputs(outs)
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    print(f"{tokens} tokens in {secs:.2f}s ({tokens / max(secs, 1e-9):.1f} tokens/s)", file=sys.stderr)
+    failed = [f"prompt {i} {args.prompt[i]!r}: {o.error}" for i, o in enumerate(outs) if o.error is not None]
+    if failed:
+        raise RequestError("; ".join(failed))
 
 
 def cmd_archs(args) -> None:
@@ -62,7 +129,7 @@ def cmd_archs(args) -> None:
 def cmd_demo(args) -> None:
     from moerl.demo import run_demo
 
-    run_demo(args.run_dir, sft_steps=args.sft_steps, rl_steps=args.rl_steps)
+    run_demo(args.run_dir, sft_steps=args.sft_steps, rl_steps=args.rl_steps, overwrite=args.overwrite)
 
 
 def cmd_train(args) -> None:
@@ -74,7 +141,7 @@ def cmd_train(args) -> None:
         overrides.insert(0, args.config)  # no file given, only overrides
         args.config = None
     cfg = load_config(RunConfig, args.config, overrides)
-    summary = train(cfg, resume=args.resume)
+    summary = train(cfg, resume=args.resume, overwrite=args.overwrite)
     print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
 
 
@@ -93,16 +160,28 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--preset", default="tiny", choices=["tiny", "small"])
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    s.add_argument("--overwrite", action="store_true", help="write into a non-empty directory")
     s.add_argument("out_dir")
     s.set_defaults(func=cmd_init_model)
 
-    s = sub.add_parser("generate", help="sample continuations of prompts from a checkpoint")
+    s = sub.add_parser("generate", help="sample continuations of prompts from a checkpoint with the rollout engine")
     s.add_argument("model_dir")
-    s.add_argument("--prompt", action="append", required=True)
+    s.add_argument("--prompt", action="append", required=True, help="a text prompt (repeat for several)")
     s.add_argument("--max-tokens", type=int, default=32)
-    s.add_argument("--temperature", type=float, default=1.0)
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=0, help="0: off")
+    s.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i")
+    s.add_argument("--n", type=int, default=1, help="samples per prompt")
     s.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    s.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context window (default: the model's max_position_embeddings, capped at the longest prompt plus "
+        "--max-tokens)",
+    )
+    s.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     s.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("archs", help="list the supported HF architectures")
@@ -112,12 +191,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--run-dir", default="runs/demo")
     s.add_argument("--sft-steps", type=int, default=120)
     s.add_argument("--rl-steps", type=int, default=300)
+    s.add_argument("--overwrite", action="store_true", help="start over in a run directory holding a previous demo")
     s.set_defaults(func=cmd_demo)
 
     s = sub.add_parser("train", help="run the RL loop from a YAML config with key.sub=value overrides")
     s.add_argument("config", nargs="?", help="YAML file (optional: defaults plus overrides also work)")
     s.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=20 policy.mode=full")
     s.add_argument("--resume", action="store_true", help="continue from run_dir/checkpoint")
+    s.add_argument("--overwrite", action="store_true", help="start over in a run_dir that holds a run")
     s.set_defaults(func=cmd_train)
 
     s = sub.add_parser("plot", help="write a PNG of a run's reward and mismatch curves")
@@ -134,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     except MoerlError as e:
         print(f"moerl: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("moerl: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

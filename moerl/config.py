@@ -22,7 +22,7 @@ def _type_name(t) -> str:
     return getattr(t, "__name__", str(t))
 
 
-def _coerce(key: str, value, t):
+def coerce(key: str, value, t):
     """``value`` as type ``t`` (a dataclass, a builtin, a list/dict annotation, or an Optional/Union)."""
     origin = typing.get_origin(t)
     if origin in (typing.Union, types.UnionType):
@@ -34,7 +34,7 @@ def _coerce(key: str, value, t):
             if a is type(None):
                 continue
             try:
-                return _coerce(key, value, a)
+                return coerce(key, value, a)
             except ConfigError as e:
                 errors.append(e)
         raise errors[0]
@@ -48,7 +48,7 @@ def _coerce(key: str, value, t):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"config key {key!r} must be a list, got {type(value).__name__} {value!r}")
         (inner,) = typing.get_args(t)[:1] or (typing.Any,)
-        return [v if inner is typing.Any else _coerce(f"{key}[{i}]", v, inner) for i, v in enumerate(value)]
+        return [v if inner is typing.Any else coerce(f"{key}[{i}]", v, inner) for i, v in enumerate(value)]
     if origin is dict or t is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"config key {key!r} must be a mapping, got {type(value).__name__} {value!r}")
@@ -77,8 +77,13 @@ def from_dict(cls, data: dict, prefix: str = ""):
             close = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
             hint = f"; did you mean {', '.join(prefix + c for c in close)}?" if close else ""
             raise ConfigError(f"unknown config key {prefix + key!r}{hint} (valid here: {', '.join(names)})")
-        kwargs[key] = _coerce(prefix + key, value, hints[key])
-    return cls(**kwargs)
+        kwargs[key] = coerce(prefix + key, value, hints[key])
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:  # a section's own range check: say where the section sits in the file
+        if not prefix:
+            raise
+        raise ConfigError(f"{e} (config section {prefix.rstrip('.')!r})") from None
 
 
 def to_dict(obj) -> dict:
@@ -102,15 +107,28 @@ def load_config(cls, path: str | os.PathLike | None = None, overrides: list[str]
         path = Path(path)
         if not path.exists():
             raise ConfigError(f"config file {str(path)!r} does not exist")
-        data = yaml.safe_load(path.read_text()) or {}
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} is not a file")
+        data = _yaml(path.read_text(errors="replace"), f"config file {str(path)!r}") or {}
         if not isinstance(data, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping")
+            raise ConfigError(f"config file {str(path)!r}: the top level must be a mapping, got {type(data).__name__}")
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key.sub=value")
         key, raw = item.split("=", 1)
-        set_dotted(data, key.strip(), yaml.safe_load(raw))
+        set_dotted(data, key.strip(), _yaml(raw, f"override {item!r}"))
     return from_dict(cls, data)
+
+
+def _yaml(text: str, what: str):
+    """``text`` parsed as YAML; ConfigError naming ``what`` and the line and column of a syntax error."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{what} is not valid YAML{where}: {problem}") from None
 
 
 def save_config(obj, path: str | os.PathLike) -> None:

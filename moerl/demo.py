@@ -6,8 +6,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from moerl.loop import AlgoSection, EnvSection, ModelSection, RolloutSection, RunConfig, TrainSection, train
+from moerl.errors import RunDirError
+from moerl.loop import train
 from moerl.model.lora import LoraConfig
+from moerl.run_config import AlgoSection, EnvSection, ModelSection, RolloutSection, RunConfig, TrainSection
 from moerl.trainer import OptimConfig, Policy, PolicyConfig
 from moerl.trainer.losses import PolicyLossConfig
 
@@ -37,16 +39,24 @@ def demo_config(run_dir: Path, model_path: Path, rl_steps: int) -> RunConfig:
     )
 
 
-def run_demo(run_dir: str = "runs/demo", sft_steps: int = 120, rl_steps: int = 300, log=print) -> dict:
-    """Build, warm up, train with GRPO; returns accuracies, timings and where the outputs are."""
+def run_demo(
+    run_dir: str = "runs/demo", sft_steps: int = 120, rl_steps: int = 300, log=print, overwrite: bool = False
+) -> dict:
+    """Build, warm up, train with GRPO; returns accuracies, timings and where the outputs are. A directory holding
+    a previous demo is refused unless ``overwrite`` (then the demo starts over there)."""
     from transformers import AutoTokenizer
 
     from moerl.bridges import export_model
     from moerl.envs import make_env
     from moerl.presets import init_model
+    from moerl.rundir import holds_run
     from moerl.trainer.sft import run_sft
 
     run_dir = Path(run_dir)
+    if holds_run(run_dir / "rl") and not overwrite:
+        raise RunDirError(
+            f"{run_dir} holds a previous demo (its RL run in {run_dir / 'rl'}); pass --overwrite to start over"
+        )
     start = time.perf_counter()
     base = run_dir / "base_model"
     init_model("qwen3_moe", "tiny", base, seed=0)
@@ -69,7 +79,7 @@ def run_demo(run_dir: str = "runs/demo", sft_steps: int = 120, rl_steps: int = 3
     t_sft = time.perf_counter() - start
     log(f"[demo] supervised warm-up done in {t_sft:.0f}s; GRPO (LoRA on every layer and the experts, R3) next")
     cfg = demo_config(run_dir, sft_model, rl_steps)
-    summary = train(cfg)
+    summary = train(cfg, overwrite=overwrite)
     summary["seconds"] = time.perf_counter() - start
     summary["seconds_sft"] = t_sft
     log(

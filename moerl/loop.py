@@ -8,88 +8,28 @@ import math
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from moerl.config import save_config
 from moerl.engine import EngineConfig, Request, SamplingParams
 from moerl.envs import make_env
-from moerl.envs.base import Problem, safe_reward
-from moerl.errors import ConfigError
-from moerl.metrics import MetricsLogger, plot_run
+from moerl.envs.base import Problem, env_step, safe_call, safe_reward
+from moerl.errors import ConfigError, TrainingStopped
+from moerl.metrics import MetricsLogger, plot_run, read_metrics
 from moerl.rollout import make_engine
+from moerl.run_config import RunConfig
+from moerl.rundir import CHECKPOINT, RunDir
 from moerl.sync import sync_policy
 from moerl.sync.weights import ADAPTER
-from moerl.trainer import Batch, Policy, PolicyConfig
+from moerl.trainer import Batch, Policy
 from moerl.trainer.advantages import compute_advantages, dynamic_sampling_keep
 from moerl.trainer.checkpoint import load_checkpoint, save_checkpoint
-from moerl.trainer.losses import PolicyLossConfig, kl_penalty, make_policy_loss
+from moerl.trainer.losses import kl_penalty, make_policy_loss
 from moerl.trainer.mismatch import mismatch_metrics
-
-
-@dataclass(slots=True)
-class ModelSection:
-    path: str | None = None  # a HF checkpoint directory; None: a random one of ``arch`` / ``preset``
-    arch: str = "qwen3_moe"
-    preset: str = "tiny"
-    seed: int = 0
-
-
-@dataclass(slots=True)
-class RolloutSection:
-    engine: str = "native"
-    prompts_per_step: int = 16
-    group_size: int = 8
-    max_tokens: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_model_len: int = 128
-    max_num_seqs: int = 128
-
-
-@dataclass(slots=True)
-class AlgoSection:
-    advantage: str = "grpo"  # grpo | rloo | reinforce_pp
-    std_normalize: bool = True  # grpo: divide by the group's reward std
-    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
-    ppo_epochs: int = 1
-    mini_batches: int = 1
-    r3: bool = True  # replay the engine's routing in the old-logprob and training forwards
-    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill with new prompts
-    max_refills: int = 3
-    overlong_filter: bool = False  # DAPO: sequences cut by max_tokens do not enter the loss
-    reward_timeout_s: float = 5.0
-
-
-@dataclass(slots=True)
-class EnvSection:
-    name: str = "arithmetic"
-    kwargs: dict = field(default_factory=dict)
-    eval_problems: int = 64
-
-
-@dataclass(slots=True)
-class TrainSection:
-    steps: int = 50
-    seed: int = 0
-    checkpoint_every: int = 10
-    eval_every: int = 0  # 0: evaluate before and after only
-    export_adapter: bool = True  # lora: write a PEFT adapter at the end
-
-
-@dataclass(slots=True)
-class RunConfig:
-    run_dir: str = "runs/run"
-    model: ModelSection = field(default_factory=ModelSection)
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
-    rollout: RolloutSection = field(default_factory=RolloutSection)
-    algo: AlgoSection = field(default_factory=AlgoSection)
-    env: EnvSection = field(default_factory=EnvSection)
-    train: TrainSection = field(default_factory=TrainSection)
 
 
 @dataclass(slots=True)
@@ -107,165 +47,193 @@ class Rollout:
     reward_error: str | None
 
 
-def train(cfg: RunConfig, resume: bool = False) -> dict:
-    """Run the RL loop described by ``cfg``; returns the final metrics (incl. held-out accuracy before / after)."""
-    run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
-    model_path = ensure_model(cfg, run_dir)
+def train(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict:
+    """Run the RL loop described by ``cfg`` in ``cfg.run_dir``; returns the final metrics (incl. held-out accuracy
+    before / after).
+
+    The run directory is owned for the run's lifetime (a second process is refused). A new run refuses a directory
+    holding another run unless ``overwrite``; ``resume`` continues from the run's checkpoint, refusing config changes
+    to fields that define the run. Every check runs before the run's records are written.
+    """
+    run = RunDir.open(cfg, resume=resume, overwrite=overwrite)
+    try:
+        return _train(cfg, run)
+    finally:
+        run.close()
+
+
+def _train(cfg: RunConfig, run: RunDir) -> dict:
     env = make_env(cfg.env.name, **cfg.env.kwargs)
+    model_path = ensure_model(cfg, run.path, fresh=not run.resume)
     random.seed(cfg.train.seed)  # adapter init, dropout, shuffles: a run is a function of its config
     np.random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
     policy = Policy(model_path, cfg.policy)
     engine = build_engine(cfg, model_path, policy)
-    loss_fn = make_policy_loss(cfg.algo.loss)
-    metrics = MetricsLogger(run_dir)
-    start = 0
-    ckpt_dir = run_dir / "checkpoint"
+    if run.resume:
+        load_checkpoint(run.checkpoint, policy)  # last: it restores the RNGs the steps go on with
+    run.begin()  # everything that can refuse the run has passed: now its records are written
+    start = run.start_step
+    ckpt_dir = run.path / CHECKPOINT
     policy.stop_checkpoint_dir = ckpt_dir
-    if resume:
-        if not (ckpt_dir / "checkpoint.json").exists():
-            raise ConfigError(f"--resume: no checkpoint in {ckpt_dir}")
-        start = load_checkpoint(ckpt_dir, policy)["step"]
-    sync_policy(policy, engine, version=start)
-    summary = {}
-    if start == 0:
-        summary = {
-            "accuracy_before": evaluate(cfg, env, engine),
-            "accuracy_sampled_before": evaluate(cfg, env, engine, sampled=True),
-        }
-
-    bar = tqdm(range(start, cfg.train.steps), desc="rl", unit="step", disable=not sys.stderr.isatty())
-    for step in bar:
-        t0 = time.perf_counter()
-        # 1. prompts -> engine -> rewards (DAPO dynamic sampling refills groups that carry no signal)
-        rollouts, gen_tokens, dropped, refills = [], 0, 0, 0
-        seed = cfg.train.seed * 1_000_003 + step
-        while len({r.group for r in rollouts}) < cfg.rollout.prompts_per_step:
-            want = cfg.rollout.prompts_per_step - len({r.group for r in rollouts})
-            problems = env.problems(want, seed=seed * 101 + refills, split="train")
-            params = sampling_params(
-                cfg, len(problems), cfg.rollout.temperature, cfg.rollout.group_size, seed=(seed * 101 + refills) * 7919
+    loss_fn = make_policy_loss(cfg.algo.loss)
+    metrics = MetricsLogger(run.path, purge_step=start + 1 if run.resume else None)  # one row per step, 0 first
+    try:
+        sync_policy(policy, engine, version=start)
+        if start == 0:
+            metrics.log(
+                0,
+                {
+                    "eval_accuracy": evaluate(cfg, env, engine),
+                    "eval_accuracy_sampled": evaluate(cfg, env, engine, sampled=True),
+                },
             )
-            batch_rollouts = generate(
-                cfg, env, engine, problems, params, first_group=len(rollouts) and max(r.group for r in rollouts) + 1
+        bar = tqdm(range(start, cfg.train.steps), desc="rl", unit="step", disable=not sys.stderr.isatty())
+        for step in bar:
+            policy.stop_state = {"step": step}  # a TrainingStopped saves the state after the last complete step
+            row = rl_step(cfg, env, engine, policy, loss_fn, step)
+            last = step + 1 == cfg.train.steps
+            if last or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0):
+                row["eval_accuracy"] = evaluate(cfg, env, engine)
+            if last:
+                row["eval_accuracy_sampled"] = evaluate(cfg, env, engine, sampled=True)
+            metrics.log(step + 1, row)
+            if "reward_mean" in row:
+                bar.set_postfix(reward=f"{row['reward_mean']:.3f}", k3=f"{row['mismatch_k3_r3']:.1e}")
+            if last or (cfg.train.checkpoint_every and (step + 1) % cfg.train.checkpoint_every == 0):
+                save_checkpoint(ckpt_dir, policy, state={"step": step + 1})
+    finally:
+        metrics.close()
+
+    rows = read_metrics(run.path)
+    summary = {
+        "accuracy_before": rows[0].get("eval_accuracy", math.nan),
+        "accuracy_sampled_before": rows[0].get("eval_accuracy_sampled", math.nan),
+        "accuracy_after": rows[-1].get("eval_accuracy", math.nan),
+        "accuracy_sampled_after": rows[-1].get("eval_accuracy_sampled", math.nan),
+    }
+    return summary | finish(cfg, run.path, policy)
+
+
+def rl_step(cfg: RunConfig, env, engine, policy: Policy, loss_fn, step: int) -> dict:
+    """One RL step (``step`` steps done before it); returns its metrics row."""
+    t0 = time.perf_counter()
+    # 1. prompts -> engine -> rewards (DAPO dynamic sampling refills groups that carry no signal)
+    rollouts, gen_tokens, dropped, refills, failed = [], 0, 0, 0, 0
+    seed = cfg.train.seed * 1_000_003 + step
+    while len({r.group for r in rollouts}) < cfg.rollout.prompts_per_step:
+        want = cfg.rollout.prompts_per_step - len({r.group for r in rollouts})
+        problems = env.problems(want, seed=seed * 101 + refills, split="train")
+        params = sampling_params(
+            cfg, len(problems), cfg.rollout.temperature, cfg.rollout.group_size, seed=(seed * 101 + refills) * 7919
+        )
+        batch_rollouts = generate(
+            cfg, env, engine, problems, params, first_group=len(rollouts) and max(r.group for r in rollouts) + 1
+        )
+        batch_rollouts, n_failed = drop_failed_groups(batch_rollouts, step)
+        failed += n_failed
+        gen_tokens += sum(sum(r.loss_mask) for r in batch_rollouts)
+        if cfg.algo.dynamic_sampling:
+            kept, n_dropped = keep_informative(batch_rollouts, cfg.rollout.group_size)
+            dropped += n_dropped
+            batch_rollouts = kept
+        rollouts += batch_rollouts
+        refills += 1
+        if not cfg.algo.dynamic_sampling or refills > cfg.algo.max_refills:
+            break
+    t_gen = time.perf_counter() - t0
+    if not rollouts:  # every group was uninformative: nothing to learn from this step
+        return {"dropped_groups": float(dropped), "engine_errors": float(failed), "skipped": 1.0}
+
+    # 2. a training batch with the engine's routing and logprobs
+    batch = build_batch(rollouts, cfg)
+    t1 = time.perf_counter()
+    old_logprobs = policy.forward_logprobs(batch, replay=cfg.algo.r3)[0]
+    if not bool(torch.isfinite(old_logprobs[batch.loss_mask.bool()]).all()):
+        raise TrainingStopped(
+            f"step {step + 1}: the trainer's logprobs of the rollouts are non-finite{policy.save_stop_checkpoint()}"
+        )
+    mm_on = mismatch_metrics(old_logprobs, batch.extras["rollout_logprobs"], batch.loss_mask)
+    mm_off = mm_on
+    if cfg.algo.r3:  # what the mismatch would be without routing replay
+        mm_off = mismatch_metrics(
+            policy.forward_logprobs(batch, replay=False)[0], batch.extras["rollout_logprobs"], batch.loss_mask
+        )
+    batch.extras["old_logprobs"] = old_logprobs
+    rewards = torch.tensor([r.reward for r in rollouts])
+    loss_cfg = cfg.algo.loss
+    if loss_cfg.kl_coef > 0:
+        batch.extras["ref_logprobs"] = policy.forward_logprobs(batch, reference=True)[0]
+        if loss_cfg.kl_in_reward:
+            kl = kl_penalty(old_logprobs, batch.extras["ref_logprobs"], loss_cfg.kl_estimator)
+            rewards = rewards - loss_cfg.kl_coef * (kl * batch.loss_mask).sum(1)
+
+    # 3. advantages per group
+    n = cfg.rollout.group_size
+    grouped = rewards.view(-1, n)
+    kwargs = {"std_normalize": cfg.algo.std_normalize} if cfg.algo.advantage == "grpo" else {}
+    batch.extras["advantages"] = compute_advantages(grouped, cfg.algo.advantage, **kwargs).reshape(-1)
+
+    # 4. PPO epochs over mini-batches
+    t2 = time.perf_counter()
+    train_metrics: list[dict] = []
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(cfg.algo.ppo_epochs):
+        order = torch.randperm(len(batch), generator=gen)
+        for idx in order.chunk(cfg.algo.mini_batches):
+            mb = Batch(
+                batch.input_ids[idx],
+                batch.attention_mask[idx],
+                batch.loss_mask[idx],
+                None if batch.replay is None else batch.replay[idx],
+                {k: v[idx] for k, v in batch.extras.items()},
             )
-            gen_tokens += sum(sum(r.loss_mask) for r in batch_rollouts)
-            if cfg.algo.dynamic_sampling:
-                kept, n_dropped = keep_informative(batch_rollouts, cfg.rollout.group_size)
-                dropped += n_dropped
-                batch_rollouts = kept
-            rollouts += batch_rollouts
-            refills += 1
-            if not cfg.algo.dynamic_sampling or refills > cfg.algo.max_refills:
-                break
-        t_gen = time.perf_counter() - t0
-        if not rollouts:  # every group was uninformative: nothing to learn from this step
-            metrics.log(step + 1, {"dropped_groups": float(dropped), "skipped": 1.0})
-            continue
-
-        # 2. a training batch with the engine's routing and logprobs
-        batch = build_batch(rollouts, cfg)
-        t1 = time.perf_counter()
-        old_logprobs = policy.forward_logprobs(batch, replay=cfg.algo.r3)[0]
-        mm_on = mismatch_metrics(old_logprobs, batch.extras["rollout_logprobs"], batch.loss_mask)
-        mm_off = mm_on
-        if cfg.algo.r3:  # what the mismatch would be without routing replay
-            mm_off = mismatch_metrics(
-                policy.forward_logprobs(batch, replay=False)[0], batch.extras["rollout_logprobs"], batch.loss_mask
+            train_metrics.append(
+                policy.train_step(mb, loss_fn, replay=cfg.algo.r3, entropy=True, temperature=cfg.rollout.temperature)
             )
-        batch.extras["old_logprobs"] = old_logprobs
-        rewards = torch.tensor([r.reward for r in rollouts])
-        loss_cfg = cfg.algo.loss
-        if loss_cfg.kl_coef > 0:
-            batch.extras["ref_logprobs"] = policy.forward_logprobs(batch, reference=True)[0]
-            if loss_cfg.kl_in_reward:
-                kl = kl_penalty(old_logprobs, batch.extras["ref_logprobs"], loss_cfg.kl_estimator)
-                rewards = rewards - loss_cfg.kl_coef * (kl * batch.loss_mask).sum(1)
+    t3 = time.perf_counter()
 
-        # 3. advantages per group
-        n = cfg.rollout.group_size
-        grouped = rewards.view(-1, n)
-        kwargs = {"std_normalize": cfg.algo.std_normalize} if cfg.algo.advantage == "grpo" else {}
-        batch.extras["advantages"] = compute_advantages(grouped, cfg.algo.advantage, **kwargs).reshape(-1)
-
-        # 4. PPO epochs over mini-batches
-        t2 = time.perf_counter()
-        train_metrics: list[dict] = []
-        gen = torch.Generator().manual_seed(seed)
-        for _ in range(cfg.algo.ppo_epochs):
-            order = torch.randperm(len(batch), generator=gen)
-            for idx in order.chunk(cfg.algo.mini_batches):
-                mb = Batch(
-                    batch.input_ids[idx],
-                    batch.attention_mask[idx],
-                    batch.loss_mask[idx],
-                    None if batch.replay is None else batch.replay[idx],
-                    {k: v[idx] for k, v in batch.extras.items()},
-                )
-                train_metrics.append(
-                    policy.train_step(
-                        mb, loss_fn, replay=cfg.algo.r3, entropy=True, temperature=cfg.rollout.temperature
-                    )
-                )
-        t3 = time.perf_counter()
-
-        # 5. weight sync, metrics, checkpoint
-        stats = sync_policy(policy, engine, version=step + 1)
-        t4 = time.perf_counter()
-        trained_tokens = int(batch.loss_mask.sum()) * cfg.algo.ppo_epochs
-        row = {
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-            "accuracy": float((torch.tensor([r.reward for r in rollouts]) >= 1.0).float().mean()),
-            "response_length": float(batch.loss_mask.sum(1).float().mean()),
-            "reward_errors": float(sum(r.reward_error == "error" for r in rollouts)),
-            "reward_timeouts": float(sum(r.reward_error == "timeout" for r in rollouts)),
-            "dropped_groups": float(dropped),
-            "mismatch_k3_r3": mm_on["k3"],
-            "mismatch_frac_r3": mm_on["frac_large_diff"],
-            "mismatch_k3_no_r3": mm_off["k3"],
-            "mismatch_frac_no_r3": mm_off["frac_large_diff"],
-            "gen_tokens_per_s": gen_tokens / max(t_gen, 1e-9),
-            "train_tokens_per_s": trained_tokens / max(t3 - t2, 1e-9),
-            "seconds_generate": t_gen,
-            "seconds_logprobs": t2 - t1,
-            "seconds_train": t3 - t2,
-            "seconds_sync": t4 - t3,
-            "sync_bytes": float(stats.bytes),
-            "weight_version": float(stats.version),
-        }
-        for key in train_metrics[0]:
-            row[key] = sum(m[key] for m in train_metrics) / len(train_metrics)
-        if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0:
-            row["eval_accuracy"] = evaluate(cfg, env, engine)
-        metrics.log(step + 1, row)
-        bar.set_postfix(reward=f"{row['reward_mean']:.3f}", k3=f"{row['mismatch_k3_r3']:.1e}")
-        if cfg.train.checkpoint_every and (step + 1) % cfg.train.checkpoint_every == 0:
-            save_checkpoint(ckpt_dir, policy, state={"step": step + 1})
-
-    summary["accuracy_after"] = evaluate(cfg, env, engine)
-    summary["accuracy_sampled_after"] = evaluate(cfg, env, engine, sampled=True)
-    metrics.log(
-        cfg.train.steps,
-        {"eval_accuracy": summary["accuracy_after"], "eval_accuracy_sampled": summary["accuracy_sampled_after"]},
-    )
-    save_checkpoint(ckpt_dir, policy, state={"step": cfg.train.steps})
-    summary |= finish(cfg, run_dir, policy)
-    metrics.close()
-    return summary
+    # 5. weight sync (refused, and the engine keeps its weights, if any tensor is non-finite)
+    stats = sync_policy(policy, engine, version=step + 1)
+    t4 = time.perf_counter()
+    trained_tokens = int(batch.loss_mask.sum()) * cfg.algo.ppo_epochs
+    row = {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+        "accuracy": float((torch.tensor([r.reward for r in rollouts]) >= 1.0).float().mean()),
+        "response_length": float(batch.loss_mask.sum(1).float().mean()),
+        "reward_errors": float(sum(r.reward_error == "error" for r in rollouts)),
+        "reward_timeouts": float(sum(r.reward_error == "timeout" for r in rollouts)),
+        "engine_errors": float(failed),
+        "dropped_groups": float(dropped),
+        "mismatch_k3_r3": mm_on["k3"],
+        "mismatch_frac_r3": mm_on["frac_large_diff"],
+        "mismatch_k3_no_r3": mm_off["k3"],
+        "mismatch_frac_no_r3": mm_off["frac_large_diff"],
+        "gen_tokens_per_s": gen_tokens / max(t_gen, 1e-9),
+        "train_tokens_per_s": trained_tokens / max(t3 - t2, 1e-9),
+        "seconds_generate": t_gen,
+        "seconds_logprobs": t2 - t1,
+        "seconds_train": t3 - t2,
+        "seconds_sync": t4 - t3,
+        "sync_bytes": float(stats.bytes),
+        "weight_version": float(stats.version),
+    }
+    for key in train_metrics[0]:
+        row[key] = sum(m[key] for m in train_metrics) / len(train_metrics)
+    return row
 
 
 # -- the pieces -------------------------------------------------------------------------------------------------
 
 
-def ensure_model(cfg: RunConfig, run_dir: Path) -> Path:
-    """The checkpoint to start from: ``model.path``, or a random model written once into the run directory."""
+def ensure_model(cfg: RunConfig, run_dir: Path, fresh: bool) -> Path:
+    """The checkpoint to start from: ``model.path``, or a random model of ``model.arch`` / ``preset`` / ``seed`` in
+    the run directory, written by a ``fresh`` run (a resume reuses it, or writes the same one again if it is gone)."""
     if cfg.model.path is not None:
         return Path(cfg.model.path)
     path = run_dir / "base_model"
-    if not (path / "config.json").exists():
+    if fresh or not (path / "config.json").exists():
         from moerl.presets import init_model
 
         init_model(cfg.model.arch, cfg.model.preset, path, seed=cfg.model.seed)
@@ -308,12 +276,16 @@ def generate(
     """``params[i].n`` samples of ``problems[i]``, scored. Multi-turn environments run their episodes turn by turn."""
     adapter = ADAPTER if cfg.policy.mode == "lora" else None
     if hasattr(env, "start"):
-        return multi_turn(env, engine, problems, params, adapter, first_group)
+        return multi_turn(env, engine, problems, params, adapter, first_group, cfg.algo.reward_timeout_s)
     outs = engine.generate([Request(p.prompt, sp, adapter=adapter) for p, sp in zip(problems, params, strict=True)])
     rollouts = []
     for g, (problem, out) in enumerate(zip(problems, outs, strict=True)):
-        if out.error is not None:
+        if out.error_kind == "rejected":
             raise ConfigError(f"rollout of {problem.prompt!r} failed: {out.error} (raise rollout.max_model_len?)")
+        if out.error is not None:  # failed while running (non-finite logits): training drops the group, counted
+            failed = Rollout(first_group + g, [], 0, [], [], None, 0.0, "error", out.error)
+            rollouts += [failed] * params[g].n  # evaluation counts each sample as wrong
+            continue
         for c in out.outputs:
             reward, err = safe_reward(env.reward, problem, c.text, timeout_s=cfg.algo.reward_timeout_s)
             p = len(out.prompt_token_ids)
@@ -335,7 +307,13 @@ def generate(
 
 
 def multi_turn(
-    env, engine, problems: list[Problem], params: list[SamplingParams], adapter, first_group: int = 0
+    env,
+    engine,
+    problems: list[Problem],
+    params: list[SamplingParams],
+    adapter,
+    first_group: int = 0,
+    timeout_s: float = 5.0,
 ) -> list[Rollout]:
     """Episodes: the model speaks, the environment answers (its tokens are not trained on), until done."""
     tok = engine.tokenizer
@@ -380,8 +358,11 @@ def multi_turn(
         outs = engine.generate(reqs)
         still = []
         for e, out in zip(active, outs, strict=True):
-            if out.error is not None:  # the context filled up: the episode ends unfinished
+            if out.error_kind == "rejected":  # the context filled up: the episode ends unfinished
                 e["reward"], e["finish"] = 0.0, "length"
+                continue
+            if out.error is not None:  # failed while running: its group is dropped and counted
+                e["reward"], e["finish"], e["error"] = 0.0, "error", out.error
                 continue
             c = out.outputs[0]
             e["tokens"] = e["tokens"] + c.token_ids
@@ -389,10 +370,13 @@ def multi_turn(
             e["lp"] += c.logprobs.tolist()
             e["routed"] = c.routed_experts
             e["finish"] = c.finish_reason
-            try:
-                message, reward = env.step(e["state"], c.text)
-            except Exception:  # noqa: BLE001 - a broken environment scores 0 and the run goes on
-                message, reward, e["error"] = None, 0.0, "error"
+            # the environment's step runs in the reward worker, bounded by the reward timeout: one that raises or
+            # hangs ends the episode with reward 0, counted, and the run goes on
+            kind, value = safe_call(env_step, env, e["state"], c.text, timeout_s=timeout_s)
+            if kind == "ok":
+                message, reward, e["state"] = value
+            else:
+                message, reward, e["error"] = None, 0.0, kind
             if message is None or turn == env.max_turns - 1:
                 e["reward"] = float(reward or 0.0)
                 continue
@@ -422,6 +406,16 @@ def multi_turn(
             )
         )
     return rollouts
+
+
+def drop_failed_groups(rollouts: list[Rollout], step: int) -> tuple[list[Rollout], int]:
+    """The rollouts without the groups the engine failed (finish reason ``error``) and how many groups those were;
+    TrainingStopped when it failed them all (the engine cannot serve this policy)."""
+    failed = {r.group for r in rollouts if r.finish_reason == "error"}
+    if failed and len(failed) == len({r.group for r in rollouts}):
+        first = next(r.reward_error for r in rollouts if r.finish_reason == "error")
+        raise TrainingStopped(f"step {step + 1}: the engine failed every request ({len(failed)}); first: {first}")
+    return [r for r in rollouts if r.group not in failed], len(failed)
 
 
 def keep_informative(rollouts: list[Rollout], group_size: int) -> tuple[list[Rollout], int]:

@@ -13,13 +13,14 @@ METRICS = "metrics.jsonl"
 class MetricsLogger:
     """Appends one JSON line per step to ``run_dir/metrics.jsonl`` and writes TensorBoard scalars."""
 
-    def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True):
+    def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True, purge_step: int | None = None):
+        """``purge_step``: a resumed run's first step; TensorBoard drops the events logged at and after it."""
         self.path = Path(run_dir) / METRICS
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=purge_step)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step} | {
@@ -39,12 +40,28 @@ class MetricsLogger:
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
+    """The rows of ``run_dir/metrics.jsonl``. A cut last line (a crash mid-write) is skipped; any other line that is
+    not a JSON row with a ``step`` is a ConfigError naming the line."""
+    from moerl.errors import ConfigError
+
     path = Path(run_dir) / METRICS
     if not path.exists():
-        from moerl.errors import ConfigError
-
         raise ConfigError(f"{path} does not exist: not a moerl run directory")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = path.read_text(errors="replace").splitlines()
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if n == len(lines):
+                break
+            raise ConfigError(f"{path} line {n} is not valid JSON") from None
+        if not (isinstance(row, dict) and isinstance(row.get("step"), int)):
+            raise ConfigError(f"{path} line {n} is not a metrics row (a JSON object with an integer 'step')")
+        rows.append(row)
+    return rows
 
 
 def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:

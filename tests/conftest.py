@@ -19,3 +19,26 @@ def hf_checkpoints(tmp_path_factory):
     """arch -> (checkpoint dir, transformers model): one saved tiny random model per architecture."""
     root = tmp_path_factory.mktemp("hf")
     return {arch: (root / arch, save_hf_model(arch, root / arch)) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def warm_model(tmp_path_factory):
+    """A tiny Qwen3-MoE that has seen the easy task for a few supervised steps: it gets some answers right."""
+    from run_helpers import EASY
+    from transformers import AutoTokenizer
+
+    from moerl.bridges import export_model
+    from moerl.envs import make_env
+    from moerl.presets import init_model
+    from moerl.trainer import OptimConfig, Policy, PolicyConfig
+    from moerl.trainer.sft import run_sft
+
+    root = tmp_path_factory.mktemp("warm")
+    init_model("qwen3_moe", "tiny", root / "base", seed=0)
+    env = make_env("arithmetic", **EASY)
+    pol = Policy(
+        root / "base", PolicyConfig(mode="full", dtype="float32", micro_batch_size=256, optim=OptimConfig(lr=3e-3))
+    )
+    run_sft(pol, AutoTokenizer.from_pretrained(root / "base"), env.sft_examples(500, seed=0), steps=25, batch_size=64)
+    export_model(pol.model, root / "warm", tokenizer_dir=root / "base")
+    return root / "warm"

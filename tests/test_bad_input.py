@@ -149,6 +149,20 @@ def test_shard_listed_in_index_but_absent(ckpt):
         load_model(ckpt)
 
 
+@pytest.mark.parametrize(
+    ("text", "pattern"),
+    [
+        ('{"weight_map": {"a": ', r"model\.safetensors\.index\.json is not valid JSON"),
+        ("[1, 2]", r"model\.safetensors\.index\.json has no 'weight_map' object"),
+        ('{"weight_map": {"a": 3}}', r"model\.safetensors\.index\.json has no 'weight_map' object"),
+    ],
+)
+def test_malformed_index_file(text, pattern, ckpt):
+    (ckpt / "model.safetensors.index.json").write_text(text)
+    with pytest.raises(CheckpointError, match=pattern):
+        load_model(ckpt)
+
+
 def test_path_does_not_exist(tmp_path):
     with pytest.raises(CheckpointError, match=r"checkpoint path '.*nowhere' does not exist"):
         load_model(tmp_path / "nowhere")

@@ -1,67 +1,16 @@
 """The RL loop end to end: every mode learns an easy task, resume continues with the same numbers, configs."""
 
-import json
 import shutil
 
 import pytest
 import torch
+from run_helpers import EASY, metric_rows, run_cfg
 
 from moerl.cli import main
 from moerl.config import load_config
 from moerl.errors import ConfigError
 from moerl.loop import RunConfig, build_batch, keep_informative, train
 from moerl.trainer.losses import PolicyLossConfig
-
-EASY = {"max_operand": 4, "ops": "+", "num_terms": 2}
-
-
-@pytest.fixture(scope="session")
-def warm_model(tmp_path_factory):
-    """A tiny Qwen3-MoE that has seen the easy task for a few supervised steps: it gets some answers right."""
-    from transformers import AutoTokenizer
-
-    from moerl.bridges import export_model
-    from moerl.envs import make_env
-    from moerl.presets import init_model
-    from moerl.trainer import OptimConfig, Policy, PolicyConfig
-    from moerl.trainer.sft import run_sft
-
-    root = tmp_path_factory.mktemp("warm")
-    init_model("qwen3_moe", "tiny", root / "base", seed=0)
-    env = make_env("arithmetic", **EASY)
-    pol = Policy(
-        root / "base", PolicyConfig(mode="full", dtype="float32", micro_batch_size=256, optim=OptimConfig(lr=3e-3))
-    )
-    run_sft(pol, AutoTokenizer.from_pretrained(root / "base"), env.sft_examples(500, seed=0), steps=25, batch_size=64)
-    export_model(pol.model, root / "warm", tokenizer_dir=root / "base")
-    return root / "warm"
-
-
-def _cfg(run_dir, model, mode, steps, **over) -> RunConfig:
-    overrides = [
-        f"run_dir={run_dir}",
-        f"model.path={model}",
-        f"policy.mode={mode}",
-        "policy.dtype=float32",
-        f"train.steps={steps}",
-        "train.checkpoint_every=2",
-        "env.name=arithmetic",
-        f"env.kwargs={json.dumps(EASY)}",
-        "env.eval_problems=16",
-        "rollout.prompts_per_step=8",
-        "rollout.group_size=8",
-        "rollout.max_tokens=3",
-        "rollout.max_model_len=32",
-        "policy.micro_batch_size=64",
-        "policy.lora.rank=8",
-        "policy.lora.alpha=16",
-    ]
-    overrides += [f"{k}={v}" for k, v in over.items()]
-    return load_config(RunConfig, None, overrides)
-
-
-def _rows(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture
@@ -89,11 +38,11 @@ MODES = [
 
 @pytest.mark.parametrize(("mode", "lr", "extra", "rise"), MODES)
 def test_each_mode_raises_the_mean_reward(mode, lr, extra, rise, warm_model, four_problems, tmp_path):
-    cfg = _cfg(
+    cfg = run_cfg(
         tmp_path / mode, warm_model, mode, steps=15, **{"policy.optim.lr": lr, "rollout.prompts_per_step": 4, **extra}
     )
     train(cfg)
-    rows = [r for r in _rows(tmp_path / mode) if "reward_mean" in r]
+    rows = [r for r in metric_rows(tmp_path / mode) if "reward_mean" in r]
     rewards = [r["reward_mean"] for r in rows]
     assert len(rewards) == 15
     first = sum(rewards[:3]) / 3
@@ -109,21 +58,21 @@ def test_each_mode_raises_the_mean_reward(mode, lr, extra, rise, warm_model, fou
 
 def test_resume_continues_with_the_same_numbers(warm_model, tmp_path):
     keys = ("reward_mean", "loss", "grad_norm", "mismatch_k3_r3", "lr")
-    full = train(_cfg(tmp_path / "a", warm_model, "lora", steps=4))  # checkpoints after steps 2 and 4
+    full = train(run_cfg(tmp_path / "a", warm_model, "lora", steps=4))  # checkpoints after steps 2 and 4
     assert full["accuracy_after"] >= 0
-    straight = {r["step"]: r for r in _rows(tmp_path / "a") if "loss" in r}
+    straight = {r["step"]: r for r in metric_rows(tmp_path / "a") if "loss" in r}
     # the same run killed after step 2: its checkpoint is what step 2 left behind
-    train(_cfg(tmp_path / "b", warm_model, "lora", steps=2))
+    train(run_cfg(tmp_path / "b", warm_model, "lora", steps=2))
     shutil.copytree(tmp_path / "b" / "checkpoint", tmp_path / "b" / "kept")
-    train(_cfg(tmp_path / "b", warm_model, "lora", steps=4), resume=True)
-    resumed = {r["step"]: r for r in _rows(tmp_path / "b") if "loss" in r}
+    train(run_cfg(tmp_path / "b", warm_model, "lora", steps=4), resume=True)
+    resumed = {r["step"]: r for r in metric_rows(tmp_path / "b") if "loss" in r}
     for step in (3, 4):
         for k in keys:
             assert resumed[step][k] == straight[step][k], (step, k)
 
 
 def test_dynamic_sampling_and_overlong_filter(warm_model, tmp_path):
-    cfg = _cfg(
+    cfg = run_cfg(
         tmp_path / "dapo",
         warm_model,
         "lora",
@@ -131,7 +80,7 @@ def test_dynamic_sampling_and_overlong_filter(warm_model, tmp_path):
         **{"algo.dynamic_sampling": "true", "algo.overlong_filter": "true", "algo.advantage": "rloo"},
     )
     train(cfg)
-    rows = [r for r in _rows(tmp_path / "dapo") if "loss" in r]
+    rows = [r for r in metric_rows(tmp_path / "dapo") if "loss" in r]
     assert all("dropped_groups" in r for r in rows)
 
 
@@ -219,7 +168,7 @@ def test_reward_errors_and_timeouts_score_zero_are_counted_and_the_run_goes_on(w
     from moerl.envs import ENVS
 
     monkeypatch.setitem(ENVS, "hostile", HostileEnv)
-    cfg = _cfg(
+    cfg = run_cfg(
         tmp_path / "hostile",
         warm_model,
         "lora",
@@ -227,6 +176,6 @@ def test_reward_errors_and_timeouts_score_zero_are_counted_and_the_run_goes_on(w
         **{"env.name": "hostile", "algo.reward_timeout_s": 0.3, "env.eval_problems": 0},
     )
     train(cfg)
-    rows = [r for r in _rows(tmp_path / "hostile") if "reward_mean" in r]
+    rows = [r for r in metric_rows(tmp_path / "hostile") if "reward_mean" in r]
     assert len(rows) == 2  # both steps ran
     assert sum(r["reward_errors"] for r in rows) > 0 and sum(r["reward_timeouts"] for r in rows) > 0

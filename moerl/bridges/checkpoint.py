@@ -61,8 +61,12 @@ def load_tokenizer(path: str | os.PathLike):
 def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict):
+        try:
+            data = json.loads(index.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{index} is not valid JSON: {e}") from None
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
             raise CheckpointError(f"{index} has no 'weight_map' object")
         files = [path / f for f in dict.fromkeys(weight_map.values())]
         for f in files:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import inspect
+import typing
 from typing import Any
 
 from moerl.envs.arithmetic import ArithmeticEnv
@@ -24,16 +25,26 @@ ENVS: dict[str, type] = {
 }
 
 
-def make_env(name: str, **kwargs: Any) -> Environment | MultiTurnEnvironment:
-    """The environment registered as ``name``, built with ``kwargs``; ConfigError for an unknown name or argument."""
+def check_env_kwargs(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` checked against the constructor of environment ``name``: known names, required ones present, values
+    of the annotated types (ints pass as floats). Returns them coerced; ConfigError names the key otherwise."""
+    from moerl.config import coerce
+
     cls = ENVS.get(name)
     if cls is None:
         raise ConfigError(f"unknown environment {name!r}; allowed: {', '.join(sorted(ENVS))}")
     try:
         inspect.signature(cls).bind(**kwargs)
     except TypeError as e:
-        raise ConfigError(f"environment {name!r}: {e}") from e
-    return cls(**kwargs)
+        raise ConfigError(f"environment {name!r} (env.kwargs): {e}") from e
+    hints = typing.get_type_hints(cls.__init__)
+    return {k: coerce(f"env.kwargs.{k}", v, hints[k]) if k in hints else v for k, v in kwargs.items()}
+
+
+def make_env(name: str, **kwargs: Any) -> Environment | MultiTurnEnvironment:
+    """The environment registered as ``name``, built with ``kwargs``; ConfigError for an unknown name or argument."""
+    kwargs = check_env_kwargs(name, kwargs)
+    return ENVS[name](**kwargs)
 
 
 __all__ = [
@@ -48,6 +59,7 @@ __all__ = [
     "MathEnv",
     "MultiTurnEnvironment",
     "Problem",
+    "check_env_kwargs",
     "evaluate",
     "make_env",
     "safe_reward",

@@ -115,13 +115,14 @@ def sample_problems(
 
 
 def serve(fd: int) -> None:
-    """Worker loop on socket ``fd``: unpickle (fn, args), acknowledge, run, send ("ok", float) | ("error", reason)."""
+    """Worker loop on socket ``fd``: unpickle (fn, args, as_reward), acknowledge, run, send ("ok", value) |
+    ("error", reason). ``as_reward``: the value must be a finite int / float (sent as a float)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
     conn = Connection(fd)
     cache: dict[bytes, Callable] = {}
     while True:
         try:
-            fn_bytes, args_bytes = conn.recv()
+            fn_bytes, args_bytes, as_reward = conn.recv()
         except (EOFError, OSError):
             return
         try:
@@ -138,6 +139,12 @@ def serve(fd: int) -> None:
             value = fn(*args)
         except BaseException as e:  # any failure of a reward function is a 0 reward
             conn.send(("error", f"{type(e).__name__}: {e}"))
+            continue
+        if not as_reward:
+            try:
+                conn.send(("ok", value))
+            except Exception as e:  # the result does not pickle
+                conn.send(("error", f"result of {fn!r} cannot be sent back: {e}"))
             continue
         ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
         conn.send(("ok", float(value)) if ok else ("error", f"reward is {value!r}, not a finite number"))
@@ -178,25 +185,24 @@ def _shutdown() -> None:
 atexit.register(_shutdown)
 
 
-def safe_reward(fn: Callable[..., float], *args: Any, timeout_s: float) -> tuple[float, str | None]:
-    """Run ``fn(*args)`` with a time limit: ``(reward, None)``, or ``(0.0, "error")`` when it raises, kills its process
-    or returns something other than a finite int/float (bool, NaN, inf and None included), or ``(0.0, "timeout")``
-    when it runs longer than ``timeout_s`` seconds.
+def safe_call(fn: Callable[..., Any], *args: Any, timeout_s: float, as_reward: bool = False) -> tuple[str, Any]:
+    """Run ``fn(*args)`` in the worker process with a time limit: ``("ok", value)``, ``("error", reason)`` when it
+    raises or kills its process, or ``("timeout", None)`` when it runs longer than ``timeout_s`` seconds.
 
     The call runs in a persistent worker process (started on first use, one per parent process, calls serialised).
-    A process rather than a thread because a thread cannot be stopped: a runaway reward would keep a core busy for
+    A process rather than a thread because a thread cannot be stopped: a runaway call would keep a core busy for
     good, and one stuck in C code holding the GIL (a huge ``int`` power, say) would stall the caller too. On timeout
-    the worker is killed and a new one starts on the next call. ``fn`` and ``args`` must therefore pickle
+    the worker is killed and a new one starts on the next call. ``fn``, ``args`` and the result must therefore pickle
     (module-level functions, methods of picklable objects, not lambdas or ``__main__`` functions); the worker keeps
     the last few unpickled functions, and the clock starts once ``fn`` is loaded there (its module imported). Raises
     ConfigError when ``fn`` or ``args`` cannot be pickled or loaded in the worker (a programming error, not a bad
-    completion).
+    completion). ``as_reward``: a value that is not a finite int / float is an error.
     """
     global _worker
     if not (isinstance(timeout_s, int | float) and math.isfinite(timeout_s) and timeout_s > 0):
         raise ConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     try:
-        payload = (pickle.dumps(fn), pickle.dumps(args))
+        payload = (pickle.dumps(fn), pickle.dumps(args), as_reward)
     except Exception as e:
         raise ConfigError(f"safe_reward runs {fn!r} in a worker process: it and its arguments must pickle ({e})") from e
     with _lock:
@@ -213,10 +219,27 @@ def safe_reward(fn: Callable[..., float], *args: Any, timeout_s: float) -> tuple
             raise ConfigError(f"safe_reward: the worker process could not load {fn!r}: {detail}")
         if not conn.poll(timeout_s):
             _shutdown()
-            return 0.0, "timeout"
+            return "timeout", None
         try:
-            kind, detail = conn.recv()
+            return conn.recv()
         except (EOFError, OSError):  # fn killed its process (crash, OOM kill, os._exit)
             _shutdown()
-            return 0.0, "error"
-    return (detail, None) if kind == "ok" else (0.0, "error")
+            return "error", "the worker process died"
+
+
+def safe_reward(fn: Callable[..., float], *args: Any, timeout_s: float) -> tuple[float, str | None]:
+    """``fn(*args)`` through :func:`safe_call`: ``(reward, None)``, or ``(0.0, "error")`` when it raises, kills its
+    process or returns something other than a finite int/float (bool, NaN, inf and None included), or
+    ``(0.0, "timeout")`` when it runs longer than ``timeout_s`` seconds."""
+    kind, value = safe_call(fn, *args, timeout_s=timeout_s, as_reward=True)
+    return (value, None) if kind == "ok" else (0.0, kind)
+
+
+def env_step(env: MultiTurnEnvironment, state: Any, completion: str) -> tuple[str | None, float | None, Any]:
+    """``env.step(state, completion)`` checked, with the state it leaves (run in the worker, the state comes back)."""
+    message, reward = env.step(state, completion)
+    if message is not None and not isinstance(message, str):
+        raise TypeError(f"{env.name}.step returned message {message!r}, not a str or None")
+    if reward is not None and not (isinstance(reward, numbers.Real) and math.isfinite(reward)):
+        raise TypeError(f"{env.name}.step returned reward {reward!r}, not a finite number or None")
+    return message, reward, state

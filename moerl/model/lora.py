@@ -71,6 +71,20 @@ class LoraConfig:
     expert_rank_norm: bool = False  # expert adapters get rank // top_k
     slots: int = 1
 
+    def __post_init__(self) -> None:
+        from moerl.errors import ConfigError
+
+        rules = (
+            ("rank", self.rank >= 1, "must be >= 1"),
+            ("alpha", math.isfinite(self.alpha) and self.alpha > 0, "must be finite and > 0"),
+            ("layout", self.layout in LAYOUTS, f"allowed: {', '.join(LAYOUTS)}"),
+            ("dropout", 0 <= self.dropout < 1, "must lie in [0, 1)"),
+            ("slots", self.slots >= 1, "must be >= 1"),
+        )
+        for name, ok, rule in rules:
+            if not ok:
+                raise ConfigError(f"lora.{name}={getattr(self, name)!r}: {rule}")
+
     def scale(self, rank: int) -> float:
         return self.alpha / math.sqrt(rank) if self.rslora else self.alpha / rank
 
@@ -258,10 +272,6 @@ def attach_lora(
     """
     from moerl.errors import ConfigError
 
-    if cfg.rank < 1:
-        raise ConfigError(f"lora.rank={cfg.rank}: must be >= 1")
-    if cfg.layout not in LAYOUTS:
-        raise ConfigError(f"lora.layout={cfg.layout!r}: allowed: {', '.join(LAYOUTS)}")
     mcfg = model.config
     dtype = dtype or torch.float32
     targets = cfg.targets or default_targets(model)

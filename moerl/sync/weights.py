@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moerl.errors import TrainingStopped
 from moerl.model.lora import slot_tensors
 from moerl.model.mx import BLOCK, MX_SCALE, mx_fake_quant, mx_quantize
 
@@ -83,6 +84,12 @@ def sync_policy(policy, engine, version: int, bucket_bytes: int = 64 * 2**20) ->
     """Push ``policy``'s weights to ``engine`` (in process) and tag them ``version``; applied atomically."""
     start = time.perf_counter()
     tensors = policy_tensors(policy)
+    for name, t in tensors.items():  # checked before the first bucket leaves: the engine keeps its weights
+        if t.is_floating_point() and not bool(torch.isfinite(t.float()).all()):
+            raise TrainingStopped(
+                f"weight sync of version {version}: tensor {name!r} holds non-finite values; not pushed to the engine "
+                f"(it keeps version {engine.weight_version})"
+            )
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     if policy.cfg.mode == "lora":
         engine.set_adapter(ADAPTER, tensors, version)

@@ -1,8 +1,16 @@
 """Training checkpoints: weights (adapters or fp32 masters), optimizer state, LR schedule, RNG states, step and
-the caller's own state (e.g. the data position). safetensors for tensors, JSON for the rest; never pickle."""
+the caller's own state (e.g. the data position). safetensors for tensors, JSON for the rest; never pickle.
+
+A save never passes through a moment with no complete checkpoint on disk: the new one is written beside the old
+(``<dir>.tmp``) and fsynced, the old one is renamed aside (``<dir>.old``), the new one renamed into place, then the
+old one removed. A crash at any point leaves a complete checkpoint under one of the three names;
+:func:`recover_checkpoint` finds it (and puts it back in place). The JSON records the size and SHA-256 of the
+tensor file, so a truncated or corrupt checkpoint is refused on load with the file and the fault named.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -11,11 +19,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from moerl.errors import CheckpointError
 
 TENSORS, META = "checkpoint.safetensors", "checkpoint.json"
+META_KEYS = ("mode", "step", "nan_skipped", "nan_streak", "param_groups", "scheduler", "python_random", "numpy_random")
+
+
+def _crash_point(name: str) -> None:
+    """A named point of a save where tests kill the process (replaced in a child process by the crash tests)."""
 
 
 def _param_names(policy) -> list[str]:
@@ -23,10 +37,32 @@ def _param_names(policy) -> list[str]:
     return list(policy.master.master if policy.master is not None else policy.trainable)
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file or a directory (its entries: renames, new files) to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _aside(path: Path, suffix: str) -> Path:
+    return path.with_name(path.name + suffix)
+
+
 def save_checkpoint(path: str | os.PathLike, policy, state: dict | None = None) -> Path:
-    """Write a resumable checkpoint to ``path`` (written aside, then moved into place)."""
+    """Write a resumable checkpoint to ``path``, replacing the one there atomically (see the module docstring)."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp, old = _aside(path, ".tmp"), _aside(path, ".old")
+    recover_checkpoint(path)  # a crash of an earlier save: put its complete checkpoint back in place first
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tensors = {f"weights/{n}": t.contiguous() for n, t in policy.trainable_state().items()}
@@ -37,6 +73,9 @@ def save_checkpoint(path: str | os.PathLike, policy, state: dict | None = None) 
             tensors[f"optim/{names[idx]}/{key}"] = value.contiguous()
     tensors["rng/torch"] = torch.get_rng_state()
     np_state = np.random.get_state()
+    save_file(tensors, tmp / TENSORS)
+    _fsync(tmp / TENSORS)
+    _crash_point("tensors written")
     meta = {
         "mode": policy.cfg.mode,
         "step": policy.step,
@@ -47,25 +86,111 @@ def save_checkpoint(path: str | os.PathLike, policy, state: dict | None = None) 
         "python_random": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
         "numpy_random": [np_state[0], np_state[1].tolist(), *np_state[2:]],
         "state": state or {},
+        "tensors_bytes": (tmp / TENSORS).stat().st_size,
+        "tensors_sha256": _sha256(tmp / TENSORS),
     }
-    save_file(tensors, tmp / TENSORS)
-    (tmp / META).write_text(json.dumps(meta))
-    shutil.rmtree(path, ignore_errors=True)
+    (tmp / META).write_text(json.dumps(meta))  # written last: a checkpoint without it is incomplete
+    _fsync(tmp / META)
+    _fsync(tmp)
+    _crash_point("new checkpoint complete")
+    if path.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        path.rename(old)
+        _crash_point("old checkpoint moved aside")
     tmp.rename(path)
+    _fsync(path.parent)
+    _crash_point("new checkpoint in place")
+    shutil.rmtree(old, ignore_errors=True)
+    _crash_point("done")
     return path
+
+
+def read_meta(path: str | os.PathLike) -> dict:
+    """The JSON part of checkpoint ``path``, checked; CheckpointError names the file and what is wrong."""
+    path = Path(path)
+    for f in (META, TENSORS):
+        if not (path / f).exists():
+            raise CheckpointError(f"{path / f} does not exist: not a complete moerl training checkpoint")
+    try:
+        meta = json.loads((path / META).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path / META} is not valid JSON (truncated or corrupt?): {e}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path / META}: expected a JSON object, got {type(meta).__name__}")
+    missing = [k for k in META_KEYS if k not in meta]
+    if missing:
+        raise CheckpointError(f"{path / META} lacks the key(s) {missing}: not a complete moerl training checkpoint")
+    size = (path / TENSORS).stat().st_size
+    if "tensors_bytes" in meta and size != meta["tensors_bytes"]:
+        raise CheckpointError(
+            f"{path / TENSORS} has {size} bytes, {META} records {meta['tensors_bytes']}: the file is truncated or "
+            "was replaced"
+        )
+    return meta
+
+
+def _complete(path: Path) -> bool:
+    try:
+        read_meta(path)
+    except (CheckpointError, OSError):
+        return False
+    return True
+
+
+def recover_checkpoint(path: str | os.PathLike, dry_run: bool = False) -> tuple[Path | None, str | None]:
+    """Where the complete checkpoint of ``path`` is after an interrupted save, and a note of what was (or, with
+    ``dry_run``, would be) done: ``path`` itself; or a complete ``<path>.tmp`` (the crash came between the two
+    renames) or ``<path>.old`` moved into place. Leftovers of the interrupted save are removed. ``(None, None)``
+    when there is no complete checkpoint under any of the three names."""
+    path = Path(path)
+    tmp, old = _aside(path, ".tmp"), _aside(path, ".old")
+    found = next((p for p in (path, tmp, old) if _complete(p)), None)
+    leftovers = [p for p in (tmp, old) if p.exists() and p != found]
+    note = None
+    if found is not None and found != path:
+        note = f"recovered the complete checkpoint {found.name} left by an interrupted save"
+    elif leftovers:
+        note = f"removed {', '.join(p.name for p in leftovers)} left by an interrupted save"
+    if dry_run or found is None:
+        return found, note
+    if found != path:
+        shutil.rmtree(path, ignore_errors=True)
+        found.rename(path)
+        _fsync(path.parent)
+    for p in leftovers:
+        shutil.rmtree(p, ignore_errors=True)
+    return path, note
+
+
+def _load_tensors(path: Path, meta: dict) -> dict[str, torch.Tensor]:
+    file = path / TENSORS
+    if "tensors_sha256" in meta and _sha256(file) != meta["tensors_sha256"]:
+        raise CheckpointError(f"{file} is corrupt: its SHA-256 differs from the one {META} recorded at save")
+    try:
+        tensors = load_file(file)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{file} is not a readable safetensors file (truncated or corrupt?): {e}") from None
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"{file}: tensor {name!r} holds non-finite values (NaN or inf); refusing to load it")
+    if "rng/torch" not in tensors:
+        raise CheckpointError(f"{file} lacks the tensor 'rng/torch': not a complete moerl training checkpoint")
+    return tensors
 
 
 @torch.no_grad()
 def load_checkpoint(path: str | os.PathLike, policy) -> dict:
-    """Restore ``policy`` (built with the same config) from ``path``; returns the caller's saved state."""
+    """Restore ``policy`` (built with the same config) from ``path``; returns the caller's saved state.
+
+    The state (weights, optimizer moments, step, schedule position, RNGs) comes from the checkpoint; the optimizer's
+    hyperparameters (learning rate, weight decay, betas, eps) come from ``policy.cfg``, so a resume may change them.
+    Nothing of ``policy`` changes unless every check passes.
+    """
     path = Path(path)
-    for f in (TENSORS, META):
-        if not (path / f).exists():
-            raise CheckpointError(f"{path / f} does not exist: not a moerl training checkpoint")
-    meta = json.loads((path / META).read_text())
+    meta = read_meta(path)
     if meta["mode"] != policy.cfg.mode:
         raise CheckpointError(f"{path} was saved in mode {meta['mode']!r}, this policy is {policy.cfg.mode!r}")
-    tensors = load_file(path / TENSORS)
+    tensors = _load_tensors(path, meta)
     own = policy.master.master if policy.master is not None else policy.trainable
     saved = {k.removeprefix("weights/") for k in tensors if k.startswith("weights/")}
     if saved != set(own):
@@ -75,17 +200,24 @@ def load_checkpoint(path: str | os.PathLike, policy) -> dict:
         t = tensors[f"weights/{name}"]
         if t.shape != p.shape:
             raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
-        p.copy_(t)
-    if policy.master is not None:
-        policy.master.master_to_model()
     names = _param_names(policy)
     state = {}
     for idx, name in enumerate(names):
         keys = {k.rsplit("/", 1)[1] for k in tensors if k.startswith(f"optim/{name}/")}
         if keys:
             state[idx] = {k: tensors[f"optim/{name}/{k}"] for k in keys}
+    for name, p in own.items():
+        p.copy_(tensors[f"weights/{name}"])
+    if policy.master is not None:
+        policy.master.master_to_model()
     policy.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
     policy.scheduler.load_state_dict({**meta["scheduler"], "lr_lambdas": [None]})  # the lambdas come from config
+    o = policy.cfg.optim
+    policy.scheduler.base_lrs = [o.lr] * len(policy.optimizer.param_groups)
+    for group, factor in zip(policy.optimizer.param_groups, policy.scheduler.lr_lambdas, strict=True):
+        group.update(initial_lr=o.lr, lr=o.lr * factor(policy.scheduler.last_epoch), weight_decay=o.weight_decay)
+        group.update(betas=(o.beta1, o.beta2), eps=o.eps)
+    policy.scheduler._last_lr = [g["lr"] for g in policy.optimizer.param_groups]
     torch.set_rng_state(tensors["rng/torch"])
     py = meta["python_random"]
     random.setstate((py[0], tuple(py[1]), py[2]))

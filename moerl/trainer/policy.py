@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from moerl.bridges import load_model
 from moerl.errors import ConfigError, TrainingStopped
 from moerl.model.lora import LoraConfig, attach_lora
+from moerl.model.mx import SCALE_MODES
 from moerl.trainer.batch import Batch
-from moerl.trainer.optim import MasterWeights, lr_lambda
+from moerl.trainer.optim import SCHEDULES, MasterWeights, lr_lambda
 
 MODES = ("lora", "full", "mxfp8")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -37,6 +38,27 @@ class OptimConfig:
     total_steps: int = 1000
     min_lr_ratio: float = 0.0
 
+    def __post_init__(self) -> None:
+        def finite(x) -> bool:
+            return isinstance(x, int | float) and math.isfinite(x)
+
+        rules = (
+            # AdamW moves each weight by about lr per step: above 1 it is never meant, and large values overflow
+            ("lr", finite(self.lr) and 0 < self.lr <= 1, "must lie in (0, 1]"),
+            ("weight_decay", finite(self.weight_decay) and self.weight_decay >= 0, "must be finite and >= 0"),
+            ("beta1", finite(self.beta1) and 0 <= self.beta1 < 1, "must lie in [0, 1)"),
+            ("beta2", finite(self.beta2) and 0 <= self.beta2 < 1, "must lie in [0, 1)"),
+            ("eps", finite(self.eps) and self.eps > 0, "must be finite and > 0"),
+            ("grad_clip", finite(self.grad_clip) and self.grad_clip >= 0, "must be finite and >= 0 (0 = off)"),
+            ("schedule", self.schedule in SCHEDULES, f"allowed: {', '.join(SCHEDULES)}"),
+            ("warmup_steps", self.warmup_steps >= 0, "must be >= 0"),
+            ("total_steps", self.total_steps >= 1, "must be >= 1"),
+            ("min_lr_ratio", finite(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1, "must lie in [0, 1]"),
+        )
+        for name, ok, rule in rules:
+            if not ok:
+                raise ConfigError(f"optim.{name}={getattr(self, name)!r}: {rule}")
+
 
 @dataclass(slots=True)
 class PolicyConfig:
@@ -56,6 +78,10 @@ class PolicyConfig:
             raise ConfigError(f"PolicyConfig.dtype={self.dtype!r}: allowed: {', '.join(DTYPES)}")
         if self.micro_batch_size < 1:
             raise ConfigError(f"PolicyConfig.micro_batch_size={self.micro_batch_size}: must be >= 1")
+        if self.max_nan_steps < 1:
+            raise ConfigError(f"PolicyConfig.max_nan_steps={self.max_nan_steps}: must be >= 1")
+        if self.mx_scale_mode not in SCALE_MODES:
+            raise ConfigError(f"PolicyConfig.mx_scale_mode={self.mx_scale_mode!r}: allowed: {', '.join(SCALE_MODES)}")
 
 
 class Policy:
@@ -102,6 +128,7 @@ class Policy:
         self.nan_skipped = 0
         self.nan_streak = 0
         self.stop_checkpoint_dir: Path | None = None  # where to save before TrainingStopped
+        self.stop_state: dict = {}  # the caller's state saved with it (the loop's step)
 
     @property
     def adapters(self) -> int | None:
@@ -184,15 +211,9 @@ class Policy:
             for p in params:
                 p.grad = None
             if self.nan_streak >= self.cfg.max_nan_steps:
-                where = ""
-                if self.stop_checkpoint_dir is not None:
-                    from moerl.trainer.checkpoint import save_checkpoint
-
-                    save_checkpoint(self.stop_checkpoint_dir, self)
-                    where = f"; checkpoint of the last good state saved to {self.stop_checkpoint_dir}"
                 raise TrainingStopped(
                     f"{self.nan_streak} consecutive steps had a non-finite loss or gradient (loss {total}, "
-                    f"grad norm {grad_norm}) at step {self.step}{where}"
+                    f"grad norm {grad_norm}) at step {self.step}{self.save_stop_checkpoint()}"
                 )
             return {
                 "loss": total,
@@ -203,6 +224,16 @@ class Policy:
                 **metrics,
             }
         self.optimizer.step()
+        bad = self.nonfinite_weight()
+        if bad is not None:  # the step cannot be undone: stop, and never save or sync these weights
+            where = ""
+            if self.stop_checkpoint_dir is not None:
+                kept = self.stop_checkpoint_dir if self.stop_checkpoint_dir.exists() else "none yet"
+                where = f"; nothing saved (last good checkpoint: {kept})"
+            raise TrainingStopped(
+                f"optimizer step {self.step + 1} made weight {bad!r} non-finite (loss {total}, grad norm {grad_norm}, "
+                f"lr {lr}){where}"
+            )
         self.scheduler.step()
         if self.master is not None:
             self.master.master_to_model()
@@ -216,6 +247,23 @@ class Policy:
             "nan_skipped": float(self.nan_skipped),
             **metrics,
         }
+
+    def nonfinite_weight(self) -> str | None:
+        """The name of the first trained tensor (adapter or fp32 master) holding NaN or inf, else None."""
+        return next((n for n, t in self.trainable_state().items() if not bool(torch.isfinite(t).all())), None)
+
+    def save_stop_checkpoint(self) -> str:
+        """Before a TrainingStopped: save the current state to ``stop_checkpoint_dir`` (with ``stop_state``) if its
+        weights are finite; returns the sentence the error message ends with."""
+        if self.stop_checkpoint_dir is None:
+            return ""
+        bad = self.nonfinite_weight()
+        if bad is not None:
+            return f"; weight {bad!r} is non-finite: nothing saved (last good checkpoint: {self.stop_checkpoint_dir})"
+        from moerl.trainer.checkpoint import save_checkpoint
+
+        save_checkpoint(self.stop_checkpoint_dir, self, state=self.stop_state)
+        return f"; checkpoint of the last good state saved to {self.stop_checkpoint_dir}"
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """What a checkpoint stores as weights: the adapters (lora) or the fp32 masters (full / mxfp8)."""

@@ -1,0 +1,177 @@
+"""The config of one RL run (``moerl train``): its sections, their range checks (run when the config is built, so a
+bad value is refused before any rollout), and which fields a ``--resume`` may change."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from moerl.envs import check_env_kwargs
+from moerl.errors import ConfigError
+from moerl.trainer import PolicyConfig
+from moerl.trainer.advantages import ESTIMATORS
+from moerl.trainer.losses import PolicyLossConfig
+
+ENGINES = ("native",)
+
+
+def _require(section: str, rules) -> None:
+    """Raise ConfigError for the first ``(field, value, ok, rule)`` whose ``ok`` is false, naming the dotted key."""
+    for name, value, ok, rule in rules:
+        if not ok:
+            raise ConfigError(f"config key '{section}.{name}'={value!r}: {rule}")
+
+
+def _finite(x) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x)
+
+
+@dataclass(slots=True)
+class ModelSection:
+    path: str | None = None  # a HF checkpoint directory; None: a random one of ``arch`` / ``preset``
+    arch: str = "qwen3_moe"
+    preset: str = "tiny"
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class RolloutSection:
+    engine: str = "native"
+    prompts_per_step: int = 16
+    group_size: int = 8
+    max_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_model_len: int = 128
+    max_num_seqs: int = 128
+
+    def __post_init__(self) -> None:
+        _require(
+            "rollout",
+            (
+                ("engine", self.engine, self.engine in ENGINES, f"allowed: {', '.join(ENGINES)}"),
+                ("prompts_per_step", self.prompts_per_step, self.prompts_per_step >= 1, "must be >= 1"),
+                ("group_size", self.group_size, self.group_size >= 1, "must be >= 1"),
+                ("max_tokens", self.max_tokens, self.max_tokens >= 1, "must be >= 1"),
+                ("temperature", self.temperature, _finite(self.temperature) and self.temperature >= 0, "must be >= 0"),
+                ("top_p", self.top_p, _finite(self.top_p) and 0 < self.top_p <= 1, "must lie in (0, 1]"),
+                ("max_model_len", self.max_model_len, self.max_model_len >= 2, "must be >= 2"),
+                ("max_num_seqs", self.max_num_seqs, self.max_num_seqs >= 1, "must be >= 1"),
+            ),
+        )
+
+
+@dataclass(slots=True)
+class AlgoSection:
+    advantage: str = "grpo"  # grpo | rloo | reinforce_pp
+    std_normalize: bool = True  # grpo: divide by the group's reward std
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+    r3: bool = True  # replay the engine's routing in the old-logprob and training forwards
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill with new prompts
+    max_refills: int = 3
+    overlong_filter: bool = False  # DAPO: sequences cut by max_tokens do not enter the loss
+    reward_timeout_s: float = 5.0  # also bounds one step() of a multi-turn environment
+
+    def __post_init__(self) -> None:
+        t = self.reward_timeout_s
+        _require(
+            "algo",
+            (
+                ("advantage", self.advantage, self.advantage in ESTIMATORS, f"allowed: {', '.join(ESTIMATORS)}"),
+                ("ppo_epochs", self.ppo_epochs, self.ppo_epochs >= 1, "must be >= 1"),
+                ("mini_batches", self.mini_batches, self.mini_batches >= 1, "must be >= 1"),
+                ("max_refills", self.max_refills, self.max_refills >= 0, "must be >= 0"),
+                ("reward_timeout_s", t, _finite(t) and t > 0, "must be a positive number of seconds"),
+            ),
+        )
+
+
+@dataclass(slots=True)
+class EnvSection:
+    name: str = "arithmetic"
+    kwargs: dict = field(default_factory=dict)
+    eval_problems: int = 64
+
+    def __post_init__(self) -> None:
+        self.kwargs = check_env_kwargs(self.name, self.kwargs)
+        _require("env", (("eval_problems", self.eval_problems, self.eval_problems >= 0, "must be >= 0"),))
+
+
+@dataclass(slots=True)
+class TrainSection:
+    steps: int = 50
+    seed: int = 0
+    checkpoint_every: int = 10
+    eval_every: int = 0  # 0: evaluate before and after only
+    export_adapter: bool = True  # lora: write a PEFT adapter at the end
+
+    def __post_init__(self) -> None:
+        _require(
+            "train",
+            (
+                ("steps", self.steps, self.steps >= 1, "must be >= 1"),
+                ("checkpoint_every", self.checkpoint_every, self.checkpoint_every >= 0, "must be >= 0 (0: at the end)"),
+                ("eval_every", self.eval_every, self.eval_every >= 0, "must be >= 0 (0: before and after only)"),
+            ),
+        )
+
+
+@dataclass(slots=True)
+class RunConfig:
+    run_dir: str = "runs/run"
+    model: ModelSection = field(default_factory=ModelSection)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    algo: AlgoSection = field(default_factory=AlgoSection)
+    env: EnvSection = field(default_factory=EnvSection)
+    train: TrainSection = field(default_factory=TrainSection)
+
+    def __post_init__(self) -> None:
+        r, a = self.rollout, self.algo
+        batch = r.prompts_per_step * r.group_size
+        if a.mini_batches > batch:
+            raise ConfigError(
+                f"config key 'algo.mini_batches'={a.mini_batches}: must be <= the batch of "
+                f"rollout.prompts_per_step x rollout.group_size = {batch} sequences"
+            )
+        if r.group_size < 2 and a.advantage in ("grpo", "rloo"):
+            raise ConfigError(
+                f"config key 'rollout.group_size'=1 with algo.advantage={a.advantage!r}: a group baseline of one "
+                "sample makes every advantage 0 (no learning signal); use group_size >= 2 or reinforce_pp"
+            )
+
+
+# Fields a resumed run may change (applied from the resume on, and recorded with the step): how long, how fast,
+# how often, and how much memory. Everything else defines the run and is refused.
+MUTABLE = (
+    "run_dir",
+    "train.steps",
+    "train.checkpoint_every",
+    "train.eval_every",
+    "train.export_adapter",
+    "policy.optim.lr",
+    "policy.optim.weight_decay",
+    "policy.optim.grad_clip",
+    "policy.optim.total_steps",
+    "policy.optim.min_lr_ratio",
+    "policy.micro_batch_size",
+    "policy.max_nan_steps",
+    "rollout.max_num_seqs",
+    "env.eval_problems",
+    "algo.reward_timeout_s",
+)
+
+
+def flatten(obj, prefix: str = "") -> dict:
+    """Dotted key -> value for every leaf field of a (nested) config dataclass; dict fields stay whole values."""
+    out = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            out |= flatten(value, prefix + f.name + ".")
+        else:
+            out[prefix + f.name] = value
+    return out

@@ -1,0 +1,50 @@
+"""Shared pieces of the loop tests: the easy task, a small run config, the metrics rows, a run directory's hash."""
+
+import hashlib
+import json
+from pathlib import Path
+
+from moerl.config import load_config
+from moerl.run_config import RunConfig
+
+EASY = {"max_operand": 4, "ops": "+", "num_terms": 2}
+
+
+def run_cfg(run_dir, model, mode="lora", steps=2, **over) -> RunConfig:
+    """A fast run of ``steps`` RL steps on the easy task (fp32, checkpoints every 2 steps)."""
+    overrides = [
+        f"run_dir={run_dir}",
+        f"model.path={model}",
+        f"policy.mode={mode}",
+        "policy.dtype=float32",
+        f"train.steps={steps}",
+        "train.checkpoint_every=2",
+        "env.name=arithmetic",
+        f"env.kwargs={json.dumps(EASY)}",
+        "env.eval_problems=16",
+        "rollout.prompts_per_step=8",
+        "rollout.group_size=8",
+        "rollout.max_tokens=3",
+        "rollout.max_model_len=32",
+        "policy.micro_batch_size=64",
+        "policy.lora.rank=8",
+        "policy.lora.alpha=16",
+    ]
+    overrides += [f"{k}={v}" for k, v in over.items()]
+    return load_config(RunConfig, None, overrides)
+
+
+def metric_rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def tree_hash(path) -> str:
+    """A hash of every file name and content under ``path`` (or of its absence): equal means nothing changed."""
+    path = Path(path)
+    h = hashlib.sha256()
+    if not path.exists():
+        return "absent"
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(str(f.relative_to(path)).encode() + b"\0" + f.read_bytes())
+    h.update(repr(sorted(str(p.relative_to(path)) for p in path.rglob("*"))).encode())
+    return h.hexdigest()

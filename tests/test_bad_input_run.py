@@ -1,0 +1,237 @@
+"""Run directories are owned and a resume is the same run: every refusal names the problem and leaves the directory
+exactly as it was (hash of every file before and after)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import yaml
+from run_helpers import metric_rows, run_cfg, tree_hash
+
+from moerl.cli import main
+from moerl.errors import ConfigError, RunDirError
+from moerl.loop import train
+from moerl.rundir import RunDir, RunLock
+
+
+@pytest.fixture(scope="module")
+def done_run(warm_model, tmp_path_factory):
+    """A finished 2-step LoRA run (checkpoint at step 2), copied per test by ``run_copy``."""
+    run = tmp_path_factory.mktemp("done") / "run"
+    train(run_cfg(run, warm_model, steps=2, **{"env.eval_problems": 4}))
+    return run
+
+
+@pytest.fixture
+def run_copy(done_run, tmp_path):
+    import shutil
+
+    dst = tmp_path / "run"
+    shutil.copytree(done_run, dst)
+    cfg = yaml.safe_load((dst / "config.yaml").read_text())
+    cfg["run_dir"] = str(dst)  # as if the run had been started here
+    (dst / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return dst
+
+
+def _cfg(run, warm_model, steps=2, **over):
+    return run_cfg(run, warm_model, steps=steps, **{"env.eval_problems": 4, **over})
+
+
+def test_a_run_has_one_metrics_row_per_step(done_run):
+    assert [r["step"] for r in metric_rows(done_run)] == [0, 1, 2]
+    rows = metric_rows(done_run)
+    assert "eval_accuracy" in rows[0] and "eval_accuracy_sampled" in rows[-1] and "loss" in rows[-1]
+    assert not (done_run / ".lock").exists()  # released at the end
+
+
+@pytest.mark.parametrize("existing", ["config.yaml", "metrics.jsonl", "checkpoint"])
+def test_a_new_run_refuses_a_directory_holding_a_run(existing, warm_model, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    if existing == "checkpoint":
+        (run / existing).mkdir()
+    else:
+        (run / existing).write_text("step: 1\n")
+    before = tree_hash(run)
+    with pytest.raises(RunDirError, match=rf"already holds a run \({existing}\).*--resume.*--overwrite"):
+        train(_cfg(run, warm_model))
+    assert tree_hash(run) == before
+
+
+def test_overwrite_starts_over_and_says_what_it_removed(run_copy, warm_model, capsys):
+    (run_copy / "notes.txt").write_text("mine")
+    train(_cfg(run_copy, warm_model, steps=1), overwrite=True)
+    err = capsys.readouterr().err
+    assert "--overwrite: removed the previous run's" in err and "checkpoint" in err and "metrics.jsonl" in err
+    assert [r["step"] for r in metric_rows(run_copy)] == [0, 1]
+    assert (run_copy / "notes.txt").read_text() == "mine"  # not a run file: kept
+
+
+def test_resume_and_overwrite_together_are_refused(run_copy, warm_model):
+    before = tree_hash(run_copy)
+    with pytest.raises(ConfigError, match="--resume and --overwrite contradict"):
+        train(_cfg(run_copy, warm_model), resume=True, overwrite=True)
+    assert tree_hash(run_copy) == before
+
+
+def test_a_second_process_is_refused_while_the_first_holds_the_lock(run_copy, warm_model):
+    holder = RunLock(run_copy).acquire()  # another open file description: flock conflicts as across processes
+    try:
+        before = tree_hash(run_copy)
+        with pytest.raises(RunDirError, match=rf"is in use by another process \(pid and host: {os.getpid()} "):
+            train(_cfg(run_copy, warm_model, steps=3), resume=True)
+        assert tree_hash(run_copy) == before
+    finally:
+        holder.release()
+    assert not (run_copy / ".lock").exists()
+
+
+def test_a_stale_lock_of_a_killed_process_is_taken_over(run_copy, warm_model, capsys):
+    code = "import sys, time; from pathlib import Path; from moerl.rundir import RunLock; "
+    code += "RunLock(Path(sys.argv[1])).acquire(); print('locked', flush=True); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code, str(run_copy)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "locked"
+    with pytest.raises(RunDirError, match=rf"pid and host: {proc.pid} "):
+        RunDir.open(_cfg(run_copy, warm_model, steps=3), resume=True)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert (run_copy / ".lock").exists()  # left behind by kill -9, held by nobody
+    train(_cfg(run_copy, warm_model, steps=3), resume=True)
+    assert f"took over the stale lock of {run_copy} left by an exited process ({proc.pid} " in capsys.readouterr().err
+    assert [r["step"] for r in metric_rows(run_copy)] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("policy.mode=full", "policy.mode"),
+        ("policy.lora.rank=4", "policy.lora.rank"),
+        ("algo.loss.kind=gspo", "algo.loss.kind"),
+        ("train.seed=5", "train.seed"),
+        ("rollout.group_size=4", "rollout.group_size"),
+        ("env.kwargs={max_operand: 9}", "env.kwargs"),
+    ],
+)
+def test_resume_refuses_changes_to_fields_that_define_the_run(override, field, run_copy, warm_model):
+    key, value = override.split("=", 1)
+    before = tree_hash(run_copy)
+    with pytest.raises(ConfigError, match=rf"cannot change mid-run \({field}: .* -> "):
+        train(_cfg(run_copy, warm_model, steps=3, **{key: yaml.safe_load(value)}), resume=True)
+    assert tree_hash(run_copy) == before
+
+
+def test_resume_applies_and_records_allowed_changes(run_copy, warm_model):
+    original = (run_copy / "config.yaml").read_text()
+    train(_cfg(run_copy, warm_model, steps=3, **{"policy.optim.lr": 0.002, "train.eval_every": 1}), resume=True)
+    rows = metric_rows(run_copy)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert rows[2]["lr"] != 0.002 and rows[3]["lr"] == 0.002  # applied for real from the resume on
+    assert (run_copy / "config.yaml").read_text() == original  # the original record is never rewritten
+    history = [json.loads(line) for line in (run_copy / "config_history.jsonl").read_text().splitlines()]
+    assert history == [
+        {
+            "step": 2,
+            "changes": {
+                "train.steps": {"from": 2, "to": 3},
+                "train.eval_every": {"from": 0, "to": 1},
+                "policy.optim.lr": {"from": rows[2]["lr"], "to": 0.002},
+            },
+        }
+    ]
+    # resuming the finished run with the same config changes nothing and records nothing
+    train(_cfg(run_copy, warm_model, steps=3, **{"policy.optim.lr": 0.002, "train.eval_every": 1}), resume=True)
+    assert len((run_copy / "config_history.jsonl").read_text().splitlines()) == 1
+    assert [r["step"] for r in metric_rows(run_copy)] == [0, 1, 2, 3]
+
+
+def test_resume_below_the_checkpoint_step_is_refused(run_copy, warm_model):
+    before = tree_hash(run_copy)
+    with pytest.raises(ConfigError, match=r"'train.steps'=1 is below the checkpoint's step 2"):
+        train(_cfg(run_copy, warm_model, steps=1), resume=True)
+    assert tree_hash(run_copy) == before
+
+
+def test_resume_drops_rows_after_the_checkpoint_and_a_cut_last_line(run_copy, warm_model, capsys):
+    with (run_copy / "metrics.jsonl").open("a") as f:  # a run killed after logging step 3, mid-way through step 4
+        f.write(json.dumps({"step": 3, "reward_mean": 0.5}) + "\n" + '{"step": 4, "rew')
+    train(_cfg(run_copy, warm_model, steps=4), resume=True)
+    assert "dropped 2 row(s) logged after the checkpoint's step 2" in capsys.readouterr().err
+    rows = metric_rows(run_copy)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4] and "loss" in rows[3]
+
+
+@pytest.mark.parametrize("case", ["no dir", "no checkpoint", "no config"])
+def test_resume_without_a_run_is_refused(case, run_copy, warm_model, tmp_path):
+    import shutil
+
+    run = tmp_path / "nowhere" if case == "no dir" else run_copy
+    if case == "no checkpoint":
+        shutil.rmtree(run / "checkpoint")
+    if case == "no config":
+        (run / "config.yaml").unlink()
+    before = tree_hash(run)
+    pattern = {"no dir": "does not exist", "no checkpoint": "no complete checkpoint", "no config": "config.yaml is"}
+    with pytest.raises(RunDirError, match=pattern[case]):
+        train(_cfg(run, warm_model, steps=3), resume=True)
+    assert tree_hash(run) == before
+
+
+def test_unwritable_run_directory_is_a_named_error(warm_model, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(RunDirError, match=r"cannot be created"):
+        train(_cfg(blocker / "run", warm_model))
+    with pytest.raises(RunDirError, match=r"exists and is not a directory"):
+        train(_cfg(blocker, warm_model))
+    assert main(["train", f"run_dir={blocker / 'run'}", f"model.path={warm_model}"]) == 2
+    assert "moerl: error: run directory" in capsys.readouterr().err
+    assert blocker.read_text() == "x"
+
+
+def test_malformed_yaml_is_a_named_error(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("policy:\n  mode: full\n  optim: [1, 2\nrollout: {}\n")
+    assert main(["train", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"config file '{bad}' is not valid YAML (line 4, column" in err and "Traceback" not in err
+
+
+def test_init_model_refuses_a_non_empty_directory(tmp_path, capsys):
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    before = tree_hash(out)
+    assert main(["init-model", "--arch", "qwen3_moe", str(out)]) == 2
+    assert "is not empty (notes.txt); pass --overwrite" in capsys.readouterr().err
+    assert tree_hash(out) == before
+    assert main(["init-model", "--arch", "qwen3_moe", "--overwrite", str(out)]) == 0
+    assert (out / "config.json").exists() and (out / "notes.txt").read_text() == "mine"
+
+
+def test_demo_refuses_a_previous_demo_without_overwrite(tmp_path):
+    from moerl.demo import run_demo
+
+    demo = tmp_path / "demo"
+    (demo / "rl").mkdir(parents=True)
+    (demo / "rl" / "config.yaml").write_text("run_dir: x\n")
+    before = tree_hash(demo)
+    with pytest.raises(RunDirError, match=r"holds a previous demo .*--overwrite"):
+        run_demo(str(demo), sft_steps=1, rl_steps=1)
+    assert tree_hash(demo) == before
+
+
+def test_the_lock_is_released_when_the_run_fails(run_copy, warm_model, monkeypatch):
+    from moerl import loop
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "rl_step", boom)
+    with pytest.raises(KeyboardInterrupt):
+        train(_cfg(run_copy, warm_model, steps=3), resume=True)
+    assert not (run_copy / ".lock").exists()  # nothing holds it: a new run may start at once
+    RunDir.open(_cfg(run_copy, warm_model, steps=3), resume=True).close()
