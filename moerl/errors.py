@@ -34,3 +34,7 @@ class RunDirError(MoerlError, RuntimeError):
 
 class TrainingStopped(MoerlError, RuntimeError):
     """Training cannot go on (non-finite loss, logprobs or weights); the last good checkpoint is on disk."""
+
+
+class EngineError(MoerlError, RuntimeError):
+    """A rollout engine process failed: it died, did not start, or raised something unexpected."""

@@ -9,6 +9,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ from tqdm import tqdm
 from moerl.engine import EngineConfig, Request, SamplingParams
 from moerl.envs import make_env
 from moerl.envs.base import Problem, env_step, safe_call, safe_reward
-from moerl.errors import ConfigError, TrainingStopped
+from moerl.errors import ConfigError, EngineError, TrainingStopped
 from moerl.metrics import MetricsLogger, plot_run, read_metrics
 from moerl.rollout import make_engine
 from moerl.run_config import RunConfig
@@ -69,41 +70,48 @@ def _train(cfg: RunConfig, run: RunDir) -> dict:
     np.random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
     policy = Policy(model_path, cfg.policy)
-    engine = build_engine(cfg, model_path, policy)
-    if run.resume:
-        load_checkpoint(run.checkpoint, policy)  # last: it restores the RNGs the steps go on with
-    run.begin()  # everything that can refuse the run has passed: now its records are written
-    start = run.start_step
-    ckpt_dir = run.path / CHECKPOINT
-    policy.stop_checkpoint_dir = ckpt_dir
-    loss_fn = make_policy_loss(cfg.algo.loss)
-    metrics = MetricsLogger(run.path, purge_step=start + 1 if run.resume else None)  # one row per step, 0 first
+    engine = build_engine(cfg, model_path)
+    metrics = None
     try:
-        sync_policy(policy, engine, version=start)
-        if start == 0:
-            metrics.log(
-                0,
-                {
-                    "eval_accuracy": evaluate(cfg, env, engine),
-                    "eval_accuracy_sampled": evaluate(cfg, env, engine, sampled=True),
-                },
-            )
-        bar = tqdm(range(start, cfg.train.steps), desc="rl", unit="step", disable=not sys.stderr.isatty())
-        for step in bar:
-            policy.stop_state = {"step": step}  # a TrainingStopped saves the state after the last complete step
-            row = rl_step(cfg, env, engine, policy, loss_fn, step)
-            last = step + 1 == cfg.train.steps
-            if last or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0):
-                row["eval_accuracy"] = evaluate(cfg, env, engine)
-            if last:
-                row["eval_accuracy_sampled"] = evaluate(cfg, env, engine, sampled=True)
-            metrics.log(step + 1, row)
-            if "reward_mean" in row:
-                bar.set_postfix(reward=f"{row['reward_mean']:.3f}", k3=f"{row['mismatch_k3_r3']:.1e}")
-            if last or (cfg.train.checkpoint_every and (step + 1) % cfg.train.checkpoint_every == 0):
-                save_checkpoint(ckpt_dir, policy, state={"step": step + 1})
+        if run.resume:
+            load_checkpoint(run.checkpoint, policy)  # last: it restores the RNGs the steps go on with
+        run.begin()  # everything that can refuse the run has passed: now its records are written
+        start = run.start_step
+        ckpt_dir = run.path / CHECKPOINT
+        policy.stop_checkpoint_dir, policy.stop_state = ckpt_dir, {"step": start}
+        loss_fn = make_policy_loss(cfg.algo.loss)
+        metrics = MetricsLogger(run.path, purge_step=start + 1 if run.resume else None)  # one row per step, 0 first
+        sync = partial(sync_policy, bucket_bytes=cfg.rollout.sync_bucket_mb << 20)
+        try:
+            sync(policy, engine, version=start)
+            if start == 0:
+                metrics.log(
+                    0,
+                    {
+                        "eval_accuracy": evaluate(cfg, env, engine),
+                        "eval_accuracy_sampled": evaluate(cfg, env, engine, sampled=True),
+                    },
+                )
+            bar = tqdm(range(start, cfg.train.steps), desc="rl", unit="step", disable=not sys.stderr.isatty())
+            for step in bar:
+                policy.stop_state = {"step": step}  # a TrainingStopped saves the state after the last complete step
+                row = rl_step(cfg, env, engine, policy, loss_fn, step, sync)
+                last = step + 1 == cfg.train.steps
+                if last or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0):
+                    row["eval_accuracy"] = evaluate(cfg, env, engine)
+                if last:
+                    row["eval_accuracy_sampled"] = evaluate(cfg, env, engine, sampled=True)
+                metrics.log(step + 1, row)
+                if "reward_mean" in row:
+                    bar.set_postfix(reward=f"{row['reward_mean']:.3f}", k3=f"{row['mismatch_k3_r3']:.1e}")
+                if last or (cfg.train.checkpoint_every and (step + 1) % cfg.train.checkpoint_every == 0):
+                    save_checkpoint(ckpt_dir, policy, state={"step": step + 1})
+        except EngineError as e:  # an engine process died: stop with the trained state saved
+            raise TrainingStopped(f"{e}{policy.save_stop_checkpoint()}") from e
     finally:
-        metrics.close()
+        if metrics is not None:
+            metrics.close()
+        engine.close()
 
     rows = read_metrics(run.path)
     summary = {
@@ -115,8 +123,8 @@ def _train(cfg: RunConfig, run: RunDir) -> dict:
     return summary | finish(cfg, run.path, policy)
 
 
-def rl_step(cfg: RunConfig, env, engine, policy: Policy, loss_fn, step: int) -> dict:
-    """One RL step (``step`` steps done before it); returns its metrics row."""
+def rl_step(cfg: RunConfig, env, engine, policy: Policy, loss_fn, step: int, sync=sync_policy) -> dict:
+    """One RL step (``step`` steps done before it); ``sync`` pushes the new weights; returns its metrics row."""
     t0 = time.perf_counter()
     # 1. prompts -> engine -> rewards (DAPO dynamic sampling refills groups that carry no signal)
     rollouts, gen_tokens, dropped, refills, failed = [], 0, 0, 0, 0
@@ -194,7 +202,7 @@ def rl_step(cfg: RunConfig, env, engine, policy: Policy, loss_fn, step: int) -> 
     t3 = time.perf_counter()
 
     # 5. weight sync (refused, and the engine keeps its weights, if any tensor is non-finite)
-    stats = sync_policy(policy, engine, version=step + 1)
+    stats = sync(policy, engine, version=step + 1)
     t4 = time.perf_counter()
     trained_tokens = int(batch.loss_mask.sum()) * cfg.algo.ppo_epochs
     row = {
@@ -240,25 +248,30 @@ def ensure_model(cfg: RunConfig, run_dir: Path, fresh: bool) -> Path:
     return path
 
 
-def build_engine(cfg: RunConfig, model_path: Path, policy: Policy):
-    """The rollout engine on its own copy of the base weights, set up for the policy's mode."""
+def build_engine(cfg: RunConfig, model_path: Path):
+    """The rollout engines (``rollout.num_engines``, placed per ``rollout.placement``) on their own copy of the base
+    weights, set up for the policy's mode."""
     lora = cfg.policy.mode == "lora"
-    lcfg = cfg.policy.lora
+    lcfg, r = cfg.policy.lora, cfg.rollout
     ecfg = EngineConfig(
-        max_num_seqs=cfg.rollout.max_num_seqs,
-        max_model_len=cfg.rollout.max_model_len,
+        max_num_seqs=r.max_num_seqs,
+        max_model_len=r.max_model_len,
         max_loras=1 if lora else 0,
         max_lora_rank=lcfg.rank,
         lora_layout=lcfg.layout,
         lora_targets=lcfg.targets,
         seed=cfg.train.seed,
     )
-    engine = make_engine(cfg.rollout.engine, model_path, ecfg)
-    if cfg.policy.mode == "mxfp8":
-        from moerl.model.mx import apply_mxfp8
-
-        apply_mxfp8(engine.model, cfg.policy.mx_scale_mode)
-    return engine
+    threads = r.engine_threads or max(1, torch.get_num_threads() // r.num_engines)
+    return make_engine(
+        r.engine,
+        model_path,
+        ecfg,
+        placement=r.placement,
+        num_engines=r.num_engines,
+        mx_scale_mode=cfg.policy.mx_scale_mode if cfg.policy.mode == "mxfp8" else None,
+        threads=threads if r.placement == "process" else 0,
+    )
 
 
 def sampling_params(cfg: RunConfig, count: int, temperature: float, n: int, seed: int) -> list[SamplingParams]:

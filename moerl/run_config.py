@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from moerl.envs import check_env_kwargs
 from moerl.errors import ConfigError
+from moerl.rollout.pool import PLACEMENTS
 from moerl.trainer import PolicyConfig
 from moerl.trainer.advantages import ESTIMATORS
 from moerl.trainer.losses import PolicyLossConfig
@@ -45,12 +46,20 @@ class RolloutSection:
     top_p: float = 1.0
     max_model_len: int = 128
     max_num_seqs: int = 128
+    placement: str = "inprocess"  # inprocess | process: each engine in its own process
+    num_engines: int = 1  # the groups of a step are split across them
+    engine_threads: int = 0  # torch threads per engine process (0: this process's threads / num_engines)
+    sync_bucket_mb: int = 64  # weight sync goes in buckets of at most this many MiB
 
     def __post_init__(self) -> None:
         _require(
             "rollout",
             (
                 ("engine", self.engine, self.engine in ENGINES, f"allowed: {', '.join(ENGINES)}"),
+                ("placement", self.placement, self.placement in PLACEMENTS, f"allowed: {', '.join(PLACEMENTS)}"),
+                ("num_engines", self.num_engines, self.num_engines >= 1, "must be >= 1"),
+                ("engine_threads", self.engine_threads, self.engine_threads >= 0, "must be >= 0 (0: automatic)"),
+                ("sync_bucket_mb", self.sync_bucket_mb, self.sync_bucket_mb >= 1, "must be >= 1"),
                 ("prompts_per_step", self.prompts_per_step, self.prompts_per_step >= 1, "must be >= 1"),
                 ("group_size", self.group_size, self.group_size >= 1, "must be >= 1"),
                 ("max_tokens", self.max_tokens, self.max_tokens >= 1, "must be >= 1"),
@@ -160,6 +169,10 @@ MUTABLE = (
     "policy.micro_batch_size",
     "policy.max_nan_steps",
     "rollout.max_num_seqs",
+    "rollout.placement",
+    "rollout.num_engines",
+    "rollout.engine_threads",
+    "rollout.sync_bucket_mb",
     "env.eval_problems",
     "algo.reward_timeout_s",
 )

@@ -235,3 +235,24 @@ def test_the_lock_is_released_when_the_run_fails(run_copy, warm_model, monkeypat
         train(_cfg(run_copy, warm_model, steps=3), resume=True)
     assert not (run_copy / ".lock").exists()  # nothing holds it: a new run may start at once
     RunDir.open(_cfg(run_copy, warm_model, steps=3), resume=True).close()
+
+
+def test_resume_from_a_corrupt_checkpoint_is_refused_and_writes_nothing(run_copy, warm_model):
+    from moerl.errors import CheckpointError
+
+    tensors = run_copy / "checkpoint" / "checkpoint.safetensors"
+    data = bytearray(tensors.read_bytes())
+    data[-3] ^= 0x10
+    tensors.write_bytes(bytes(data))
+    before = tree_hash(run_copy)
+    with pytest.raises(CheckpointError, match=r"checkpoint\.safetensors is corrupt: its SHA-256 differs"):
+        train(_cfg(run_copy, warm_model, steps=3, **{"policy.optim.lr": 0.002}), resume=True)
+    assert tree_hash(run_copy) == before  # no config history, no metrics cut, no lock left
+
+
+def test_resume_recovers_the_checkpoint_an_interrupted_save_left_complete(run_copy, warm_model, capsys):
+    (run_copy / "checkpoint").rename(run_copy / "checkpoint.tmp")  # killed between the two renames of a save
+    train(_cfg(run_copy, warm_model, steps=3), resume=True)
+    assert "recovered the complete checkpoint checkpoint.tmp left by an interrupted save" in capsys.readouterr().err
+    assert not (run_copy / "checkpoint.tmp").exists()
+    assert [r["step"] for r in metric_rows(run_copy)] == [0, 1, 2, 3]

@@ -1,4 +1,5 @@
-"""The InferenceEngine protocol: generate, push weights, load adapters. The native engine implements it as is."""
+"""The InferenceEngine protocol: generate, push weights, load adapters. The native engine implements it as is; the
+pool of native engines (in process or in engine processes) implements it for the loop."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from moerl.engine import EngineConfig, LLMEngine, Request, RequestOutput
+from moerl.engine import EngineConfig, Request, RequestOutput
 from moerl.errors import ConfigError
 
 
@@ -32,8 +33,14 @@ class InferenceEngine(Protocol):
     def add_adapter(self, name: str, source: str | os.PathLike | dict[str, torch.Tensor]) -> None: ...
 
 
-def make_engine(kind: str, model, config: EngineConfig | None = None, **kwargs) -> InferenceEngine:
-    """An engine by name: ``native`` (moerl's own, in process)."""
-    if kind == "native":
-        return LLMEngine(model, config, **kwargs)
-    raise ConfigError(f"rollout engine {kind!r}: allowed: native")
+def make_engine(
+    kind: str, model, config: EngineConfig | None = None, placement: str = "inprocess", num_engines: int = 1, **spec
+):
+    """Rollout engines by name: ``native`` (moerl's own), ``num_engines`` of them in this process or each in its own
+    process (``placement``), behind one InferenceEngine. ``spec``: the rest of :class:`EngineSpec`."""
+    from moerl.rollout.pool import EnginePool
+    from moerl.rollout.process import EngineSpec
+
+    if kind != "native":
+        raise ConfigError(f"rollout engine {kind!r}: allowed: native")
+    return EnginePool(EngineSpec(str(model), config or EngineConfig(), **spec), placement, num_engines)

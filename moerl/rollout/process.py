@@ -1,0 +1,292 @@
+"""A native engine in its own process, behind the InferenceEngine protocol.
+
+The child is a plain ``python -c`` process (no fork of a parent holding torch threads, no re-import of the parent's
+``__main__``) talking over a socket pair. Commands and results are JSON; tensors (weights one way, logprobs and
+routed experts the other) travel through file-backed shared memory (``moerl.rollout.shm``). The child dies with its
+parent (``PR_SET_PDEATHSIG``), ignores Ctrl-C (the parent stops it), and a child that dies is reported by name.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+import torch
+
+from moerl import errors
+from moerl.engine import EngineConfig, LLMEngine, Request, RequestOutput, SamplingParams
+from moerl.engine.sequence import Completion
+from moerl.errors import EngineError, MoerlError
+from moerl.rollout.shm import BufferCache, SharedBuffer, layout
+
+
+@dataclass(slots=True)
+class EngineSpec:
+    """What builds one native engine, in this process or another: JSON-serialisable."""
+
+    model: str
+    config: EngineConfig = field(default_factory=EngineConfig)
+    dtype: str = "bfloat16"
+    mx_scale_mode: str | None = None  # mxfp8 policies: quantize the engine's GEMMs the trainer's way
+    threads: int = 0  # torch threads of an engine process (0: leave torch's default)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> EngineSpec:
+        return cls(**{**data, "config": EngineConfig(**data["config"])})
+
+
+def build_native(spec: EngineSpec) -> LLMEngine:
+    """The native engine ``spec`` describes (the same function builds it in process and in an engine process)."""
+    engine = LLMEngine(spec.model, spec.config, dtype=getattr(torch, spec.dtype))
+    if spec.mx_scale_mode is not None:
+        from moerl.model.mx import apply_mxfp8
+
+        apply_mxfp8(engine.model, spec.mx_scale_mode)
+    return engine
+
+
+# -- wire format: requests and outputs as JSON, their tensors in shared memory ----------------------------------
+
+
+def request_to_json(r: Request) -> dict:
+    prompt = r.prompt if isinstance(r.prompt, str) else [int(t) for t in r.prompt]
+    return {"prompt": prompt, "params": dataclasses.asdict(r.params), "adapter": r.adapter, "id": r.request_id}
+
+
+def request_from_json(d: dict) -> Request:
+    return Request(d["prompt"], SamplingParams(**d["params"]), d["adapter"], d["id"])
+
+
+def outputs_to_json(outs: list[RequestOutput]) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """The outputs as JSON, their logprobs / routed experts as named tensors (``"i.j.logprobs"`` ...)."""
+    tensors, rows = {}, []
+    for i, o in enumerate(outs):
+        comps = []
+        for c in o.outputs:
+            for what, t in (("logprobs", c.logprobs), ("routed", c.routed_experts)):
+                if t is not None:
+                    tensors[f"{i}.{c.index}.{what}"] = t
+            comps.append({"index": c.index, "tokens": c.token_ids, "text": c.text, "finish": c.finish_reason})
+        rows.append(
+            {
+                "id": o.request_id,
+                "prompt": o.prompt_token_ids,
+                "outputs": comps,
+                "version": o.weight_version,
+                "error": o.error,
+                "error_kind": o.error_kind,
+            }
+        )
+    return rows, tensors
+
+
+def outputs_from_json(rows: list[dict], tensors: dict[str, torch.Tensor]) -> list[RequestOutput]:
+    outs = []
+    for i, r in enumerate(rows):
+        comps = [
+            Completion(
+                c["index"],
+                c["tokens"],
+                c["text"],
+                tensors.get(f"{i}.{c['index']}.logprobs"),
+                c["finish"],
+                tensors.get(f"{i}.{c['index']}.routed"),
+            )
+            for c in r["outputs"]
+        ]
+        outs.append(RequestOutput(r["id"], r["prompt"], comps, r["version"], r["error"], r["error_kind"]))
+    return outs
+
+
+def _send(conn: Connection, msg: dict) -> None:
+    conn.send_bytes(json.dumps(msg).encode())
+
+
+def _recv(conn: Connection) -> dict:
+    return json.loads(conn.recv_bytes())
+
+
+class _Writer:
+    """A shared buffer that grows as needed; ``put`` packs tensors and returns the message fields that locate them."""
+
+    def __init__(self, tag: str):
+        self.tag, self.buf = tag, None
+
+    def put(self, tensors: dict[str, torch.Tensor]) -> dict:
+        _, need = layout(tensors)
+        if self.buf is None or need > self.buf.nbytes:
+            if self.buf is not None:
+                self.buf.unlink()
+            self.buf = SharedBuffer.create(max(need, 2 * (self.buf.nbytes if self.buf else 0), 1 << 20), self.tag)
+        return {"buffer": self.buf.path, "nbytes": self.buf.nbytes, "tensors": self.buf.pack(tensors)}
+
+    def close(self) -> None:
+        if self.buf is not None:
+            self.buf.unlink()
+
+
+# -- the child ----------------------------------------------------------------------------------------------------
+
+
+def _die_with_parent(parent: int) -> None:
+    try:  # Linux: the kernel sends SIGKILL when the parent exits, however it exits
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # the parent died before the call above took effect
+        os._exit(0)
+
+
+def serve(fd: int, parent: int) -> None:
+    """The engine process: build the engine from the first message, then answer commands until told to stop."""
+    _die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent stops us
+    conn = Connection(fd)
+    reader, writer = BufferCache(), _Writer("moerl-out")
+    engine = None
+    while True:
+        try:
+            msg = _recv(conn)
+        except (EOFError, OSError):
+            break
+        op = msg["op"]
+        if op == "shutdown":
+            break
+        try:
+            reply = {}
+            if op == "init":
+                spec = EngineSpec.from_json(msg["spec"])
+                if spec.threads:
+                    torch.set_num_threads(spec.threads)
+                engine = build_native(spec)
+                reply = {"pid": os.getpid(), "kv_cache_bytes": engine.kv_cache_bytes}
+            elif op == "generate":
+                outs = engine.generate([request_from_json(r) for r in msg["requests"]])
+                rows, tensors = outputs_to_json(outs)
+                reply = {"outputs": rows, **writer.put(tensors)}
+            elif op in ("stage", "set_adapter") or (op == "add_adapter" and "buffer" in msg):
+                tensors = reader.get(msg["buffer"], msg["nbytes"]).read(msg["tensors"])  # copies: the buffer is reused
+                if op == "stage":
+                    engine.stage_weights(tensors)
+                elif op == "set_adapter":
+                    engine.set_adapter(msg["name"], tensors, msg["version"])
+                else:
+                    engine.add_adapter(msg["name"], tensors)
+            elif op == "commit":
+                engine.commit_weights(msg["version"])
+            elif op == "discard":
+                engine.discard_staged()
+            elif op == "add_adapter":
+                engine.add_adapter(msg["name"], msg["path"])
+            elif op == "read_weights":
+                params = dict(engine.model.named_parameters()) | dict(engine.model.named_buffers())
+                reply = writer.put({n: params[n].detach() for n in msg["names"]})
+            else:
+                raise ValueError(f"unknown engine command {op!r}")
+            _send(conn, {"ok": True, "version": engine.weight_version if engine else 0, **reply})
+        except Exception as e:  # the parent raises it; the engine stays up
+            _send(conn, {"ok": False, "type": type(e).__name__, "message": str(e)})
+    writer.close()
+
+
+# -- the parent's handle --------------------------------------------------------------------------------------------
+
+
+class EngineProcess:
+    """One engine process. Calls are synchronous except ``generate_async`` / ``wait`` (engines run side by side)."""
+
+    START_TIMEOUT_S = 600.0
+
+    def __init__(self, spec: EngineSpec, index: int = 0):
+        self.index = index
+        mine, theirs = socket.socketpair()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        code = f"from moerl.rollout.process import serve; serve({theirs.fileno()}, {os.getpid()})"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()], env=env)
+        theirs.close()
+        self.conn = Connection(mine.detach())
+        self.outputs = BufferCache(unlink_on_open=True)
+        self.weight_version = 0
+        self.tokenizer = None
+        reply = self._call({"op": "init", "spec": spec.to_json()}, timeout=self.START_TIMEOUT_S)
+        self.pid, self.kv_cache_bytes = reply["pid"], reply["kv_cache_bytes"]
+
+    @property
+    def name(self) -> str:
+        return f"rollout engine {self.index} (pid {self.proc.pid})"
+
+    def _dead(self, doing: str) -> EngineError:
+        try:
+            code = self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = None
+        how = (
+            "is not answering"
+            if code is None
+            else (f"was killed by signal {-code}" if code < 0 else f"exited with code {code}")
+        )
+        return EngineError(f"{self.name} {how} while {doing}; see its stderr above")
+
+    def send(self, msg: dict) -> None:
+        try:
+            _send(self.conn, msg)
+        except OSError:
+            raise self._dead(msg["op"]) from None
+
+    def reply(self, op: str, timeout: float | None = None) -> dict:
+        try:
+            if timeout is not None and not self.conn.poll(timeout):
+                raise self._dead(op)
+            reply = _recv(self.conn)
+        except (EOFError, OSError):
+            raise self._dead(op) from None
+        if not reply["ok"]:
+            cls = getattr(errors, reply["type"], None)  # moerl's own errors keep their type across the boundary
+            if isinstance(cls, type) and issubclass(cls, MoerlError):
+                raise cls(reply["message"])
+            raise EngineError(f"{self.name}: {reply['type']}: {reply['message']}")
+        self.weight_version = reply["version"]
+        return reply
+
+    def _call(self, msg: dict, timeout: float | None = None) -> dict:
+        self.send(msg)
+        return self.reply(msg["op"], timeout)
+
+    def generate_async(self, requests: list[Request]) -> None:
+        self.send({"op": "generate", "requests": [request_to_json(r) for r in requests]})
+
+    def wait(self) -> list[RequestOutput]:
+        reply = self.reply("generate")
+        tensors = self.outputs.get(reply["buffer"], reply["nbytes"]).read(reply["tensors"])
+        return outputs_from_json(reply["outputs"], tensors)
+
+    def generate(self, requests: list[Request]) -> list[RequestOutput]:
+        self.generate_async(requests)
+        return self.wait()
+
+    def read_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Copies of the engine's own tensors (parameters or buffers) by moerl name, read from its process."""
+        reply = self._call({"op": "read_weights", "names": list(names)})
+        return self.outputs.get(reply["buffer"], reply["nbytes"]).read(reply["tensors"])
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the process (asked first, killed after ``timeout`` seconds); idempotent."""
+        if self.proc.poll() is None:
+            try:
+                _send(self.conn, {"op": "shutdown"})
+                self.proc.wait(timeout=timeout)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self.conn.close()

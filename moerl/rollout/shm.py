@@ -1,0 +1,104 @@
+"""File-backed shared memory for tensors that cross a process boundary on one host.
+
+A writer packs named tensors into a byte buffer that both processes map (``torch.from_file(shared=True)`` on a file
+in ``/dev/shm``) and sends only their layout (name, dtype, shape, byte offset) as JSON; the reader views them in
+place and copies out what it keeps. One memcpy on each side, no pickle, no Python objects per element. The file is
+unlinked as soon as every reader has mapped it, so a crash leaves nothing behind in ``/dev/shm``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from pathlib import Path
+
+import torch
+
+ALIGN = 64  # byte alignment of every tensor in a buffer (any dtype can view it; cache-line aligned)
+
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown tensor dtype {name!r} in a shared-memory layout")
+    return dtype
+
+
+def layout(tensors: dict[str, torch.Tensor]) -> tuple[list[dict], int]:
+    """Where each tensor goes in a buffer: ``[{name, dtype, shape, offset}]`` and the bytes needed."""
+    specs, offset = [], 0
+    for name, t in tensors.items():
+        offset = -(-offset // ALIGN) * ALIGN
+        specs.append(
+            {"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "offset": offset}
+        )
+        offset += t.numel() * t.element_size()
+    return specs, offset
+
+
+class SharedBuffer:
+    """A byte buffer in a shared file. The creator writes (``pack``), readers ``open`` it by path and ``view``."""
+
+    def __init__(self, path: str, nbytes: int, create: bool):
+        self.path, self.nbytes = path, nbytes
+        if create:
+            with open(path, "wb") as f:
+                f.truncate(max(nbytes, 1))
+        self.data = torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+
+    @classmethod
+    def create(cls, nbytes: int, tag: str = "moerl") -> SharedBuffer:
+        path = os.path.join(_shm_dir(), f"{tag}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        return cls(path, nbytes, create=True)
+
+    @classmethod
+    def open(cls, path: str, nbytes: int) -> SharedBuffer:
+        return cls(path, nbytes, create=False)
+
+    def pack(self, tensors: dict[str, torch.Tensor]) -> list[dict]:
+        """Copy ``tensors`` into the buffer; returns their layout (``layout`` must fit ``nbytes``)."""
+        specs, need = layout(tensors)
+        if need > self.nbytes:
+            raise ValueError(f"{need} bytes of tensors do not fit the {self.nbytes}-byte shared buffer {self.path}")
+        for spec, t in zip(specs, tensors.values(), strict=True):
+            self._view(spec).copy_(t)
+        return specs
+
+    def _view(self, spec: dict) -> torch.Tensor:
+        dtype, shape = _dtype(spec["dtype"]), spec["shape"]
+        n = dtype.itemsize
+        for d in shape:
+            n *= d
+        if spec["offset"] + n > self.nbytes or spec["offset"] % ALIGN:
+            raise ValueError(f"tensor {spec['name']!r} lies outside the shared buffer {self.path}")
+        return self.data[spec["offset"] : spec["offset"] + n].view(dtype).view(shape)
+
+    def read(self, specs: list[dict], copy: bool = True) -> dict[str, torch.Tensor]:
+        """The tensors of ``specs``: copies (safe after the writer reuses the buffer) or views (``copy=False``)."""
+        return {s["name"]: (self._view(s).clone() if copy else self._view(s)) for s in specs}
+
+    def unlink(self) -> None:
+        """Remove the file (mappings stay valid): call once every process that needs it has mapped it."""
+        Path(self.path).unlink(missing_ok=True)
+
+
+class BufferCache:
+    """The reader's side: buffers mapped by path (a writer that outgrows its buffer sends a new path)."""
+
+    def __init__(self, unlink_on_open: bool = False):
+        self.unlink_on_open = unlink_on_open  # the only reader: remove the file once mapped
+        self.buffers: dict[str, SharedBuffer] = {}
+
+    def get(self, path: str, nbytes: int) -> SharedBuffer:
+        buf = self.buffers.get(path)
+        if buf is None or buf.nbytes != nbytes:
+            self.buffers = {path: SharedBuffer.open(path, nbytes)}  # a new buffer replaces the old one
+            buf = self.buffers[path]
+            if self.unlink_on_open:
+                buf.unlink()
+        return buf
