@@ -6,7 +6,11 @@ one PPO epoch, weight sync), in full mode (bf16 compute, fp32 masters: what TRL'
 (every linear layer and the experts). The first step is a warm-up; the median of the rest is reported.
 TRL: ``benchmarks/trl_grpo_step.py`` in a subprocess (full fine-tune, bf16 autocast), the same way.
 
+Each moerl contender runs in a fresh child process; ``--engines process:1 process:2`` adds rows with the rollouts
+on native engines in their own processes (placement:num_engines).
+
     python benchmarks/rl_step.py [--presets tiny small] [--steps 5] [--trl-python /work/trl-venv/bin/python]
+        [--engines process:1 process:2]
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -30,7 +35,18 @@ HERE = Path(__file__).resolve().parent
 STAGES = ("seconds_generate", "seconds_logprobs", "seconds_train", "seconds_sync")
 
 
-def moerl_step(ckpt: str, run_dir: str, args, mode: str) -> dict:
+def moerl_step(ckpt: str, run_dir: str, args, mode: str, placement: str = "inprocess", engines: int = 1) -> dict:
+    """One moerl contender in a fresh child process (this script with ``--child``)."""
+    cmd = [sys.executable, __file__, "--child", f"{mode}:{placement}:{engines}", "--ckpt", ckpt, "--run-dir", run_dir]
+    cmd += ["--steps", str(args.steps), "--prompts", str(args.prompts), "--group", str(args.group)]
+    cmd += ["--new-tokens", str(args.new_tokens), "--dtype", args.dtype]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def child(args) -> None:
+    mode, placement, engines = args.child.split(":")
+    ckpt, run_dir = args.ckpt, args.run_dir
     cfg = load_config(
         RunConfig,
         None,
@@ -49,6 +65,8 @@ def moerl_step(ckpt: str, run_dir: str, args, mode: str) -> dict:
             f"rollout.group_size={args.group}",
             f"rollout.max_tokens={args.new_tokens}",
             f"rollout.max_model_len={16 + args.new_tokens}",
+            f"rollout.placement={placement}",
+            f"rollout.num_engines={engines}",
         ],
     )
     train(cfg)
@@ -56,7 +74,7 @@ def moerl_step(ckpt: str, run_dir: str, args, mode: str) -> dict:
     steps = [r for r in rows if "seconds_train" in r][1:]  # the first step warms up
     secs = statistics.median(sum(r[s] for s in STAGES) for r in steps)
     stage = {s.removeprefix("seconds_"): statistics.median(r[s] for r in steps) for s in STAGES}
-    return {"seconds_per_step": secs, "samples_per_s": args.prompts * args.group / secs, "stages": stage}
+    print(json.dumps({"seconds_per_step": secs, "samples_per_s": args.prompts * args.group / secs, "stages": stage}))
 
 
 def trl_step(python: str, ckpt: str, args) -> dict:
@@ -87,7 +105,18 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="moerl trainer compute dtype")
     p.add_argument("--trl-python", default=os.environ.get("MOERL_TRL_PYTHON", "/work/trl-venv/bin/python"))
+    p.add_argument(
+        "--engines",
+        nargs="*",
+        default=[],
+        help="more rollout placements for moerl, e.g. process:1 process:2 (placement:num_engines)",
+    )
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--ckpt", help=argparse.SUPPRESS)
+    p.add_argument("--run-dir", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.child:
+        return child(args)
     trl = args.trl_python if Path(args.trl_python).exists() else None
     print(
         f"# RL step, {args.prompts} prompts x group {args.group} x {args.new_tokens} new tokens, moerl trainer "
@@ -101,7 +130,12 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as d:
             ckpt = str(Path(d) / "model")
             init_model("qwen3_moe", preset, ckpt, seed=0)
-            rows = {f"moerl {m}": moerl_step(ckpt, str(Path(d) / m), args, m) for m in ("full", "lora")}
+            rows = {}
+            for m in ("full", "lora"):
+                for where in ["inprocess:1", *args.engines]:
+                    placement, n = where.split(":")
+                    name = f"moerl {m}" + ("" if where == "inprocess:1" else f" ({placement}, {n} engines)")
+                    rows[name] = moerl_step(ckpt, str(Path(d) / f"{m}-{placement}-{n}"), args, m, placement, int(n))
             if trl:
                 rows["TRL GRPOTrainer"] = trl_step(trl, ckpt, args)
         ref = rows.get("TRL GRPOTrainer")

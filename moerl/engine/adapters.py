@@ -8,6 +8,7 @@ import torch
 
 from moerl.engine.config import EngineConfig
 from moerl.errors import CheckpointError, ConfigError, RequestError
+from moerl.finite import all_finite
 from moerl.model.lora import (
     EXPERT_KEYS,
     LINEAR_KEYS,
@@ -157,7 +158,7 @@ def _check_values(name: str, key: str, t) -> None:
         raise CheckpointError(f"adapter {name}: {key!r} is a {type(t).__name__}, not a tensor")
     if key.endswith(".scale") and t.numel() != 1:
         raise CheckpointError(f"adapter {name}: tensor {key!r} has shape {tuple(t.shape)}; a scale is one number")
-    if t.is_floating_point() and not bool(t.isfinite().all()):
+    if not all_finite(t):
         nan = int(t.isnan().sum())
         inf = int((~t.isfinite()).sum()) - nan
         counts = " and ".join(f"{n} {what}" for n, what in ((nan, "NaN"), (inf, "inf")) if n)

@@ -61,7 +61,6 @@ class EnginePool:
         self.placement = placement
         self.engines: list[LLMEngine | EngineProcess] = []
         self.weights = _Writer("moerl-weights")  # process placement: one buffer the engines read each bucket from
-        self._fresh_buffer: str | None = None
         _live.add(self)
         try:
             for i in range(num_engines):
@@ -93,14 +92,15 @@ class EnginePool:
 
     # -- weights ---------------------------------------------------------------------------------------------------
     def _broadcast(self, op: str, tensors: dict[str, torch.Tensor] | None = None, **fields) -> None:
+        """Send one command to every engine and wait for all; ``tensors`` go through the shared buffer, written once
+        for all engines (a ``stage`` appends to the update's earlier buckets)."""
         msg = {"op": op, **fields}
         if tensors is not None:
-            msg |= self.weights.put(tensors)
+            msg |= self.weights.put(tensors, append=op == "stage")
         for e in self.engines:
             e.send(msg)
         _gather([lambda e=e: e.reply(op) for e in self.engines])
-        if tensors is not None and msg["buffer"] != self._fresh_buffer:
-            self._fresh_buffer = msg["buffer"]
+        if tensors is not None:
             self.weights.buf.unlink()  # every engine has mapped it: nothing is left in /dev/shm if we crash
 
     def discard_staged(self) -> None:
@@ -108,6 +108,7 @@ class EnginePool:
             for e in self.engines:
                 e.discard_staged()
         else:
+            self.weights.reset()
             self._broadcast("discard")
 
     def stage_weights(self, tensors: dict[str, torch.Tensor]) -> None:

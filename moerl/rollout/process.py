@@ -118,18 +118,30 @@ def _recv(conn: Connection) -> dict:
 
 
 class _Writer:
-    """A shared buffer that grows as needed; ``put`` packs tensors and returns the message fields that locate them."""
+    """A shared buffer that grows as needed; ``put`` packs tensors and returns the message fields that locate them.
+
+    ``append``: after what earlier ``put`` s of the same update wrote (the readers keep views of those until the
+    update is committed: the buffer is the update's staging area); ``reset`` starts the next update at byte 0.
+    """
 
     def __init__(self, tag: str):
-        self.tag, self.buf = tag, None
+        self.tag, self.buf, self.used = tag, None, 0
 
-    def put(self, tensors: dict[str, torch.Tensor]) -> dict:
-        _, need = layout(tensors)
-        if self.buf is None or need > self.buf.nbytes:
+    def reset(self) -> None:
+        self.used = 0
+
+    def put(self, tensors: dict[str, torch.Tensor], append: bool = False) -> dict:
+        start = self.used if append else 0
+        _, end = layout(tensors, start)
+        if self.buf is None or end > self.buf.nbytes:  # a new file; readers keep their views of the old one
+            old = self.buf.nbytes if self.buf is not None else 0
             if self.buf is not None:
                 self.buf.unlink()
-            self.buf = SharedBuffer.create(max(need, 2 * (self.buf.nbytes if self.buf else 0), 1 << 20), self.tag)
-        return {"buffer": self.buf.path, "nbytes": self.buf.nbytes, "tensors": self.buf.pack(tensors)}
+            _, end = layout(tensors)
+            start, self.buf = 0, SharedBuffer.create(max(end, 2 * old, 1 << 20), self.tag)
+        specs = self.buf.pack(tensors, start)
+        self.used = end
+        return {"buffer": self.buf.path, "nbytes": self.buf.nbytes, "tensors": specs}
 
     def close(self) -> None:
         if self.buf is not None:
@@ -176,7 +188,9 @@ def serve(fd: int, parent: int) -> None:
                 rows, tensors = outputs_to_json(outs)
                 reply = {"outputs": rows, **writer.put(tensors)}
             elif op in ("stage", "set_adapter") or (op == "add_adapter" and "buffer" in msg):
-                tensors = reader.get(msg["buffer"], msg["nbytes"]).read(msg["tensors"])  # copies: the buffer is reused
+                # views, no copy: the parent writes each bucket of an update to its own place in the buffer, so the
+                # staged views stay valid until the commit copies them into the weights
+                tensors = reader.get(msg["buffer"], msg["nbytes"]).read(msg["tensors"], copy=False)
                 if op == "stage":
                     engine.stage_weights(tensors)
                 elif op == "set_adapter":

@@ -29,9 +29,9 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def layout(tensors: dict[str, torch.Tensor]) -> tuple[list[dict], int]:
-    """Where each tensor goes in a buffer: ``[{name, dtype, shape, offset}]`` and the bytes needed."""
-    specs, offset = [], 0
+def layout(tensors: dict[str, torch.Tensor], start: int = 0) -> tuple[list[dict], int]:
+    """Where each tensor goes in a buffer from byte ``start`` on: ``[{name, dtype, shape, offset}]`` and the end."""
+    specs, offset = [], start
     for name, t in tensors.items():
         offset = -(-offset // ALIGN) * ALIGN
         specs.append(
@@ -60,9 +60,9 @@ class SharedBuffer:
     def open(cls, path: str, nbytes: int) -> SharedBuffer:
         return cls(path, nbytes, create=False)
 
-    def pack(self, tensors: dict[str, torch.Tensor]) -> list[dict]:
-        """Copy ``tensors`` into the buffer; returns their layout (``layout`` must fit ``nbytes``)."""
-        specs, need = layout(tensors)
+    def pack(self, tensors: dict[str, torch.Tensor], start: int = 0) -> list[dict]:
+        """Copy ``tensors`` into the buffer from byte ``start`` on; returns their layout (it must fit ``nbytes``)."""
+        specs, need = layout(tensors, start)
         if need > self.nbytes:
             raise ValueError(f"{need} bytes of tensors do not fit the {self.nbytes}-byte shared buffer {self.path}")
         for spec, t in zip(specs, tensors.values(), strict=True):

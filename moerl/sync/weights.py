@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from moerl.errors import TrainingStopped
+from moerl.finite import all_finite
 from moerl.model.lora import slot_tensors
 from moerl.model.mx import BLOCK, MX_SCALE, mx_fake_quant, mx_quantize
 
@@ -57,7 +58,8 @@ def policy_tensors(policy) -> dict[str, torch.Tensor]:
             else:  # a ragged last block: send the MX values themselves (bf16 holds them exactly)
                 out[name] = mx_fake_quant(t, -1, policy.cfg.mx_scale_mode).to(torch.bfloat16)
         else:
-            out[name] = t.to(torch.bfloat16)
+            own = policy.master.model_params[name]  # bf16 compute: the model already holds round(master)
+            out[name] = own.detach() if own.dtype == torch.bfloat16 else t.to(torch.bfloat16)
     for name, buf in policy.model.named_buffers():  # e.g. the selection-only router bias
         out[name] = buf.detach().clone()
     return out
@@ -85,7 +87,7 @@ def sync_policy(policy, engine, version: int, bucket_bytes: int = 64 * 2**20) ->
     start = time.perf_counter()
     tensors = policy_tensors(policy)
     for name, t in tensors.items():  # checked before the first bucket leaves: the engine keeps its weights
-        if t.is_floating_point() and not bool(torch.isfinite(t.float()).all()):
+        if not all_finite(t):
             raise TrainingStopped(
                 f"weight sync of version {version}: tensor {name!r} holds non-finite values; not pushed to the engine "
                 f"(it keeps version {engine.weight_version})"

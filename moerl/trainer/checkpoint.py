@@ -23,6 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from moerl.errors import CheckpointError
+from moerl.finite import all_finite
 
 TENSORS, META = "checkpoint.safetensors", "checkpoint.json"
 META_KEYS = ("mode", "step", "nan_skipped", "nan_streak", "param_groups", "scheduler", "python_random", "numpy_random")
@@ -171,7 +172,7 @@ def _load_tensors(path: Path, meta: dict) -> dict[str, torch.Tensor]:
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{file} is not a readable safetensors file (truncated or corrupt?): {e}") from None
     for name, t in tensors.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if not all_finite(t):
             raise CheckpointError(f"{file}: tensor {name!r} holds non-finite values (NaN or inf); refusing to load it")
     if "rng/torch" not in tensors:
         raise CheckpointError(f"{file} lacks the tensor 'rng/torch': not a complete moerl training checkpoint")

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from moerl.bridges import load_model
 from moerl.errors import ConfigError, TrainingStopped
+from moerl.finite import all_finite
 from moerl.model.lora import LoraConfig, attach_lora
 from moerl.model.mx import SCALE_MODES
 from moerl.trainer.batch import Batch
@@ -250,7 +251,7 @@ class Policy:
 
     def nonfinite_weight(self) -> str | None:
         """The name of the first trained tensor (adapter or fp32 master) holding NaN or inf, else None."""
-        return next((n for n, t in self.trainable_state().items() if not bool(torch.isfinite(t).all())), None)
+        return next((n for n, t in self.trainable_state().items() if not all_finite(t)), None)
 
     def save_stop_checkpoint(self) -> str:
         """Before a TrainingStopped: save the current state to ``stop_checkpoint_dir`` (with ``stop_state``) if its

