@@ -32,6 +32,7 @@ from moerl.loop import RunConfig, train
 from moerl.presets import init_model
 
 HERE = Path(__file__).resolve().parent
+CPU = torch.backends.cpu.get_cpu_capability()  # AVX2-only hosts have no fast bf16 GEMM
 STAGES = ("seconds_generate", "seconds_logprobs", "seconds_train", "seconds_sync")
 
 
@@ -121,7 +122,7 @@ def main() -> None:
     print(
         f"# RL step, {args.prompts} prompts x group {args.group} x {args.new_tokens} new tokens, moerl trainer "
         f"{args.dtype} (engine bf16); torch "
-        f"{torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}; TRL: "
+        f"{torch.__version__}, {torch.get_num_threads()} threads, cpu {CPU}, {platform.machine()}; TRL: "
         f"{'yes' if trl else 'not installed, skipped'}"
     )
     print("| preset | engine | s/step | samples/s | stages (gen / logprobs / train / sync s) | vs TRL |")

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+CPU = torch.backends.cpu.get_cpu_capability()  # AVX2-only hosts have no fast bf16 GEMM
+
 MODES = ("full", "lora", "mxfp8")
 CONTENDERS = ("process", "inprocess", "memcpy")
 
@@ -89,7 +91,7 @@ def main() -> None:
     print(
         f"# weight sync to a native engine, bucket {args.bucket_mb} MiB, median of {args.syncs} syncs per fresh "
         f"process, {args.rounds} interleaved rounds; torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"{platform.machine()}"
+        f"cpu {CPU}, {platform.machine()}"
     )
     print("| preset | mode | MB sent | contender | GB/s (median, min-max of rounds) | vs memcpy |")
     print("|---|---|---|---|---|---|")
