@@ -16,19 +16,16 @@ import atexit
 import hashlib
 import math
 import numbers
-import os
 import pickle
 import random
 import signal
-import socket
-import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Protocol, runtime_checkable
 
+from moerl.child import spawn
 from moerl.errors import ConfigError
 
 SPLITS = ("train", "test")
@@ -151,19 +148,12 @@ def serve(fd: int) -> None:
 
 
 class _Worker:
-    """A ``python -c`` child running :func:`serve` over a socket pair. A plain subprocess rather than a
-    multiprocessing one: no fork of a parent holding torch / OpenMP threads, and no re-import of the parent's
-    ``__main__`` as spawn does (which breaks under stdin or notebooks and re-runs unguarded scripts)."""
+    """A child process (``moerl.child.spawn``) running :func:`serve`."""
 
     LOAD_TIMEOUT_S = 120.0  # importing a reward function's module (sympy, ...) in a fresh process
 
     def __init__(self) -> None:
-        mine, theirs = socket.socketpair()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        code = f"from moerl.envs.base import serve; serve({theirs.fileno()})"
-        self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()], env=env)
-        theirs.close()
-        self.conn = Connection(mine.detach())
+        self.proc, self.conn = spawn("moerl.envs.base", "serve")
 
     def kill(self) -> None:
         self.proc.kill()

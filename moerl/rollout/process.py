@@ -1,9 +1,9 @@
 """A native engine in its own process, behind the InferenceEngine protocol.
 
-The child is a plain ``python -c`` process (no fork of a parent holding torch threads, no re-import of the parent's
-``__main__``) talking over a socket pair. Commands and results are JSON; tensors (weights one way, logprobs and
-routed experts the other) travel through file-backed shared memory (``moerl.rollout.shm``). The child dies with its
-parent (``PR_SET_PDEATHSIG``), ignores Ctrl-C (the parent stops it), and a child that dies is reported by name.
+The child is a plain ``python -c`` process (``moerl.child.spawn``) talking over a socket pair. Commands and results
+are JSON; tensors (weights one way, logprobs and routed experts the other) travel through file-backed shared memory
+(``moerl.rollout.shm``). The child dies with its parent (``PR_SET_PDEATHSIG``), ignores Ctrl-C (the parent stops
+it), and a child that dies is reported by name.
 """
 
 from __future__ import annotations
@@ -13,15 +13,14 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 import torch
 
 from moerl import errors
+from moerl.child import spawn
 from moerl.engine import EngineConfig, LLMEngine, Request, RequestOutput, SamplingParams
 from moerl.engine.sequence import Completion
 from moerl.errors import EngineError, MoerlError
@@ -224,12 +223,7 @@ class EngineProcess:
 
     def __init__(self, spec: EngineSpec, index: int = 0):
         self.index = index
-        mine, theirs = socket.socketpair()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        code = f"from moerl.rollout.process import serve; serve({theirs.fileno()}, {os.getpid()})"
-        self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()], env=env)
-        theirs.close()
-        self.conn = Connection(mine.detach())
+        self.proc, self.conn = spawn("moerl.rollout.process", "serve", os.getpid())
         self.outputs = BufferCache(unlink_on_open=True)
         self.weight_version = 0
         self.tokenizer = None
