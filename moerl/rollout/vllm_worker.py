@@ -43,6 +43,18 @@ class MoerlWorkerExtension:
                     kernel.fused_experts.process_weights_after_loading(module)
         return len(staged)
 
+    def moerl_gate(self, layer: int, hidden: list | None = None) -> list:
+        """MoE layer ``layer``'s router as vLLM computes it: its logits for ``hidden`` ([T, H] values), or with
+        ``hidden`` None its effective weight, read through the gate's own GEMM on the identity (exact in fp32, and
+        it works where the CPU build packed the weight away and left the parameter empty)."""
+        gate = self.model_runner.get_model().model.layers[layer].mlp.gate
+        x = torch.eye(gate.input_size) if hidden is None else torch.tensor(hidden, dtype=torch.float32)
+        with torch.no_grad():
+            out = gate(x.to(next(gate.parameters()).dtype if hidden is None else torch.bfloat16))
+        out = out[0] if isinstance(out, tuple) else out
+        out = out.t() if hidden is None else out
+        return [str(out.dtype), list(out.shape), out.float().reshape(-1).tolist()]
+
     def moerl_names(self) -> list[str]:
         return [n for n, _ in self.model_runner.get_model().named_parameters()]
 
