@@ -2,11 +2,12 @@
 bytes on the same machine.
 
 Contenders per preset and mode: ``process`` (the engine in its own process: shared-memory buckets, staged and
-committed there), ``inprocess`` (the engine in the trainer's process) and ``memcpy`` (one ``copy_`` of a buffer of
-the same size, the floor of any transfer). Each measurement is a fresh child process (model built, one warm-up sync,
+committed there), ``inprocess`` (the engine in the trainer's process), ``memcpy`` (one ``copy_`` of a buffer of
+the same size, the floor of any transfer) and, with ``--vllm``, a vLLM engine (full mode: the same shared-memory
+buckets, reloaded by vLLM's worker). Each measurement is a fresh child process (model built, one warm-up sync,
 then the median of ``--syncs`` timed syncs); rounds run the contenders interleaved, rotating who goes first.
 
-    python benchmarks/sync_bandwidth.py [--presets tiny small] [--rounds 3] [--syncs 5]
+    python benchmarks/sync_bandwidth.py [--presets tiny small] [--rounds 3] [--syncs 5] [--vllm]
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 CPU = torch.backends.cpu.get_cpu_capability()  # AVX2-only hosts have no fast bf16 GEMM
 
 MODES = ("full", "lora", "mxfp8")
-CONTENDERS = ("process", "inprocess", "memcpy")
+CONTENDERS = ("process", "inprocess", "memcpy")  # and "vllm" (full mode) with --vllm
 
 
 def child(args) -> None:
@@ -52,9 +53,12 @@ def child(args) -> None:
         cfg = EngineConfig(max_num_seqs=4, max_model_len=64, max_loras=int(lora_engine), max_lora_rank=16)
         cfg.lora_layout = "shared_outer"
         mx = "rceil" if args.mode == "mxfp8" else None
-        engine = make_engine(
-            "native", args.ckpt, cfg, placement=args.child, threads=torch.get_num_threads(), mx_scale_mode=mx
-        )
+        if args.child == "vllm":
+            engine = make_engine("vllm", args.ckpt, cfg)
+        else:
+            engine = make_engine(
+                "native", args.ckpt, cfg, placement=args.child, threads=torch.get_num_threads(), mx_scale_mode=mx
+            )
         try:
             sync_policy(policy, engine, version=0, bucket_bytes=args.bucket_mb << 20)
             for v in range(args.syncs):
@@ -80,7 +84,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--syncs", type=int, default=5)
     p.add_argument("--bucket-mb", type=int, default=64)
-    p.add_argument("--child", choices=CONTENDERS)
+    p.add_argument("--vllm", action="store_true", help="add vLLM (full mode only) as a contender")
+    p.add_argument("--child", choices=(*CONTENDERS, "vllm"))
     p.add_argument("--mode", choices=MODES)
     p.add_argument("--ckpt")
     args = p.parse_args()
@@ -100,15 +105,16 @@ def main() -> None:
             ckpt = str(Path(d) / "model")
             init_model("qwen3_moe", preset, ckpt, seed=0)
             for mode in args.modes:
-                runs: dict[str, list[dict]] = {c: [] for c in CONTENDERS}
+                contenders = CONTENDERS + (("vllm",) if args.vllm and mode == "full" else ())
+                runs: dict[str, list[dict]] = {c: [] for c in contenders}
                 for r in range(args.rounds):
-                    order = CONTENDERS[r % 3 :] + CONTENDERS[: r % 3]
-                    for c in order:
+                    k = r % len(contenders)
+                    for c in contenders[k:] + contenders[:k]:
                         runs[c].append(run_child(__file__, ckpt, mode, c, args))
                 gbs = {c: [x["bytes"] / x["seconds"] / 1e9 for x in v] for c, v in runs.items()}
                 ref = statistics.median(gbs["memcpy"])
                 mb = runs["memcpy"][0]["bytes"] / 1e6
-                for c in CONTENDERS:
+                for c in contenders:
                     med = statistics.median(gbs[c])
                     print(
                         f"| {preset} | {mode} | {mb:.1f} | {c} | {med:.2f} ({min(gbs[c]):.2f}-{max(gbs[c]):.2f}) "
