@@ -275,6 +275,7 @@ def build_engine(cfg: RunConfig, model_path: Path):
         num_engines=r.num_engines,
         mx_scale_mode=cfg.policy.mx_scale_mode if cfg.policy.mode == "mxfp8" else None,
         threads=threads if r.placement == "process" else 0,
+        vllm_args=r.vllm_args,
     )
 
 

@@ -58,11 +58,12 @@ def init_model(
     out_dir: str | os.PathLike | None = None,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    overrides: dict | None = None,
 ) -> MoEModel:
-    """A randomly initialised model of ``arch`` at ``preset_name`` size; written as a HF checkpoint
-    (config.json, safetensors, char tokenizer) when ``out_dir`` is given."""
+    """A randomly initialised model of ``arch`` at ``preset_name`` size, its config.json fields updated from
+    ``overrides``; written as a HF checkpoint (config.json, safetensors, char tokenizer) when ``out_dir`` is given."""
     bridge = bridge_for_arch(arch)
-    hf = bridge.preset_config(preset(preset_name), BOS_ID, EOS_ID, PAD_ID)
+    hf = bridge.preset_config(preset(preset_name), BOS_ID, EOS_ID, PAD_ID) | (overrides or {})
     cfg = bridge.config_from_hf(HFConfig(hf, f"{arch} preset {preset_name!r}"))
     model = MoEModel(cfg, dtype)
     model.init_weights(generator=torch.Generator().manual_seed(seed))

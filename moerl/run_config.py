@@ -46,10 +46,11 @@ class RolloutSection:
     top_p: float = 1.0
     max_model_len: int = 128
     max_num_seqs: int = 128
-    placement: str = "inprocess"  # inprocess | process: each engine in its own process
+    placement: str = "inprocess"  # native engines: inprocess | process (vLLM ones always run in their own)
     num_engines: int = 1  # the groups of a step are split across them
     engine_threads: int = 0  # torch threads per engine process (0: this process's threads / num_engines)
     sync_bucket_mb: int = 64  # weight sync goes in buckets of at most this many MiB
+    vllm_args: dict = field(default_factory=dict)  # more vllm.LLM arguments (engine=vllm), e.g. enforce_eager: true
 
     def __post_init__(self) -> None:
         _require(
@@ -60,6 +61,7 @@ class RolloutSection:
                 ("num_engines", self.num_engines, self.num_engines >= 1, "must be >= 1"),
                 ("engine_threads", self.engine_threads, self.engine_threads >= 0, "must be >= 0 (0: automatic)"),
                 ("sync_bucket_mb", self.sync_bucket_mb, self.sync_bucket_mb >= 1, "must be >= 1"),
+                ("vllm_args", self.vllm_args, not self.vllm_args or self.engine == "vllm", "only with engine: vllm"),
                 ("prompts_per_step", self.prompts_per_step, self.prompts_per_step >= 1, "must be >= 1"),
                 ("group_size", self.group_size, self.group_size >= 1, "must be >= 1"),
                 ("max_tokens", self.max_tokens, self.max_tokens >= 1, "must be >= 1"),

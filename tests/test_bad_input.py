@@ -116,6 +116,18 @@ def test_config_value_outside_allowed(ckpt):
         load_model(ckpt)
 
 
+@pytest.mark.parametrize(
+    "field, value", [("topk_method", "greedy"), ("topk_method", "group_limited_greedy"), ("scoring_func", "softmax")]
+)
+def test_deepseek_v3_router_the_decoder_does_not_compute_is_refused(hf_checkpoints, tmp_path, field, value):
+    """DeepSeek-V3's router is noaux_tc with sigmoid scores; another method in config.json would be computed wrong."""
+    dst = tmp_path / "ds"
+    shutil.copytree(hf_checkpoints["DeepseekV3ForCausalLM"][0], dst)
+    _edit_config(dst, **{field: value})
+    with pytest.raises(ConfigError, match=rf"field '{field}' is '{value}'; DeepSeek-V3 allows"):
+        load_model(dst)
+
+
 def test_config_json_not_json(ckpt):
     (ckpt / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match=r"config\.json is not valid JSON"):

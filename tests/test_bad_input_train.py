@@ -30,6 +30,8 @@ BAD_CONFIGS = [
     ("rollout.top_p=0", r"'rollout.top_p'=0.0: must lie in \(0, 1\]"),
     ("rollout.max_tokens=0", r"'rollout.max_tokens'=0: must be >= 1"),
     ("rollout.engine=sglang", r"'rollout.engine'='sglang': allowed: native, vllm"),
+    ("rollout.vllm_args={enforce_eager: true}", r"'rollout.vllm_args'=\{'enforce_eager': True\}: only with engine"),
+    ("rollout.num_engines=0", r"'rollout.num_engines'=0: must be >= 1"),
     ("algo.mini_batches=0", r"'algo.mini_batches'=0: must be >= 1"),
     ("algo.mini_batches=200", r"'algo.mini_batches'=200: must be <= the batch of .* = 128 sequences"),
     ("algo.ppo_epochs=0", r"'algo.ppo_epochs'=0: must be >= 1"),

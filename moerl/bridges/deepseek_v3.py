@@ -17,6 +17,9 @@ def config_from_hf(c: HFConfig) -> ModelConfig:
     scoring = c.opt("scoring_func", str, "sigmoid")
     if scoring != "sigmoid":
         raise ConfigError(f"{c.source}: field 'scoring_func' is {scoring!r}; DeepSeek-V3 allows: sigmoid")
+    method = c.opt("topk_method", str, "noaux_tc")
+    if method != "noaux_tc":  # the router below is noaux_tc's (selection bias, groups scored by their top-2 sum)
+        raise ConfigError(f"{c.source}: field 'topk_method' is {method!r}; DeepSeek-V3 allows: noaux_tc")
     nope, rope_dim = c.req("qk_nope_head_dim", int), c.req("qk_rope_head_dim", int)
     bias = c.opt("attention_bias", bool, False)
     moe_size = c.req("moe_intermediate_size", int)
@@ -59,6 +62,8 @@ def preset_config(p: Preset, bos: int, eos: int, pad: int) -> dict:
         "n_group": 4 if p.num_experts % 4 == 0 else 1,
         "topk_group": 2 if p.num_experts % 4 == 0 else 1,
         "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",  # as in the released config.json (vLLM reads these two)
+        "topk_method": "noaux_tc",
         "norm_topk_prob": True,
         "q_lora_rank": p.hidden_size // 2,
         "kv_lora_rank": p.hidden_size // 4,

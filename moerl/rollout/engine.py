@@ -36,8 +36,8 @@ class InferenceEngine(Protocol):
 def make_engine(
     kind: str, model, config: EngineConfig | None = None, placement: str = "inprocess", num_engines: int = 1, **spec
 ):
-    """Rollout engines by name: ``native`` (moerl's own), ``num_engines`` of them in this process or each in its own
-    process (``placement``), behind one InferenceEngine; or ``vllm`` (one vLLM engine, in vLLM's own processes).
+    """Rollout engines by name, ``num_engines`` of them behind one InferenceEngine: ``native`` (moerl's own), in this
+    process or each in its own process (``placement``); or ``vllm`` (always in vLLM's own processes).
     ``spec``: the rest of :class:`EngineSpec`."""
     from moerl.rollout.pool import EnginePool
     from moerl.rollout.process import EngineSpec
@@ -46,9 +46,7 @@ def make_engine(
     if kind == "vllm":
         from moerl.rollout.vllm import VLLMEngine
 
-        if num_engines != 1:
-            raise ConfigError(f"rollout.num_engines={num_engines} with rollout.engine=vllm: one vLLM engine for now")
-        return VLLMEngine(spec, lora=spec.config.max_loras > 0)
+        return VLLMEngine(spec, lora=spec.config.max_loras > 0, num_engines=num_engines)
     if kind != "native":
         raise ConfigError(f"rollout engine {kind!r}: allowed: native, vllm")
     return EnginePool(spec, placement, num_engines)

@@ -36,6 +36,7 @@ class EngineSpec:
     dtype: str = "bfloat16"
     mx_scale_mode: str | None = None  # mxfp8 policies: quantize the engine's GEMMs the trainer's way
     threads: int = 0  # torch threads of an engine process (0: leave torch's default)
+    vllm_args: dict = field(default_factory=dict)  # engine=vllm: more vllm.LLM arguments
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

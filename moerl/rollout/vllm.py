@@ -21,6 +21,7 @@ import torch
 from moerl.engine import Request, RequestOutput
 from moerl.engine.sequence import Completion
 from moerl.errors import ConfigError
+from moerl.rollout.pool import _gather, split
 from moerl.rollout.process import EngineSpec, _Writer
 
 EXTENSION = "moerl.rollout.vllm_worker.MoerlWorkerExtension"
@@ -38,12 +39,51 @@ def _import_vllm():
     return vllm
 
 
+# vllm.LLM arguments moerl sets itself (rollout.vllm_args may not override them)
+OWN_ARGS = ("model", "dtype", "seed", "max_model_len", "max_num_seqs", "logprobs_mode", "worker_extension_cls")
+
+
+def _llm_args(vllm, spec: EngineSpec) -> dict:
+    """moerl's vllm.LLM arguments plus ``spec.vllm_args``, each of those checked by name against vLLM's EngineArgs."""
+    import dataclasses
+
+    known = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
+    for key in spec.vllm_args:
+        if key in OWN_ARGS:
+            raise ConfigError(f"rollout.vllm_args.{key}: moerl sets it (from model / rollout / train); remove it")
+        if key not in known:
+            raise ConfigError(f"rollout.vllm_args.{key}: not an argument of vLLM {vllm.__version__}'s engine")
+    cfg = spec.config
+    return {
+        "model": spec.model,
+        "dtype": spec.dtype,
+        "seed": cfg.seed,
+        "max_model_len": cfg.max_model_len,
+        "max_num_seqs": cfg.max_num_seqs,
+        "gpu_memory_utilization": 0.2,
+        "logprobs_mode": "processed_logprobs",
+        "worker_extension_cls": EXTENSION,
+    } | spec.vllm_args
+
+
+def _cpu_binds(n: int, threads: int) -> list[str | None]:
+    """Cores for each of ``n`` vLLM engines on a CPU: disjoint ranges (``threads`` each, or an equal share), so
+    engines do not bind their OpenMP threads to the same cores; None leaves vLLM's own choice (one engine, or a
+    binding the user set)."""
+    if n == 1 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ or torch.cuda.is_available():
+        return [None] * n
+    per = threads or max(1, (os.cpu_count() or 1) // n)
+    return [f"{i * per}-{i * per + per - 1}" if per > 1 else str(i * per) for i in range(n)]
+
+
 class VLLMEngine:
-    """One vLLM engine (its own processes, started by vLLM) on ``spec.model``; ``close`` stops them."""
+    """``num_engines`` vLLM engines (each in its own processes, started by vLLM) on ``spec.model``, behind one
+    InferenceEngine: the requests of a call are split across them and gathered back in order; weight updates reach
+    every engine. ``close`` stops them."""
 
     supports_routing = False  # vLLM's routed-experts capture needs the GPU model runner
 
-    def __init__(self, spec: EngineSpec, lora: bool = False):
+    def __init__(self, spec: EngineSpec, lora: bool = False, num_engines: int = 1):
         if lora:
             raise ConfigError(
                 "rollout.engine=vllm with policy.mode=lora: vLLM's MoE LoRA needs Triton kernels, which the CPU build "
@@ -54,31 +94,57 @@ class VLLMEngine:
                 "rollout.engine=vllm with policy.mode=mxfp8: vLLM on the CPU cannot compute MXFP8 GEMMs the trainer's "
                 "way (its activations would stay unquantized); use rollout.engine=native for MXFP8"
             )
+        if num_engines < 1:
+            raise ConfigError(f"rollout.num_engines={num_engines}: must be >= 1")
         vllm = _import_vllm()
         from moerl.bridges.checkpoint import load_tokenizer, read_config
         from moerl.bridges.registry import get_bridge
         from moerl.rollout.vllm_plugin import ENV
 
+        args = _llm_args(vllm, spec)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on a CPU; vLLM's default is 4
         os.environ[ENV] = "1"  # moerl's plugin gives vLLM's MoE models fp32 routers, in all of vLLM's processes
-        cfg = spec.config
-        self.max_model_len = cfg.max_model_len
-        self.llm = vllm.LLM(
-            model=spec.model,
-            dtype=spec.dtype,
-            seed=cfg.seed,
-            max_model_len=cfg.max_model_len,
-            max_num_seqs=cfg.max_num_seqs,
-            gpu_memory_utilization=0.2,
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls=EXTENSION,
-        )
+        self.max_model_len = spec.config.max_model_len
+        self.llms = []
+        self.weights = _Writer("moerl-vllm")  # one shared buffer per bucket, read by every engine
+        self.weight_version = 0
+        try:
+            for bind in _cpu_binds(num_engines, spec.threads):
+                if bind is not None:  # read by the engine's worker process when vLLM starts it, just below
+                    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+                try:
+                    self.llms.append(vllm.LLM(**args))
+                finally:
+                    if bind is not None:
+                        del os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+        except BaseException:
+            self.close()
+            raise
         self.tokenizer = load_tokenizer(spec.model)
         self.bridge = get_bridge(read_config(spec.model), source=spec.model)
-        self.weights = _Writer("moerl-vllm")
-        self.weight_version = 0
         self._sampling = vllm.SamplingParams
         self._tokens_prompt = vllm.inputs.TokensPrompt
+
+    @property
+    def llm(self):
+        """The first engine (tests and tools talk to one engine's worker)."""
+        return self.llms[0]
+
+    def _each(self, fn) -> list:
+        """``fn(llm)`` for every engine side by side, results in order."""
+        return self._each_of([(llm,) for llm in self.llms], fn)
+
+    @staticmethod
+    def _each_of(calls: list[tuple], fn) -> list:
+        """``fn(*args)`` for every ``args`` side by side (threads: the work runs in vLLM's own processes), results in
+        order; the first exception is raised once every call has returned."""
+        if len(calls) <= 1:
+            return [fn(*args) for args in calls]
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(calls)) as ex:
+            futures = [ex.submit(fn, *args) for args in calls]
+        return _gather([f.result for f in futures])
 
     # -- generation ----------------------------------------------------------------------------------------------
     def _params(self, p):
@@ -115,7 +181,10 @@ class VLLMEngine:
             prompts.append(self._tokens_prompt(prompt_token_ids=ids))
             params.append(self._params(r.params))
             where.append((i, rid, ids))
-        results = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
+        parts = split([requests[i] for i, _, _ in where], len(self.llms))
+        calls = [(llm, s) for llm, s in zip(self.llms, parts, strict=True) if prompts[s]]
+        done = self._each_of(calls, lambda llm, s: llm.generate(prompts[s], params[s], use_tqdm=False))
+        results = [res for outs in done for res in outs]
         for (i, rid, ids), res in zip(where, results, strict=True):
             comps = []
             for c in res.outputs:
@@ -130,7 +199,7 @@ class VLLMEngine:
     # -- weights -------------------------------------------------------------------------------------------------
     def discard_staged(self) -> None:
         self.weights.reset()
-        self.llm.collective_rpc("moerl_discard")
+        self._each(lambda llm: llm.collective_rpc("moerl_discard"))
 
     def stage_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Hold one bucket of moerl-named tensors (mapped to the checkpoint's names) until ``commit_weights``."""
@@ -140,12 +209,13 @@ class VLLMEngine:
         if any(n.endswith(MX_SCALE) for n in tensors):
             raise ConfigError("a vLLM engine takes no MXFP8 weights (see rollout.engine=native)")
         hf = {h: t for name, x in tensors.items() for h, t in to_hf(self.bridge, name, x)}
-        self.llm.collective_rpc("moerl_stage", args=(self.weights.put(hf, append=True),))
-        self.weights.buf.unlink()  # the worker has mapped it
+        layout = self.weights.put(hf, append=True)
+        self._each(lambda llm: llm.collective_rpc("moerl_stage", args=(layout,)))
+        self.weights.buf.unlink()  # every worker has mapped it
 
     def commit_weights(self, version: int) -> None:
-        """Reload every staged tensor into vLLM's model at once, between generate calls, and tag later outputs."""
-        self.llm.collective_rpc("moerl_commit")
+        """Reload every staged tensor into each engine's model at once, between generate calls; tag later outputs."""
+        self._each(lambda llm: llm.collective_rpc("moerl_commit"))
         self.weight_version = version
 
     def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
@@ -160,21 +230,25 @@ class VLLMEngine:
         raise ConfigError("a vLLM engine on the CPU serves no adapters (MoE LoRA needs Triton)")
 
     def read_weights(self, names: list[str]) -> list[dict[str, torch.Tensor]]:
-        """vLLM's own tensors by vLLM name (``model.layers.0.mlp.gate.weight``), read from its worker."""
-        raw = self.llm.collective_rpc("moerl_read", args=(list(names),))[0]
-        out = {}
-        for n, (dtype, shape, values) in raw.items():
-            out[n] = torch.tensor(values, dtype=getattr(torch, dtype.removeprefix("torch."))).view(shape)
-        return [out]
+        """Each engine's own tensors by vLLM name (``model.layers.0.mlp.gate.weight``), read from its worker."""
+        out = []
+        for llm in self.llms:
+            raw = llm.collective_rpc("moerl_read", args=(list(names),))[0]
+            out.append({n: _tensor(*v) for n, v in raw.items()})
+        return out
 
     def close(self) -> None:
-        """Stop vLLM's engine processes."""
-        llm = getattr(self, "llm", None)
-        if llm is not None:
+        """Stop vLLM's engine processes; idempotent."""
+        for llm in getattr(self, "llms", []):
             llm.llm_engine.engine_core.shutdown()
-            self.llm = None
-            gc.collect()
+        self.llms = []
+        gc.collect()
         self.weights.close()
+
+
+def _tensor(dtype: str, shape: list[int], values: list) -> torch.Tensor:
+    """A tensor from a worker's (dtype, shape, flat values) answer."""
+    return torch.tensor(values, dtype=getattr(torch, dtype.removeprefix("torch."))).view(shape)
 
 
 def warn_no_routing(engine: str) -> None:

@@ -1,9 +1,9 @@
 """moerl's vLLM plugin (entry point ``vllm.general_plugins``): fp32 routers in vLLM, as in moerl's trainer.
 
-vLLM builds Qwen3-MoE's router (``GateLinear``) in the model dtype, so a bf16 engine routes with bf16 weights and
-logits, and an fp32 router pushed into it is rounded silently. The plugin registers, under the same architecture
-name, a subclass whose gates hold fp32 weights and compute fp32 logits from fp32-cast hidden states. vLLM loads
-general plugins in every one of its processes (the driver, the engine core, the workers), which an in-script
+vLLM builds its MoE models' routers (``GateLinear``) in the model dtype, so a bf16 engine routes with bf16 weights and
+logits, and an fp32 router pushed into it is rounded silently. The plugin registers, under each architecture name
+moerl supports, a subclass whose gates hold fp32 weights and compute fp32 logits from fp32-cast hidden states. vLLM
+loads general plugins in every one of its processes (the driver, the engine core, the workers), which an in-script
 ``ModelRegistry.register_model`` cannot reach. It acts only when ``MOERL_VLLM_FP32_ROUTER=1`` is set (moerl's vLLM
 engine sets it), so installing moerl changes nothing for other users of vLLM.
 """
@@ -13,7 +13,18 @@ from __future__ import annotations
 import os
 
 ENV = "MOERL_VLLM_FP32_ROUTER"
-MODELS = {"Qwen3MoeForCausalLM": "moerl.rollout.vllm_models:Qwen3MoeFp32Router"}
+# moerl's architectures (HF ``architectures`` names, vLLM's registry keys) -> their fp32-router classes
+MODELS = {
+    arch: f"moerl.rollout.vllm_models:{arch.replace('ForCausalLM', 'Fp32Router')}"
+    for arch in (
+        "Qwen3MoeForCausalLM",
+        "Qwen2MoeForCausalLM",
+        "MixtralForCausalLM",
+        "OlmoeForCausalLM",
+        "DeepseekV3ForCausalLM",
+        "GptOssForCausalLM",
+    )
+}
 
 
 def register() -> None:
