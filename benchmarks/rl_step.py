@@ -7,10 +7,11 @@ one PPO epoch, weight sync), in full mode (bf16 compute, fp32 masters: what TRL'
 TRL: ``benchmarks/trl_grpo_step.py`` in a subprocess (full fine-tune, bf16 autocast), the same way.
 
 Each moerl contender runs in a fresh child process; ``--engines process:1 process:2`` adds rows with the rollouts
-on native engines in their own processes (placement:num_engines).
+on native engines in their own processes (placement:num_engines), ``vllm:1 vllm:2`` rows with vLLM engines (full
+mode: the CPU build of vLLM serves no MoE LoRA).
 
     python benchmarks/rl_step.py [--presets tiny small] [--steps 5] [--trl-python /work/trl-venv/bin/python]
-        [--engines process:1 process:2]
+        [--engines process:1 process:2 vllm:1 vllm:2]
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ def child(args) -> None:
             f"rollout.group_size={args.group}",
             f"rollout.max_tokens={args.new_tokens}",
             f"rollout.max_model_len={16 + args.new_tokens}",
-            f"rollout.placement={placement}",
             f"rollout.num_engines={engines}",
+            *(["rollout.engine=vllm"] if placement == "vllm" else [f"rollout.placement={placement}"]),
         ],
     )
     train(cfg)
@@ -110,7 +111,7 @@ def main() -> None:
         "--engines",
         nargs="*",
         default=[],
-        help="more rollout placements for moerl, e.g. process:1 process:2 (placement:num_engines)",
+        help="more rollouts for moerl, e.g. process:1 process:2 vllm:1 (placement or vllm:num_engines)",
     )
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--ckpt", help=argparse.SUPPRESS)
@@ -135,6 +136,8 @@ def main() -> None:
             for m in ("full", "lora"):
                 for where in ["inprocess:1", *args.engines]:
                     placement, n = where.split(":")
+                    if placement == "vllm" and m == "lora":
+                        continue
                     name = f"moerl {m}" + ("" if where == "inprocess:1" else f" ({placement}, {n} engines)")
                     rows[name] = moerl_step(ckpt, str(Path(d) / f"{m}-{placement}-{n}"), args, m, placement, int(n))
             if trl:

@@ -39,7 +39,7 @@ def child(args) -> None:
 
     lora = LoraConfig(rank=16, alpha=32, layout="shared_outer")
     policy = Policy(args.ckpt, PolicyConfig(mode=args.mode, dtype="bfloat16", lora=lora))
-    nbytes = sum(t.numel() * t.element_size() for t in policy_tensors(policy).values())
+    nbytes = sum(t.numel() * t.element_size() for _, t in policy_tensors(policy))
     times = []
     if args.child == "memcpy":
         src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)

@@ -135,13 +135,19 @@ def cmd_demo(args) -> None:
 def cmd_train(args) -> None:
     from moerl.config import load_config
     from moerl.loop import RunConfig, train
+    from moerl.parallel.world import launch, under_launcher
 
     overrides = list(args.overrides)
     if args.config is not None and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
         overrides.insert(0, args.config)  # no file given, only overrides
         args.config = None
     cfg = load_config(RunConfig, args.config, overrides)
+    if cfg.parallel.size > 1 and not under_launcher():  # start the ranks; each runs this same command
+        launch(args.argv, cfg.parallel.size)
+        return
     summary = train(cfg, resume=args.resume, overwrite=args.overwrite)
+    if summary is None:  # a trainer rank other than 0
+        return
     print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
 
 
@@ -210,15 +216,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args.func(args)
     except MoerlError as e:
         print(f"moerl: error: {e}", file=sys.stderr)
+        _tell_launcher(e)
         return 2
     except KeyboardInterrupt:
         print("moerl: interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+def _tell_launcher(e: Exception) -> None:
+    """One rank of a torchrun launch: leave the error where the launcher reads it, so it names this rank's fault."""
+    import os
+
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(e)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ from moerl.envs import make_env
 from moerl.envs.base import Problem, env_step, safe_call, safe_reward
 from moerl.errors import ConfigError, EngineError, TrainingStopped
 from moerl.metrics import MetricsLogger, plot_run, read_metrics
+from moerl.parallel.driver import DistributedPolicy, broadcast_json, serve
+from moerl.parallel.world import World, init_world
 from moerl.rollout import make_engine
 from moerl.run_config import RunConfig
 from moerl.rundir import CHECKPOINT, RunDir
@@ -28,7 +30,7 @@ from moerl.sync import sync_policy
 from moerl.sync.weights import ADAPTER
 from moerl.trainer import Batch, Policy
 from moerl.trainer.advantages import compute_advantages, dynamic_sampling_keep
-from moerl.trainer.checkpoint import load_checkpoint, save_checkpoint
+from moerl.trainer.checkpoint import save_checkpoint
 from moerl.trainer.losses import kl_penalty, make_policy_loss
 from moerl.trainer.mismatch import mismatch_metrics
 
@@ -48,28 +50,57 @@ class Rollout:
     reward_error: str | None
 
 
-def train(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict:
+def train(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict | None:
     """Run the RL loop described by ``cfg`` in ``cfg.run_dir``; returns the final metrics (incl. held-out accuracy
     before / after).
 
     The run directory is owned for the run's lifetime (a second process is refused). A new run refuses a directory
     holding another run unless ``overwrite``; ``resume`` continues from the run's checkpoint, refusing config changes
     to fields that define the run. Every check runs before the run's records are written.
+
+    With ``parallel`` ranks (under a torchrun launch), rank 0 runs the loop and returns; the others train and
+    return None.
     """
+    world = init_world(cfg.parallel.size)
+    if not world.driver:  # a trainer rank: it trains on its shard of what rank 0 announces
+        _serve(cfg, world)
+        return None
     run = RunDir.open(cfg, resume=resume, overwrite=overwrite)
     try:
-        return _train(cfg, run)
+        return _train(cfg, run, world)
     finally:
         run.close()
 
 
-def _train(cfg: RunConfig, run: RunDir) -> dict:
+def _serve(cfg: RunConfig, world: World) -> None:
+    """Ranks other than 0: build the same policy (same seeds) and train on this rank's share until told to stop."""
+    model_path = Path(broadcast_json(None))  # rank 0 names the checkpoint once it has written it
+    _seed(cfg.train.seed)
+    serve(Policy(model_path, cfg.policy, world), make_policy_loss(cfg.algo.loss))
+
+
+def _seed(seed: int) -> None:
+    random.seed(seed)  # adapter init, dropout, shuffles: a run is a function of its config
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _train(cfg: RunConfig, run: RunDir, world: World) -> dict:
     env = make_env(cfg.env.name, **cfg.env.kwargs)
     model_path = ensure_model(cfg, run.path, fresh=not run.resume)
-    random.seed(cfg.train.seed)  # adapter init, dropout, shuffles: a run is a function of its config
-    np.random.seed(cfg.train.seed)
-    torch.manual_seed(cfg.train.seed)
-    policy = Policy(model_path, cfg.policy)
+    _seed(cfg.train.seed)
+    if world.size == 1:
+        policy = Policy(model_path, cfg.policy)
+    else:
+        broadcast_json(str(model_path))
+        policy = DistributedPolicy(model_path, cfg.policy, world)
+    try:
+        return _train_policy(cfg, run, env, model_path, policy)
+    finally:
+        policy.close()
+
+
+def _train_policy(cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Policy) -> dict:
     engine = build_engine(cfg, model_path)
     if cfg.algo.r3 and not getattr(engine, "supports_routing", True):
         from moerl.rollout.vllm import warn_no_routing
@@ -78,7 +109,7 @@ def _train(cfg: RunConfig, run: RunDir) -> dict:
     metrics = None
     try:
         if run.resume:
-            load_checkpoint(run.checkpoint, policy)  # last: it restores the RNGs the steps go on with
+            policy.load(run.checkpoint)  # last: it restores the RNGs the steps go on with
         run.begin()  # everything that can refuse the run has passed: now its records are written
         start = run.start_step
         ckpt_dir = run.path / CHECKPOINT
@@ -499,14 +530,15 @@ def finish(cfg: RunConfig, run_dir: Path, policy: Policy) -> dict:
         from moerl.bridges.peft import write_peft_adapter
         from moerl.errors import CheckpointError
 
-        try:
-            write_peft_adapter(policy.model, run_dir / "adapter")
-            out["adapter"] = str(run_dir / "adapter")
-        except CheckpointError as e:  # adapters PEFT cannot express: merged weights instead
-            from moerl.bridges import export_model
-            from moerl.model.lora import merged_state_dict
+        with policy.gathered():  # a sharded policy's adapters, whole
+            try:
+                write_peft_adapter(policy.model, run_dir / "adapter")
+                out["adapter"] = str(run_dir / "adapter")
+            except CheckpointError as e:  # adapters PEFT cannot express: merged weights instead
+                from moerl.bridges import export_model
+                from moerl.model.lora import merged_state_dict
 
-            export_model(policy.model, run_dir / "merged", state_dict=merged_state_dict(policy.model))
-            out["merged"], out["adapter_note"] = str(run_dir / "merged"), str(e)
+                export_model(policy.model, run_dir / "merged", state_dict=merged_state_dict(policy.model))
+                out["merged"], out["adapter_note"] = str(run_dir / "merged"), str(e)
     out["plot"] = str(plot_run(run_dir))
     return out

@@ -130,6 +130,37 @@ class TrainSection:
         )
 
 
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+
+
+@dataclass(slots=True)
+class ParallelSection:
+    """How the trainer is split across ranks: dp (FSDP2 data parallel) x ep (experts) x pp (pipeline stages)."""
+
+    dp: int = 1
+    ep: int = 1
+    pp: int = 1
+    microbatches: int = 0  # pipeline micro-batches per step (0: one per pipeline stage)
+    schedule: str = "1f1b"
+
+    @property
+    def size(self) -> int:
+        return self.dp * self.ep * self.pp
+
+    def __post_init__(self) -> None:
+        _require(
+            "parallel",
+            (
+                ("dp", self.dp, isinstance(self.dp, int) and self.dp >= 1, "must be >= 1"),
+                # not built yet: refused rather than ignored
+                ("ep", self.ep, self.ep == 1, "expert parallelism is not built yet; allowed: 1"),
+                ("pp", self.pp, self.pp == 1, "pipeline parallelism is not built yet; allowed: 1"),
+                ("microbatches", self.microbatches, self.microbatches >= 0, "must be >= 0 (0: one per stage)"),
+                ("schedule", self.schedule, self.schedule in SCHEDULES, f"allowed: {', '.join(SCHEDULES)}"),
+            ),
+        )
+
+
 @dataclass(slots=True)
 class RunConfig:
     run_dir: str = "runs/run"
@@ -139,6 +170,7 @@ class RunConfig:
     algo: AlgoSection = field(default_factory=AlgoSection)
     env: EnvSection = field(default_factory=EnvSection)
     train: TrainSection = field(default_factory=TrainSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
 
     def __post_init__(self) -> None:
         r, a = self.rollout, self.algo
@@ -175,6 +207,7 @@ MUTABLE = (
     "rollout.num_engines",
     "rollout.engine_threads",
     "rollout.sync_bucket_mb",
+    "parallel.dp",  # a checkpoint holds whole tensors: any dp size loads it
     "env.eval_problems",
     "algo.reward_timeout_s",
 )

@@ -18,6 +18,7 @@ from moerl.errors import TrainingStopped
 from moerl.finite import all_finite
 from moerl.model.lora import slot_tensors
 from moerl.model.mx import BLOCK, MX_SCALE, mx_fake_quant, mx_quantize
+from moerl.parallel.world import full
 
 ADAPTER = "policy"
 
@@ -41,66 +42,85 @@ def _mx_weight(name: str, model) -> bool:
     return getattr(module, "mx", None) is not None and name.endswith(("weight", "gate_up_proj", "down_proj"))
 
 
-def policy_tensors(policy) -> dict[str, torch.Tensor]:
-    """The named tensors the engine needs for ``policy``'s current weights."""
-    if policy.cfg.mode == "lora":
-        return slot_tensors(policy.model, 0)
-    out = {}
+def policy_tensors(policy) -> Iterator[tuple[str, torch.Tensor]]:
+    """The named tensors the engine needs for ``policy``'s current weights, one at a time. A sharded policy gathers
+    each one whole as it goes (a collective: every rank runs this iterator to its end), so the whole model is never
+    on one rank at once."""
+    if policy.cfg.mode == "lora":  # small: the adapters, gathered together
+        with policy.gathered():
+            yield from slot_tensors(policy.model, 0).items()
+        return
     masters = policy.master.master
     for name, master in masters.items():
-        t = master.detach()
+        t = full(master.detach())
         if _is_router(name):
-            out[name] = t.float()
+            yield name, t.float()
         elif policy.cfg.mode == "mxfp8" and _mx_weight(name, policy.model):
             if t.shape[-1] % BLOCK == 0:
                 scale, data = mx_quantize(t, policy.cfg.mx_scale_mode)
-                out[name], out[name + MX_SCALE] = data, scale
+                yield name, data
+                yield name + MX_SCALE, scale
             else:  # a ragged last block: send the MX values themselves (bf16 holds them exactly)
-                out[name] = mx_fake_quant(t, -1, policy.cfg.mx_scale_mode).to(torch.bfloat16)
+                yield name, mx_fake_quant(t, -1, policy.cfg.mx_scale_mode).to(torch.bfloat16)
         else:
-            own = policy.master.model_params[name]  # bf16 compute: the model already holds round(master)
-            out[name] = own.detach() if own.dtype == torch.bfloat16 else t.to(torch.bfloat16)
+            own = policy.master.model_params[name]  # bf16 compute in one process: the model holds round(master)
+            yield name, own.detach() if own.dtype == torch.bfloat16 else t.to(torch.bfloat16)
     for name, buf in policy.model.named_buffers():  # e.g. the selection-only router bias
-        out[name] = buf.detach().clone()
-    return out
+        yield name, buf.detach().clone()
 
 
-def buckets(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-    """Groups of tensors of at most ``bucket_bytes`` (a larger tensor travels alone); MX scales stay with data."""
+def buckets(tensors, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Groups of named tensors (a dict, or ``(name, tensor)`` pairs in order) of at most ``bucket_bytes`` (a larger
+    tensor travels alone); an MX scale, which follows its data, stays in its data's bucket."""
     bucket, size = {}, 0
-    for name, t in tensors.items():
-        if name.endswith(MX_SCALE):
-            continue
-        group = {name: t} | ({name + MX_SCALE: tensors[name + MX_SCALE]} if name + MX_SCALE in tensors else {})
-        nbytes = sum(x.numel() * x.element_size() for x in group.values())
-        if bucket and size + nbytes > bucket_bytes:
+    for name, t in tensors.items() if isinstance(tensors, dict) else tensors:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes and not name.endswith(MX_SCALE):
             yield bucket
             bucket, size = {}, 0
-        bucket |= group
+        bucket[name] = t
         size += nbytes
     if bucket:
         yield bucket
 
 
 def sync_policy(policy, engine, version: int, bucket_bytes: int = 64 * 2**20) -> SyncStats:
-    """Push ``policy``'s weights to ``engine`` (in process) and tag them ``version``; applied atomically."""
+    """Push ``policy``'s weights to ``engine`` and tag them ``version``; applied atomically. Each bucket is checked
+    for non-finite values before it is staged; a bad one discards what was staged, so the engine keeps its weights."""
     start = time.perf_counter()
-    tensors = policy_tensors(policy)
-    for name, t in tensors.items():  # checked before the first bucket leaves: the engine keeps its weights
+    stream = policy.sync_tensors()
+    count = nbytes = n_buckets = 0
+    try:
+        if policy.cfg.mode == "lora":
+            tensors = dict(stream)
+            _check_finite(tensors, version, engine)
+            engine.set_adapter(ADAPTER, tensors, version)
+            count, nbytes, n_buckets = len(tensors), _nbytes(tensors), 1
+        else:
+            engine.discard_staged()
+            for bucket in buckets(stream, bucket_bytes):
+                try:
+                    _check_finite(bucket, version, engine)
+                except TrainingStopped:
+                    engine.discard_staged()
+                    raise
+                engine.stage_weights(bucket)
+                count, nbytes, n_buckets = count + len(bucket), nbytes + _nbytes(bucket), n_buckets + 1
+            engine.commit_weights(version)
+    finally:
+        for _ in stream:  # a sharded policy's other ranks gather to the end: so does this one
+            pass
+    return SyncStats(version, count, nbytes, n_buckets, time.perf_counter() - start)
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _check_finite(tensors: dict[str, torch.Tensor], version: int, engine) -> None:
+    for name, t in tensors.items():
         if not all_finite(t):
             raise TrainingStopped(
                 f"weight sync of version {version}: tensor {name!r} holds non-finite values; not pushed to the engine "
                 f"(it keeps version {engine.weight_version})"
             )
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    if policy.cfg.mode == "lora":
-        engine.set_adapter(ADAPTER, tensors, version)
-        n_buckets = 1
-    else:
-        n_buckets = 0
-        engine.discard_staged()
-        for bucket in buckets(tensors, bucket_bytes):
-            engine.stage_weights(bucket)
-            n_buckets += 1
-        engine.commit_weights(version)
-    return SyncStats(version, len(tensors), nbytes, n_buckets, time.perf_counter() - start)

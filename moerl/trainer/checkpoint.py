@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from moerl.errors import CheckpointError
 from moerl.finite import all_finite
+from moerl.parallel.world import like
 
 TENSORS, META = "checkpoint.safetensors", "checkpoint.json"
 META_KEYS = ("mode", "step", "nan_skipped", "nan_streak", "param_groups", "scheduler", "python_random", "numpy_random")
@@ -66,8 +67,8 @@ def save_checkpoint(path: str | os.PathLike, policy, state: dict | None = None) 
     recover_checkpoint(path)  # a crash of an earlier save: put its complete checkpoint back in place first
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tensors = {f"weights/{n}": t.contiguous() for n, t in policy.trainable_state().items()}
-    opt = policy.optimizer.state_dict()
+    weights, opt = policy.full_state()  # whole tensors (gathered from the ranks when the policy is sharded)
+    tensors = {f"weights/{n}": t.contiguous() for n, t in weights.items()}
     names = _param_names(policy)
     for idx, st in opt["state"].items():
         for key, value in st.items():
@@ -204,11 +205,11 @@ def load_checkpoint(path: str | os.PathLike, policy) -> dict:
     names = _param_names(policy)
     state = {}
     for idx, name in enumerate(names):
-        keys = {k.rsplit("/", 1)[1] for k in tensors if k.startswith(f"optim/{name}/")}
-        if keys:
-            state[idx] = {k: tensors[f"optim/{name}/{k}"] for k in keys}
+        keys = sorted(k.rsplit("/", 1)[1] for k in tensors if k.startswith(f"optim/{name}/"))
+        if keys:  # laid out as the parameter (this rank's shard when the policy is sharded)
+            state[idx] = {k: like(own[name], tensors[f"optim/{name}/{k}"]) for k in keys}
     for name, p in own.items():
-        p.copy_(tensors[f"weights/{name}"])
+        p.copy_(like(p, tensors[f"weights/{name}"]))
     if policy.master is not None:
         policy.master.master_to_model()
     policy.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})

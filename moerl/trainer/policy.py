@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from moerl.bridges import load_model
@@ -17,6 +18,8 @@ from moerl.errors import ConfigError, TrainingStopped
 from moerl.finite import all_finite
 from moerl.model.lora import LoraConfig, attach_lora
 from moerl.model.mx import SCALE_MODES
+from moerl.parallel.fsdp import gathered, shard_model
+from moerl.parallel.world import World, full, local
 from moerl.trainer.batch import Batch
 from moerl.trainer.optim import SCHEDULES, MasterWeights, lr_lambda
 
@@ -94,27 +97,34 @@ class Policy:
     reference copy. The router is fp32 in every mode.
     """
 
-    def __init__(self, checkpoint: str | os.PathLike, cfg: PolicyConfig | None = None):
+    def __init__(self, checkpoint: str | os.PathLike, cfg: PolicyConfig | None = None, world: World | None = None):
         self.cfg = cfg = cfg or PolicyConfig()
         self.checkpoint = Path(checkpoint)
-        self.model = load_model(checkpoint, dtype=DTYPES[cfg.dtype]).eval()
+        self.world = world = world or World()
+        sharded, dtype = world.size > 1, DTYPES[cfg.dtype]
+        # sharded full / mxfp8: the model's own parameters are the fp32 masters (FSDP gathers them in ``dtype``)
+        self.model = load_model(checkpoint, dtype=torch.float32 if sharded and cfg.mode != "lora" else dtype).eval()
         self.ref_model = None
         self.master: MasterWeights | None = None
         if cfg.mode == "lora":
             for p in self.model.parameters():
                 p.requires_grad_(False)
             attach_lora(self.model, cfg.lora, dtype=torch.float32)
+            for n, p in self.model.named_parameters():
+                p.requires_grad_(".lora." in n)
+            if sharded:
+                shard_model(self.model, dtype, cfg.mode)
             self.trainable = {n: p for n, p in self.model.named_parameters() if ".lora." in n}
-            for p in self.trainable.values():
-                p.requires_grad_(True)
             params = list(self.trainable.values())
         else:
             if cfg.mode == "mxfp8":
                 from moerl.model.mx import apply_mxfp8
 
                 apply_mxfp8(self.model, cfg.mx_scale_mode)
-            if cfg.reference:
-                self.ref_model = copy.deepcopy(self.model).requires_grad_(False)
+            if cfg.reference:  # frozen, in the compute dtype (replicated when the policy is sharded)
+                self.ref_model = copy.deepcopy(self.model).to(dtype).requires_grad_(False)
+            if sharded:
+                shard_model(self.model, dtype, cfg.mode)
             self.trainable = dict(self.model.named_parameters())
             self.master = MasterWeights(self.trainable)
             params = self.master.parameters()
@@ -173,12 +183,52 @@ class Policy:
                 if self.ref_model is None:
                     raise ConfigError(f"reference logprobs in mode {self.cfg.mode!r} need PolicyConfig.reference=True")
                 model = self.ref_model
-        parts = [
-            self._logprobs(model, mb, replay, adapters, temperature, entropy)
-            for mb in batch.split(self.cfg.micro_batch_size)
-        ]
-        lp = torch.cat([p[0] for p in parts])
-        return lp, (torch.cat([p[1] for p in parts]) if entropy else None)
+        parts = []
+        for mb, real in self._micro_batches(batch):
+            out = self._logprobs(model, mb, replay, adapters, temperature, entropy)
+            if real:
+                parts.append(out)
+        lp = self._gather_rows([p[0] for p in parts], batch)
+        return lp, (self._gather_rows([p[1] for p in parts], batch) if entropy else None)
+
+    # -- data parallel: each rank takes a contiguous share of the rows -------------------------------------------
+    def _rows(self, n: int) -> slice:
+        return self._rows_of(self.world.rank, n)
+
+    def _micro_batches(self, batch: Batch) -> list[tuple[Batch, bool]]:
+        """This rank's micro-batches of ``batch``, each flagged real. With several ranks every rank runs as many as
+        the largest share needs (FSDP gathers the weights in each forward); a rank short of rows runs a stand-in
+        row whose result is dropped."""
+        mbs = self.cfg.micro_batch_size
+        if self.world.size == 1:
+            return [(mb, True) for mb in batch.split(mbs)]
+        rows = self._rows(len(batch))
+        count = max(1, math.ceil(math.ceil(len(batch) / self.world.size) / mbs))
+        out = []
+        for chunk in torch.arange(rows.start, rows.stop).tensor_split(count):
+            real = len(chunk) > 0
+            start, stop = (int(chunk[0]), int(chunk[-1]) + 1) if real else (0, 1)
+            out.append((batch.rows(slice(start, stop)), real))
+        return out
+
+    def _gather_rows(self, parts: list[torch.Tensor], batch: Batch) -> torch.Tensor:
+        """Per-row results of every rank, in row order, on every rank."""
+        mine = torch.cat(parts) if parts else torch.zeros(0, batch.input_ids.shape[1])
+        if self.world.size == 1:
+            return mine
+        size, n = self.world.size, len(batch)
+        width = -(-n // size)
+        padded = torch.cat([mine, mine.new_zeros(width - len(mine), *mine.shape[1:])])
+        pieces = [torch.empty_like(padded) for _ in range(size)]
+        dist.all_gather(pieces, padded)
+        counts = [len(range(n)[self._rows_of(r, n)]) for r in range(size)]
+        return torch.cat([p[:c] for p, c in zip(pieces, counts, strict=True)])
+
+    def _rows_of(self, rank: int, n: int) -> slice:
+        """Rank ``rank``'s rows of a batch of ``n`` (``tensor_split``'s shares: the first ``n % size`` get one more)."""
+        base, extra = divmod(n, self.world.size)
+        start = rank * base + min(rank, extra)
+        return slice(start, start + base + (rank < extra))
 
     def train_step(
         self, batch: Batch, loss_fn: LossFn, replay: bool = True, temperature: float = 1.0, entropy: bool = False
@@ -192,19 +242,26 @@ class Policy:
         self.model.train()
         total, metrics = 0.0, {}
         try:
-            for mb in batch.split(self.cfg.micro_batch_size):
+            for mb, real in self._micro_batches(batch):
                 lp, ent = self._logprobs(self.model, mb, replay, self.adapters, temperature, entropy)
                 loss, m = loss_fn(lp, mb, ent)
+                if not real:  # a stand-in row: it only keeps FSDP's collectives in step
+                    loss, m = loss * 0.0, {k: 0.0 for k in m}
                 loss.backward()
                 total += float(loss.detach())
                 for k, v in m.items():
-                    metrics[k] = metrics.get(k, 0.0) + float(v) * len(mb) / len(batch)
+                    metrics[k] = metrics.get(k, 0.0) + float(v) * len(mb) / len(batch) * real
         finally:
             self.model.eval()
+        if self.world.size > 1:  # each rank holds its rows' share of the sums
+            keys = sorted(metrics)
+            sums = torch.tensor([total, *(metrics[k] for k in keys)], dtype=torch.float64)
+            dist.all_reduce(sums)
+            total, metrics = float(sums[0]), dict(zip(keys, sums[1:].tolist(), strict=True))
         if self.master is not None:
             self.master.grads_to_master()
         clip = self.cfg.optim.grad_clip or math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+        grad_norm = float(full(torch.nn.utils.clip_grad_norm_(params, clip)))
         lr = self.optimizer.param_groups[0]["lr"]
         if not (math.isfinite(total) and math.isfinite(grad_norm)):
             self.nan_skipped += 1
@@ -250,8 +307,43 @@ class Policy:
         }
 
     def nonfinite_weight(self) -> str | None:
-        """The name of the first trained tensor (adapter or fp32 master) holding NaN or inf, else None."""
-        return next((n for n, t in self.trainable_state().items() if not all_finite(t)), None)
+        """The name of the first trained tensor (adapter or fp32 master) holding NaN or inf, else None (each rank
+        checks its shards; the ranks agree on the first bad name)."""
+        names = list(self.trainable_state())
+        state = self.trainable_state()
+        first = next((i for i, n in enumerate(names) if not all_finite(local(state[n]))), len(names))
+        if self.world.size > 1:
+            agreed = torch.tensor([first])
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+            first = int(agreed)
+        return names[first] if first < len(names) else None
+
+    def full_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """The trained weights and the optimizer's ``state_dict``, every tensor whole (gathered from the ranks when
+        the policy is sharded: a collective)."""
+        weights = {n: full(t) for n, t in self.trainable_state().items()}
+        opt = self.optimizer.state_dict()
+        opt["state"] = {i: {k: full(v) for k, v in st.items()} for i, st in opt["state"].items()}
+        return weights, opt
+
+    def sync_tensors(self):
+        """The named tensors an engine needs for the current weights, one at a time (see ``moerl.sync``)."""
+        from moerl.sync.weights import policy_tensors
+
+        return policy_tensors(self)
+
+    def load(self, path) -> dict:
+        """Restore the state saved at ``path`` (see ``moerl.trainer.checkpoint``); returns the caller's state."""
+        from moerl.trainer.checkpoint import load_checkpoint
+
+        return load_checkpoint(path, self)
+
+    def close(self) -> None:
+        """Nothing to release in one process (a sharded policy lets its other ranks go)."""
+
+    def gathered(self):
+        """A context in which the model's parameters are whole (sharded policies gather them: a collective)."""
+        return gathered(self.model)
 
     def save_stop_checkpoint(self) -> str:
         """Before a TrainingStopped: save the current state to ``stop_checkpoint_dir`` (with ``stop_state``) if its
@@ -261,6 +353,9 @@ class Policy:
         bad = self.nonfinite_weight()
         if bad is not None:
             return f"; weight {bad!r} is non-finite: nothing saved (last good checkpoint: {self.stop_checkpoint_dir})"
+        if not self.world.driver:  # rank 0 writes it; this rank gathers its shards with it
+            self.full_state()
+            return ""
         from moerl.trainer.checkpoint import save_checkpoint
 
         save_checkpoint(self.stop_checkpoint_dir, self, state=self.stop_state)

@@ -1,0 +1,184 @@
+"""Rank 0 drives, every rank trains: ``DistributedPolicy`` (rank 0) announces each collective call of the policy
+to the other ranks, which ``serve`` it with the same call on their shard.
+
+An announcement is one broadcast of a JSON header (the call and its arguments) and, for calls that take a batch,
+one broadcast of the batch's tensors as bytes; nothing is pickled. Calls made inside an announced call are not
+announced again (the other ranks make them too, inside theirs). When rank 0 stops (done, or an error), it
+announces ``stop``; a rank that fails exits, and the launcher stops the others.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moerl.errors import TrainingStopped
+from moerl.trainer.batch import Batch
+from moerl.trainer.policy import Policy
+
+
+def _broadcast_bytes(data: bytes | None) -> bytes:
+    n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+    dist.broadcast(n, 0)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(n), dtype=torch.uint8)
+    if int(n):
+        dist.broadcast(buf, 0)
+    return bytes(buf.numpy())
+
+
+def broadcast_json(value=None):
+    """Rank 0's ``value`` (JSON-able) on every rank; the other ranks pass None."""
+    data = json.dumps(value).encode() if dist.get_rank() == 0 else None
+    return json.loads(_broadcast_bytes(data))
+
+
+def _batch_tensors(batch: Batch) -> dict[str, torch.Tensor]:
+    out = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "loss_mask": batch.loss_mask}
+    if batch.replay is not None:
+        out["replay"] = batch.replay
+    return out | {f"extras/{k}": v for k, v in batch.extras.items()}
+
+
+def _send(op: str, args: dict, batch: Batch | None = None) -> None:
+    tensors = _batch_tensors(batch) if batch is not None else {}
+    layout = [[n, str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in tensors.items()]
+    if batch is not None:
+        args = args | {"total_tokens": batch.total_tokens, "total_seqs": batch.total_seqs}
+    _broadcast_bytes(json.dumps({"op": op, "args": args, "tensors": layout}).encode())
+    if tensors:
+        flat = torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in tensors.values()])
+        dist.broadcast(flat, 0)
+
+
+def _recv() -> tuple[str, dict, Batch | None]:
+    msg = json.loads(_broadcast_bytes(None))
+    args, layout = msg["args"], msg["tensors"]
+    if not layout:
+        return msg["op"], args, None
+    dtypes = [getattr(torch, d) for _, d, _ in layout]
+    sizes = [torch.Size(shape).numel() * d.itemsize for (_, _, shape), d in zip(layout, dtypes, strict=True)]
+    flat = torch.empty(sum(sizes), dtype=torch.uint8)
+    dist.broadcast(flat, 0)
+    tensors, at = {}, 0
+    for (name, _, shape), dtype, size in zip(layout, dtypes, sizes, strict=True):
+        tensors[name] = flat[at : at + size].view(dtype).view(shape).clone()
+        at += size
+    extras = {k.removeprefix("extras/"): v for k, v in tensors.items() if k.startswith("extras/")}
+    batch = Batch(
+        tensors["input_ids"],
+        tensors["attention_mask"],
+        tensors["loss_mask"],
+        tensors.get("replay"),
+        extras,
+        total_tokens=args.pop("total_tokens"),
+        total_seqs=args.pop("total_seqs"),
+    )
+    return msg["op"], args, batch
+
+
+class DistributedPolicy(Policy):
+    """Rank 0's policy: each collective call is announced to the other ranks before rank 0 makes it."""
+
+    def __init__(self, *args, **kwargs):
+        self._busy = False
+        super().__init__(*args, **kwargs)
+
+    @contextmanager
+    def _announced(self, op: str, args: dict | None = None, batch: Batch | None = None):
+        if self._busy:  # inside an announced call: the other ranks make this call inside theirs
+            yield
+            return
+        _send(op, args or {}, batch)
+        self._busy = True
+        try:
+            yield
+        finally:
+            self._busy = False
+
+    def forward_logprobs(self, batch, replay=True, reference=False, temperature=1.0, entropy=False):
+        if isinstance(replay, torch.Tensor):
+            from dataclasses import replace
+
+            batch, replay = replace(batch, replay=replay), True
+        kw = {"replay": replay, "reference": reference, "temperature": temperature, "entropy": entropy}
+        with self._announced("forward_logprobs", kw, batch):
+            return super().forward_logprobs(batch, **kw)
+
+    def train_step(self, batch, loss_fn, replay=True, temperature=1.0, entropy=False):
+        kw = {"replay": replay, "temperature": temperature, "entropy": entropy}
+        with self._announced("train_step", kw, batch):
+            return super().train_step(batch, loss_fn, **kw)
+
+    def full_state(self):
+        with self._announced("full_state"):
+            return super().full_state()
+
+    def nonfinite_weight(self):
+        with self._announced("nonfinite_weight"):
+            return super().nonfinite_weight()
+
+    def save_stop_checkpoint(self) -> str:
+        with self._announced("save_stop_checkpoint"):
+            return super().save_stop_checkpoint()
+
+    def sync_tensors(self):
+        """The engine's tensors, gathered one at a time; the caller must exhaust the iterator (the other ranks
+        gather with it)."""
+        with self._announced("sync_tensors"):
+            yield from super().sync_tensors()
+
+    def load(self, path) -> dict:
+        with self._announced("load", {"path": str(path)}):
+            return super().load(path)
+
+    @contextmanager
+    def gathered(self):
+        announce = not self._busy
+        with self._announced("unshard"), super().gathered():
+            yield self.model
+        if announce:
+            _send("reshard", {})
+
+    def close(self) -> None:
+        """Let the other ranks go (they return from ``serve``)."""
+        _send("stop", {})
+
+
+def serve(policy: Policy, loss_fn) -> None:
+    """Every rank but 0: make the calls rank 0 announces, on this rank's shard, until it says stop."""
+    policy.stop_checkpoint_dir = Path("(rank 0 writes it)")  # so a stop gathers with rank 0's save
+    gathered = None
+    while True:
+        op, args, batch = _recv()
+        try:
+            if op == "stop":
+                return
+            if op == "forward_logprobs":
+                policy.forward_logprobs(batch, **args)
+            elif op == "train_step":
+                policy.train_step(batch, loss_fn, **args)
+            elif op == "full_state":
+                policy.full_state()
+            elif op == "nonfinite_weight":
+                policy.nonfinite_weight()
+            elif op == "save_stop_checkpoint":
+                policy.save_stop_checkpoint()
+            elif op == "sync_tensors":
+                for _ in policy.sync_tensors():
+                    pass
+            elif op == "load":
+                policy.load(args["path"])
+            elif op == "unshard":
+                gathered = policy.gathered()
+                gathered.__enter__()
+            elif op == "reshard":
+                gathered.__exit__(None, None, None)
+                gathered = None
+            else:
+                raise RuntimeError(f"trainer rank {dist.get_rank()}: unknown call {op!r} from rank 0")
+        except TrainingStopped:
+            pass  # rank 0 stops the same way and says what next

@@ -1,0 +1,82 @@
+"""The trainer's ranks: started by moerl through torchrun's launcher (``torch.distributed.run``), or by an outer
+``torchrun``; one process group (gloo on CPU, nccl on GPU)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from moerl.errors import ConfigError, TrainingStopped
+
+
+@dataclass(slots=True)
+class World:
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def driver(self) -> bool:
+        """Rank 0 runs the loop (rollouts, rewards, metrics, weight sync, checkpoints); every rank trains."""
+        return self.rank == 0
+
+
+def under_launcher() -> bool:
+    """Whether this process is one rank of a torchrun launch (moerl's own or an outer one)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def launch(moerl_argv: list[str], nprocs: int) -> None:
+    """Run ``python -m moerl.cli <moerl_argv>`` on ``nprocs`` ranks of this machine with torchrun's launcher and wait;
+    if a rank fails, the launcher stops the others and this raises TrainingStopped with the failing rank's message."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: the ranks talk over loopback only
+    args = get_args_parser().parse_args(
+        ["--standalone", f"--nproc-per-node={nprocs}", "--monitor-interval=0.5", "--module", "moerl.cli", *moerl_argv]
+    )
+    try:
+        run(args)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
+        raise TrainingStopped(
+            f"trainer rank {rank} of {nprocs} failed (exit code {failure.exitcode}): {message.strip() or 'see above'}; "
+            "the launcher stopped the other ranks"
+        ) from None
+
+
+def init_world(size: int) -> World:
+    """Join the process group of this launch (a no-op for one rank outside a launcher); checks its size."""
+    if size == 1 and not under_launcher():
+        return World()
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    world = World(dist.get_rank(), dist.get_world_size())
+    if world.size != size:
+        raise ConfigError(
+            f"parallel.dp x parallel.ep x parallel.pp = {size} ranks, but the launcher started {world.size}; "
+            f"start it with --nproc-per-node={size} (or let moerl start the ranks: run it without torchrun)"
+        )
+    return world
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a sharded DTensor (a collective: every rank calls it in the same order), else ``t``."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor, else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (a whole tensor every rank holds) laid out as ``param``: sharded the same way if it is a DTensor."""
+    if isinstance(param, DTensor) and value.shape == param.shape:
+        return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+    return value

@@ -1,0 +1,57 @@
+"""One trainer step on a fixed batch, run by every rank of a torchrun launch (or alone): ``python dp_check.py CKPT
+MODE DTYPE OUT RANKS [mean]``. Rank 0 writes the step's numbers, the logprobs before and after it and the updated
+weights to OUT (JSON + safetensors). ``mean``: the negative control, FSDP's default mean over ranks instead of
+moerl's sum."""
+
+import json
+import sys
+
+import torch
+from safetensors.torch import save_file
+
+from moerl.parallel.world import init_world
+from moerl.trainer import Batch, OptimConfig, Policy, PolicyConfig
+from moerl.trainer.losses import PolicyLossConfig, make_policy_loss
+
+
+def fixed_batch(num_moe_layers: int, top_k: int, num_experts: int) -> Batch:
+    """7 rows of 12 tokens (ragged: right padding), a response mask, advantages, and replayed experts for R3."""
+    g = torch.Generator().manual_seed(0)
+    b, t = 7, 12
+    ids = torch.randint(4, 100, (b, t), generator=g)
+    lengths = torch.tensor([12, 9, 12, 7, 11, 12, 8])
+    attn = (torch.arange(t)[None] < lengths[:, None]).long()
+    loss_mask = attn.clone()
+    loss_mask[:, :4] = 0
+    replay = torch.rand(b, t - 1, num_moe_layers, num_experts, generator=g).topk(top_k, -1).indices.to(torch.int16)
+    replay[~attn[:, 1:].bool()] = -1  # padding rows: "route yourself"
+    adv = torch.randn(b, generator=g)
+    return Batch(ids * attn, attn, loss_mask, replay, {"advantages": adv})
+
+
+def main(ckpt: str, mode: str, dtype: str, out: str, world_size: int, mean: bool) -> None:
+    world = init_world(world_size)
+    torch.manual_seed(0)  # the same adapters on every rank
+    cfg = PolicyConfig(mode=mode, dtype=dtype, micro_batch_size=2, optim=OptimConfig(lr=1e-2))
+    policy = Policy(ckpt, cfg, world)
+    if mean:
+        from moerl.parallel.fsdp import fsdp_units
+
+        for unit in fsdp_units(policy.model):
+            unit.set_gradient_divide_factor(float(world.size))
+    mcfg = policy.model.config
+    batch = fixed_batch(len(policy.model.moe_layer_ids), mcfg.top_k, mcfg.num_experts)
+    old, _ = policy.forward_logprobs(batch, replay=True)
+    batch.extras["old_logprobs"] = old
+    stats = policy.train_step(batch, make_policy_loss(PolicyLossConfig()), replay=True)
+    new, _ = policy.forward_logprobs(batch, replay=True)
+    weights, _ = policy.full_state()
+    if world.driver:
+        tensors = {"old_logprobs": old, "new_logprobs": new, **{f"w/{n}": t.contiguous() for n, t in weights.items()}}
+        save_file(tensors, out + ".st")
+        with open(out, "w") as f:
+            json.dump({"loss": stats["loss"], "grad_norm": stats["grad_norm"]}, f)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5], int(sys.argv[5]), mean=sys.argv[6:] == ["mean"])

@@ -1,0 +1,169 @@
+"""The data-parallel trainer (FSDP2 over gloo, 2 ranks on this CPU): one step at dp=2 gives one process's loss,
+gradient norm, logprobs and weights; ``moerl train parallel.dp=2`` learns, and its checkpoint resumes at another dp
+size; a rank that dies stops the run, named, with its checkpoint intact."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from run_helpers import EASY, metric_rows
+from safetensors.torch import load_file
+
+CHECK = Path(__file__).parent / "dp_check.py"
+ENV = os.environ | {"GLOO_SOCKET_IFNAME": "lo"}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from moerl.presets import init_model
+
+    path = tmp_path_factory.mktemp("dp") / "model"
+    init_model("qwen3_moe", "tiny", path, seed=0)
+    return path
+
+
+def _step(model, mode, dtype, out: Path, ranks: int, *extra) -> tuple[dict, dict]:
+    """One step of ``dp_check.py`` alone (ranks=1) or on ``ranks`` ranks of a torchrun launch."""
+    args = [str(CHECK), str(model), mode, dtype, str(out), str(ranks), *extra]
+    if ranks > 1:
+        args = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *args]
+    done = subprocess.run([sys.executable, *args], env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text()), load_file(str(out) + ".st")
+
+
+# mode, dtype, grad-norm rtol, weights / new logprobs atol. Measured here: losses and logprobs before the step equal
+# bit for bit in every case; grad norm equal in fp32, 1.1e-5 relative in bf16 (fp32 reduction of the ranks' bf16
+# gradients vs one bf16 accumulation); weights after one AdamW step 5.5e-6 (full fp32) and 1.2e-6 (LoRA) apart.
+CASES = [
+    ("full", "float32", 1e-6, 2e-5),
+    ("full", "bfloat16", 1e-4, None),
+    ("lora", "float32", 1e-6, 2e-5),
+    ("mxfp8", "bfloat16", 1e-4, None),
+]
+
+
+@pytest.mark.parametrize(("mode", "dtype", "rtol", "atol"), CASES)
+def test_one_step_at_dp2_is_one_process_step(model, tmp_path, mode, dtype, rtol, atol):
+    """R3 replay on, ragged rows (7 rows: 4 on rank 0, 3 on rank 1), micro-batches of 2: the loss is normalised
+    by the global token count and the gradient summed over ranks, so both equal one process's."""
+    one, t1 = _step(model, mode, dtype, tmp_path / "one.json", 1)
+    two, t2 = _step(model, mode, dtype, tmp_path / "two.json", 2)
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-9, abs=1e-9)
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=rtol)
+    assert torch.equal(t2["old_logprobs"], t1["old_logprobs"])
+    assert t1.keys() == t2.keys()
+    if atol is not None:
+        assert torch.allclose(t2["new_logprobs"], t1["new_logprobs"], atol=atol, rtol=0)
+        for name in t1:
+            assert torch.allclose(t2[name], t1[name], atol=atol, rtol=0), name
+    else:  # bf16: AdamW's first step moves each weight by ~lr whatever the gradient's size (so near-zero gradients
+        # summed in another order can flip a move): compare the step's effect on the logprobs. Measured: the two
+        # runs' new logprobs differ by 0.66% of how far the step moved them (mean), 0.016 at most
+        mask = t1["new_logprobs"] != 0
+        moved = (t1["new_logprobs"] - t1["old_logprobs"])[mask].abs().mean()
+        d = (t2["new_logprobs"] - t1["new_logprobs"])[mask].abs()
+        assert float(d.mean()) < 0.02 * float(moved) and float(d.max()) < 0.05, (d, moved)
+
+
+def test_a_mean_over_ranks_would_be_caught(model, tmp_path):
+    """Negative control: FSDP's default (the mean of the ranks' gradients) halves the gradient at dp=2."""
+    one, _ = _step(model, "full", "float32", tmp_path / "one.json", 1)
+    mean, _ = _step(model, "full", "float32", tmp_path / "mean.json", 2, "mean")
+    assert mean["grad_norm"] == pytest.approx(one["grad_norm"] / 2, rel=0.05)
+    assert mean["grad_norm"] != pytest.approx(one["grad_norm"], rel=1e-6)
+
+
+def _train(run_dir, model, *over, resume=False, outer_torchrun=False):
+    """``moerl train`` in a subprocess: started by moerl's own launch, or with ``outer_torchrun`` by torchrun on
+    four fixed training problems (``dp_train.py``)."""
+    args = [f"run_dir={run_dir}", f"model.path={model}", "policy.dtype=float32", "policy.micro_batch_size=16"]
+    args += ["env.name=arithmetic", f"env.kwargs={json.dumps(EASY)}", "rollout.max_tokens=3", "policy.mode=full"]
+    args += ["rollout.max_model_len=32", "rollout.group_size=8", "train.checkpoint_every=2", "policy.optim.lr=1e-3"]
+    args += ["rollout.prompts_per_step=4", "env.eval_problems=16", *over, *(["--resume"] if resume else [])]
+    cmd = [sys.executable, "-m", "moerl.cli", "train", *args]
+    if outer_torchrun:
+        run = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(CHECK.parent / "dp_train.py")]
+        cmd = [sys.executable, *run, "train", *args]
+    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
+
+
+def test_a_dp2_run_learns_and_its_checkpoint_resumes_at_dp1_and_back(warm_model, tmp_path):
+    """Under an outer torchrun (moerl joins its ranks unchanged); then moerl's own launch, at dp=1 and dp=2."""
+    run = tmp_path / "run"
+    done = _train(run, warm_model, "parallel.dp=2", "train.steps=12", outer_torchrun=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [r for r in metric_rows(run) if "reward_mean" in r]
+    rewards = [r["reward_mean"] for r in rows]
+    assert len(rewards) == 12 and rows[-1]["weight_version"] == 12.0
+    # measured here: XXX
+    # measured here: 0.62 over the first 3 steps -> 0.88 over the last 5
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:3]) / 3 + 0.1, rewards
+    assert rows[-1]["mismatch_k3_r3"] < 1e-3  # the engine got the sharded trainer's weights
+    for steps, dp in ((13, 1), (14, 2)):  # the checkpoint holds whole tensors: it loads at any dp size
+        more = _train(run, warm_model, f"parallel.dp={dp}", f"train.steps={steps}", resume=True)
+        assert more.returncode == 0, more.stderr[-3000:]
+        assert f"parallel.dp {3 - dp} -> {dp}" in more.stderr
+    assert [r.get("weight_version") for r in metric_rows(run)][-2:] == [13.0, 14.0]
+
+
+def _rank_pid(rank: int, marker: str) -> int | None:
+    """The pid of trainer rank ``rank`` of the launch whose command line holds ``marker``."""
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd, env = (proc / "cmdline").read_bytes(), (proc / "environ").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if marker.encode() in cmd and f"\0RANK={rank}\0".encode() in b"\0" + env and b"LOCAL_RANK" in env:
+            return int(proc.name)
+    return None
+
+
+def test_a_rank_that_dies_stops_every_rank_named_and_the_checkpoint_resumes(warm_model, tmp_path):
+    run = tmp_path / "run"
+    args = [f"run_dir={run}", f"model.path={warm_model}", "parallel.dp=2", "train.steps=500", "policy.mode=lora"]
+    args += ["train.checkpoint_every=1", "rollout.prompts_per_step=4", "rollout.group_size=4", "env.eval_problems=4"]
+    args += ["rollout.max_tokens=3", "rollout.max_model_len=32", "policy.dtype=float32"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moerl.cli", "train", *args], env=ENV, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.time() + 300
+        while not (run / "checkpoint" / "checkpoint.json").exists() and time.time() < deadline:
+            time.sleep(0.2)
+        victim = _rank_pid(1, str(run))
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)  # no rank waits forever on a collective
+    finally:
+        proc.kill()
+    assert proc.returncode == 2
+    assert "moerl: error: trainer rank 1 of 2 failed (exit code -9)" in err, err[-3000:]
+    assert _rank_pid(0, str(run)) is None  # the launcher stopped rank 0 too
+    from moerl.trainer.checkpoint import read_meta
+
+    step = read_meta(run / "checkpoint")["state"]["step"]
+    done = subprocess.run(
+        [sys.executable, "-m", "moerl.cli", "train", *args[:2], *args[4:], f"train.steps={step + 1}", "--resume"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert metric_rows(run)[-1].get("weight_version") == step + 1
+
+
+def test_an_outer_launch_of_the_wrong_size_is_refused_by_name(tmp_path):
+    cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "moerl.cli", "train"]
+    cmd += [f"run_dir={tmp_path / 'run'}", "parallel.dp=2"]
+    done = subprocess.run([sys.executable, *cmd], env=ENV, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "parallel.dp x parallel.ep x parallel.pp = 2 ranks, but the launcher started 1" in done.stderr
+    assert not (tmp_path / "run").exists()
