@@ -178,7 +178,7 @@ def test_engine_processes_do_not_outlive_their_parent(how, model):
     children = [int(p) for p in parent.stdout.readline().split()]
     assert len(children) == 2 and all(_alive(p) for p in children)
     parent.send_signal(getattr(signal, how))
-    parent.wait(timeout=30)
+    parent.wait(timeout=60)
     deadline = time.monotonic() + 15
     while any(_alive(p) for p in children) and time.monotonic() < deadline:
         time.sleep(0.1)

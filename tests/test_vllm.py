@@ -137,7 +137,13 @@ def test_every_family_syncs_into_vllm_with_the_trainers_fp32_router(arch, tmp_pa
     try:
         fresh = _flat(engine.generate(_requests()))
         sync_policy(Policy(path, PolicyConfig(mode="full", dtype="bfloat16")), engine, version=1)
-        assert _flat(engine.generate(_requests())) == fresh
+        again = _flat(engine.generate(_requests()))
+        if arch in NOT_BIT_STABLE:
+            assert [t for t, _ in again] == [t for t, _ in fresh]
+            for (_, a), (_, b) in zip(again, fresh, strict=True):
+                assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=2e-2)
+        else:
+            assert again == fresh
         policy = _train_one_step(path)
         sync_policy(policy, engine, version=2)
         _assert_fp32_routers(policy, engine, engine.llm)
@@ -147,29 +153,45 @@ def test_every_family_syncs_into_vllm_with_the_trainers_fp32_router(arch, tmp_pa
         engine.close()
 
 
+# vLLM's CPU MLA path (DeepSeek-V3) is not bit-stable across calls: measured here, the first in-place reload of the
+# same weights moves logprobs by up to 7e-3 (later reloads give the original bits back), tokens unchanged
+NOT_BIT_STABLE = {"DeepseekV3ForCausalLM"}
 # vLLM's CPU GPT-OSS path (bf16 attention sinks and SwiGLU-OAI kernel) sits further from the trainer than the other
 # families: mean k3 of 5e-4 .. 2.7e-3 measured on a fresh engine, the same after a sync of the same weights
 K3_TOLERANCE = {"GptOssForCausalLM": 1e-2}
 
 
-def _assert_logprobs_agree(policy, engine, k3_max=2e-3):
-    reqs = [Request(r.prompt, SamplingParams(temperature=0.7, max_tokens=6, seed=r.params.seed)) for r in _requests()]
+def _assert_logprobs_agree(policy, engine, k3_max=2e-3, requests=None):
+    requests = requests or _requests()
+    reqs = [Request(r.prompt, SamplingParams(temperature=0.7, max_tokens=6, seed=r.params.seed)) for r in requests]
     for out in engine.generate(reqs):
         c = out.outputs[0]
         ids = torch.tensor([out.prompt_token_ids + c.token_ids])
         lp = policy.forward_logprobs(Batch(ids, torch.ones_like(ids), torch.ones_like(ids)), temperature=0.7)[0]
         d = lp[0, len(out.prompt_token_ids) :] - c.logprobs
-        assert float((d.exp() - 1 - d).mean()) < k3_max, d  # bf16 on both sides, different kernels
+        k3 = float((d.exp() - 1 - d).mean())
+        assert k3 < k3_max, f"k3 {k3}: {d}"  # bf16 on both sides, different kernels
         assert c.logprobs.dtype == torch.float32 and c.routed_experts is None
 
 
-def test_two_vllm_engines_split_the_requests_and_each_takes_every_sync(model):
-    pool = make_engine("vllm", model, CFG, num_engines=2, vllm_args=EAGER)
+def test_two_vllm_engines_split_the_requests_and_each_takes_every_sync(model, monkeypatch):
+    """Two engines: every sync reaches both, requests come back in order, each engine alone gives the same samples;
+    and a sync empties each engine's prefix cache (blocks of 32 here, so a 38-token prompt caches one; a reload
+    alone keeps it): without that, a repeated prompt attends to KV computed with the old weights."""
+    cfg = EngineConfig(max_num_seqs=16, max_model_len=64)
+    pool = make_engine("vllm", model, cfg, num_engines=2, vllm_args=EAGER | {"block_size": 32})
+    prompt = "1+2+3+4+5+6+7+8+9+1+2+3+4+5+6+7+8+9+1="  # 38 tokens
+    long = [Request(prompt, SamplingParams(temperature=1.0, max_tokens=6, seed=s)) for s in (1, 2)]
     try:
+        pool.generate(long)  # caches the long prompt's first block in each engine, under the base weights
         policy = _train_one_step(model)
         sync_policy(policy, pool, version=5)
         for llm in pool.llms:
             _assert_fp32_routers(policy, pool, llm)
+        served = _flat(pool.generate(long))
+        for llm in pool.llms:
+            llm.reset_prefix_cache()
+        assert served == _flat(pool.generate(long))  # what an engine with no cache computes: nothing stale served
         outs = pool.generate(_requests())
         assert [o.prompt_token_ids for o in outs] == [pool.tokenizer(r.prompt)["input_ids"] for r in _requests()]
         assert all(o.weight_version == 5 for o in outs)
@@ -182,6 +204,16 @@ def test_two_vllm_engines_split_the_requests_and_each_takes_every_sync(model):
                 for c, cr in zip(o.outputs, r.outputs, strict=True):
                     assert torch.allclose(c.logprobs, cr.logprobs, atol=1e-4)
         _assert_logprobs_agree(policy, pool)
+        # negative control: a sync that keeps the prefix cache serves the long prompt from KV of version 5
+        ids = torch.randint(4, 100, (4, 10), generator=torch.Generator().manual_seed(2))
+        policy.train_step(Batch(ids, torch.ones_like(ids), torch.ones_like(ids)), sft_loss)
+        with monkeypatch.context() as m:
+            m.setattr(type(pool.llms[0]), "reset_prefix_cache", lambda self, *a, **k: True)
+            sync_policy(policy, pool, version=6)
+            stale = _flat(pool.generate(long))
+        for llm in pool.llms:
+            llm.reset_prefix_cache()
+        assert stale != _flat(pool.generate(long))
     finally:
         pool.close()
 

@@ -20,7 +20,7 @@ import torch
 
 from moerl.engine import Request, RequestOutput
 from moerl.engine.sequence import Completion
-from moerl.errors import ConfigError
+from moerl.errors import ConfigError, EngineError
 from moerl.rollout.pool import _gather, split
 from moerl.rollout.process import EngineSpec, _Writer
 
@@ -214,8 +214,19 @@ class VLLMEngine:
         self.weights.buf.unlink()  # every worker has mapped it
 
     def commit_weights(self, version: int) -> None:
-        """Reload every staged tensor into each engine's model at once, between generate calls; tag later outputs."""
-        self._each(lambda llm: llm.collective_rpc("moerl_commit"))
+        """Reload every staged tensor into each engine's model at once, between generate calls; tag later outputs.
+        Each engine's prefix cache is emptied too: its KV blocks were computed with the old weights, and a prompt
+        that shares a cached prefix would otherwise attend to them."""
+
+        def commit(llm) -> None:
+            llm.collective_rpc("moerl_commit")
+            if not llm.reset_prefix_cache():
+                raise EngineError(
+                    f"vLLM engine {self.llms.index(llm)}: its prefix cache could not be emptied after a "
+                    f"weight update to version {version} (requests still running?)"
+                )
+
+        self._each(commit)
         self.weight_version = version
 
     def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:

@@ -19,6 +19,7 @@ from moerl.finite import all_finite
 from moerl.model.lora import LoraConfig, attach_lora
 from moerl.model.mx import SCALE_MODES
 from moerl.parallel.fsdp import gathered, shard_model
+from moerl.parallel.rows import gather_rows, micro_batches, sum_over_ranks
 from moerl.parallel.world import World, full, local
 from moerl.trainer.batch import Batch
 from moerl.trainer.optim import SCHEDULES, MasterWeights, lr_lambda
@@ -184,51 +185,12 @@ class Policy:
                     raise ConfigError(f"reference logprobs in mode {self.cfg.mode!r} need PolicyConfig.reference=True")
                 model = self.ref_model
         parts = []
-        for mb, real in self._micro_batches(batch):
+        for mb, real in micro_batches(self.world, batch, self.cfg.micro_batch_size):
             out = self._logprobs(model, mb, replay, adapters, temperature, entropy)
             if real:
                 parts.append(out)
-        lp = self._gather_rows([p[0] for p in parts], batch)
-        return lp, (self._gather_rows([p[1] for p in parts], batch) if entropy else None)
-
-    # -- data parallel: each rank takes a contiguous share of the rows -------------------------------------------
-    def _rows(self, n: int) -> slice:
-        return self._rows_of(self.world.rank, n)
-
-    def _micro_batches(self, batch: Batch) -> list[tuple[Batch, bool]]:
-        """This rank's micro-batches of ``batch``, each flagged real. With several ranks every rank runs as many as
-        the largest share needs (FSDP gathers the weights in each forward); a rank short of rows runs a stand-in
-        row whose result is dropped."""
-        mbs = self.cfg.micro_batch_size
-        if self.world.size == 1:
-            return [(mb, True) for mb in batch.split(mbs)]
-        rows = self._rows(len(batch))
-        count = max(1, math.ceil(math.ceil(len(batch) / self.world.size) / mbs))
-        out = []
-        for chunk in torch.arange(rows.start, rows.stop).tensor_split(count):
-            real = len(chunk) > 0
-            start, stop = (int(chunk[0]), int(chunk[-1]) + 1) if real else (0, 1)
-            out.append((batch.rows(slice(start, stop)), real))
-        return out
-
-    def _gather_rows(self, parts: list[torch.Tensor], batch: Batch) -> torch.Tensor:
-        """Per-row results of every rank, in row order, on every rank."""
-        mine = torch.cat(parts) if parts else torch.zeros(0, batch.input_ids.shape[1])
-        if self.world.size == 1:
-            return mine
-        size, n = self.world.size, len(batch)
-        width = -(-n // size)
-        padded = torch.cat([mine, mine.new_zeros(width - len(mine), *mine.shape[1:])])
-        pieces = [torch.empty_like(padded) for _ in range(size)]
-        dist.all_gather(pieces, padded)
-        counts = [len(range(n)[self._rows_of(r, n)]) for r in range(size)]
-        return torch.cat([p[:c] for p, c in zip(pieces, counts, strict=True)])
-
-    def _rows_of(self, rank: int, n: int) -> slice:
-        """Rank ``rank``'s rows of a batch of ``n`` (``tensor_split``'s shares: the first ``n % size`` get one more)."""
-        base, extra = divmod(n, self.world.size)
-        start = rank * base + min(rank, extra)
-        return slice(start, start + base + (rank < extra))
+        lp = gather_rows(self.world, [p[0] for p in parts], batch)
+        return lp, (gather_rows(self.world, [p[1] for p in parts], batch) if entropy else None)
 
     def train_step(
         self, batch: Batch, loss_fn: LossFn, replay: bool = True, temperature: float = 1.0, entropy: bool = False
@@ -242,7 +204,7 @@ class Policy:
         self.model.train()
         total, metrics = 0.0, {}
         try:
-            for mb, real in self._micro_batches(batch):
+            for mb, real in micro_batches(self.world, batch, self.cfg.micro_batch_size):
                 lp, ent = self._logprobs(self.model, mb, replay, self.adapters, temperature, entropy)
                 loss, m = loss_fn(lp, mb, ent)
                 if not real:  # a stand-in row: it only keeps FSDP's collectives in step
@@ -253,11 +215,7 @@ class Policy:
                     metrics[k] = metrics.get(k, 0.0) + float(v) * len(mb) / len(batch) * real
         finally:
             self.model.eval()
-        if self.world.size > 1:  # each rank holds its rows' share of the sums
-            keys = sorted(metrics)
-            sums = torch.tensor([total, *(metrics[k] for k in keys)], dtype=torch.float64)
-            dist.all_reduce(sums)
-            total, metrics = float(sums[0]), dict(zip(keys, sums[1:].tolist(), strict=True))
+        total, metrics = sum_over_ranks(self.world, total, metrics)
         if self.master is not None:
             self.master.grads_to_master()
         clip = self.cfg.optim.grad_clip or math.inf
@@ -309,8 +267,8 @@ class Policy:
     def nonfinite_weight(self) -> str | None:
         """The name of the first trained tensor (adapter or fp32 master) holding NaN or inf, else None (each rank
         checks its shards; the ranks agree on the first bad name)."""
-        names = list(self.trainable_state())
         state = self.trainable_state()
+        names = list(state)
         first = next((i for i, n in enumerate(names) if not all_finite(local(state[n]))), len(names))
         if self.world.size > 1:
             agreed = torch.tensor([first])
