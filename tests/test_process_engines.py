@@ -160,7 +160,9 @@ def test_errors_keep_their_type_and_a_dead_engine_is_named(model):
 
 
 SCRIPT = """
-import sys, time
+import signal, sys, time
+# Ctrl-C as in a terminal: a shell starts background jobs with SIGINT ignored, and children inherit that
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from moerl.engine import EngineConfig
 from moerl.rollout import make_engine
 pool = make_engine("native", sys.argv[1], EngineConfig(max_num_seqs=2, max_model_len=16), placement="process",
@@ -178,7 +180,7 @@ def test_engine_processes_do_not_outlive_their_parent(how, model):
     children = [int(p) for p in parent.stdout.readline().split()]
     assert len(children) == 2 and all(_alive(p) for p in children)
     parent.send_signal(getattr(signal, how))
-    parent.wait(timeout=60)
+    parent.wait(timeout=30)
     deadline = time.monotonic() + 15
     while any(_alive(p) for p in children) and time.monotonic() < deadline:
         time.sleep(0.1)
