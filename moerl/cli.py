@@ -135,6 +135,7 @@ def cmd_demo(args) -> None:
 def cmd_train(args) -> None:
     from moerl.config import load_config
     from moerl.loop import RunConfig, train
+    from moerl.parallel.plan import check_layout, model_config
     from moerl.parallel.world import launch, under_launcher
 
     overrides = list(args.overrides)
@@ -142,6 +143,11 @@ def cmd_train(args) -> None:
         overrides.insert(0, args.config)  # no file given, only overrides
         args.config = None
     cfg = load_config(RunConfig, args.config, overrides)
+    par, model = cfg.parallel, cfg.model
+    if par.size > 1:  # a layout the model cannot take is refused before any rank starts
+        mcfg = model_config(model.path, model.arch, model.preset)
+        if mcfg is not None:
+            check_layout(par.dp, par.ep, par.pp, mcfg)
     if cfg.parallel.size > 1 and not under_launcher():  # start the ranks; each runs this same command
         launch(args.argv, cfg.parallel.size)
         return

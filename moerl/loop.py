@@ -61,7 +61,7 @@ def train(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict
     With ``parallel`` ranks (under a torchrun launch), rank 0 runs the loop and returns; the others train and
     return None.
     """
-    world = init_world(cfg.parallel.size)
+    world = init_world(cfg.parallel.dp, cfg.parallel.ep, cfg.parallel.pp)
     if not world.driver:  # a trainer rank: it trains on its shard of what rank 0 announces
         _serve(cfg, world)
         return None

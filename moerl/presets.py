@@ -8,6 +8,7 @@ import torch
 
 from moerl.bridges import HFConfig, Preset, bridge_for_arch, export_model
 from moerl.errors import ConfigError
+from moerl.model.config import ModelConfig
 from moerl.model.transformer import MoEModel
 from moerl.tokenizer import BOS_ID, EOS_ID, PAD_ID, save_tokenizer, vocab_size
 
@@ -52,6 +53,13 @@ def preset(name: str) -> Preset:
     return PRESETS[name]
 
 
+def preset_config(arch: str, preset_name: str, overrides: dict | None = None) -> tuple[dict, ModelConfig]:
+    """The config.json fields and the ModelConfig of ``arch`` at ``preset_name`` size."""
+    bridge = bridge_for_arch(arch)
+    hf = bridge.preset_config(preset(preset_name), BOS_ID, EOS_ID, PAD_ID) | (overrides or {})
+    return hf, bridge.config_from_hf(HFConfig(hf, f"{arch} preset {preset_name!r}"))
+
+
 def init_model(
     arch: str,
     preset_name: str,
@@ -62,9 +70,7 @@ def init_model(
 ) -> MoEModel:
     """A randomly initialised model of ``arch`` at ``preset_name`` size, its config.json fields updated from
     ``overrides``; written as a HF checkpoint (config.json, safetensors, char tokenizer) when ``out_dir`` is given."""
-    bridge = bridge_for_arch(arch)
-    hf = bridge.preset_config(preset(preset_name), BOS_ID, EOS_ID, PAD_ID) | (overrides or {})
-    cfg = bridge.config_from_hf(HFConfig(hf, f"{arch} preset {preset_name!r}"))
+    hf, cfg = preset_config(arch, preset_name, overrides)
     model = MoEModel(cfg, dtype)
     model.init_weights(generator=torch.Generator().manual_seed(seed))
     model.hf_config = hf

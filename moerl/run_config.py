@@ -153,7 +153,7 @@ class ParallelSection:
             (
                 ("dp", self.dp, isinstance(self.dp, int) and self.dp >= 1, "must be >= 1"),
                 # not built yet: refused rather than ignored
-                ("ep", self.ep, self.ep == 1, "expert parallelism is not built yet; allowed: 1"),
+                ("ep", self.ep, isinstance(self.ep, int) and self.ep >= 1, "must be >= 1"),
                 ("pp", self.pp, self.pp == 1, "pipeline parallelism is not built yet; allowed: 1"),
                 ("microbatches", self.microbatches, self.microbatches >= 0, "must be >= 0 (0: one per stage)"),
                 ("schedule", self.schedule, self.schedule in SCHEDULES, f"allowed: {', '.join(SCHEDULES)}"),
@@ -207,7 +207,8 @@ MUTABLE = (
     "rollout.num_engines",
     "rollout.engine_threads",
     "rollout.sync_bucket_mb",
-    "parallel.dp",  # a checkpoint holds whole tensors: any dp size loads it
+    "parallel.dp",  # a checkpoint holds whole tensors: any dp or ep size loads it
+    "parallel.ep",
     "env.eval_problems",
     "algo.reward_timeout_s",
 )

@@ -1,7 +1,8 @@
 """One trainer step on a fixed batch, run by every rank of a torchrun launch (or alone): ``python dp_check.py CKPT
-MODE DTYPE OUT RANKS [mean]``. Rank 0 writes the step's numbers, the logprobs before and after it and the updated
-weights to OUT (JSON + safetensors). ``mean``: the negative control, FSDP's default mean over ranks instead of
-moerl's sum."""
+MODE DTYPE OUT DP,EP,PP [mean] [perturb] [layout=shared_outer]``. Rank 0 writes the step's numbers, the logprobs
+before and after it and the updated weights to OUT (JSON + safetensors). Negative controls: ``mean``, FSDP's default
+mean over ranks instead of moerl's sum; ``perturb``, the last expert of the first MoE layer moved by 1e-3 on the rank
+that holds it (the last ep rank)."""
 
 import json
 import sys
@@ -9,6 +10,7 @@ import sys
 import torch
 from safetensors.torch import save_file
 
+from moerl.model.lora import LoraConfig
 from moerl.parallel.world import init_world
 from moerl.trainer import Batch, OptimConfig, Policy, PolicyConfig
 from moerl.trainer.losses import PolicyLossConfig, make_policy_loss
@@ -29,16 +31,21 @@ def fixed_batch(num_moe_layers: int, top_k: int, num_experts: int) -> Batch:
     return Batch(ids * attn, attn, loss_mask, replay, {"advantages": adv})
 
 
-def main(ckpt: str, mode: str, dtype: str, out: str, world_size: int, mean: bool) -> None:
-    world = init_world(world_size)
+def main(ckpt: str, mode: str, dtype: str, out: str, layout: str, *extra: str) -> None:
+    world = init_world(*(int(n) for n in layout.split(",")))
+    mean = "mean" in extra
     torch.manual_seed(0)  # the same adapters on every rank
-    cfg = PolicyConfig(mode=mode, dtype=dtype, micro_batch_size=2, optim=OptimConfig(lr=1e-2))
+    lora = LoraConfig(layout="shared_outer" if "layout=shared_outer" in extra else "per_expert")
+    cfg = PolicyConfig(mode=mode, dtype=dtype, micro_batch_size=2, optim=OptimConfig(lr=1e-2), lora=lora)
     policy = Policy(ckpt, cfg, world)
     if mean:
         from moerl.parallel.fsdp import fsdp_units
 
         for unit in fsdp_units(policy.model):
             unit.set_gradient_divide_factor(float(world.size))
+    if "perturb" in extra and world.ep_rank == world.ep - 1:
+        with torch.no_grad():
+            policy.model.layers[policy.model.moe_layer_ids[0]].mlp.experts.gate_up_proj[-1] += 1e-3
     mcfg = policy.model.config
     batch = fixed_batch(len(policy.model.moe_layer_ids), mcfg.top_k, mcfg.num_experts)
     old, _ = policy.forward_logprobs(batch, replay=True)
@@ -54,4 +61,4 @@ def main(ckpt: str, mode: str, dtype: str, out: str, world_size: int, mean: bool
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5], int(sys.argv[5]), mean=sys.argv[6:] == ["mean"])
+    main(*sys.argv[1:])

@@ -33,7 +33,7 @@ BAD_CONFIGS = [
     ("rollout.vllm_args={enforce_eager: true}", r"'rollout.vllm_args'=\{'enforce_eager': True\}: only with engine"),
     ("rollout.num_engines=0", r"'rollout.num_engines'=0: must be >= 1"),
     ("parallel.dp=0", r"'parallel.dp'=0: must be >= 1"),
-    ("parallel.ep=2", r"'parallel.ep'=2: expert parallelism is not built yet; allowed: 1"),
+    ("parallel.ep=0", r"'parallel.ep'=0: must be >= 1"),
     ("parallel.pp=2", r"'parallel.pp'=2: pipeline parallelism is not built yet; allowed: 1"),
     ("parallel.schedule=zb", r"'parallel.schedule'='zb': allowed: 1f1b, gpipe, interleaved_1f1b"),
     ("algo.mini_batches=0", r"'algo.mini_batches'=0: must be >= 1"),

@@ -1,8 +1,9 @@
-"""The data-parallel trainer (FSDP2 over gloo, 2 ranks on this CPU): one step at dp=2 gives one process's loss,
-gradient norm, logprobs and weights; ``moerl train parallel.dp=2`` learns, and its checkpoint resumes at another dp
-size; a rank that dies stops the run, named, with its checkpoint intact."""
+"""The distributed trainer (gloo, 2 ranks on this CPU): one step at dp=2 (FSDP2) or ep=2 (experts split, tokens
+exchanged) gives one process's loss, gradient norm, logprobs and weights; ``moerl train parallel.dp=2`` learns, and
+its checkpoint resumes at another dp or ep size; a rank that dies stops the run, named, with its checkpoint intact."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -28,9 +29,10 @@ def model(tmp_path_factory):
     return path
 
 
-def _step(model, mode, dtype, out: Path, ranks: int, *extra) -> tuple[dict, dict]:
-    """One step of ``dp_check.py`` alone (ranks=1) or on ``ranks`` ranks of a torchrun launch."""
-    args = [str(CHECK), str(model), mode, dtype, str(out), str(ranks), *extra]
+def _step(model, mode, dtype, out: Path, layout: str = "1,1,1", *extra) -> tuple[dict, dict]:
+    """One step of ``dp_check.py`` alone (layout 1,1,1) or on the ranks of a torchrun launch (``dp,ep,pp``)."""
+    args = [str(CHECK), str(model), mode, dtype, str(out), layout, *extra]
+    ranks = math.prod(int(n) for n in layout.split(","))
     if ranks > 1:
         args = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *args]
     done = subprocess.run([sys.executable, *args], env=ENV, capture_output=True, text=True, timeout=300)
@@ -38,23 +40,47 @@ def _step(model, mode, dtype, out: Path, ranks: int, *extra) -> tuple[dict, dict
     return json.loads(out.read_text()), load_file(str(out) + ".st")
 
 
-# mode, dtype, grad-norm rtol, weights / new logprobs atol. Measured here: losses and logprobs before the step equal
-# bit for bit in every case; grad norm equal in fp32, 1.1e-5 relative in bf16 (fp32 reduction of the ranks' bf16
-# gradients vs one bf16 accumulation); weights after one AdamW step 5.5e-6 (full fp32) and 1.2e-6 (LoRA) apart.
+@pytest.fixture(scope="module")
+def one_process(model, tmp_path_factory):
+    """The single-process step of each (mode, dtype, extra), computed once for the module."""
+    cache, where = {}, tmp_path_factory.mktemp("one")
+
+    def step(mode, dtype, *extra):
+        key = (mode, dtype, *extra)
+        if key not in cache:
+            cache[key] = _step(model, mode, dtype, where / f"{len(cache)}.json", "1,1,1", *extra)
+        return cache[key]
+
+    return step
+
+
+# layout, mode, dtype, extra, grad-norm rtol, weights / new logprobs atol. Measured here: losses and logprobs before
+# the step equal bit for bit in every case; grad norm equal in fp32 (2e-8 .. 5e-8 relative), 1.1e-5 (dp) and 1.1e-5
+# .. 2.1e-5 (ep) relative in bf16 (fp32 reduction of the ranks' bf16 gradients vs one bf16 accumulation); weights
+# after one AdamW step 5.5e-6 (full fp32) and 1.2e-6 (LoRA) apart at dp=2, 5.9e-6 and 1.2e-5 at ep=2.
 CASES = [
-    ("full", "float32", 1e-6, 2e-5),
-    ("full", "bfloat16", 1e-4, None),
-    ("lora", "float32", 1e-6, 2e-5),
-    ("mxfp8", "bfloat16", 1e-4, None),
+    ("2,1,1", "full", "float32", (), 1e-6, 2e-5),
+    ("2,1,1", "full", "bfloat16", (), 1e-4, None),
+    ("2,1,1", "lora", "float32", (), 1e-6, 2e-5),
+    ("2,1,1", "mxfp8", "bfloat16", (), 1e-4, None),
+    ("1,2,1", "full", "float32", (), 1e-6, 5e-5),
+    ("1,2,1", "full", "bfloat16", (), 1e-4, None),
+    ("1,2,1", "lora", "float32", (), 1e-6, 5e-5),
+    ("1,2,1", "lora", "float32", ("layout=shared_outer",), 1e-6, 5e-5),
+    ("1,2,1", "mxfp8", "bfloat16", (), 1e-4, None),
 ]
 
 
-@pytest.mark.parametrize(("mode", "dtype", "rtol", "atol"), CASES)
-def test_one_step_at_dp2_is_one_process_step(model, tmp_path, mode, dtype, rtol, atol):
-    """R3 replay on, ragged rows (7 rows: 4 on rank 0, 3 on rank 1), micro-batches of 2: the loss is normalised
-    by the global token count and the gradient summed over ranks, so both equal one process's."""
-    one, t1 = _step(model, mode, dtype, tmp_path / "one.json", 1)
-    two, t2 = _step(model, mode, dtype, tmp_path / "two.json", 2)
+@pytest.mark.parametrize(("layout", "mode", "dtype", "extra", "rtol", "atol"), CASES)
+def test_one_step_on_two_ranks_is_one_process_step(
+    one_process, model, tmp_path, layout, mode, dtype, extra, rtol, atol
+):  # noqa: E501
+    """R3 replay on, with replayed experts unlike the router's own choice; ragged rows (7 rows: 4 on rank 0, 3 on
+    rank 1), micro-batches of 2. dp=2: the loss is normalised by the global token count and the gradient summed over
+    ranks. ep=2: each rank holds half the experts of every MoE layer and the replayed indices send each token to the
+    rank of its experts (adapters of both layouts split with them). Both equal one process's step."""
+    one, t1 = one_process(mode, dtype, *extra)
+    two, t2 = _step(model, mode, dtype, tmp_path / "two.json", layout, *extra)
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-9, abs=1e-9)
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=rtol)
     assert torch.equal(t2["old_logprobs"], t1["old_logprobs"])
@@ -72,12 +98,22 @@ def test_one_step_at_dp2_is_one_process_step(model, tmp_path, mode, dtype, rtol,
         assert float(d.mean()) < 0.02 * float(moved) and float(d.max()) < 0.05, (d, moved)
 
 
-def test_a_mean_over_ranks_would_be_caught(model, tmp_path):
+def test_a_mean_over_ranks_would_be_caught(one_process, model, tmp_path):
     """Negative control: FSDP's default (the mean of the ranks' gradients) halves the gradient at dp=2."""
-    one, _ = _step(model, "full", "float32", tmp_path / "one.json", 1)
-    mean, _ = _step(model, "full", "float32", tmp_path / "mean.json", 2, "mean")
+    one, _ = one_process("full", "float32")
+    mean, _ = _step(model, "full", "float32", tmp_path / "mean.json", "2,1,1", "mean")
     assert mean["grad_norm"] == pytest.approx(one["grad_norm"] / 2, rel=0.05)
     assert mean["grad_norm"] != pytest.approx(one["grad_norm"], rel=1e-6)
+
+
+def test_an_expert_slice_off_by_1e3_would_be_caught(one_process, model, tmp_path):
+    """Negative control: one expert of rank 1's slice moved by 1e-3 shows in the logprobs the ep=2 test compares
+    bit for bit, and in its weights tolerance after the step."""
+    one, t1 = one_process("full", "float32")
+    bad, t2 = _step(model, "full", "float32", tmp_path / "bad.json", "1,2,1", "perturb")
+    assert not torch.equal(t2["old_logprobs"], t1["old_logprobs"])
+    name = "w/layers.0.mlp.experts.gate_up_proj"
+    assert not torch.allclose(t2[name], t1[name], atol=5e-5, rtol=0)
 
 
 def _train(run_dir, model, *over, resume=False, outer_torchrun=False):
@@ -102,15 +138,17 @@ def test_a_dp2_run_learns_and_its_checkpoint_resumes_at_dp1_and_back(warm_model,
     rows = [r for r in metric_rows(run) if "reward_mean" in r]
     rewards = [r["reward_mean"] for r in rows]
     assert len(rewards) == 12 and rows[-1]["weight_version"] == 12.0
-    # measured here: XXX
     # measured here: 0.62 over the first 3 steps -> 0.88 over the last 5
     assert sum(rewards[-5:]) / 5 > sum(rewards[:3]) / 3 + 0.1, rewards
     assert rows[-1]["mismatch_k3_r3"] < 1e-3  # the engine got the sharded trainer's weights
-    for steps, dp in ((13, 1), (14, 2)):  # the checkpoint holds whole tensors: it loads at any dp size
-        more = _train(run, warm_model, f"parallel.dp={dp}", f"train.steps={steps}", resume=True)
+    # the checkpoint holds whole tensors: it loads at any dp or ep size
+    for steps, layout, change in ((13, "dp=1", "parallel.dp 2 -> 1"), (14, "ep=2", "parallel.ep 1 -> 2")):
+        more = _train(run, warm_model, f"parallel.{layout}", f"train.steps={steps}", resume=True)
         assert more.returncode == 0, more.stderr[-3000:]
-        assert f"parallel.dp {3 - dp} -> {dp}" in more.stderr
-    assert [r.get("weight_version") for r in metric_rows(run)][-2:] == [13.0, 14.0]
+        assert change in more.stderr
+    rows = [r for r in metric_rows(run) if "weight_version" in r]
+    assert [r["weight_version"] for r in rows][-2:] == [13.0, 14.0]
+    assert rows[-1]["mismatch_k3_r3"] < 1e-3  # the engine got the expert-parallel trainer's weights
 
 
 def _rank_pid(rank: int, marker: str) -> int | None:
@@ -126,8 +164,10 @@ def _rank_pid(rank: int, marker: str) -> int | None:
 
 
 def test_a_rank_that_dies_stops_every_rank_named_and_the_checkpoint_resumes(warm_model, tmp_path):
+    """LoRA at ep=2 (the adapters of each rank's experts synced to the engine and checkpointed whole); the resume
+    runs in one process."""
     run = tmp_path / "run"
-    args = [f"run_dir={run}", f"model.path={warm_model}", "parallel.dp=2", "train.steps=500", "policy.mode=lora"]
+    args = [f"run_dir={run}", f"model.path={warm_model}", "parallel.ep=2", "train.steps=500", "policy.mode=lora"]
     args += ["train.checkpoint_every=1", "rollout.prompts_per_step=4", "rollout.group_size=4", "env.eval_problems=4"]
     args += ["rollout.max_tokens=3", "rollout.max_model_len=32", "policy.dtype=float32"]
     proc = subprocess.Popen(
@@ -166,4 +206,20 @@ def test_an_outer_launch_of_the_wrong_size_is_refused_by_name(tmp_path):
     done = subprocess.run([sys.executable, *cmd], env=ENV, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "parallel.dp x parallel.ep x parallel.pp = 2 ranks, but the launcher started 1" in done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("parallel.ep=3", "parallel.ep=3 must divide the model's 8 experts per MoE layer"),
+        ("model.preset=small parallel.ep=32", "parallel.ep=32 must divide the model's 16 experts per MoE layer"),
+    ],
+)
+def test_a_layout_the_model_cannot_take_is_refused_before_any_rank_starts(model, tmp_path, capsys, override, message):
+    from moerl.cli import main
+
+    where = [] if "preset" in override else [f"model.path={model}"]
+    assert main(["train", f"run_dir={tmp_path / 'run'}", *where, *override.split()]) == 2
+    assert message in capsys.readouterr().err
     assert not (tmp_path / "run").exists()

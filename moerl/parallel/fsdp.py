@@ -12,15 +12,24 @@ sequence counts, so the loss and the gradient are the same numbers whatever the 
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from moerl.parallel.world import World
 
 
-def shard_model(model: torch.nn.Module, compute_dtype: torch.dtype, mode: str) -> None:
-    """Shard ``model`` in place over the default process group (one FSDP unit per block, the routers, the root)."""
-    frozen = {p for p in model.parameters() if not p.requires_grad}
+def shard_model(
+    model: torch.nn.Module, compute_dtype: torch.dtype, mode: str, mesh: DeviceMesh | None = None, keep=frozenset()
+) -> None:
+    """Shard ``model`` in place over ``mesh`` (default: every rank): one FSDP unit per block, the routers, the root.
+    Parameters in ``keep`` (expert-parallel slices) stay this rank's plain tensors."""
+    frozen = {p for p in model.parameters() if not p.requires_grad} | set(keep)
     if mode == "lora":
         mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
     else:
@@ -29,9 +38,9 @@ def shard_model(model: torch.nn.Module, compute_dtype: torch.dtype, mode: str) -
     for block in model.layers:
         router = getattr(block.mlp, "router", None)
         if router is not None and mode != "lora":
-            fully_shard(router, mp_policy=fp32)
-        fully_shard(block, mp_policy=mp, ignored_params=(frozen & set(block.parameters())) or None)
-    fully_shard(model, mp_policy=mp, ignored_params=frozen or None)
+            fully_shard(router, mesh=mesh, mp_policy=fp32)
+        fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=(frozen & set(block.parameters())) or None)
+    fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=frozen or None)
     for unit in fsdp_units(model):
         unit.set_gradient_divide_factor(1.0)  # a sum (the losses are normalised globally)
         unit.set_force_sum_reduction_for_comms(True)  # plain SUM collectives: gloo has no pre-multiplied sum
@@ -53,3 +62,31 @@ def gathered(model: torch.nn.Module):
     finally:
         for unit in units:
             unit.reshard()
+
+
+@torch.no_grad()
+def clip_grads(world: World, params: list[torch.Tensor], max_norm: float, expert_slices: set[int]) -> float:
+    """Clip the gradients of ``params`` to a global L2 norm of ``max_norm`` over every rank; returns the norm before.
+
+    FSDP shards are disjoint parts of a whole; expert slices (ids in ``expert_slices``) are disjoint across the ep
+    group and replicated across dp; other plain tensors are replicated across the data group. Each part counts once.
+    """
+    total = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is None:
+            continue
+        if isinstance(p.grad, DTensor):
+            g = p.grad.to_local()
+        elif world.dp_rank == 0 and (id(p) in expert_slices or world.data_rank == 0):
+            g = p.grad
+        else:
+            continue
+        total += g.double().square().sum()
+    dist.all_reduce(total)
+    norm = math.sqrt(float(total))
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return norm

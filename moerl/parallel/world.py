@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moerl.errors import ConfigError, TrainingStopped
@@ -15,13 +16,45 @@ from moerl.errors import ConfigError, TrainingStopped
 
 @dataclass(slots=True)
 class World:
+    """This rank's place: ``size = pp x dp x ep`` ranks, numbered stage-major, then data-parallel, then expert
+    (``rank = (stage * dp + dp_index) * ep + ep_index``). The dp x ep ranks of a stage take different rows of a
+    batch (the data group); the ep ranks of a data-parallel replica split each MoE layer's experts."""
+
     rank: int = 0
     size: int = 1
+    dp: int = 1
+    ep: int = 1
+    pp: int = 1
+    mesh: DeviceMesh | None = None  # dims ("pp", "dp", "ep"); None for one process
+    data_mesh: DeviceMesh | None = None  # this stage's dp x ep ranks as one dimension: FSDP shards over it
 
     @property
     def driver(self) -> bool:
         """Rank 0 runs the loop (rollouts, rewards, metrics, weight sync, checkpoints); every rank trains."""
         return self.rank == 0
+
+    @property
+    def data_size(self) -> int:
+        return self.dp * self.ep
+
+    @property
+    def data_rank(self) -> int:
+        return self.rank % self.data_size
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank % self.ep
+
+    @property
+    def dp_rank(self) -> int:
+        return self.data_rank // self.ep
+
+    def group(self, dim: str):
+        """The process group of mesh dimension ``dim`` (``pp``, ``dp``, ``ep``, or ``data`` = dp x ep) of this
+        rank; None (the default group) for one process."""
+        if self.mesh is None:
+            return None
+        return self.data_mesh.get_group() if dim == "data" else self.mesh.get_group(dim)
 
 
 def under_launcher() -> bool:
@@ -50,19 +83,23 @@ def launch(moerl_argv: list[str], nprocs: int) -> None:
         ) from None
 
 
-def init_world(size: int) -> World:
-    """Join the process group of this launch (a no-op for one rank outside a launcher); checks its size."""
+def init_world(dp: int = 1, ep: int = 1, pp: int = 1) -> World:
+    """Join the process group of this launch (a no-op for one rank outside a launcher); checks its size and builds
+    the ``(pp, dp, ep)`` mesh."""
+    size = dp * ep * pp
     if size == 1 and not under_launcher():
         return World()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    world = World(dist.get_rank(), dist.get_world_size())
-    if world.size != size:
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    if dist.get_world_size() != size:
         raise ConfigError(
-            f"parallel.dp x parallel.ep x parallel.pp = {size} ranks, but the launcher started {world.size}; "
-            f"start it with --nproc-per-node={size} (or let moerl start the ranks: run it without torchrun)"
+            f"parallel.dp x parallel.ep x parallel.pp = {size} ranks, but the launcher started "
+            f"{dist.get_world_size()}; start it with --nproc-per-node={size} (or let moerl start the ranks: run it "
+            "without torchrun)"
         )
-    return world
+    mesh = init_device_mesh(device, (pp, dp, ep), mesh_dim_names=("pp", "dp", "ep"))
+    return World(dist.get_rank(), size, dp, ep, pp, mesh, mesh["dp", "ep"]._flatten("data"))
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,6 @@ from moerl.errors import TrainingStopped
 from moerl.finite import all_finite
 from moerl.model.lora import slot_tensors
 from moerl.model.mx import BLOCK, MX_SCALE, mx_fake_quant, mx_quantize
-from moerl.parallel.world import full
 
 ADAPTER = "policy"
 
@@ -52,7 +51,7 @@ def policy_tensors(policy) -> Iterator[tuple[str, torch.Tensor]]:
         return
     masters = policy.master.master
     for name, master in masters.items():
-        t = full(master.detach())
+        t = policy.whole(name, master.detach())
         if _is_router(name):
             yield name, t.float()
         elif policy.cfg.mode == "mxfp8" and _mx_weight(name, policy.model):
@@ -64,7 +63,8 @@ def policy_tensors(policy) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, mx_fake_quant(t, -1, policy.cfg.mx_scale_mode).to(torch.bfloat16)
         else:
             own = policy.master.model_params[name]  # bf16 compute in one process: the model holds round(master)
-            yield name, own.detach() if own.dtype == torch.bfloat16 else t.to(torch.bfloat16)
+            whole = own.dtype == torch.bfloat16 and own.shape == t.shape  # not an expert-parallel slice
+            yield name, own.detach() if whole else t.to(torch.bfloat16)
     for name, buf in policy.model.named_buffers():  # e.g. the selection-only router bias
         yield name, buf.detach().clone()
 

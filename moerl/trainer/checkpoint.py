@@ -24,7 +24,6 @@ from safetensors.torch import load_file, save_file
 
 from moerl.errors import CheckpointError
 from moerl.finite import all_finite
-from moerl.parallel.world import like
 
 TENSORS, META = "checkpoint.safetensors", "checkpoint.json"
 META_KEYS = ("mode", "step", "nan_skipped", "nan_streak", "param_groups", "scheduler", "python_random", "numpy_random")
@@ -199,17 +198,17 @@ def load_checkpoint(path: str | os.PathLike, policy) -> dict:
         missing, extra = sorted(set(own) - saved)[:3], sorted(saved - set(own))[:3]
         raise CheckpointError(f"{path}: weights do not match this policy (missing {missing}, unexpected {extra})")
     for name, p in own.items():
-        t = tensors[f"weights/{name}"]
-        if t.shape != p.shape:
-            raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+        t, shape = tensors[f"weights/{name}"], policy.whole_shape(name, p)
+        if t.shape != shape:
+            raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
     names = _param_names(policy)
     state = {}
     for idx, name in enumerate(names):
         keys = sorted(k.rsplit("/", 1)[1] for k in tensors if k.startswith(f"optim/{name}/"))
         if keys:  # laid out as the parameter (this rank's shard when the policy is sharded)
-            state[idx] = {k: like(own[name], tensors[f"optim/{name}/{k}"]) for k in keys}
+            state[idx] = {k: policy.laid_out(name, own[name], tensors[f"optim/{name}/{k}"]) for k in keys}
     for name, p in own.items():
-        p.copy_(like(p, tensors[f"weights/{name}"]))
+        p.copy_(policy.laid_out(name, p, tensors[f"weights/{name}"]))
     if policy.master is not None:
         policy.master.master_to_model()
     policy.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})

@@ -31,11 +31,16 @@ class MasterWeights:
     """fp32 master copies of a low-precision model's parameters: the optimizer steps the masters, the model gets
     them back rounded. fp32 parameters (the router) are their own masters."""
 
-    def __init__(self, params: dict[str, torch.nn.Parameter]):
+    def __init__(self, params: dict[str, torch.nn.Parameter], initial: dict[str, torch.Tensor] | None = None):
+        """``initial``: fp32 starting values of some masters (default: the parameter's own, upcast)."""
         self.model_params = params
         self.master = {}
+        initial = initial or {}
         for name, p in params.items():
-            self.master[name] = p if p.dtype == torch.float32 else torch.nn.Parameter(p.detach().float().clone())
+            if p.dtype == torch.float32:
+                self.master[name] = p
+            else:
+                self.master[name] = torch.nn.Parameter(initial.get(name, p.detach()).float().clone())
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return list(self.master.values())

@@ -6,6 +6,7 @@ import copy
 import math
 import os
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -18,9 +19,10 @@ from moerl.errors import ConfigError, TrainingStopped
 from moerl.finite import all_finite
 from moerl.model.lora import LoraConfig, attach_lora
 from moerl.model.mx import SCALE_MODES
-from moerl.parallel.fsdp import gathered, shard_model
+from moerl.parallel.expert import expert_slice, gather_experts, shard_experts, whole_experts
+from moerl.parallel.fsdp import clip_grads, gathered, shard_model
 from moerl.parallel.rows import gather_rows, micro_batches, sum_over_ranks
-from moerl.parallel.world import World, full, local
+from moerl.parallel.world import World, full, like, local
 from moerl.trainer.batch import Batch
 from moerl.trainer.optim import SCHEDULES, MasterWeights, lr_lambda
 
@@ -107,14 +109,14 @@ class Policy:
         self.model = load_model(checkpoint, dtype=torch.float32 if sharded and cfg.mode != "lora" else dtype).eval()
         self.ref_model = None
         self.master: MasterWeights | None = None
+        self.sliced: dict[str, int] = {}  # expert-parallel slices: parameter name -> expert dim
         if cfg.mode == "lora":
             for p in self.model.parameters():
                 p.requires_grad_(False)
             attach_lora(self.model, cfg.lora, dtype=torch.float32)
             for n, p in self.model.named_parameters():
                 p.requires_grad_(".lora." in n)
-            if sharded:
-                shard_model(self.model, dtype, cfg.mode)
+            initial = self._shard(dtype)
             self.trainable = {n: p for n, p in self.model.named_parameters() if ".lora." in n}
             params = list(self.trainable.values())
         else:
@@ -124,10 +126,9 @@ class Policy:
                 apply_mxfp8(self.model, cfg.mx_scale_mode)
             if cfg.reference:  # frozen, in the compute dtype (replicated when the policy is sharded)
                 self.ref_model = copy.deepcopy(self.model).to(dtype).requires_grad_(False)
-            if sharded:
-                shard_model(self.model, dtype, cfg.mode)
+            initial = self._shard(dtype)
             self.trainable = dict(self.model.named_parameters())
-            self.master = MasterWeights(self.trainable)
+            self.master = MasterWeights(self.trainable, initial)
             params = self.master.parameters()
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
@@ -141,6 +142,48 @@ class Policy:
         self.nan_streak = 0
         self.stop_checkpoint_dir: Path | None = None  # where to save before TrainingStopped
         self.stop_state: dict = {}  # the caller's state saved with it (the loop's step)
+
+    def _shard(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Split the model over the ranks: experts over the ep group, the rest FSDP over the data group. Returns the
+        fp32 values of expert slices now held in ``dtype`` (the optimizer's masters start from them)."""
+        world, initial = self.world, {}
+        if world.size == 1:
+            return initial
+        if world.ep > 1:
+            self.sliced = shard_experts(self.model, world)
+            params = dict(self.model.named_parameters())
+            for name in self.sliced:  # plain tensors in the compute dtype, fp32 masters (as in one process)
+                p = params[name]
+                if p.requires_grad and p.dtype != dtype and self.cfg.mode != "lora":
+                    initial[name] = p.detach()
+                    p.data = p.data.to(dtype)
+        params = dict(self.model.named_parameters())
+        shard_model(
+            self.model, DTYPES[self.cfg.dtype], self.cfg.mode, self.world.data_mesh, {params[n] for n in self.sliced}
+        )
+        return initial
+
+    def whole(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """The whole tensor of trained weight ``name`` (or of its optimizer state) from this rank's part ``t``: a
+        collective when the policy is sharded."""
+        dim = self.sliced.get(name)
+        if dim is None or t.ndim == 0:
+            return full(t)
+        return gather_experts(self.world, t, dim)
+
+    def laid_out(self, name: str, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """A whole tensor ``value`` of weight ``name`` (or of its optimizer state) as this rank holds ``param``."""
+        dim = self.sliced.get(name)
+        if dim is None or value.ndim == 0:
+            return like(param, value)
+        return expert_slice(self.world, value, dim)
+
+    def whole_shape(self, name: str, param: torch.Tensor) -> torch.Size:
+        """The shape of weight ``name`` whole (``param`` is this rank's part)."""
+        dim = self.sliced.get(name)
+        if dim is None:
+            return param.shape
+        return param.shape[:dim] + (param.shape[dim] * self.world.ep,) + param.shape[dim + 1 :]
 
     @property
     def adapters(self) -> int | None:
@@ -218,8 +261,13 @@ class Policy:
         total, metrics = sum_over_ranks(self.world, total, metrics)
         if self.master is not None:
             self.master.grads_to_master()
+        self._reduce_expert_grads()
         clip = self.cfg.optim.grad_clip or math.inf
-        grad_norm = float(full(torch.nn.utils.clip_grad_norm_(params, clip)))
+        if self.world.size == 1:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+        else:
+            own = self.master.master if self.master is not None else self.trainable
+            grad_norm = clip_grads(self.world, params, clip, {id(own[n]) for n in self.sliced if n in own})
         lr = self.optimizer.param_groups[0]["lr"]
         if not (math.isfinite(total) and math.isfinite(grad_norm)):
             self.nan_skipped += 1
@@ -264,6 +312,17 @@ class Policy:
             **metrics,
         }
 
+    def _reduce_expert_grads(self) -> None:
+        """Expert slices are replicated over dp (FSDP leaves them out): their gradients are summed over it, in
+        fp32."""
+        if self.world.dp == 1:
+            return
+        own = self.master.master if self.master is not None else self.trainable
+        for name in self.sliced:
+            p = own.get(name)
+            if p is not None and p.grad is not None:
+                dist.all_reduce(p.grad, group=self.world.group("dp"))
+
     def nonfinite_weight(self) -> str | None:
         """The name of the first trained tensor (adapter or fp32 master) holding NaN or inf, else None (each rank
         checks its shards; the ranks agree on the first bad name)."""
@@ -279,9 +338,9 @@ class Policy:
     def full_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """The trained weights and the optimizer's ``state_dict``, every tensor whole (gathered from the ranks when
         the policy is sharded: a collective)."""
-        weights = {n: full(t) for n, t in self.trainable_state().items()}
-        opt = self.optimizer.state_dict()
-        opt["state"] = {i: {k: full(v) for k, v in st.items()} for i, st in opt["state"].items()}
+        weights = {n: self.whole(n, t) for n, t in self.trainable_state().items()}
+        opt, names = self.optimizer.state_dict(), list(weights)
+        opt["state"] = {i: {k: self.whole(names[i], v) for k, v in st.items()} for i, st in opt["state"].items()}
         return weights, opt
 
     def sync_tensors(self):
@@ -299,9 +358,11 @@ class Policy:
     def close(self) -> None:
         """Nothing to release in one process (a sharded policy lets its other ranks go)."""
 
+    @contextmanager
     def gathered(self):
         """A context in which the model's parameters are whole (sharded policies gather them: a collective)."""
-        return gathered(self.model)
+        with gathered(self.model), whole_experts(self.model, self.world):
+            yield self.model
 
     def save_stop_checkpoint(self) -> str:
         """Before a TrainingStopped: save the current state to ``stop_checkpoint_dir`` (with ``stop_state``) if its

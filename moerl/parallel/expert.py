@@ -1,0 +1,155 @@
+"""Expert parallelism, applied from outside the model: each rank of the ``ep`` group keeps a contiguous slice of
+every MoE layer's experts (and of their per-expert adapters), and each MoE forward sends every (token, slot) pair to
+the rank that holds its expert and the results back, with ``all_to_all_single`` (counts exchanged first).
+
+The expert index of each pair — the router's own or R3's replayed one — decides where it goes. Its gate weight
+travels with it in fp32, so the router's gradient comes back through the exchange. The receiving rank computes its
+rows as ``k = 1`` rows of the ordinary expert path (grouped GEMM, MXFP8, both adapter layouts): one code path for
+the math, whatever the split. ``shared_outer`` adapters keep their hidden-size factors whole on every rank (they
+are not per expert); FSDP reduces their gradients over the data group like any other replicated weight.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moerl.errors import ConfigError
+from moerl.model.moe import Experts
+from moerl.parallel.plan import check_layout
+from moerl.parallel.world import World
+
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+
+
+def _all_to_all(rows: torch.Tensor, out_counts: list[int], in_counts: list[int], group) -> torch.Tensor:
+    out = rows.new_empty(sum(out_counts), *rows.shape[1:])
+    dist.all_to_all_single(out, rows.contiguous(), out_counts, in_counts, group=group)
+    return out
+
+
+class _Exchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, out_counts, in_counts, group):
+        ctx.counts, ctx.group = (out_counts, in_counts), group
+        return _all_to_all(rows, out_counts, in_counts, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_counts, in_counts = ctx.counts
+        return _all_to_all(grad, in_counts, out_counts, ctx.group), None, None, None
+
+
+def _exchange(rows: torch.Tensor, out_counts: list[int], in_counts: list[int], group) -> torch.Tensor:
+    """``rows`` split by ``in_counts`` to the ranks of ``group``; returns what they sent here (``out_counts``).
+    Differentiable: the backward sends the gradients back the way the rows came."""
+    if rows.requires_grad:
+        return _Exchange.apply(rows, out_counts, in_counts, group)
+    return _all_to_all(rows, out_counts, in_counts, group)
+
+
+class ExpertParallel(Experts):
+    """Experts ``[first, first + num_experts)`` of a layer's ``total_experts``, on one rank of ``group``."""
+
+    first: int
+    total_experts: int
+    group: dist.ProcessGroup | None
+    ranks: int
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        lora = self.lora
+        if lora is not None and lora.ctx.active and lora.ctx.single is None:
+            raise ConfigError(
+                "expert parallelism trains one adapter slot per forward; per-sequence adapter slots (the rollout "
+                "engine's) are not supported under parallel.ep > 1"
+            )
+        k = idx.shape[1]
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)  # pairs sorted by expert, so grouped by the rank that holds it
+        token, expert = order // k, flat[order]
+        sent = torch.bincount(expert // self.num_experts, minlength=self.ranks)
+        got = torch.empty_like(sent)
+        dist.all_to_all_single(got, sent, group=self.group)
+        sent, got = sent.tolist(), got.tolist()
+        rows = _exchange(x.index_select(0, token), got, sent, self.group)
+        gate = _exchange(weights.reshape(-1)[order], got, sent, self.group)
+        local = _exchange(expert % self.num_experts, got, sent, self.group)
+        y = super().forward(rows, local[:, None], gate[:, None])
+        back = _exchange(y, sent, got, self.group)
+        return torch.zeros_like(x).index_add_(0, token, back)
+
+
+def _sliced_tensors(experts: Experts) -> list[tuple[nn.Module, str, int]]:
+    """(module, attribute, expert dim) of every per-expert tensor of ``experts`` and its adapters."""
+    out = [(experts, n, 0) for n in EXPERT_WEIGHTS if getattr(experts, n) is not None]
+    lora = experts.lora
+    if lora is not None:
+        per_expert = lora.layout == "per_expert"
+        names = ("gate_up_A", "gate_up_B", "down_A", "down_B") if per_expert else ("gate_up_B", "down_A")
+        out += [(lora, n, 1) for n in names]
+    return out
+
+
+def shard_experts(model: nn.Module, world: World) -> dict[str, int]:
+    """Keep this rank's slice of every MoE layer's experts (in place); returns {parameter name: expert dim} of the
+    sliced tensors (plain tensors, not FSDP's: the caller leaves them out of the data-parallel units)."""
+    check_layout(world.dp, world.ep, world.pp, model.config)
+    total = model.config.num_experts
+    n = total // world.ep
+    first = world.ep_rank * n
+    sliced = {}
+    for i in model.moe_layer_ids:
+        experts = model.layers[i].mlp.experts
+        for module, attr, dim in _sliced_tensors(experts):
+            p = getattr(module, attr)
+            setattr(module, attr, nn.Parameter(p.detach().narrow(dim, first, n).clone(), p.requires_grad))
+            prefix = f"layers.{i}.mlp.experts" + (".lora" if module is not experts else "")
+            sliced[f"{prefix}.{attr}"] = dim
+        experts.__class__ = ExpertParallel
+        experts.first, experts.total_experts = first, total
+        experts.group, experts.ranks = world.group("ep"), world.ep
+        _count(experts, n)
+    return sliced
+
+
+def gather_experts(world: World, t: torch.Tensor, dim: int) -> torch.Tensor:
+    """The whole tensor of every ep rank's expert slice ``t`` (a collective over the ep group)."""
+    pieces = [torch.empty_like(t) for _ in range(world.ep)]
+    dist.all_gather(pieces, t.contiguous(), group=world.group("ep"))
+    return torch.cat(pieces, dim)
+
+
+def expert_slice(world: World, value: torch.Tensor, dim: int) -> torch.Tensor:
+    """This rank's slice of a whole per-expert tensor."""
+    n = value.shape[dim] // world.ep
+    return value.narrow(dim, world.ep_rank * n, n).clone()
+
+
+@contextmanager
+def whole_experts(model: nn.Module, world: World):
+    """Inside the block every expert tensor of ``model`` is whole (gathered over the ep group; a collective), e.g.
+    to export the adapters; the slices are back after it."""
+    kept, layers = [], [model.layers[i].mlp.experts for i in model.moe_layer_ids]
+    layers = [e for e in layers if isinstance(e, ExpertParallel)]
+    for experts in layers:
+        for module, attr, dim in _sliced_tensors(experts):
+            p = getattr(module, attr)
+            kept.append((module, attr, p))
+            setattr(module, attr, nn.Parameter(gather_experts(world, p.detach(), dim), requires_grad=False))
+        _count(experts, experts.total_experts)
+    try:
+        yield model
+    finally:
+        for module, attr, p in kept:
+            setattr(module, attr, p)
+        for experts in layers:
+            _count(experts, experts.total_experts // experts.ranks)
+
+
+def _count(experts: Experts, n: int) -> None:
+    experts.num_experts = n
+    if experts.lora is not None:
+        experts.lora.num_experts = n

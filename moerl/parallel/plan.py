@@ -1,0 +1,34 @@
+"""Checks of a parallel layout against the model, run before any rank starts work."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from moerl.errors import ConfigError
+from moerl.model.config import ModelConfig
+
+
+def model_config(path: str | None, arch: str, preset: str) -> ModelConfig | None:
+    """The ModelConfig a run trains: from ``path``'s config.json, or of ``arch`` at ``preset`` size (None when the
+    checkpoint is not there: loading it names that)."""
+    if path is None:
+        from moerl.presets import preset_config
+
+        return preset_config(arch, preset)[1]
+    if not (Path(path) / "config.json").exists():
+        return None
+    from moerl.bridges.base import HFConfig
+    from moerl.bridges.checkpoint import read_config
+    from moerl.bridges.registry import get_bridge
+
+    source = str(Path(path) / "config.json")
+    hf = read_config(path)
+    return get_bridge(hf, source=source).config_from_hf(HFConfig(hf, source))
+
+
+def check_layout(dp: int, ep: int, pp: int, cfg: ModelConfig) -> None:
+    """Refuse, by name, a layout this model cannot take."""
+    if cfg.num_experts % ep:
+        raise ConfigError(f"parallel.ep={ep} must divide the model's {cfg.num_experts} experts per MoE layer")
+    if pp > cfg.num_layers:
+        raise ConfigError(f"parallel.pp={pp} is larger than the model's {cfg.num_layers} layers (one stage each)")
