@@ -147,7 +147,7 @@ def cmd_train(args) -> None:
     if par.size > 1:  # a layout the model cannot take is refused before any rank starts
         mcfg = model_config(model.path, model.arch, model.preset)
         if mcfg is not None:
-            check_layout(par.dp, par.ep, par.pp, mcfg)
+            check_layout(par.dp, par.ep, par.pp, mcfg, par.schedule, par.stages)
     if cfg.parallel.size > 1 and not under_launcher():  # start the ranks; each runs this same command
         launch(args.argv, cfg.parallel.size)
         return

@@ -61,15 +61,21 @@ def train(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict
     With ``parallel`` ranks (under a torchrun launch), rank 0 runs the loop and returns; the others train and
     return None.
     """
-    world = init_world(cfg.parallel.dp, cfg.parallel.ep, cfg.parallel.pp)
+    par = cfg.parallel
+    world = init_world(
+        par.dp, par.ep, par.pp, schedule=par.schedule, microbatches=par.microbatches, stages=par.stages or None
+    )
     if not world.driver:  # a trainer rank: it trains on its shard of what rank 0 announces
         _serve(cfg, world)
+        world.close()
         return None
     run = RunDir.open(cfg, resume=resume, overwrite=overwrite)
     try:
-        return _train(cfg, run, world)
+        summary = _train(cfg, run, world)
     finally:
         run.close()
+    world.close()
+    return summary
 
 
 def _serve(cfg: RunConfig, world: World) -> None:
@@ -530,15 +536,15 @@ def finish(cfg: RunConfig, run_dir: Path, policy: Policy) -> dict:
         from moerl.bridges.peft import write_peft_adapter
         from moerl.errors import CheckpointError
 
-        with policy.gathered():  # a sharded policy's adapters, whole
+        with policy.gathered() as model:  # a sharded policy's adapters, whole
             try:
-                write_peft_adapter(policy.model, run_dir / "adapter")
+                write_peft_adapter(model, run_dir / "adapter")
                 out["adapter"] = str(run_dir / "adapter")
             except CheckpointError as e:  # adapters PEFT cannot express: merged weights instead
                 from moerl.bridges import export_model
                 from moerl.model.lora import merged_state_dict
 
-                export_model(policy.model, run_dir / "merged", state_dict=merged_state_dict(policy.model))
+                export_model(model, run_dir / "merged", state_dict=merged_state_dict(model))
                 out["merged"], out["adapter_note"] = str(run_dir / "merged"), str(e)
     out["plot"] = str(plot_run(run_dir))
     return out

@@ -140,8 +140,9 @@ class ParallelSection:
     dp: int = 1
     ep: int = 1
     pp: int = 1
-    microbatches: int = 0  # pipeline micro-batches per step (0: one per pipeline stage)
-    schedule: str = "1f1b"
+    microbatches: int = 0  # pipeline micro-batches per call (0: one per stage, more if policy.micro_batch_size needs)
+    schedule: str = "1f1b"  # pipeline schedule: 1f1b | gpipe | interleaved_1f1b (two stages per rank)
+    stages: list[int] = field(default_factory=list)  # layers per pipeline stage ([]: balanced by parameter count)
 
     @property
     def size(self) -> int:
@@ -154,7 +155,7 @@ class ParallelSection:
                 ("dp", self.dp, isinstance(self.dp, int) and self.dp >= 1, "must be >= 1"),
                 # not built yet: refused rather than ignored
                 ("ep", self.ep, isinstance(self.ep, int) and self.ep >= 1, "must be >= 1"),
-                ("pp", self.pp, self.pp == 1, "pipeline parallelism is not built yet; allowed: 1"),
+                ("pp", self.pp, isinstance(self.pp, int) and self.pp >= 1, "must be >= 1"),
                 ("microbatches", self.microbatches, self.microbatches >= 0, "must be >= 0 (0: one per stage)"),
                 ("schedule", self.schedule, self.schedule in SCHEDULES, f"allowed: {', '.join(SCHEDULES)}"),
             ),
@@ -209,6 +210,10 @@ MUTABLE = (
     "rollout.sync_bucket_mb",
     "parallel.dp",  # a checkpoint holds whole tensors: any dp or ep size loads it
     "parallel.ep",
+    "parallel.pp",
+    "parallel.schedule",
+    "parallel.microbatches",
+    "parallel.stages",
     "env.eval_problems",
     "algo.reward_timeout_s",
 )

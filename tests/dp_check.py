@@ -1,8 +1,9 @@
-"""One trainer step on a fixed batch, run by every rank of a torchrun launch (or alone): ``python dp_check.py CKPT
-MODE DTYPE OUT DP,EP,PP [mean] [perturb] [layout=shared_outer]``. Rank 0 writes the step's numbers, the logprobs
-before and after it and the updated weights to OUT (JSON + safetensors). Negative controls: ``mean``, FSDP's default
-mean over ranks instead of moerl's sum; ``perturb``, the last expert of the first MoE layer moved by 1e-3 on the rank
-that holds it (the last ep rank)."""
+"""One trainer step on a fixed batch, run by every rank of a torchrun launch (or alone):
+``python dp_check.py CKPT MODE DTYPE OUT DP,EP,PP [extras]``. Rank 0 writes the step's numbers, the logprobs before
+and after it and the updated weights to OUT (JSON + safetensors). Extras: ``layout=shared_outer`` (expert adapters),
+``schedule=S`` (pipeline). Negative controls: ``mean``, FSDP's default mean over ranks instead of moerl's sum;
+``perturb``, the last expert of the first MoE layer moved by 1e-3 on the rank that holds it (the last ep rank);
+``wrong_columns``, the last pipeline stage replays the first stage's MoE layers' columns instead of its own."""
 
 import json
 import sys
@@ -32,7 +33,8 @@ def fixed_batch(num_moe_layers: int, top_k: int, num_experts: int) -> Batch:
 
 
 def main(ckpt: str, mode: str, dtype: str, out: str, layout: str, *extra: str) -> None:
-    world = init_world(*(int(n) for n in layout.split(",")))
+    schedule = next((e.split("=")[1] for e in extra if e.startswith("schedule=")), "1f1b")
+    world = init_world(*(int(n) for n in layout.split(",")), schedule=schedule)
     mean = "mean" in extra
     torch.manual_seed(0)  # the same adapters on every rank
     lora = LoraConfig(layout="shared_outer" if "layout=shared_outer" in extra else "per_expert")
@@ -46,8 +48,10 @@ def main(ckpt: str, mode: str, dtype: str, out: str, layout: str, *extra: str) -
     if "perturb" in extra and world.ep_rank == world.ep - 1:
         with torch.no_grad():
             policy.model.layers[policy.model.moe_layer_ids[0]].mlp.experts.gate_up_proj[-1] += 1e-3
+    if "wrong_columns" in extra and policy.pipeline.last:
+        policy.pipeline.modules[-1].columns = list(range(len(policy.pipeline.modules[-1].columns)))
     mcfg = policy.model.config
-    batch = fixed_batch(len(policy.model.moe_layer_ids), mcfg.top_k, mcfg.num_experts)
+    batch = fixed_batch(len(mcfg.moe_layers), mcfg.top_k, mcfg.num_experts)
     old, _ = policy.forward_logprobs(batch, replay=True)
     batch.extras["old_logprobs"] = old
     stats = policy.train_step(batch, make_policy_loss(PolicyLossConfig()), replay=True)
@@ -58,6 +62,7 @@ def main(ckpt: str, mode: str, dtype: str, out: str, layout: str, *extra: str) -
         save_file(tensors, out + ".st")
         with open(out, "w") as f:
             json.dump({"loss": stats["loss"], "grad_norm": stats["grad_norm"]}, f)
+    world.close()
 
 
 if __name__ == "__main__":

@@ -36,7 +36,8 @@ def _step(model, mode, dtype, out: Path, layout: str = "1,1,1", *extra) -> tuple
     if ranks > 1:
         args = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *args]
     done = subprocess.run([sys.executable, *args], env=ENV, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    errors = "\n".join(line for line in done.stderr.splitlines() if "Warning" not in line)
+    assert done.returncode == 0, errors[:4000] + "\n[...]\n" + errors[-2000:]
     return json.loads(out.read_text()), load_file(str(out) + ".st")
 
 
@@ -54,10 +55,11 @@ def one_process(model, tmp_path_factory):
     return step
 
 
-# layout, mode, dtype, extra, grad-norm rtol, weights / new logprobs atol. Measured here: losses and logprobs before
-# the step equal bit for bit in every case; grad norm equal in fp32 (2e-8 .. 5e-8 relative), 1.1e-5 (dp) and 1.1e-5
-# .. 2.1e-5 (ep) relative in bf16 (fp32 reduction of the ranks' bf16 gradients vs one bf16 accumulation); weights
-# after one AdamW step 5.5e-6 (full fp32) and 1.2e-6 (LoRA) apart at dp=2, 5.9e-6 and 1.2e-5 at ep=2.
+# layout (dp,ep,pp), mode, dtype, extra, grad-norm rtol, weights / new logprobs atol. Measured here: losses and
+# logprobs before the step equal bit for bit in every case; grad norm equal in fp32 (2e-8 .. 5e-8 relative), 1.1e-5
+# (dp) and 1.1e-5 .. 2.1e-5 (ep) relative in bf16 (fp32 reduction of the ranks' bf16 gradients vs one bf16
+# accumulation), 9e-7 (pp: the same bf16 gradients, summed in another order for the norm); weights after one AdamW
+# step 5.5e-6 (full fp32) and 1.2e-6 (LoRA) apart at dp=2, 5.9e-6 and 1.2e-5 at ep=2, 1.2e-7 at pp=2.
 CASES = [
     ("2,1,1", "full", "float32", (), 1e-6, 2e-5),
     ("2,1,1", "full", "bfloat16", (), 1e-4, None),
@@ -68,6 +70,11 @@ CASES = [
     ("1,2,1", "lora", "float32", (), 1e-6, 5e-5),
     ("1,2,1", "lora", "float32", ("layout=shared_outer",), 1e-6, 5e-5),
     ("1,2,1", "mxfp8", "bfloat16", (), 1e-4, None),
+    ("1,1,2", "full", "float32", (), 1e-6, 2e-5),
+    ("1,1,2", "full", "bfloat16", ("schedule=gpipe",), 1e-5, None),
+    ("1,1,2", "lora", "float32", (), 1e-6, 2e-5),
+    ("1,1,2", "lora", "float32", ("layout=shared_outer", "schedule=interleaved_1f1b"), 1e-6, 2e-5),
+    ("1,1,2", "mxfp8", "bfloat16", ("schedule=interleaved_1f1b",), 1e-5, None),
 ]
 
 
@@ -75,10 +82,12 @@ CASES = [
 def test_one_step_on_two_ranks_is_one_process_step(
     one_process, model, tmp_path, layout, mode, dtype, extra, rtol, atol
 ):  # noqa: E501
-    """R3 replay on, with replayed experts unlike the router's own choice; ragged rows (7 rows: 4 on rank 0, 3 on
-    rank 1), micro-batches of 2. dp=2: the loss is normalised by the global token count and the gradient summed over
-    ranks. ep=2: each rank holds half the experts of every MoE layer and the replayed indices send each token to the
-    rank of its experts (adapters of both layouts split with them). Both equal one process's step."""
+    """R3 replay on, with replayed experts unlike the router's own choice (padding rows -1: route yourself); ragged
+    rows (7), micro-batches of 2. dp=2: 4 rows on rank 0, 3 on rank 1; the loss is normalised by the global token
+    count and the gradient summed over ranks. ep=2: each rank holds half the experts of every MoE layer and the
+    replayed indices send each token to the rank of its experts (adapters of both layouts split with them). pp=2:
+    two layers per rank (interleaved 1F1B: one layer per stage, stages 0 and 2 on rank 0), 4 micro-batches of 2
+    rows (one a stand-in), each stage replaying its own MoE layers' columns. Each equals one process's step."""
     one, t1 = one_process(mode, dtype, *extra)
     two, t2 = _step(model, mode, dtype, tmp_path / "two.json", layout, *extra)
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-9, abs=1e-9)
@@ -96,6 +105,13 @@ def test_one_step_on_two_ranks_is_one_process_step(
         moved = (t1["new_logprobs"] - t1["old_logprobs"])[mask].abs().mean()
         d = (t2["new_logprobs"] - t1["new_logprobs"])[mask].abs()
         assert float(d.mean()) < 0.02 * float(moved) and float(d.max()) < 0.05, (d, moved)
+
+
+def test_a_stage_replaying_another_stages_columns_would_be_caught(one_process, model, tmp_path):
+    """Negative control: the last stage given the first stage's routed-expert columns changes the logprobs."""
+    one, t1 = one_process("full", "float32")
+    bad, t2 = _step(model, "full", "float32", tmp_path / "bad.json", "1,1,2", "wrong_columns")
+    assert not torch.allclose(t2["old_logprobs"], t1["old_logprobs"], atol=1e-3)
 
 
 def test_a_mean_over_ranks_would_be_caught(one_process, model, tmp_path):
@@ -142,13 +158,15 @@ def test_a_dp2_run_learns_and_its_checkpoint_resumes_at_dp1_and_back(warm_model,
     assert sum(rewards[-5:]) / 5 > sum(rewards[:3]) / 3 + 0.1, rewards
     assert rows[-1]["mismatch_k3_r3"] < 1e-3  # the engine got the sharded trainer's weights
     # the checkpoint holds whole tensors: it loads at any dp or ep size
-    for steps, layout, change in ((13, "dp=1", "parallel.dp 2 -> 1"), (14, "ep=2", "parallel.ep 1 -> 2")):
-        more = _train(run, warm_model, f"parallel.{layout}", f"train.steps={steps}", resume=True)
+    changes = [(13, "parallel.dp=1", "parallel.dp 2 -> 1"), (14, "parallel.ep=2", "parallel.ep 1 -> 2")]
+    changes += [(15, "parallel.ep=1 parallel.pp=2", "parallel.pp 1 -> 2")]
+    for steps, layout, change in changes:
+        more = _train(run, warm_model, *layout.split(), f"train.steps={steps}", resume=True)
         assert more.returncode == 0, more.stderr[-3000:]
         assert change in more.stderr
-    rows = [r for r in metric_rows(run) if "weight_version" in r]
-    assert [r["weight_version"] for r in rows][-2:] == [13.0, 14.0]
-    assert rows[-1]["mismatch_k3_r3"] < 1e-3  # the engine got the expert-parallel trainer's weights
+        rows = [r for r in metric_rows(run) if "weight_version" in r]
+        assert rows[-1]["weight_version"] == steps
+        assert rows[-1]["mismatch_k3_r3"] < 1e-3  # the engine got the weights of the trainer of this layout
 
 
 def _rank_pid(rank: int, marker: str) -> int | None:
@@ -214,6 +232,11 @@ def test_an_outer_launch_of_the_wrong_size_is_refused_by_name(tmp_path):
     [
         ("parallel.ep=3", "parallel.ep=3 must divide the model's 8 experts per MoE layer"),
         ("model.preset=small parallel.ep=32", "parallel.ep=32 must divide the model's 16 experts per MoE layer"),
+        ("parallel.pp=5", "parallel.pp=5 with schedule '1f1b' needs 5 stages of at least one layer; the model has 4"),
+        ("parallel.pp=3 parallel.schedule=interleaved_1f1b", "needs 6 stages of at least one layer; the model has 4"),
+        ("parallel.pp=2 parallel.dp=2", "parallel.pp=2 together with dp=2 / ep=1 is not built yet"),
+        ("parallel.pp=2 parallel.stages=[3,2]", "parallel.stages=[3, 2]: needs 2 layer counts of at least 1 that add"),
+        ("parallel.pp=2 parallel.stages=[4,0]", "parallel.stages=[4, 0]: needs 2 layer counts of at least 1 that add"),
     ],
 )
 def test_a_layout_the_model_cannot_take_is_refused_before_any_rank_starts(model, tmp_path, capsys, override, message):
@@ -223,3 +246,44 @@ def test_a_layout_the_model_cannot_take_is_refused_before_any_rank_starts(model,
     assert main(["train", f"run_dir={tmp_path / 'run'}", *where, *override.split()]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_pipeline_stages_of_a_tied_embedding_model_are_refused(tmp_path, capsys):
+    from moerl.cli import main
+    from moerl.presets import init_model
+
+    init_model("qwen3_moe", "tiny", tmp_path / "tied", overrides={"tie_word_embeddings": True})
+    args = ["train", f"run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'tied'}", "parallel.pp=2"]
+    assert main(args) == 2
+    assert "parallel.pp=2 with tied input and output embeddings is not built yet" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("arch", "preset", "stages"),
+    [("qwen3_moe", "tiny", 2), ("deepseek_v3", "tiny", 3), ("qwen2_moe", "small", 3), ("gpt_oss", "small", 4)],
+)
+def test_stages_are_split_to_the_smallest_largest_stage(arch, preset, stages):
+    """Against every contiguous split (the oracle): the balanced split's largest stage holds the fewest parameters
+    (the embedding counted on the first stage, the norm and head on the last)."""
+    import itertools
+
+    from moerl.model.transformer import MoEModel
+    from moerl.parallel.pipeline import split_layers
+    from moerl.presets import preset_config
+
+    with torch.device("meta"):
+        m = MoEModel(preset_config(arch, preset)[1])
+    n = len(m.layers)
+    cost = [sum(p.numel() for p in layer.parameters()) for layer in m.layers]
+    cost[0] += m.embed_tokens.weight.numel()
+    cost[-1] += sum(p.numel() for mod in (m.norm, m.lm_head) if mod is not None for p in mod.parameters())
+
+    def worst(bounds):
+        return max(sum(cost[a:b]) for a, b in zip(bounds, bounds[1:], strict=False))
+
+    best = min(worst([0, *cuts, n]) for cuts in itertools.combinations(range(1, n), stages - 1))
+    ranges = split_layers(m, stages)
+    assert [r.start for r in ranges] == [0, *[r.stop for r in ranges[:-1]]] and ranges[-1].stop == n
+    assert min(len(r) for r in ranges) >= 1
+    assert worst([0, *[r.stop for r in ranges]]) == best
+    assert [list(r) for r in split_layers(m, 2, [1, n - 1])] == [[0], list(range(1, n))]

@@ -190,8 +190,9 @@ class DecoderLayer(nn.Module):
 
 @dataclass(slots=True)
 class ModelOutput:
-    logits: torch.Tensor  # [B, T, V] in the model dtype
+    logits: torch.Tensor | None  # [B, T, V] in the model dtype (None from a pipeline stage before the last)
     routed: torch.Tensor | None = None  # [B, T, L_moe, k] int64 chosen experts, when capture or replay
+    hidden: torch.Tensor | None = None  # [B, T, H] a pipeline stage's output to the next
 
 
 def build_mask(attention_mask: torch.Tensor | None, b: int, t: int, window: int | None, device) -> torch.Tensor:
@@ -223,6 +224,8 @@ class MoEModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.moe_layer_ids = [i for i, layer in enumerate(self.layers) if layer.is_moe]
+        # a pipeline stage (moerl.parallel.pipeline) keeps only its layers: the others are placeholders, the
+        # embedding lives on the first stage, the norm and head on the last
         self.hf_config: dict | None = None  # set by the bridge loader; export writes it back
         self.lora_ctx: LoraContext | None = None  # set by attach_lora
         self.init_rope()
@@ -231,7 +234,7 @@ class MoEModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        return self.norm.weight.dtype if self.norm is not None else self.embed_tokens.weight.dtype
 
     def init_rope(self) -> None:
         """Compute the rotary table: fp32, on the CPU (a plain attribute, so ``to(dtype)`` leaves it fp32)."""
@@ -297,6 +300,7 @@ class MoEModel(nn.Module):
         adapters: int | torch.Tensor | None = None,
         cache: KVCacheView | None = None,
         logits_index: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
     ) -> ModelOutput:
         """Logits for ``input_ids`` [B, T].
 
@@ -306,17 +310,19 @@ class MoEModel(nn.Module):
         adapters: LoRA slot for every token (int) or per sequence ([B], -1 = none); None = base model only.
         cache: a KV cache view (the rollout engine): attention reads and writes it and takes its masks.
         logits_index: [B] one position per row: logits come back as [B, V] for those positions only.
+        hidden: [B, T, H] the previous pipeline stage's output, in place of the embedded ``input_ids``; a stage
+        without the final norm returns its hidden states as ``ModelOutput.hidden``.
         """
-        b, t = input_ids.shape
+        b, t = input_ids.shape if hidden is None else hidden.shape[:2]
         if self.lora_ctx is not None:
             self.lora_ctx.set(adapters, b, t)
         elif adapters is not None:
             raise ValueError("adapters given but this model has no LoRA attached (moerl.model.lora.attach_lora)")
         if positions is None:
-            positions = torch.arange(t, device=input_ids.device).expand(b, t)
+            positions = torch.arange(t, device=(input_ids if hidden is None else hidden).device).expand(b, t)
         if replay is not None:
             replay = self._check_replay(replay, b, t).flatten(0, 1)
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids) if hidden is None else hidden
         if self.inv_freq.device != x.device:
             self.inv_freq = self.inv_freq.to(x.device)
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, positions, x.dtype)
@@ -328,6 +334,8 @@ class MoEModel(nn.Module):
         }
         routed = []
         for layer in self.layers:
+            if not isinstance(layer, DecoderLayer):  # another pipeline stage's layer
+                continue
             col = len(routed)
             x, idx = layer(
                 x,
@@ -339,9 +347,12 @@ class MoEModel(nn.Module):
             )
             if idx is not None:
                 routed.append(idx)
+        keep = (capture or replay is not None) and routed
+        routed = torch.stack(routed, dim=1).view(b, t, len(routed), -1) if keep else None
+        if self.norm is None:
+            return ModelOutput(None, routed, hidden=x)
         if logits_index is not None:
             x = x[torch.arange(b, device=x.device), logits_index]
         x = self.norm(x)
         logits = self.lm_head(x) if self.lm_head is not None else F.linear(x, self.embed_tokens.weight)
-        keep = (capture or replay is not None) and routed
-        return ModelOutput(logits, torch.stack(routed, dim=1).view(b, t, len(routed), -1) if keep else None)
+        return ModelOutput(logits, routed)

@@ -17,23 +17,15 @@ import torch
 import torch.distributed as dist
 
 from moerl.errors import TrainingStopped
+from moerl.parallel.world import broadcast_bytes
 from moerl.trainer.batch import Batch
 from moerl.trainer.policy import Policy
-
-
-def _broadcast_bytes(data: bytes | None) -> bytes:
-    n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
-    dist.broadcast(n, 0)
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(n), dtype=torch.uint8)
-    if int(n):
-        dist.broadcast(buf, 0)
-    return bytes(buf.numpy())
 
 
 def broadcast_json(value=None):
     """Rank 0's ``value`` (JSON-able) on every rank; the other ranks pass None."""
     data = json.dumps(value).encode() if dist.get_rank() == 0 else None
-    return json.loads(_broadcast_bytes(data))
+    return json.loads(broadcast_bytes(data))
 
 
 def _batch_tensors(batch: Batch) -> dict[str, torch.Tensor]:
@@ -48,14 +40,14 @@ def _send(op: str, args: dict, batch: Batch | None = None) -> None:
     layout = [[n, str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in tensors.items()]
     if batch is not None:
         args = args | {"total_tokens": batch.total_tokens, "total_seqs": batch.total_seqs}
-    _broadcast_bytes(json.dumps({"op": op, "args": args, "tensors": layout}).encode())
+    broadcast_bytes(json.dumps({"op": op, "args": args, "tensors": layout}).encode())
     if tensors:
         flat = torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in tensors.values()])
         dist.broadcast(flat, 0)
 
 
 def _recv() -> tuple[str, dict, Batch | None]:
-    msg = json.loads(_broadcast_bytes(None))
+    msg = json.loads(broadcast_bytes(None))
     args, layout = msg["args"], msg["tensors"]
     if not layout:
         return msg["op"], args, None
@@ -138,8 +130,8 @@ class DistributedPolicy(Policy):
     @contextmanager
     def gathered(self):
         announce = not self._busy
-        with self._announced("unshard"), super().gathered():
-            yield self.model
+        with self._announced("unshard"), super().gathered() as model:
+            yield model
         if announce:
             _send("reshard", {})
 

@@ -26,9 +26,26 @@ def model_config(path: str | None, arch: str, preset: str) -> ModelConfig | None
     return get_bridge(hf, source=source).config_from_hf(HFConfig(hf, source))
 
 
-def check_layout(dp: int, ep: int, pp: int, cfg: ModelConfig) -> None:
-    """Refuse, by name, a layout this model cannot take."""
+def check_layout(
+    dp: int, ep: int, pp: int, cfg: ModelConfig, schedule: str = "1f1b", stages: list[int] | None = None
+) -> None:
+    """Refuse, by name, a layout this model cannot take (or moerl does not build)."""
     if cfg.num_experts % ep:
         raise ConfigError(f"parallel.ep={ep} must divide the model's {cfg.num_experts} experts per MoE layer")
-    if pp > cfg.num_layers:
-        raise ConfigError(f"parallel.pp={pp} is larger than the model's {cfg.num_layers} layers (one stage each)")
+    if pp == 1:
+        return
+    n_stages = pp * (2 if schedule == "interleaved_1f1b" else 1)
+    if n_stages > cfg.num_layers:
+        raise ConfigError(
+            f"parallel.pp={pp} with schedule {schedule!r} needs {n_stages} stages of at least one layer; the model has "
+            f"{cfg.num_layers} layers"
+        )
+    if dp * ep > 1:
+        raise ConfigError(f"parallel.pp={pp} together with dp={dp} / ep={ep} is not built yet: one of them only")
+    if cfg.tie_word_embeddings:
+        raise ConfigError(f"parallel.pp={pp} with tied input and output embeddings is not built yet")
+    if stages and (len(stages) != n_stages or sum(stages) != cfg.num_layers or min(stages) < 1):
+        raise ConfigError(
+            f"parallel.stages={stages}: needs {n_stages} layer counts of at least 1 that add up to the model's "
+            f"{cfg.num_layers} layers"
+        )

@@ -25,6 +25,9 @@ class World:
     dp: int = 1
     ep: int = 1
     pp: int = 1
+    schedule: str = "1f1b"  # pipeline schedule (pp > 1)
+    microbatches: int = 0  # pipeline micro-batches per call (0: one per stage, or as micro_batch_size needs)
+    stages: list[int] | None = None  # layers per pipeline stage (None: balanced by parameter count)
     mesh: DeviceMesh | None = None  # dims ("pp", "dp", "ep"); None for one process
     data_mesh: DeviceMesh | None = None  # this stage's dp x ep ranks as one dimension: FSDP shards over it
 
@@ -42,12 +45,24 @@ class World:
         return self.rank % self.data_size
 
     @property
+    def stage(self) -> int:
+        """This rank's pipeline rank (its first stage)."""
+        return self.rank // self.data_size
+
+    @property
     def ep_rank(self) -> int:
         return self.rank % self.ep
 
     @property
     def dp_rank(self) -> int:
         return self.data_rank // self.ep
+
+    def close(self) -> None:
+        """Leave the process group (every rank, once its work is done): its connections close in order instead of
+        being torn down at interpreter exit."""
+        if self.size > 1 and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
 
     def group(self, dim: str):
         """The process group of mesh dimension ``dim`` (``pp``, ``dp``, ``ep``, or ``data`` = dp x ep) of this
@@ -83,9 +98,9 @@ def launch(moerl_argv: list[str], nprocs: int) -> None:
         ) from None
 
 
-def init_world(dp: int = 1, ep: int = 1, pp: int = 1) -> World:
+def init_world(dp: int = 1, ep: int = 1, pp: int = 1, **pipeline) -> World:
     """Join the process group of this launch (a no-op for one rank outside a launcher); checks its size and builds
-    the ``(pp, dp, ep)`` mesh."""
+    the ``(pp, dp, ep)`` mesh. ``pipeline``: World's schedule, microbatches and stages."""
     size = dp * ep * pp
     if size == 1 and not under_launcher():
         return World()
@@ -99,7 +114,8 @@ def init_world(dp: int = 1, ep: int = 1, pp: int = 1) -> World:
             "without torchrun)"
         )
     mesh = init_device_mesh(device, (pp, dp, ep), mesh_dim_names=("pp", "dp", "ep"))
-    return World(dist.get_rank(), size, dp, ep, pp, mesh, mesh["dp", "ep"]._flatten("data"))
+    data = mesh["dp", "ep"]._flatten("data")
+    return World(dist.get_rank(), size, dp, ep, pp, mesh=mesh, data_mesh=data, **pipeline)
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -117,3 +133,13 @@ def like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     if isinstance(param, DTensor) and value.shape == param.shape:
         return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
     return value
+
+
+def broadcast_bytes(data: bytes | None, src: int = 0, group=None) -> bytes:
+    """Rank ``src``'s ``data`` on every rank of ``group`` (the others pass None): a length, then the bytes."""
+    n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+    dist.broadcast(n, src, group=group)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(n), dtype=torch.uint8)
+    if int(n):
+        dist.broadcast(buf, src, group=group)
+    return bytes(buf.numpy())

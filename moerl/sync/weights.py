@@ -45,8 +45,14 @@ def policy_tensors(policy) -> Iterator[tuple[str, torch.Tensor]]:
     """The named tensors the engine needs for ``policy``'s current weights, one at a time. A sharded policy gathers
     each one whole as it goes (a collective: every rank runs this iterator to its end), so the whole model is never
     on one rank at once."""
+    own = _own_tensors(policy)
+    yield from own if policy.pipeline is None else policy.pipeline.stream(own)
+
+
+def _own_tensors(policy) -> Iterator[tuple[str, torch.Tensor]]:
+    """This rank's part of ``policy_tensors`` (each tensor whole over the data and expert groups)."""
     if policy.cfg.mode == "lora":  # small: the adapters, gathered together
-        with policy.gathered():
+        with policy.gathered_here():
             yield from slot_tensors(policy.model, 0).items()
         return
     masters = policy.master.master

@@ -68,7 +68,7 @@ def save_checkpoint(path: str | os.PathLike, policy, state: dict | None = None) 
     tmp.mkdir(parents=True)
     weights, opt = policy.full_state()  # whole tensors (gathered from the ranks when the policy is sharded)
     tensors = {f"weights/{n}": t.contiguous() for n, t in weights.items()}
-    names = _param_names(policy)
+    names = list(weights)
     for idx, st in opt["state"].items():
         for key, value in st.items():
             tensors[f"optim/{names[idx]}/{key}"] = value.contiguous()
@@ -194,8 +194,8 @@ def load_checkpoint(path: str | os.PathLike, policy) -> dict:
     tensors = _load_tensors(path, meta)
     own = policy.master.master if policy.master is not None else policy.trainable
     saved = {k.removeprefix("weights/") for k in tensors if k.startswith("weights/")}
-    if saved != set(own):
-        missing, extra = sorted(set(own) - saved)[:3], sorted(saved - set(own))[:3]
+    if saved != set(policy.all_names):  # the whole model's, whatever part of it this rank holds
+        missing, extra = sorted(set(policy.all_names) - saved)[:3], sorted(saved - set(policy.all_names))[:3]
         raise CheckpointError(f"{path}: weights do not match this policy (missing {missing}, unexpected {extra})")
     for name, p in own.items():
         t, shape = tensors[f"weights/{name}"], policy.whole_shape(name, p)
@@ -211,7 +211,8 @@ def load_checkpoint(path: str | os.PathLike, policy) -> dict:
         p.copy_(policy.laid_out(name, p, tensors[f"weights/{name}"]))
     if policy.master is not None:
         policy.master.master_to_model()
-    policy.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    groups = [{**g, "params": list(range(len(names)))} for g in meta["param_groups"]]  # this rank's parameters
+    policy.optimizer.load_state_dict({"state": state, "param_groups": groups})
     policy.scheduler.load_state_dict({**meta["scheduler"], "lr_lambdas": [None]})  # the lambdas come from config
     o = policy.cfg.optim
     policy.scheduler.base_lrs = [o.lr] * len(policy.optimizer.param_groups)

@@ -21,6 +21,7 @@ from moerl.model.lora import LoraConfig, attach_lora
 from moerl.model.mx import SCALE_MODES
 from moerl.parallel.expert import expert_slice, gather_experts, shard_experts, whole_experts
 from moerl.parallel.fsdp import clip_grads, gathered, shard_model
+from moerl.parallel.pipeline import Pipeline, Step, plan_stages, prune
 from moerl.parallel.rows import gather_rows, micro_batches, sum_over_ranks
 from moerl.parallel.world import World, full, like, local
 from moerl.trainer.batch import Batch
@@ -91,6 +92,24 @@ class PolicyConfig:
             raise ConfigError(f"PolicyConfig.mx_scale_mode={self.mx_scale_mode!r}: allowed: {', '.join(SCALE_MODES)}")
 
 
+@contextmanager
+def _both(first, second):
+    with first, second:
+        yield
+
+
+def token_logprobs(logits: torch.Tensor, mb: Batch, temperature: float, entropy: bool):
+    """fp32 logprobs [B, T] of ``mb``'s tokens from ``logits`` [B, T, V] (0 at position 0 and on padding), and the
+    entropy of each position's distribution when ``entropy``."""
+    logp_all = (logits[:, :-1].float() / temperature).log_softmax(-1)
+    lp = F.pad(logp_all.gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1), (1, 0))
+    lp = lp * mb.attention_mask
+    ent = None
+    if entropy:
+        ent = F.pad(-(logp_all.exp() * logp_all).sum(-1), (1, 0)) * mb.attention_mask
+    return lp, ent
+
+
 class Policy:
     """The model being trained. ``forward_logprobs`` gives fp32 per-token logprobs (R3 replay optional);
     ``train_step`` runs micro-batches, accumulates gradients, clips, steps AdamW and the LR schedule.
@@ -104,18 +123,20 @@ class Policy:
         self.cfg = cfg = cfg or PolicyConfig()
         self.checkpoint = Path(checkpoint)
         self.world = world = world or World()
-        sharded, dtype = world.size > 1, DTYPES[cfg.dtype]
+        sharded, dtype = world.data_size > 1, DTYPES[cfg.dtype]
         # sharded full / mxfp8: the model's own parameters are the fp32 masters (FSDP gathers them in ``dtype``)
         self.model = load_model(checkpoint, dtype=torch.float32 if sharded and cfg.mode != "lora" else dtype).eval()
         self.ref_model = None
         self.master: MasterWeights | None = None
         self.sliced: dict[str, int] = {}  # expert-parallel slices: parameter name -> expert dim
+        self.pipeline: Pipeline | None = None  # this rank's pipeline stages (pp > 1)
         if cfg.mode == "lora":
             for p in self.model.parameters():
                 p.requires_grad_(False)
             attach_lora(self.model, cfg.lora, dtype=torch.float32)
             for n, p in self.model.named_parameters():
                 p.requires_grad_(".lora." in n)
+            self.all_names = [n for n, p in self.model.named_parameters() if p.requires_grad]
             initial = self._shard(dtype)
             self.trainable = {n: p for n, p in self.model.named_parameters() if ".lora." in n}
             params = list(self.trainable.values())
@@ -126,6 +147,7 @@ class Policy:
                 apply_mxfp8(self.model, cfg.mx_scale_mode)
             if cfg.reference:  # frozen, in the compute dtype (replicated when the policy is sharded)
                 self.ref_model = copy.deepcopy(self.model).to(dtype).requires_grad_(False)
+            self.all_names = [n for n, _ in self.model.named_parameters()]
             initial = self._shard(dtype)
             self.trainable = dict(self.model.named_parameters())
             self.master = MasterWeights(self.trainable, initial)
@@ -144,10 +166,15 @@ class Policy:
         self.stop_state: dict = {}  # the caller's state saved with it (the loop's step)
 
     def _shard(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Split the model over the ranks: experts over the ep group, the rest FSDP over the data group. Returns the
-        fp32 values of expert slices now held in ``dtype`` (the optimizer's masters start from them)."""
+        """Split the model over the ranks: layers into pipeline stages, experts over the ep group, the rest FSDP over
+        the data group. Returns the fp32 values of expert slices now held in ``dtype`` (the optimizer's masters start
+        from them)."""
         world, initial = self.world, {}
-        if world.size == 1:
+        if world.pp > 1:
+            plan = plan_stages(self.model, world, world.schedule, world.stages)
+            prune(self.model, plan)
+            self.pipeline = Pipeline(self.model, plan, world, world.schedule, world.microbatches, token_logprobs)
+        if world.data_size == 1:
             return initial
         if world.ep > 1:
             self.sliced = shard_experts(self.model, world)
@@ -193,14 +220,7 @@ class Policy:
         out = model(
             mb.input_ids, attention_mask=mb.attention_mask, replay=mb.replay if replay else None, adapters=adapters
         )
-        logits = out.logits[:, :-1].float() / temperature
-        logp_all = logits.log_softmax(-1)
-        lp = F.pad(logp_all.gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1), (1, 0))
-        lp = lp * mb.attention_mask
-        ent = None
-        if entropy:
-            ent = F.pad(-(logp_all.exp() * logp_all).sum(-1), (1, 0)) * mb.attention_mask
-        return lp, ent
+        return token_logprobs(out.logits, mb, temperature, entropy)
 
     @torch.no_grad()
     def forward_logprobs(
@@ -227,6 +247,8 @@ class Policy:
                 if self.ref_model is None:
                     raise ConfigError(f"reference logprobs in mode {self.cfg.mode!r} need PolicyConfig.reference=True")
                 model = self.ref_model
+        if self.pipeline is not None and model is self.model:
+            return self._pipeline_logprobs(Step(batch, replay, adapters, temperature, entropy))
         parts = []
         for mb, real in micro_batches(self.world, batch, self.cfg.micro_batch_size):
             out = self._logprobs(model, mb, replay, adapters, temperature, entropy)
@@ -245,17 +267,12 @@ class Policy:
         for p in [*params, *self.trainable.values()]:
             p.grad = None
         self.model.train()
-        total, metrics = 0.0, {}
+        step = Step(batch, replay, self.adapters, temperature, entropy)
         try:
-            for mb, real in micro_batches(self.world, batch, self.cfg.micro_batch_size):
-                lp, ent = self._logprobs(self.model, mb, replay, self.adapters, temperature, entropy)
-                loss, m = loss_fn(lp, mb, ent)
-                if not real:  # a stand-in row: it only keeps FSDP's collectives in step
-                    loss, m = loss * 0.0, {k: 0.0 for k in m}
-                loss.backward()
-                total += float(loss.detach())
-                for k, v in m.items():
-                    metrics[k] = metrics.get(k, 0.0) + float(v) * len(mb) / len(batch) * real
+            if self.pipeline is not None:
+                total, metrics = self._pipeline_train(step, loss_fn)
+            else:
+                total, metrics = self._accumulate(step, loss_fn)
         finally:
             self.model.eval()
         total, metrics = sum_over_ranks(self.world, total, metrics)
@@ -312,6 +329,48 @@ class Policy:
             **metrics,
         }
 
+    def _accumulate(self, step: Step, loss_fn: LossFn) -> tuple[float, dict[str, float]]:
+        """Forward and backward of this rank's micro-batches; its loss and metric sums."""
+        batch, total, metrics = step.batch, 0.0, {}
+        for mb, real in micro_batches(self.world, batch, self.cfg.micro_batch_size):
+            lp, ent = self._logprobs(self.model, mb, step.replay, step.adapters, step.temperature, step.entropy)
+            loss, m = loss_fn(lp, mb, ent)
+            if not real:  # a stand-in row: it only keeps FSDP's collectives in step
+                loss, m = loss * 0.0, {k: 0.0 for k in m}
+            loss.backward()
+            total += float(loss.detach())
+            for k, v in m.items():
+                metrics[k] = metrics.get(k, 0.0) + float(v) * len(mb) / len(batch) * real
+        return total, metrics
+
+    def _pipeline_logprobs(self, step: Step) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logprobs (and entropies) of every row through the pipeline, on every rank."""
+        batch, pipe = step.batch, self.pipeline
+        out = pipe.run(step, torch.arange(len(batch)), self.cfg.micro_batch_size, DTYPES[self.cfg.dtype])
+        lp, ent = (out if step.entropy else (out, None)) if out is not None else (None, None)
+        shape = batch.input_ids.shape
+        lp = pipe.from_last(lp, shape)
+        return lp, (pipe.from_last(ent, shape) if step.entropy else None)
+
+    def _pipeline_train(self, step: Step, loss_fn: LossFn) -> tuple[float, dict[str, float]]:
+        """Forward and backward of every row through the pipeline; the loss and metric sums on every rank."""
+        batch, pipe = step.batch, self.pipeline
+        total, metrics = 0.0, {}
+
+        def loss(output, rows):
+            nonlocal total
+            lp, ent = output if step.entropy else (output, None)
+            value, m = loss_fn(lp, step.rows(rows), ent)
+            total += float(value.detach())
+            real = int((rows >= 0).sum())
+            for k, v in m.items():
+                metrics[k] = metrics.get(k, 0.0) + float(v) * real / len(batch)
+            return value
+
+        pipe.run(step, torch.arange(len(batch)), self.cfg.micro_batch_size, DTYPES[self.cfg.dtype], loss)
+        total, metrics = pipe.share_json([total, metrics])
+        return total, metrics
+
     def _reduce_expert_grads(self) -> None:
         """Expert slices are replicated over dp (FSDP leaves them out): their gradients are summed over it, in
         fp32."""
@@ -326,9 +385,9 @@ class Policy:
     def nonfinite_weight(self) -> str | None:
         """The name of the first trained tensor (adapter or fp32 master) holding NaN or inf, else None (each rank
         checks its shards; the ranks agree on the first bad name)."""
-        state = self.trainable_state()
-        names = list(state)
-        first = next((i for i, n in enumerate(names) if not all_finite(local(state[n]))), len(names))
+        state, names = self.trainable_state(), self.all_names
+        bad = next((n for n in state if not all_finite(local(state[n]))), None)
+        first = names.index(bad) if bad is not None else len(names)
         if self.world.size > 1:
             agreed = torch.tensor([first])
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
@@ -340,7 +399,22 @@ class Policy:
         the policy is sharded: a collective)."""
         weights = {n: self.whole(n, t) for n, t in self.trainable_state().items()}
         opt, names = self.optimizer.state_dict(), list(weights)
-        opt["state"] = {i: {k: self.whole(names[i], v) for k, v in st.items()} for i, st in opt["state"].items()}
+        state = {names[i]: {k: self.whole(names[i], v) for k, v in st.items()} for i, st in opt["state"].items()}
+        if self.pipeline is not None:  # every stage's tensors, on every rank of the pipeline
+            own = [(f"w/{n}", t) for n, t in weights.items()]
+            own += [(f"o/{k}/{n}", v) for n, st in state.items() for k, v in st.items()]
+            weights, state = {}, {}
+            for key, t in self.pipeline.stream(own):
+                kind, rest = key.split("/", 1)
+                if kind == "w":
+                    weights[rest] = t
+                else:
+                    k, n = rest.split("/", 1)
+                    state.setdefault(n, {})[k] = t
+            weights = {n: weights[n] for n in self.all_names}
+        index = {n: i for i, n in enumerate(weights)}  # the optimizer's order over the whole model
+        opt["state"] = {index[n]: st for n, st in state.items()}
+        opt["param_groups"] = [{**g, "params": list(range(len(weights)))} for g in opt["param_groups"]]
         return weights, opt
 
     def sync_tensors(self):
@@ -360,9 +434,27 @@ class Policy:
 
     @contextmanager
     def gathered(self):
-        """A context in which the model's parameters are whole (sharded policies gather them: a collective)."""
-        with gathered(self.model), whole_experts(self.model, self.world):
-            yield self.model
+        """A context in which the model's parameters are whole (sharded policies gather them: a collective). With
+        pipeline stages rank 0 gets a whole model built from every stage's weights (the other ranks None)."""
+        if self.pipeline is None:
+            with self.gathered_here():
+                yield self.model
+            return
+        weights, _ = self.full_state()
+        model = None
+        if self.world.driver:
+            model = load_model(self.checkpoint, dtype=DTYPES[self.cfg.dtype]).eval()
+            if self.cfg.mode == "lora":
+                attach_lora(model, self.cfg.lora, dtype=torch.float32)
+            params = dict(model.named_parameters())
+            with torch.no_grad():
+                for name, t in weights.items():
+                    params[name].copy_(t)
+        yield model
+
+    def gathered_here(self):
+        """A context in which this rank's parameters are whole: FSDP shards and expert slices gathered."""
+        return _both(gathered(self.model), whole_experts(self.model, self.world))
 
     def save_stop_checkpoint(self) -> str:
         """Before a TrainingStopped: save the current state to ``stop_checkpoint_dir`` (with ``stop_state``) if its

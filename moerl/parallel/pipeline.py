@@ -1,0 +1,280 @@
+"""Pipeline parallelism with R3, on ``torch.distributed.pipelining``, applied from outside the model.
+
+The layers are split into stages (balanced by parameter count, or as ``parallel.stages`` says); each rank keeps its
+stages' layers (the others become placeholders, the embedding lives on the first stage, the norm and head on the
+last). Every rank of a pipeline holds the step's whole batch (rank 0 announces it), so what travels between stages
+with a micro-batch is its hidden states and its row indices: from the rows each stage reads its own inputs — the
+first stage the token ids, every stage the attention mask and R3's routed experts of *its* MoE layers only (the
+columns of the global MoE layer indices it holds; -1 rows still route themselves), the last stage the loss mask,
+advantages and the engine's logprobs. Old-logprob and training forwards replay; the reference forward never does.
+
+A step's batch is padded to equal micro-batches with stand-in rows (index -1) whose loss is zero. The stages are
+built per call with static shapes (the sequence length changes between steps), so no metadata is pickled between
+ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from moerl.model.transformer import MoEModel
+from moerl.parallel.plan import check_layout
+from moerl.parallel.world import World, broadcast_bytes
+
+SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B}
+
+
+def stages_per_rank(schedule: str) -> int:
+    """Interleaved 1F1B runs two stages on every rank (rank r holds stages r and r + pp)."""
+    return 2 if schedule == "interleaved_1f1b" else 1
+
+
+def split_layers(model: MoEModel, n_stages: int, given: list[int] | None = None) -> list[range]:
+    """Contiguous layer ranges of ``n_stages`` stages: ``given`` layer counts, or the split whose largest stage has
+    the fewest parameters (the embedding counted on the first stage, the norm and head on the last)."""
+    n = len(model.layers)
+    if given:  # checked by check_layout
+        bounds = [0, *torch.tensor(given).cumsum(0).tolist()]
+        return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+    cost = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
+    cost[0] += model.embed_tokens.weight.numel()
+    cost[-1] += sum(p.numel() for m in (model.norm, model.lm_head) if m is not None for p in m.parameters())
+    prefix = [0, *torch.tensor(cost).cumsum(0).tolist()]
+    # best[s][i]: the smallest largest-stage cost of the first i layers in s stages; cut[s][i] its last cut
+    best = [[math.inf] * (n + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0
+    for s in range(1, n_stages + 1):
+        for i in range(s, n + 1):
+            for j in range(s - 1, i):
+                worst = max(best[s - 1][j], prefix[i] - prefix[j])
+                if worst < best[s][i]:
+                    best[s][i], cut[s][i] = worst, j
+    ends, i = [], n
+    for s in range(n_stages, 0, -1):
+        ends.append(i)
+        i = cut[s][i]
+    bounds = [0, *reversed(ends)]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+class _Hole(nn.Module):
+    """Another stage's layer."""
+
+
+def _keep(model: MoEModel, layers: set[int], first: bool, last: bool) -> MoEModel:
+    """``model`` with only ``layers`` (the others placeholders), the embedding only if ``first``, the norm and head
+    only if ``last`` — in place."""
+    for i in range(len(model.layers)):
+        if i not in layers:
+            model.layers[i] = _Hole()
+    if not first:
+        model.embed_tokens = None
+    if not last:
+        model.norm, model.lm_head = None, None
+    model.moe_layer_ids = [i for i in model.moe_layer_ids if i in layers]
+    return model
+
+
+@dataclass(slots=True)
+class Plan:
+    """This rank's stages: their indices and layer ranges, and every stage's range."""
+
+    stages: list[int]
+    ranges: list[range]  # of every stage, in order
+
+    @property
+    def layers(self) -> set[int]:
+        return {i for s in self.stages for i in self.ranges[s]}
+
+    def owner(self, layer: int) -> int:
+        return next(s for s, r in enumerate(self.ranges) if layer in r)
+
+
+def plan_stages(model: MoEModel, world: World, schedule: str, given: list[int] | None) -> Plan:
+    """Which stages (and layers) this rank holds."""
+    check_layout(world.dp, world.ep, world.pp, model.config, schedule, given)
+    per_rank = stages_per_rank(schedule)
+    n_stages = world.pp * per_rank
+    ranges = split_layers(model, n_stages, given)
+    return Plan([world.stage + k * world.pp for k in range(per_rank)], ranges)
+
+
+def prune(model: MoEModel, plan: Plan) -> MoEModel:
+    """Keep this rank's stages of ``model`` (in place)."""
+    last = len(plan.ranges) - 1
+    return _keep(model, plan.layers, 0 in plan.stages, last in plan.stages)
+
+
+def stage_view(model: MoEModel, plan: Plan, stage: int) -> MoEModel:
+    """A view of the pruned ``model`` that runs stage ``stage`` only (parameters shared)."""
+    view = copy.copy(model)
+    view._modules = dict(model._modules)
+    view.layers = nn.ModuleList(layer for layer in model.layers)
+    return _keep(view, set(plan.ranges[stage]), stage == 0, stage == len(plan.ranges) - 1)
+
+
+class Step:
+    """What every stage of one pipeline call reads: the batch and the forward's options."""
+
+    def __init__(self, batch, replay: bool, adapters, temperature: float, entropy: bool):
+        self.batch, self.replay, self.adapters = batch, replay, adapters
+        self.temperature, self.entropy = temperature, entropy
+
+    def rows(self, rows: torch.Tensor):
+        """The micro-batch of row indices ``rows`` (-1: a stand-in row, its loss mask zero)."""
+        mb = self.batch.rows(rows.clamp(min=0))
+        if (rows < 0).any():
+            from dataclasses import replace
+
+            mb = replace(mb, loss_mask=mb.loss_mask * (rows >= 0)[:, None])
+        return mb
+
+
+class StageModule(nn.Module):
+    """One stage for ``PipelineStage``: (rows) or (hidden, rows) in; (hidden, rows) or the logprobs out."""
+
+    def __init__(self, view: MoEModel, columns: list[int], first: bool, last: bool, logprobs):
+        super().__init__()
+        self.view, self.columns, self.first, self.last = view, columns, first, last
+        self.logprobs = logprobs  # (logits, micro-batch, temperature, entropy) -> (logprobs, entropy or None)
+        self.step: Step | None = None
+
+    def forward(self, *inputs: torch.Tensor):
+        hidden, rows = (None, inputs[0]) if self.first else inputs
+        step = self.step
+        mb = step.rows(rows)
+        replay = None
+        if step.replay and mb.replay is not None and self.columns:
+            replay = mb.replay.index_select(2, torch.tensor(self.columns))
+        out = self.view(
+            mb.input_ids, attention_mask=mb.attention_mask, replay=replay, adapters=step.adapters, hidden=hidden
+        )
+        if not self.last:
+            return out.hidden, rows
+        lp, ent = self.logprobs(out.logits, mb, step.temperature, step.entropy)
+        return (lp, ent) if step.entropy else lp
+
+
+class Pipeline:
+    """This rank's stages of the policy's model and the schedule that runs a batch through them."""
+
+    def __init__(self, model: MoEModel, plan: Plan, world: World, schedule: str, microbatches: int, logprobs):
+        self.plan, self.world, self.schedule, self.microbatches = plan, world, schedule, microbatches
+        self.group = world.group("pp")
+        self.last_stage = len(plan.ranges) - 1
+        moe = sorted(model.config.moe_layers)  # the global MoE layer order: R3's columns
+        self.modules = []
+        for s in plan.stages:
+            view = stage_view(model, plan, s)
+            columns = [moe.index(i) for i in view.moe_layer_ids]
+            self.modules.append(StageModule(view, columns, s == 0, s == self.last_stage, logprobs))
+
+    @property
+    def last(self) -> bool:
+        """Whether this rank holds the last stage (the logprobs and the loss live there)."""
+        return self.last_stage in self.plan.stages
+
+    def _count(self, rows: int, micro_batch_size: int) -> int:
+        n = max(self.microbatches or len(self.plan.ranges), math.ceil(rows / micro_batch_size))
+        if self.schedule == "interleaved_1f1b":
+            n = math.ceil(n / self.world.pp) * self.world.pp
+        return n
+
+    def run(self, step: Step, rows: torch.Tensor, micro_batch_size: int, hidden_dtype, loss_fn=None):
+        """Run ``rows`` of ``step.batch`` through the pipeline (forward and, with ``loss_fn(output, rows)``,
+        backward). Returns the last stage's outputs for the real rows (None on other stages)."""
+        n = self._count(len(rows), micro_batch_size)
+        size = math.ceil(len(rows) / n)
+        padded = torch.cat([rows, rows.new_full((n * size - len(rows),), -1)])
+        t = step.batch.input_ids.shape[1]
+        hidden = self.modules[0].view.config.hidden_size
+        for module in self.modules:
+            module.step = step
+        grad = loss_fn is not None  # static metadata: the float activations carry gradients when training
+
+        def act(*shape, dtype=torch.float32):
+            return torch.empty(*shape, dtype=dtype, requires_grad=grad)
+
+        stages = []
+        for module, s in zip(self.modules, self.plan.stages, strict=True):
+            mb_rows = padded.new_empty(size)
+            ins = (mb_rows,) if s == 0 else (act(size, t, hidden, dtype=hidden_dtype), mb_rows)
+            if s == self.last_stage:
+                outs = (act(size, t), act(size, t)) if step.entropy else act(size, t)
+            else:
+                outs = (act(size, t, hidden, dtype=hidden_dtype), mb_rows)
+            stages.append(
+                PipelineStage(module, s, len(self.plan.ranges), torch.device("cpu"), ins, outs, group=self.group)
+            )
+        cls = SCHEDULES[self.schedule]
+        sched = cls(
+            stages if len(stages) > 1 or cls is ScheduleInterleaved1F1B else stages[0],
+            n,
+            loss_fn=loss_fn,
+            scale_grads=False,
+        )
+        first = 0 in self.plan.stages
+        args = (padded,) if first else ()
+        kwargs = {"target": padded} if loss_fn is not None and self.last else {}
+        if loss_fn is None:
+            with torch.no_grad():
+                out = sched.eval(*args, **kwargs)
+        else:
+            out = sched.step(*args, **kwargs)
+        if not self.last:
+            return None
+        if isinstance(out, tuple):
+            return tuple(o[: len(rows)] for o in out)
+        return out[: len(rows)]
+
+    def from_last(self, t: torch.Tensor | None, shape, dtype=torch.float32) -> torch.Tensor:
+        """The last stage's tensor ``t`` on every rank of this pipeline."""
+        if self.world.pp == 1:
+            return t
+        src = dist.get_global_rank(self.group, self.last_stage % self.world.pp)
+        buf = t.contiguous() if t is not None else torch.empty(shape, dtype=dtype)
+        dist.broadcast(buf, src, group=self.group)
+        return buf
+
+    def share_json(self, value=None):
+        """The last stage's JSON-able ``value`` on every rank of this pipeline (bytes, not pickles)."""
+        src = dist.get_global_rank(self.group, self.last_stage % self.world.pp)
+        return json.loads(broadcast_bytes(json.dumps(value).encode() if self.last else None, src, self.group))
+
+    def stream(self, own):
+        """Every stage's named tensors (``own``: this rank's ``(name, tensor)`` pairs), stage by stage, one tensor at a
+        time, on every rank of this pipeline (a collective: every rank runs it to the end)."""
+        me = dist.get_rank(self.group)
+        for src in range(self.world.pp):
+            root = dist.get_global_rank(self.group, src)
+            items = iter(own) if src == me else None
+            while True:
+                item = next(items, None) if items is not None else None
+                head = None
+                if items is not None:
+                    head = (
+                        {"end": True}
+                        if item is None
+                        else {"name": item[0], "dtype": str(item[1].dtype)[6:], "shape": list(item[1].shape)}
+                    )
+                head = json.loads(
+                    broadcast_bytes(json.dumps(head).encode() if items is not None else None, root, self.group)
+                )
+                if head.get("end"):
+                    break
+                t = (
+                    item[1].contiguous()
+                    if items is not None
+                    else torch.empty(head["shape"], dtype=getattr(torch, head["dtype"]))
+                )
+                dist.broadcast(t, root, group=self.group)
+                yield head["name"], t
