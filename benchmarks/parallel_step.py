@@ -6,7 +6,7 @@ step, then ``--steps`` timed steps (the ranks meet at a barrier before and after
 tokens per step time; peak memory is each rank's VmHWM. One process uses every core; each rank of a 2-rank launch
 gets half (torchrun's default of one thread per rank on this 2-core machine is raised to cores / ranks).
 
-    python benchmarks/parallel_step.py [--preset small] [--mode full] [--batch 8] [--seq 128] [--rounds 3]
+    python benchmarks/parallel_step.py [--preset small] [--mode full] [--dtype float32] [--batch 8] [--seq 128]
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def worker(args) -> None:
     world = init_world(dp, ep, pp)
     torch.manual_seed(0)
     lora = LoraConfig(rank=16, alpha=32, targets=["q_proj", "k_proj", "v_proj", "o_proj", "experts"])
-    cfg = PolicyConfig(mode=args.mode, dtype="bfloat16", lora=lora, micro_batch_size=args.micro, optim=OptimConfig())
+    cfg = PolicyConfig(mode=args.mode, dtype=args.dtype, lora=lora, micro_batch_size=args.micro, optim=OptimConfig())
     policy = Policy(args.ckpt, cfg, world)
     ids = torch.randint(4, 100, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     batch = Batch(ids, torch.ones_like(ids), torch.ones_like(ids))
@@ -68,7 +68,7 @@ def launch(layout: str, args, ckpt: str, out: str) -> dict:
     ranks = 1
     for n in layout.split(","):
         ranks *= int(n)
-    cmd = [__file__, "--worker", layout, "--ckpt", ckpt, "--out", out, "--mode", args.mode]
+    cmd = [__file__, "--worker", layout, "--ckpt", ckpt, "--out", out, "--mode", args.mode, "--dtype", args.dtype]
     cmd += ["--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps), "--micro", str(args.micro)]
     env = os.environ | {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks))}
     if ranks > 1:
@@ -81,6 +81,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="small")
     p.add_argument("--mode", default="full", choices=["full", "lora", "mxfp8"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--micro", type=int, default=2)
@@ -106,8 +107,9 @@ def main() -> None:
     tokens = args.batch * args.seq
     base = statistics.median(results["one process"]["step"])
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}")
-    print(f"# qwen3_moe {args.preset}, mode {args.mode} (bf16), batch {args.batch} x {args.seq} tokens, micro-batches")
-    print(f"# of {args.micro}, {args.steps} timed steps x {args.rounds} rounds (median of rounds; spread min-max)\n")
+    print(f"# qwen3_moe {args.preset}, mode {args.mode} ({args.dtype}), batch {args.batch} x {args.seq} tokens,")
+    print(f"# micro-batches of {args.micro}, {args.steps} timed steps x {args.rounds} rounds (median of rounds;")
+    print("# spread min-max)\n")
     print("| layout | step s | spread | tokens/s | vs one process | peak MiB per rank |")
     print("|---|---|---|---|---|---|")
     for name, res in results.items():

@@ -1,9 +1,12 @@
 """One trainer step on a fixed batch, run by every rank of a torchrun launch (or alone):
 ``python dp_check.py CKPT MODE DTYPE OUT DP,EP,PP [extras]``. Rank 0 writes the step's numbers, the logprobs before
-and after it and the updated weights to OUT (JSON + safetensors). Extras: ``layout=shared_outer`` (expert adapters),
-``schedule=S`` (pipeline). Negative controls: ``mean``, FSDP's default mean over ranks instead of moerl's sum;
-``perturb``, the last expert of the first MoE layer moved by 1e-3 on the rank that holds it (the last ep rank);
-``wrong_columns``, the last pipeline stage replays the first stage's MoE layers' columns instead of its own."""
+and after it and the whole weights (w/) and optimizer state (o/) after it to OUT (JSON + safetensors).
+
+Extras: ``layout=shared_outer`` (expert adapters), ``schedule=S`` (pipeline), ``load=DIR`` (a checkpoint loaded
+first), ``dump`` (write the state as loaded and stop), ``steps=N``, ``save=DIR`` (a checkpoint saved after the first
+step). Negative controls: ``mean``, FSDP's default mean over ranks instead of moerl's sum; ``perturb``, the last
+expert of the first MoE layer moved by 1e-3 on the rank that holds it (the last ep rank); ``wrong_columns``, the
+last pipeline stage replays the first stage's MoE layers' columns instead of its own."""
 
 import json
 import sys
@@ -14,6 +17,7 @@ from safetensors.torch import save_file
 from moerl.model.lora import LoraConfig
 from moerl.parallel.world import init_world
 from moerl.trainer import Batch, OptimConfig, Policy, PolicyConfig
+from moerl.trainer.checkpoint import save_checkpoint, shards_of_save
 from moerl.trainer.losses import PolicyLossConfig, make_policy_loss
 
 
@@ -30,6 +34,18 @@ def fixed_batch(num_moe_layers: int, top_k: int, num_experts: int) -> Batch:
     replay[~attn[:, 1:].bool()] = -1  # padding rows: "route yourself"
     adv = torch.randn(b, generator=g)
     return Batch(ids * attn, attn, loss_mask, replay, {"advantages": adv})
+
+
+def _write(world, policy, out: str, tensors: dict, stats: dict | None = None) -> None:
+    """Rank 0 writes ``tensors``, the policy's whole weights (w/) and optimizer state (o/) and the step's numbers."""
+    weights, opt = policy.full_state()
+    names = list(weights)
+    tensors |= {f"w/{n}": t.contiguous() for n, t in weights.items()}
+    tensors |= {f"o/{names[i]}/{k}": v.contiguous() for i, st in opt["state"].items() for k, v in st.items()}
+    if world.driver:
+        save_file(tensors, out + ".st")
+        with open(out, "w") as f:
+            json.dump({"loss": stats["loss"], "grad_norm": stats["grad_norm"]} if stats else {}, f)
 
 
 def main(ckpt: str, mode: str, dtype: str, out: str, layout: str, *extra: str) -> None:
@@ -50,18 +66,26 @@ def main(ckpt: str, mode: str, dtype: str, out: str, layout: str, *extra: str) -
             policy.model.layers[policy.model.moe_layer_ids[0]].mlp.experts.gate_up_proj[-1] += 1e-3
     if "wrong_columns" in extra and policy.pipeline.last:
         policy.pipeline.modules[-1].columns = list(range(len(policy.pipeline.modules[-1].columns)))
+    opt = dict(e.split("=", 1) for e in extra if "=" in e)
+    if "load" in opt:
+        policy.load(opt["load"])
+    if "dump" in extra:  # the state as loaded
+        _write(world, policy, out, {})
+        return world.close()
     mcfg = policy.model.config
     batch = fixed_batch(len(mcfg.moe_layers), mcfg.top_k, mcfg.num_experts)
-    old, _ = policy.forward_logprobs(batch, replay=True)
-    batch.extras["old_logprobs"] = old
-    stats = policy.train_step(batch, make_policy_loss(PolicyLossConfig()), replay=True)
+    first_old = None
+    for i in range(int(opt.get("steps", 1))):  # on-policy steps: the old logprobs are the current policy's
+        batch.extras["old_logprobs"], _ = policy.forward_logprobs(batch, replay=True)
+        first_old = batch.extras["old_logprobs"] if first_old is None else first_old
+        stats = policy.train_step(batch, make_policy_loss(PolicyLossConfig()), replay=True)
+        if i == 0 and "save" in opt:  # rank 0 saves, every rank writes its part
+            if world.driver:
+                save_checkpoint(opt["save"], policy)
+            else:
+                policy.save_shards(shards_of_save(opt["save"]))
     new, _ = policy.forward_logprobs(batch, replay=True)
-    weights, _ = policy.full_state()
-    if world.driver:
-        tensors = {"old_logprobs": old, "new_logprobs": new, **{f"w/{n}": t.contiguous() for n, t in weights.items()}}
-        save_file(tensors, out + ".st")
-        with open(out, "w") as f:
-            json.dump({"loss": stats["loss"], "grad_norm": stats["grad_norm"]}, f)
+    _write(world, policy, out, {"old_logprobs": first_old, "new_logprobs": new}, stats)
     world.close()
 
 

@@ -102,7 +102,8 @@ class DistributedPolicy(Policy):
 
     def train_step(self, batch, loss_fn, replay=True, temperature=1.0, entropy=False):
         kw = {"replay": replay, "temperature": temperature, "entropy": entropy}
-        with self._announced("train_step", kw, batch):
+        stop = str(self.stop_checkpoint_dir) if self.stop_checkpoint_dir is not None else None
+        with self._announced("train_step", kw | {"stop_checkpoint_dir": stop}, batch):
             return super().train_step(batch, loss_fn, **kw)
 
     def full_state(self):
@@ -114,8 +115,13 @@ class DistributedPolicy(Policy):
             return super().nonfinite_weight()
 
     def save_stop_checkpoint(self) -> str:
-        with self._announced("save_stop_checkpoint"):
+        path = str(self.stop_checkpoint_dir) if self.stop_checkpoint_dir is not None else None
+        with self._announced("save_stop_checkpoint", {"path": path}):
             return super().save_stop_checkpoint()
+
+    def save_shards(self, directory) -> None:
+        with self._announced("save_shards", {"path": str(directory)}):
+            return super().save_shards(directory)
 
     def sync_tensors(self):
         """The engine's tensors, gathered one at a time; the caller must exhaust the iterator (the other ranks
@@ -142,7 +148,6 @@ class DistributedPolicy(Policy):
 
 def serve(policy: Policy, loss_fn) -> None:
     """Every rank but 0: make the calls rank 0 announces, on this rank's shard, until it says stop."""
-    policy.stop_checkpoint_dir = Path("(rank 0 writes it)")  # so a stop gathers with rank 0's save
     gathered = None
     while True:
         op, args, batch = _recv()
@@ -152,13 +157,18 @@ def serve(policy: Policy, loss_fn) -> None:
             if op == "forward_logprobs":
                 policy.forward_logprobs(batch, **args)
             elif op == "train_step":
+                stop = args.pop("stop_checkpoint_dir")  # a step that stops saves there: this rank writes its part
+                policy.stop_checkpoint_dir = Path(stop) if stop is not None else None
                 policy.train_step(batch, loss_fn, **args)
             elif op == "full_state":
                 policy.full_state()
             elif op == "nonfinite_weight":
                 policy.nonfinite_weight()
             elif op == "save_stop_checkpoint":
+                policy.stop_checkpoint_dir = Path(args["path"]) if args["path"] is not None else None
                 policy.save_stop_checkpoint()
+            elif op == "save_shards":
+                policy.save_shards(args["path"])
             elif op == "sync_tensors":
                 for _ in policy.sync_tensors():
                     pass

@@ -19,11 +19,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from moerl.errors import CheckpointError
 from moerl.finite import all_finite
+from moerl.parallel.shards import SHARDS, load_parts, load_whole, saved_sizes
+from moerl.parallel.world import local
 
 TENSORS, META = "checkpoint.safetensors", "checkpoint.json"
 META_KEYS = ("mode", "step", "nan_skipped", "nan_streak", "param_groups", "scheduler", "python_random", "numpy_random")
@@ -59,6 +62,11 @@ def _aside(path: Path, suffix: str) -> Path:
     return path.with_name(path.name + suffix)
 
 
+def shards_of_save(path: str | os.PathLike) -> Path:
+    """Where the ranks of a sharded policy write their parts while checkpoint ``path`` is being saved."""
+    return _aside(Path(path), ".tmp") / SHARDS
+
+
 def save_checkpoint(path: str | os.PathLike, policy, state: dict | None = None) -> Path:
     """Write a resumable checkpoint to ``path``, replacing the one there atomically (see the module docstring)."""
     path = Path(path)
@@ -66,12 +74,23 @@ def save_checkpoint(path: str | os.PathLike, policy, state: dict | None = None) 
     recover_checkpoint(path)  # a crash of an earlier save: put its complete checkpoint back in place first
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    weights, opt = policy.full_state()  # whole tensors (gathered from the ranks when the policy is sharded)
-    tensors = {f"weights/{n}": t.contiguous() for n, t in weights.items()}
-    names = list(weights)
-    for idx, st in opt["state"].items():
-        for key, value in st.items():
-            tensors[f"optim/{names[idx]}/{key}"] = value.contiguous()
+    shards = {}
+    if policy.world.size > 1:  # every rank writes its part (DCP); rank 0 the rest
+        policy.save_shards(shards_of_save(path))
+        _crash_point("shards written")
+        tensors, groups = {}, policy.optimizer.state_dict()["param_groups"]
+        files = sorted((tmp / SHARDS).iterdir())
+        for f in files:
+            _fsync(f)
+        shards = {f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in files}
+        _fsync(tmp / SHARDS)
+    else:
+        weights, opt = policy.full_state()
+        tensors = {f"weights/{n}": t.contiguous() for n, t in weights.items()}
+        names, groups = list(weights), opt["param_groups"]
+        for idx, st in opt["state"].items():
+            for key, value in st.items():
+                tensors[f"optim/{names[idx]}/{key}"] = value.contiguous()
     tensors["rng/torch"] = torch.get_rng_state()
     np_state = np.random.get_state()
     save_file(tensors, tmp / TENSORS)
@@ -82,13 +101,14 @@ def save_checkpoint(path: str | os.PathLike, policy, state: dict | None = None) 
         "step": policy.step,
         "nan_skipped": policy.nan_skipped,
         "nan_streak": policy.nan_streak,
-        "param_groups": opt["param_groups"],
+        "param_groups": groups,
         "scheduler": {k: v for k, v in policy.scheduler.state_dict().items() if k != "lr_lambdas"},
         "python_random": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
         "numpy_random": [np_state[0], np_state[1].tolist(), *np_state[2:]],
         "state": state or {},
         "tensors_bytes": (tmp / TENSORS).stat().st_size,
         "tensors_sha256": _sha256(tmp / TENSORS),
+        "shards": shards,  # sharded weights and optimizer state (under shards/), or {} when TENSORS holds them
     }
     (tmp / META).write_text(json.dumps(meta))  # written last: a checkpoint without it is incomplete
     _fsync(tmp / META)
@@ -127,6 +147,11 @@ def read_meta(path: str | os.PathLike) -> dict:
             f"{path / TENSORS} has {size} bytes, {META} records {meta['tensors_bytes']}: the file is truncated or "
             "was replaced"
         )
+    for name, rec in meta.get("shards", {}).items():
+        f = path / SHARDS / name
+        if not f.exists() or f.stat().st_size != rec["bytes"]:
+            got = f"{f.stat().st_size} bytes" if f.exists() else "no file"
+            raise CheckpointError(f"{f}: {META} records {rec['bytes']} bytes, found {got}: truncated or missing")
     return meta
 
 
@@ -171,12 +196,30 @@ def _load_tensors(path: Path, meta: dict) -> dict[str, torch.Tensor]:
         tensors = load_file(file)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{file} is not a readable safetensors file (truncated or corrupt?): {e}") from None
-    for name, t in tensors.items():
-        if not all_finite(t):
-            raise CheckpointError(f"{file}: tensor {name!r} holds non-finite values (NaN or inf); refusing to load it")
     if "rng/torch" not in tensors:
         raise CheckpointError(f"{file} lacks the tensor 'rng/torch': not a complete moerl training checkpoint")
     return tensors
+
+
+def _check_shards(path: Path, meta: dict) -> None:
+    for name, rec in meta["shards"].items():
+        if _sha256(path / SHARDS / name) != rec["sha256"]:
+            raise CheckpointError(
+                f"{path / SHARDS / name} is corrupt: its SHA-256 differs from the one {META} recorded"
+            )
+
+
+def _check_finite(policy, path: Path, parts: dict[str, torch.Tensor], every: list[str]) -> None:
+    """Refuse non-finite values, naming the first bad tensor in ``every`` (the checkpoint's keys, the same list on
+    every rank: the ranks agree on which)."""
+    first = next((i for i, k in enumerate(every) if k in parts and not all_finite(local(parts[k]))), len(every))
+    if policy.world.size > 1:
+        agreed = torch.tensor([first])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        first = int(agreed)
+    if first < len(every):
+        bad = every[first]
+        raise CheckpointError(f"{path}: tensor {bad!r} holds non-finite values (NaN or inf); refusing to load it")
 
 
 @torch.no_grad()
@@ -192,23 +235,39 @@ def load_checkpoint(path: str | os.PathLike, policy) -> dict:
     if meta["mode"] != policy.cfg.mode:
         raise CheckpointError(f"{path} was saved in mode {meta['mode']!r}, this policy is {policy.cfg.mode!r}")
     tensors = _load_tensors(path, meta)
+    shards = path / SHARDS
     own = policy.master.master if policy.master is not None else policy.trainable
-    saved = {k.removeprefix("weights/") for k in tensors if k.startswith("weights/")}
+    if meta.get("shards"):
+        _check_shards(path, meta)
+        sizes = saved_sizes(shards)
+        whole = {k: v[0] for k, v in sizes.items()}
+    else:
+        whole = {k: v.shape for k, v in tensors.items()}
+    saved = {k.removeprefix("weights/") for k in whole if k.startswith("weights/")}
     if saved != set(policy.all_names):  # the whole model's, whatever part of it this rank holds
         missing, extra = sorted(set(policy.all_names) - saved)[:3], sorted(saved - set(policy.all_names))[:3]
         raise CheckpointError(f"{path}: weights do not match this policy (missing {missing}, unexpected {extra})")
     for name, p in own.items():
-        t, shape = tensors[f"weights/{name}"], policy.whole_shape(name, p)
-        if t.shape != shape:
-            raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+        shape, expected = whole[f"weights/{name}"], policy.whole_shape(name, p)
+        if shape != expected:
+            raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(shape)}, expected {tuple(expected)}")
     names = _param_names(policy)
+    wanted = {f"weights/{n}": n for n in names}
+    wanted |= {k: n for n in names for k in whole if k.startswith(f"optim/{n}/")}
+    if meta.get("shards") and policy.world.size > 1:
+        parts = load_parts(policy, shards, wanted)  # this rank's parts, read from the shard files
+    else:
+        if meta.get("shards"):  # one process: the whole tensors
+            tensors |= load_whole(shards, list(wanted))
+        parts = {k: policy.laid_out(n, own[n], tensors[k]) for k, n in wanted.items()}
+    _check_finite(policy, path, parts, sorted(whole))
     state = {}
     for idx, name in enumerate(names):
-        keys = sorted(k.rsplit("/", 1)[1] for k in tensors if k.startswith(f"optim/{name}/"))
-        if keys:  # laid out as the parameter (this rank's shard when the policy is sharded)
-            state[idx] = {k: policy.laid_out(name, own[name], tensors[f"optim/{name}/{k}"]) for k in keys}
+        keys = sorted(k.rsplit("/", 1)[1] for k in wanted if k.startswith(f"optim/{name}/"))
+        if keys:  # laid out as the parameter (this rank's part when the policy is sharded)
+            state[idx] = {k: parts[f"optim/{name}/{k}"] for k in keys}
     for name, p in own.items():
-        p.copy_(policy.laid_out(name, p, tensors[f"weights/{name}"]))
+        p.copy_(parts[f"weights/{name}"])
     if policy.master is not None:
         policy.master.master_to_model()
     groups = [{**g, "params": list(range(len(names)))} for g in meta["param_groups"]]  # this rank's parameters

@@ -423,6 +423,13 @@ class Policy:
 
         return policy_tensors(self)
 
+    def save_shards(self, directory) -> None:
+        """Write this rank's part of the trained state under ``directory`` (a collective; see
+        ``moerl.parallel.shards``)."""
+        from moerl.parallel.shards import save_shards
+
+        save_shards(self, Path(directory))
+
     def load(self, path) -> dict:
         """Restore the state saved at ``path`` (see ``moerl.trainer.checkpoint``); returns the caller's state."""
         from moerl.trainer.checkpoint import load_checkpoint
@@ -464,8 +471,10 @@ class Policy:
         bad = self.nonfinite_weight()
         if bad is not None:
             return f"; weight {bad!r} is non-finite: nothing saved (last good checkpoint: {self.stop_checkpoint_dir})"
-        if not self.world.driver:  # rank 0 writes it; this rank gathers its shards with it
-            self.full_state()
+        if not self.world.driver:  # rank 0 writes it; this rank writes its shards with it
+            from moerl.trainer.checkpoint import shards_of_save
+
+            self.save_shards(shards_of_save(self.stop_checkpoint_dir))
             return ""
         from moerl.trainer.checkpoint import save_checkpoint
 

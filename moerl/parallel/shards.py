@@ -1,0 +1,85 @@
+"""Sharded checkpoints with ``torch.distributed.checkpoint``: every rank writes its own part of the trained weights
+and optimizer state (FSDP shards, expert slices, pipeline stages) as safetensors files whose header records each
+part's offset in the whole tensor (DCP's Hugging Face storage; no pickled metadata), and any layout — one process
+included — reads back the parts it needs (DCP plans the reads from the files' headers).
+
+Names: ``weights/{name}`` and ``optim/{name}/{state key}``, as in a whole-tensor checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.tensor import DTensor, Shard
+
+SHARDS = "shards"
+
+
+def layout_view(policy, name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` (this rank's part of weight ``name`` or of its optimizer state) as DCP must see it: FSDP's DTensors as
+    they are, an expert slice as a DTensor sharded over the ep ranks, anything else whole (replicated, or held by
+    one pipeline stage)."""
+    dim = policy.sliced.get(name)
+    if dim is None or t.ndim == 0:
+        return t
+    return DTensor.from_local(t, policy.world.mesh["ep"], [Shard(dim)], run_check=False)
+
+
+def shard_state(policy) -> dict[str, torch.Tensor]:
+    """This rank's part of the checkpointed tensors, by checkpoint name."""
+    own = policy.master.master if policy.master is not None else policy.trainable
+    opt = policy.optimizer.state_dict()["state"]
+    out = {}
+    for i, (name, p) in enumerate(own.items()):
+        out[f"weights/{name}"] = layout_view(policy, name, p.detach())
+        for key, value in opt.get(i, {}).items():
+            out[f"optim/{name}/{key}"] = layout_view(policy, name, value)
+    return out
+
+
+def save_shards(policy, directory: Path) -> None:
+    """Every rank writes its part of the policy's state under ``directory`` (a collective). Rank 0 makes the
+    directory (after clearing the save's place); the others open it once it is there."""
+    if policy.world.driver:
+        directory.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    writer = HuggingFaceStorageWriter(str(directory), save_distributed=True)
+    dcp.save(shard_state(policy), storage_writer=writer)
+
+
+def saved_sizes(directory: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Whole shape and dtype of every tensor of a sharded checkpoint, from its files' headers."""
+    meta = HuggingFaceStorageReader(str(directory)).read_metadata().state_dict_metadata
+    return {k: (m.size, m.properties.dtype) for k, m in meta.items()}
+
+
+def load_whole(directory: Path, keys: list[str]) -> dict[str, torch.Tensor]:
+    """Tensors ``keys`` of a sharded checkpoint, whole (what one process loads)."""
+    sizes = saved_sizes(directory)
+    dest = {k: torch.full(sizes[k][0], math.nan, dtype=sizes[k][1]) for k in keys}
+    dcp.load(dest, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=True)
+    return dest
+
+
+def load_parts(policy, directory: Path, keys: dict[str, str]) -> dict[str, torch.Tensor]:
+    """This rank's parts of tensors ``keys`` ({checkpoint key: weight name}) laid out as the policy holds the weight
+    (a collective): FSDP shards as DTensors, expert slices and the rest as plain tensors."""
+    own = policy.master.master if policy.master is not None else policy.trainable
+    sizes = saved_sizes(directory)
+    dest = {}
+    for key, name in keys.items():
+        shape, dtype = sizes[key]
+        # NaN until read: a part the read missed is refused as non-finite, never loaded as stale memory
+        if not shape:  # e.g. AdamW's step count
+            dest[key] = torch.full((), math.nan, dtype=dtype)
+        elif isinstance(own[name], DTensor):
+            dest[key] = torch.full_like(own[name], math.nan, dtype=dtype)
+        else:
+            dest[key] = layout_view(policy, name, torch.full_like(own[name], math.nan, dtype=dtype))
+    dcp.load(dest, storage_reader=HuggingFaceStorageReader(str(directory)))
+    return {k: v.to_local() if keys[k] in policy.sliced and isinstance(v, DTensor) else v for k, v in dest.items()}
