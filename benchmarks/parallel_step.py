@@ -106,7 +106,8 @@ def main() -> None:
             results[name]["peak"].append(got["peak_mb"])
     tokens = args.batch * args.seq
     base = statistics.median(results["one process"]["step"])
-    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}")
+    cpu = torch.backends.cpu.get_cpu_capability()
+    print(f"# {platform.processor() or platform.machine()} ({cpu}), {os.cpu_count()} cores, torch {torch.__version__}")
     print(f"# qwen3_moe {args.preset}, mode {args.mode} ({args.dtype}), batch {args.batch} x {args.seq} tokens,")
     print(f"# micro-batches of {args.micro}, {args.steps} timed steps x {args.rounds} rounds (median of rounds;")
     print("# spread min-max)\n")

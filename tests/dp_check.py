@@ -1,6 +1,7 @@
 """One trainer step on a fixed batch, run by every rank of a torchrun launch (or alone):
 ``python dp_check.py CKPT MODE DTYPE OUT DP,EP,PP [extras]``. Rank 0 writes the step's numbers, the logprobs before
-and after it and the whole weights (w/) and optimizer state (o/) after it to OUT (JSON + safetensors).
+and after it, and after it the whole weights (w/), optimizer state (o/) and weight-sync tensors (s/), to OUT (JSON +
+safetensors).
 
 Extras: ``layout=shared_outer`` (expert adapters), ``schedule=S`` (pipeline), ``load=DIR`` (a checkpoint loaded
 first), ``dump`` (write the state as loaded and stop), ``steps=N``, ``save=DIR`` (a checkpoint saved after the first
@@ -39,9 +40,11 @@ def fixed_batch(num_moe_layers: int, top_k: int, num_experts: int) -> Batch:
 def _write(world, policy, out: str, tensors: dict, stats: dict | None = None) -> None:
     """Rank 0 writes ``tensors``, the policy's whole weights (w/) and optimizer state (o/) and the step's numbers."""
     weights, opt = policy.full_state()
+    sent = {f"s/{n}": t.clone() for n, t in policy.sync_tensors()}  # what a weight sync sends the engine
     names = list(weights)
     tensors |= {f"w/{n}": t.contiguous() for n, t in weights.items()}
     tensors |= {f"o/{names[i]}/{k}": v.contiguous() for i, st in opt["state"].items() for k, v in st.items()}
+    tensors |= sent
     if world.driver:
         save_file(tensors, out + ".st")
         with open(out, "w") as f:

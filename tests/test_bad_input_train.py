@@ -34,7 +34,7 @@ BAD_CONFIGS = [
     ("rollout.num_engines=0", r"'rollout.num_engines'=0: must be >= 1"),
     ("parallel.dp=0", r"'parallel.dp'=0: must be >= 1"),
     ("parallel.ep=0", r"'parallel.ep'=0: must be >= 1"),
-    ("parallel.pp=2", r"'parallel.pp'=2: pipeline parallelism is not built yet; allowed: 1"),
+    ("parallel.pp=0", r"'parallel.pp'=0: must be >= 1"),
     ("parallel.schedule=zb", r"'parallel.schedule'='zb': allowed: 1f1b, gpipe, interleaved_1f1b"),
     ("algo.mini_batches=0", r"'algo.mini_batches'=0: must be >= 1"),
     ("algo.mini_batches=200", r"'algo.mini_batches'=200: must be <= the batch of .* = 128 sequences"),

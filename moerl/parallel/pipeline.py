@@ -271,10 +271,10 @@ class Pipeline:
                 )
                 if head.get("end"):
                     break
-                t = (
-                    item[1].contiguous()
-                    if items is not None
-                    else torch.empty(head["shape"], dtype=getattr(torch, head["dtype"]))
-                )
-                dist.broadcast(t, root, group=self.group)
-                yield head["name"], t
+                dtype = getattr(torch, head["dtype"])  # sent as bytes: gloo has no float8 (MXFP8's data and scales)
+                if items is not None:
+                    raw = item[1].contiguous().reshape(-1).view(torch.uint8)
+                else:
+                    raw = torch.empty(math.prod(head["shape"]) * dtype.itemsize, dtype=torch.uint8)
+                dist.broadcast(raw, root, group=self.group)
+                yield head["name"], raw.view(dtype).reshape(head["shape"])
