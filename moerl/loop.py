@@ -21,8 +21,8 @@ from moerl.envs import make_env
 from moerl.envs.base import Problem, env_step, safe_call, safe_reward
 from moerl.errors import ConfigError, EngineError, TrainingStopped
 from moerl.metrics import MetricsLogger, plot_run, read_metrics
-from moerl.parallel.driver import DistributedPolicy, broadcast_json, serve
-from moerl.parallel.world import World, init_world
+from moerl.parallel.driver import DistributedPolicy, serve
+from moerl.parallel.world import World, broadcast_json, init_world
 from moerl.rollout import make_engine
 from moerl.run_config import RunConfig
 from moerl.rundir import CHECKPOINT, RunDir

@@ -22,12 +22,6 @@ from moerl.trainer.batch import Batch
 from moerl.trainer.policy import Policy
 
 
-def broadcast_json(value=None):
-    """Rank 0's ``value`` (JSON-able) on every rank; the other ranks pass None."""
-    data = json.dumps(value).encode() if dist.get_rank() == 0 else None
-    return json.loads(broadcast_bytes(data))
-
-
 def _batch_tensors(batch: Batch) -> dict[str, torch.Tensor]:
     out = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "loss_mask": batch.loss_mask}
     if batch.replay is not None:

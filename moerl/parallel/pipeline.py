@@ -27,7 +27,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from moerl.model.transformer import MoEModel
 from moerl.parallel.plan import check_layout
-from moerl.parallel.world import World, broadcast_bytes
+from moerl.parallel.world import World, broadcast_bytes, broadcast_json
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
@@ -247,8 +247,7 @@ class Pipeline:
 
     def share_json(self, value=None):
         """The last stage's JSON-able ``value`` on every rank of this pipeline (bytes, not pickles)."""
-        src = dist.get_global_rank(self.group, self.last_stage % self.world.pp)
-        return json.loads(broadcast_bytes(json.dumps(value).encode() if self.last else None, src, self.group))
+        return broadcast_json(value, dist.get_global_rank(self.group, self.last_stage % self.world.pp), self.group)
 
     def stream(self, own):
         """Every stage's named tensors (``own``: this rank's ``(name, tensor)`` pairs), stage by stage, one tensor at a

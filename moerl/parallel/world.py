@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 
@@ -143,3 +144,18 @@ def broadcast_bytes(data: bytes | None, src: int = 0, group=None) -> bytes:
     if int(n):
         dist.broadcast(buf, src, group=group)
     return bytes(buf.numpy())
+
+
+def broadcast_json(value=None, src: int = 0, group=None):
+    """Rank ``src``'s JSON-able ``value`` on every rank of ``group`` (the others' ``value`` is ignored)."""
+    data = json.dumps(value).encode() if dist.get_rank() == src else None
+    return json.loads(broadcast_bytes(data, src, group))
+
+
+def agreed_min(world: World, value: int) -> int:
+    """The smallest of every rank's ``value`` (e.g. the index of the first bad tensor, in a list every rank shares)."""
+    if world.size == 1:
+        return value
+    t = torch.tensor([value])
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t)

@@ -19,14 +19,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from moerl.errors import CheckpointError
 from moerl.finite import all_finite
 from moerl.parallel.shards import SHARDS, load_parts, load_whole, saved_sizes
-from moerl.parallel.world import local
+from moerl.parallel.world import agreed_min, local
 
 TENSORS, META = "checkpoint.safetensors", "checkpoint.json"
 META_KEYS = ("mode", "step", "nan_skipped", "nan_streak", "param_groups", "scheduler", "python_random", "numpy_random")
@@ -213,10 +212,7 @@ def _check_finite(policy, path: Path, parts: dict[str, torch.Tensor], every: lis
     """Refuse non-finite values, naming the first bad tensor in ``every`` (the checkpoint's keys, the same list on
     every rank: the ranks agree on which)."""
     first = next((i for i, k in enumerate(every) if k in parts and not all_finite(local(parts[k]))), len(every))
-    if policy.world.size > 1:
-        agreed = torch.tensor([first])
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-        first = int(agreed)
+    first = agreed_min(policy.world, first)
     if first < len(every):
         bad = every[first]
         raise CheckpointError(f"{path}: tensor {bad!r} holds non-finite values (NaN or inf); refusing to load it")

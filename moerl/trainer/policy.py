@@ -23,7 +23,7 @@ from moerl.parallel.expert import expert_slice, gather_experts, shard_experts, w
 from moerl.parallel.fsdp import clip_grads, gathered, shard_model
 from moerl.parallel.pipeline import Pipeline, Step, plan_stages, prune
 from moerl.parallel.rows import gather_rows, micro_batches, sum_over_ranks
-from moerl.parallel.world import World, full, like, local
+from moerl.parallel.world import World, agreed_min, full, like, local
 from moerl.trainer.batch import Batch
 from moerl.trainer.optim import SCHEDULES, MasterWeights, lr_lambda
 
@@ -387,11 +387,7 @@ class Policy:
         checks its shards; the ranks agree on the first bad name)."""
         state, names = self.trainable_state(), self.all_names
         bad = next((n for n in state if not all_finite(local(state[n]))), None)
-        first = names.index(bad) if bad is not None else len(names)
-        if self.world.size > 1:
-            agreed = torch.tensor([first])
-            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-            first = int(agreed)
+        first = agreed_min(self.world, names.index(bad) if bad is not None else len(names))
         return names[first] if first < len(names) else None
 
     def full_state(self) -> tuple[dict[str, torch.Tensor], dict]:
