@@ -6,8 +6,10 @@ the expected type and the value. The resolved config is written to the run direc
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import keyword
 import os
 import types
 import typing
@@ -67,17 +69,25 @@ def coerce(key: str, value, t):
     return value
 
 
+def config_key(field_name: str) -> str:
+    """The config key of a dataclass field: a Python keyword is spelt with a trailing ``_`` in code only
+    (``async_`` is ``algo.async`` in a config file)."""
+    bare = field_name.removesuffix("_")
+    return bare if bare != field_name and keyword.iskeyword(bare) else field_name
+
+
 def from_dict(cls, data: dict, prefix: str = ""):
     """Build dataclass ``cls`` from a nested dict, checking keys and types; missing keys keep their defaults."""
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    fields = {config_key(f.name): f.name for f in dataclasses.fields(cls)}
+    names = list(fields)
     kwargs = {}
     for key, value in data.items():
-        if key not in names:
+        if key not in fields:
             close = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
             hint = f"; did you mean {', '.join(prefix + c for c in close)}?" if close else ""
             raise ConfigError(f"unknown config key {prefix + key!r}{hint} (valid here: {', '.join(names)})")
-        kwargs[key] = coerce(prefix + key, value, hints[key])
+        kwargs[fields[key]] = coerce(prefix + key, value, hints[fields[key]])
     try:
         return cls(**kwargs)
     except ConfigError as e:  # a section's own range check: say where the section sits in the file
@@ -87,7 +97,12 @@ def from_dict(cls, data: dict, prefix: str = ""):
 
 
 def to_dict(obj) -> dict:
-    return dataclasses.asdict(obj)
+    """The config as nested dicts under its config keys (what ``from_dict`` reads back)."""
+    out = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        out[config_key(f.name)] = to_dict(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
+    return out
 
 
 def set_dotted(data: dict, dotted: str, value) -> None:

@@ -7,6 +7,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from moerl.config import config_key
 from moerl.envs import check_env_kwargs
 from moerl.errors import ConfigError
 from moerl.rollout.pool import PLACEMENTS
@@ -85,6 +86,8 @@ class AlgoSection:
     max_refills: int = 3
     overlong_filter: bool = False  # DAPO: sequences cut by max_tokens do not enter the loss
     reward_timeout_s: float = 5.0  # also bounds one step() of a multi-turn environment
+    async_: bool = False  # key `algo.async`: generate the next steps' rollouts while this one trains
+    max_staleness: int = 1  # async: no sample more than this many weight versions behind the trainer
 
     def __post_init__(self) -> None:
         t = self.reward_timeout_s
@@ -96,6 +99,7 @@ class AlgoSection:
                 ("mini_batches", self.mini_batches, self.mini_batches >= 1, "must be >= 1"),
                 ("max_refills", self.max_refills, self.max_refills >= 0, "must be >= 0"),
                 ("reward_timeout_s", t, _finite(t) and t > 0, "must be a positive number of seconds"),
+                ("max_staleness", self.max_staleness, self.max_staleness >= 1, "must be >= 1 (versions behind)"),
             ),
         )
 
@@ -223,9 +227,9 @@ def flatten(obj, prefix: str = "") -> dict:
     """Dotted key -> value for every leaf field of a (nested) config dataclass; dict fields stay whole values."""
     out = {}
     for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
+        value, key = getattr(obj, f.name), config_key(f.name)
         if dataclasses.is_dataclass(value):
-            out |= flatten(value, prefix + f.name + ".")
+            out |= flatten(value, prefix + key + ".")
         else:
-            out[prefix + f.name] = value
+            out[prefix + key] = value
     return out

@@ -42,3 +42,19 @@ def warm_model(tmp_path_factory):
     run_sft(pol, AutoTokenizer.from_pretrained(root / "base"), env.sft_examples(500, seed=0), steps=25, batch_size=64)
     export_model(pol.model, root / "warm", tokenizer_dir=root / "base")
     return root / "warm"
+
+
+@pytest.fixture
+def four_problems(monkeypatch):
+    """Training draws from four fixed easy problems, so a step-to-step rise in reward is learning, not luck."""
+    from run_helpers import EASY
+
+    from moerl.envs.arithmetic import ArithmeticEnv
+
+    fixed = ArithmeticEnv(**EASY).problems(4, seed=3)
+    held_out = ArithmeticEnv.problems
+    monkeypatch.setattr(
+        ArithmeticEnv,
+        "problems",
+        lambda self, n, seed, split="train": (fixed * n)[:n] if split == "train" else held_out(self, n, seed, split),
+    )

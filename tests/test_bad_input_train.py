@@ -11,7 +11,8 @@ from run_helpers import metric_rows, run_cfg, tree_hash
 from moerl.cli import main
 from moerl.config import load_config
 from moerl.errors import ConfigError, TrainingStopped
-from moerl.loop import Rollout, drop_failed_groups, train
+from moerl.loop import train
+from moerl.rollout.episode import Episode, drop_failed_groups
 from moerl.run_config import RunConfig
 
 BAD_CONFIGS = [
@@ -146,8 +147,8 @@ def test_non_finite_weights_are_never_pushed_to_the_engine(warm_model):
         assert all(torch.equal(before[k], v) for k, v in engine.model.state_dict().items()), name
 
 
-def _rollout(group: int, finish: str) -> Rollout:
-    return Rollout(group, [1, 2], 1, [0, 1], [0.0, -1.0], None, 0.0, finish, "boom" if finish == "error" else None)
+def _rollout(group: int, finish: str) -> Episode:
+    return Episode(group, [1, 2], 1, [0, 1], [0.0, -1.0], None, 0.0, finish, "boom" if finish == "error" else None)
 
 
 def test_groups_the_engine_failed_are_dropped_and_counted_and_all_failing_stops():

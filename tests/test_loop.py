@@ -4,28 +4,14 @@ import shutil
 
 import pytest
 import torch
-from run_helpers import EASY, metric_rows, run_cfg
+from run_helpers import metric_rows, run_cfg
 
 from moerl.cli import main
 from moerl.config import load_config
 from moerl.errors import ConfigError
-from moerl.loop import RunConfig, build_batch, keep_informative, train
+from moerl.loop import RunConfig, train
+from moerl.rollout.episode import Episode, drop_stale, keep_informative, to_batch
 from moerl.trainer.losses import PolicyLossConfig
-
-
-@pytest.fixture
-def four_problems(monkeypatch):
-    """Training draws from four fixed easy problems, so a step-to-step rise in reward is learning, not luck."""
-    from moerl.envs.arithmetic import ArithmeticEnv
-
-    fixed = ArithmeticEnv(**EASY).problems(4, seed=3)
-    held_out = ArithmeticEnv.problems
-    monkeypatch.setattr(
-        ArithmeticEnv,
-        "problems",
-        lambda self, n, seed, split="train": (fixed * n)[:n] if split == "train" else held_out(self, n, seed, split),
-    )
-
 
 # (mode, learning rate, extra overrides, required rise): measured on this machine, fp32, seeded, deterministic:
 # full 0.62 -> 0.89, mxfp8 0.63 -> 0.86 (first 3 steps -> last 5), lora 0.65 -> 0.76 (first 3 -> second half)
@@ -85,10 +71,8 @@ def test_dynamic_sampling_and_overlong_filter(warm_model, tmp_path):
 
 
 def test_keep_informative_and_build_batch():
-    from moerl.loop import Rollout
-
-    def ro(group, reward, finish="stop"):
-        return Rollout(
+    def ro(group, reward, finish="stop", version=0):
+        return Episode(
             group,
             [1, 2, 3, 4],
             2,
@@ -98,17 +82,21 @@ def test_keep_informative_and_build_batch():
             reward,
             finish,
             None,
+            version,
         )
 
     rollouts = [ro(0, 1.0), ro(0, 1.0), ro(1, 0.0), ro(1, 1.0, "length")]
-    kept, dropped = keep_informative(rollouts, 2)
+    kept, dropped = keep_informative(rollouts)
     assert dropped == 1 and [r.group for r in kept] == [1, 1]
-    cfg = RunConfig()
-    cfg.algo.overlong_filter = True
-    batch = build_batch(kept, cfg)
+    batch = to_batch(kept, r3=True, overlong_filter=True)
     assert batch.loss_mask.tolist() == [[0, 0, 1, 1], [0, 0, 0, 0]]
     assert batch.extras["rollout_logprobs"][0].tolist() == [0.0, 0.0, -0.5, -0.25]
     assert batch.replay.shape == (2, 3, 2, 2)
+    # asynchronous RL's bound: at trainer version 5 with max_staleness 2, a group with a sample of version 2 goes whole
+    mixed = [ro(0, 1.0, version=3), ro(0, 0.0, version=2), ro(1, 1.0, version=4), ro(1, 0.0, version=3)]
+    kept, dropped = drop_stale(mixed, version=5, max_staleness=2)
+    assert dropped == 2 and [(e.group, e.version) for e in kept] == [(1, 4), (1, 3)]
+    assert drop_stale(mixed, version=5, max_staleness=3) == (mixed, 0)
 
 
 def test_config_files_overrides_and_errors(tmp_path):

@@ -212,7 +212,11 @@ def test_a_run_with_engine_processes_is_the_inprocess_run(warm_model, tmp_path):
     assert rows["process"][-1]["mismatch_k3_r3"] < 1e-3
 
 
-def test_an_engine_that_dies_stops_the_run_with_its_trained_state_saved(warm_model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async"])
+def test_an_engine_that_dies_stops_the_run_with_its_trained_state_saved(ahead, warm_model, tmp_path, monkeypatch):
+    """Synchronous: step 2's rollouts find the engine gone; the state after step 1 is saved. Asynchronous (k=1):
+    step 2's rollouts were generated during step 1, step 2 trains, its weights cannot reach the dead engine: the
+    state after step 2 is saved with its metrics row, and the resume goes on from there."""
     import json
 
     from run_helpers import metric_rows, run_cfg
@@ -222,10 +226,10 @@ def test_an_engine_that_dies_stops_the_run_with_its_trained_state_saved(warm_mod
 
     real = loop.rl_step
 
-    def step_then_die(cfg, env, engine, policy, loss_fn, step, sync):
+    def step_then_die(cfg, gen, policy, loss_fn, step, ahead):
         if step == 1:  # the second step's rollouts find engine 0 gone
-            os.kill(engine.engines[0].proc.pid, signal.SIGKILL)
-        return real(cfg, env, engine, policy, loss_fn, step, sync)
+            os.kill(gen.engine.engines[0].proc.pid, signal.SIGKILL)
+        return real(cfg, gen, policy, loss_fn, step, ahead)
 
     monkeypatch.setattr(loop, "rl_step", step_then_die)
     over = {
@@ -233,13 +237,16 @@ def test_an_engine_that_dies_stops_the_run_with_its_trained_state_saved(warm_mod
         "rollout.num_engines": 2,
         "env.eval_problems": 0,
         "train.checkpoint_every": 5,
+        "algo.async": str(ahead).lower(),
     }
     cfg = run_cfg(tmp_path / "run", warm_model, "lora", steps=3, **over)
-    stopped = r"rollout engine 0 \(pid \d+\) was killed by signal 9 while generate.*checkpoint of the last good state"
+    doing = "set_adapter" if ahead else "generate"  # the LoRA sync, or the rollouts
+    stopped = rf"rollout engine 0 \(pid \d+\) was killed by signal 9 while {doing}.*checkpoint of the last good state"
     with pytest.raises(TrainingStopped, match=stopped):
         loop.train(cfg)
     meta = json.loads((tmp_path / "run" / "checkpoint" / "checkpoint.json").read_text())
-    assert meta["state"] == {"step": 1} and [r["step"] for r in metric_rows(tmp_path / "run")] == [0, 1]
+    done = 2 if ahead else 1
+    assert meta["state"] == {"step": done} and [r["step"] for r in metric_rows(tmp_path / "run")] == [*range(done + 1)]
     monkeypatch.setattr(loop, "rl_step", real)
     loop.train(cfg, resume=True)  # new engines, the run goes on from step 1
     assert [r["step"] for r in metric_rows(tmp_path / "run")] == [0, 1, 2, 3]
