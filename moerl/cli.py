@@ -148,10 +148,15 @@ def cmd_train(args) -> None:
         mcfg = model_config(model.path, model.arch, model.preset)
         if mcfg is not None:
             check_layout(par.dp, par.ep, par.pp, mcfg, par.schedule, par.stages)
-    if cfg.parallel.size > 1 and not under_launcher():  # start the ranks; each runs this same command
+    if cfg.cluster.backend == "ray":  # the ranks and engines as Ray actors
+        from moerl.cluster import run_on_ray
+
+        summary = run_on_ray(cfg, resume=args.resume, overwrite=args.overwrite)
+    elif cfg.parallel.size > 1 and not under_launcher():  # start the ranks; each runs this same command
         launch(args.argv, cfg.parallel.size)
         return
-    summary = train(cfg, resume=args.resume, overwrite=args.overwrite)
+    else:
+        summary = train(cfg, resume=args.resume, overwrite=args.overwrite)
     if summary is None:  # a trainer rank other than 0
         return
     print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))

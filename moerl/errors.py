@@ -38,3 +38,7 @@ class TrainingStopped(MoerlError, RuntimeError):
 
 class EngineError(MoerlError, RuntimeError):
     """A rollout engine process failed: it died, did not start, or raised something unexpected."""
+
+
+class EngineDied(EngineError):
+    """An engine its runtime restarts (a Ray actor) died while answering; the pool revives it."""

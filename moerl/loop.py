@@ -36,7 +36,7 @@ from moerl.trainer.losses import kl_penalty, make_policy_loss
 from moerl.trainer.mismatch import mismatch_metrics
 
 
-def train(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict | None:
+def train(cfg: RunConfig, resume: bool = False, overwrite: bool = False, engines=None) -> dict | None:
     """Run the RL loop described by ``cfg`` in ``cfg.run_dir``; returns the final metrics (incl. held-out accuracy
     before / after).
 
@@ -44,8 +44,8 @@ def train(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict
     holding another run unless ``overwrite``; ``resume`` continues from the run's checkpoint, refusing config changes
     to fields that define the run. Every check runs before the run's records are written.
 
-    With ``parallel`` ranks (under a torchrun launch), rank 0 runs the loop and returns; the others train and
-    return None.
+    With ``parallel`` ranks (under a torchrun launch, or as Ray actors), rank 0 runs the loop and returns; the
+    others train and return None. ``engines``: where rank 0 starts Ray engine actors (``moerl.cluster``).
     """
     par = cfg.parallel
     world = init_world(
@@ -57,7 +57,7 @@ def train(cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> dict
         return None
     run = RunDir.open(cfg, resume=resume, overwrite=overwrite)
     try:
-        summary = _train(cfg, run, world)
+        summary = _train(cfg, run, world, engines)
     finally:
         run.close()
     world.close()
@@ -77,7 +77,7 @@ def _seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _train(cfg: RunConfig, run: RunDir, world: World) -> dict:
+def _train(cfg: RunConfig, run: RunDir, world: World, engines) -> dict:
     env = make_env(cfg.env.name, **cfg.env.kwargs)
     model_path = ensure_model(cfg, run.path, fresh=not run.resume)
     _seed(cfg.train.seed)
@@ -87,13 +87,13 @@ def _train(cfg: RunConfig, run: RunDir, world: World) -> dict:
         broadcast_json(str(model_path))
         policy = DistributedPolicy(model_path, cfg.policy, world)
     try:
-        return _train_policy(cfg, run, env, model_path, policy)
+        return _train_policy(cfg, run, env, model_path, policy, engines)
     finally:
         policy.close()
 
 
-def _train_policy(cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Policy) -> dict:
-    engine = build_engine(cfg, model_path)
+def _train_policy(cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Policy, engines) -> dict:
+    engine = build_engine(cfg, model_path, engines)
     if cfg.algo.r3 and not getattr(engine, "supports_routing", True):
         from moerl.rollout.vllm import warn_no_routing
 
@@ -174,6 +174,8 @@ def rl_step(cfg: RunConfig, gen: Generator, policy: Policy, loss_fn, step: int, 
         "gen_tokens_per_s": got.gen_tokens / max(got.seconds, 1e-9),
         "seconds_generate": got.seconds,
         "samples": float(len(episodes)),
+        "engine_restarts": float(getattr(gen.engine, "restarts", 0)),  # Ray engine actors brought back, in all
+        "requeued_requests": float(getattr(gen.engine, "requeued", 0)),
     }
     if not episodes:  # every group was uninformative (or too old): nothing to learn from this step
         return row | {"skipped": 1.0}
@@ -291,9 +293,9 @@ def ensure_model(cfg: RunConfig, run_dir: Path, fresh: bool) -> Path:
     return path
 
 
-def build_engine(cfg: RunConfig, model_path: Path):
-    """The rollout engines (``rollout.num_engines``, placed per ``rollout.placement``) on their own copy of the base
-    weights, set up for the policy's mode."""
+def build_engine(cfg: RunConfig, model_path: Path, engines=None):
+    """The rollout engines (``rollout.num_engines``, placed per ``rollout.placement``, or as Ray actors where
+    ``engines`` says) on their own copy of the base weights, set up for the policy's mode."""
     lora = cfg.policy.mode == "lora"
     lcfg, r = cfg.policy.lora, cfg.rollout
     ecfg = EngineConfig(
@@ -305,6 +307,15 @@ def build_engine(cfg: RunConfig, model_path: Path):
         lora_targets=lcfg.targets,
         seed=cfg.train.seed,
     )
+    mx = cfg.policy.mx_scale_mode if cfg.policy.mode == "mxfp8" else None
+    if engines is not None:
+        from moerl.rollout.pool import EnginePool
+        from moerl.rollout.process import EngineSpec
+        from moerl.rollout.ray_engine import start_engines
+
+        c, spec = cfg.cluster, EngineSpec(str(model_path), ecfg, mx_scale_mode=mx, threads=engines.engine_threads)
+        remote = start_engines(spec, r.num_engines, engines, c.weight_transport, c.engine_restarts)
+        return EnginePool(spec, "ray", r.num_engines, remote=remote)
     threads = r.engine_threads or max(1, torch.get_num_threads() // r.num_engines)
     return make_engine(
         r.engine,
@@ -312,7 +323,7 @@ def build_engine(cfg: RunConfig, model_path: Path):
         ecfg,
         placement=r.placement,
         num_engines=r.num_engines,
-        mx_scale_mode=cfg.policy.mx_scale_mode if cfg.policy.mode == "mxfp8" else None,
+        mx_scale_mode=mx,
         threads=threads if r.placement == "process" else 0,
         vllm_args=r.vllm_args,
     )

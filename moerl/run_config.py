@@ -166,6 +166,47 @@ class ParallelSection:
         )
 
 
+BACKENDS = ("local", "ray")
+CLUSTER_PLACEMENTS = ("disaggregated", "colocated")
+TRANSPORTS = ("auto", "shm", "object_store")
+
+
+@dataclass(slots=True)
+class ClusterSection:
+    """Where the run's processes go: this machine (``local``: the trainer here or under torchrun, engines per
+    ``rollout.placement``), or Ray actors in a placement group (``ray``)."""
+
+    backend: str = "local"  # local | ray
+    address: str = ""  # ray: "" starts a local Ray cluster for the run; "auto" or "host:port" joins a running one
+    placement: str = "disaggregated"  # ray: engines on CPUs of their own | colocated: each shares a trainer rank's
+    cpus_per_trainer: int = 1  # ray: CPUs (and torch threads) of each trainer rank
+    cpus_per_engine: int = 1  # ray, disaggregated: CPUs (and torch threads) of each engine
+    weight_transport: str = "auto"  # ray: auto (shared memory on the trainer's node, else bytes through Ray) | shm |
+    # object_store (always through Ray: where /dev/shm is small or not shared, e.g. containers)
+    engine_restarts: int = 3  # ray: how often Ray restarts an engine actor that dies (the pool brings it back)
+    runtime_env: dict = field(default_factory=dict)  # ray: Ray's runtime_env for the run (env_vars, py_modules, ...)
+
+    def __post_init__(self) -> None:
+        _require(
+            "cluster",
+            (
+                ("backend", self.backend, self.backend in BACKENDS, f"allowed: {', '.join(BACKENDS)}"),
+                ("placement", self.placement, self.placement in CLUSTER_PLACEMENTS,
+                 f"allowed: {', '.join(CLUSTER_PLACEMENTS)}"),
+                ("cpus_per_trainer", self.cpus_per_trainer, self.cpus_per_trainer >= 1, "must be >= 1"),
+                ("cpus_per_engine", self.cpus_per_engine, self.cpus_per_engine >= 1, "must be >= 1"),
+                ("weight_transport", self.weight_transport, self.weight_transport in TRANSPORTS,
+                 f"allowed: {', '.join(TRANSPORTS)}"),
+                ("engine_restarts", self.engine_restarts, self.engine_restarts >= 0, "must be >= 0"),
+            ),
+        )  # fmt: skip
+        if self.backend == "local":  # Ray's settings would be ignored: refused instead
+            default = ClusterSection(backend="ray")
+            for f in dataclasses.fields(self):
+                if f.name != "backend" and getattr(self, f.name) != getattr(default, f.name):
+                    raise ConfigError(f"config key 'cluster.{f.name}' is only used with cluster.backend: ray")
+
+
 @dataclass(slots=True)
 class RunConfig:
     run_dir: str = "runs/run"
@@ -176,9 +217,17 @@ class RunConfig:
     env: EnvSection = field(default_factory=EnvSection)
     train: TrainSection = field(default_factory=TrainSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
+    cluster: ClusterSection = field(default_factory=ClusterSection)
 
     def __post_init__(self) -> None:
         r, a = self.rollout, self.algo
+        if self.cluster.backend == "ray" and r.engine != "native":
+            raise ConfigError(f"rollout.engine={r.engine!r} with cluster.backend: ray: not built (native engines only)")
+        if self.cluster.backend == "ray" and r.placement != "inprocess":
+            raise ConfigError(
+                f"rollout.placement={r.placement!r} with cluster.backend: ray: the engines are Ray actors "
+                "(cluster.placement says where)"
+            )
         batch = r.prompts_per_step * r.group_size
         if a.mini_batches > batch:
             raise ConfigError(
@@ -220,6 +269,14 @@ MUTABLE = (
     "parallel.stages",
     "env.eval_problems",
     "algo.reward_timeout_s",
+    "cluster.backend",  # where processes run does not change what the run computes
+    "cluster.address",
+    "cluster.placement",
+    "cluster.cpus_per_trainer",
+    "cluster.cpus_per_engine",
+    "cluster.weight_transport",
+    "cluster.engine_restarts",
+    "cluster.runtime_env",
 )
 
 

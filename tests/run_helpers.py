@@ -48,3 +48,21 @@ def tree_hash(path) -> str:
         h.update(str(f.relative_to(path)).encode() + b"\0" + f.read_bytes())
     h.update(repr(sorted(str(p.relative_to(path)) for p in path.rglob("*"))).encode())
     return h.hexdigest()
+
+
+def fix_problems(problems) -> None:
+    """Make ArithmeticEnv's training split draw only from ``problems`` (held-out problems unchanged), so a rise in
+    reward is learning, not luck; for processes a test cannot monkeypatch (torchrun ranks, Ray actors)."""
+    from moerl.envs.arithmetic import ArithmeticEnv
+
+    held_out = ArithmeticEnv.problems
+    ArithmeticEnv.problems = lambda self, n, seed, split="train": (
+        (problems * n)[:n] if split == "train" else held_out(self, n, seed, split)
+    )
+
+
+def fix_four_problems() -> None:
+    """The four fixed easy problems the learning tests train on (a Ray worker's setup hook)."""
+    from moerl.envs.arithmetic import ArithmeticEnv
+
+    fix_problems(ArithmeticEnv(**EASY).problems(4, seed=3))

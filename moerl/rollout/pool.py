@@ -11,14 +11,16 @@ from __future__ import annotations
 import atexit
 import os
 import weakref
+from functools import partial
 
 import torch
 
 from moerl.engine import LLMEngine, Request, RequestOutput
-from moerl.errors import ConfigError
-from moerl.rollout.process import EngineProcess, EngineSpec, _Writer, build_native
+from moerl.errors import ConfigError, EngineDied, EngineError
+from moerl.rollout.process import EngineProcess, EngineSpec, _Writer, build_native, pack_inline
+from moerl.rollout.shm import SharedBuffer
 
-PLACEMENTS = ("inprocess", "process")
+PLACEMENTS = ("inprocess", "process")  # what rollout.placement chooses; "ray": Ray actors (cluster.backend=ray)
 
 _live: weakref.WeakSet[EnginePool] = weakref.WeakSet()
 
@@ -51,19 +53,26 @@ def _gather(calls: list) -> list:
 
 
 class EnginePool:
-    """``num_engines`` native engines built from ``spec``, ``placement`` ``inprocess`` or ``process``."""
+    """``num_engines`` native engines built from ``spec``, ``placement`` ``inprocess`` or ``process``; or the Ray
+    engine actors ``remote`` (placement ``ray``), which come back when they die: Ray restarts the actor, the pool
+    replays the last weight update into it and re-sends its unfinished requests (counted in ``restarts`` /
+    ``requeued``)."""
 
-    def __init__(self, spec: EngineSpec, placement: str = "inprocess", num_engines: int = 1):
-        if placement not in PLACEMENTS:
+    def __init__(self, spec: EngineSpec, placement: str = "inprocess", num_engines: int = 1, remote=None):
+        if placement not in (*PLACEMENTS, "ray"):
             raise ConfigError(f"rollout.placement={placement!r}: allowed: {', '.join(PLACEMENTS)}")
         if num_engines < 1:
             raise ConfigError(f"rollout.num_engines={num_engines}: must be >= 1")
         self.placement = placement
-        self.engines: list[LLMEngine | EngineProcess] = []
-        self.weights = _Writer("moerl-weights")  # process placement: one buffer the engines read each bucket from
+        self.engines: list = []
+        self.weights = _Writer("moerl-weights")  # engines in other processes: one buffer each bucket is read from
+        self.update: list[tuple[dict, object]] = []  # the messages of the last weight update, for a revived engine
+        self.restarts = self.requeued = 0
         _live.add(self)
         try:
-            for i in range(num_engines):
+            if remote is not None:
+                self.engines = list(remote)
+            for i in range(num_engines if remote is None else 0):
                 self.engines.append(build_native(spec) if placement == "inprocess" else EngineProcess(spec, i))
         except BaseException:
             self.close()
@@ -88,18 +97,67 @@ class EnginePool:
         busy = [(e, s) for e, s in zip(self.engines, parts, strict=True) if requests[s]]
         for e, s in busy:  # all engines generate side by side
             e.generate_async(requests[s])
-        return [o for outs in _gather([e.wait for e, _ in busy]) for o in outs]
+        return [o for outs in _gather([partial(self._wait, e, requests[s]) for e, s in busy]) for o in outs]
+
+    def _wait(self, engine, requests: list[Request]) -> list[RequestOutput]:
+        """``engine``'s outputs for ``requests``; one that died and came back gets them again (none were returned)."""
+        while True:
+            try:
+                return engine.wait()
+            except EngineDied:
+                self._revive(engine)
+                self.requeued += len(requests)
+                engine.generate_async(requests)
+
+    def _revive(self, engine) -> None:
+        """Wait for a restarted engine actor, then replay the last weight update into it (it restarts from the base
+        weights); EngineError when it does not come back."""
+        for _ in range(3):
+            engine.revive()
+            self.restarts += 1
+            copies: dict[int, SharedBuffer] = {}  # the update's buffers again, under new names
+            try:
+                for msg, buf in self.update:
+                    if "buffer" in msg and not engine.inline and not os.path.exists(msg["buffer"]):
+                        if id(buf) not in copies:
+                            copies[id(buf)] = SharedBuffer.create(buf.nbytes, "moerl-replay")
+                            copies[id(buf)].data.copy_(buf.data)
+                        msg = msg | {"buffer": copies[id(buf)].path}
+                    engine.send(_for(engine, msg, buf))
+                    engine.reply(msg["op"])
+                return
+            except EngineDied:
+                continue
+            finally:
+                for c in copies.values():
+                    c.unlink()
+        raise EngineError(f"{engine.name} kept dying while its weights were restored")
 
     # -- weights ---------------------------------------------------------------------------------------------------
     def _broadcast(self, op: str, tensors: dict[str, torch.Tensor] | None = None, **fields) -> None:
         """Send one command to every engine and wait for all; ``tensors`` go through the shared buffer, written once
-        for all engines (a ``stage`` appends to the update's earlier buckets)."""
-        msg = {"op": op, **fields}
+        for all engines (a ``stage`` appends to the update's earlier buckets), or inline to a Ray engine on another
+        node. The command joins the update a revived engine gets replayed."""
+        msg, buf = {"op": op, **fields}, None
         if tensors is not None:
             msg |= self.weights.put(tensors, append=op == "stage")
+            buf = self.weights.buf  # kept mapped while the update may be replayed
+        if op == "discard":
+            self.update = []
+        elif op in ("set_adapter", "add_adapter"):  # a whole adapter: it replaces what the update held of it
+            self.update = [(m, b) for m, b in self.update if m.get("name") != fields["name"]] + [(msg, buf)]
+        else:
+            self.update.append((msg, buf))
         for e in self.engines:
-            e.send(msg)
-        _gather([lambda e=e: e.reply(op) for e in self.engines])
+            e.send(_for(e, msg, buf))
+
+        def answer(e):
+            try:
+                e.reply(op)
+            except EngineDied:
+                self._revive(e)  # the replay ends with this command
+
+        _gather([partial(answer, e) for e in self.engines])
         if tensors is not None:
             self.weights.buf.unlink()  # every engine has mapped it: nothing is left in /dev/shm if we crash
 
@@ -151,7 +209,7 @@ class EnginePool:
 
     def read_weights(self, names: list[str]) -> list[dict[str, torch.Tensor]]:
         """Each engine's own copy of the named tensors (from its process when it has one)."""
-        if self.placement == "process":
+        if self.placement != "inprocess":
             return [e.read_weights(names) for e in self.engines]
         out = []
         for e in self.engines:
@@ -162,10 +220,18 @@ class EnginePool:
     def close(self) -> None:
         """Stop the engine processes (nothing to do in process); idempotent."""
         for e in self.engines:
-            if isinstance(e, EngineProcess):
+            if not isinstance(e, LLMEngine):
                 e.close()
         self.weights.close()
         _live.discard(self)
+
+
+def _for(engine, msg: dict, buf) -> dict:
+    """``msg`` as ``engine`` reads it: its tensors inline for a Ray engine our shared memory does not reach."""
+    if "buffer" not in msg or not getattr(engine, "inline", False):
+        return msg
+    tensors = buf.read(msg["tensors"], copy=False)
+    return {k: v for k, v in msg.items() if k not in ("buffer", "nbytes", "tensors")} | pack_inline(tensors)
 
 
 @atexit.register

@@ -109,6 +109,15 @@ def outputs_from_json(rows: list[dict], tensors: dict[str, torch.Tensor]) -> lis
     return outs
 
 
+def check_reply(name: str, reply: dict) -> None:
+    """Raise what engine ``name`` replied it raised: moerl's own errors keep their type across the boundary."""
+    if not reply["ok"]:
+        cls = getattr(errors, reply["type"], None)
+        if isinstance(cls, type) and issubclass(cls, MoerlError):
+            raise cls(reply["message"])
+        raise EngineError(f"{name}: {reply['type']}: {reply['message']}")
+
+
 def _send(conn: Connection, msg: dict) -> None:
     conn.send_bytes(json.dumps(msg).encode())
 
@@ -160,37 +169,41 @@ def _die_with_parent(parent: int) -> None:
         os._exit(0)
 
 
-def serve(fd: int, parent: int) -> None:
-    """The engine process: build the engine from the first message, then answer commands until told to stop."""
-    _die_with_parent(parent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent stops us
-    conn = Connection(fd)
-    reader, writer = BufferCache(), _Writer("moerl-out")
-    engine = None
-    while True:
-        try:
-            msg = _recv(conn)
-        except (EOFError, OSError):
-            break
-        op = msg["op"]
-        if op == "shutdown":
-            break
+class EngineServer:
+    """The engine's side of the command protocol (JSON commands, tensors in shared memory or inline bytes): what an
+    engine process and a Ray engine actor both run. ``handle`` answers one command; errors become replies."""
+
+    def __init__(self):
+        self.reader, self.writer = BufferCache(), _Writer("moerl-out")
+        self.engine: LLMEngine | None = None
+
+    def _tensors_in(self, msg: dict, copy: bool) -> dict[str, torch.Tensor]:
+        if "inline" in msg:  # across nodes: the bytes came with the message
+            data = torch.frombuffer(bytearray(msg["inline"]), dtype=torch.uint8)
+            return read_packed(data, msg["tensors"])
+        return self.reader.get(msg["buffer"], msg["nbytes"]).read(msg["tensors"], copy=copy)
+
+    def _tensors_out(self, tensors: dict[str, torch.Tensor], inline: bool) -> dict:
+        return pack_inline(tensors) if inline else self.writer.put(tensors)
+
+    def handle(self, msg: dict) -> dict:
+        op, engine = msg["op"], self.engine
         try:
             reply = {}
             if op == "init":
                 spec = EngineSpec.from_json(msg["spec"])
                 if spec.threads:
                     torch.set_num_threads(spec.threads)
-                engine = build_native(spec)
+                engine = self.engine = build_native(spec)
                 reply = {"pid": os.getpid(), "kv_cache_bytes": engine.kv_cache_bytes}
             elif op == "generate":
                 outs = engine.generate([request_from_json(r) for r in msg["requests"]])
                 rows, tensors = outputs_to_json(outs)
-                reply = {"outputs": rows, **writer.put(tensors)}
-            elif op in ("stage", "set_adapter") or (op == "add_adapter" and "buffer" in msg):
+                reply = {"outputs": rows, **self._tensors_out(tensors, msg.get("inline_out", False))}
+            elif op in ("stage", "set_adapter") or (op == "add_adapter" and "tensors" in msg):
                 # views, no copy: the parent writes each bucket of an update to its own place in the buffer, so the
                 # staged views stay valid until the commit copies them into the weights
-                tensors = reader.get(msg["buffer"], msg["nbytes"]).read(msg["tensors"], copy=False)
+                tensors = self._tensors_in(msg, copy=False)
                 if op == "stage":
                     engine.stage_weights(tensors)
                 elif op == "set_adapter":
@@ -205,13 +218,47 @@ def serve(fd: int, parent: int) -> None:
                 engine.add_adapter(msg["name"], msg["path"])
             elif op == "read_weights":
                 params = dict(engine.model.named_parameters()) | dict(engine.model.named_buffers())
-                reply = writer.put({n: params[n].detach() for n in msg["names"]})
+                tensors = {n: params[n].detach() for n in msg["names"]}
+                reply = self._tensors_out(tensors, msg.get("inline_out", False))
+            elif op == "ping":
+                reply = {"pid": os.getpid()}
             else:
                 raise ValueError(f"unknown engine command {op!r}")
-            _send(conn, {"ok": True, "version": engine.weight_version if engine else 0, **reply})
+            return {"ok": True, "version": engine.weight_version if engine else 0, **reply}
         except Exception as e:  # the parent raises it; the engine stays up
-            _send(conn, {"ok": False, "type": type(e).__name__, "message": str(e)})
-    writer.close()
+            return {"ok": False, "type": type(e).__name__, "message": str(e)}
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def pack_inline(tensors: dict[str, torch.Tensor]) -> dict:
+    """Message fields carrying ``tensors`` as bytes (when no shared memory reaches the reader)."""
+    data = torch.empty(layout(tensors)[1], dtype=torch.uint8)
+    specs = SharedBuffer.over(data).pack(tensors)
+    return {"inline": data.numpy().tobytes(), "tensors": specs}
+
+
+def read_packed(data: torch.Tensor, specs: list[dict]) -> dict[str, torch.Tensor]:
+    """The tensors of ``specs`` viewed in the byte tensor ``data`` (what ``pack_inline`` wrote)."""
+    return SharedBuffer.over(data).read(specs, copy=False)
+
+
+def serve(fd: int, parent: int) -> None:
+    """The engine process: build the engine from the first message, then answer commands until told to stop."""
+    _die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent stops us
+    conn = Connection(fd)
+    server = EngineServer()
+    while True:
+        try:
+            msg = _recv(conn)
+        except (EOFError, OSError):
+            break
+        if msg["op"] == "shutdown":
+            break
+        _send(conn, server.handle(msg))
+    server.close()
 
 
 # -- the parent's handle --------------------------------------------------------------------------------------------
@@ -260,11 +307,7 @@ class EngineProcess:
             reply = _recv(self.conn)
         except (EOFError, OSError):
             raise self._dead(op) from None
-        if not reply["ok"]:
-            cls = getattr(errors, reply["type"], None)  # moerl's own errors keep their type across the boundary
-            if isinstance(cls, type) and issubclass(cls, MoerlError):
-                raise cls(reply["message"])
-            raise EngineError(f"{self.name}: {reply['type']}: {reply['message']}")
+        check_reply(self.name, reply)
         self.weight_version = reply["version"]
         return reply
 

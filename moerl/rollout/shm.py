@@ -52,6 +52,13 @@ class SharedBuffer:
         self.data = torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
 
     @classmethod
+    def over(cls, data: torch.Tensor) -> SharedBuffer:
+        """A buffer over bytes already in memory (``data``, uint8): the same layout, no file."""
+        buf = cls.__new__(cls)
+        buf.path, buf.nbytes, buf.data = "<inline bytes>", data.numel(), data
+        return buf
+
+    @classmethod
     def create(cls, nbytes: int, tag: str = "moerl") -> SharedBuffer:
         path = os.path.join(_shm_dir(), f"{tag}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
         return cls(path, nbytes, create=True)

@@ -1,0 +1,162 @@
+"""``cluster.backend: ray``: the run's trainer ranks and rollout engines as Ray actors in one placement group.
+
+The driver (``moerl train``) joins a running Ray cluster (``cluster.address``) or starts a local one, reserves a
+placement group (one bundle per trainer rank; ``disaggregated``: one more per engine, ``colocated``: engine i shares
+rank i's bundle and its CPUs, the two taking turns), starts the ranks and runs the ordinary loop on them: rank 0
+drives it and starts the engine actors in their bundles. A rank that fails or dies stops every rank (the run keeps
+its last checkpoint: ``--resume`` continues); an engine actor that dies is restarted by Ray and brought back by the
+pool (``moerl.rollout.pool``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+
+from moerl import errors
+from moerl.errors import ConfigError, TrainingStopped
+
+PLACEMENT_TIMEOUT_S = 60.0
+
+
+@dataclass(slots=True)
+class EnginePlacement:
+    """Where rank 0 starts the engine actors: ``group``'s bundles ``engine_bundles``, ``engine_cpus`` each."""
+
+    group: object  # ray.util.placement_group.PlacementGroup
+    engine_bundles: list[int]
+    engine_cpus: float
+    engine_threads: int
+
+
+class TrainerRank:
+    """One trainer rank as a Ray actor: it runs ``moerl.loop.train`` as a torchrun rank would."""
+
+    def __init__(self, threads: int):
+        torch.set_num_threads(max(1, threads))
+
+    def where(self) -> dict:
+        import ray
+
+        with socket.socket() as s:  # a free port for the process group's rendezvous, on rank 0's node
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return {"ip": ray.util.get_node_ip_address(), "port": port, "pid": os.getpid()}
+
+    def run(self, cfg: dict, resume: bool, overwrite: bool, rank: int, size: int, master: dict, engines):
+        from moerl.config import from_dict
+        from moerl.loop import train
+        from moerl.run_config import RunConfig
+
+        if size > 1:  # the environment torchrun would give this rank
+            os.environ |= {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(size),
+                "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(size),
+                "MASTER_ADDR": master["ip"],
+                "MASTER_PORT": str(master["port"]),
+            }
+        return train(from_dict(RunConfig, cfg), resume=resume, overwrite=overwrite, engines=engines)
+
+
+def bundles(cfg) -> tuple[list[dict], EnginePlacement]:
+    """The placement group's bundles for ``cfg`` and where the engines go in it (the group filled in later)."""
+    c, world, n = cfg.cluster, cfg.parallel.size, cfg.rollout.num_engines
+    ranks = [{"CPU": float(c.cpus_per_trainer)} for _ in range(world)]
+    if c.placement == "colocated":  # engine i shares rank (i mod world)'s CPUs
+        sharing = max(sum(1 for i in range(n) if i % world == r) for r in range(world))
+        where = EnginePlacement(None, [i % world for i in range(n)], c.cpus_per_trainer / (1 + sharing), 0)
+        where.engine_threads = cfg.rollout.engine_threads or c.cpus_per_trainer
+        return ranks, where
+    where = EnginePlacement(None, list(range(world, world + n)), float(c.cpus_per_engine), 0)
+    where.engine_threads = cfg.rollout.engine_threads or c.cpus_per_engine
+    return ranks + [{"CPU": float(c.cpus_per_engine)} for _ in range(n)], where
+
+
+def run_on_ray(cfg, resume: bool = False, overwrite: bool = False) -> dict:
+    """Run ``cfg`` on Ray (see the module); returns rank 0's summary. Raises what a rank raised, naming the rank, or
+    TrainingStopped when a rank died."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from moerl.config import to_dict
+
+    c = cfg.cluster
+    started = not ray.is_initialized()
+    if started:
+        ray.init(
+            address=c.address or None,
+            runtime_env=c.runtime_env or None,
+            include_dashboard=False,
+            logging_level="warning",
+        )
+    specs, where = bundles(cfg)
+    need, have = sum(b["CPU"] for b in specs), ray.cluster_resources().get("CPU", 0)
+    if need > have:
+        if started:
+            ray.shutdown()
+        raise ConfigError(
+            f"cluster: {cfg.parallel.size} trainer rank(s) x cluster.cpus_per_trainer={c.cpus_per_trainer} and "
+            f"{cfg.rollout.num_engines} engine(s) ({c.placement}) needs {need:g} CPUs, the cluster has {have:g}"
+        )
+    group = placement_group(specs, strategy="PACK")
+    ranks = []
+    try:
+        ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        if not ready:
+            raise ConfigError(
+                f"cluster: the placement group {specs} ({cfg.parallel.size} trainer rank(s), "
+                f"{cfg.rollout.num_engines} engine(s), cluster.placement={c.placement}) cannot be placed within "
+                f"{PLACEMENT_TIMEOUT_S:.0f} s; the cluster has {ray.available_resources().get('CPU', 0):g} free CPUs "
+                "(lower cluster.cpus_per_trainer / cpus_per_engine or add nodes)"
+            )
+        where.group = group
+        colocated = c.placement == "colocated"
+        share = where.engine_cpus if colocated else 0.0  # a colocated rank leaves its engines their part
+        actor = ray.remote(TrainerRank)
+        for r in range(cfg.parallel.size):
+            strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=r)
+            cpus = c.cpus_per_trainer - share * where.engine_bundles.count(r)
+            ranks.append(actor.options(num_cpus=cpus, scheduling_strategy=strategy).remote(c.cpus_per_trainer))
+        found = ray.get([a.where.remote() for a in ranks])
+        cfg_dict = to_dict(cfg)
+        runs = {
+            ranks[r].run.remote(cfg_dict, resume, overwrite, r, len(ranks), found[0], where if r == 0 else None): r
+            for r in range(len(ranks))
+        }
+        summary, pending = None, list(runs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            r = runs[done[0]]
+            try:
+                out = ray.get(done[0])
+            except ray.exceptions.RayTaskError as e:
+                raise _rank_error(r, e) from None
+            except ray.exceptions.RayActorError as e:
+                raise TrainingStopped(
+                    f"trainer rank {r} (Ray actor, pid {found[r]['pid']}) died: {type(e).__name__}; the other ranks "
+                    f"were stopped; the run's last checkpoint is in {cfg.run_dir}/checkpoint: continue with --resume"
+                ) from None
+            if r == 0:
+                summary = out
+        return summary
+    finally:
+        for a in ranks:  # the engines die with rank 0, their owner
+            ray.kill(a, no_restart=True)
+        remove_placement_group(group)
+        if started:
+            ray.shutdown()
+
+
+def _rank_error(rank: int, e) -> Exception:
+    """What rank ``rank`` raised, as moerl's own error type when it was one, naming the rank."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, errors.MoerlError):
+        return type(cause)(f"trainer rank {rank}: {cause}")
+    what = f"{type(cause).__name__}: {cause}" if cause is not None else str(e).splitlines()[0]
+    return TrainingStopped(f"trainer rank {rank} failed: {what}")

@@ -1,0 +1,149 @@
+"""Native engines as Ray actors, behind the same handle as an engine process.
+
+The actor runs the engine process's command server (``EngineServer``): JSON commands, tensors through file-backed
+shared memory when the actor shares the trainer's node (``/dev/shm``), else inline as bytes in the message, which
+Ray's object store carries between nodes. Ray restarts an actor that dies (``cluster.engine_restarts`` times); the
+pool then replays the last weight update into it and re-sends its unfinished requests.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from moerl.engine import Request, RequestOutput
+from moerl.errors import ConfigError, EngineDied, EngineError
+from moerl.rollout.process import (
+    EngineServer,
+    EngineSpec,
+    check_reply,
+    outputs_from_json,
+    read_packed,
+    request_to_json,
+)
+from moerl.rollout.shm import BufferCache
+
+
+class EngineActor:
+    """The actor: one native engine built from ``spec`` with ``threads`` torch threads (Ray re-runs this on a
+    restart, so a restarted engine starts from the base weights)."""
+
+    def __init__(self, spec: dict, threads: int):
+        torch.set_num_threads(max(1, threads))
+        self.server = EngineServer()
+        reply = self.server.handle({"op": "init", "spec": spec})
+        if not reply["ok"]:
+            raise EngineError(f"{reply['type']}: {reply['message']}")
+
+    def call(self, msg: dict) -> dict:
+        return self.server.handle(msg)
+
+    def where(self) -> dict:
+        import ray
+
+        return {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
+
+class RayEngine:
+    """The loop's handle on one engine actor: ``send`` / ``reply`` like an engine process, ``generate_async`` /
+    ``wait`` so engines run side by side. ``inline``: tensors travel in the messages (no shared memory)."""
+
+    START_TIMEOUT_S = 600.0
+
+    def __init__(self, actor, index: int, inline: bool):
+        import ray
+
+        self.actor, self.index, self.inline = actor, index, inline
+        self.outputs = BufferCache(unlink_on_open=True)
+        self.weight_version, self.tokenizer, self.pending = 0, None, None
+        self.pid = ray.get(actor.where.remote(), timeout=self.START_TIMEOUT_S)["pid"]
+
+    @property
+    def name(self) -> str:
+        return f"rollout engine {self.index} (Ray actor, pid {self.pid})"
+
+    def send(self, msg: dict) -> None:
+        self.pending = (msg["op"], self.actor.call.remote(msg))
+
+    def reply(self, op: str, timeout: float | None = None) -> dict:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        _, ref = self.pending
+        self.pending = None
+        try:
+            reply = ray.get(ref, timeout=timeout)
+        except RayActorError as e:
+            raise EngineDied(f"{self.name} died while {op}: {type(e).__name__}") from None
+        except GetTimeoutError:
+            raise EngineError(f"{self.name} is not answering while {op}") from None
+        check_reply(self.name, reply)
+        self.weight_version = reply["version"]
+        return reply
+
+    def _tensors(self, reply: dict) -> dict[str, torch.Tensor]:
+        if "inline" in reply:
+            return read_packed(torch.frombuffer(bytearray(reply["inline"]), dtype=torch.uint8), reply["tensors"])
+        return self.outputs.get(reply["buffer"], reply["nbytes"]).read(reply["tensors"])
+
+    def generate_async(self, requests: list[Request]) -> None:
+        self.send({"op": "generate", "requests": [request_to_json(r) for r in requests], "inline_out": self.inline})
+
+    def wait(self) -> list[RequestOutput]:
+        reply = self.reply("generate")
+        return outputs_from_json(reply["outputs"], self._tensors(reply))
+
+    def read_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
+        self.send({"op": "read_weights", "names": list(names), "inline_out": self.inline})
+        return {n: t.clone() for n, t in self._tensors(self.reply("read_weights")).items()}
+
+    def revive(self) -> None:
+        """Wait until Ray has restarted the actor (from the base weights); EngineError when it will not."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        deadline = time.monotonic() + self.START_TIMEOUT_S
+        while True:
+            try:
+                self.pid = ray.get(self.actor.where.remote(), timeout=30)["pid"]
+                self.weight_version = 0
+                return
+            except RayActorError as e:
+                if "restart" not in str(e).lower() or time.monotonic() > deadline:
+                    raise EngineError(f"{self.name} died and was not restarted: {type(e).__name__}: {e}") from None
+            except GetTimeoutError:
+                if time.monotonic() > deadline:
+                    raise EngineError(f"{self.name} died and did not come back") from None
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        import ray
+
+        ray.kill(self.actor, no_restart=True)
+
+
+def start_engines(spec: EngineSpec, num_engines: int, placement, transport: str, restarts: int) -> list[RayEngine]:
+    """``num_engines`` engine actors in the bundles ``placement.engine_bundles`` of ``placement.group`` (each with
+    ``placement.engine_cpus`` CPUs and as many torch threads), restarted up to ``restarts`` times; tensors through
+    shared memory with those on this node (``transport`` auto), or always shm / always inline (object_store)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    if len(placement.engine_bundles) != num_engines:
+        raise ConfigError(f"{num_engines} engines need {num_engines} placement bundles, got {placement.engine_bundles}")
+    here = ray.get_runtime_context().get_node_id()
+    cls = ray.remote(EngineActor)
+    actors = [
+        cls.options(
+            num_cpus=placement.engine_cpus,
+            max_restarts=restarts,
+            max_task_retries=0,  # a restarted engine has the base weights: the pool replays the update, then retries
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement.group, placement_group_bundle_index=b),
+        ).remote(spec.to_json(), max(1, int(placement.engine_cpus)))
+        for b in placement.engine_bundles
+    ]
+    nodes = ray.get([a.where.remote() for a in actors], timeout=RayEngine.START_TIMEOUT_S)
+    inline = [transport == "object_store" or (transport == "auto" and n["node"] != here) for n in nodes]
+    return [RayEngine(a, i, inl) for i, (a, inl) in enumerate(zip(actors, inline, strict=True))]
