@@ -44,7 +44,8 @@ class TrainerRank:
         with socket.socket() as s:  # a free port for the process group's rendezvous, on rank 0's node
             s.bind(("", 0))
             port = s.getsockname()[1]
-        return {"ip": ray.util.get_node_ip_address(), "port": port, "pid": os.getpid()}
+        ctx = ray.get_runtime_context()
+        return {"ip": ray.util.get_node_ip_address(), "port": port, "pid": os.getpid(), "node": ctx.get_node_id()}
 
     def run(self, cfg: dict, resume: bool, overwrite: bool, rank: int, size: int, master: dict, engines):
         from moerl.config import from_dict
@@ -52,12 +53,14 @@ class TrainerRank:
         from moerl.run_config import RunConfig
 
         if size > 1:  # the environment torchrun would give this rank
+            if master["one_node"]:  # the ranks talk over loopback only (across nodes they need the network)
+                os.environ["GLOO_SOCKET_IFNAME"] = "lo"
             os.environ |= {
                 "RANK": str(rank),
                 "WORLD_SIZE": str(size),
                 "LOCAL_RANK": str(rank),
                 "LOCAL_WORLD_SIZE": str(size),
-                "MASTER_ADDR": master["ip"],
+                "MASTER_ADDR": "127.0.0.1" if master["one_node"] else master["ip"],
                 "MASTER_PORT": str(master["port"]),
             }
         return train(from_dict(RunConfig, cfg), resume=resume, overwrite=overwrite, engines=engines)
@@ -124,9 +127,10 @@ def run_on_ray(cfg, resume: bool = False, overwrite: bool = False) -> dict:
             cpus = c.cpus_per_trainer - share * where.engine_bundles.count(r)
             ranks.append(actor.options(num_cpus=cpus, scheduling_strategy=strategy).remote(c.cpus_per_trainer))
         found = ray.get([a.where.remote() for a in ranks])
+        master = found[0] | {"one_node": len({f["node"] for f in found}) == 1}
         cfg_dict = to_dict(cfg)
         runs = {
-            ranks[r].run.remote(cfg_dict, resume, overwrite, r, len(ranks), found[0], where if r == 0 else None): r
+            ranks[r].run.remote(cfg_dict, resume, overwrite, r, len(ranks), master, where if r == 0 else None): r
             for r in range(len(ranks))
         }
         summary, pending = None, list(runs)

@@ -117,13 +117,13 @@ def _train_policy(cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Po
             if cfg.algo.async_:  # rollouts of the next steps are generated while this one trains
                 ahead = RolloutsAhead(gen, start, cfg.train.steps, cfg.algo.max_staleness)
             bar = tqdm(range(start, cfg.train.steps), desc="rl", unit="step", disable=not sys.stderr.isatty())
+            t_prev = time.perf_counter()  # samples/s over wall time, step end to step end (evaluation included)
             for step in bar:
                 policy.stop_state = {"step": step}  # a TrainingStopped saves the state after the last complete step
-                t0 = time.perf_counter()
                 row = rl_step(cfg, gen, policy, loss_fn, step, ahead)
                 policy.stop_state = {"step": step + 1}  # the weights are this step's now, whether the engine takes them
                 try:
-                    row |= push(gen, policy, sync, step, ahead, row, t0)
+                    row |= push(gen, policy, sync, step, ahead, row, t_prev)
                 except EngineError:
                     metrics.log(step + 1, row)  # the step trained: its row is kept with the state saved below
                     raise
@@ -137,6 +137,7 @@ def _train_policy(cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Po
                     bar.set_postfix(reward=f"{row['reward_mean']:.3f}", k3=f"{row['mismatch_k3_r3']:.1e}")
                 if last or (cfg.train.checkpoint_every and (step + 1) % cfg.train.checkpoint_every == 0):
                     save_checkpoint(ckpt_dir, policy, state={"step": step + 1})
+                t_prev = time.perf_counter()
         except EngineError as e:  # an engine process died: stop with the trained state saved
             raise TrainingStopped(f"{e}{policy.save_stop_checkpoint()}") from e
     finally:
@@ -187,10 +188,11 @@ def rl_step(cfg: RunConfig, gen: Generator, policy: Policy, loss_fn, step: int, 
     return row | {"staleness_mean": sum(behind) / len(behind), "staleness_max": float(max(behind))}
 
 
-def push(gen: Generator, policy: Policy, sync, step: int, ahead, row: dict, t0: float) -> dict:
+def push(gen: Generator, policy: Policy, sync, step: int, ahead, row: dict, t_prev: float) -> dict:
     """The weights after step ``step`` to the engine as version ``step + 1`` (a skipped step's too, unchanged, so
     versions count steps), refused and kept out of the engine if any tensor is non-finite. Weights change between
-    engine calls: the sync waits for the call in flight, then goes before the next. Returns the row's sync part."""
+    engine calls: the sync waits for the call in flight, then goes before the next. Returns the row's sync part and
+    the step's wall time since the previous step ended (``t_prev``)."""
     t1 = time.perf_counter()
     with gen.turns.turn(priority=True):
         t2 = time.perf_counter()
@@ -201,7 +203,8 @@ def push(gen: Generator, policy: Policy, sync, step: int, ahead, row: dict, t0: 
     t3 = time.perf_counter()
     return {
         "seconds_sync": t3 - t2,
-        "samples_per_s": row["samples"] / max(t3 - t0, 1e-9),
+        "seconds_step": t3 - t_prev,
+        "samples_per_s": row["samples"] / max(t3 - t_prev, 1e-9),
         "sync_bytes": float(stats.bytes),
         "weight_version": float(stats.version),
     }

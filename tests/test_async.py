@@ -44,3 +44,40 @@ def test_a_staleness_bound_below_one_is_refused():
         load_config(RunConfig, None, ["algo.async=true", "algo.max_staleness=0"])
     with pytest.raises(ConfigError, match=r"unknown config key 'algo.asynch'; did you mean algo.async"):
         load_config(RunConfig, None, ["algo.asynch=true"])
+
+
+def test_a_weight_sync_goes_between_engine_calls_never_inside_one(warm_model, tmp_path):
+    """The chosen rule (weights change between requests): a sync asked for while a generation call runs waits for
+    it, so that call's samples are all the old weights' (the same tokens as a call with no sync at all, tagged with
+    the old version); the next call has the new weights (different tokens: the update is real)."""
+    import threading
+    import time
+
+    import torch
+
+    from moerl.envs import make_env
+    from moerl.loop import build_engine
+    from moerl.rollout.generator import Generator
+
+    cfg = run_cfg(tmp_path, warm_model, "full", **{"rollout.max_tokens": 8})
+    env = make_env(cfg.env.name, **cfg.env.kwargs)
+    engine = build_engine(cfg, warm_model)
+    try:
+        gen = Generator(cfg, env, engine)
+        problems, params = env.problems(16, seed=1), gen.sampling(16, 1.0, 8, seed=5)
+        reference = [e.tokens for e in gen.generate(problems, params)]
+        head = engine.engines[0].model.lm_head.weight
+        changed = {"lm_head.weight": head.detach() + 0.5 * torch.randn_like(head.detach())}
+        result = {}
+        during = threading.Thread(target=lambda: result.update(episodes=gen.generate(problems, params)))
+        during.start()
+        while not gen.turns._busy:  # the call holds the engine
+            time.sleep(0.001)
+        with gen.turns.turn(priority=True):  # the sync asks while the call runs
+            engine.update_weights(changed, version=1)
+        during.join()
+        assert [e.tokens for e in result["episodes"]] == reference and {e.version for e in result["episodes"]} == {0}
+        after = gen.generate(problems, params)
+        assert {e.version for e in after} == {1} and [e.tokens for e in after] != reference
+    finally:
+        engine.close()

@@ -1,7 +1,8 @@
-"""``cluster.backend: ray`` on a real local Ray cluster (2 CPUs, disaggregated: one trainer actor, one engine
-actor): the same numbers as the local run with the same seeds, learning, an engine actor killed mid-run (restarted,
-its requests re-sent, nothing lost or counted twice), a trainer actor killed mid-run (stopped, resumable), and the
-configurations that are refused."""
+"""``cluster.backend: ray`` on a real local Ray cluster (``ray start --head``, 2 CPUs; each run joins it through
+``cluster.address``; disaggregated: one trainer actor, one engine actor): the same numbers as the local run with
+the same seeds, learning, an engine actor killed mid-run (restarted, its requests re-sent, nothing lost or counted
+twice), a trainer actor killed mid-run (stopped, resumable), colocated data-parallel ranks, and the configurations
+that are refused."""
 
 import json
 import os
@@ -30,10 +31,20 @@ OVER = {"env.eval_problems": 4, "rollout.prompts_per_step": 4, "policy.optim.lr"
 
 @pytest.fixture(scope="module")
 def cluster():
-    """One local Ray cluster for the module (2 CPUs); moerl joins it (``ray.is_initialized``)."""
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning", runtime_env=RUNTIME_ENV)
-    yield
-    ray.shutdown()
+    """A running local Ray cluster (``ray start --head``, 2 CPUs) that every run joins (``cluster.address: auto``,
+    the README's way) and leaves again; stopped at the end of the module."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]
+    head = ["start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats"]
+    subprocess.run([*ray_cli, *head], check=True, capture_output=True)
+    yield "auto"
+    subprocess.run([*ray_cli, "stop", "--force"], check=False, capture_output=True)
 
 
 @pytest.fixture
@@ -45,8 +56,9 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def _ray_cfg(run_dir, model, steps, **over):
-    return run_cfg(run_dir, model, "lora", steps=steps, **OVER, **{"cluster.backend": "ray", **over})
+def _ray_cfg(run_dir, model, steps, address, **over):
+    ray_over = {"cluster.backend": "ray", "cluster.address": address, "cluster.runtime_env": json.dumps(RUNTIME_ENV)}
+    return run_cfg(run_dir, model, "lora", steps=steps, **OVER, **ray_over, **over)
 
 
 def _pids(title: str) -> list[int]:
@@ -94,7 +106,7 @@ def test_a_ray_run_gives_the_local_runs_numbers_and_learns(cluster, one_thread, 
     from moerl.cluster import run_on_ray
 
     train(run_cfg(tmp_path / "local", warm_model, "lora", steps=8, **OVER))
-    summary = run_on_ray(_ray_cfg(tmp_path / "ray", warm_model, 8))
+    summary = run_on_ray(_ray_cfg(tmp_path / "ray", warm_model, 8, cluster))
     local, remote = metric_rows(tmp_path / "local"), metric_rows(tmp_path / "ray")
     assert [r["step"] for r in remote] == list(range(9))
     for a, b in zip(local, remote, strict=True):
@@ -114,7 +126,7 @@ def test_an_engine_actor_killed_mid_run_comes_back_and_nothing_is_lost(
 
     train(run_cfg(tmp_path / "local", warm_model, "lora", steps=4, **OVER))
     killer = _kill_when(tmp_path / "ray", "EngineActor", _rows_from(1))
-    run_on_ray(_ray_cfg(tmp_path / "ray", warm_model, 4, **{"cluster.weight_transport": "object_store"}))
+    run_on_ray(_ray_cfg(tmp_path / "ray", warm_model, 4, cluster, **{"cluster.weight_transport": "object_store"}))
     killer.join(timeout=1)
     local, remote = metric_rows(tmp_path / "local"), metric_rows(tmp_path / "ray")
     assert [r["step"] for r in remote] == list(range(5))
@@ -125,20 +137,22 @@ def test_an_engine_actor_killed_mid_run_comes_back_and_nothing_is_lost(
 
 
 def test_a_trainer_actor_killed_mid_run_stops_the_run_and_resume_continues(cluster, warm_model, tmp_path):
-    """The trainer actor is SIGKILLed after the step-2 checkpoint: the run stops naming the dead rank, the
-    checkpoint is intact, and ``--resume`` (on Ray again) finishes the run."""
+    """Asynchronous rollouts on Ray; the trainer actor is SIGKILLed after the step-2 checkpoint: the run stops naming
+    the dead rank, the checkpoint is intact, and ``--resume`` (on Ray again) finishes the run."""
     from moerl.cluster import run_on_ray
 
     run = tmp_path / "ray"
     saved = run / "checkpoint" / "checkpoint.json"
     killer = _kill_when(run, "TrainerRank", lambda d: saved.exists() and json.loads(saved.read_text())["state"]["step"])
+    cfg = _ray_cfg(run, warm_model, 6, cluster, **{"algo.async": "true"})
     with pytest.raises(TrainingStopped, match=r"trainer rank 0 \(Ray actor, pid \d+\) died.*--resume"):
-        run_on_ray(_ray_cfg(run, warm_model, 6))
+        run_on_ray(cfg)
     killer.join(timeout=1)
     done = json.loads(saved.read_text())["state"]["step"]
     assert done in (2, 4)
-    run_on_ray(_ray_cfg(run, warm_model, 6), resume=True)
-    assert [r["step"] for r in metric_rows(run)] == list(range(7))
+    run_on_ray(cfg, resume=True)
+    rows = metric_rows(run)
+    assert [r["step"] for r in rows] == list(range(7)) and all(r["staleness_max"] <= 1 for r in rows[1:])
     assert json.loads(saved.read_text())["state"]["step"] == 6
 
 
@@ -154,4 +168,25 @@ def test_ray_configurations_that_are_not_built_or_do_not_fit_are_refused(cluster
     with pytest.raises(ConfigError, match=r"cluster.weight_transport'='nccl': allowed: auto, shm, object_store"):
         load_config(RunConfig, None, ["cluster.backend=ray", "cluster.weight_transport=nccl"])
     with pytest.raises(ConfigError, match=r"needs 9 CPUs.*the cluster has 2"):
-        run_on_ray(_ray_cfg(tmp_path / "big", warm_model, 1, **{"cluster.cpus_per_trainer": 8}))
+        run_on_ray(_ray_cfg(tmp_path / "big", warm_model, 1, cluster, **{"cluster.cpus_per_trainer": 8}))
+
+
+def test_colocated_data_parallel_ranks_on_ray_train_as_one_process(
+    cluster, one_thread, warm_model, four_problems, tmp_path
+):
+    """dp=2 as two trainer actors, the engine colocated in rank 0's bundle (2 CPUs in all): the first step's
+    rollouts equal the local one-process run's bit for bit and its loss and gradient norm agree to 1e-5 (fp32; the
+    ranks sum their shares in another order)."""
+    from moerl.cluster import bundles, run_on_ray
+
+    over = {"cluster.placement": "colocated", "parallel.dp": 2}
+    specs, where = bundles(_ray_cfg(tmp_path / "x", warm_model, 1, cluster, **over))
+    assert specs == [{"CPU": 1.0}, {"CPU": 1.0}] and where.engine_bundles == [0] and where.engine_cpus == 0.5
+    train(run_cfg(tmp_path / "local", warm_model, "lora", steps=2, **OVER))
+    run_on_ray(_ray_cfg(tmp_path / "ray", warm_model, 2, cluster, **over))
+    local, remote = metric_rows(tmp_path / "local")[1], metric_rows(tmp_path / "ray")[1]
+    for k in ("reward_mean", "samples", "mismatch_k3_no_r3"):
+        assert local[k] == remote[k], k
+    for k in ("loss", "grad_norm"):
+        assert abs(local[k] - remote[k]) <= 1e-5 * max(1.0, abs(local[k])), (k, local[k], remote[k])
+    assert [r["step"] for r in metric_rows(tmp_path / "ray")] == [0, 1, 2]
