@@ -212,29 +212,42 @@ def push(gen: Generator, policy: Policy, sync, step: int, ahead, row: dict, t_pr
 
 def learn(cfg: RunConfig, policy: Policy, loss_fn, episodes: list[Episode], step: int) -> dict:
     """Old / reference logprobs (R3 replay), advantages per group, PPO epochs over mini-batches: the trainer's part
-    of step ``step``; returns its metrics."""
+    of step ``step``; returns its metrics.
+
+    On-policy steps (one epoch, one mini-batch, no KL shaping the rewards) run no separate old-logprob forward: the
+    old logprobs are the training forward's own, detached (the loss's default), and the rollout-vs-trainer mismatch
+    comes from that forward. The R3-off mismatch metric costs a forward of its own: every
+    ``algo.mismatch_metric_every`` steps. Logprobs are at the rollout temperature (temperature 0 as 1, as the
+    engine reports them)."""
+    a, loss_cfg = cfg.algo, cfg.algo.loss
+    temperature = cfg.rollout.temperature or 1.0
     # 1. a training batch with the engine's routing and logprobs
-    batch = to_batch(episodes, cfg.algo.r3, cfg.algo.overlong_filter)
+    batch = to_batch(episodes, a.r3, a.overlong_filter)
     t1 = time.perf_counter()
-    old_logprobs = policy.forward_logprobs(batch, replay=cfg.algo.r3)[0]
-    if not bool(torch.isfinite(old_logprobs[batch.loss_mask.bool()]).all()):
-        raise TrainingStopped(
-            f"step {step + 1}: the trainer's logprobs of the rollouts are non-finite{policy.save_stop_checkpoint()}"
-        )
-    mm_on = mismatch_metrics(old_logprobs, batch.extras["rollout_logprobs"], batch.loss_mask)
-    mm_off = mm_on
-    if cfg.algo.r3:  # what the mismatch would be without routing replay
-        mm_off = mismatch_metrics(
-            policy.forward_logprobs(batch, replay=False)[0], batch.extras["rollout_logprobs"], batch.loss_mask
-        )
-    batch.extras["old_logprobs"] = old_logprobs
+    kl = loss_cfg.kl_coef > 0
+    on_policy = a.ppo_epochs == 1 and a.mini_batches == 1 and not (kl and loss_cfg.kl_in_reward)
+    old = ref = mm_on = mm_off = None
+    if not on_policy and kl:  # both in one forward where the policy can (LoRA: the reference is adapters off)
+        old, ref = policy.logprobs_with_reference(batch, a.r3, temperature)
+    elif not on_policy:
+        old = policy.forward_logprobs(batch, replay=a.r3, temperature=temperature)[0]
+    elif kl:
+        ref = policy.forward_logprobs(batch, reference=True, temperature=temperature)[0]
+    if old is not None:
+        if not bool(torch.isfinite(old[batch.loss_mask.bool()]).all()):
+            raise TrainingStopped(
+                f"step {step + 1}: the trainer's logprobs of the rollouts are non-finite{policy.save_stop_checkpoint()}"
+            )
+        mm_on = mismatch_metrics(old, batch.extras["rollout_logprobs"], batch.loss_mask)
+        batch.extras["old_logprobs"] = old
+    if ref is not None:
+        batch.extras["ref_logprobs"] = ref
+    if a.r3 and a.mismatch_metric_every and step % a.mismatch_metric_every == 0:  # the mismatch without replay
+        no_r3 = policy.forward_logprobs(batch, replay=False, temperature=temperature)[0]
+        mm_off = mismatch_metrics(no_r3, batch.extras["rollout_logprobs"], batch.loss_mask)
     rewards = torch.tensor([e.reward for e in episodes])
-    loss_cfg = cfg.algo.loss
-    if loss_cfg.kl_coef > 0:
-        batch.extras["ref_logprobs"] = policy.forward_logprobs(batch, reference=True)[0]
-        if loss_cfg.kl_in_reward:
-            kl = kl_penalty(old_logprobs, batch.extras["ref_logprobs"], loss_cfg.kl_estimator)
-            rewards = rewards - loss_cfg.kl_coef * (kl * batch.loss_mask).sum(1)
+    if kl and loss_cfg.kl_in_reward:
+        rewards = rewards - loss_cfg.kl_coef * (kl_penalty(old, ref, loss_cfg.kl_estimator) * batch.loss_mask).sum(1)
 
     # 2. advantages per group
     grouped = rewards.view(-1, cfg.rollout.group_size)
@@ -255,9 +268,7 @@ def learn(cfg: RunConfig, policy: Policy, loss_fn, episodes: list[Episode], step
                 None if batch.replay is None else batch.replay[idx],
                 {k: v[idx] for k, v in batch.extras.items()},
             )
-            train_metrics.append(
-                policy.train_step(mb, loss_fn, replay=cfg.algo.r3, entropy=True, temperature=cfg.rollout.temperature)
-            )
+            train_metrics.append(policy.train_step(mb, loss_fn, replay=a.r3, entropy=True, temperature=temperature))
     t3 = time.perf_counter()
     trained_tokens = int(batch.loss_mask.sum()) * cfg.algo.ppo_epochs
     row = {
@@ -267,16 +278,18 @@ def learn(cfg: RunConfig, policy: Policy, loss_fn, episodes: list[Episode], step
         "response_length": float(batch.loss_mask.sum(1).float().mean()),
         "reward_errors": float(sum(e.reward_error == "error" for e in episodes)),
         "reward_timeouts": float(sum(e.reward_error == "timeout" for e in episodes)),
-        "mismatch_k3_r3": mm_on["k3"],
-        "mismatch_frac_r3": mm_on["frac_large_diff"],
-        "mismatch_k3_no_r3": mm_off["k3"],
-        "mismatch_frac_no_r3": mm_off["frac_large_diff"],
         "train_tokens_per_s": trained_tokens / max(t3 - t2, 1e-9),
         "seconds_logprobs": t2 - t1,
         "seconds_train": t3 - t2,
     }
     for key in train_metrics[0]:
         row[key] = sum(m[key] for m in train_metrics) / len(train_metrics)
+    if mm_on is None:  # on-policy: the training forward's own (exact with one micro-batch; else the rows-weighted
+        # mean of the micro-batches' token means)
+        mm_on = {"k3": row["mismatch_k3"], "frac_large_diff": row["mismatch_frac_large_diff"]}
+    row |= {"mismatch_k3_r3": mm_on["k3"], "mismatch_frac_r3": mm_on["frac_large_diff"]}
+    if mm_off is not None:
+        row |= {"mismatch_k3_no_r3": mm_off["k3"], "mismatch_frac_no_r3": mm_off["frac_large_diff"]}
     return row
 
 

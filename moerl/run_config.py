@@ -86,6 +86,7 @@ class AlgoSection:
     max_refills: int = 3
     overlong_filter: bool = False  # DAPO: sequences cut by max_tokens do not enter the loss
     reward_timeout_s: float = 5.0  # also bounds one step() of a multi-turn environment
+    mismatch_metric_every: int = 10  # the R3-off mismatch metric (a forward of its own) every N steps (0: never)
     async_: bool = False  # key `algo.async`: generate the next steps' rollouts while this one trains
     max_staleness: int = 1  # async: no sample more than this many weight versions behind the trainer
 
@@ -100,6 +101,12 @@ class AlgoSection:
                 ("max_refills", self.max_refills, self.max_refills >= 0, "must be >= 0"),
                 ("reward_timeout_s", t, _finite(t) and t > 0, "must be a positive number of seconds"),
                 ("max_staleness", self.max_staleness, self.max_staleness >= 1, "must be >= 1 (versions behind)"),
+                (
+                    "mismatch_metric_every",
+                    self.mismatch_metric_every,
+                    self.mismatch_metric_every >= 0,
+                    "must be >= 0 (0: never)",
+                ),
             ),
         )
 
@@ -269,6 +276,7 @@ MUTABLE = (
     "parallel.stages",
     "env.eval_problems",
     "algo.reward_timeout_s",
+    "algo.mismatch_metric_every",
     "cluster.backend",  # where processes run does not change what the run computes
     "cluster.address",
     "cluster.placement",

@@ -104,27 +104,32 @@ def test_weights_made_non_finite_stop_the_run_and_the_good_checkpoint_stays(two_
     assert [r["step"] for r in rows] == [0, 1, 2, 3] and math.isfinite(rows[3]["loss"])
 
 
-def test_non_finite_logprobs_stop_the_run_after_saving_the_last_good_state(two_steps, warm_model, monkeypatch):
+def test_non_finite_logprobs_stop_the_run_after_saving_the_last_good_state(warm_model, tmp_path, monkeypatch):
+    """Off-policy steps (two mini-batches) compute the old logprobs in a forward of their own: non-finite ones stop
+    the run with the state after the last complete step saved."""
     from moerl.trainer import Policy
 
+    run = tmp_path / "run"
+    over = {"env.eval_problems": 4, "algo.mini_batches": 2}
+    train(run_cfg(run, warm_model, "full", steps=2, **over))
     real = Policy.forward_logprobs
     calls = {"n": 0}
 
     def poisoned(self, batch, *args, **kwargs):
         lp, ent = real(self, batch, *args, **kwargs)
         calls["n"] += 1
-        if calls["n"] == 3:  # step 4's old-logprob forward (each step: R3 on, then R3 off for the metric)
+        if calls["n"] == 2:  # step 4's old-logprob forward (one per step; the R3-off metric only every 10 steps)
             lp = lp * float("nan")
         return lp, ent
 
     monkeypatch.setattr(Policy, "forward_logprobs", poisoned)
-    cfg = run_cfg(two_steps, warm_model, "full", steps=5, **{"env.eval_problems": 4})
+    cfg = run_cfg(run, warm_model, "full", steps=5, **over)
     cfg.train.checkpoint_every = 10
     with pytest.raises(TrainingStopped, match=r"step 4: the trainer's logprobs .* non-finite; checkpoint of the last"):
         train(cfg, resume=True)
-    meta = json.loads((two_steps / "checkpoint" / "checkpoint.json").read_text())
+    meta = json.loads((run / "checkpoint" / "checkpoint.json").read_text())
     assert meta["state"] == {"step": 3}  # step 3 trained and logged, saved on the way out
-    assert [r["step"] for r in metric_rows(two_steps)] == [0, 1, 2, 3]
+    assert [r["step"] for r in metric_rows(run)] == [0, 1, 2, 3]
 
 
 def test_non_finite_weights_are_never_pushed_to_the_engine(warm_model):

@@ -167,3 +167,31 @@ def test_reward_errors_and_timeouts_score_zero_are_counted_and_the_run_goes_on(w
     rows = [r for r in metric_rows(tmp_path / "hostile") if "reward_mean" in r]
     assert len(rows) == 2  # both steps ran
     assert sum(r["reward_errors"] for r in rows) > 0 and sum(r["reward_timeouts"] for r in rows) > 0
+
+
+def test_on_policy_steps_take_the_old_logprobs_from_the_training_forward(warm_model, tmp_path, monkeypatch):
+    """One epoch, one mini-batch: no forward for the old logprobs (the ratio is 1 exactly, the engine-vs-trainer
+    mismatch comes from the training forward and is small after syncs), and the R3-off metric's forward runs every
+    ``algo.mismatch_metric_every`` steps only; a step at rollout temperature 0.7 gives the same mismatch (logprobs
+    at the engine's temperature on both sides)."""
+    from moerl.trainer import Policy
+
+    real, calls = Policy.forward_logprobs, []
+
+    def counted(self, batch, *args, **kwargs):
+        calls.append(kwargs.get("replay", True))
+        return real(self, batch, *args, **kwargs)
+
+    monkeypatch.setattr(Policy, "forward_logprobs", counted)
+    for temperature in (1.0, 0.7):
+        calls.clear()
+        run = tmp_path / f"t{temperature}"
+        over = {"algo.mismatch_metric_every": 2, "env.eval_problems": 0, "rollout.temperature": temperature}
+        train(run_cfg(run, warm_model, "full", steps=4, **over))
+        rows = [r for r in metric_rows(run) if "loss" in r]
+        assert calls == [False, False]  # steps 1 and 3: the R3-off metric; nothing else
+        assert [("mismatch_k3_no_r3" in r) for r in rows] == [True, False, True, False]
+        assert all(r["ratio_mean"] == 1.0 for r in rows)
+        assert all(r["mismatch_k3_r3"] < 1e-3 for r in rows), [r["mismatch_k3_r3"] for r in rows]
+    with pytest.raises(ConfigError, match=r"'algo.mismatch_metric_every'=-1: must be >= 0"):
+        run_cfg(tmp_path / "x", warm_model, **{"algo.mismatch_metric_every": -1})

@@ -204,3 +204,23 @@ def test_nan_steps_are_skipped_counted_then_stop_with_a_checkpoint(hf_checkpoint
     fresh = policy(hf_checkpoints, mode="lora", max_nan_steps=3)
     load_checkpoint(tmp_path / "stopped", fresh)
     assert fresh.step == 2 and fresh.nan_skipped == 5
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "shared_outer"])
+def test_one_forward_gives_the_replayed_and_the_reference_logprobs(layout, hf_checkpoints):
+    """LoRA: ``logprobs_with_reference`` runs the batch twice in one forward (adapters off and own routing on the
+    reference rows) and equals the two separate forwards (fp32, 1e-6); with the adapters trained away from zero and
+    replayed experts unlike the router's, so a row that took the wrong half's adapters or routing would show."""
+    pol = policy(hf_checkpoints, mode="lora", lora=LoraConfig(rank=4, layout=layout), optim=OptimConfig(lr=5e-2))
+    batch = make_batch()
+    for _ in range(3):
+        pol.train_step(batch, sft_loss)
+    with torch.no_grad():
+        b, t, layers, k = pol.model(batch.input_ids, capture=True).routed.shape
+    g = torch.Generator().manual_seed(1)
+    replay = torch.stack([torch.randperm(8, generator=g)[:k] for _ in range(b * (t - 1) * layers)])
+    batch.replay = replay.view(b, t - 1, layers, k)
+    old, ref = pol.logprobs_with_reference(batch)
+    want_old, want_ref = pol.forward_logprobs(batch)[0], pol.forward_logprobs(batch, reference=True)[0]
+    assert torch.allclose(old, want_old, atol=1e-6) and torch.allclose(ref, want_ref, atol=1e-6)
+    assert (old - ref).abs().max() > 1e-2  # the adapters and the replay matter: the halves are not the same

@@ -217,6 +217,8 @@ class Policy:
         return 0 if self.cfg.mode == "lora" else None
 
     def _logprobs(self, model, mb: Batch, replay: bool, adapters, temperature: float, entropy: bool):
+        if adapters is not None and "adapter_slots" in mb.extras:  # a slot per row (-1: none), see below
+            adapters = mb.extras["adapter_slots"]
         out = model(
             mb.input_ids, attention_mask=mb.attention_mask, replay=mb.replay if replay else None, adapters=adapters
         )
@@ -256,6 +258,28 @@ class Policy:
                 parts.append(out)
         lp = gather_rows(self.world, [p[0] for p in parts], batch)
         return lp, (gather_rows(self.world, [p[1] for p in parts], batch) if entropy else None)
+
+    def logprobs_with_reference(
+        self, batch: Batch, replay: bool = True, temperature: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprobs with R3 replay, the reference model's logprobs) of ``batch``. LoRA in one process: one forward
+        over both, the reference rows without adapters and routing themselves (-1 replay rows); else two forwards."""
+        if self.cfg.mode != "lora" or self.world.size > 1 or self.pipeline is not None:
+            policy = self.forward_logprobs(batch, replay=replay, temperature=temperature)[0]
+            return policy, self.forward_logprobs(batch, reference=True, temperature=temperature)[0]
+        b = len(batch)
+        routed = batch.replay if replay and batch.replay is not None else None
+        both = Batch(
+            torch.cat([batch.input_ids, batch.input_ids]),
+            torch.cat([batch.attention_mask, batch.attention_mask]),
+            torch.cat([batch.loss_mask, batch.loss_mask]),
+            None if routed is None else torch.cat([routed, torch.full_like(routed, -1)]),
+            {"adapter_slots": torch.tensor([self.adapters] * b + [-1] * b)},
+            total_tokens=batch.total_tokens,
+            total_seqs=batch.total_seqs,
+        )
+        lp = self.forward_logprobs(both, replay=routed is not None, temperature=temperature)[0]
+        return lp[:b], lp[b:]
 
     def train_step(
         self, batch: Batch, loss_fn: LossFn, replay: bool = True, temperature: float = 1.0, entropy: bool = False
