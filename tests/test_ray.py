@@ -16,7 +16,7 @@ import torch
 from run_helpers import metric_rows, run_cfg
 
 from moerl.config import load_config
-from moerl.errors import ConfigError, TrainingStopped
+from moerl.errors import ConfigError, MoerlError, TrainingStopped
 from moerl.loop import train
 from moerl.run_config import RunConfig
 
@@ -159,6 +159,38 @@ def test_ray_configurations_that_are_not_built_or_do_not_fit_are_refused(cluster
         load_config(RunConfig, None, ["cluster.backend=ray", "cluster.weight_transport=nccl"])
     with pytest.raises(ConfigError, match=r"needs 9 CPUs.*the cluster has 2"):
         run_on_ray(_ray_cfg(tmp_path / "big", warm_model, 1, cluster, **{"cluster.cpus_per_trainer": 8}))
+    # what a rank raises comes back as moerl's own error, naming the rank
+    with pytest.raises(MoerlError, match=r"trainer rank 0: .*nope"):
+        run_on_ray(_ray_cfg(tmp_path / "bad", tmp_path / "nope", 1, cluster))
+
+
+def test_an_engine_actor_out_of_restarts_is_an_engine_error_named(cluster, warm_model):
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from moerl.cluster import EnginePlacement
+    from moerl.engine import EngineConfig, Request, SamplingParams
+    from moerl.errors import EngineError
+    from moerl.rollout.pool import EnginePool
+    from moerl.rollout.process import EngineSpec
+    from moerl.rollout.ray_engine import start_engines
+
+    ray.init(address=cluster, logging_level="warning")
+    group = placement_group([{"CPU": 1}])
+    try:
+        ray.get(group.ready(), timeout=60)
+        spec = EngineSpec(str(warm_model), EngineConfig(max_num_seqs=8, max_model_len=32))
+        engines = start_engines(spec, 1, EnginePlacement(group, [0], 1.0, 1), "auto", restarts=0)
+        pool = EnginePool(spec, "ray", 1, remote=engines)
+        requests = [Request("1+2=", SamplingParams(max_tokens=3, seed=0))]
+        assert pool.generate(requests)[0].outputs[0].token_ids
+        os.kill(engines[0].pid, signal.SIGKILL)
+        with pytest.raises(EngineError, match=r"rollout engine 0 \(Ray actor, pid \d+\) died and was not restarted"):
+            pool.generate(requests)
+        pool.close()
+    finally:
+        remove_placement_group(group)
+        ray.shutdown()
 
 
 def test_colocated_data_parallel_ranks_on_ray_train_as_one_process(

@@ -100,9 +100,10 @@ class RayEngine:
         return {n: t.clone() for n, t in self._tensors(self.reply("read_weights")).items()}
 
     def revive(self) -> None:
-        """Wait until Ray has restarted the actor (from the base weights); EngineError when it will not."""
+        """Wait until Ray has restarted the actor (from the base weights); EngineError when it will not (its restarts
+        are used up: ``ActorDiedError``) or does not come back in time."""
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError
 
         deadline = time.monotonic() + self.START_TIMEOUT_S
         while True:
@@ -110,10 +111,9 @@ class RayEngine:
                 self.pid = ray.get(self.actor.where.remote(), timeout=30)["pid"]
                 self.weight_version = 0
                 return
-            except RayActorError as e:
-                if "restart" not in str(e).lower() or time.monotonic() > deadline:
-                    raise EngineError(f"{self.name} died and was not restarted: {type(e).__name__}: {e}") from None
-            except GetTimeoutError:
+            except ActorDiedError as e:
+                raise EngineError(f"{self.name} died and was not restarted: {e}") from None
+            except (ActorUnavailableError, GetTimeoutError):  # restarting
                 if time.monotonic() > deadline:
                     raise EngineError(f"{self.name} died and did not come back") from None
             time.sleep(0.2)
