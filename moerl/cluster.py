@@ -70,13 +70,12 @@ def bundles(cfg) -> tuple[list[dict], EnginePlacement]:
     """The placement group's bundles for ``cfg`` and where the engines go in it (the group filled in later)."""
     c, world, n = cfg.cluster, cfg.parallel.size, cfg.rollout.num_engines
     ranks = [{"CPU": float(c.cpus_per_trainer)} for _ in range(world)]
-    if c.placement == "colocated":  # engine i shares rank (i mod world)'s CPUs
-        sharing = max(sum(1 for i in range(n) if i % world == r) for r in range(world))
-        where = EnginePlacement(None, [i % world for i in range(n)], c.cpus_per_trainer / (1 + sharing), 0)
-        where.engine_threads = cfg.rollout.engine_threads or c.cpus_per_trainer
-        return ranks, where
-    where = EnginePlacement(None, list(range(world, world + n)), float(c.cpus_per_engine), 0)
-    where.engine_threads = cfg.rollout.engine_threads or c.cpus_per_engine
+    if c.placement == "colocated":  # engine i shares rank (i mod world)'s CPUs with the most engines any rank has
+        share = c.cpus_per_trainer / (1 + -(-n // world))
+        threads = cfg.rollout.engine_threads or c.cpus_per_trainer
+        return ranks, EnginePlacement(None, [i % world for i in range(n)], share, threads)
+    threads = cfg.rollout.engine_threads or c.cpus_per_engine
+    where = EnginePlacement(None, list(range(world, world + n)), float(c.cpus_per_engine), threads)
     return ranks + [{"CPU": float(c.cpus_per_engine)} for _ in range(n)], where
 
 

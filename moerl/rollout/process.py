@@ -177,12 +177,6 @@ class EngineServer:
         self.reader, self.writer = BufferCache(), _Writer("moerl-out")
         self.engine: LLMEngine | None = None
 
-    def _tensors_in(self, msg: dict, copy: bool) -> dict[str, torch.Tensor]:
-        if "inline" in msg:  # across nodes: the bytes came with the message
-            data = torch.frombuffer(bytearray(msg["inline"]), dtype=torch.uint8)
-            return read_packed(data, msg["tensors"])
-        return self.reader.get(msg["buffer"], msg["nbytes"]).read(msg["tensors"], copy=copy)
-
     def _tensors_out(self, tensors: dict[str, torch.Tensor], inline: bool) -> dict:
         return pack_inline(tensors) if inline else self.writer.put(tensors)
 
@@ -203,7 +197,7 @@ class EngineServer:
             elif op in ("stage", "set_adapter") or (op == "add_adapter" and "tensors" in msg):
                 # views, no copy: the parent writes each bucket of an update to its own place in the buffer, so the
                 # staged views stay valid until the commit copies them into the weights
-                tensors = self._tensors_in(msg, copy=False)
+                tensors = tensors_of(msg, self.reader, copy=False)
                 if op == "stage":
                     engine.stage_weights(tensors)
                 elif op == "set_adapter":
@@ -220,8 +214,6 @@ class EngineServer:
                 params = dict(engine.model.named_parameters()) | dict(engine.model.named_buffers())
                 tensors = {n: params[n].detach() for n in msg["names"]}
                 reply = self._tensors_out(tensors, msg.get("inline_out", False))
-            elif op == "ping":
-                reply = {"pid": os.getpid()}
             else:
                 raise ValueError(f"unknown engine command {op!r}")
             return {"ok": True, "version": engine.weight_version if engine else 0, **reply}
@@ -239,9 +231,13 @@ def pack_inline(tensors: dict[str, torch.Tensor]) -> dict:
     return {"inline": data.numpy().tobytes(), "tensors": specs}
 
 
-def read_packed(data: torch.Tensor, specs: list[dict]) -> dict[str, torch.Tensor]:
-    """The tensors of ``specs`` viewed in the byte tensor ``data`` (what ``pack_inline`` wrote)."""
-    return SharedBuffer.over(data).read(specs, copy=False)
+def tensors_of(fields: dict, buffers: BufferCache, copy: bool = True) -> dict[str, torch.Tensor]:
+    """The tensors a message carries: inline bytes (``pack_inline``; viewed in a private copy of them) or a shared
+    buffer's, mapped through ``buffers`` (copies, or views with ``copy=False``)."""
+    if "inline" in fields:
+        data = torch.frombuffer(bytearray(fields["inline"]), dtype=torch.uint8)
+        return SharedBuffer.over(data).read(fields["tensors"], copy=False)
+    return buffers.get(fields["buffer"], fields["nbytes"]).read(fields["tensors"], copy=copy)
 
 
 def serve(fd: int, parent: int) -> None:
@@ -320,8 +316,7 @@ class EngineProcess:
 
     def wait(self) -> list[RequestOutput]:
         reply = self.reply("generate")
-        tensors = self.outputs.get(reply["buffer"], reply["nbytes"]).read(reply["tensors"])
-        return outputs_from_json(reply["outputs"], tensors)
+        return outputs_from_json(reply["outputs"], tensors_of(reply, self.outputs))
 
     def generate(self, requests: list[Request]) -> list[RequestOutput]:
         self.generate_async(requests)
@@ -330,7 +325,7 @@ class EngineProcess:
     def read_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Copies of the engine's own tensors (parameters or buffers) by moerl name, read from its process."""
         reply = self._call({"op": "read_weights", "names": list(names)})
-        return self.outputs.get(reply["buffer"], reply["nbytes"]).read(reply["tensors"])
+        return tensors_of(reply, self.outputs)
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the process (asked first, killed after ``timeout`` seconds); idempotent."""

@@ -20,8 +20,8 @@ from moerl.rollout.process import (
     EngineSpec,
     check_reply,
     outputs_from_json,
-    read_packed,
     request_to_json,
+    tensors_of,
 )
 from moerl.rollout.shm import BufferCache
 
@@ -83,21 +83,16 @@ class RayEngine:
         self.weight_version = reply["version"]
         return reply
 
-    def _tensors(self, reply: dict) -> dict[str, torch.Tensor]:
-        if "inline" in reply:
-            return read_packed(torch.frombuffer(bytearray(reply["inline"]), dtype=torch.uint8), reply["tensors"])
-        return self.outputs.get(reply["buffer"], reply["nbytes"]).read(reply["tensors"])
-
     def generate_async(self, requests: list[Request]) -> None:
         self.send({"op": "generate", "requests": [request_to_json(r) for r in requests], "inline_out": self.inline})
 
     def wait(self) -> list[RequestOutput]:
         reply = self.reply("generate")
-        return outputs_from_json(reply["outputs"], self._tensors(reply))
+        return outputs_from_json(reply["outputs"], tensors_of(reply, self.outputs))
 
     def read_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
         self.send({"op": "read_weights", "names": list(names), "inline_out": self.inline})
-        return {n: t.clone() for n, t in self._tensors(self.reply("read_weights")).items()}
+        return tensors_of(self.reply("read_weights"), self.outputs)
 
     def revive(self) -> None:
         """Wait until Ray has restarted the actor (from the base weights); EngineError when it will not (its restarts
