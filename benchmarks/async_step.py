@@ -23,12 +23,12 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
+from contender import run_contender
 
 from moerl.config import load_config
 from moerl.loop import RunConfig, train
@@ -83,8 +83,7 @@ def child(args) -> None:
 
 def run(name: str, ckpt: str, run_dir: str, args) -> dict:
     cmd = [sys.executable, __file__, "--child", name, "--ckpt", ckpt, "--run-dir", run_dir, "--steps", str(args.steps)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_contender(cmd)
 
 
 def main() -> None:

@@ -16,13 +16,13 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from contender import run_contender
 
 from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
 from moerl.model.lora import LoraConfig, attach_lora, default_targets, lora_modules, slot_tensors
@@ -121,8 +121,7 @@ def vllm_round(python: str, ckpt: str, num_seqs: int, new_tokens: int, rounds: i
         "--rounds",
         str(rounds),
     ]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_contender(cmd)
 
 
 def child_peak_mb(name: str, ckpt: str, num_seqs: int, new_tokens: int) -> float:
@@ -139,8 +138,7 @@ def child_peak_mb(name: str, ckpt: str, num_seqs: int, new_tokens: int) -> float
         "--new-tokens",
         str(new_tokens),
     ]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_mb"]
+    return run_contender(cmd)["peak_rss_mb"]
 
 
 def peak_rss_mb() -> float:

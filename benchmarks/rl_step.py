@@ -21,12 +21,12 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
+from contender import run_contender
 
 from moerl.config import load_config
 from moerl.loop import RunConfig, train
@@ -42,8 +42,7 @@ def moerl_step(ckpt: str, run_dir: str, args, mode: str, placement: str = "inpro
     cmd = [sys.executable, __file__, "--child", f"{mode}:{placement}:{engines}", "--ckpt", ckpt, "--run-dir", run_dir]
     cmd += ["--steps", str(args.steps), "--prompts", str(args.prompts), "--group", str(args.group)]
     cmd += ["--new-tokens", str(args.new_tokens), "--dtype", args.dtype]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_contender(cmd)
 
 
 def child(args) -> None:
@@ -94,8 +93,7 @@ def trl_step(python: str, ckpt: str, args) -> dict:
         "--steps",
         str(args.steps),
     ]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_contender(cmd)
 
 
 def main() -> None:

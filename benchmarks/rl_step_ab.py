@@ -9,13 +9,14 @@ the median stage split, and the ratio B / A in samples/s.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from contender import run_contender
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,8 +25,7 @@ def child(tree: Path, ckpt: str, run_dir: str, mode: str, args) -> dict:
     cmd = [sys.executable, str(tree / "benchmarks" / "rl_step.py"), "--child", f"{mode}:inprocess:1", "--ckpt", ckpt]
     cmd += ["--run-dir", run_dir, "--steps", str(args.steps), "--dtype", args.dtype]
     env = os.environ | {"PYTHONPATH": str(tree)}  # this revision's moerl, not the installed one
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env, cwd=tree)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_contender(cmd, env=env, cwd=tree)
 
 
 def main() -> None:

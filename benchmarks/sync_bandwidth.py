@@ -16,13 +16,13 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from contender import run_contender
 
 CPU = torch.backends.cpu.get_cpu_capability()  # AVX2-only hosts have no fast bf16 GEMM
 
@@ -73,8 +73,7 @@ def child(args) -> None:
 def run_child(script: str, ckpt: str, mode: str, contender: str, args) -> dict:
     cmd = [sys.executable, script, "--child", contender, "--mode", mode, "--ckpt", ckpt]
     cmd += ["--syncs", str(args.syncs), "--bucket-mb", str(args.bucket_mb)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_contender(cmd)
 
 
 def main() -> None:

@@ -14,13 +14,13 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from contender import run_contender
 
 from moerl.model.lora import LoraConfig
 from moerl.presets import init_model
@@ -98,8 +98,7 @@ def main() -> None:
                 "--micro",
                 str(args.micro),
             ]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-            peaks[m] = json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"]
+            peaks[m] = run_contender(cmd)["peak_mb"]
     tps = {m: tokens / statistics.median(t) for m, t in times.items()}
     print(
         f"# train step, qwen3_moe {args.preset}, batch {args.batch} x {args.seq} tokens (micro-batch {args.micro}),"
