@@ -33,17 +33,18 @@ class LoraContext:
         self.token_slots: torch.Tensor | None = None  # [N] slot per flattened token, -1 = no adapter
 
     def set(self, adapters: int | torch.Tensor | None, batch: int, seq: int) -> None:
-        """``adapters``: None (no LoRA), a slot for all tokens, or a slot per sequence [B] (-1 = none)."""
+        """``adapters``: None (no LoRA), a slot for all tokens, a slot per sequence [B] or per token [B, T] (-1 =
+        none)."""
         self.single, self.token_slots = None, None
         if adapters is None or isinstance(adapters, int):
             self.single = adapters
             return
         adapters = adapters.long()
-        first = int(adapters[0])
+        first = int(adapters.flatten()[0])
         if bool((adapters == first).all()):
             self.single = first if first >= 0 else None
             return
-        self.token_slots = adapters.repeat_interleave(seq)
+        self.token_slots = adapters.flatten() if adapters.ndim == 2 else adapters.repeat_interleave(seq)
 
     @property
     def active(self) -> bool:

@@ -198,7 +198,9 @@ class ModelOutput:
 def build_mask(attention_mask: torch.Tensor | None, b: int, t: int, window: int | None, device) -> torch.Tensor:
     """Boolean [B, 1, T, T]: causal, padded keys hidden, optional sliding window (i - j < window).
 
-    Every query sees itself, so fully padded rows stay finite instead of becoming NaN.
+    ``attention_mask`` [B, T]: 0 = padding, else the token's sequence within a packed row (1, 2, ...): a token
+    sees only keys of its own sequence (0/1 masks: every real key). Every query sees itself, so fully padded rows
+    stay finite instead of becoming NaN.
     """
     i = torch.arange(t, device=device)
     mask = i[None, :] <= i[:, None]
@@ -206,7 +208,9 @@ def build_mask(attention_mask: torch.Tensor | None, b: int, t: int, window: int 
         mask = mask & (i[:, None] - i[None, :] < window)
     mask = mask.expand(b, 1, t, t)
     if attention_mask is not None:
-        mask = mask & attention_mask.bool()[:, None, None, :]
+        seg = attention_mask[:, None]
+        query, key = seg[..., :, None], seg[..., None, :]
+        mask = mask & (key != 0) & ((query == key) | (query == 0))
     return mask | torch.eye(t, dtype=torch.bool, device=device)
 
 
@@ -304,10 +308,12 @@ class MoEModel(nn.Module):
     ) -> ModelOutput:
         """Logits for ``input_ids`` [B, T].
 
-        positions: [B, T] rotary positions (default 0..T-1). attention_mask: [B, T], 1 = token, 0 = padding.
+        positions: [B, T] rotary positions (default 0..T-1). attention_mask: [B, T], 1 = token, 0 = padding; packed
+        rows number their sequences 1, 2, ... (tokens attend within their own; ``positions`` restart per sequence).
         replay: [B, T or T-1, L_moe, k] expert indices to use instead of the router's top-k (-1: own choice).
         capture: return the chosen experts of every MoE layer as ``routed``.
-        adapters: LoRA slot for every token (int) or per sequence ([B], -1 = none); None = base model only.
+        adapters: LoRA slot for every token (int), per sequence ([B]) or per token ([B, T]), -1 = none; None = base
+        model only.
         cache: a KV cache view (the rollout engine): attention reads and writes it and takes its masks.
         logits_index: [B] one position per row: logits come back as [B, V] for those positions only.
         hidden: [B, T, H] the previous pipeline stage's output, in place of the embedded ``input_ids``; a stage

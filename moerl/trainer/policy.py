@@ -27,6 +27,7 @@ from moerl.parallel.rows import gather_rows, micro_batches, sum_over_ranks
 from moerl.parallel.world import World, agreed_min, full, like, local
 from moerl.trainer.batch import Batch
 from moerl.trainer.optim import SCHEDULES, MasterWeights, lr_lambda
+from moerl.trainer.packing import Packing, plan_packing
 
 MODES = ("lora", "full", "mxfp8")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -79,6 +80,7 @@ class PolicyConfig:
     reference: bool = False  # full / mxfp8: keep a frozen copy for reference logprobs (lora: adapters off)
     max_nan_steps: int = 3  # consecutive non-finite steps that stop training
     mx_scale_mode: str = "rceil"  # mxfp8: floor | rceil
+    packing: bool = True  # forwards run on the micro-batch's sequences packed into fewer rows (moerl.trainer.packing)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -99,16 +101,42 @@ def _both(first, second):
         yield
 
 
+def next_token_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, keep: torch.Tensor, temperature: float, entropy: bool
+):
+    """fp32 logprobs [B, T] of ``input_ids``' tokens given the ones before them in ``logits`` [B, T, V] (the first
+    place 0), times ``keep`` [B, T]; with ``entropy`` also each place's entropy (times ``keep``)."""
+    logp_all = (logits[:, :-1].float() / temperature).log_softmax(-1)
+    lp = F.pad(logp_all.gather(-1, input_ids[:, 1:, None]).squeeze(-1), (1, 0)) * keep
+    ent = None
+    if entropy:
+        ent = F.pad(-(logp_all.exp() * logp_all).sum(-1), (1, 0)) * keep
+    return lp, ent
+
+
 def token_logprobs(logits: torch.Tensor, mb: Batch, temperature: float, entropy: bool):
     """fp32 logprobs [B, T] of ``mb``'s tokens from ``logits`` [B, T, V] (0 at position 0 and on padding), and the
     entropy of each position's distribution when ``entropy``."""
-    logp_all = (logits[:, :-1].float() / temperature).log_softmax(-1)
-    lp = F.pad(logp_all.gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1), (1, 0))
-    lp = lp * mb.attention_mask
-    ent = None
-    if entropy:
-        ent = F.pad(-(logp_all.exp() * logp_all).sum(-1), (1, 0)) * mb.attention_mask
-    return lp, ent
+    return next_token_logprobs(logits, mb.input_ids, mb.attention_mask, temperature, entropy)
+
+
+def packed_logprobs(model, mb: Batch, pk: Packing, replay: bool, adapters, temperature: float, entropy: bool):
+    """``token_logprobs`` of ``mb`` computed on its packed rows ``pk`` (see ``moerl.trainer.packing``)."""
+    b, t = mb.input_ids.shape
+    routed = mb.replay if replay else None
+    if routed is not None:
+        if routed.shape[1] == t - 1:  # the last token has no recorded row: it routes itself
+            routed = torch.cat([routed, routed.new_full((b, 1, *routed.shape[2:]), -1)], dim=1)
+        routed = pk.pack(routed, -1)
+    if isinstance(adapters, torch.Tensor):  # a slot per sequence -> per token; padding takes any slot (dropped)
+        adapters = pk.pack(adapters[:, None].expand(b, t), int(adapters[0]))
+    ids = pk.pack(mb.input_ids, 0)
+    out = model(ids, positions=pk.positions, attention_mask=pk.segment, replay=routed, adapters=adapters)
+    seg = pk.segment
+    # a place continues its sequence: its logprob is the next token's under the same sequence
+    keep = F.pad((seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0), (1, 0))
+    lp, ent = next_token_logprobs(out.logits, ids, keep, temperature, entropy)
+    return pk.unpack(lp, (b, t)), (pk.unpack(ent, (b, t)) if entropy else None)
 
 
 class Policy:
@@ -224,6 +252,9 @@ class Policy:
     def _logprobs(self, model, mb: Batch, replay: bool, adapters, temperature: float, entropy: bool):
         if adapters is not None and "adapter_slots" in mb.extras:  # a slot per row (-1: none), see below
             adapters = mb.extras["adapter_slots"]
+        pk = plan_packing(mb.attention_mask) if self.cfg.packing else None
+        if pk is not None:
+            return packed_logprobs(model, mb, pk, replay, adapters, temperature, entropy)
         out = model(
             mb.input_ids, attention_mask=mb.attention_mask, replay=mb.replay if replay else None, adapters=adapters
         )
