@@ -1,12 +1,13 @@
 """Decode throughput of the rollout engine: moerl (base, and LoRA on every target incl. experts in three
-variants) vs transformers ``generate`` vs vLLM (CPU build, in its own venv; the column is skipped without it).
+variants) vs transformers ``generate`` vs vLLM (its CPU build; the column is skipped where vllm does not import).
 
-64 concurrent sequences x 64 new tokens (16-token prompts), bf16, Qwen3-MoE presets. The in-process contenders
-run interleaved round by round, in a rotating order (median of rounds after a warm-up); vLLM runs in a
-subprocess before each round. Peak memory: each contender once more in a child process of its own (VmHWM).
+64 concurrent sequences x 64 new tokens (16-token prompts), Qwen3-MoE presets, every contender in the same dtype
+(``--dtype auto``: bf16 where the CPU multiplies it natively, else fp32). Each contender runs in a fresh process of
+its own per round (build, a warm-up generate, ``--reps`` timed ones; its peak RSS), rounds interleaved in a
+rotating order; the table shows the median over rounds and the spread.
 
-    python benchmarks/decode.py [--presets tiny small] [--rounds 3] [--vllm-python /work/vllm-venv/bin/python]
-"""
+    python benchmarks/decode.py [--presets tiny small] [--rounds 3] [--reps 2] [--dtype auto]
+        [--vllm-python PYTHON]"""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import os
 import platform
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -26,6 +28,7 @@ from contender import run_contender
 
 from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
 from moerl.model.lora import LoraConfig, attach_lora, default_targets, lora_modules, slot_tensors
+from moerl.precision import dtype_name
 from moerl.presets import init_model
 
 HERE = Path(__file__).resolve().parent
@@ -56,13 +59,20 @@ def random_adapter(ckpt: str, layout: str) -> dict[str, torch.Tensor]:
     return slot_tensors(model)
 
 
-def build(name: str, ckpt: str, num_seqs: int, max_len: int):
+def has_vllm(python: str) -> bool:
+    """Whether ``python`` exists and imports vllm."""
+    if not Path(python).exists():
+        return False
+    return subprocess.run([python, "-c", "import vllm"], capture_output=True).returncode == 0
+
+
+def build(name: str, ckpt: str, num_seqs: int, max_len: int, dtype: str):
     """A callable running one full generate for contender ``name`` (and its KV cache bytes)."""
     batch = prompts(num_seqs, 16)
     if name == "transformers":
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
+        hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, dtype)).eval()
         ids = torch.tensor(batch)
 
         def run(new_tokens: int, seed: int) -> int:
@@ -94,7 +104,7 @@ def build(name: str, ckpt: str, num_seqs: int, max_len: int):
             fused_lora=fused,
         )
         adapter = "a"
-    engine = LLMEngine(ckpt, cfg, dtype=torch.bfloat16)
+    engine = LLMEngine(ckpt, cfg, dtype=getattr(torch, dtype))
     if adapter:
         engine.add_adapter(adapter, random_adapter(ckpt, LORA_VARIANTS[name.removeprefix("moerl ")][0]))
 
@@ -108,39 +118,6 @@ def build(name: str, ckpt: str, num_seqs: int, max_len: int):
     return run, engine.kv_cache_bytes
 
 
-def vllm_round(python: str, ckpt: str, num_seqs: int, new_tokens: int, rounds: int) -> dict:
-    cmd = [
-        python,
-        str(HERE / "vllm_decode.py"),
-        "--model",
-        ckpt,
-        "--num-seqs",
-        str(num_seqs),
-        "--new-tokens",
-        str(new_tokens),
-        "--rounds",
-        str(rounds),
-    ]
-    return run_contender(cmd)
-
-
-def child_peak_mb(name: str, ckpt: str, num_seqs: int, new_tokens: int) -> float:
-    """Run one contender alone in a child process; its peak RSS in MB."""
-    cmd = [
-        sys.executable,
-        __file__,
-        "--child",
-        name,
-        "--ckpt",
-        ckpt,
-        "--num-seqs",
-        str(num_seqs),
-        "--new-tokens",
-        str(new_tokens),
-    ]
-    return run_contender(cmd)["peak_rss_mb"]
-
-
 def peak_rss_mb() -> float:
     # VmHWM: this process image's high-water mark (ru_maxrss would still count the parent's pages after exec)
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -150,54 +127,58 @@ def peak_rss_mb() -> float:
 
 
 def child(args) -> None:
-    run, _ = build(args.child, args.ckpt, args.num_seqs, 16 + args.new_tokens + 16)
+    """One contender in this fresh process: build, one warm-up generate, ``--reps`` timed ones."""
+    run, kv = build(args.child, args.ckpt, args.num_seqs, 16 + args.new_tokens + 16, args.dtype)
     run(args.new_tokens, 0)
-    print(json.dumps({"peak_rss_mb": peak_rss_mb()}))
+    times = []
+    for rep in range(args.reps):
+        start = time.perf_counter()
+        produced = run(args.new_tokens, args.seed + rep)
+        times.append(time.perf_counter() - start)
+        assert produced == args.num_seqs * args.new_tokens, (args.child, produced)
+    tps = args.num_seqs * args.new_tokens / statistics.median(times)
+    print(json.dumps({"tokens_per_s": tps, "peak_rss_mb": peak_rss_mb(), "kv_cache_bytes": kv}))
+
+
+def contender(name: str, ckpt: str, args, rnd: int, vllm_python: str | None) -> dict:
+    """Run contender ``name`` once in a fresh process (round ``rnd`` seeds its sampling)."""
+    common = ["--num-seqs", str(args.num_seqs), "--new-tokens", str(args.new_tokens), "--dtype", args.dtype]
+    if name == "vLLM":
+        cmd = [vllm_python, str(HERE / "vllm_decode.py"), "--model", ckpt, "--rounds", str(args.reps), *common]
+        return run_contender(cmd + ["--seed", str(rnd)])
+    cmd = [sys.executable, __file__, "--child", name, "--ckpt", ckpt, "--reps", str(args.reps), *common]
+    return run_contender(cmd + ["--seed", str(1000 * (rnd + 1))])
 
 
 def bench(preset: str, args, vllm_python: str | None) -> None:
-    names = ["moerl base", *(f"moerl {v}" for v in LORA_VARIANTS), "transformers"]
+    names = ["moerl base", *(f"moerl {v}" for v in LORA_VARIANTS), "transformers"] + (["vLLM"] if vllm_python else [])
+    runs: dict[str, list[dict]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as ckpt:
         init_model("qwen3_moe", preset, ckpt, seed=0)
-        max_len = 16 + args.new_tokens + 16
-        runs = {n: build(n, ckpt, args.num_seqs, max_len) for n in names}
-        times: dict[str, list[float]] = {n: [] for n in names}
-        vllm: list[dict] = []
-        for n in names:  # warm-up
-            runs[n][0](args.new_tokens, 0)
         for r in range(args.rounds):
-            if vllm_python:
-                vllm.append(vllm_round(vllm_python, ckpt, args.num_seqs, args.new_tokens, 1))
-                time.sleep(2)  # let the machine settle after the subprocess exits
             for n in names[r % len(names) :] + names[: r % len(names)]:  # rotate who runs first
-                start = time.perf_counter()
-                produced = runs[n][0](args.new_tokens, r + 1)
-                times[n].append(time.perf_counter() - start)
-                assert produced == args.num_seqs * args.new_tokens, (n, produced)
-        peaks = {n: child_peak_mb(n, ckpt, args.num_seqs, args.new_tokens) for n in names}
-    tokens = args.num_seqs * args.new_tokens
-    tps = {n: tokens / statistics.median(t) for n, t in times.items()}
-    if vllm:
-        tps["vLLM"] = statistics.median(v["tokens_per_s"] for v in vllm)
-        peaks["vLLM"] = max(v["peak_rss_mb"] for v in vllm)
-    base = tps["moerl base"]
+                runs[n].append(contender(n, ckpt, args, r, vllm_python))
+    tps = {n: [x["tokens_per_s"] for x in v] for n, v in runs.items()}
+    med = {n: statistics.median(v) for n, v in tps.items()}
+    base = med["moerl base"]
     print(
-        f"\n## {preset} (Qwen3-MoE), {args.num_seqs} seqs x {args.new_tokens} new tokens, bf16, median of "
-        f"{args.rounds} rounds"
+        f"\n## {preset} (Qwen3-MoE), {args.num_seqs} seqs x {args.new_tokens} new tokens, {args.dtype}, median of "
+        f"{args.rounds} rounds (each contender in a fresh process per round, {args.reps} timed generates after a "
+        "warm-up)"
     )
-    print("| engine | tokens/s | vs moerl base | vs vLLM | peak RSS (MB) | KV cache (MB) |")
+    print("| engine | tokens/s (spread) | vs moerl base | vs vLLM | peak RSS (MB) | KV cache (MB) |")
     print("|---|---|---|---|---|---|")
-    for n, v in tps.items():
-        kv = runs[n][1] if n in runs else None
-        vs_vllm = f"{v / tps['vLLM']:.2f}x" if "vLLM" in tps else "n/a"
+    for n in names:
+        kv = runs[n][0].get("kv_cache_bytes")
+        vs_vllm = f"{med[n] / med['vLLM']:.2f}x" if "vLLM" in med else "n/a"
         kv_mb = f"{kv / 2**20:.1f}" if kv else "-"
-        print(f"| {n} | {v:,.0f} | {v / base:.2f}x | {vs_vllm} | {peaks[n]:,.0f} | {kv_mb} |")
-    fused, naive = tps["moerl LoRA per_expert fused"], tps["moerl LoRA per_expert naive"]
+        peak = statistics.median(x["peak_rss_mb"] for x in runs[n])
+        spread = f"{min(tps[n]):,.0f}..{max(tps[n]):,.0f}"
+        print(f"| {n} | {med[n]:,.0f} ({spread}) | {med[n] / base:.2f}x | {vs_vllm} | {peak:,.0f} | {kv_mb} |")
+    vs = f"base / vLLM = {base / med['vLLM']:.2f}x (>= 2x)" if "vLLM" in med else "vLLM not run"
     print(
-        f"\ntargets: base / vLLM = {base / tps['vLLM']:.2f}x" if "vLLM" in tps else "\ntargets: vLLM not run",
-        f"(tiny >= 1.5x, small >= 1.2x); shared_outer fused / base = "
-        f"{tps['moerl LoRA shared_outer fused'] / base:.2f}x (>= 0.9x); per_expert fused / naive = "
-        f"{fused / naive:.2f}x (>= 1.62x)",
+        f"\ntargets: {vs}; shared_outer fused / base = {med['moerl LoRA shared_outer fused'] / base:.2f}x (>= 0.95x); "
+        f"per_expert fused / base = {med['moerl LoRA per_expert fused'] / base:.2f}x (>= 0.8x)",
         flush=True,
     )
 
@@ -208,16 +189,21 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--num-seqs", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--vllm-python", default=os.environ.get("MOERL_VLLM_PYTHON", "/work/vllm-venv/bin/python"))
+    p.add_argument("--reps", type=int, default=2, help="timed generates per contender and round")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    p.add_argument("--vllm-python", default=os.environ.get("MOERL_VLLM_PYTHON", sys.executable))
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--ckpt", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         return child(args)
-    vllm_python = args.vllm_python if Path(args.vllm_python).exists() else None
+    args.dtype = dtype_name(args.dtype)  # every contender in the same dtype: bf16 where native, else fp32
+    vllm_python = args.vllm_python if has_vllm(args.vllm_python) else None
     print(
-        f"# decode throughput; torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"{platform.machine()}; vLLM: {'yes (' + vllm_python + ')' if vllm_python else 'not installed, skipped'}"
+        f"# decode throughput; torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}, "
+        f"CPU {torch.backends.cpu.get_cpu_capability()}; vLLM: "
+        f"{'yes (' + vllm_python + ')' if vllm_python else 'not installed, skipped'}"
     )
     for preset in args.presets:
         bench(preset, args, vllm_python)

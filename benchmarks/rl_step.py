@@ -1,18 +1,19 @@
 """Seconds per RL step and samples/s: moerl's loop vs TRL's GRPOTrainer (in its own venv; the column is skipped
 without it), same checkpoint, prompts and sizes: 16 prompts x group 8 x 16 new tokens, tiny and small presets.
 
-moerl: the full step of ``moerl.loop.train`` (generate with routing capture, rewards, old logprobs with R3,
-one PPO epoch, weight sync), in full mode (bf16 compute, fp32 masters: what TRL's trainer does) and in LoRA mode
-(every linear layer and the experts). The first step is a warm-up; the median of the rest is reported.
-TRL: ``benchmarks/trl_grpo_step.py`` in a subprocess (full fine-tune, bf16 autocast), the same way.
+moerl: the full step of ``moerl.loop.train`` (generate with routing capture, rewards, the training forward with R3,
+one PPO epoch, weight sync), in full mode (fp32 masters: what TRL's trainer does) and in LoRA mode (every linear
+layer and the experts). TRL: ``benchmarks/trl_grpo_step.py`` (full fine-tune). Every contender computes in
+``--dtype`` (auto: bf16 where the CPU multiplies it natively, else fp32; TRL's bf16 is autocast). The first step of
+each run is a warm-up; a run's figure is the median of the rest; each run is a fresh process, ``--rounds`` of them
+per contender interleaved in a rotating order; the table shows the median over rounds and the spread.
 
-Each moerl contender runs in a fresh child process; ``--engines process:1 process:2`` adds rows with the rollouts
-on native engines in their own processes (placement:num_engines), ``vllm:1 vllm:2`` rows with vLLM engines (full
-mode: the CPU build of vLLM serves no MoE LoRA).
+``--engines process:1 process:2`` adds rows with the rollouts on native engines in their own processes
+(placement:num_engines), ``vllm:1 vllm:2`` rows with vLLM engines (full mode: the CPU build of vLLM serves no MoE
+LoRA).
 
-    python benchmarks/rl_step.py [--presets tiny small] [--steps 5] [--trl-python /work/trl-venv/bin/python]
-        [--engines process:1 process:2 vllm:1 vllm:2]
-"""
+    python benchmarks/rl_step.py [--presets tiny small] [--steps 5] [--rounds 1] [--dtype auto]
+        [--modes full lora] [--trl-python /work/trl-venv/bin/python] [--engines process:1 vllm:1]"""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -30,6 +32,7 @@ from contender import run_contender
 
 from moerl.config import load_config
 from moerl.loop import RunConfig, train
+from moerl.precision import dtype_name
 from moerl.presets import init_model
 
 HERE = Path(__file__).resolve().parent
@@ -56,6 +59,7 @@ def child(args) -> None:
             f"model.path={ckpt}",
             f"policy.mode={mode}",
             f"policy.dtype={args.dtype}",
+            f"rollout.dtype={args.dtype}",
             "policy.micro_batch_size=64",
             f"train.steps={args.steps}",
             "train.checkpoint_every=0",
@@ -92,6 +96,8 @@ def trl_step(python: str, ckpt: str, args) -> dict:
         str(args.new_tokens),
         "--steps",
         str(args.steps),
+        "--dtype",
+        args.dtype,
     ]
     return run_contender(cmd)
 
@@ -100,10 +106,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--presets", nargs="+", default=["tiny", "small"])
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=1, help="runs of every contender, interleaved in a rotating order")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=16)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="moerl trainer compute dtype")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="compute dtype of every contender (moerl trainer and engine, TRL); auto: bf16 where native, else fp32",
+    )
+    p.add_argument("--modes", nargs="+", default=["full", "lora"], choices=["full", "lora"])
     p.add_argument("--trl-python", default=os.environ.get("MOERL_TRL_PYTHON", "/work/trl-venv/bin/python"))
     p.add_argument(
         "--engines",
@@ -117,35 +130,52 @@ def main() -> None:
     args = p.parse_args()
     if args.child:
         return child(args)
+    args.dtype = dtype_name(args.dtype)
     trl = args.trl_python if Path(args.trl_python).exists() else None
     print(
-        f"# RL step, {args.prompts} prompts x group {args.group} x {args.new_tokens} new tokens, moerl trainer "
-        f"{args.dtype} (engine bf16); torch "
-        f"{torch.__version__}, {torch.get_num_threads()} threads, cpu {CPU}, {platform.machine()}; TRL: "
+        f"# RL step, {args.prompts} prompts x group {args.group} x {args.new_tokens} new tokens, every contender in "
+        f"{args.dtype}, median of {args.rounds} round(s) x {args.steps - 1} timed steps; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, cpu {CPU}, {platform.machine()}; TRL: "
         f"{'yes' if trl else 'not installed, skipped'}"
     )
-    print("| preset | engine | s/step | samples/s | stages (gen / logprobs / train / sync s) | vs TRL |")
+    print("| preset | engine | s/step (spread) | samples/s | stages (gen / logprobs / train / sync s) | vs TRL |")
     print("|---|---|---|---|---|---|")
     for preset in args.presets:
         with tempfile.TemporaryDirectory() as d:
             ckpt = str(Path(d) / "model")
             init_model("qwen3_moe", preset, ckpt, seed=0)
-            rows = {}
-            for m in ("full", "lora"):
+            contenders = {}
+            for m in args.modes:
                 for where in ["inprocess:1", *args.engines]:
                     placement, n = where.split(":")
                     if placement == "vllm" and m == "lora":
                         continue
                     name = f"moerl {m}" + ("" if where == "inprocess:1" else f" ({placement}, {n} engines)")
-                    rows[name] = moerl_step(ckpt, str(Path(d) / f"{m}-{placement}-{n}"), args, m, placement, int(n))
+                    run_dir = str(Path(d) / f"{m}-{placement}-{n}")
+                    contenders[name] = (ckpt, run_dir, m, placement, int(n))
             if trl:
-                rows["TRL GRPOTrainer"] = trl_step(trl, ckpt, args)
-        ref = rows.get("TRL GRPOTrainer")
-        for name, r in rows.items():
-            st = " / ".join(f"{v:.2f}" for v in r["stages"].values()) if "stages" in r else "-"
-            vs = f"{r['samples_per_s'] / ref['samples_per_s']:.2f}x" if ref else "n/a"
+                contenders["TRL GRPOTrainer"] = None
+            names = list(contenders)
+            rows = {n: [] for n in names}
+            for r in range(args.rounds):
+                for name in names[r % len(names) :] + names[: r % len(names)]:
+                    c = contenders[name]
+                    if c is None:
+                        rows[name].append(trl_step(trl, ckpt, args))
+                    else:
+                        shutil.rmtree(c[1], ignore_errors=True)
+                        rows[name].append(moerl_step(c[0], c[1], args, *c[2:]))
+        ref = statistics.median(x["samples_per_s"] for x in rows["TRL GRPOTrainer"]) if trl else None
+        for name, runs in rows.items():
+            secs = [x["seconds_per_step"] for x in runs]
+            med = statistics.median(secs)
+            st = "-"
+            if "stages" in runs[0]:
+                st = " / ".join(f"{statistics.median(x['stages'][k] for x in runs):.2f}" for k in runs[0]["stages"])
+            sps = args.prompts * args.group / med
+            vs = f"{sps / ref:.2f}x" if ref else "n/a"
             print(
-                f"| {preset} | {name} | {r['seconds_per_step']:.2f} | {r['samples_per_s']:.1f} | {st} | {vs} |",
+                f"| {preset} | {name} | {med:.2f} ({min(secs):.2f}..{max(secs):.2f}) | {sps:.1f} | {st} | {vs} |",
                 flush=True,
             )
 

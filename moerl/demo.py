@@ -22,7 +22,7 @@ def demo_config(run_dir: Path, model_path: Path, rl_steps: int) -> RunConfig:
         model=ModelSection(path=str(model_path)),
         policy=PolicyConfig(
             mode="lora",
-            dtype="bfloat16",
+            dtype="auto",
             lora=LoraConfig(rank=8, alpha=16, layout="shared_outer"),
             optim=OptimConfig(lr=1e-3, schedule="constant", grad_clip=1.0),
             micro_batch_size=128,

@@ -329,7 +329,8 @@ def build_engine(cfg: RunConfig, model_path: Path, engines=None):
         from moerl.rollout.process import EngineSpec
         from moerl.rollout.ray_engine import start_engines
 
-        c, spec = cfg.cluster, EngineSpec(str(model_path), ecfg, mx_scale_mode=mx, threads=engines.engine_threads)
+        c = cfg.cluster
+        spec = EngineSpec(str(model_path), ecfg, r.dtype, mx_scale_mode=mx, threads=engines.engine_threads)
         remote = start_engines(spec, r.num_engines, engines, c.weight_transport, c.engine_restarts)
         return EnginePool(spec, "ray", r.num_engines, remote=remote)
     threads = r.engine_threads or max(1, torch.get_num_threads() // r.num_engines)
@@ -339,6 +340,7 @@ def build_engine(cfg: RunConfig, model_path: Path, engines=None):
         ecfg,
         placement=r.placement,
         num_engines=r.num_engines,
+        dtype=r.dtype,
         mx_scale_mode=mx,
         threads=threads if r.placement == "process" else 0,
         vllm_args=r.vllm_args,

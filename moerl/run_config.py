@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from moerl.config import config_key
 from moerl.envs import check_env_kwargs
 from moerl.errors import ConfigError
+from moerl.precision import DTYPE_NAMES
 from moerl.rollout.pool import PLACEMENTS
 from moerl.trainer import PolicyConfig
 from moerl.trainer.advantages import ESTIMATORS
@@ -52,6 +53,7 @@ class RolloutSection:
     engine_threads: int = 0  # torch threads per engine process (0: this process's threads / num_engines)
     sync_bucket_mb: int = 64  # weight sync goes in buckets of at most this many MiB
     vllm_args: dict = field(default_factory=dict)  # more vllm.LLM arguments (engine=vllm), e.g. enforce_eager: true
+    dtype: str = "auto"  # engine compute dtype: auto (native engines: bf16 where native, else fp32; vLLM: bf16)
 
     def __post_init__(self) -> None:
         _require(
@@ -63,6 +65,7 @@ class RolloutSection:
                 ("engine_threads", self.engine_threads, self.engine_threads >= 0, "must be >= 0 (0: automatic)"),
                 ("sync_bucket_mb", self.sync_bucket_mb, self.sync_bucket_mb >= 1, "must be >= 1"),
                 ("vllm_args", self.vllm_args, not self.vllm_args or self.engine == "vllm", "only with engine: vllm"),
+                ("dtype", self.dtype, self.dtype in DTYPE_NAMES, f"allowed: {', '.join(DTYPE_NAMES)}"),
                 ("prompts_per_step", self.prompts_per_step, self.prompts_per_step >= 1, "must be >= 1"),
                 ("group_size", self.group_size, self.group_size >= 1, "must be >= 1"),
                 ("max_tokens", self.max_tokens, self.max_tokens >= 1, "must be >= 1"),

@@ -33,6 +33,8 @@ BAD_CONFIGS = [
     ("rollout.engine=sglang", r"'rollout.engine'='sglang': allowed: native, vllm"),
     ("rollout.vllm_args={enforce_eager: true}", r"'rollout.vllm_args'=\{'enforce_eager': True\}: only with engine"),
     ("rollout.num_engines=0", r"'rollout.num_engines'=0: must be >= 1"),
+    ("rollout.dtype=float16", r"'rollout.dtype'='float16': allowed: auto, bfloat16, float32"),
+    ("policy.dtype=fp32", r"PolicyConfig.dtype='fp32': allowed: auto, bfloat16, float32"),
     ("parallel.dp=0", r"'parallel.dp'=0: must be >= 1"),
     ("parallel.ep=0", r"'parallel.ep'=0: must be >= 1"),
     ("parallel.pp=0", r"'parallel.pp'=0: must be >= 1"),

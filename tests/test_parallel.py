@@ -94,7 +94,7 @@ def test_one_step_on_two_ranks_is_one_process_step(
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=rtol)
     assert torch.equal(t2["old_logprobs"], t1["old_logprobs"])
     assert t1.keys() == t2.keys()
-    _sync_is_the_trainers(t2, mode)
+    _sync_is_the_trainers(t2, mode, dtype)
     if atol is not None:
         assert torch.allclose(t2["new_logprobs"], t1["new_logprobs"], atol=atol, rtol=0)
         for name in t1:
@@ -109,9 +109,9 @@ def test_one_step_on_two_ranks_is_one_process_step(
         assert float(d.mean()) < 0.02 * float(moved) and float(d.max()) < 0.05, (d, moved)
 
 
-def _sync_is_the_trainers(t: dict, mode: str) -> None:
+def _sync_is_the_trainers(t: dict, mode: str, dtype: str) -> None:
     """What the sharded trainer's weight sync sends (gathered one tensor at a time) is its whole weights: routers
-    fp32 bit for bit, full mode's other weights the masters rounded to bf16, LoRA the adapters of slot 0."""
+    fp32 bit for bit, full mode's other weights the masters in the compute dtype, LoRA the adapters of slot 0."""
     sent = {k.removeprefix("s/"): v for k, v in t.items() if k.startswith("s/")}
     assert sent
     for name, v in sent.items():
@@ -121,7 +121,7 @@ def _sync_is_the_trainers(t: dict, mode: str) -> None:
                 assert torch.equal(v, t[f"w/{path}.lora.{key}"][0]), name
         elif f"w/{name}" in t and (".router." in name or mode == "full"):
             w = t[f"w/{name}"]
-            want = w if ".router." in name else w.to(torch.bfloat16)
+            want = w if ".router." in name else w.to(getattr(torch, dtype))
             assert v.dtype == want.dtype and torch.equal(v, want), name
 
 

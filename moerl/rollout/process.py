@@ -24,6 +24,7 @@ from moerl.child import spawn
 from moerl.engine import EngineConfig, LLMEngine, Request, RequestOutput, SamplingParams
 from moerl.engine.sequence import Completion
 from moerl.errors import EngineError, MoerlError
+from moerl.precision import compute_dtype
 from moerl.rollout.shm import BufferCache, SharedBuffer, layout
 
 
@@ -33,7 +34,7 @@ class EngineSpec:
 
     model: str
     config: EngineConfig = field(default_factory=EngineConfig)
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # auto | bfloat16 | float32 (moerl.precision), resolved where the engine runs
     mx_scale_mode: str | None = None  # mxfp8 policies: quantize the engine's GEMMs the trainer's way
     threads: int = 0  # torch threads of an engine process (0: leave torch's default)
     vllm_args: dict = field(default_factory=dict)  # engine=vllm: more vllm.LLM arguments
@@ -48,7 +49,7 @@ class EngineSpec:
 
 def build_native(spec: EngineSpec) -> LLMEngine:
     """The native engine ``spec`` describes (the same function builds it in process and in an engine process)."""
-    engine = LLMEngine(spec.model, spec.config, dtype=getattr(torch, spec.dtype))
+    engine = LLMEngine(spec.model, spec.config, dtype=compute_dtype(spec.dtype, key="rollout.dtype"))
     if spec.mx_scale_mode is not None:
         from moerl.model.mx import apply_mxfp8
 

@@ -56,7 +56,7 @@ def _llm_args(vllm, spec: EngineSpec) -> dict:
     cfg = spec.config
     return {
         "model": spec.model,
-        "dtype": spec.dtype,
+        "dtype": "bfloat16" if spec.dtype == "auto" else spec.dtype,
         "seed": cfg.seed,
         "max_model_len": cfg.max_model_len,
         "max_num_seqs": cfg.max_num_seqs,

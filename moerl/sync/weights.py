@@ -1,7 +1,7 @@
 """What a policy sends to the engine, by mode, and the in-process transfer in buckets.
 
 - lora: the adapter tensors only (one slot, moerl names), loaded into the engine's adapter ``policy``.
-- full: every weight in bf16, the router (and its correction bias) in fp32, bit for bit.
+- full: every weight in the trainer's compute dtype, the router (and its correction bias) in fp32, bit for bit.
 - mxfp8: the GEMM weights as E4M3 data + E8M0 scales from the same quantizer the trainer uses, the rest as in
   full; the engine dequantizes on apply.
 """
@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from moerl.errors import TrainingStopped
 from moerl.finite import all_finite
@@ -68,9 +69,11 @@ def _own_tensors(policy) -> Iterator[tuple[str, torch.Tensor]]:
             else:  # a ragged last block: send the MX values themselves (bf16 holds them exactly)
                 yield name, mx_fake_quant(t, -1, policy.cfg.mx_scale_mode).to(torch.bfloat16)
         else:
-            own = policy.master.model_params[name]  # bf16 compute in one process: the model holds round(master)
-            whole = own.dtype == torch.bfloat16 and own.shape == t.shape  # not an expert-parallel slice
-            yield name, own.detach() if whole else t.to(torch.bfloat16)
+            # in the compute dtype; in one process the model holds round(master) already
+            own = policy.master.model_params[name]
+            # not an FSDP shard, not an expert-parallel slice
+            whole = not isinstance(own, DTensor) and own.dtype == policy.dtype and own.shape == t.shape
+            yield name, own.detach() if whole else t.to(policy.dtype)
     for name, buf in policy.model.named_buffers():  # e.g. the selection-only router bias
         yield name, buf.detach().clone()
 

@@ -25,12 +25,12 @@ from moerl.parallel.fsdp import clip_grads, gathered, shard_model
 from moerl.parallel.pipeline import Pipeline, Step, plan_stages, prune
 from moerl.parallel.rows import gather_rows, micro_batches, sum_over_ranks
 from moerl.parallel.world import World, agreed_min, full, like, local
+from moerl.precision import compute_dtype, dtype_name
 from moerl.trainer.batch import Batch
 from moerl.trainer.optim import SCHEDULES, MasterWeights, lr_lambda
 from moerl.trainer.packing import Packing, plan_packing
 
 MODES = ("lora", "full", "mxfp8")
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 LossFn = Callable[[torch.Tensor, Batch, torch.Tensor | None], tuple[torch.Tensor, dict[str, float]]]
 
@@ -76,7 +76,7 @@ class PolicyConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     micro_batch_size: int = 8
-    dtype: str = "bfloat16"  # compute dtype of the model (lora: the frozen base; full: the bf16 copy)
+    dtype: str = "auto"  # compute dtype (lora: the frozen base; full: the model copy): auto | bfloat16 | float32
     reference: bool = False  # full / mxfp8: keep a frozen copy for reference logprobs (lora: adapters off)
     max_nan_steps: int = 3  # consecutive non-finite steps that stop training
     mx_scale_mode: str = "rceil"  # mxfp8: floor | rceil
@@ -85,8 +85,7 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"PolicyConfig.mode={self.mode!r}: allowed: {', '.join(MODES)}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"PolicyConfig.dtype={self.dtype!r}: allowed: {', '.join(DTYPES)}")
+        dtype_name(self.dtype, key="PolicyConfig.dtype")  # auto: bf16 where native, else fp32 (moerl.precision)
         if self.micro_batch_size < 1:
             raise ConfigError(f"PolicyConfig.micro_batch_size={self.micro_batch_size}: must be >= 1")
         if self.max_nan_steps < 1:
@@ -152,7 +151,8 @@ class Policy:
         self.cfg = cfg = cfg or PolicyConfig()
         self.checkpoint = Path(checkpoint)
         self.world = world = world or World()
-        sharded, dtype = world.data_size > 1, DTYPES[cfg.dtype]
+        self.dtype = dtype = compute_dtype(cfg.dtype)
+        sharded = world.data_size > 1
         # sharded full / mxfp8: the model's own parameters are the fp32 masters (FSDP gathers them in ``dtype``)
         self.model = load_model(checkpoint, dtype=torch.float32 if sharded and cfg.mode != "lora" else dtype).eval()
         self.ref_model = None
@@ -218,9 +218,7 @@ class Policy:
                     initial[name] = p.detach()
                     p.data = p.data.to(dtype)
         params = dict(self.model.named_parameters())
-        shard_model(
-            self.model, DTYPES[self.cfg.dtype], self.cfg.mode, self.world.data_mesh, {params[n] for n in self.sliced}
-        )
+        shard_model(self.model, self.dtype, self.cfg.mode, self.world.data_mesh, {params[n] for n in self.sliced})
         return initial
 
     def whole(self, name: str, t: torch.Tensor) -> torch.Tensor:
@@ -406,7 +404,7 @@ class Policy:
     def _pipeline_logprobs(self, step: Step) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logprobs (and entropies) of every row through the pipeline, on every rank."""
         batch, pipe = step.batch, self.pipeline
-        out = pipe.run(step, torch.arange(len(batch)), self.cfg.micro_batch_size, DTYPES[self.cfg.dtype])
+        out = pipe.run(step, torch.arange(len(batch)), self.cfg.micro_batch_size, self.dtype)
         lp, ent = (out if step.entropy else (out, None)) if out is not None else (None, None)
         shape = batch.input_ids.shape
         lp = pipe.from_last(lp, shape)
@@ -427,7 +425,7 @@ class Policy:
                 metrics[k] = metrics.get(k, 0.0) + float(v) * real / len(batch)
             return value
 
-        pipe.run(step, torch.arange(len(batch)), self.cfg.micro_batch_size, DTYPES[self.cfg.dtype], loss)
+        pipe.run(step, torch.arange(len(batch)), self.cfg.micro_batch_size, self.dtype, loss)
         total, metrics = pipe.share_json([total, metrics])
         return total, metrics
 
@@ -506,7 +504,7 @@ class Policy:
         weights, _ = self.full_state()
         model = None
         if self.world.driver:
-            model = load_model(self.checkpoint, dtype=DTYPES[self.cfg.dtype]).eval()
+            model = load_model(self.checkpoint, dtype=self.dtype).eval()
             if self.cfg.mode == "lora":
                 attach_lora(model, self.cfg.lora, dtype=torch.float32)
             params = dict(model.named_parameters())
