@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from moerl.allocator import reuse_freed_memory
 from moerl.engine.adapters import AdapterSlots
 from moerl.engine.config import EngineConfig, SamplingParams, int_or_none
 from moerl.engine.kv_cache import KVCache, StepView, bytes_per_block
@@ -37,6 +38,7 @@ class LLMEngine:
         tokenizer=None,
     ):
         self.config = cfg = config or EngineConfig()
+        reuse_freed_memory()  # CPU: decode steps allocate the same buffers again and again (moerl.allocator)
         if not isinstance(model, MoEModel):
             from moerl.bridges import load_model
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from moerl.allocator import reuse_freed_memory
 from moerl.bridges import load_model
 from moerl.errors import ConfigError, TrainingStopped
 from moerl.finite import all_finite
@@ -149,6 +150,7 @@ class Policy:
 
     def __init__(self, checkpoint: str | os.PathLike, cfg: PolicyConfig | None = None, world: World | None = None):
         self.cfg = cfg = cfg or PolicyConfig()
+        reuse_freed_memory()  # CPU: each step frees and allocates the same activations (moerl.allocator)
         self.checkpoint = Path(checkpoint)
         self.world = world = world or World()
         self.dtype = dtype = compute_dtype(cfg.dtype)
