@@ -165,7 +165,9 @@ def main() -> None:
                     else:
                         shutil.rmtree(c[1], ignore_errors=True)
                         rows[name].append(moerl_step(c[0], c[1], args, *c[2:]))
-        ref = statistics.median(x["samples_per_s"] for x in rows["TRL GRPOTrainer"]) if trl else None
+        ref = None
+        if trl:
+            ref = args.prompts * args.group / statistics.median(x["seconds_per_step"] for x in rows["TRL GRPOTrainer"])
         for name, runs in rows.items():
             secs = [x["seconds_per_step"] for x in runs]
             med = statistics.median(secs)
