@@ -9,6 +9,7 @@ import time
 import torch
 
 from moerl.errors import MoerlError
+from moerl.precision import DTYPE_NAMES, compute_dtype
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -100,7 +101,7 @@ def cmd_generate(args) -> None:
 
     params(0)  # bad sampling options fail here, before the model is loaded
     tok = load_tokenizer(args.model_dir)
-    model = load_model(args.model_dir, dtype=DTYPES[args.dtype])
+    model = load_model(args.model_dir, dtype=compute_dtype(args.dtype))
     max_len = args.max_model_len
     if max_len is None:  # the model's window, capped at what these prompts can use: the KV cache is sized by it
         longest = max(len(tok(p)["input_ids"]) for p in args.prompt)
@@ -190,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top-k", type=int, default=0, help="0: off")
     s.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i")
     s.add_argument("--n", type=int, default=1, help="samples per prompt")
-    s.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    s.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, help="auto: bf16 where native, else fp32")
     s.add_argument(
         "--max-model-len",
         type=int,
