@@ -6,6 +6,7 @@ import pytest
 import torch
 from hf_models import ARCHS
 
+from moerl.errors import ReplayError
 from moerl.model.lora import LoraConfig
 from moerl.trainer import Batch, OptimConfig, Policy, PolicyConfig
 from moerl.trainer.losses import sft_loss
@@ -122,3 +123,21 @@ def test_packed_train_step_equals_the_padded_step(mode, hf_checkpoints):
         want, got = (pol.forward_logprobs(batch)[0] for pol in pols)
         assert torch.allclose(got, want, atol=1e-5)
         assert (got - pols[1].forward_logprobs(batch, reference=True)[0]).abs()[::2].max() > 1e-3
+
+
+def test_a_bad_replay_is_named_in_the_batchs_own_shape_when_packed(hf_checkpoints):
+    """The replay is checked before it is packed: one row too many (which packing would otherwise lay out wrongly)
+    and an expert out of range are refused naming the batch's [B, T], not the packed rows'."""
+    cfg = PolicyConfig(mode="full", dtype="float32", micro_batch_size=16)  # one micro-batch: its shape is the batch's
+    pol = Policy(hf_checkpoints["Qwen3MoeForCausalLM"][0], cfg)
+    batch = ragged_batch(replay_of=pol.model)
+    assert plan_packing(batch.attention_mask) is not None
+    b, t = batch.input_ids.shape
+    good = batch.replay
+    batch.replay = torch.cat([good, good[:, :2]], dim=1)  # T + 1 rows
+    with pytest.raises(ReplayError, match=rf"replay has shape \({b}, {t + 1}, .*needs \[B={b}, T={t} or T-1"):
+        pol.forward_logprobs(batch)
+    batch.replay = good.clone()
+    batch.replay[3, 1, 0, 0] = 99
+    with pytest.raises(ReplayError, match=r"model layer 0\) holds expert 99"):
+        pol.forward_logprobs(batch)

@@ -265,7 +265,9 @@ class MoEModel(nn.Module):
         for i in self.moe_layer_ids:
             self.layers[i].mlp.experts.grouped = grouped
 
-    def _check_replay(self, replay: torch.Tensor, b: int, t: int) -> torch.Tensor:
+    def check_replay(self, replay: torch.Tensor, b: int, t: int) -> torch.Tensor:
+        """``replay`` for a forward of [B=b, T=t] tokens, checked (shape, expert range: ReplayError naming them) and
+        given its last row (-1) when it has T-1: int64 [b, t, L_moe, k]."""
         n_moe, k, e = len(self.moe_layer_ids), self.config.top_k, self.config.num_experts
         if (
             replay.ndim != 4
@@ -327,7 +329,7 @@ class MoEModel(nn.Module):
         if positions is None:
             positions = torch.arange(t, device=(input_ids if hidden is None else hidden).device).expand(b, t)
         if replay is not None:
-            replay = self._check_replay(replay, b, t).flatten(0, 1)
+            replay = self.check_replay(replay, b, t).flatten(0, 1)
         x = self.embed_tokens(input_ids) if hidden is None else hidden
         if self.inv_freq.device != x.device:
             self.inv_freq = self.inv_freq.to(x.device)

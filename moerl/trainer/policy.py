@@ -123,11 +123,9 @@ def token_logprobs(logits: torch.Tensor, mb: Batch, temperature: float, entropy:
 def packed_logprobs(model, mb: Batch, pk: Packing, replay: bool, adapters, temperature: float, entropy: bool):
     """``token_logprobs`` of ``mb`` computed on its packed rows ``pk`` (see ``moerl.trainer.packing``)."""
     b, t = mb.input_ids.shape
-    routed = mb.replay if replay else None
-    if routed is not None:
-        if routed.shape[1] == t - 1:  # the last token has no recorded row: it routes itself
-            routed = torch.cat([routed, routed.new_full((b, 1, *routed.shape[2:]), -1)], dim=1)
-        routed = pk.pack(routed, -1)
+    routed = None
+    if replay and mb.replay is not None:  # checked in the batch's own shape, then packed with the tokens
+        routed = pk.pack(model.check_replay(mb.replay, b, t), -1)
     if isinstance(adapters, torch.Tensor):  # a slot per sequence -> per token; padding takes any slot (dropped)
         adapters = pk.pack(adapters[:, None].expand(b, t), int(adapters[0]))
     ids = pk.pack(mb.input_ids, 0)
