@@ -321,6 +321,7 @@ def build_engine(cfg: RunConfig, model_path: Path, engines=None):
         max_lora_rank=lcfg.rank,
         lora_layout=lcfg.layout,
         lora_targets=lcfg.targets,
+        compile_decode=r.compile_decode,
         seed=cfg.train.seed,
     )
     mx = cfg.policy.mx_scale_mode if cfg.policy.mode == "mxfp8" else None

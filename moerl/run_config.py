@@ -54,6 +54,7 @@ class RolloutSection:
     sync_bucket_mb: int = 64  # weight sync goes in buckets of at most this many MiB
     vllm_args: dict = field(default_factory=dict)  # more vllm.LLM arguments (engine=vllm), e.g. enforce_eager: true
     dtype: str = "auto"  # engine compute dtype: auto (native engines: bf16 where native, else fp32; vLLM: bf16)
+    compile_decode: bool = False  # native engines: decode steps through one torch.compile graph (full mode)
 
     def __post_init__(self) -> None:
         _require(
@@ -66,6 +67,13 @@ class RolloutSection:
                 ("sync_bucket_mb", self.sync_bucket_mb, self.sync_bucket_mb >= 1, "must be >= 1"),
                 ("vllm_args", self.vllm_args, not self.vllm_args or self.engine == "vllm", "only with engine: vllm"),
                 ("dtype", self.dtype, self.dtype in DTYPE_NAMES, f"allowed: {', '.join(DTYPE_NAMES)}"),
+                ("compile_decode", self.compile_decode, isinstance(self.compile_decode, bool), "must be true or false"),
+                (
+                    "compile_decode",
+                    self.compile_decode,
+                    not self.compile_decode or self.engine == "native",
+                    "only with engine: native (vLLM compiles its own graphs)",
+                ),
                 ("prompts_per_step", self.prompts_per_step, self.prompts_per_step >= 1, "must be >= 1"),
                 ("group_size", self.group_size, self.group_size >= 1, "must be >= 1"),
                 ("max_tokens", self.max_tokens, self.max_tokens >= 1, "must be >= 1"),
@@ -238,6 +246,11 @@ class RunConfig:
                 f"rollout.placement={r.placement!r} with cluster.backend: ray: the engines are Ray actors "
                 "(cluster.placement says where)"
             )
+        if r.compile_decode and self.policy.mode != "full":
+            raise ConfigError(
+                f"config key 'rollout.compile_decode'=true with policy.mode={self.policy.mode!r}: the compiled decode "
+                "step covers the base model only (LoRA and MXFP8 engines decode eager)"
+            )
         batch = r.prompts_per_step * r.group_size
         if a.mini_batches > batch:
             raise ConfigError(
@@ -271,6 +284,7 @@ MUTABLE = (
     "rollout.num_engines",
     "rollout.engine_threads",
     "rollout.sync_bucket_mb",
+    "rollout.compile_decode",
     "parallel.dp",  # a checkpoint holds whole tensors: any dp or ep size loads it
     "parallel.ep",
     "parallel.pp",

@@ -34,6 +34,7 @@ BAD_CONFIGS = [
     ("rollout.vllm_args={enforce_eager: true}", r"'rollout.vllm_args'=\{'enforce_eager': True\}: only with engine"),
     ("rollout.num_engines=0", r"'rollout.num_engines'=0: must be >= 1"),
     ("rollout.dtype=float16", r"'rollout.dtype'='float16': allowed: auto, bfloat16, float32"),
+    ("rollout.compile_decode=true", r"'rollout.compile_decode'=true with policy.mode='lora': .*base model only"),
     ("policy.dtype=fp32", r"PolicyConfig.dtype='fp32': allowed: auto, bfloat16, float32"),
     ("parallel.dp=0", r"'parallel.dp'=0: must be >= 1"),
     ("parallel.ep=0", r"'parallel.ep'=0: must be >= 1"),

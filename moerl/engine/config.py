@@ -113,6 +113,7 @@ class EngineConfig:
     lora_layout: str = "per_expert"
     lora_targets: list[str] | None = None  # None: every linear layer and the experts
     fused_lora: bool = True  # False: the naive per-expert, per-adapter reference path
+    compile_decode: bool = False  # decode steps through one torch.compile graph (moerl.engine.compiled)
     seed: int = 0
     progress: bool | None = None  # tokens/s bar; None: on for long generations when stderr is a terminal
 
@@ -122,5 +123,12 @@ class EngineConfig:
                 raise ConfigError(f"EngineConfig.{name}={getattr(self, name)!r}: must be >= 1")
         if self.max_loras < 0:
             raise ConfigError(f"EngineConfig.max_loras={self.max_loras!r}: must be >= 0")
+        if not isinstance(self.compile_decode, bool):
+            raise ConfigError(f"EngineConfig.compile_decode={self.compile_decode!r}: must be True or False")
+        if self.compile_decode and self.max_loras:
+            raise ConfigError(
+                f"EngineConfig.compile_decode=True with max_loras={self.max_loras}: the compiled decode step covers "
+                "the base model only (LoRA decodes eager: set compile_decode=False)"
+            )
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ConfigError(f"EngineConfig.kv_cache_bytes={self.kv_cache_bytes!r}: must be >= 1")

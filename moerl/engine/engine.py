@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from moerl.allocator import reuse_freed_memory
 from moerl.engine.adapters import AdapterSlots
+from moerl.engine.compiled import CompiledDecode
 from moerl.engine.config import EngineConfig, SamplingParams, int_or_none
 from moerl.engine.kv_cache import KVCache, StepView, bytes_per_block
 from moerl.engine.sampler import sample, sequence_generator
@@ -67,11 +68,12 @@ class LLMEngine:
                     f"({per_block} bytes per {cfg.block_size}-token block); raise the budget or lower max_model_len"
                 )
         device = model.embed_tokens.weight.device
-        self.cache = KVCache(mcfg, num_blocks, cfg.block_size, model.dtype, device)
+        self.cache = KVCache(mcfg, num_blocks, cfg.block_size, model.dtype, device, scratch=cfg.compile_decode)
         self.kv_cache_bytes = self.cache.nbytes
         self.scheduler = Scheduler(cfg, self.cache)
         self.adapters = AdapterSlots(model, cfg) if cfg.max_loras else None
         model.set_expert_path(grouped=cfg.fused_lora)
+        self.compiled = CompiledDecode(model, self.cache, cfg.capture_routing) if cfg.compile_decode else None
         self.weight_version = 0
         self._staged: dict[str, torch.Tensor] = {}
         self.generator = torch.Generator().manual_seed(cfg.seed)
@@ -277,23 +279,23 @@ class LLMEngine:
         )
         lengths = torch.tensor([n for _, n in batch])
         ids, positions, tables, lengths = (t.to(device) for t in (ids, positions, tables, lengths))
-        view = StepView(self.cache, tables, positions, lengths)
-        adapters = None
-        if self.adapters is not None:
-            adapters = torch.tensor([s.group.adapter_slot for s, _ in batch], device=device)
-        out = self.model(
-            ids,
-            positions=positions,
-            capture=self.config.capture_routing,
-            adapters=adapters,
-            cache=view,
-            logits_index=lengths - 1,
-        )
-        routed = (
-            out.routed.to(torch.uint8 if self.model.config.num_experts <= 256 else torch.int16).cpu()
-            if out.routed is not None
-            else None
-        )
+        if kind == "decode" and self.compiled is not None:
+            all_logits, routed = self.compiled.step(ids, positions, tables)
+        else:
+            adapters = None
+            if self.adapters is not None:
+                adapters = torch.tensor([s.group.adapter_slot for s, _ in batch], device=device)
+            out = self.model(
+                ids,
+                positions=positions,
+                capture=self.config.capture_routing,
+                adapters=adapters,
+                cache=StepView(self.cache, tables, positions, lengths),
+                logits_index=lengths - 1,
+            )
+            all_logits, routed = out.logits, out.routed
+        if routed is not None:
+            routed = routed.to(torch.uint8 if self.model.config.num_experts <= 256 else torch.int16).cpu()
         to_sample: list[tuple[Sequence, int]] = []
         for r, (s, n) in enumerate(batch):
             s.num_cached += n
@@ -310,7 +312,7 @@ class LLMEngine:
         if not to_sample:
             return 0
         seqs = [s for s, _ in to_sample]
-        rows = out.logits[[r for _, r in to_sample]]
+        rows = all_logits[[r for _, r in to_sample]]
         finite = rows.isfinite().all(-1)  # one vectorised check per step, on the rows being sampled only
         logits, finite = rows.cpu(), finite.cpu()
         if not bool(finite.all()):

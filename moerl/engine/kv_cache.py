@@ -59,10 +59,14 @@ class KVCache:
     attention reads contiguous per head, so one ``index_select`` gathers them in the layout the matmul wants.
     """
 
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device="cpu"):
+    def __init__(
+        self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device="cpu", scratch=False
+    ):
         heads, dk, dv = kv_shape(cfg)
         self.block_size, self.num_blocks = block_size, num_blocks
-        n = num_blocks * block_size
+        # ``scratch``: one more block, never allocated, that the padding rows of a compiled decode step write to
+        self.scratch_block = num_blocks if scratch else None
+        n = (num_blocks + scratch) * block_size
         self.k = [torch.zeros(heads, n, dk, dtype=dtype, device=device) for _ in cfg.layer_types]
         self.v = [torch.zeros(heads, n, dv, dtype=dtype, device=device) for _ in cfg.layer_types]
         self.nbytes = sum(t.numel() * t.element_size() for t in self.k + self.v)

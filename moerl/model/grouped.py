@@ -12,11 +12,18 @@ class Groups:
     per group, and per-call overhead dominates when groups are small (decode); there a single bmm over a
     capacity-padded ``[groups, max rows, K]`` buffer is faster. It is used while groups average <= 64 rows and
     padding at most quadruples the work; large groups (prefill) keep the per-group GEMMs.
+
+    Inside a ``torch.compile`` graph the choice depends on the data, so there the grouped GEMM is one opaque op
+    (``moerl::group_mm``) that makes it when it runs.
     """
 
-    __slots__ = ("offs", "padded", "group", "pos", "cap")
+    __slots__ = ("offs", "padded", "group", "pos", "cap", "keys", "n_groups", "opaque")
 
     def __init__(self, keys: torch.Tensor, n_groups: int):
+        self.keys, self.n_groups = keys, n_groups
+        self.opaque = torch.compiler.is_compiling()
+        if self.opaque:
+            return
         counts = torch.bincount(keys, minlength=n_groups)
         ends = counts.cumsum(0)
         self.offs = ends.to(torch.int32)
@@ -30,8 +37,21 @@ class Groups:
 
 def group_mm(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
     """Row block g of ``x`` [M, K] (rows sorted by group) times ``w[g]`` [K, N] -> [M, N]."""
+    if groups.opaque:
+        return _group_mm_op(x, w, groups.keys, groups.n_groups)
     if not groups.padded:
         return torch._grouped_mm(x, w, offs=groups.offs)
     buf = x.new_zeros(w.shape[0], groups.cap, x.shape[1])
     buf[groups.group, groups.pos] = x
     return torch.bmm(buf, w)[groups.group, groups.pos]
+
+
+@torch.library.custom_op("moerl::group_mm", mutates_args=())
+def _group_mm_op(x: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """``group_mm`` as one op a compiled graph calls (inference only: no autograd formula is registered)."""
+    return group_mm(x, w, Groups(keys, n_groups))
+
+
+@_group_mm_op.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_groups: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[2])

@@ -23,7 +23,7 @@ from moerl import errors
 from moerl.child import spawn
 from moerl.engine import EngineConfig, LLMEngine, Request, RequestOutput, SamplingParams
 from moerl.engine.sequence import Completion
-from moerl.errors import EngineError, MoerlError
+from moerl.errors import ConfigError, EngineError, MoerlError
 from moerl.precision import compute_dtype
 from moerl.rollout.shm import BufferCache, SharedBuffer, layout
 
@@ -49,6 +49,8 @@ class EngineSpec:
 
 def build_native(spec: EngineSpec) -> LLMEngine:
     """The native engine ``spec`` describes (the same function builds it in process and in an engine process)."""
+    if spec.mx_scale_mode is not None and spec.config.compile_decode:
+        raise ConfigError("rollout.compile_decode with an mxfp8 policy: not built (MXFP8 engines decode eager)")
     engine = LLMEngine(spec.model, spec.config, dtype=compute_dtype(spec.dtype, key="rollout.dtype"))
     if spec.mx_scale_mode is not None:
         from moerl.model.mx import apply_mxfp8
