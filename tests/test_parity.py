@@ -116,3 +116,20 @@ def test_deepseek_without_q_lora_matches(tmp_path):
     ids = _ids()
     with torch.no_grad():
         assert (model(ids).logits - hf(ids).logits).abs().max().item() <= FP32_TOL
+
+
+def test_mla_latent_norms_use_deepseeks_fixed_eps(tmp_path):
+    """transformers builds q_a_layernorm / kv_a_layernorm with eps 1e-6 whatever rms_norm_eps is. At
+    rms_norm_eps=1e-5, fp32: measured 1.2e-7 with the fixed eps, 8.2e-5 with the latent norms at rms_norm_eps (the
+    negative control), which FP32_TOL would let through: hence 1e-5 here."""
+    hf = build_hf_model("DeepseekV3ForCausalLM", rms_norm_eps=1e-5)
+    hf.save_pretrained(tmp_path)
+    model = load_model(tmp_path, dtype=torch.float32)
+    assert model.config.rms_norm_eps == 1e-5
+    ids = _ids()
+    with torch.no_grad():
+        ref = hf(ids).logits
+        assert (model(ids).logits - ref).abs().max() <= 1e-5
+        for layer in model.layers:
+            layer.self_attn.q_a_layernorm.eps = layer.self_attn.kv_a_layernorm.eps = 1e-5
+        assert (model(ids).logits - ref).abs().max() > 1e-5

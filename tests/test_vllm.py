@@ -78,7 +78,7 @@ def _routers(policy, engine):
     masters, out = policy.master.master, []
     for name, master in masters.items():
         if name.endswith("router.weight"):
-            ((hf, _),) = to_hf(engine.bridge, name, master)
+            ((hf, _),) = to_hf(engine.bridge, name, master, engine.model_config)
             out.append((master, masters.get(name.replace(".weight", ".bias")), hf.removesuffix(".weight")))
     return out
 

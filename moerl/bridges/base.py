@@ -18,14 +18,21 @@ class Rule:
 
     Placeholders: ``{i}`` layer index, ``{e}`` expert index (the HF tensor is expert e's slice of the 3D
     moerl tensor), ``{x}`` any dotted path. ``part`` = "gate" | "up" selects that half of the
-    ``gate_up_proj`` rows. ``load`` / ``save`` transform the tensor on the way in / out.
+    ``gate_up_proj`` rows. ``load(tensor, cfg)`` / ``save(tensor, cfg)`` transform the tensor on the way in / out
+    (``cfg``: the ModelConfig, for per-head permutations and the like).
+
+    A LoRA adapter of the same module must follow the transform: ``rows(B, cfg)`` / ``rows_save(B, cfg)`` apply
+    the reordering of the parameter's output rows that ``load`` / ``save`` make to LoRA B factors ``[..., out, r]``
+    (PEFT import / export). A rule with ``load`` but no ``rows`` takes no adapters (refused by name).
     """
 
     hf: str
     moerl: str
     part: str | None = None
-    load: Callable[[torch.Tensor], torch.Tensor] | None = None
-    save: Callable[[torch.Tensor], torch.Tensor] | None = None
+    load: Callable[[torch.Tensor, ModelConfig], torch.Tensor] | None = None
+    save: Callable[[torch.Tensor, ModelConfig], torch.Tensor] | None = None
+    rows: Callable[[torch.Tensor, ModelConfig], torch.Tensor] | None = None
+    rows_save: Callable[[torch.Tensor, ModelConfig], torch.Tensor] | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "_hf_re", _compile(self.hf))
@@ -89,10 +96,6 @@ class Bridge:
     preset_config: Callable[[Preset], dict]
     rules: tuple[Rule, ...] = ()
     ignore: Callable[[str, ModelConfig], bool] = field(default=lambda name, cfg: False)
-    # HF order of gate_up's output rows -> moerl's (gate rows, then up rows), for LoRA B factors [..., 2I, r];
-    # and back, for export
-    gate_up_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
-    gate_up_rows_save: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def all_rules(self) -> tuple[Rule, ...]:
@@ -185,7 +188,14 @@ def layer_types(c: HFConfig, num_layers: int, all_sliding: bool = False) -> tupl
     window = c.opt("sliding_window", int)
     types = c.opt("layer_types", list)
     if types is not None:
-        kinds = ["sliding" if t == "sliding_attention" else "full" for t in types]
+        known = {"full_attention": "full", "sliding_attention": "sliding"}
+        unknown = [t for t in types if t not in known]
+        if unknown:  # e.g. linear_attention (hybrid models): no such layer in the generic decoder
+            raise ConfigError(
+                f"{c.source}: field 'layer_types' holds {unknown[0]!r} (layer {types.index(unknown[0])}); "
+                f"allowed: {', '.join(known)}"
+            )
+        kinds = [known[t] for t in types]
         return kinds, (window if "sliding" in kinds else None)
     if all_sliding and window:
         return ["sliding"] * num_layers, window

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from moerl.bridges.base import Bridge, HFConfig, Rule, match
 from moerl.bridges.registry import get_bridge
 from moerl.errors import CheckpointError
+from moerl.model.config import ModelConfig
 from moerl.model.transformer import MoEModel
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -156,7 +157,7 @@ def load_model(
             rule, _, target, dest = place
             tensor = load()
             if rule.load is not None:
-                tensor = rule.load(tensor)
+                tensor = rule.load(tensor, cfg)
             if tuple(tensor.shape) != tuple(dest.shape):
                 raise CheckpointError(
                     f"tensor {name!r} in {file.name} has shape {tuple(tensor.shape)}, "
@@ -169,7 +170,7 @@ def load_model(
         hf_name
         for target, n in filled.items()
         if n < params[target].numel()
-        for hf_name, _ in to_hf(bridge, target, params[target])
+        for hf_name, _ in to_hf(bridge, target, params[target], cfg)
         if hf_name not in seen
     ]
     if missing:
@@ -178,13 +179,18 @@ def load_model(
     return model
 
 
-def to_hf(bridge: Bridge, name: str, tensor: torch.Tensor):
-    """(hf_name, tensor) pairs that hold moerl parameter ``name``."""
+def moerl_rules(bridge: Bridge, name: str) -> list[tuple[Rule, dict]]:
+    """The rules (and placeholder values) that write moerl parameter ``name``: the bridge's own, else the common."""
     own = [(r, g) for r in bridge.rules if (g := match(r._moerl_re, name)) is not None]
     if not own:
         common = bridge.all_rules[len(bridge.rules) :]
         own = [next((r, g) for r in common if (g := match(r._moerl_re, name)) is not None)]
-    for rule, groups in own:
+    return own
+
+
+def to_hf(bridge: Bridge, name: str, tensor: torch.Tensor, cfg: ModelConfig):
+    """(hf_name, tensor) pairs that hold moerl parameter ``name`` (``cfg``: the model's config, for transforms)."""
+    for rule, groups in moerl_rules(bridge, name):
         experts = range(tensor.shape[0]) if "{e}" in rule.hf else [None]
         for e in experts:
             t = tensor if e is None else tensor[e]
@@ -192,7 +198,7 @@ def to_hf(bridge: Bridge, name: str, tensor: torch.Tensor):
                 half = t.shape[-2] // 2
                 t = t[..., :half, :] if rule.part == "gate" else t[..., half:, :]
             if rule.save is not None:
-                t = rule.save(t)
+                t = rule.save(t, cfg)
             yield rule.hf.format(**groups, **({} if e is None else {"e": e})), t
 
 
@@ -218,7 +224,7 @@ def export_model(
     for name, tensor in state.items():
         if ".lora." in name:
             continue
-        for hf_name, t in to_hf(bridge, name, tensor.detach()):
+        for hf_name, t in to_hf(bridge, name, tensor.detach(), model.config):
             nbytes = t.numel() * t.element_size()
             if shards[-1] and size + nbytes > max_shard_bytes:
                 shards.append({})

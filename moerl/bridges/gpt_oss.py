@@ -76,23 +76,26 @@ BRIDGE = register(
             Rule(
                 "model.layers.{i}.mlp.experts.gate_up_proj",
                 "layers.{i}.mlp.experts.gate_up_proj",
-                load=lambda t: _deinterleave(t).transpose(1, 2),
-                save=lambda t: _interleave(t.transpose(1, 2)),
+                load=lambda t, cfg: _deinterleave(t).transpose(1, 2),
+                save=lambda t, cfg: _interleave(t.transpose(1, 2)),
+                # LoRA B [..., 2I, r]: the same gate / up de-interleave, on the rows
+                rows=lambda b, cfg: _deinterleave(b.transpose(-1, -2)).transpose(-1, -2),
+                rows_save=lambda b, cfg: _interleave(b.transpose(-1, -2)).transpose(-1, -2),
             ),
             Rule(
                 "model.layers.{i}.mlp.experts.gate_up_proj_bias",
                 "layers.{i}.mlp.experts.gate_up_proj_bias",
-                load=_deinterleave,
-                save=_interleave,
+                load=lambda t, cfg: _deinterleave(t),
+                save=lambda t, cfg: _interleave(t),
             ),
             Rule(
                 "model.layers.{i}.mlp.experts.down_proj",
                 "layers.{i}.mlp.experts.down_proj",
-                load=lambda t: t.transpose(1, 2),
-                save=lambda t: t.transpose(1, 2),
+                load=lambda t, cfg: t.transpose(1, 2),
+                save=lambda t, cfg: t.transpose(1, 2),
+                rows=lambda b, cfg: b,  # a transpose of the layout: the rows of [E, H, I] keep their order
+                rows_save=lambda b, cfg: b,
             ),
         ),
-        gate_up_rows=lambda b: _deinterleave(b.transpose(-1, -2)).transpose(-1, -2),
-        gate_up_rows_save=lambda b: _interleave(b.transpose(-1, -2)).transpose(-1, -2),
     )
 )

@@ -35,6 +35,30 @@ def _pattern_value(patterns: dict, key: str, default):
     return default
 
 
+def _rows(rule, cfg, b: torch.Tensor, save: bool = False) -> torch.Tensor:
+    """LoRA B ``b`` [..., out, r] with the output-row reordering ``rule``'s transform makes to its parameter (PEFT
+    import; ``save``: export). A rule that transforms its tensor without saying how (``Rule.rows``) is refused."""
+    fn, transform = (rule.rows_save, rule.save) if save else (rule.rows, rule.load)
+    if fn is None and transform is not None:
+        raise CheckpointError(
+            f"LoRA adapter on {rule.hf!r}: the bridge's rule for it transforms the weight on "
+            f"{'export' if save else 'load'} but does not say how the adapter's rows follow (Rule.rows"
+            f"{'_save' if save else ''}); adapters on this module are not supported"
+        )
+    return b if fn is None else fn(b, cfg)
+
+
+def _rows_of(rules: list, cfg, b: torch.Tensor) -> torch.Tensor:
+    """``_rows`` on export for a parameter the checkpoint holds as one tensor (one rule) or as several (per-expert
+    gate / up parts), where no part may transform."""
+    if len(rules) == 1:
+        return _rows(rules[0][0], cfg, b, save=True)
+    moving = [r.hf for r, _ in rules if r.save is not None or r.rows_save is not None]
+    if moving:
+        raise CheckpointError(f"LoRA adapter on {moving[0]!r}: a transform on one part of a split tensor: not built")
+    return b
+
+
 def read_peft_adapter(path: str | os.PathLike, model) -> dict[str, torch.Tensor]:
     """moerl-named adapter tensors (scales folded into B) for ``model`` from a PEFT adapter directory."""
     path = Path(path)
@@ -86,6 +110,7 @@ def read_peft_adapter(path: str | os.PathLike, model) -> dict[str, torch.Tensor]
         place = resolve(bridge, params, f"{experts_module}.gate_up_proj")
         if experts_module.endswith("experts") and place is not None:  # a ParamWrapper on the 3D experts
             moerl_module = place[2].removesuffix(".gate_up_proj")
+            down_place = resolve(bridge, params, f"{experts_module}.down_proj")
             e, h, i = mcfg.num_experts, mcfg.hidden_size, mcfg.moe_intermediate_size
             rank = a.shape[0] // e
             if rank == 0 or a.shape[0] % e:
@@ -98,9 +123,9 @@ def read_peft_adapter(path: str | os.PathLike, model) -> dict[str, torch.Tensor]
             is_gate_up = b.shape[0] == 2 * i if 2 * i != h else a.shape[1] == h
             name = "gate_up_proj" if is_gate_up else "down_proj"
             b_e = b_e * scale(f"{experts_module}.{name}", rank)
+            rule = place[0] if is_gate_up else down_place[0]
+            b_e = _rows(rule, mcfg, b_e)
             if is_gate_up:
-                if bridge.gate_up_rows is not None:
-                    b_e = bridge.gate_up_rows(b_e)
                 out[f"{moerl_module}.gate_up_A"], out[f"{moerl_module}.gate_up_B"] = a_e, b_e
             else:
                 out[f"{moerl_module}.down_A"], out[f"{moerl_module}.down_B"] = a_e, b_e
@@ -113,7 +138,7 @@ def read_peft_adapter(path: str | os.PathLike, model) -> dict[str, torch.Tensor]
                 f"{model.hf_config['architectures'][0]} model"
             )
         rule, groups, target, _ = place
-        b = b * scale(hf_module, a.shape[0])
+        b = _rows(rule, mcfg, b * scale(hf_module, a.shape[0]))
         if "e" in groups:  # one expert's linear layer (pre-v5 layout)
             part = rule.part or "down"
             per_expert[(target.rsplit(".", 1)[0], part, int(groups["e"]))] = (a, b)
@@ -158,7 +183,7 @@ def write_peft_adapter(model, out_dir: str | os.PathLike, slot: int = 0) -> Path
     shared layout. Dense-MLP and shared-expert adapters are refused: on transformers v5 MoE models PEFT maps
     every ``gate_proj`` / ``up_proj`` / ``down_proj`` target to the fused experts, so it cannot load them.
     """
-    from moerl.bridges.checkpoint import to_hf
+    from moerl.bridges.checkpoint import moerl_rules, to_hf
     from moerl.model.lora import LinearLora, lora_modules
 
     bridge = get_bridge(model.hf_config)
@@ -173,8 +198,10 @@ def write_peft_adapter(model, out_dir: str | os.PathLike, slot: int = 0) -> Path
                     f"(export_model(..., state_dict=merged_state_dict(model))) or leave dense MLPs out of lora.targets"
                 )
             weight = model.get_parameter(f"{path}.weight")
-            hf_name = next(iter(to_hf(bridge, f"{path}.weight", weight)))[0].removesuffix(".weight")
+            hf_name = next(iter(to_hf(bridge, f"{path}.weight", weight, model.config)))[0].removesuffix(".weight")
+            ((rule, _),) = moerl_rules(bridge, f"{path}.weight")
             a, b = lora.lora_A[slot].detach().float(), lora.lora_B[slot].detach().float() * s
+            b = _rows(rule, model.config, b, save=True)
             tensors[f"{PREFIX}{hf_name}.lora_A.weight"], tensors[f"{PREFIX}{hf_name}.lora_B.weight"] = a, b
             target_modules.add(hf_name.rsplit(".", 1)[-1])
             linear_ranks.add(a.shape[0])
@@ -186,8 +213,8 @@ def write_peft_adapter(model, out_dir: str | os.PathLike, slot: int = 0) -> Path
         if gu_a.ndim == 2:  # shared_outer: the shared factors, once per expert
             gu_a, dn_b = gu_a.expand(e, *gu_a.shape), dn_b.expand(e, *dn_b.shape)
         gu_b, dn_b = gu_b * s, dn_b * s
-        if bridge.gate_up_rows_save is not None:
-            gu_b = bridge.gate_up_rows_save(gu_b)
+        gu_b = _rows_of(moerl_rules(bridge, f"{path}.gate_up_proj"), model.config, gu_b)
+        dn_b = _rows_of(moerl_rules(bridge, f"{path}.down_proj"), model.config, dn_b)
         rank = gu_a.shape[1]
         hf_experts = f"model.{path}"  # transformers v5 keeps the experts module at model.layers.{i}.mlp.experts
         for name, a, b in ((f"{hf_experts}.base_layer", gu_a, gu_b), (hf_experts, dn_a, dn_b)):

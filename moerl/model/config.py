@@ -118,6 +118,71 @@ class ModelConfig:
             raise bad("num_kv_heads", f"must divide num_heads={self.num_heads}")
         if self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
             raise bad("n_group", f"must divide num_experts and be >= topk_group={self.topk_group}")
+        self._validate_unused()
+
+    def _validate_unused(self) -> None:
+        """Refuse every field the decoder would accept and then ignore (a model computed wrongly, silently)."""
+        from moerl.errors import ConfigError
+
+        def bad(name: str, why: str) -> ConfigError:
+            return ConfigError(f"ModelConfig.{name}={getattr(self, name)!r}: {why}")
+
+        positive = ["vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_position_embeddings"]
+        positive += ["head_dim"] if self.attention == "gqa" else ["kv_lora_rank", "qk_rope_head_dim", "v_head_dim"]
+        if self.moe_layers:
+            positive += ["num_experts", "moe_intermediate_size"]
+        if len(self.moe_layers) < self.num_layers:
+            positive.append("intermediate_size")  # the dense MLP layers
+        for name in positive:
+            if not getattr(self, name) >= 1:
+                raise bad(name, "must be >= 1")
+        if not self.rms_norm_eps > 0:
+            raise bad("rms_norm_eps", "must be > 0")
+        if len(set(self.moe_layers)) != len(self.moe_layers):
+            raise bad("moe_layers", "holds an index twice")
+        # attention
+        if self.attention == "gqa":
+            for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                if getattr(self, name):
+                    raise bad(name, "multi-head latent attention field set with attention='gqa'")
+            if self.rope_interleave:
+                raise bad("rope_interleave", "interleaved rotary pairs are built for attention='mla' only")
+            if self.rope_dim is not None and not (0 < self.rope_dim <= self.head_dim and self.rope_dim % 2 == 0):
+                raise bad("rope_dim", f"must be even and lie in [2, head_dim={self.head_dim}]")
+        else:
+            for name, value, default in (
+                ("qk_norm", self.qk_norm, "none"),
+                ("clip_qkv", self.clip_qkv, None),
+                ("attention_sinks", self.attention_sinks, False),
+                ("rope_dim", self.rope_dim, None),
+            ):
+                if value != default:
+                    raise bad(name, f"not built for attention='mla' (only {default!r})")
+        if self.clip_qkv is not None and not self.clip_qkv > 0:
+            raise bad("clip_qkv", "must be > 0 (or None)")
+        if self.sliding_window is not None and "sliding" not in self.layer_types:
+            raise bad("sliding_window", "set, but no layer is 'sliding' (layer_types): it would be ignored")
+        # router
+        if self.topk_before_softmax:
+            for name, value, default in (
+                ("scoring", self.scoring, "softmax"),
+                ("norm_topk_prob", self.norm_topk_prob, False),  # the softmax over k already sums to 1
+                ("score_correction_bias", self.score_correction_bias, False),
+                ("n_group", self.n_group, 1),
+            ):
+                if value != default:
+                    raise bad(name, f"not built with topk_before_softmax=True (only {default!r})")
+        if self.scoring == "softmax" and self.score_correction_bias:
+            raise bad("score_correction_bias", "a selection-only bias is built for scoring='sigmoid' only")
+        if self.scoring == "softmax" and self.n_group > 1:
+            raise bad("n_group", "group-limited routing is built for scoring='sigmoid' only")
+        if not self.routed_scaling_factor > 0:
+            raise bad("routed_scaling_factor", "must be > 0")
+        # experts
+        if self.activation == "silu" and (self.swiglu_alpha, self.swiglu_limit) != (1.702, 7.0):
+            raise bad("activation", "swiglu_alpha / swiglu_limit set: only activation='swiglu_clamped' uses them")
+        if self.shared_expert_gate and not self.shared_expert_size:
+            raise bad("shared_expert_gate", "a gate for a shared expert that does not exist (shared_expert_size=0)")
 
     @property
     def moe_layer_set(self) -> frozenset[int]:

@@ -123,6 +123,9 @@ class Attention(nn.Module):
         return self.o_proj(attend(q.transpose(1, 2), k, v, mask, self.scale, self.sinks))
 
 
+MLA_NORM_EPS = 1e-6  # the latent norms' epsilon: fixed in DeepSeek's reference code, whatever rms_norm_eps says
+
+
 class MLAttention(nn.Module):
     """Multi-head latent attention (DeepSeek-V3): low-rank q and a shared compressed kv latent."""
 
@@ -134,12 +137,12 @@ class MLAttention(nn.Module):
         qk_dim = self.nope + self.rope_dim
         if cfg.q_lora_rank:
             self.q_a_proj = Linear(h, cfg.q_lora_rank, bias=cfg.qkv_bias)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, MLA_NORM_EPS)
             self.q_b_proj = Linear(cfg.q_lora_rank, nh * qk_dim, bias=False)
         else:
             self.q_proj = Linear(h, nh * qk_dim, bias=False)
         self.kv_a_proj_with_mqa = Linear(h, cfg.kv_lora_rank + self.rope_dim, bias=cfg.qkv_bias)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, MLA_NORM_EPS)
         self.kv_b_proj = Linear(cfg.kv_lora_rank, nh * (self.nope + self.v_dim), bias=False)
         self.o_proj = Linear(nh * self.v_dim, h, bias=cfg.o_bias)
         self.interleave = cfg.rope_interleave

@@ -97,6 +97,7 @@ class VLLMEngine:
         if num_engines < 1:
             raise ConfigError(f"rollout.num_engines={num_engines}: must be >= 1")
         vllm = _import_vllm()
+        from moerl.bridges.base import HFConfig
         from moerl.bridges.checkpoint import load_tokenizer, read_config
         from moerl.bridges.registry import get_bridge
         from moerl.rollout.vllm_plugin import ENV
@@ -121,7 +122,9 @@ class VLLMEngine:
             self.close()
             raise
         self.tokenizer = load_tokenizer(spec.model)
-        self.bridge = get_bridge(read_config(spec.model), source=spec.model)
+        hf_config = read_config(spec.model)
+        self.bridge = get_bridge(hf_config, source=spec.model)
+        self.model_config = self.bridge.config_from_hf(HFConfig(hf_config, spec.model))  # for the rules' transforms
         self._sampling = vllm.SamplingParams
         self._tokens_prompt = vllm.inputs.TokensPrompt
 
@@ -208,7 +211,7 @@ class VLLMEngine:
 
         if any(n.endswith(MX_SCALE) for n in tensors):
             raise ConfigError("a vLLM engine takes no MXFP8 weights (see rollout.engine=native)")
-        hf = {h: t for name, x in tensors.items() for h, t in to_hf(self.bridge, name, x)}
+        hf = {h: t for name, x in tensors.items() for h, t in to_hf(self.bridge, name, x, self.model_config)}
         layout = self.weights.put(hf, append=True)
         self._each(lambda llm: llm.collective_rpc("moerl_stage", args=(layout,)))
         self.weights.buf.unlink()  # every worker has mapped it

@@ -1,0 +1,88 @@
+"""Nothing accepted that is then ignored: every ModelConfig combination the decoder does not implement is refused by
+name, and so are HF layer types it has no layer for."""
+
+import dataclasses
+
+import pytest
+
+from moerl.bridges import HFConfig, bridge_for_arch
+from moerl.errors import ConfigError
+from moerl.model.config import ModelConfig
+
+GQA = dict(
+    vocab_size=32,
+    hidden_size=16,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=4,
+    intermediate_size=32,
+    num_experts=4,
+    top_k=2,
+    moe_intermediate_size=8,
+    moe_layers=[1],
+)
+MLA = GQA | dict(attention="mla", head_dim=0, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4)
+
+REFUSED = [
+    # (base, overrides, field named, why)
+    (GQA, dict(rope_interleave=True), "rope_interleave", "built for attention='mla' only"),
+    (GQA, dict(kv_lora_rank=8), "kv_lora_rank", "latent attention field set with attention='gqa'"),
+    (GQA, dict(rope_dim=3), "rope_dim", "must be even"),
+    (GQA, dict(rope_dim=8), "rope_dim", r"lie in \[2, head_dim=4\]"),
+    (GQA, dict(score_correction_bias=True), "score_correction_bias", "scoring='sigmoid' only"),
+    (GQA, dict(n_group=2, topk_group=1), "n_group", "group-limited routing is built for scoring='sigmoid' only"),
+    (GQA, dict(topk_before_softmax=True, scoring="sigmoid"), "scoring", "not built with topk_before_softmax"),
+    (GQA, dict(topk_before_softmax=True, norm_topk_prob=True), "norm_topk_prob", "topk_before_softmax"),
+    (GQA, dict(sliding_window=8), "sliding_window", "no layer is 'sliding'"),
+    (GQA, dict(swiglu_limit=5.0), "activation", "only activation='swiglu_clamped' uses them"),
+    (GQA, dict(shared_expert_gate=True), "shared_expert_gate", "shared_expert_size=0"),
+    (GQA, dict(clip_qkv=0.0), "clip_qkv", "must be > 0"),
+    (GQA, dict(routed_scaling_factor=0.0), "routed_scaling_factor", "must be > 0"),
+    (GQA, dict(rms_norm_eps=0.0), "rms_norm_eps", "must be > 0"),
+    (GQA, dict(moe_layers=[1, 1]), "moe_layers", "holds an index twice"),
+    (GQA, dict(intermediate_size=0), "intermediate_size", "must be >= 1"),
+    (GQA, dict(moe_intermediate_size=0), "moe_intermediate_size", "must be >= 1"),
+    (GQA, dict(head_dim=0), "head_dim", "must be >= 1"),
+    (MLA, dict(qk_norm="head"), "qk_norm", "not built for attention='mla'"),
+    (MLA, dict(clip_qkv=3.0), "clip_qkv", "not built for attention='mla'"),
+    (MLA, dict(attention_sinks=True), "attention_sinks", "not built for attention='mla'"),
+    (MLA, dict(rope_dim=2), "rope_dim", "not built for attention='mla'"),
+    (MLA, dict(v_head_dim=0), "v_head_dim", "must be >= 1"),
+]
+
+
+def test_the_bases_are_accepted():
+    ModelConfig(**GQA)
+    ModelConfig(**MLA, rope_interleave=True)
+    ModelConfig(**(GQA | dict(intermediate_size=0, moe_layers=[0, 1])))  # no dense layer: no dense size needed
+    ModelConfig(**GQA, scoring="sigmoid", score_correction_bias=True, n_group=2, topk_group=1)
+    ModelConfig(**GQA, topk_before_softmax=True)
+
+
+@pytest.mark.parametrize(("base", "over", "name", "why"), REFUSED, ids=[f"{r[2]}-{i}" for i, r in enumerate(REFUSED)])
+def test_unimplemented_combinations_are_refused_by_name(base, over, name, why):
+    with pytest.raises(ConfigError, match=rf"ModelConfig\.{name}=.*{why}"):
+        ModelConfig(**(base | over))
+
+
+def test_every_field_is_either_used_by_the_bases_or_refused_somewhere():
+    """The audit is complete: each ModelConfig field is set by one of the accepted bases or one refused case."""
+    covered = set(GQA) | set(MLA) | {k for _, over, *_ in REFUSED for k in over}
+    covered |= {"attention", "rope_interleave", "scoring", "score_correction_bias", "n_group", "topk_group"}
+    covered |= {"topk_before_softmax"}
+    # fields every value of which the decoder implements (no combination to refuse)
+    free = {"max_position_embeddings", "tie_word_embeddings", "qkv_bias", "o_bias", "layer_types", "attn_scale"}
+    free |= {"rope", "q_lora_rank", "router_bias", "expert_bias", "shared_expert_size", "swiglu_alpha", "activation"}
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    assert fields - covered - free == set()
+
+
+def test_unknown_hf_layer_types_are_refused_by_name():
+    bridge = bridge_for_arch("qwen3_moe")
+    from moerl.presets import preset
+
+    hf = bridge.preset_config(preset("tiny"), 1, 2, 0)
+    hf["layer_types"] = ["full_attention", "linear_attention", "full_attention", "full_attention"]
+    with pytest.raises(ConfigError, match=r"'layer_types' holds 'linear_attention' \(layer 1\); allowed: full_att"):
+        bridge.config_from_hf(HFConfig(hf, "config.json"))
