@@ -122,9 +122,19 @@ def cmd_generate(args) -> None:
 
 
 def cmd_archs(args) -> None:
-    from moerl.bridges import supported
+    """Each supported architecture, its model_type and what it runs on: every family trains and serves on the
+    native engine; the vLLM engine needs moerl's fp32-router model for it."""
+    from moerl.bridges import bridge_for_arch, supported
+    from moerl.rollout.vllm_plugin import MODELS
 
-    print("\n".join(supported()))
+    rows = [
+        (a, bridge_for_arch(a).model_type, "full (also vLLM)" if a in MODELS else "native engine only")
+        for a in supported()
+    ]
+    width = max(len(a) for a, _, _ in rows)
+    print(f"{'architecture':<{width}}  {'model_type':<15} rollout engines")
+    for arch, model_type, engines in rows:
+        print(f"{arch:<{width}}  {model_type:<15} {engines}")
 
 
 def cmd_demo(args) -> None:

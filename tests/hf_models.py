@@ -122,6 +122,106 @@ CONFIGS: dict[str, dict] = {
     ),
 }
 ARCHS = list(CONFIGS)
+# the families added for issue 13 (Day-0 breadth): tested in tests/test_families.py, each switching its features on
+NEW_CONFIGS = {
+    "Ernie4_5_MoeForCausalLM": dict(  # interleaved rope, biases everywhere (tied head too), corrected softmax router
+        model_type="ernie4_5_moe",
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        moe_num_experts=8,
+        moe_k=2,
+        moe_num_shared_experts=1,
+        moe_layer_start_index=1,
+        moe_layer_interval=1,
+        use_bias=True,
+        tie_word_embeddings=True,
+        vocab_size=VOCAB,
+    ),
+    "HunYuanMoEV1ForCausalLM": dict(  # per-head q/k norms after the rotation, shared MLP, gate.wg
+        model_type="hunyuan_v1_moe",
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        moe_topk=2,
+        vocab_size=VOCAB,
+    ),
+    "DeepseekV2ForCausalLM": dict(  # MLA, softmax router with group-limited greedy top-k, routed scaling
+        model_type="deepseek_v2",
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        topk_method="group_limited_greedy",
+        routed_scaling_factor=2.0,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        vocab_size=VOCAB,
+    ),
+    "GraniteMoeForCausalLM": dict(  # embedding / residual / attention multipliers, logits scaling, fused experts
+        model_type="granitemoe",
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.015625,
+        logits_scaling=6.0,
+        vocab_size=VOCAB,
+    ),
+    "FlexOlmoForCausalLM": dict(  # post-sublayer norms, q/k norms over the whole projection
+        model_type="flex_olmo",
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        vocab_size=VOCAB,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "PhimoeForCausalLM": dict(  # LayerNorm with bias, lm_head and attention biases, sparsemixer routing
+        model_type="phimoe",
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        attention_bias=True,
+        lm_head_bias=True,
+        vocab_size=VOCAB,
+    ),
+}
+NEW_ARCHS = list(NEW_CONFIGS)
+CONFIGS |= NEW_CONFIGS
 
 
 def build_hf_model(arch: str, seed: int = 0, **overrides) -> torch.nn.Module:
@@ -152,8 +252,12 @@ def hf_router_choices(model: torch.nn.Module, input_ids: torch.Tensor, **kwargs)
     """Logits and each MoE layer's chosen experts [N, k], read off the transformers routers with hooks."""
     choices, hooks = [], []
     for module in model.modules():
-        if type(module).__name__.lower().endswith("router"):  # every v5 router returns (logits, weights, indices)
-            hooks.append(module.register_forward_hook(lambda m, i, out: choices.append(out[2].detach())))
+        name = type(module).__name__.lower()
+        if name.endswith("router") or name.endswith("gate"):  # Qwen's *TopKRouter, HunYuan's *Gate, ...
+            # routers return logits, weights and indices in a family's own order: the indices are the integer one
+            hooks.append(module.register_forward_hook(lambda m, i, out: choices.append(_indices(out).detach())))
+    if not hooks:
+        raise AssertionError(f"no router found in {type(model).__name__} (no module class named *Router or *Gate)")
     try:
         with torch.no_grad():
             logits = model(input_ids, **kwargs).logits
@@ -161,3 +265,9 @@ def hf_router_choices(model: torch.nn.Module, input_ids: torch.Tensor, **kwargs)
         for h in hooks:
             h.remove()
     return logits, choices
+
+
+def _indices(out) -> torch.Tensor:
+    ints = [t for t in out if isinstance(t, torch.Tensor) and not t.is_floating_point()]
+    assert len(ints) == 1, f"a router output with {len(ints)} integer tensors"
+    return ints[0]

@@ -26,12 +26,23 @@ MLA = GQA | dict(attention="mla", head_dim=0, kv_lora_rank=8, qk_nope_head_dim=4
 
 REFUSED = [
     # (base, overrides, field named, why)
-    (GQA, dict(rope_interleave=True), "rope_interleave", "built for attention='mla' only"),
+    (GQA, dict(qk_norm_after_rope=True), "qk_norm_after_rope", "needs per-head norms"),
+    (GQA, dict(qk_norm="head", qk_norm_after_rope=True, rope_interleave=True), "qk_norm_after_rope", "interleave"),
     (GQA, dict(kv_lora_rank=8), "kv_lora_rank", "latent attention field set with attention='gqa'"),
     (GQA, dict(rope_dim=3), "rope_dim", "must be even"),
     (GQA, dict(rope_dim=8), "rope_dim", r"lie in \[2, head_dim=4\]"),
-    (GQA, dict(score_correction_bias=True), "score_correction_bias", "scoring='sigmoid' only"),
-    (GQA, dict(n_group=2, topk_group=1), "n_group", "group-limited routing is built for scoring='sigmoid' only"),
+    (GQA, dict(scoring="sparsemixer", top_k=3), "top_k", "not built with scoring='sparsemixer'"),
+    (GQA, dict(scoring="sparsemixer", norm_topk_prob=True), "norm_topk_prob", "scoring='sparsemixer'"),
+    (GQA, dict(scoring="sparsemixer", sparsemixer_eps=-1.0), "sparsemixer_eps", "must be >= 0"),
+    (GQA, dict(scoring="top1"), "scoring", "allowed: softmax, sigmoid, sparsemixer"),
+    (GQA, dict(norm_topk_min=1e-12), "norm_topk_min", "normalisation that is off"),
+    (GQA, dict(group_score="max"), "group_score", "not group-limited"),
+    (GQA, dict(group_score="mean", n_group=2), "group_score", "allowed: top2_sum, max"),
+    (GQA, dict(norm="batch"), "norm", "allowed: rms, layer"),
+    (GQA, dict(norm_placement="sandwich"), "norm_placement", "allowed: pre, post"),
+    (GQA, dict(embedding_multiplier=0.0), "embedding_multiplier", "must be > 0"),
+    (GQA, dict(residual_multiplier=-1.0), "residual_multiplier", "must be > 0"),
+    (GQA, dict(logits_scaling=0.0), "logits_scaling", "must be > 0"),
     (GQA, dict(topk_before_softmax=True, scoring="sigmoid"), "scoring", "not built with topk_before_softmax"),
     (GQA, dict(topk_before_softmax=True, norm_topk_prob=True), "norm_topk_prob", "topk_before_softmax"),
     (GQA, dict(sliding_window=8), "sliding_window", "no layer is 'sliding'"),
@@ -48,6 +59,7 @@ REFUSED = [
     (MLA, dict(clip_qkv=3.0), "clip_qkv", "not built for attention='mla'"),
     (MLA, dict(attention_sinks=True), "attention_sinks", "not built for attention='mla'"),
     (MLA, dict(rope_dim=2), "rope_dim", "not built for attention='mla'"),
+    (MLA, dict(qk_norm_after_rope=True), "qk_norm_after_rope", "not built for attention='mla'"),
     (MLA, dict(v_head_dim=0), "v_head_dim", "must be >= 1"),
 ]
 
@@ -58,6 +70,9 @@ def test_the_bases_are_accepted():
     ModelConfig(**(GQA | dict(intermediate_size=0, moe_layers=[0, 1])))  # no dense layer: no dense size needed
     ModelConfig(**GQA, scoring="sigmoid", score_correction_bias=True, n_group=2, topk_group=1)
     ModelConfig(**GQA, topk_before_softmax=True)
+    ModelConfig(**GQA, rope_interleave=True, score_correction_bias=True, norm_topk_prob=True, norm_topk_min=1e-12)
+    ModelConfig(**GQA, n_group=2, topk_group=1, group_score="max", qk_norm="head", qk_norm_after_rope=True)
+    ModelConfig(**GQA, scoring="sparsemixer", norm="layer", norm_placement="post", mlp_bias=True, lm_head_bias=True)
 
 
 @pytest.mark.parametrize(("base", "over", "name", "why"), REFUSED, ids=[f"{r[2]}-{i}" for i, r in enumerate(REFUSED)])
@@ -74,6 +89,7 @@ def test_every_field_is_either_used_by_the_bases_or_refused_somewhere():
     # fields every value of which the decoder implements (no combination to refuse)
     free = {"max_position_embeddings", "tie_word_embeddings", "qkv_bias", "o_bias", "layer_types", "attn_scale"}
     free |= {"rope", "q_lora_rank", "router_bias", "expert_bias", "shared_expert_size", "swiglu_alpha", "activation"}
+    free |= {"mlp_bias", "lm_head_bias"}
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     assert fields - covered - free == set()
 

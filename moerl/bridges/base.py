@@ -64,6 +64,8 @@ def expert_rules(prefix: str, gate: str, up: str, down: str) -> tuple[Rule, ...]
 
 COMMON_RULES = (
     Rule("lm_head.weight", "lm_head.weight"),
+    Rule("lm_head.bias", "lm_head.bias"),
+    Rule("lm_head.bias", "lm_head_bias"),  # a tied head's bias (Ernie-4.5)
     Rule("model.{x}", "{x}"),  # everything else: the same name under "model."
 )
 

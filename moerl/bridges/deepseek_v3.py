@@ -20,11 +20,10 @@ def config_from_hf(c: HFConfig) -> ModelConfig:
     method = c.opt("topk_method", str, "noaux_tc")
     if method != "noaux_tc":  # the router below is noaux_tc's (selection bias, groups scored by their top-2 sum)
         raise ConfigError(f"{c.source}: field 'topk_method' is {method!r}; DeepSeek-V3 allows: noaux_tc")
-    nope, rope_dim = c.req("qk_nope_head_dim", int), c.req("qk_rope_head_dim", int)
-    bias = c.opt("attention_bias", bool, False)
     moe_size = c.req("moe_intermediate_size", int)
     return ModelConfig(
         **f,
+        **mla_fields(c, f["rope"], rope_interleave=c.opt("rope_interleave", bool, True)),
         intermediate_size=c.req("intermediate_size", int),
         num_experts=c.first(("n_routed_experts", "num_local_experts"), int),
         top_k=c.req("num_experts_per_tok", int),
@@ -32,6 +31,21 @@ def config_from_hf(c: HFConfig) -> ModelConfig:
         moe_layers=sparse_layers(
             f["num_layers"], c.opt("moe_layer_freq", int, 1), first_dense=c.opt("first_k_dense_replace", int, 0)
         ),
+        scoring="sigmoid",
+        score_correction_bias=True,
+        norm_topk_prob=c.opt("norm_topk_prob", bool, True),
+        routed_scaling_factor=c.opt("routed_scaling_factor", float, 1.0),
+        n_group=c.opt("n_group", int, 1),
+        topk_group=c.opt("topk_group", int, 1),
+        shared_expert_size=moe_size * c.opt("n_shared_experts", int, 0),
+    )
+
+
+def mla_fields(c: HFConfig, rope, rope_interleave: bool) -> dict:
+    """The multi-head latent attention fields DeepSeek-V2 and V3 share (and their YaRN softmax scale)."""
+    nope, rope_dim = c.req("qk_nope_head_dim", int), c.req("qk_rope_head_dim", int)
+    bias = c.opt("attention_bias", bool, False)
+    return dict(
         attention="mla",
         qkv_bias=bias,
         o_bias=bias,
@@ -40,15 +54,8 @@ def config_from_hf(c: HFConfig) -> ModelConfig:
         qk_nope_head_dim=nope,
         qk_rope_head_dim=rope_dim,
         v_head_dim=c.req("v_head_dim", int),
-        rope_interleave=c.opt("rope_interleave", bool, True),
-        attn_scale=(nope + rope_dim) ** -0.5 * yarn_softmax_mscale(f["rope"]),
-        scoring="sigmoid",
-        score_correction_bias=True,
-        norm_topk_prob=c.opt("norm_topk_prob", bool, True),
-        routed_scaling_factor=c.opt("routed_scaling_factor", float, 1.0),
-        n_group=c.opt("n_group", int, 1),
-        topk_group=c.opt("topk_group", int, 1),
-        shared_expert_size=moe_size * c.opt("n_shared_experts", int, 0),
+        rope_interleave=rope_interleave,
+        attn_scale=(nope + rope_dim) ** -0.5 * yarn_softmax_mscale(rope),
     )
 
 

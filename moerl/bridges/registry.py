@@ -46,4 +46,17 @@ def get_bridge(hf_config: dict, source: str = "config.json") -> Bridge:
 
 def _load_families() -> None:
     # importing a family module registers its bridge
-    from moerl.bridges import deepseek_v3, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe  # noqa: F401
+    from moerl.bridges import (  # noqa: F401
+        deepseek_v2,
+        deepseek_v3,
+        ernie4_5_moe,
+        flex_olmo,
+        gpt_oss,
+        granitemoe,
+        hunyuan_v1_moe,
+        mixtral,
+        olmoe,
+        phimoe,
+        qwen2_moe,
+        qwen3_moe,
+    )

@@ -46,11 +46,20 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
+    norm: str = "rms"  # rms | layer (LayerNorm with bias: PhiMoE) for the layer and final norms
+    norm_placement: str = "pre"  # pre: x + f(norm(x)) | post: x + norm(f(x)) (OLMo-2, FlexOlmo)
+    mlp_bias: bool = False  # dense MLP and shared-expert linears
+    lm_head_bias: bool = False
+    # multipliers (GraniteMoe): embeddings * m, x + m * sublayer(x), logits / scaling
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     # attention
     attention: str = "gqa"  # gqa | mla
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: str = "none"  # none | head (per head, Qwen3) | full (whole projection, OLMoE)
+    qk_norm_after_rope: bool = False  # per-head q/k norms after the rotation (HunYuan-MoE-V1)
     clip_qkv: float | None = None
     layer_types: list[str] = field(default_factory=list)  # "full" | "sliding" per layer
     sliding_window: int | None = None
@@ -58,7 +67,7 @@ class ModelConfig:
     attn_scale: float | None = None  # None: rotary-inclusive q/k head dim ** -0.5
     rope: RopeConfig = field(default_factory=RopeConfig)
     rope_dim: int | None = None  # rotated dims per head (None: all of head_dim)
-    rope_interleave: bool = False  # rotary pairs stored interleaved (DeepSeek)
+    rope_interleave: bool = False  # rotary pairs stored interleaved (DeepSeek, Ernie-4.5)
     # multi-head latent attention (DeepSeek-V3)
     q_lora_rank: int | None = None
     kv_lora_rank: int = 0
@@ -66,14 +75,17 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     # router
-    scoring: str = "softmax"  # softmax | sigmoid
+    scoring: str = "softmax"  # softmax | sigmoid | sparsemixer (PhiMoE, its deterministic eval form; top_k 2)
+    sparsemixer_eps: float = 0.01  # sparsemixer: experts this far (relative) below the chosen one are masked
     topk_before_softmax: bool = False  # softmax over the k chosen logits (GPT-OSS)
     norm_topk_prob: bool = False
+    norm_topk_min: float = 0.0  # norm_topk_prob: floor of the sum divided by (Ernie-4.5's moe_norm_min)
     routed_scaling_factor: float = 1.0
     router_bias: bool = False
-    score_correction_bias: bool = False  # sigmoid: bias added for selection only
+    score_correction_bias: bool = False  # a bias added to the scores for selection only
     n_group: int = 1
     topk_group: int = 1
+    group_score: str = "top2_sum"  # a group's score: top2_sum (DeepSeek-V3) | max (DeepSeek-V2)
     # experts
     expert_bias: bool = False
     activation: str = "silu"  # silu | swiglu_clamped (GPT-OSS)
@@ -98,8 +110,14 @@ class ModelConfig:
             raise bad("attention", "allowed: gqa, mla")
         if self.qk_norm not in ("none", "head", "full"):
             raise bad("qk_norm", "allowed: none, head, full")
-        if self.scoring not in ("softmax", "sigmoid"):
-            raise bad("scoring", "allowed: softmax, sigmoid")
+        for name, allowed in (
+            ("scoring", ("softmax", "sigmoid", "sparsemixer")),
+            ("norm", ("rms", "layer")),
+            ("norm_placement", ("pre", "post")),
+            ("group_score", ("top2_sum", "max")),
+        ):
+            if getattr(self, name) not in allowed:
+                raise bad(name, f"allowed: {', '.join(allowed)}")
         if self.activation not in ("silu", "swiglu_clamped"):
             raise bad("activation", "allowed: silu, swiglu_clamped")
         if self.rope.kind not in ("default", "linear", "yarn", "llama3"):
@@ -145,8 +163,10 @@ class ModelConfig:
             for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
                 if getattr(self, name):
                     raise bad(name, "multi-head latent attention field set with attention='gqa'")
-            if self.rope_interleave:
-                raise bad("rope_interleave", "interleaved rotary pairs are built for attention='mla' only")
+            if self.qk_norm_after_rope and self.qk_norm != "head":
+                raise bad("qk_norm_after_rope", f"needs per-head norms (qk_norm='head', not {self.qk_norm!r})")
+            if self.qk_norm_after_rope and self.rope_interleave:
+                raise bad("qk_norm_after_rope", "not built with rope_interleave (the norm would see reordered dims)")
             if self.rope_dim is not None and not (0 < self.rope_dim <= self.head_dim and self.rope_dim % 2 == 0):
                 raise bad("rope_dim", f"must be even and lie in [2, head_dim={self.head_dim}]")
         else:
@@ -155,6 +175,7 @@ class ModelConfig:
                 ("clip_qkv", self.clip_qkv, None),
                 ("attention_sinks", self.attention_sinks, False),
                 ("rope_dim", self.rope_dim, None),
+                ("qk_norm_after_rope", self.qk_norm_after_rope, False),
             ):
                 if value != default:
                     raise bad(name, f"not built for attention='mla' (only {default!r})")
@@ -172,10 +193,27 @@ class ModelConfig:
             ):
                 if value != default:
                     raise bad(name, f"not built with topk_before_softmax=True (only {default!r})")
-        if self.scoring == "softmax" and self.score_correction_bias:
-            raise bad("score_correction_bias", "a selection-only bias is built for scoring='sigmoid' only")
-        if self.scoring == "softmax" and self.n_group > 1:
-            raise bad("n_group", "group-limited routing is built for scoring='sigmoid' only")
+        if self.scoring == "sparsemixer":
+            for name, value, default in (
+                ("top_k", self.top_k, 2),
+                ("norm_topk_prob", self.norm_topk_prob, False),
+                ("score_correction_bias", self.score_correction_bias, False),
+                ("n_group", self.n_group, 1),
+                ("routed_scaling_factor", self.routed_scaling_factor, 1.0),
+            ):
+                if value != default:
+                    raise bad(name, f"not built with scoring='sparsemixer' (only {default!r})")
+            if not self.sparsemixer_eps >= 0:
+                raise bad("sparsemixer_eps", "must be >= 0")
+        if self.norm_topk_min and not self.norm_topk_prob:
+            raise bad("norm_topk_min", "a floor for a normalisation that is off (norm_topk_prob=False)")
+        if not self.norm_topk_min >= 0:
+            raise bad("norm_topk_min", "must be >= 0")
+        if self.group_score != "top2_sum" and self.n_group == 1:
+            raise bad("group_score", "set, but routing is not group-limited (n_group=1)")
+        for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+            if not getattr(self, name) > 0:
+                raise bad(name, "must be > 0")
         if not self.routed_scaling_factor > 0:
             raise bad("routed_scaling_factor", "must be > 0")
         # experts

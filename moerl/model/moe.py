@@ -22,7 +22,8 @@ class Router(nn.Module):
         self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
         self.scoring, self.topk_before_softmax = cfg.scoring, cfg.topk_before_softmax
         self.norm_topk_prob, self.scale = cfg.norm_topk_prob, cfg.routed_scaling_factor
-        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+        self.norm_min, self.sparsemixer_eps = cfg.norm_topk_min, cfg.sparsemixer_eps
+        self.n_group, self.topk_group, self.group_score = cfg.n_group, cfg.topk_group, cfg.group_score
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=torch.float32))
         self.bias = nn.Parameter(torch.zeros(cfg.num_experts, dtype=torch.float32)) if cfg.router_bias else None
         if cfg.score_correction_bias:
@@ -41,24 +42,31 @@ class Router(nn.Module):
         """Top-k expert indices [N, k] by the model's rule."""
         if self.topk_before_softmax:
             return logits.topk(self.top_k, dim=-1).indices
-        if self.scoring == "softmax":
-            # top-k of the probabilities, not the logits: the same ties as the HF reference
-            return scores.topk(self.top_k, dim=-1).indices
+        if self.scoring == "sparsemixer":  # the best expert, then the best of the others
+            first = logits.argmax(-1, keepdim=True)
+            return torch.cat([first, logits.scatter(1, first, float("-inf")).argmax(-1, keepdim=True)], dim=1)
+        # top-k of the probabilities, not the logits: the same ties as the HF reference
         choice = scores
         if self.e_score_correction_bias is not None:
             choice = choice + self.e_score_correction_bias
         if self.n_group > 1:
             n, per_group = choice.shape[0], self.num_experts // self.n_group
             grouped = choice.view(n, self.n_group, per_group)
-            group_score = grouped.topk(min(2, per_group), dim=-1).values.sum(-1)
+            if self.group_score == "max":  # DeepSeek-V2's group_limited_greedy: a group scores its best expert
+                group_score = grouped.max(dim=-1).values
+            else:  # DeepSeek-V3's noaux_tc: the sum of its best two
+                group_score = grouped.topk(min(2, per_group), dim=-1).values.sum(-1)
             keep = group_score.topk(self.topk_group, dim=-1).indices
             group_mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
-            choice = choice.masked_fill(~group_mask.repeat_interleave(per_group, dim=1), float("-inf"))
+            # masked experts score 0 under softmax (as V2's reference masks them), -inf under sigmoid
+            fill = 0.0 if self.scoring == "softmax" and self.e_score_correction_bias is None else float("-inf")
+            choice = choice.masked_fill(~group_mask.repeat_interleave(per_group, dim=1), fill)
         return choice.topk(self.top_k, dim=-1).indices
 
     def scores(self, logits: torch.Tensor) -> torch.Tensor | None:
-        """Per-expert fp32 scores: softmax or sigmoid of the logits (None when softmax follows the top-k)."""
-        if self.topk_before_softmax:
+        """Per-expert fp32 scores: softmax or sigmoid of the logits (None when softmax follows the top-k, and for
+        sparsemixer, whose weights depend on the chosen experts)."""
+        if self.topk_before_softmax or self.scoring == "sparsemixer":
             return None
         return logits.sigmoid() if self.scoring == "sigmoid" else logits.softmax(-1)
 
@@ -66,11 +74,33 @@ class Router(nn.Module):
         """fp32 gate weights [N, k] at indices ``idx`` from this forward's scores, by the model's rule."""
         if self.topk_before_softmax:
             w = logits.gather(1, idx).softmax(-1)
+        elif self.scoring == "sparsemixer":
+            w = self._sparsemixer_weights(logits, idx)
         else:
             w = scores.gather(1, idx)
             if self.norm_topk_prob:
-                w = w / (w.sum(-1, keepdim=True) + (1e-20 if self.scoring == "sigmoid" else 0.0))
+                total = w.sum(-1, keepdim=True)
+                if self.norm_min:
+                    total = total.clamp(min=self.norm_min)
+                elif self.scoring == "sigmoid":
+                    total = total + 1e-20
+                w = w / total
         return w * self.scale if self.scale != 1.0 else w
+
+    def _sparsemixer_weights(self, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """PhiMoE's sparsemixer weights in its deterministic (eval) form, for the experts ``idx`` [N, 2]: each
+        expert's softmax weight among the experts whose logits lie within ``2 eps`` (relative) of its own, the
+        second one's with the first taken out. With the router's own choice (the best, then the best of the rest)
+        this is PhiMoE's eval routing; with replayed experts (R3) the same rule around the replayed ones (the
+        training form samples its experts: R3 replays what the engine sampled, with these weights)."""
+        out, masked = [], logits
+        for j in range(2):
+            own = masked.gather(1, idx[:, j : j + 1])
+            factor = logits.abs().clamp(min=own)
+            gates = masked.masked_fill((own - logits) / factor > 2 * self.sparsemixer_eps, float("-inf"))
+            out.append(gates.softmax(-1).gather(1, idx[:, j : j + 1]))
+            masked = masked.scatter(1, idx[:, j : j + 1], float("-inf"))
+        return torch.cat(out, dim=1)
 
     def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> (gate weights [N, k] fp32, expert indices [N, k] int64).
@@ -220,11 +250,11 @@ class Experts(nn.Module):
 class MLP(nn.Module):
     """Dense SwiGLU MLP (also the shared expert)."""
 
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = Linear(hidden, intermediate, bias=False)
-        self.up_proj = Linear(hidden, intermediate, bias=False)
-        self.down_proj = Linear(intermediate, hidden, bias=False)
+        self.gate_proj = Linear(hidden, intermediate, bias=bias)
+        self.up_proj = Linear(hidden, intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -237,7 +267,9 @@ class MoE(nn.Module):
         super().__init__()
         self.router = Router(cfg)
         self.experts = Experts(cfg)
-        self.shared_experts = MLP(cfg.hidden_size, cfg.shared_expert_size) if cfg.shared_expert_size else None
+        self.shared_experts = (
+            MLP(cfg.hidden_size, cfg.shared_expert_size, cfg.mlp_bias) if cfg.shared_expert_size else None
+        )
         self.shared_experts_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if cfg.shared_expert_gate else None
 
     def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

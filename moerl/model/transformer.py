@@ -31,6 +31,11 @@ class KVCacheView(Protocol):
         ...
 
 
+def layer_norm(cfg: ModelConfig, dim: int) -> nn.Module:
+    """The norm of the decoder layers and the final norm: RMSNorm, or LayerNorm with a bias (``cfg.norm``)."""
+    return RMSNorm(dim, cfg.rms_norm_eps) if cfg.norm == "rms" else nn.LayerNorm(dim, eps=cfg.rms_norm_eps)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm (fused kernel: statistics in fp32, one rounding to the input dtype after the weight)."""
 
@@ -85,7 +90,8 @@ class Attention(nn.Module):
         self.k_proj = Linear(h, nkv * d, bias=cfg.qkv_bias)
         self.v_proj = Linear(h, nkv * d, bias=cfg.qkv_bias)
         self.o_proj = Linear(nh * d, h, bias=cfg.o_bias)
-        self.qk_norm = cfg.qk_norm
+        self.qk_norm, self.qk_norm_after_rope = cfg.qk_norm, cfg.qk_norm_after_rope
+        self.interleave = cfg.rope_interleave
         if cfg.qk_norm != "none":
             full = cfg.qk_norm == "full"
             self.q_norm = RMSNorm(nh * d if full else d, cfg.rms_norm_eps)
@@ -106,15 +112,18 @@ class Attention(nn.Module):
         q = q.view(b, t, self.num_heads, self.head_dim)
         k = k.view(b, t, self.num_kv_heads, self.head_dim)
         v = v.view(b, t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm == "head":
+        if self.qk_norm == "head" and not self.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         r = self.rope_dim
         qk = torch.cat([q, k], dim=2)  # rotate q and k heads in one pass
+        # interleaved pairs come out in rotate-half order: q and k alike, so q . k is unchanged
         if r == self.head_dim:
-            qk = apply_rope(qk, cos, sin)
+            qk = apply_rope(qk, cos, sin, self.interleave)
         else:  # partial rotary: only the first r dims of each head rotate
-            qk = torch.cat([apply_rope(qk[..., :r], cos, sin), qk[..., r:]], dim=-1)
+            qk = torch.cat([apply_rope(qk[..., :r], cos, sin, self.interleave), qk[..., r:]], dim=-1)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=2)
+        if self.qk_norm_after_rope:  # HunYuan-MoE-V1 (refused with interleaved pairs: they come out reordered)
+            q, k = self.q_norm(q), self.k_norm(k)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)
             mask = cache.mask(self.sliding)
@@ -174,21 +183,39 @@ class MLAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Attention then MLP / MoE, each in a residual branch: ``x + m * f(norm(x))`` (pre-norm, the default) or
+    ``x + m * norm(f(x))`` (post-sublayer norms, OLMo-2 placement); ``m`` is the residual multiplier."""
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_norm = cfg.norm_placement == "post"
+        if not self.post_norm:
+            self.input_layernorm = layer_norm(cfg, cfg.hidden_size)
         self.self_attn = (MLAttention if cfg.attention == "mla" else Attention)(cfg, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = layer_norm(cfg, cfg.hidden_size)
+        if self.post_norm:
+            self.post_feedforward_layernorm = layer_norm(cfg, cfg.hidden_size)
+        self.residual_multiplier = cfg.residual_multiplier
         self.is_moe = layer in cfg.moe_layer_set
-        self.mlp = MoE(cfg) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MoE(cfg) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
     def forward(self, x, cos, sin, mask, replay=None, cache=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
-        h = self.post_attention_layernorm(x)
-        if not self.is_moe:
-            return x + self.mlp(h), None
-        out, idx = self.mlp(h.flatten(0, 1), replay)
-        return x + out.view_as(x), idx
+        m = self.residual_multiplier
+        if self.post_norm:
+            x = x + m * self.post_attention_layernorm(self.self_attn(x, cos, sin, mask, cache))
+            h = x
+        else:
+            x = x + m * self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+            h = self.post_attention_layernorm(x)
+        idx = None
+        if self.is_moe:
+            out, idx = self.mlp(h.flatten(0, 1), replay)
+            out = out.view_as(x)
+        else:
+            out = self.mlp(h)
+        if self.post_norm:
+            out = self.post_feedforward_layernorm(out)
+        return (x + m * out if m != 1.0 else x + out), idx
 
 
 @dataclass(slots=True)
@@ -228,8 +255,14 @@ class MoEModel(nn.Module):
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.norm = layer_norm(cfg, cfg.hidden_size)
+        self.lm_head = (
+            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=cfg.lm_head_bias)
+        )
+        # a tied head's bias (Ernie-4.5): the checkpoint's lm_head.bias
+        self.lm_head_bias = (
+            nn.Parameter(torch.zeros(cfg.vocab_size)) if cfg.tie_word_embeddings and cfg.lm_head_bias else None
+        )
         self.moe_layer_ids = [i for i, layer in enumerate(self.layers) if layer.is_moe]
         # a pipeline stage (moerl.parallel.pipeline) keeps only its layers: the others are placeholders, the
         # embedding lives on the first stage, the norm and head on the last
@@ -334,6 +367,8 @@ class MoEModel(nn.Module):
         if replay is not None:
             replay = self.check_replay(replay, b, t).flatten(0, 1)
         x = self.embed_tokens(input_ids) if hidden is None else hidden
+        if hidden is None and self.config.embedding_multiplier != 1.0:
+            x = x * self.config.embedding_multiplier
         if self.inv_freq.device != x.device:
             self.inv_freq = self.inv_freq.to(x.device)
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, positions, x.dtype)
@@ -365,5 +400,9 @@ class MoEModel(nn.Module):
         if logits_index is not None:
             x = x[torch.arange(b, device=x.device), logits_index]
         x = self.norm(x)
-        logits = self.lm_head(x) if self.lm_head is not None else F.linear(x, self.embed_tokens.weight)
+        logits = (
+            self.lm_head(x) if self.lm_head is not None else F.linear(x, self.embed_tokens.weight, self.lm_head_bias)
+        )
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
         return ModelOutput(logits, routed)

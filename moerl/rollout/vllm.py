@@ -96,6 +96,15 @@ class VLLMEngine:
             )
         if num_engines < 1:
             raise ConfigError(f"rollout.num_engines={num_engines}: must be >= 1")
+        from moerl.bridges.checkpoint import read_config
+        from moerl.rollout.vllm_plugin import MODELS
+
+        arch = (read_config(spec.model).get("architectures") or ["?"])[0]
+        if arch not in MODELS:  # vLLM's own class would route with bf16 gates: the fp32-router contract broken
+            raise ConfigError(
+                f"rollout.engine=vllm with {arch}: moerl has no fp32-router vLLM model for it (vLLM engines serve "
+                f"{', '.join(MODELS)}); use rollout.engine=native"
+            )
         vllm = _import_vllm()
         from moerl.bridges.base import HFConfig
         from moerl.bridges.checkpoint import load_tokenizer, read_config

@@ -1,0 +1,123 @@
+"""The families added by bridge files alone (Ernie-4.5-MoE, HunYuan-MoE-V1, DeepSeek-V2, GraniteMoe, FlexOlmo,
+PhiMoE), each a tiny real-shaped config with its features on: fp32 logits within 1e-4 of transformers with the
+same router choices, and a negative control per family (its new knob turned off misses the tolerance); export
+round-trips into transformers; the engine's logprobs and routing equal a full forward; replay reproduces the
+logits and other indices change them."""
+
+import pytest
+import torch
+from hf_models import NEW_ARCHS, VOCAB, hf_router_choices, save_hf_model
+from test_engine import full_forward_check
+from transformers import AutoModelForCausalLM
+
+from moerl.bridges import export_model, load_model, supported
+from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
+from moerl.errors import ConfigError
+from moerl.rollout.engine import make_engine
+
+FP32_TOL = 1e-4
+
+
+def _off(arch: str, model) -> None:
+    """Turn the family's new knob off, in place (the negative control)."""
+    layers = list(model.layers)
+    if arch == "Ernie4_5_MoeForCausalLM":  # rotate-half instead of interleaved pairs
+        for layer in layers:
+            layer.self_attn.interleave = False
+    elif arch == "HunYuanMoEV1ForCausalLM":  # q/k norms before the rotation
+        for layer in layers:
+            layer.self_attn.qk_norm_after_rope = False
+    elif arch == "DeepseekV2ForCausalLM":  # groups scored by their top-2 sum (V3) instead of their best expert
+        for i in model.moe_layer_ids:
+            layers[i].mlp.router.group_score = "top2_sum"
+    elif arch == "GraniteMoeForCausalLM":
+        model.config.logits_scaling = 1.0
+    elif arch == "FlexOlmoForCausalLM":  # the post-feed-forward norm left out
+        for layer in layers:
+            layer.post_feedforward_layernorm = torch.nn.Identity()
+    elif arch == "PhimoeForCausalLM":  # sparsemixer without its mask
+        for i in model.moe_layer_ids:
+            layers[i].mlp.router.sparsemixer_eps = 1e9
+    else:
+        raise AssertionError(arch)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {arch: (root / arch, save_hf_model(arch, root / arch)) for arch in NEW_ARCHS}
+
+
+def _ids(b=2, t=24, seed=1):
+    return torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("arch", NEW_ARCHS)
+def test_new_family_matches_transformers_and_round_trips(arch, checkpoints, tmp_path):
+    assert arch in supported()
+    path, hf = checkpoints[arch]
+    model = load_model(path, dtype=torch.float32)
+    ids = _ids()
+    ref, ref_choices = hf_router_choices(hf, ids)
+    with torch.no_grad():
+        out = model(ids, capture=True)
+    assert (out.logits - ref).abs().max() <= FP32_TOL
+    assert len(ref_choices) == len(model.moe_layer_ids) > 0
+    for layer, choice in enumerate(ref_choices):
+        ours = out.routed[:, :, layer].reshape(-1, model.config.top_k)
+        assert torch.equal(ours.sort(-1).values, choice.sort(-1).values), f"MoE layer {layer} chose other experts"
+
+    export_model(model, tmp_path / "out")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (again(ids).logits - ref).abs().max() <= FP32_TOL
+
+    _off(arch, model)
+    with torch.no_grad():
+        off = model(ids, capture=True)
+    moved = (off.logits - ref).abs().max() > FP32_TOL
+    assert moved or not torch.equal(off.routed, out.routed), "the negative control matched transformers"
+
+
+@pytest.mark.parametrize("arch", NEW_ARCHS)
+def test_new_family_engine_and_replay(arch, checkpoints):
+    path, _ = checkpoints[arch]
+    engine = LLMEngine(
+        path, EngineConfig(max_num_seqs=4, max_model_len=48, block_size=4, max_num_batched_tokens=8), torch.float32
+    )
+    prompts = [torch.randint(4, 100, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 9, 14)]
+    outs = engine.generate(
+        [Request(p, SamplingParams(temperature=0.8, max_tokens=10, seed=i)) for i, p in enumerate(prompts)]
+    )
+    for out in outs:
+        kl, routed_ok = full_forward_check(engine.model, out, temperature=0.8)
+        assert kl <= 1e-6 and routed_ok, (kl, routed_ok)
+
+    model, ids = engine.model, _ids()
+    with torch.no_grad():
+        own = model(ids, capture=True)
+        replayed = model(ids, replay=own.routed)
+        assert torch.equal(replayed.logits, own.logits)
+        shifted = (own.routed + 1) % model.config.num_experts
+        other = model(ids, replay=shifted)
+        assert torch.equal(other.routed, shifted)
+        # the same replay gives the same bits, so any difference is the replay's (HunYuan: 2e-4, its shared MLP
+        # carries most of the output at this init)
+        assert (other.logits - own.logits).abs().max() > 1e-5
+
+
+def test_vllm_engines_refuse_families_without_an_fp32_router_model(checkpoints):
+    """vLLM's own class for these would route with bf16 gates: refused by name before vLLM starts."""
+    with pytest.raises(ConfigError, match=r"rollout.engine=vllm with Ernie4_5_MoeForCausalLM: .*fp32-router"):
+        make_engine("vllm", checkpoints["Ernie4_5_MoeForCausalLM"][0], EngineConfig())
+
+
+def test_archs_lists_every_family_and_its_engines(capsys):
+    from moerl.cli import main
+
+    assert main(["archs"]) in (None, 0)
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert set(lines) == set(supported())
+    for arch in NEW_ARCHS:
+        assert lines[arch].endswith("native engine only")
+    assert lines["Qwen3MoeForCausalLM"].endswith("full (also vLLM)")
