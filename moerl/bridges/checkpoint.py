@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from moerl.bridges.base import Bridge, HFConfig, Rule, match
+from moerl.bridges.quantized import dequantize, pairs, quantization
 from moerl.bridges.registry import get_bridge
 from moerl.errors import CheckpointError
 from moerl.model.config import ModelConfig
@@ -124,16 +126,22 @@ def resolve(bridge: Bridge, params: dict, name: str) -> tuple[Rule, dict, str, t
     return None
 
 
+def _dequantized(q: dict, name: str, data, scales) -> torch.Tensor:
+    return dequantize(q, name, data(), scales())
+
+
 def load_model(
     path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
 ) -> MoEModel:
     """Load a HF checkpoint directory (single or sharded safetensors) into a MoEModel.
 
     The model is allocated once, empty, and each checkpoint tensor is copied into its place as it is read
-    (per-expert tensors into their slice of the 3D experts), so no second full copy is held.
+    (per-expert tensors into their slice of the 3D experts), so no second full copy is held. Quantized checkpoints
+    (FP8 blocks, MXFP4 experts: ``moerl.bridges.quantized``) are dequantized tensor by tensor on the way.
     """
     path = Path(path)
     hf = read_config(path)
+    q = quantization(hf, str(path / "config.json"))
     bridge = get_bridge(hf, source=str(path / "config.json"))
     cfg = bridge.config_from_hf(HFConfig(hf, str(path / "config.json")))
     with torch.device("meta"):
@@ -144,8 +152,17 @@ def load_model(
     params = dict(model.named_parameters()) | dict(model.named_buffers())
     filled = dict.fromkeys(params, 0)
     seen: set[str] = set()
+    entries = list(iter_tensors(path))
+    quantized, consumed = pairs([name for name, _, _ in entries], q)
+    loaders = {name: load for name, _, load in entries}
+    firsts = {data: logical for logical, (data, _) in quantized.items()}
     with torch.no_grad():
-        for name, file, load in iter_tensors(path):
+        for name, file, load in entries:
+            if name in consumed:  # one half of a quantized pair: read with its partner, under the logical name
+                if name not in firsts:
+                    continue
+                name, (data, scale) = firsts[name], quantized[firsts[name]]
+                load = partial(_dequantized, q, name, loaders[data], loaders[scale])
             if bridge.ignore(name, cfg) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
                 continue
             place = resolve(bridge, params, name)
@@ -246,6 +263,7 @@ def export_model(
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     hf = dict(model.hf_config)
+    hf.pop("quantization_config", None)  # the weights are written dequantized
     hf["dtype"] = str(model.dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True))
     if tokenizer_dir is not None:

@@ -99,7 +99,13 @@ class VLLMEngine:
         from moerl.bridges.checkpoint import read_config
         from moerl.rollout.vllm_plugin import MODELS
 
-        arch = (read_config(spec.model).get("architectures") or ["?"])[0]
+        hf_config = read_config(spec.model)
+        if hf_config.get("quantization_config") is not None:  # weight sync sends dequantized tensors
+            raise ConfigError(
+                f"rollout.engine=vllm with a quantized checkpoint ({spec.model}): weight sync writes full-precision "
+                "tensors into vLLM's quantized layers; export a dequantized copy (moerl's load_model + export_model)"
+            )
+        arch = (hf_config.get("architectures") or ["?"])[0]
         if arch not in MODELS:  # vLLM's own class would route with bf16 gates: the fp32-router contract broken
             raise ConfigError(
                 f"rollout.engine=vllm with {arch}: moerl has no fp32-router vLLM model for it (vLLM engines serve "
