@@ -121,6 +121,33 @@ def cmd_generate(args) -> None:
         raise RequestError("; ".join(failed))
 
 
+def cmd_check_arch(args) -> None:
+    """Derive the bridge of checkpoint ``args.dir`` from its config, prove it against transformers, check that every
+    tensor of the checkpoint has a place, and print the bridge as a Python file to commit."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from moerl.bridges.base import HFConfig
+    from moerl.bridges.checkpoint import _weight_files, read_config, resolve
+    from moerl.bridges.derived import bridge_source, derive, prove
+    from moerl.errors import CheckpointError
+    from moerl.model.transformer import MoEModel
+
+    hf = read_config(args.dir)
+    _, variant, layout = prove(hf)
+    bridge = derive(hf, layout, variant)
+    cfg = bridge.config_from_hf(HFConfig(hf, str(args.dir)))
+    with torch.device("meta"):
+        params = dict(MoEModel(cfg).named_parameters())
+    for f in _weight_files(Path(args.dir)):
+        with safe_open(f, "pt") as handle:
+            for name in handle.keys():
+                if resolve(bridge, params, name) is None and not (cfg.tie_word_embeddings and name == "lm_head.weight"):
+                    raise CheckpointError(f"{f.name}: tensor {name!r} has no place in the derived bridge")
+    print(bridge_source(hf, variant, layout), end="")
+
+
 def cmd_archs(args) -> None:
     """Each supported architecture, its model_type and what it runs on: every family trains and serves on the
     native engine; the vLLM engine needs moerl's fp32-router model for it."""
@@ -214,6 +241,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("archs", help="list the supported HF architectures")
     s.set_defaults(func=cmd_archs)
+
+    s = sub.add_parser(
+        "check-arch", help="derive a bridge for a checkpoint without one, prove it against transformers, print it"
+    )
+    s.add_argument("dir", help="a HF checkpoint directory")
+    s.set_defaults(func=cmd_check_arch)
 
     s = sub.add_parser("demo", help="the main job: a tiny MoE learns arithmetic (warm-up, then GRPO + LoRA + R3)")
     s.add_argument("--run-dir", default="runs/demo")

@@ -131,18 +131,22 @@ def _dequantized(q: dict, name: str, data, scales) -> torch.Tensor:
 
 
 def load_model(
-    path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
+    path: str | os.PathLike,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    bridge: Bridge | None = None,
 ) -> MoEModel:
     """Load a HF checkpoint directory (single or sharded safetensors) into a MoEModel.
 
     The model is allocated once, empty, and each checkpoint tensor is copied into its place as it is read
     (per-expert tensors into their slice of the 3D experts), so no second full copy is held. Quantized checkpoints
     (FP8 blocks, MXFP4 experts: ``moerl.bridges.quantized``) are dequantized tensor by tensor on the way.
+    ``bridge``: use this one instead of the registry's (a derived bridge being proven).
     """
     path = Path(path)
     hf = read_config(path)
     q = quantization(hf, str(path / "config.json"))
-    bridge = get_bridge(hf, source=str(path / "config.json"))
+    bridge = bridge or get_bridge(hf, source=str(path / "config.json"))
     cfg = bridge.config_from_hf(HFConfig(hf, str(path / "config.json")))
     with torch.device("meta"):
         model = MoEModel(cfg, dtype)

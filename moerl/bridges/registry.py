@@ -41,7 +41,17 @@ def get_bridge(hf_config: dict, source: str = "config.json") -> Bridge:
         raise UnknownArchitectureError(
             f"{source}: field 'architectures' is missing or not a list; supported: {', '.join(supported())}"
         )
-    return bridge_for_arch(archs[0])
+    _load_families()
+    if archs[0] in _BRIDGES:
+        return _BRIDGES[archs[0]]
+    from moerl.bridges.derived import derived_bridge  # no bridge file: derive one and prove it first
+
+    try:
+        return derived_bridge(hf_config)
+    except UnknownArchitectureError as e:
+        raise UnknownArchitectureError(
+            f"{source}: no bridge file for architecture {archs[0]!r} (bridges: {', '.join(supported())}), and {e}"
+        ) from None
 
 
 def _load_families() -> None:
