@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from moerl.bridges.derived import hf_forward
+
 VOCAB = 128
 
 # Real config fields of each family, shrunk: 2-4 layers, 8 experts, small hidden. Each one switches on the
@@ -249,25 +251,7 @@ def save_hf_model(arch: str, path: Path, seed: int = 0, **save_kwargs) -> torch.
 
 
 def hf_router_choices(model: torch.nn.Module, input_ids: torch.Tensor, **kwargs) -> tuple[torch.Tensor, list]:
-    """Logits and each MoE layer's chosen experts [N, k], read off the transformers routers with hooks."""
-    choices, hooks = [], []
-    for module in model.modules():
-        name = type(module).__name__.lower()
-        if name.endswith("router") or name.endswith("gate"):  # Qwen's *TopKRouter, HunYuan's *Gate, ...
-            # routers return logits, weights and indices in a family's own order: the indices are the integer one
-            hooks.append(module.register_forward_hook(lambda m, i, out: choices.append(_indices(out).detach())))
-    if not hooks:
-        raise AssertionError(f"no router found in {type(model).__name__} (no module class named *Router or *Gate)")
-    try:
-        with torch.no_grad():
-            logits = model(input_ids, **kwargs).logits
-    finally:
-        for h in hooks:
-            h.remove()
+    """Logits and each MoE layer's chosen experts [N, k], read off the transformers routers (moerl's own helper,
+    which the derived-bridge proof uses: routers are *Router / *Gate modules; it fails saying so when none)."""
+    logits, choices, _ = hf_forward(model, input_ids, **kwargs)
     return logits, choices
-
-
-def _indices(out) -> torch.Tensor:
-    ints = [t for t in out if isinstance(t, torch.Tensor) and not t.is_floating_point()]
-    assert len(ints) == 1, f"a router output with {len(ints)} integer tensors"
-    return ints[0]

@@ -121,3 +121,13 @@ def test_archs_lists_every_family_and_its_engines(capsys):
     for arch in NEW_ARCHS:
         assert lines[arch].endswith("native engine only")
     assert lines["Qwen3MoeForCausalLM"].endswith("full (also vLLM)")
+
+
+def test_the_router_helper_fails_saying_it_found_none():
+    """A model without a *Router / *Gate module (a dense Llama) cannot have its router choices recorded."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dense = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, vocab_size=VOCAB))  # fmt: skip
+    with pytest.raises(Exception, match=r"no router found in LlamaForCausalLM"):
+        hf_router_choices(dense, _ids())

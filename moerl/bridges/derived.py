@@ -284,7 +284,7 @@ def tiny_config(hf: dict) -> dict:
     return small
 
 
-def hf_forward(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], tuple]:
+def hf_forward(model: torch.nn.Module, ids: torch.Tensor, **kwargs) -> tuple[torch.Tensor, list[torch.Tensor], tuple]:
     """A transformers model's logits, each MoE layer's chosen experts [N, k] (read off its routers, modules whose
     class name ends in Router or Gate, as the one integer tensor of their output) and its per-layer hidden states."""
     choices, hooks = [], []
@@ -303,7 +303,7 @@ def hf_forward(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor,
         raise UnknownArchitectureError(f"no router found in {type(model).__name__} (no module class *Router or *Gate)")
     try:
         with torch.no_grad():
-            out = model(ids, output_hidden_states=True)
+            out = model(ids, output_hidden_states=True, **kwargs)
     finally:
         for h in hooks:
             h.remove()
