@@ -24,7 +24,7 @@ demo: $(STAMP)
 
 test: $(TEST_STAMP)
 	$(PY) -m ruff check moerl tests benchmarks
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15  # the slowest tests, to keep CI within its budget
 
 bench: $(STAMP)
 	$(PY) benchmarks/forward.py
