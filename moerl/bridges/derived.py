@@ -103,8 +103,9 @@ class Layout:
     lm_head_bias: bool
 
 
-def read_layout(shapes: dict[str, tuple[int, ...]], num_heads: int) -> Layout:
-    """The layout the tensor names ``shapes`` (name -> shape) show; refuses names it cannot place."""
+def read_layout(shapes: dict[str, tuple[int, ...]]) -> Layout:
+    """The layout the tensor names ``shapes`` (name -> shape) show (names no rule then places are refused by the
+    loader, by name)."""
     patterns = {_pattern(n) for n in shapes}
     router_re = r"model\.layers\.(\d+|\{i\})\.(mlp|block_sparse_moe)\.((?:gate|router)(?:\.wg|\.layer)?)\.weight"
     moe = sorted({int(m.group(1)) for n in shapes if (m := re.fullmatch(router_re, n))})
@@ -133,7 +134,9 @@ def read_layout(shapes: dict[str, tuple[int, ...]], num_heads: int) -> Layout:
         ("q_norm", "k_norm"),
     )
     q_norm = next((shape for n, shape in shapes.items() if n.endswith(f"self_attn.{names[0]}.weight")), None)
-    q_proj = next(shape for n, shape in shapes.items() if n.endswith("self_attn.q_proj.weight"))
+    q_proj = next((shape for n, shape in shapes.items() if n.endswith("self_attn.q_proj.weight")), None)
+    if q_proj is None:
+        raise UnknownArchitectureError("no self_attn.q_proj tensor (only grouped-query attention is derived)")
     qk_norm = "none" if q_norm is None else ("full" if q_norm[0] == q_proj[0] else "head")
     return Layout(
         block=block,
@@ -365,7 +368,7 @@ def prove(hf: dict) -> tuple[Bridge, dict, Layout]:
             with safe_open(f, "pt") as handle:
                 shapes |= {n: tuple(handle.get_slice(n).get_shape()) for n in handle.keys()}
         try:
-            layout = read_layout(shapes, small["num_attention_heads"])
+            layout = read_layout(shapes)
         except UnknownArchitectureError as e:
             raise UnknownArchitectureError(f"cannot derive a bridge for {_arch(hf)}: {e}") from None
         by_config = moe_layers(HFConfig(saved, "the tiny config"), saved["num_hidden_layers"])
