@@ -4,7 +4,8 @@ A decode step runs hundreds of small ops whose per-op cost, not arithmetic, deci
 (CPU) and whose launches dominate on a GPU. Here the batch is padded to a bucket size (``BUCKETS``, at least 2: a
 size-1 dimension would be specialised into a graph of its own) and the block tables to a power of two, so few
 shapes reach the graph; its shapes are symbolic (``dynamic=True``), so one compilation covers every bucket on the
-CPU, and on CUDA ``mode="reduce-overhead"`` records one CUDA graph per bucket. Padding rows decode token 0 at
+CPU. On CUDA it asks for CUDA graphs (``mode="reduce-overhead"``, one per bucket); not run on a GPU yet, and the
+KV cache pools the graph writes are inputs, which inductor may take as a reason to skip the graphs. Padding rows decode token 0 at
 position 0 into the cache's scratch block, never into a sequence's. Prefill stays eager, and so does any batch
 larger than ``max_num_seqs`` (which the scheduler never forms).
 
