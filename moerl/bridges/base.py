@@ -98,6 +98,8 @@ class Bridge:
     preset_config: Callable[[Preset], dict]
     rules: tuple[Rule, ...] = ()
     ignore: Callable[[str, ModelConfig], bool] = field(default=lambda name, cfg: False)
+    # where transformers v5 keeps a layer's fused experts module: PEFT's target_parameters address it by that path
+    peft_experts: str = "model.layers.{i}.mlp.experts"
 
     @property
     def all_rules(self) -> tuple[Rule, ...]:

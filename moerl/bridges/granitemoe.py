@@ -48,6 +48,7 @@ BRIDGE = register(
         model_type="granitemoe",
         config_from_hf=config_from_hf,
         preset_config=preset_config,
+        peft_experts="model.layers.{i}.block_sparse_moe.experts",
         rules=(
             Rule("model.layers.{i}.block_sparse_moe.router.layer.weight", "layers.{i}.mlp.router.weight"),
             Rule("model.layers.{i}.block_sparse_moe.input_linear.weight", "layers.{i}.mlp.experts.gate_up_proj"),

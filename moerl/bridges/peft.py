@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from moerl.bridges.checkpoint import resolve
+from moerl.bridges.base import _compile, match
+from moerl.bridges.checkpoint import moerl_rules, resolve
 from moerl.bridges.registry import get_bridge
 from moerl.errors import CheckpointError
 
@@ -48,12 +49,12 @@ def _rows(rule, cfg, b: torch.Tensor, save: bool = False) -> torch.Tensor:
     return b if fn is None else fn(b, cfg)
 
 
-def _rows_of(rules: list, cfg, b: torch.Tensor) -> torch.Tensor:
-    """``_rows`` on export for a parameter the checkpoint holds as one tensor (one rule) or as several (per-expert
-    gate / up parts), where no part may transform."""
+def _rows_of(rules: list, cfg, b: torch.Tensor, save: bool = True) -> torch.Tensor:
+    """``_rows`` for a parameter the checkpoint holds as one tensor (one rule) or as several (per-expert gate / up
+    parts), where no part may transform."""
     if len(rules) == 1:
-        return _rows(rules[0][0], cfg, b, save=True)
-    moving = [r.hf for r, _ in rules if r.save is not None or r.rows_save is not None]
+        return _rows(rules[0][0], cfg, b, save=save)
+    moving = [r.hf for r, _ in rules if any(f is not None for f in (r.load, r.save, r.rows, r.rows_save))]
     if moving:
         raise CheckpointError(f"LoRA adapter on {moving[0]!r}: a transform on one part of a split tensor: not built")
     return b
@@ -107,10 +108,9 @@ def read_peft_adapter(path: str | os.PathLike, model) -> dict[str, torch.Tensor]
                 "needs [r, in] and [out, r] with the same rank r >= 1"
             )
         experts_module = hf_module.removesuffix(".base_layer")
-        place = resolve(bridge, params, f"{experts_module}.gate_up_proj")
-        if experts_module.endswith("experts") and place is not None:  # a ParamWrapper on the 3D experts
-            moerl_module = place[2].removesuffix(".gate_up_proj")
-            down_place = resolve(bridge, params, f"{experts_module}.down_proj")
+        layer = match(_compile(bridge.peft_experts), experts_module)
+        if layer is not None and f"layers.{layer['i']}.mlp.experts.gate_up_proj" in params:  # a ParamWrapper
+            moerl_module = f"layers.{layer['i']}.mlp.experts"
             e, h, i = mcfg.num_experts, mcfg.hidden_size, mcfg.moe_intermediate_size
             rank = a.shape[0] // e
             if rank == 0 or a.shape[0] % e:
@@ -123,8 +123,7 @@ def read_peft_adapter(path: str | os.PathLike, model) -> dict[str, torch.Tensor]
             is_gate_up = b.shape[0] == 2 * i if 2 * i != h else a.shape[1] == h
             name = "gate_up_proj" if is_gate_up else "down_proj"
             b_e = b_e * scale(f"{experts_module}.{name}", rank)
-            rule = place[0] if is_gate_up else down_place[0]
-            b_e = _rows(rule, mcfg, b_e)
+            b_e = _rows_of(moerl_rules(bridge, f"{moerl_module}.{name}"), mcfg, b_e, save=False)
             if is_gate_up:
                 out[f"{moerl_module}.gate_up_A"], out[f"{moerl_module}.gate_up_B"] = a_e, b_e
             else:
@@ -183,7 +182,7 @@ def write_peft_adapter(model, out_dir: str | os.PathLike, slot: int = 0) -> Path
     shared layout. Dense-MLP and shared-expert adapters are refused: on transformers v5 MoE models PEFT maps
     every ``gate_proj`` / ``up_proj`` / ``down_proj`` target to the fused experts, so it cannot load them.
     """
-    from moerl.bridges.checkpoint import moerl_rules, to_hf
+    from moerl.bridges.checkpoint import to_hf
     from moerl.model.lora import LinearLora, lora_modules
 
     bridge = get_bridge(model.hf_config)
@@ -216,7 +215,7 @@ def write_peft_adapter(model, out_dir: str | os.PathLike, slot: int = 0) -> Path
         gu_b = _rows_of(moerl_rules(bridge, f"{path}.gate_up_proj"), model.config, gu_b)
         dn_b = _rows_of(moerl_rules(bridge, f"{path}.down_proj"), model.config, dn_b)
         rank = gu_a.shape[1]
-        hf_experts = f"model.{path}"  # transformers v5 keeps the experts module at model.layers.{i}.mlp.experts
+        hf_experts = bridge.peft_experts.format(i=path.split(".")[1])
         for name, a, b in ((f"{hf_experts}.base_layer", gu_a, gu_b), (hf_experts, dn_a, dn_b)):
             tensors[f"{PREFIX}{name}.lora_A.weight"] = a.reshape(e * rank, a.shape[-1]).contiguous()  # expert-major
             tensors[f"{PREFIX}{name}.lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], rank * e).contiguous()
@@ -224,6 +223,7 @@ def write_peft_adapter(model, out_dir: str | os.PathLike, slot: int = 0) -> Path
     if len(linear_ranks) > 1 or len(expert_ranks) > 1:
         raise CheckpointError(f"adapter ranks differ between modules ({linear_ranks | expert_ranks}); cannot write")
     r = next(iter(linear_ranks or expert_ranks))
+    experts = bridge.peft_experts.removeprefix("model.layers.{i}.")  # e.g. mlp.experts
     config = {
         "peft_type": "LORA",
         "base_model_name_or_path": None,
@@ -232,7 +232,7 @@ def write_peft_adapter(model, out_dir: str | os.PathLike, slot: int = 0) -> Path
         "lora_dropout": 0.0,
         "bias": "none",
         "target_modules": sorted(target_modules),
-        "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if expert_ranks else None,
+        "target_parameters": [f"{experts}.gate_up_proj", f"{experts}.down_proj"] if expert_ranks else None,
         "rank_pattern": {},
         "alpha_pattern": {},
         "use_rslora": False,

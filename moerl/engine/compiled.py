@@ -5,9 +5,9 @@ A decode step runs hundreds of small ops whose per-op cost, not arithmetic, deci
 size-1 dimension would be specialised into a graph of its own) and the block tables to a power of two, so few
 shapes reach the graph; its shapes are symbolic (``dynamic=True``), so one compilation covers every bucket on the
 CPU. On CUDA it asks for CUDA graphs (``mode="reduce-overhead"``, one per bucket); not run on a GPU yet, and the
-KV cache pools the graph writes are inputs, which inductor may take as a reason to skip the graphs. Padding rows decode token 0 at
-position 0 into the cache's scratch block, never into a sequence's. Prefill stays eager, and so does any batch
-larger than ``max_num_seqs`` (which the scheduler never forms).
+KV cache pools the graph writes are inputs, which inductor may take as a reason to skip the graphs. Padding rows
+decode token 0 at position 0 into the cache's scratch block, never into a sequence's. Prefill stays eager, and so
+does any batch larger than ``max_num_seqs`` (which the scheduler never forms).
 
 Inside the graph the routed experts take the dense path (every expert on every token, ``Experts._dense``) where
 that is cheap, else the grouped GEMM as one opaque op. Refused: LoRA slots and MXFP8 engines (their expert paths
