@@ -2,7 +2,7 @@
 top-k (a group scores its best expert), routed scaling without renormalisation, shared experts, first-k dense."""
 
 from moerl.bridges.base import Bridge, HFConfig, Preset, Rule, common_fields, common_preset, expert_rules
-from moerl.bridges.deepseek_v3 import mla_fields
+from moerl.bridges.deepseek_v3 import mla_fields, mla_preset
 from moerl.bridges.registry import register
 from moerl.errors import ConfigError
 from moerl.model.config import ModelConfig
@@ -52,17 +52,9 @@ def preset_config(p: Preset, bos: int, eos: int, pad: int) -> dict:
         "topk_group": 2 if p.num_experts % 4 == 0 else 1,
         "routed_scaling_factor": 1.0,
         "norm_topk_prob": False,
-        "q_lora_rank": p.hidden_size // 2,
-        "kv_lora_rank": p.hidden_size // 4,
-        "qk_nope_head_dim": p.head_dim,
-        "qk_rope_head_dim": p.head_dim // 2,
-        "v_head_dim": p.head_dim,
-        "attention_bias": False,
         "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
     }
-    cfg["head_dim"] = p.head_dim // 2
-    cfg["num_key_value_heads"] = p.num_heads
-    return cfg
+    return cfg | mla_preset(p)
 
 
 BRIDGE = register(

@@ -59,6 +59,20 @@ def mla_fields(c: HFConfig, rope, rope_interleave: bool) -> dict:
     )
 
 
+def mla_preset(p: Preset) -> dict:
+    """The latent-attention fields of a DeepSeek preset config.json (V2 and V3 alike)."""
+    return {
+        "q_lora_rank": p.hidden_size // 2,
+        "kv_lora_rank": p.hidden_size // 4,
+        "qk_nope_head_dim": p.head_dim,
+        "qk_rope_head_dim": p.head_dim // 2,
+        "v_head_dim": p.head_dim,
+        "head_dim": p.head_dim // 2,  # transformers reads the rotary dim from head_dim
+        "num_key_value_heads": p.num_heads,  # MLA: every head has its own k/v from the latent
+        "attention_bias": False,
+    }
+
+
 def preset_config(p: Preset, bos: int, eos: int, pad: int) -> dict:
     cfg = common_preset(p, ARCH, "deepseek_v3", bos, eos, pad) | {
         "n_routed_experts": p.num_experts,
@@ -72,18 +86,10 @@ def preset_config(p: Preset, bos: int, eos: int, pad: int) -> dict:
         "scoring_func": "sigmoid",  # as in the released config.json (vLLM reads these two)
         "topk_method": "noaux_tc",
         "norm_topk_prob": True,
-        "q_lora_rank": p.hidden_size // 2,
-        "kv_lora_rank": p.hidden_size // 4,
-        "qk_nope_head_dim": p.head_dim,
-        "qk_rope_head_dim": p.head_dim // 2,
-        "v_head_dim": p.head_dim,
         "rope_interleave": True,
-        "attention_bias": False,
         "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
     }
-    cfg["head_dim"] = p.head_dim // 2  # transformers reads the rotary dim from head_dim
-    cfg["num_key_value_heads"] = p.num_heads  # MLA: every head has its own k/v from the latent
-    return cfg
+    return cfg | mla_preset(p)
 
 
 def _mtp_layer(name: str, cfg: ModelConfig) -> bool:

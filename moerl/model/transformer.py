@@ -202,11 +202,11 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, mask, replay=None, cache=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         m = self.residual_multiplier
         if self.post_norm:
-            x = x + m * self.post_attention_layernorm(self.self_attn(x, cos, sin, mask, cache))
-            h = x
+            a = self.post_attention_layernorm(self.self_attn(x, cos, sin, mask, cache))
         else:
-            x = x + m * self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
-            h = self.post_attention_layernorm(x)
+            a = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        x = x + (a if m == 1.0 else m * a)  # no extra op per layer where there is no multiplier
+        h = x if self.post_norm else self.post_attention_layernorm(x)
         idx = None
         if self.is_moe:
             out, idx = self.mlp(h.flatten(0, 1), replay)
@@ -215,7 +215,7 @@ class DecoderLayer(nn.Module):
             out = self.mlp(h)
         if self.post_norm:
             out = self.post_feedforward_layernorm(out)
-        return (x + m * out if m != 1.0 else x + out), idx
+        return x + (out if m == 1.0 else m * out), idx
 
 
 @dataclass(slots=True)
