@@ -1,12 +1,15 @@
 """Train-step throughput and peak memory per rank of the distributed trainer: one process vs dp=2 (FSDP2), ep=2
-(experts split, tokens exchanged) and pp=2 (two pipeline stages, 1F1B), on the same batch.
+(experts split, tokens exchanged) and pp=2 (two pipeline stages, 1F1B), and on four ranks pp=2 with dp=2 or ep=2,
+on the same batch.
 
 Each layout runs in fresh processes (one launch per layout and round; the rounds interleave the layouts): a warm-up
 step, then ``--steps`` timed steps (the ranks meet at a barrier before and after each). Tokens/s counts the batch's
 tokens per step time; peak memory is each rank's VmHWM. One process uses every core; each rank of a 2-rank launch
-gets half (torchrun's default of one thread per rank on this 2-core machine is raised to cores / ranks).
+gets half (torchrun's default of one thread per rank on this 2-core machine is raised to cores / ranks); four
+ranks on two cores share them (one thread each).
 
     python benchmarks/parallel_step.py [--preset small] [--mode full] [--dtype float32] [--batch 8] [--seq 128]
+        [--layouts "one process" dp=2 ...]
 """
 
 from __future__ import annotations
@@ -24,7 +27,14 @@ from pathlib import Path
 
 import torch
 
-LAYOUTS = {"one process": "1,1,1", "dp=2": "2,1,1", "ep=2": "1,2,1", "pp=2": "1,1,2"}
+LAYOUTS = {
+    "one process": "1,1,1",
+    "dp=2": "2,1,1",
+    "ep=2": "1,2,1",
+    "pp=2": "1,1,2",
+    "pp=2 x dp=2": "2,1,2",
+    "pp=2 x ep=2": "1,2,2",
+}
 
 
 def worker(args) -> None:
@@ -87,6 +97,7 @@ def main() -> None:
     p.add_argument("--micro", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     p.add_argument("--worker")
     p.add_argument("--ckpt")
     p.add_argument("--out")
@@ -98,9 +109,11 @@ def main() -> None:
     tmp = tempfile.mkdtemp()
     ckpt = str(Path(tmp) / "model")
     init_model("qwen3_moe", args.preset, ckpt, seed=0)
-    results = {name: {"step": [], "peak": []} for name in LAYOUTS}
+    names = ["one process", *(n for n in args.layouts if n != "one process")]  # the baseline of the ratios
+    results = {name: {"step": [], "peak": []} for name in names}
     for r in range(args.rounds):
-        for name, layout in LAYOUTS.items():
+        for name in names:
+            layout = LAYOUTS[name]
             got = launch(layout, args, ckpt, str(Path(tmp) / f"{r}-{layout}.json"))
             results[name]["step"].append(statistics.median(got["times"]))
             results[name]["peak"].append(got["peak_mb"])

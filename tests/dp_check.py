@@ -7,7 +7,8 @@ Extras: ``layout=shared_outer`` (expert adapters), ``schedule=S`` (pipeline), ``
 first), ``dump`` (write the state as loaded and stop), ``steps=N``, ``save=DIR`` (a checkpoint saved after the first
 step). Negative controls: ``mean``, FSDP's default mean over ranks instead of moerl's sum; ``perturb``, the last
 expert of the first MoE layer moved by 1e-3 on the rank that holds it (the last ep rank); ``wrong_columns``, the
-last pipeline stage replays the first stage's MoE layers' columns instead of its own."""
+last pipeline stage replays the first stage's MoE layers' columns instead of its own; ``untie``, a tied embedding's
+two pipeline copies each keep their own gradient."""
 
 import json
 import sys
@@ -62,13 +63,15 @@ def main(ckpt: str, mode: str, dtype: str, out: str, layout: str, *extra: str) -
     if mean:
         from moerl.parallel.fsdp import fsdp_units
 
-        for unit in fsdp_units(policy.model):
+        for unit in fsdp_units(*policy.fsdp_roots):
             unit.set_gradient_divide_factor(float(world.size))
     if "perturb" in extra and world.ep_rank == world.ep - 1:
         with torch.no_grad():
             policy.model.layers[policy.model.moe_layer_ids[0]].mlp.experts.gate_up_proj[-1] += 1e-3
     if "wrong_columns" in extra and policy.pipeline.last:
         policy.pipeline.modules[-1].columns = list(range(len(policy.pipeline.modules[-1].columns)))
+    if "untie" in extra:
+        policy.pipeline.tied = False
     opt = dict(e.split("=", 1) for e in extra if "=" in e)
     if "load" in opt:
         policy.load(opt["load"])

@@ -25,10 +25,17 @@ from moerl.parallel.world import World
 
 
 def shard_model(
-    model: torch.nn.Module, compute_dtype: torch.dtype, mode: str, mesh: DeviceMesh | None = None, keep=frozenset()
+    model: torch.nn.Module,
+    compute_dtype: torch.dtype,
+    mode: str,
+    mesh: DeviceMesh | None = None,
+    keep=frozenset(),
+    root: torch.nn.Module | None = None,
 ) -> None:
-    """Shard ``model`` in place over ``mesh`` (default: every rank): one FSDP unit per block, the routers, the root.
-    Parameters in ``keep`` (expert-parallel slices) stay this rank's plain tensors."""
+    """Shard ``model`` in place over ``mesh`` (default: every rank): one FSDP unit per block, the routers, the root
+    (``root``: a module that runs ``model``, e.g. a pipeline stage). Parameters in ``keep`` (expert-parallel slices)
+    stay this rank's plain tensors."""
+    root = root if root is not None else model
     frozen = {p for p in model.parameters() if not p.requires_grad} | set(keep)
     if mode == "lora":
         mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
@@ -36,44 +43,51 @@ def shard_model(
         mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     for block in model.layers:
+        if next(block.parameters(), None) is None:  # another pipeline stage's layer
+            continue
         router = getattr(block.mlp, "router", None)
         if router is not None and mode != "lora":
             fully_shard(router, mesh=mesh, mp_policy=fp32)
         fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=(frozen & set(block.parameters())) or None)
-    fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=frozen or None)
-    for unit in fsdp_units(model):
+    fully_shard(root, mesh=mesh, mp_policy=mp, ignored_params=frozen or None)
+    for unit in fsdp_units(root):
         unit.set_gradient_divide_factor(1.0)  # a sum (the losses are normalised globally)
         unit.set_force_sum_reduction_for_comms(True)  # plain SUM collectives: gloo has no pre-multiplied sum
 
 
-def fsdp_units(model: torch.nn.Module) -> list[FSDPModule]:
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+def fsdp_units(*roots: torch.nn.Module) -> list[FSDPModule]:
+    """The FSDP units in ``roots`` (e.g. a model, or its pipeline stages), each once."""
+    units = {id(m): m for root in roots for m in root.modules() if isinstance(m, FSDPModule)}
+    return list(units.values())
 
 
 @contextmanager
-def gathered(model: torch.nn.Module):
-    """Every FSDP unit's parameters whole (in their compute dtype) inside the block, e.g. to export adapters; a
-    collective: every rank enters it together."""
-    units = fsdp_units(model)
+def gathered(*roots: torch.nn.Module):
+    """Every FSDP unit's parameters of ``roots`` whole (in their compute dtype) inside the block, e.g. to export
+    adapters; a collective: every rank enters it together."""
+    units = fsdp_units(*roots)
     for unit in units:
         unit.unshard()
     try:
-        yield model
+        yield
     finally:
         for unit in units:
             unit.reshard()
 
 
 @torch.no_grad()
-def clip_grads(world: World, params: list[torch.Tensor], max_norm: float, expert_slices: set[int]) -> float:
+def clip_grads(
+    world: World, params: list[torch.Tensor], max_norm: float, expert_slices: set[int], copies: set[int] = frozenset()
+) -> float:
     """Clip the gradients of ``params`` to a global L2 norm of ``max_norm`` over every rank; returns the norm before.
 
     FSDP shards are disjoint parts of a whole; expert slices (ids in ``expert_slices``) are disjoint across the ep
-    group and replicated across dp; other plain tensors are replicated across the data group. Each part counts once.
+    group and replicated across dp; other plain tensors are replicated across the data group; ``copies`` (a tied
+    embedding's copy on the last pipeline stage) are counted where the original is. Each part counts once.
     """
     total = torch.zeros((), dtype=torch.float64)
     for p in params:
-        if p.grad is None:
+        if p.grad is None or id(p) in copies:
             continue
         if isinstance(p.grad, DTensor):
             g = p.grad.to_local()

@@ -8,6 +8,16 @@ first stage the token ids, every stage the attention mask and R3's routed expert
 columns of the global MoE layer indices it holds; -1 rows still route themselves), the last stage the loss mask,
 advantages and the engine's logprobs. Old-logprob and training forwards replay; the reference forward never does.
 
+With dp / ep > 1 there is one pipeline per data rank: each takes its share of the batch's rows, and every pipeline
+runs as many micro-batches of the same size (FSDP's gathers and the expert exchange pair up across the stage's data
+group). Each stage is its own FSDP root (``fsdp.shard_model`` on its ``StageModule``), so the schedule reduces its
+gradients once, after the last micro-batch.
+
+Tied input and output embeddings: the last stage holds a copy of the embedding for its head. The copy starts equal
+to the first stage's weight, gets the same gradient (the two stages add theirs, ``tied_copy_grads``) and so the same
+optimizer step; it is left out of everything that counts or writes a weight once (gradient norm, checkpoints, weight
+sync, export).
+
 A step's batch is padded to equal micro-batches with stand-in rows (index -1) whose loss is zero. The stages are
 built per call with static shapes (the sequence length changes between steps), so no metadata is pickled between
 ranks.
@@ -15,7 +25,6 @@ ranks.
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 from dataclasses import dataclass
@@ -27,7 +36,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from moerl.model.transformer import MoEModel
 from moerl.parallel.plan import check_layout
-from moerl.parallel.world import World, broadcast_bytes, broadcast_json
+from moerl.parallel.world import World, broadcast_bytes, broadcast_json, local
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
@@ -47,6 +56,8 @@ def split_layers(model: MoEModel, n_stages: int, given: list[int] | None = None)
     cost = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
     cost[0] += model.embed_tokens.weight.numel()
     cost[-1] += sum(p.numel() for m in (model.norm, model.lm_head) if m is not None for p in m.parameters())
+    if model.config.tie_word_embeddings:  # the last stage's copy of the embedding, for its head
+        cost[-1] += model.embed_tokens.weight.numel()
     prefix = [0, *torch.tensor(cost).cumsum(0).tolist()]
     # best[s][i]: the smallest largest-stage cost of the first i layers in s stages; cut[s][i] its last cut
     best = [[math.inf] * (n + 1) for _ in range(n_stages + 1)]
@@ -71,15 +82,15 @@ class _Hole(nn.Module):
 
 
 def _keep(model: MoEModel, layers: set[int], first: bool, last: bool) -> MoEModel:
-    """``model`` with only ``layers`` (the others placeholders), the embedding only if ``first``, the norm and head
-    only if ``last`` — in place."""
+    """``model`` with only ``layers`` (the others placeholders), the embedding only if ``first`` (or ``last`` with
+    tied embeddings: the head's weight), the norm and head only if ``last`` — in place."""
     for i in range(len(model.layers)):
         if i not in layers:
             model.layers[i] = _Hole()
-    if not first:
+    if not (first or (last and model.config.tie_word_embeddings)):
         model.embed_tokens = None
     if not last:
-        model.norm, model.lm_head = None, None
+        model.norm, model.lm_head, model.lm_head_bias = None, None, None
     model.moe_layer_ids = [i for i in model.moe_layer_ids if i in layers]
     return model
 
@@ -115,11 +126,21 @@ def prune(model: MoEModel, plan: Plan) -> MoEModel:
 
 
 def stage_view(model: MoEModel, plan: Plan, stage: int) -> MoEModel:
-    """A view of the pruned ``model`` that runs stage ``stage`` only (parameters shared)."""
-    view = copy.copy(model)
-    view._modules = dict(model._modules)
+    """A view of the pruned ``model`` that runs stage ``stage`` only (modules and parameters shared, hooks its own:
+    FSDP's on one stage must not run on another)."""
+    view = MoEModel.__new__(MoEModel)
+    nn.Module.__init__(view)
+    fresh = set(view.__dict__)
+    view.__dict__.update({k: v for k, v in model.__dict__.items() if k not in fresh})
+    view._parameters, view._buffers, view._modules = dict(model._parameters), dict(model._buffers), dict(model._modules)
+    view.training = model.training
     view.layers = nn.ModuleList(layer for layer in model.layers)
     return _keep(view, set(plan.ranges[stage]), stage == 0, stage == len(plan.ranges) - 1)
+
+
+def tied_copy(model: MoEModel, plan: Plan) -> bool:
+    """Whether this rank's ``embed_tokens.weight`` is the last stage's copy of the first stage's (tied embeddings)."""
+    return model.config.tie_word_embeddings and 0 not in plan.stages and len(plan.ranges) - 1 in plan.stages
 
 
 class Step:
@@ -171,6 +192,8 @@ class Pipeline:
         self.plan, self.world, self.schedule, self.microbatches = plan, world, schedule, microbatches
         self.group = world.group("pp")
         self.last_stage = len(plan.ranges) - 1
+        self.tied = model.config.tie_word_embeddings
+        self.copy = tied_copy(model, plan)  # this rank's embedding is the last stage's copy
         moe = sorted(model.config.moe_layers)  # the global MoE layer order: R3's columns
         self.modules = []
         for s in plan.stages:
@@ -189,11 +212,12 @@ class Pipeline:
             n = math.ceil(n / self.world.pp) * self.world.pp
         return n
 
-    def run(self, step: Step, rows: torch.Tensor, micro_batch_size: int, hidden_dtype, loss_fn=None):
+    def run(self, step: Step, rows: torch.Tensor, width: int, micro_batch_size: int, hidden_dtype, loss_fn=None):
         """Run ``rows`` of ``step.batch`` through the pipeline (forward and, with ``loss_fn(output, rows)``,
-        backward). Returns the last stage's outputs for the real rows (None on other stages)."""
-        n = self._count(len(rows), micro_batch_size)
-        size = math.ceil(len(rows) / n)
+        backward), padded to ``width`` rows (the data group's largest share: every pipeline of the group runs the
+        same micro-batches). Returns the last stage's outputs for the real rows (None on other stages)."""
+        n = self._count(width, micro_batch_size)
+        size = max(1, math.ceil(width / n))
         padded = torch.cat([rows, rows.new_full((n * size - len(rows),), -1)])
         t = step.batch.input_ids.shape[1]
         hidden = self.modules[0].view.config.hidden_size
@@ -235,6 +259,27 @@ class Pipeline:
         if isinstance(out, tuple):
             return tuple(o[: len(rows)] for o in out)
         return out[: len(rows)]
+
+    @torch.no_grad()
+    def tie_grads(self, param: torch.Tensor | None) -> None:
+        """Tied embeddings: the first stage's embedding and the last stage's copy each get the sum of both
+        gradients (this rank's part; the same part on both ends), bit for bit the same on both; other ranks
+        and untied models: nothing. ``param``: this rank's embedding weight (None when it does not train)."""
+        me, ends = dist.get_rank(self.group), (0, self.world.pp - 1)
+        if not self.tied or param is None or me not in ends:
+            return
+        peer = dist.get_global_rank(self.group, ends[1] if me == ends[0] else ends[0])
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        mine = local(param.grad)
+        theirs = torch.empty_like(mine)
+        ops = [
+            dist.P2POp(dist.isend, mine.contiguous(), peer, self.group),
+            dist.P2POp(dist.irecv, theirs, peer, self.group),
+        ]
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+        mine.add_(theirs)  # a + b on one end, b + a on the other: the same bits
 
     def from_last(self, t: torch.Tensor | None, shape, dtype=torch.float32) -> torch.Tensor:
         """The last stage's tensor ``t`` on every rank of this pipeline."""

@@ -40,10 +40,6 @@ def check_layout(
             f"parallel.pp={pp} with schedule {schedule!r} needs {n_stages} stages of at least one layer; the model has "
             f"{cfg.num_layers} layers"
         )
-    if dp * ep > 1:
-        raise ConfigError(f"parallel.pp={pp} together with dp={dp} / ep={ep} is not built yet: one of them only")
-    if cfg.tie_word_embeddings:
-        raise ConfigError(f"parallel.pp={pp} with tied input and output embeddings is not built yet")
     if stages and (len(stages) != n_stages or sum(stages) != cfg.num_layers or min(stages) < 1):
         raise ConfigError(
             f"parallel.stages={stages}: needs {n_stages} layer counts of at least 1 that add up to the model's "

@@ -36,6 +36,8 @@ def shard_state(policy) -> dict[str, torch.Tensor]:
     opt = policy.optimizer.state_dict()["state"]
     out = {}
     for i, (name, p) in enumerate(own.items()):
+        if name in policy.copies:  # written by the stage that holds the original
+            continue
         out[f"weights/{name}"] = layout_view(policy, name, p.detach())
         for key, value in opt.get(i, {}).items():
             out[f"optim/{name}/{key}"] = layout_view(policy, name, value)

@@ -58,6 +58,8 @@ def _own_tensors(policy) -> Iterator[tuple[str, torch.Tensor]]:
         return
     masters = policy.master.master
     for name, master in masters.items():
+        if name in policy.copies:  # sent by the stage that holds the original
+            continue
         t = policy.whole(name, master.detach())
         if _is_router(name):
             yield name, t.float()

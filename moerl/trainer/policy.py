@@ -24,7 +24,7 @@ from moerl.model.mx import SCALE_MODES
 from moerl.parallel.expert import expert_slice, gather_experts, shard_experts, whole_experts
 from moerl.parallel.fsdp import clip_grads, gathered, shard_model
 from moerl.parallel.pipeline import Pipeline, Step, plan_stages, prune
-from moerl.parallel.rows import gather_rows, micro_batches, sum_over_ranks
+from moerl.parallel.rows import gather_rows, micro_batches, share, sum_over_ranks
 from moerl.parallel.world import World, agreed_min, full, like, local
 from moerl.precision import compute_dtype, dtype_name
 from moerl.trainer.batch import Batch
@@ -159,6 +159,7 @@ class Policy:
         self.master: MasterWeights | None = None
         self.sliced: dict[str, int] = {}  # expert-parallel slices: parameter name -> expert dim
         self.pipeline: Pipeline | None = None  # this rank's pipeline stages (pp > 1)
+        self.copies: set[str] = set()  # weights this rank holds as a copy of another stage's (a tied embedding)
         if cfg.mode == "lora":
             for p in self.model.parameters():
                 p.requires_grad_(False)
@@ -207,6 +208,7 @@ class Policy:
             plan = plan_stages(self.model, world, world.schedule, world.stages)
             prune(self.model, plan)
             self.pipeline = Pipeline(self.model, plan, world, world.schedule, world.microbatches, token_logprobs)
+            self.copies = {"embed_tokens.weight"} if self.pipeline.copy else set()
         if world.data_size == 1:
             return initial
         if world.ep > 1:
@@ -217,9 +219,17 @@ class Policy:
                 if p.requires_grad and p.dtype != dtype and self.cfg.mode != "lora":
                     initial[name] = p.detach()
                     p.data = p.data.to(dtype)
-        params = dict(self.model.named_parameters())
-        shard_model(self.model, self.dtype, self.cfg.mode, self.world.data_mesh, {params[n] for n in self.sliced})
+        keep = {dict(self.model.named_parameters())[n] for n in self.sliced}
+        if self.pipeline is None:
+            shard_model(self.model, self.dtype, self.cfg.mode, self.world.data_mesh, keep)
+        for stage in self.pipeline.modules if self.pipeline is not None else ():  # each stage its own FSDP root
+            shard_model(stage.view, self.dtype, self.cfg.mode, self.world.data_mesh, keep, root=stage)
         return initial
+
+    @property
+    def fsdp_roots(self) -> list[torch.nn.Module]:
+        """What FSDP shards as a whole: the model, or each of this rank's pipeline stages."""
+        return [m for m in self.pipeline.modules] if self.pipeline is not None else [self.model]
 
     def whole(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """The whole tensor of trained weight ``name`` (or of its optimizer state) from this rank's part ``t``: a
@@ -337,12 +347,15 @@ class Policy:
         if self.master is not None:
             self.master.grads_to_master()
         self._reduce_expert_grads()
+        own = self.master.master if self.master is not None else self.trainable
+        if self.pipeline is not None:
+            self.pipeline.tie_grads(own.get("embed_tokens.weight"))
         clip = self.cfg.optim.grad_clip or math.inf
         if self.world.size == 1:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
         else:
-            own = self.master.master if self.master is not None else self.trainable
-            grad_norm = clip_grads(self.world, params, clip, {id(own[n]) for n in self.sliced if n in own})
+            slices = {id(own[n]) for n in self.sliced if n in own}
+            grad_norm = clip_grads(self.world, params, clip, slices, {id(own[n]) for n in self.copies if n in own})
         lr = self.optimizer.param_groups[0]["lr"]
         if not (math.isfinite(total) and math.isfinite(grad_norm)):
             self.nan_skipped += 1
@@ -401,18 +414,25 @@ class Policy:
                 metrics[k] = metrics.get(k, 0.0) + float(v) * len(mb) / len(batch) * real
         return total, metrics
 
+    def _pipeline_rows(self, batch: Batch) -> tuple[torch.Tensor, int]:
+        """This pipeline's rows of ``batch`` (its data rank's share) and the largest share's size."""
+        n = len(batch)
+        return torch.arange(n)[share(self.world, self.world.data_rank, n)], math.ceil(n / self.world.data_size)
+
     def _pipeline_logprobs(self, step: Step) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logprobs (and entropies) of every row through the pipeline, on every rank."""
+        """Logprobs (and entropies) of every row through the pipelines, on every rank."""
         batch, pipe = step.batch, self.pipeline
-        out = pipe.run(step, torch.arange(len(batch)), self.cfg.micro_batch_size, self.dtype)
+        rows, width = self._pipeline_rows(batch)
+        out = pipe.run(step, rows, width, self.cfg.micro_batch_size, self.dtype)
         lp, ent = (out if step.entropy else (out, None)) if out is not None else (None, None)
-        shape = batch.input_ids.shape
-        lp = pipe.from_last(lp, shape)
-        return lp, (pipe.from_last(ent, shape) if step.entropy else None)
+        shape = (len(rows), batch.input_ids.shape[1])
+        lp = gather_rows(self.world, [pipe.from_last(lp, shape)], batch)
+        return lp, (gather_rows(self.world, [pipe.from_last(ent, shape)], batch) if step.entropy else None)
 
     def _pipeline_train(self, step: Step, loss_fn: LossFn) -> tuple[float, dict[str, float]]:
-        """Forward and backward of every row through the pipeline; the loss and metric sums on every rank."""
+        """Forward and backward of this pipeline's rows; its loss and metric sums on every rank of the pipeline."""
         batch, pipe = step.batch, self.pipeline
+        rows, width = self._pipeline_rows(batch)
         total, metrics = 0.0, {}
 
         def loss(output, rows):
@@ -425,7 +445,7 @@ class Policy:
                 metrics[k] = metrics.get(k, 0.0) + float(v) * real / len(batch)
             return value
 
-        pipe.run(step, torch.arange(len(batch)), self.cfg.micro_batch_size, self.dtype, loss)
+        pipe.run(step, rows, width, self.cfg.micro_batch_size, self.dtype, loss)
         total, metrics = pipe.share_json([total, metrics])
         return total, metrics
 
@@ -455,8 +475,8 @@ class Policy:
         opt, names = self.optimizer.state_dict(), list(weights)
         state = {names[i]: {k: self.whole(names[i], v) for k, v in st.items()} for i, st in opt["state"].items()}
         if self.pipeline is not None:  # every stage's tensors, on every rank of the pipeline
-            own = [(f"w/{n}", t) for n, t in weights.items()]
-            own += [(f"o/{k}/{n}", v) for n, st in state.items() for k, v in st.items()]
+            own = [(f"w/{n}", t) for n, t in weights.items() if n not in self.copies]
+            own += [(f"o/{k}/{n}", v) for n, st in state.items() if n not in self.copies for k, v in st.items()]
             weights, state = {}, {}
             for key, t in self.pipeline.stream(own):
                 kind, rest = key.split("/", 1)
@@ -515,7 +535,7 @@ class Policy:
 
     def gathered_here(self):
         """A context in which this rank's parameters are whole: FSDP shards and expert slices gathered."""
-        return _both(gathered(self.model), whole_experts(self.model, self.world))
+        return _both(gathered(*self.fsdp_roots), whole_experts(self.model, self.world))
 
     def save_stop_checkpoint(self) -> str:
         """Before a TrainingStopped: save the current state to ``stop_checkpoint_dir`` (with ``stop_state``) if its
