@@ -30,11 +30,16 @@ def model(tmp_path_factory):
 
 
 def _step(model, mode, dtype, out: Path, layout: str = "1,1,1", *extra) -> tuple[dict, dict]:
-    """One step of ``dp_check.py`` alone (layout 1,1,1) or on the ranks of a torchrun launch (``dp,ep,pp``)."""
+    """One step of ``dp_check.py`` alone (layout 1,1,1: in this process) or on the ranks of a torchrun launch
+    (``dp,ep,pp``)."""
     args = [str(CHECK), str(model), mode, dtype, str(out), layout, *extra]
     ranks = math.prod(int(n) for n in layout.split(","))
-    if ranks > 1:
-        args = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *args]
+    if ranks == 1:
+        from dp_check import main
+
+        main(*args[1:])
+        return json.loads(out.read_text()), load_file(str(out) + ".st")
+    args = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *args]
     done = subprocess.run([sys.executable, *args], env=ENV, capture_output=True, text=True, timeout=300)
     errors = "\n".join(line for line in done.stderr.splitlines() if "Warning" not in line)
     assert done.returncode == 0, errors[:4000] + "\n[...]\n" + errors[-2000:]
@@ -77,8 +82,6 @@ CASES = [
     ("1,1,2", "lora", "float32", ("layout=shared_outer", "schedule=interleaved_1f1b"), 1e-6, 2e-5),
     ("1,1,2", "mxfp8", "bfloat16", ("schedule=interleaved_1f1b",), 1e-5, None),
     ("2,1,2", "full", "float32", (), 1e-6, 2e-5),
-    ("2,1,2", "lora", "float32", ("schedule=gpipe",), 1e-6, 2e-5),
-    ("2,1,2", "mxfp8", "bfloat16", (), 1e-4, None),
     ("1,2,2", "full", "float32", ("schedule=interleaved_1f1b",), 1e-6, 5e-5),
     ("1,2,2", "lora", "float32", ("layout=shared_outer",), 1e-6, 5e-5),
 ]
@@ -289,19 +292,17 @@ def tied(tmp_path_factory):
     return where / "model", _step(where / "model", "full", "float32", where / "one.json")
 
 
-@pytest.mark.parametrize("layout", ["1,1,2", "2,1,2"])
-def test_tied_embeddings_train_across_pipeline_stages_as_in_one_process(tied, tmp_path, layout):
-    """The first stage embeds with the weight the last stage's head uses (its copy): both get the sum of the two
-    gradients, so one step equals one process's (loss, gradient norm, weights, logprobs after the step)."""
+def test_tied_embeddings_train_across_pipeline_stages_as_in_one_process(tied, tmp_path):
+    """dp=2 x pp=2: the first stage embeds with the weight the last stage's head uses (its copy): both get the sum of
+    the two gradients, so one step equals one process's (loss, gradient norm, weights, logprobs after the step)."""
     model, (one, t1) = tied
-    two, t2 = _step(model, "full", "float32", tmp_path / "two.json", layout)
+    two, t2 = _step(model, "full", "float32", tmp_path / "two.json", "2,1,2")
     _same_step(one, t1, two, t2, "full", "float32", 1e-6, 2e-5)
 
 
 def test_ernie_trains_across_pipeline_stages_as_in_one_process(tmp_path):
     """Ernie-4.5-MoE (a transformers checkpoint): tied head with its own bias (last stage only), a dense first
     layer, shared experts; pp=2 equals one process."""
-    sys.path.insert(0, str(CHECK.parent))
     from hf_models import save_hf_model
 
     save_hf_model("Ernie4_5_MoeForCausalLM", tmp_path / "ernie")
@@ -319,10 +320,9 @@ def test_tied_copies_that_kept_their_own_gradients_would_be_caught(tied, tmp_pat
     assert not torch.allclose(t2["new_logprobs"], t1["new_logprobs"], atol=2e-5, rtol=0)
 
 
-def test_a_tied_pipeline_checkpoint_resumes_bit_exact_and_loads_in_one_process(tied, tmp_path):
+def test_a_tied_pipeline_checkpoint_resumes_bit_exact(tied, tmp_path):
     """pp=2 with tied embeddings: two steps in one run equal a load of the checkpoint saved after the first and the
-    second step (the last stage's copy comes back from the first stage's weight); one process loads the same
-    state."""
+    second step (the checkpoint holds the first stage's weight once; the last stage's copy loads from it)."""
     model, _ = tied
     ckpt = tmp_path / "ckpt"
     _, straight = _step(model, "full", "float32", tmp_path / "two.json", "1,1,2", "steps=2", f"save={ckpt}")
@@ -331,7 +331,6 @@ def test_a_tied_pipeline_checkpoint_resumes_bit_exact_and_loads_in_one_process(t
     for k in straight:
         if k != "old_logprobs":
             assert torch.equal(straight[k], resumed[k]), k
-    _same(_loaded(model, tmp_path, "full", "1,1,1", ckpt), _loaded(model, tmp_path, "full", "1,1,2", ckpt))
 
 
 @pytest.mark.parametrize(
