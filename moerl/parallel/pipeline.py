@@ -14,7 +14,7 @@ group). Each stage is its own FSDP root (``fsdp.shard_model`` on its ``StageModu
 gradients once, after the last micro-batch.
 
 Tied input and output embeddings: the last stage holds a copy of the embedding for its head. The copy starts equal
-to the first stage's weight, gets the same gradient (the two stages add theirs, ``tied_copy_grads``) and so the same
+to the first stage's weight, gets the same gradient (the two stages add theirs, ``Pipeline.tie_grads``) and so the same
 optimizer step; it is left out of everything that counts or writes a weight once (gradient norm, checkpoints, weight
 sync, export).
 

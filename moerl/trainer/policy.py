@@ -222,14 +222,15 @@ class Policy:
         keep = {dict(self.model.named_parameters())[n] for n in self.sliced}
         if self.pipeline is None:
             shard_model(self.model, self.dtype, self.cfg.mode, self.world.data_mesh, keep)
-        for stage in self.pipeline.modules if self.pipeline is not None else ():  # each stage its own FSDP root
-            shard_model(stage.view, self.dtype, self.cfg.mode, self.world.data_mesh, keep, root=stage)
+        else:
+            for stage in self.pipeline.modules:  # each stage its own FSDP root
+                shard_model(stage.view, self.dtype, self.cfg.mode, self.world.data_mesh, keep, root=stage)
         return initial
 
     @property
     def fsdp_roots(self) -> list[torch.nn.Module]:
         """What FSDP shards as a whole: the model, or each of this rank's pipeline stages."""
-        return [m for m in self.pipeline.modules] if self.pipeline is not None else [self.model]
+        return list(self.pipeline.modules) if self.pipeline is not None else [self.model]
 
     def whole(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """The whole tensor of trained weight ``name`` (or of its optimizer state) from this rank's part ``t``: a
