@@ -197,10 +197,12 @@ class ExpertLora(nn.Module):
             t = t.flatten(0, 1)
         return t.transpose(-1, -2)
 
-    def _row_scale(self, token: torch.Tensor, perm, slot) -> torch.Tensor | float:
+    def _row_scale(self, token: torch.Tensor, perm, slot) -> torch.Tensor:
+        """The adapter scale of each row: a 0-d tensor for one slot, else ``[rows, 1]`` in the adapters' dtype (the
+        fp32 buffer would promote bf16 rows to fp32; one slot's 0-d scale does not)."""
         if slot is not None:
             return self.scale[slot]
-        return self.scale[self.ctx.token_slots[token[perm]]].unsqueeze(1)
+        return self.scale[self.ctx.token_slots[token[perm]]].unsqueeze(1).to(self.gate_up_B.dtype)
 
     def gate_up_delta(self, x, xs, token, groups) -> tuple[torch.Tensor, torch.Tensor | None]:
         """LoRA delta of gate_up for the expert-sorted rows: (delta, perm) to add at rows ``perm`` (or all)."""
