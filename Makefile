@@ -22,7 +22,10 @@ $(TEST_STAMP): $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/moerl demo --overwrite
 
+# first the host line: which CPU kernels this run gets (AVX2 / AVX-512 / AVX512-BF16 / AMX, threads) and what
+# dtype auto picks (MOERL_AUTO_DTYPE=bfloat16 or float32 runs the suite as the other kind of host would)
 test: $(TEST_STAMP)
+	$(PY) -m moerl.precision
 	$(PY) -m ruff check moerl tests benchmarks
 	$(PY) -m pytest -q --durations=15  # the slowest tests, to keep CI within its budget
 
