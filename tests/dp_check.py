@@ -22,6 +22,8 @@ from moerl.trainer import Batch, OptimConfig, Policy, PolicyConfig
 from moerl.trainer.checkpoint import save_checkpoint, shards_of_save
 from moerl.trainer.losses import PolicyLossConfig, make_policy_loss
 
+LR = 1e-2  # large enough that one AdamW step moves the logprobs visibly
+
 
 def fixed_batch(num_moe_layers: int, top_k: int, num_experts: int) -> Batch:
     """7 rows of 12 tokens (ragged: right padding), a response mask, advantages, and replayed experts for R3."""
@@ -58,7 +60,7 @@ def main(ckpt: str, mode: str, dtype: str, out: str, layout: str, *extra: str) -
     mean = "mean" in extra
     torch.manual_seed(0)  # the same adapters on every rank
     lora = LoraConfig(layout="shared_outer" if "layout=shared_outer" in extra else "per_expert")
-    cfg = PolicyConfig(mode=mode, dtype=dtype, micro_batch_size=2, optim=OptimConfig(lr=1e-2), lora=lora)
+    cfg = PolicyConfig(mode=mode, dtype=dtype, micro_batch_size=2, optim=OptimConfig(lr=LR), lora=lora)
     policy = Policy(ckpt, cfg, world)
     if mean:
         from moerl.parallel.fsdp import fsdp_units

@@ -17,6 +17,7 @@ def run_cfg(run_dir, model, mode="lora", steps=2, **over) -> RunConfig:
         f"model.path={model}",
         f"policy.mode={mode}",
         "policy.dtype=float32",
+        "rollout.dtype=float32",  # pinned: auto is bf16 on AVX512-BF16 / AMX hosts
         f"train.steps={steps}",
         "train.checkpoint_every=2",
         "env.name=arithmetic",
