@@ -3,6 +3,7 @@ fp32 bit for bit, logprobs agree with the trainer, a short run learns, and what 
 by name."""
 
 import copy
+import math
 import sys
 
 import pytest
@@ -146,6 +147,8 @@ def test_every_family_syncs_into_vllm_with_the_trainers_fp32_router(arch, tmp_pa
         else:
             assert again == fresh
         policy = _train_one_step(path)
+        # negative control: the engine still holds the weights before the step, and the comparison sees it
+        assert _logprob_disagreements(policy, engine, K3_TOLERANCE.get(arch, 2e-3))
         sync_policy(policy, engine, version=2)
         _assert_fp32_routers(policy, engine, engine.llm)
         _assert_logprobs_agree(policy, engine, K3_TOLERANCE.get(arch, 2e-3))
@@ -163,17 +166,32 @@ NOT_BIT_STABLE = {"DeepseekV3ForCausalLM"}
 K3_TOLERANCE = {"GptOssForCausalLM": 1e-2}
 
 
-def _assert_logprobs_agree(policy, engine, k3_max=2e-3, requests=None):
+def _logprob_disagreements(policy, engine, k3_max=2e-3, requests=None) -> list[str]:
+    """The engine's sequences whose logprobs disagree with the trainer's recompute on the same tokens (empty when
+    all agree). bf16 on both sides with different kernels, and vLLM's experts are not replayed (no R3 from vLLM on a
+    CPU): a router near-tie may pick another expert for one token, which moves that token alone (0.36 measured on
+    GPT-OSS, AVX-512). So per sequence: the token furthest off within ln 2 (the loop's own mismatch threshold), the
+    k3 of the others below ``k3_max``."""
     requests = requests or _requests()
     reqs = [Request(r.prompt, SamplingParams(temperature=0.7, max_tokens=6, seed=r.params.seed)) for r in requests]
+    bad = []
     for out in engine.generate(reqs):
         c = out.outputs[0]
+        assert c.logprobs.dtype == torch.float32 and c.routed_experts is None
         ids = torch.tensor([out.prompt_token_ids + c.token_ids])
         lp = policy.forward_logprobs(Batch(ids, torch.ones_like(ids), torch.ones_like(ids)), temperature=0.7)[0]
         d = lp[0, len(out.prompt_token_ids) :] - c.logprobs
-        k3 = float((d.exp() - 1 - d).mean())
-        assert k3 < k3_max, f"k3 {k3}: {d}"  # bf16 on both sides, different kernels
-        assert c.logprobs.dtype == torch.float32 and c.routed_experts is None
+        worst = int(d.abs().argmax())
+        rest = torch.cat([d[:worst], d[worst + 1 :]])
+        k3 = float((rest.exp() - 1 - rest).mean())
+        if not (abs(float(d[worst])) < math.log(2) and k3 < k3_max):
+            bad.append(f"{out.prompt_token_ids}: k3 {k3} without the worst token; {d.tolist()}")
+    return bad
+
+
+def _assert_logprobs_agree(policy, engine, k3_max=2e-3, requests=None):
+    bad = _logprob_disagreements(policy, engine, k3_max, requests)
+    assert not bad, bad
 
 
 def test_two_vllm_engines_split_the_requests_and_each_takes_every_sync(model, monkeypatch):
@@ -202,9 +220,12 @@ def test_two_vllm_engines_split_the_requests_and_each_takes_every_sync(model, mo
             alone.llms = [llm]
             ref = alone.generate(_requests())
             assert [c.token_ids for o in ref for c in o.outputs] == [c.token_ids for o in outs for c in o.outputs]
+            # one engine alone batches the requests otherwise, so its bf16 GEMMs see other shapes: on AVX-512 / AMX
+            # hosts they round otherwise (7e-3 measured). Logprobs come from bf16 logits, whose rounding step in
+            # [4, 8) is 2^-5: two such steps allowed
             for o, r in zip(outs, ref, strict=True):
                 for c, cr in zip(o.outputs, r.outputs, strict=True):
-                    assert torch.allclose(c.logprobs, cr.logprobs, atol=1e-4)
+                    assert torch.allclose(c.logprobs, cr.logprobs, atol=2 * 2**-5, rtol=0)
         _assert_logprobs_agree(policy, pool)
         # negative control: a sync that keeps the prefix cache serves the long prompt from KV of version 5
         ids = torch.randint(4, 100, (4, 10), generator=torch.Generator().manual_seed(2))
