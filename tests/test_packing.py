@@ -62,21 +62,34 @@ def test_plan_declines_full_rows_and_left_padding():
     assert plan_packing(left) is None  # not right-padded: not rearranged
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_packed_forward_equals_the_padded_forward(arch, hf_checkpoints):
-    """fp32 logprobs and entropies with R3 replay, packed vs padded within 1e-5; the same packed rows with one
-    attention mask over the whole row (sequences see their neighbours) differ by far more."""
+# bf16: the logits leave lm_head in bf16, whose rounding step for a logit in [4, 8) is 2^-5; packed rows put
+# other shapes through the GEMMs and attention, so a token may land one step off: two steps allowed on a token,
+# a mean of 2e-3 over the tokens (measured on AVX-512: max 2.8e-3, mean 4.3e-5; the leaky negative control: max
+# 0.40, mean 0.07)
+TOLERANCE = {"float32": (1e-5, 1e-5), "bfloat16": (2 * 2**-5, 2e-3)}  # (max, mean)
+
+
+@pytest.mark.parametrize(("arch", "dtype"), [(a, "float32") for a in ARCHS] + [("Qwen3MoeForCausalLM", "bfloat16")])
+def test_packed_forward_equals_the_padded_forward(arch, dtype, hf_checkpoints):
+    """Logprobs and entropies with R3 replay, packed vs padded within the dtype's tolerance (fp32: 1e-5); the same
+    packed rows with one attention mask over the whole row (sequences see their neighbours) differ by far more."""
     ckpt = hf_checkpoints[arch][0]
     padded, packed = (
-        Policy(ckpt, PolicyConfig(mode="full", dtype="float32", micro_batch_size=16, packing=p)) for p in (0, 1)
+        Policy(ckpt, PolicyConfig(mode="full", dtype=dtype, micro_batch_size=16, packing=p)) for p in (0, 1)
     )
     batch = ragged_batch(replay_of=padded.model)
     assert plan_packing(batch.attention_mask) is not None
+    worst, mean = TOLERANCE[dtype]
+
+    def agree(a, b) -> bool:
+        d = (a - b).abs()
+        return float(d.max()) <= worst and float(d[b != 0].mean()) <= mean
+
     for replay in (True, False):
         want_lp, want_ent = padded.forward_logprobs(batch, replay=replay, temperature=0.7, entropy=True)
         got_lp, got_ent = packed.forward_logprobs(batch, replay=replay, temperature=0.7, entropy=True)
-        assert torch.allclose(got_lp, want_lp, atol=1e-5), (got_lp - want_lp).abs().max()
-        assert torch.allclose(got_ent, want_ent, atol=1e-5), (got_ent - want_ent).abs().max()
+        assert agree(got_lp, want_lp), (got_lp - want_lp).abs().max()
+        assert agree(got_ent, want_ent), (got_ent - want_ent).abs().max()
     # negative control: the packed rows without the per-sequence mask
     pk = plan_packing(batch.attention_mask)
     with torch.no_grad():
@@ -84,7 +97,8 @@ def test_packed_forward_equals_the_padded_forward(arch, hf_checkpoints):
         out = packed.model(ids, positions=pk.positions, attention_mask=(pk.segment > 0).long())
         keep = torch.nn.functional.pad((pk.segment[:, 1:] == pk.segment[:, :-1]) & (pk.segment[:, 1:] > 0), (1, 0))
         leaky = pk.unpack(next_token_logprobs(out.logits, ids, keep, 1.0, False)[0], batch.input_ids.shape)
-    assert (leaky - padded.forward_logprobs(batch, replay=False)[0]).abs().max() > 1e-2
+    want = padded.forward_logprobs(batch, replay=False)[0]
+    assert not agree(leaky, want)
 
 
 @pytest.mark.parametrize("mode", ["full", "lora"])

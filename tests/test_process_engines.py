@@ -41,7 +41,7 @@ def _same(a, b) -> None:
             assert torch.equal(c.routed_experts, d.routed_experts) and c.routed_experts.dtype == torch.uint8
 
 
-def _pool(model, placement, n, mode="full", **kw):
+def _pool(model, placement, n, mode="full", dtype="float32", **kw):
     lora = mode == "lora"
     cfg = EngineConfig(
         max_num_seqs=16, max_model_len=32, max_loras=int(lora), max_lora_rank=8, lora_layout="shared_outer"
@@ -49,7 +49,7 @@ def _pool(model, placement, n, mode="full", **kw):
     threads = THREADS if placement == "process" else 0
     mx = "rceil" if mode == "mxfp8" else None
     return make_engine(
-        "native", model, cfg, placement=placement, num_engines=n, threads=threads, mx_scale_mode=mx, **kw
+        "native", model, cfg, placement=placement, num_engines=n, threads=threads, mx_scale_mode=mx, dtype=dtype, **kw
     )
 
 
@@ -107,10 +107,15 @@ def model(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("mode", ["full", "lora", "mxfp8"])
-def test_process_engines_give_the_inprocess_rollouts_bit_for_bit_before_and_after_a_sync(mode, model):
+@pytest.mark.parametrize(
+    ("mode", "dtype"),
+    [("full", "float32"), ("lora", "float32"), ("mxfp8", "float32"), ("full", "bfloat16"), ("lora", "bfloat16")],
+)
+def test_process_engines_give_the_inprocess_rollouts_bit_for_bit_before_and_after_a_sync(mode, dtype, model):
+    """Engines in child processes compute with this process's thread count, the same kernels on the same shapes:
+    their rollouts equal the in-process engines' bit for bit, in either dtype."""
     policy = _trained_policy(model, mode)
-    pools = {(p, n): _pool(model, p, n, mode) for p in ("inprocess", "process") for n in (1, 2)}
+    pools = {(p, n): _pool(model, p, n, mode, dtype) for p in ("inprocess", "process") for n in (1, 2)}
     try:
         adapter = "policy" if mode == "lora" else None
         for version in (0, 1):
