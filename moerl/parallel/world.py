@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 from dataclasses import dataclass
@@ -105,6 +106,9 @@ def init_world(dp: int = 1, ep: int = 1, pp: int = 1, **pipeline) -> World:
     size = dp * ep * pp
     if size == 1 and not under_launcher():
         return World()
+    # a rank that the C++ side aborts (std::terminate, SIGSEGV) prints every thread's Python stack, so the log
+    # says where (an interleaved-1F1B LoRA rank once died with SIGABRT on an AMX host, no Python traceback)
+    faulthandler.enable()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device == "cuda" else "gloo")
