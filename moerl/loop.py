@@ -327,8 +327,8 @@ def build_engine(cfg: RunConfig, model_path: Path, engines=None):
     mx = cfg.policy.mx_scale_mode if cfg.policy.mode == "mxfp8" else None
     if engines is not None:
         from moerl.rollout.pool import EnginePool
-        from moerl.rollout.process import EngineSpec
         from moerl.rollout.ray_engine import start_engines
+        from moerl.rollout.spec import EngineSpec
 
         c = cfg.cluster
         spec = EngineSpec(str(model_path), ecfg, r.dtype, mx_scale_mode=mx, threads=engines.engine_threads)

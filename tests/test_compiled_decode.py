@@ -109,7 +109,7 @@ def test_compile_decode_refusals(tmp_path):
     with pytest.raises(ConfigError, match=r"'rollout.compile_decode'=true with policy.mode='mxfp8'"):
         load_config(RunConfig, None, [*over, "policy.mode=mxfp8"])
 
-    from moerl.rollout.process import EngineSpec, build_native
+    from moerl.rollout.spec import EngineSpec, build_native
 
     init_model("qwen3_moe", "tiny", tmp_path)
     spec = EngineSpec(str(tmp_path), EngineConfig(compile_decode=True), mx_scale_mode="floor")

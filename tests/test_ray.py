@@ -172,8 +172,8 @@ def test_an_engine_actor_out_of_restarts_is_an_engine_error_named(cluster, warm_
     from moerl.engine import EngineConfig, Request, SamplingParams
     from moerl.errors import EngineError
     from moerl.rollout.pool import EnginePool
-    from moerl.rollout.process import EngineSpec
     from moerl.rollout.ray_engine import start_engines
+    from moerl.rollout.spec import EngineSpec
 
     ray.init(address=cluster, logging_level="warning")
     group = placement_group([{"CPU": 1}])

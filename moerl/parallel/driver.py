@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from moerl.errors import TrainingStopped
 from moerl.parallel.world import broadcast_bytes
+from moerl.rpc import Dispatcher
 from moerl.trainer.batch import Batch
 from moerl.trainer.policy import Policy
 
@@ -140,41 +141,73 @@ class DistributedPolicy(Policy):
         _send("stop", {})
 
 
+class RankServer:
+    """What a rank other than 0 does for each call rank 0 announces: the same call on this rank's shard."""
+
+    CALLS = (
+        "forward_logprobs",
+        "train_step",
+        "full_state",
+        "nonfinite_weight",
+        "save_stop_checkpoint",
+        "save_shards",
+        "sync_tensors",
+        "load",
+        "unshard",
+        "reshard",
+    )
+
+    def __init__(self, policy: Policy, loss_fn):
+        self.policy, self.loss_fn, self.gathered = policy, loss_fn, None
+
+    def forward_logprobs(self, batch, **args) -> None:
+        self.policy.forward_logprobs(batch, **args)
+
+    def train_step(self, batch, stop_checkpoint_dir, **args) -> None:
+        self._stop_dir(stop_checkpoint_dir)  # a step that stops saves there: this rank writes its part
+        self.policy.train_step(batch, self.loss_fn, **args)
+
+    def full_state(self, batch) -> None:
+        self.policy.full_state()
+
+    def nonfinite_weight(self, batch) -> None:
+        self.policy.nonfinite_weight()
+
+    def save_stop_checkpoint(self, batch, path) -> None:
+        self._stop_dir(path)
+        self.policy.save_stop_checkpoint()
+
+    def save_shards(self, batch, path) -> None:
+        self.policy.save_shards(path)
+
+    def sync_tensors(self, batch) -> None:
+        for _ in self.policy.sync_tensors():  # every rank gathers each tensor with rank 0
+            pass
+
+    def load(self, batch, path) -> None:
+        self.policy.load(path)
+
+    def unshard(self, batch) -> None:
+        self.gathered = self.policy.gathered()
+        self.gathered.__enter__()
+
+    def reshard(self, batch) -> None:
+        self.gathered.__exit__(None, None, None)
+        self.gathered = None
+
+    def _stop_dir(self, path: str | None) -> None:
+        self.policy.stop_checkpoint_dir = Path(path) if path is not None else None
+
+
 def serve(policy: Policy, loss_fn) -> None:
-    """Every rank but 0: make the calls rank 0 announces, on this rank's shard, until it says stop."""
-    gathered = None
+    """Every rank but 0: make the calls rank 0 announces, on this rank's shard, until it says stop. A call that
+    fails raises here: this rank exits and the launcher stops the others."""
+    calls = Dispatcher(RankServer(policy, loss_fn), RankServer.CALLS, f"trainer rank {dist.get_rank()}")
     while True:
         op, args, batch = _recv()
+        if op == "stop":
+            return
         try:
-            if op == "stop":
-                return
-            if op == "forward_logprobs":
-                policy.forward_logprobs(batch, **args)
-            elif op == "train_step":
-                stop = args.pop("stop_checkpoint_dir")  # a step that stops saves there: this rank writes its part
-                policy.stop_checkpoint_dir = Path(stop) if stop is not None else None
-                policy.train_step(batch, loss_fn, **args)
-            elif op == "full_state":
-                policy.full_state()
-            elif op == "nonfinite_weight":
-                policy.nonfinite_weight()
-            elif op == "save_stop_checkpoint":
-                policy.stop_checkpoint_dir = Path(args["path"]) if args["path"] is not None else None
-                policy.save_stop_checkpoint()
-            elif op == "save_shards":
-                policy.save_shards(args["path"])
-            elif op == "sync_tensors":
-                for _ in policy.sync_tensors():
-                    pass
-            elif op == "load":
-                policy.load(args["path"])
-            elif op == "unshard":
-                gathered = policy.gathered()
-                gathered.__enter__()
-            elif op == "reshard":
-                gathered.__exit__(None, None, None)
-                gathered = None
-            else:
-                raise RuntimeError(f"trainer rank {dist.get_rank()}: unknown call {op!r} from rank 0")
+            calls.call(op, batch, **args)
         except TrainingStopped:
             pass  # rank 0 stops the same way and says what next

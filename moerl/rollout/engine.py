@@ -40,7 +40,7 @@ def make_engine(
     process or each in its own process (``placement``); or ``vllm`` (always in vLLM's own processes).
     ``spec``: the rest of :class:`EngineSpec`."""
     from moerl.rollout.pool import EnginePool
-    from moerl.rollout.process import EngineSpec
+    from moerl.rollout.spec import EngineSpec
 
     spec = EngineSpec(str(model), config or EngineConfig(), **spec)
     if kind == "vllm":

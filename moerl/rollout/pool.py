@@ -17,8 +17,10 @@ import torch
 
 from moerl.engine import LLMEngine, Request, RequestOutput
 from moerl.errors import ConfigError, EngineDied, EngineError
-from moerl.rollout.process import EngineProcess, EngineSpec, _Writer, build_native, pack_inline
-from moerl.rollout.shm import SharedBuffer
+from moerl.rollout.process import EngineProcess
+from moerl.rollout.shm import SharedBuffer, ShmWriter
+from moerl.rollout.spec import EngineSpec, build_native
+from moerl.rollout.wire import pack_inline
 
 PLACEMENTS = ("inprocess", "process")  # what rollout.placement chooses; "ray": Ray actors (cluster.backend=ray)
 
@@ -65,7 +67,7 @@ class EnginePool:
             raise ConfigError(f"rollout.num_engines={num_engines}: must be >= 1")
         self.placement = placement
         self.engines: list = []
-        self.weights = _Writer("moerl-weights")  # engines in other processes: one buffer each bucket is read from
+        self.weights = ShmWriter("moerl-weights")  # engines in other processes: one buffer each bucket is read from
         self.update: list[tuple[dict, object]] = []  # the messages of the last weight update, for a revived engine
         self.restarts = self.requeued = 0
         _live.add(self)

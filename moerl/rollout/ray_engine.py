@@ -1,9 +1,10 @@
 """Native engines as Ray actors, behind the same handle as an engine process.
 
-The actor runs the engine process's command server (``EngineServer``): JSON commands, tensors through file-backed
-shared memory when the actor shares the trainer's node (``/dev/shm``), else inline as bytes in the message, which
-Ray's object store carries between nodes. Ray restarts an actor that dies (``cluster.engine_restarts`` times); the
-pool then replays the last weight update into it and re-sends its unfinished requests.
+The actor runs the engine process's command server (``moerl.rollout.server``): JSON commands, tensors through
+file-backed shared memory when the actor shares the trainer's node (``/dev/shm``), else inline as bytes in the
+message, which Ray's object store carries between nodes. Ray restarts an actor that dies
+(``cluster.engine_restarts`` times); the pool then replays the last weight update into it and re-sends its
+unfinished requests.
 """
 
 from __future__ import annotations
@@ -15,15 +16,11 @@ import torch
 
 from moerl.engine import Request, RequestOutput
 from moerl.errors import ConfigError, EngineDied, EngineError
-from moerl.rollout.process import (
-    EngineServer,
-    EngineSpec,
-    check_reply,
-    outputs_from_json,
-    request_to_json,
-    tensors_of,
-)
+from moerl.rollout.server import EngineServer
 from moerl.rollout.shm import BufferCache
+from moerl.rollout.spec import EngineSpec
+from moerl.rollout.wire import outputs_from_json, request_to_json, tensors_of
+from moerl.rpc import check_reply
 
 
 class EngineActor:

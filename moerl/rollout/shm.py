@@ -109,3 +109,34 @@ class BufferCache:
             if self.unlink_on_open:
                 buf.unlink()
         return buf
+
+
+class ShmWriter:
+    """A shared buffer that grows as needed; ``put`` packs tensors and returns the message fields that locate them.
+
+    ``append``: after what earlier ``put`` s of the same update wrote (the readers keep views of those until the
+    update is committed: the buffer is the update's staging area); ``reset`` starts the next update at byte 0.
+    """
+
+    def __init__(self, tag: str):
+        self.tag, self.buf, self.used = tag, None, 0
+
+    def reset(self) -> None:
+        self.used = 0
+
+    def put(self, tensors: dict[str, torch.Tensor], append: bool = False) -> dict:
+        start = self.used if append else 0
+        _, end = layout(tensors, start)
+        if self.buf is None or end > self.buf.nbytes:  # a new file; readers keep their views of the old one
+            old = self.buf.nbytes if self.buf is not None else 0
+            if self.buf is not None:
+                self.buf.unlink()
+            _, end = layout(tensors)
+            start, self.buf = 0, SharedBuffer.create(max(end, 2 * old, 1 << 20), self.tag)
+        specs = self.buf.pack(tensors, start)
+        self.used = end
+        return {"buffer": self.buf.path, "nbytes": self.buf.nbytes, "tensors": specs}
+
+    def close(self) -> None:
+        if self.buf is not None:
+            self.buf.unlink()

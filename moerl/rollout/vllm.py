@@ -22,7 +22,8 @@ from moerl.engine import Request, RequestOutput
 from moerl.engine.sequence import Completion
 from moerl.errors import ConfigError, EngineError
 from moerl.rollout.pool import _gather, split
-from moerl.rollout.process import EngineSpec, _Writer
+from moerl.rollout.shm import ShmWriter
+from moerl.rollout.spec import EngineSpec
 
 EXTENSION = "moerl.rollout.vllm_worker.MoerlWorkerExtension"
 
@@ -122,7 +123,7 @@ class VLLMEngine:
         os.environ[ENV] = "1"  # moerl's plugin gives vLLM's MoE models fp32 routers, in all of vLLM's processes
         self.max_model_len = spec.config.max_model_len
         self.llms = []
-        self.weights = _Writer("moerl-vllm")  # one shared buffer per bucket, read by every engine
+        self.weights = ShmWriter("moerl-vllm")  # one shared buffer per bucket, read by every engine
         self.weight_version = 0
         try:
             for bind in _cpu_binds(num_engines, spec.threads):

@@ -1,0 +1,75 @@
+"""The engine's side of the command protocol: what an engine process and a Ray engine actor both run.
+
+Each command names one method of ``EngineServer`` (the allowlist below) through moerl's one dispatcher
+(``moerl.rpc``); its JSON fields are the arguments, its tensors come through shared memory or inline bytes
+(``moerl.rollout.wire``). Errors become replies; the engine stays up.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from moerl.engine import LLMEngine
+from moerl.rollout.shm import BufferCache, ShmWriter
+from moerl.rollout.spec import EngineSpec, build_native
+from moerl.rollout.wire import outputs_to_json, pack_inline, request_from_json, tensors_of
+from moerl.rpc import Dispatcher
+
+COMMANDS = ("init", "generate", "stage", "commit", "discard", "set_adapter", "add_adapter", "read_weights")
+
+
+class EngineServer:
+    """One native engine behind the command protocol; ``handle`` answers one command."""
+
+    def __init__(self):
+        self.reader, self.writer = BufferCache(), ShmWriter("moerl-out")
+        self.engine: LLMEngine | None = None
+        self.dispatch = Dispatcher(self, COMMANDS, "engine")
+
+    def handle(self, msg: dict) -> dict:
+        reply = self.dispatch.reply(msg["op"], msg)
+        return reply | {"version": self.engine.weight_version if self.engine else 0} if reply["ok"] else reply
+
+    def close(self) -> None:
+        self.writer.close()
+
+    def _tensors_out(self, tensors: dict[str, torch.Tensor], inline: bool) -> dict:
+        return pack_inline(tensors) if inline else self.writer.put(tensors)
+
+    def _tensors_in(self, msg: dict) -> dict[str, torch.Tensor]:
+        # views, no copy: the parent writes each bucket of an update to its own place in the buffer, so the staged
+        # views stay valid until the commit copies them into the weights
+        return tensors_of(msg, self.reader, copy=False)
+
+    # -- the commands: each takes the message and returns the reply's fields ------------------------------------
+    def init(self, msg: dict) -> dict:
+        spec = EngineSpec.from_json(msg["spec"])
+        if spec.threads:
+            torch.set_num_threads(spec.threads)
+        self.engine = build_native(spec)
+        return {"pid": os.getpid(), "kv_cache_bytes": self.engine.kv_cache_bytes}
+
+    def generate(self, msg: dict) -> dict:
+        rows, tensors = outputs_to_json(self.engine.generate([request_from_json(r) for r in msg["requests"]]))
+        return {"outputs": rows, **self._tensors_out(tensors, msg.get("inline_out", False))}
+
+    def stage(self, msg: dict) -> None:
+        self.engine.stage_weights(self._tensors_in(msg))
+
+    def commit(self, msg: dict) -> None:
+        self.engine.commit_weights(msg["version"])
+
+    def discard(self, msg: dict) -> None:
+        self.engine.discard_staged()
+
+    def set_adapter(self, msg: dict) -> None:
+        self.engine.set_adapter(msg["name"], self._tensors_in(msg), msg["version"])
+
+    def add_adapter(self, msg: dict) -> None:
+        self.engine.add_adapter(msg["name"], self._tensors_in(msg) if "tensors" in msg else msg["path"])
+
+    def read_weights(self, msg: dict) -> dict:
+        params = dict(self.engine.model.named_parameters()) | dict(self.engine.model.named_buffers())
+        return self._tensors_out({n: params[n].detach() for n in msg["names"]}, msg.get("inline_out", False))
