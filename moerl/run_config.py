@@ -11,7 +11,7 @@ from moerl.config import config_key
 from moerl.envs import check_env_kwargs
 from moerl.errors import ConfigError
 from moerl.precision import DTYPE_NAMES
-from moerl.rollout.pool import PLACEMENTS
+from moerl.rollout.spec import PLACEMENTS
 from moerl.trainer import PolicyConfig
 from moerl.trainer.advantages import ESTIMATORS
 from moerl.trainer.losses import PolicyLossConfig

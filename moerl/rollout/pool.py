@@ -19,10 +19,8 @@ from moerl.engine import LLMEngine, Request, RequestOutput
 from moerl.errors import ConfigError, EngineDied, EngineError
 from moerl.rollout.process import EngineProcess
 from moerl.rollout.shm import SharedBuffer, ShmWriter
-from moerl.rollout.spec import EngineSpec, build_native
+from moerl.rollout.spec import PLACEMENTS, EngineSpec, build_native
 from moerl.rollout.wire import pack_inline
-
-PLACEMENTS = ("inprocess", "process")  # what rollout.placement chooses; "ray": Ray actors (cluster.backend=ray)
 
 _live: weakref.WeakSet[EnginePool] = weakref.WeakSet()
 
