@@ -15,8 +15,9 @@ from functools import partial
 
 import torch
 
-from moerl.engine import LLMEngine, Request, RequestOutput
+from moerl.engine import Request, RequestOutput
 from moerl.errors import ConfigError, EngineDied, EngineError
+from moerl.rollout.local import LocalEngine
 from moerl.rollout.process import EngineProcess
 from moerl.rollout.shm import SharedBuffer, ShmWriter
 from moerl.rollout.spec import PLACEMENTS, EngineSpec, build_native
@@ -56,14 +57,14 @@ class EnginePool:
     """``num_engines`` native engines built from ``spec``, ``placement`` ``inprocess`` or ``process``; or the Ray
     engine actors ``remote`` (placement ``ray``), which come back when they die: Ray restarts the actor, the pool
     replays the last weight update into it and re-sends its unfinished requests (counted in ``restarts`` /
-    ``requeued``)."""
+    ``requeued``). Every engine is a handle of one kind (``LocalEngine``, ``EngineProcess``, ``RayEngine``): the
+    pool drives them the same way wherever they run."""
 
     def __init__(self, spec: EngineSpec, placement: str = "inprocess", num_engines: int = 1, remote=None):
         if placement not in (*PLACEMENTS, "ray"):
             raise ConfigError(f"rollout.placement={placement!r}: allowed: {', '.join(PLACEMENTS)}")
         if num_engines < 1:
             raise ConfigError(f"rollout.num_engines={num_engines}: must be >= 1")
-        self.placement = placement
         self.engines: list = []
         self.weights = ShmWriter("moerl-weights")  # engines in other processes: one buffer each bucket is read from
         self.update: list[tuple[dict, object]] = []  # the messages of the last weight update, for a revived engine
@@ -73,14 +74,14 @@ class EnginePool:
             if remote is not None:
                 self.engines = list(remote)
             for i in range(num_engines if remote is None else 0):
-                self.engines.append(build_native(spec) if placement == "inprocess" else EngineProcess(spec, i))
+                self.engines.append(
+                    LocalEngine(build_native(spec), i) if placement == "inprocess" else EngineProcess(spec, i)
+                )
         except BaseException:
             self.close()
             raise
-        first = self.engines[0]
-        if placement == "inprocess":
-            self.tokenizer = first.tokenizer
-        else:
+        self.tokenizer = self.engines[0].tokenizer
+        if self.tokenizer is None:  # engines in other processes: the tokenizer is read here
             from moerl.bridges.checkpoint import load_tokenizer
 
             has_tok = any(os.path.exists(os.path.join(spec.model, f)) for f in ("tokenizer.json",))
@@ -92,8 +93,6 @@ class EnginePool:
 
     def generate(self, requests: list[Request]) -> list[RequestOutput]:
         parts = split(requests, len(self.engines))
-        if self.placement == "inprocess":
-            return [o for e, s in zip(self.engines, parts, strict=True) if requests[s] for o in e.generate(requests[s])]
         busy = [(e, s) for e, s in zip(self.engines, parts, strict=True) if requests[s]]
         for e, s in busy:  # all engines generate side by side
             e.generate_async(requests[s])
@@ -123,7 +122,7 @@ class EnginePool:
                             copies[id(buf)] = SharedBuffer.create(buf.nbytes, "moerl-replay")
                             copies[id(buf)].data.copy_(buf.data)
                         msg = msg | {"buffer": copies[id(buf)].path}
-                    engine.send(_for(engine, msg, buf))
+                    engine.send(_for(engine, msg, buf))  # a Ray engine: it reads the tensors from the message
                     engine.reply(msg["op"])
                 return
             except EngineDied:
@@ -139,7 +138,8 @@ class EnginePool:
         for all engines (a ``stage`` appends to the update's earlier buckets), or inline to a Ray engine on another
         node. The command joins the update a revived engine gets replayed."""
         msg, buf = {"op": op, **fields}, None
-        if tensors is not None:
+        shared = tensors is not None and not all(e.local for e in self.engines)  # a buffer only for other processes
+        if shared:
             msg |= self.weights.put(tensors, append=op == "stage")
             buf = self.weights.buf  # kept mapped while the update may be replayed
         if op == "discard":
@@ -149,7 +149,7 @@ class EnginePool:
         else:
             self.update.append((msg, buf))
         for e in self.engines:
-            e.send(_for(e, msg, buf))
+            e.send(_for(e, msg, buf), tensors)
 
         def answer(e):
             try:
@@ -158,31 +158,19 @@ class EnginePool:
                 self._revive(e)  # the replay ends with this command
 
         _gather([partial(answer, e) for e in self.engines])
-        if tensors is not None:
+        if shared:
             self.weights.buf.unlink()  # every engine has mapped it: nothing is left in /dev/shm if we crash
 
     def discard_staged(self) -> None:
-        if self.placement == "inprocess":
-            for e in self.engines:
-                e.discard_staged()
-        else:
-            self.weights.reset()
-            self._broadcast("discard")
+        self.weights.reset()
+        self._broadcast("discard")
 
     def stage_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Hold one bucket of named tensors in every engine until ``commit_weights``."""
-        if self.placement == "inprocess":
-            for e in self.engines:
-                e.stage_weights(tensors)
-        else:
-            self._broadcast("stage", tensors)
+        self._broadcast("stage", tensors)
 
     def commit_weights(self, version: int) -> None:
-        if self.placement == "inprocess":
-            for e in self.engines:
-                e.commit_weights(version)
-        else:
-            self._broadcast("commit", version=version)
+        self._broadcast("commit", version=version)
 
     def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         self.discard_staged()
@@ -191,37 +179,23 @@ class EnginePool:
 
     def set_adapter(self, name: str, tensors: dict[str, torch.Tensor], version: int) -> None:
         """Load (or replace) adapter ``name`` from tensors in every engine, in memory, tagged ``version``."""
-        if self.placement == "inprocess":
-            for e in self.engines:
-                e.set_adapter(name, tensors, version)
-        else:
-            self._broadcast("set_adapter", tensors, name=name, version=version)
+        self._broadcast("set_adapter", tensors, name=name, version=version)
 
     def add_adapter(self, name: str, source) -> None:
         """Load adapter ``name`` from a PEFT directory (every engine reads it) or from tensors."""
-        if self.placement == "inprocess":
-            for e in self.engines:
-                e.add_adapter(name, source)
-        elif isinstance(source, dict):
+        if isinstance(source, dict):
             self._broadcast("add_adapter", source, name=name)
         else:
             self._broadcast("add_adapter", name=name, path=str(source))
 
     def read_weights(self, names: list[str]) -> list[dict[str, torch.Tensor]]:
         """Each engine's own copy of the named tensors (from its process when it has one)."""
-        if self.placement != "inprocess":
-            return [e.read_weights(names) for e in self.engines]
-        out = []
-        for e in self.engines:
-            params = dict(e.model.named_parameters()) | dict(e.model.named_buffers())
-            out.append({n: params[n].detach().clone() for n in names})
-        return out
+        return [e.read_weights(names) for e in self.engines]
 
     def close(self) -> None:
         """Stop the engine processes (nothing to do in process); idempotent."""
         for e in self.engines:
-            if not isinstance(e, LLMEngine):
-                e.close()
+            e.close()
         self.weights.close()
         _live.discard(self)
 

@@ -61,6 +61,8 @@ def serve(fd: int, parent: int) -> None:
 class EngineProcess:
     """One engine process. Calls are synchronous except ``generate_async`` / ``wait`` (engines run side by side)."""
 
+    local = False  # tensors reach it through shared memory or inline bytes in the message
+
     START_TIMEOUT_S = 600.0
 
     def __init__(self, spec: EngineSpec, index: int = 0):
@@ -88,7 +90,9 @@ class EngineProcess:
         )
         return EngineError(f"{self.name} {how} while {doing}; see its stderr above")
 
-    def send(self, msg: dict) -> None:
+    def send(self, msg: dict, tensors=None) -> None:
+        """Send command ``msg``; its tensors (``tensors`` as they are, in this process) travel as ``msg`` locates
+        them."""
         try:
             send_msg(self.conn, msg)
         except OSError:

@@ -47,6 +47,8 @@ class RayEngine:
     """The loop's handle on one engine actor: ``send`` / ``reply`` like an engine process, ``generate_async`` /
     ``wait`` so engines run side by side. ``inline``: tensors travel in the messages (no shared memory)."""
 
+    local = False  # tensors reach it through shared memory or inline bytes in the message
+
     START_TIMEOUT_S = 600.0
 
     def __init__(self, actor, index: int, inline: bool):
@@ -61,7 +63,8 @@ class RayEngine:
     def name(self) -> str:
         return f"rollout engine {self.index} (Ray actor, pid {self.pid})"
 
-    def send(self, msg: dict) -> None:
+    def send(self, msg: dict, tensors=None) -> None:
+        """Send command ``msg`` (its tensors as ``msg`` locates them; ``tensors`` is for engines in this process)."""
         self.pending = (msg["op"], self.actor.call.remote(msg))
 
     def reply(self, op: str, timeout: float | None = None) -> dict:
