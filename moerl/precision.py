@@ -76,7 +76,7 @@ def compute_dtype(name: str, device: str | torch.device = "cpu", key: str = "dty
 def host_summary() -> str:
     """One line: the CPU features and caps that decide the kernels, the thread count, and what ``auto`` picks."""
     have = [f for f, on in cpu_features().items() if on]
-    named = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", AUTO_ENV)
+    named = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", AUTO_ENV)
     caps = [f"{v}={os.environ[v]}" for v in named if v in os.environ]
     return (
         f"host: CPU {' '.join(have) or 'features unknown'}; torch {torch.__version__} kernels "
