@@ -94,7 +94,7 @@ class EnginePool:
     def generate(self, requests: list[Request]) -> list[RequestOutput]:
         parts = split(requests, len(self.engines))
         busy = [(e, s) for e, s in zip(self.engines, parts, strict=True) if requests[s]]
-        for e, s in busy:  # all engines generate side by side
+        for e, s in busy:  # engines in other processes generate side by side; in this process they take turns
             e.generate_async(requests[s])
         return [o for outs in _gather([partial(self._wait, e, requests[s]) for e, s in busy]) for o in outs]
 
@@ -134,9 +134,10 @@ class EnginePool:
 
     # -- weights ---------------------------------------------------------------------------------------------------
     def _broadcast(self, op: str, tensors: dict[str, torch.Tensor] | None = None, **fields) -> None:
-        """Send one command to every engine and wait for all; ``tensors`` go through the shared buffer, written once
-        for all engines (a ``stage`` appends to the update's earlier buckets), or inline to a Ray engine on another
-        node. The command joins the update a revived engine gets replayed."""
+        """Send one command to every engine and wait for all; ``tensors`` go as they are to engines in this process,
+        through the shared buffer to the others, written once for all (a ``stage`` appends to the update's earlier
+        buckets), or inline to a Ray engine on another node. The command joins the update a revived engine gets
+        replayed."""
         msg, buf = {"op": op, **fields}, None
         shared = tensors is not None and not all(e.local for e in self.engines)  # a buffer only for other processes
         if shared:
