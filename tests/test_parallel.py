@@ -15,6 +15,7 @@ import pytest
 import torch
 from run_helpers import EASY, metric_rows
 from safetensors.torch import load_file
+from tolerances import logprobs_agree
 
 CHECK = Path(__file__).parent / "dp_check.py"
 ENV = os.environ | {"GLOO_SOCKET_IFNAME": "lo"}
@@ -87,14 +88,10 @@ CASES = [
 # group sizes than one process does, so the kernels (which differ by ISA: AVX2, AVX-512, AMX) accumulate in another
 # order: the two agree to rounding, not bit for bit. Measured on an AVX-512 host (fp32, every layout above; the
 # AVX2 host these tests were first written on gave bit-equal logprobs) against the negative controls below:
-# - logprobs before the step, fp32: 4.8e-7 at most (a few ulps of a logprob of order 4); controls: 1.7e-3 (one
-#   expert moved by 1e-3), 3.9e-2 (a stage replaying another stage's columns). Tolerance ~170 unit roundoffs.
-FP32_LOGPROBS = 1e-5
-# - bf16: the logits leave lm_head in bf16, whose step for a logit in [4, 8) is 2^-5: an accumulation-order
-#   difference that flips one rounding moves that token's logprob by ~0.03. Allowed: two such steps on a token, a
-#   mean of 2e-3 over the tokens. Measured: bit-equal on AVX2 / AVX-512 / AMX (the bf16 rounding absorbs the fp32
-#   accumulation order); control: wrong columns, mean 1.2e-2 (a 1e-3 expert move, mean 6e-4, is below bf16's reach).
-BF16_LOGPROBS_MAX, BF16_LOGPROBS_MEAN = 2 * 2**-5, 2e-3
+# - logprobs before the step (tests/tolerances.py), fp32: 4.8e-7 at most (a few ulps of a logprob of order 4);
+#   controls: 1.7e-3 (one expert moved by 1e-3), 3.9e-2 (a stage replaying another stage's columns). bf16: bit-equal
+#   on AVX2 / AVX-512 / AMX (the bf16 rounding absorbs the fp32 accumulation order); control: wrong columns, mean
+#   1.2e-2 (a 1e-3 expert move, mean 6e-4, is below bf16's reach).
 # - the gradient (AdamW's first and second moments after one step) per tensor, relative to its largest element:
 #   measured 7e-7 at most; controls: 7.7e-2 (the moved expert), 0.9 (tied copies that keep their own gradients)
 FP32_GRAD = 1e-5
@@ -136,7 +133,7 @@ def _step_differences(one, t1, two, t2, mode, dtype, rtol) -> list[str]:
         bad.append(f"grad norm {two['grad_norm']} vs {one['grad_norm']}")
     if t1.keys() != t2.keys():
         bad.append(f"tensors {sorted(set(t1) ^ set(t2))[:5]}")
-    if not _logprobs_agree(t1["old_logprobs"], t2["old_logprobs"], dtype):
+    if not logprobs_agree(t2["old_logprobs"], t1["old_logprobs"], dtype):
         bad.append("logprobs before the step")
     bad += _sync_differences(t2, mode, dtype)
     if dtype == "float32":
@@ -152,14 +149,6 @@ def _step_differences(one, t1, two, t2, mode, dtype, rtol) -> list[str]:
         if not (float(d.mean()) < 0.02 * float(moved) and float(d.max()) < 0.05):
             bad.append(f"logprobs after the step: mean {float(d.mean())}, max {float(d.max())}, moved {float(moved)}")
     return bad
-
-
-def _logprobs_agree(a: torch.Tensor, b: torch.Tensor, dtype: str) -> bool:
-    """Whether two runs' logprobs of the same tokens and weights agree within the tolerance of ``dtype`` (above)."""
-    d = (a - b).abs()
-    if dtype == "float32":
-        return float(d.max()) <= FP32_LOGPROBS
-    return float(d.max()) <= BF16_LOGPROBS_MAX and float(d[a != 0].mean()) <= BF16_LOGPROBS_MEAN
 
 
 def _adamw_differences(t1: dict, t2: dict) -> list[str]:
@@ -216,7 +205,7 @@ def test_a_stage_replaying_another_stages_columns_would_be_caught(one_process, m
     the tolerance of either dtype."""
     one, t1 = one_process("full", dtype)
     bad, t2 = _step(model, "full", dtype, tmp_path / "bad.json", "1,1,2", "wrong_columns")
-    assert not _logprobs_agree(t1["old_logprobs"], t2["old_logprobs"], dtype)
+    assert not logprobs_agree(t2["old_logprobs"], t1["old_logprobs"], dtype)
     assert "logprobs before the step" in _step_differences(one, t1, bad, t2, "full", dtype, 1e-6)
 
 
@@ -392,7 +381,7 @@ def test_tied_copies_that_kept_their_own_gradients_would_be_caught(tied, tmp_pat
     leave the tolerance; the comparison the tied tests make reports it (and the gradient that went wrong)."""
     model, (one, t1) = tied
     two, t2 = _step(model, "full", "float32", tmp_path / "untied.json", "1,1,2", "untie")
-    assert _logprobs_agree(t1["old_logprobs"], t2["old_logprobs"], "float32")  # the forward is right
+    assert logprobs_agree(t2["old_logprobs"], t1["old_logprobs"], "float32")  # the forward is right
     assert float((t2["new_logprobs"] - t1["new_logprobs"]).abs().max()) > FP32_AFTER
     differences = _step_differences(one, t1, two, t2, "full", "float32", 1e-6)
     assert "logprobs after the step" in differences and "gradient of embed_tokens.weight" in differences, differences
