@@ -21,9 +21,8 @@ from moerl.errors import ConfigError
 
 DTYPE_NAMES = ("auto", "bfloat16", "float32")
 AUTO_ENV = "MOERL_AUTO_DTYPE"
-# oneDNN's ISA names from the lowest up; the ones from avx512_core_bf16 on multiply bf16 natively
+# oneDNN's ISA caps below avx512_core_bf16 (the first that multiplies bf16 natively)
 _ONEDNN_ISAS = ("sse41", "avx", "avx2", "avx2_vnni", "avx2_vnni_2", "avx512_core", "avx512_core_vnni")
-_ONEDNN_BF16 = ("avx512_core_bf16", "avx10_1_512", "avx512_core_fp16", "avx10_1_512_amx", "avx512_core_amx")
 
 
 def cpu_features() -> dict[str, bool]:
