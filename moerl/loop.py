@@ -20,7 +20,6 @@ from moerl.engine import EngineConfig
 from moerl.envs import make_env
 from moerl.errors import EngineError, TrainingStopped
 from moerl.metrics import MetricsLogger, plot_run, read_metrics
-from moerl.parallel.driver import DistributedPolicy, serve
 from moerl.parallel.world import World, broadcast_json, init_world
 from moerl.rollout import make_engine
 from moerl.rollout.ahead import RolloutsAhead

@@ -65,15 +65,15 @@ def main(ckpt: str, mode: str, dtype: str, out: str, layout: str, *extra: str) -
     if mean:
         from moerl.parallel.fsdp import fsdp_units
 
-        for unit in fsdp_units(*policy.fsdp_roots):
+        for unit in fsdp_units(*policy.layout.roots):
             unit.set_gradient_divide_factor(float(world.size))
     if "perturb" in extra and world.ep_rank == world.ep - 1:
         with torch.no_grad():
             policy.model.layers[policy.model.moe_layer_ids[0]].mlp.experts.gate_up_proj[-1] += 1e-3
-    if "wrong_columns" in extra and policy.pipeline.last:
-        policy.pipeline.modules[-1].columns = list(range(len(policy.pipeline.modules[-1].columns)))
+    if "wrong_columns" in extra and policy.layout.pipeline.last:
+        policy.layout.pipeline.modules[-1].columns = list(range(len(policy.layout.pipeline.modules[-1].columns)))
     if "untie" in extra:
-        policy.pipeline.tied = False
+        policy.layout.pipeline.tied = False
     opt = dict(e.split("=", 1) for e in extra if "=" in e)
     if "load" in opt:
         policy.load(opt["load"])

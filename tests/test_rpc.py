@@ -4,10 +4,10 @@ methods by name, and an error keeps its type (moerl's own) or its name across th
 import pytest
 
 from moerl.errors import ConfigError, EngineError
-from moerl.parallel.driver import RankServer
 from moerl.rollout.server import EngineServer
 from moerl.rollout.spec import EngineSpec
 from moerl.rpc import Dispatcher, check_reply
+from moerl.trainer.driver import RankServer
 
 
 def test_only_allowlisted_methods_are_called_and_errors_become_replies(tmp_path):

@@ -188,8 +188,9 @@ class StageModule(nn.Module):
 class Pipeline:
     """This rank's stages of the policy's model and the schedule that runs a batch through them."""
 
-    def __init__(self, model: MoEModel, plan: Plan, world: World, schedule: str, microbatches: int, logprobs):
+    def __init__(self, model: MoEModel, plan: Plan, world: World, schedule: str, microbatches: int, logprobs, device):
         self.plan, self.world, self.schedule, self.microbatches = plan, world, schedule, microbatches
+        self.device = torch.device(device)
         self.group = world.group("pp")
         self.last_stage = len(plan.ranges) - 1
         self.tied = model.config.tie_word_embeddings
@@ -236,9 +237,7 @@ class Pipeline:
                 outs = (act(size, t), act(size, t)) if step.entropy else act(size, t)
             else:
                 outs = (act(size, t, hidden, dtype=hidden_dtype), mb_rows)
-            stages.append(
-                PipelineStage(module, s, len(self.plan.ranges), torch.device("cpu"), ins, outs, group=self.group)
-            )
+            stages.append(PipelineStage(module, s, len(self.plan.ranges), self.device, ins, outs, group=self.group))
         cls = SCHEDULES[self.schedule]
         sched = cls(
             stages if len(stages) > 1 or cls is ScheduleInterleaved1F1B else stages[0],

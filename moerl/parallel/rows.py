@@ -1,19 +1,16 @@
 """Data parallel over rows: each rank of the data group (dp x ep) takes a contiguous share of a batch's rows and runs
 as many micro-batches as every other rank (FSDP gathers the weights and expert parallelism exchanges tokens in each
-forward, so the ranks' forwards must pair up)."""
+forward, so the ranks' forwards must pair up). A batch is anything with ``len``, ``rows`` and ``input_ids``, as
+``moerl.trainer.Batch`` (which this package does not import)."""
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from moerl.parallel.world import World
-
-if TYPE_CHECKING:  # moerl.trainer imports this module
-    from moerl.trainer.batch import Batch
 
 
 def share(world: World, rank: int, n: int) -> slice:
@@ -24,7 +21,7 @@ def share(world: World, rank: int, n: int) -> slice:
     return slice(start, start + base + (rank < extra))
 
 
-def micro_batches(world: World, batch: Batch, size: int) -> list[tuple[Batch, bool]]:
+def micro_batches(world: World, batch, size: int) -> list[tuple[object, bool]]:
     """This rank's micro-batches of ``batch`` (at most ``size`` rows each), each flagged real. With several ranks
     every rank runs as many as the largest share needs; a rank short of rows runs a stand-in row (the batch's
     first) whose result the caller drops."""
@@ -40,7 +37,7 @@ def micro_batches(world: World, batch: Batch, size: int) -> list[tuple[Batch, bo
     return out
 
 
-def gather_rows(world: World, parts: list[torch.Tensor], batch: Batch) -> torch.Tensor:
+def gather_rows(world: World, parts: list[torch.Tensor], batch) -> torch.Tensor:
     """Per-row results [rows, T] of every rank's share, in row order, on every rank."""
     mine = torch.cat(parts) if parts else torch.zeros(0, batch.input_ids.shape[1])
     if world.data_size == 1:

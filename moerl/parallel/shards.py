@@ -15,43 +15,33 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 SHARDS = "shards"
 
 
-def layout_view(policy, name: str, t: torch.Tensor) -> torch.Tensor:
-    """``t`` (this rank's part of weight ``name`` or of its optimizer state) as DCP must see it: FSDP's DTensors as
-    they are, an expert slice as a DTensor sharded over the ep ranks, anything else whole (replicated, or held by
-    one pipeline stage)."""
-    dim = policy.sliced.get(name)
-    if dim is None or t.ndim == 0:
-        return t
-    return DTensor.from_local(t, policy.world.mesh["ep"], [Shard(dim)], run_check=False)
-
-
-def shard_state(policy) -> dict[str, torch.Tensor]:
-    """This rank's part of the checkpointed tensors, by checkpoint name."""
-    own = policy.master.master if policy.master is not None else policy.trainable
-    opt = policy.optimizer.state_dict()["state"]
+def shard_state(layout, trained: dict[str, torch.Tensor], opt_state: dict) -> dict[str, torch.Tensor]:
+    """This rank's part of the checkpointed tensors, by checkpoint name: the ``trained`` tensors (by name, in the
+    optimizer's order) and their optimizer ``opt_state`` (by index), each as DCP must see it."""
     out = {}
-    for i, (name, p) in enumerate(own.items()):
-        if name in policy.copies:  # written by the stage that holds the original
+    for i, (name, p) in enumerate(trained.items()):
+        if name in layout.copies:  # written by the stage that holds the original
             continue
-        out[f"weights/{name}"] = layout_view(policy, name, p.detach())
-        for key, value in opt.get(i, {}).items():
-            out[f"optim/{name}/{key}"] = layout_view(policy, name, value)
+        out[f"weights/{name}"] = layout.global_view(name, p.detach())
+        for key, value in opt_state.get(i, {}).items():
+            out[f"optim/{name}/{key}"] = layout.global_view(name, value)
     return out
 
 
-def save_shards(policy, directory: Path) -> None:
-    """Every rank writes its part of the policy's state under ``directory`` (a collective). Rank 0 makes the
-    directory (after clearing the save's place); the others open it once it is there."""
-    if policy.world.driver:
+def save_shards(layout, trained: dict[str, torch.Tensor], opt_state: dict, directory: Path) -> None:
+    """Every rank writes its part of the trained tensors and their optimizer state under ``directory`` (a
+    collective). Rank 0 makes the directory (after clearing the save's place); the others open it once it is
+    there."""
+    if layout.world.driver:
         directory.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     writer = HuggingFaceStorageWriter(str(directory), save_distributed=True)
-    dcp.save(shard_state(policy), storage_writer=writer)
+    dcp.save(shard_state(layout, trained, opt_state), storage_writer=writer)
 
 
 def saved_sizes(directory: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
@@ -68,10 +58,9 @@ def load_whole(directory: Path, keys: list[str]) -> dict[str, torch.Tensor]:
     return dest
 
 
-def load_parts(policy, directory: Path, keys: dict[str, str]) -> dict[str, torch.Tensor]:
-    """This rank's parts of tensors ``keys`` ({checkpoint key: weight name}) laid out as the policy holds the weight
-    (a collective): FSDP shards as DTensors, expert slices and the rest as plain tensors."""
-    own = policy.master.master if policy.master is not None else policy.trainable
+def load_parts(layout, trained: dict[str, torch.Tensor], directory: Path, keys: dict[str, str]):
+    """This rank's parts of tensors ``keys`` ({checkpoint key: weight name}) laid out as this rank holds the weight
+    in ``trained`` (a collective): FSDP shards as DTensors, expert slices and the rest as plain tensors."""
     sizes = saved_sizes(directory)
     dest = {}
     for key, name in keys.items():
@@ -79,9 +68,9 @@ def load_parts(policy, directory: Path, keys: dict[str, str]) -> dict[str, torch
         # NaN until read: a part the read missed is refused as non-finite, never loaded as stale memory
         if not shape:  # e.g. AdamW's step count
             dest[key] = torch.full((), math.nan, dtype=dtype)
-        elif isinstance(own[name], DTensor):
-            dest[key] = torch.full_like(own[name], math.nan, dtype=dtype)
+        elif isinstance(trained[name], DTensor):
+            dest[key] = torch.full_like(trained[name], math.nan, dtype=dtype)
         else:
-            dest[key] = layout_view(policy, name, torch.full_like(own[name], math.nan, dtype=dtype))
+            dest[key] = layout.global_view(name, torch.full_like(trained[name], math.nan, dtype=dtype))
     dcp.load(dest, storage_reader=HuggingFaceStorageReader(str(directory)))
-    return {k: v.to_local() if keys[k] in policy.sliced and isinstance(v, DTensor) else v for k, v in dest.items()}
+    return {k: layout.own_part(keys[k], v) for k, v in dest.items()}

@@ -46,21 +46,21 @@ def policy_tensors(policy) -> Iterator[tuple[str, torch.Tensor]]:
     """The named tensors the engine needs for ``policy``'s current weights, one at a time. A sharded policy gathers
     each one whole as it goes (a collective: every rank runs this iterator to its end), so the whole model is never
     on one rank at once."""
-    own = _own_tensors(policy)
-    yield from own if policy.pipeline is None else policy.pipeline.stream(own)
+    return policy.layout.stream(_own_tensors(policy))
 
 
 def _own_tensors(policy) -> Iterator[tuple[str, torch.Tensor]]:
     """This rank's part of ``policy_tensors`` (each tensor whole over the data and expert groups)."""
+    layout = policy.layout
     if policy.cfg.mode == "lora":  # small: the adapters, gathered together
-        with policy.gathered_here():
+        with layout.gathered_here():
             yield from slot_tensors(policy.model, 0).items()
         return
     masters = policy.master.master
     for name, master in masters.items():
-        if name in policy.copies:  # sent by the stage that holds the original
+        if name in layout.copies:  # sent by the stage that holds the original
             continue
-        t = policy.whole(name, master.detach())
+        t = layout.whole(name, master.detach())
         if _is_router(name):
             yield name, t.float()
         elif policy.cfg.mode == "mxfp8" and _mx_weight(name, policy.model):

@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from moerl.errors import CheckpointError
 from moerl.finite import all_finite
 from moerl.parallel.shards import SHARDS, load_parts, load_whole, saved_sizes
-from moerl.parallel.world import agreed_min, local
+from moerl.parallel.world import local
 
 TENSORS, META = "checkpoint.safetensors", "checkpoint.json"
 META_KEYS = ("mode", "step", "nan_skipped", "nan_streak", "param_groups", "scheduler", "python_random", "numpy_random")
@@ -33,11 +33,6 @@ META_KEYS = ("mode", "step", "nan_skipped", "nan_streak", "param_groups", "sched
 
 def _crash_point(name: str) -> None:
     """A named point of a save where tests kill the process (replaced in a child process by the crash tests)."""
-
-
-def _param_names(policy) -> list[str]:
-    """Names in the optimizer's parameter order."""
-    return list(policy.master.master if policy.master is not None else policy.trainable)
 
 
 def _sha256(path: Path) -> str:
@@ -74,7 +69,7 @@ def save_checkpoint(path: str | os.PathLike, policy, state: dict | None = None) 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     shards = {}
-    if policy.world.size > 1:  # every rank writes its part (DCP); rank 0 the rest
+    if policy.layout.ranks > 1:  # every rank writes its part (DCP); rank 0 the rest
         policy.save_shards(shards_of_save(path))
         _crash_point("shards written")
         tensors, groups = {}, policy.optimizer.state_dict()["param_groups"]
@@ -212,7 +207,7 @@ def _check_finite(policy, path: Path, parts: dict[str, torch.Tensor], every: lis
     """Refuse non-finite values, naming the first bad tensor in ``every`` (the checkpoint's keys, the same list on
     every rank: the ranks agree on which)."""
     first = next((i for i, k in enumerate(every) if k in parts and not all_finite(local(parts[k]))), len(every))
-    first = agreed_min(policy.world, first)
+    first = policy.layout.agreed_min(first)
     if first < len(every):
         bad = every[first]
         raise CheckpointError(f"{path}: tensor {bad!r} holds non-finite values (NaN or inf); refusing to load it")
@@ -232,7 +227,7 @@ def load_checkpoint(path: str | os.PathLike, policy) -> dict:
         raise CheckpointError(f"{path} was saved in mode {meta['mode']!r}, this policy is {policy.cfg.mode!r}")
     tensors = _load_tensors(path, meta)
     shards = path / SHARDS
-    own = policy.master.master if policy.master is not None else policy.trainable
+    own, layout = policy.trained, policy.layout
     if meta.get("shards"):
         _check_shards(path, meta)
         sizes = saved_sizes(shards)
@@ -244,18 +239,18 @@ def load_checkpoint(path: str | os.PathLike, policy) -> dict:
         missing, extra = sorted(set(policy.all_names) - saved)[:3], sorted(saved - set(policy.all_names))[:3]
         raise CheckpointError(f"{path}: weights do not match this policy (missing {missing}, unexpected {extra})")
     for name, p in own.items():
-        shape, expected = whole[f"weights/{name}"], policy.whole_shape(name, p)
+        shape, expected = whole[f"weights/{name}"], layout.whole_shape(name, p)
         if shape != expected:
             raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(shape)}, expected {tuple(expected)}")
-    names = _param_names(policy)
+    names = list(own)  # the optimizer's order
     wanted = {f"weights/{n}": n for n in names}
     wanted |= {k: n for n in names for k in whole if k.startswith(f"optim/{n}/")}
-    if meta.get("shards") and policy.world.size > 1:
-        parts = load_parts(policy, shards, wanted)  # this rank's parts, read from the shard files
+    if meta.get("shards") and layout.ranks > 1:
+        parts = load_parts(layout, own, shards, wanted)  # this rank's parts, read from the shard files
     else:
         if meta.get("shards"):  # one process: the whole tensors
             tensors |= load_whole(shards, list(wanted))
-        parts = {k: policy.laid_out(n, own[n], tensors[k]) for k, n in wanted.items()}
+        parts = {k: layout.laid_out(n, own[n], tensors[k]) for k, n in wanted.items()}
     _check_finite(policy, path, parts, sorted(whole))
     state = {}
     for idx, name in enumerate(names):

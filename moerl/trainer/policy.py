@@ -6,12 +6,10 @@ import copy
 import math
 import os
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
@@ -21,11 +19,9 @@ from moerl.errors import ConfigError, TrainingStopped
 from moerl.finite import all_finite
 from moerl.model.lora import LoraConfig, attach_lora
 from moerl.model.mx import SCALE_MODES
-from moerl.parallel.expert import expert_slice, gather_experts, shard_experts, whole_experts
-from moerl.parallel.fsdp import clip_grads, gathered, shard_model
-from moerl.parallel.pipeline import Pipeline, Step, plan_stages, prune
-from moerl.parallel.rows import gather_rows, micro_batches, share, sum_over_ranks
-from moerl.parallel.world import World, agreed_min, full, like, local
+from moerl.parallel.layout import LayoutConfig, parallelize, storage_dtype
+from moerl.parallel.pipeline import Step
+from moerl.parallel.world import World, local
 from moerl.precision import compute_dtype, dtype_name
 from moerl.trainer.batch import Batch
 from moerl.trainer.optim import SCHEDULES, MasterWeights, lr_lambda
@@ -95,12 +91,6 @@ class PolicyConfig:
             raise ConfigError(f"PolicyConfig.mx_scale_mode={self.mx_scale_mode!r}: allowed: {', '.join(SCALE_MODES)}")
 
 
-@contextmanager
-def _both(first, second):
-    with first, second:
-        yield
-
-
 def next_token_logprobs(
     logits: torch.Tensor, input_ids: torch.Tensor, keep: torch.Tensor, temperature: float, entropy: bool
 ):
@@ -144,32 +134,26 @@ class Policy:
     lora: the base is frozen in the compute dtype, adapters are fp32; reference = the same model, adapters off.
     full: the model computes in the compute dtype; fp32 master weights and optimizer state; optional frozen
     reference copy. The router is fp32 in every mode.
+
+    How the model is split over the ranks (one process included) is ``self.layout`` (``moerl.parallel.layout``):
+    the policy is the mode, the masters, the optimizer, the schedule and the step on top of it.
     """
 
     def __init__(self, checkpoint: str | os.PathLike, cfg: PolicyConfig | None = None, world: World | None = None):
         self.cfg = cfg = cfg or PolicyConfig()
         reuse_freed_memory()  # CPU: each step frees and allocates the same activations (moerl.allocator)
         self.checkpoint = Path(checkpoint)
-        self.world = world = world or World()
+        world = world or World()
         self.dtype = dtype = compute_dtype(cfg.dtype)
-        sharded = world.data_size > 1
-        # sharded full / mxfp8: the model's own parameters are the fp32 masters (FSDP gathers them in ``dtype``)
-        self.model = load_model(checkpoint, dtype=torch.float32 if sharded and cfg.mode != "lora" else dtype).eval()
+        self.model = load_model(checkpoint, dtype=storage_dtype(world, cfg.mode, dtype)).eval()
         self.ref_model = None
         self.master: MasterWeights | None = None
-        self.sliced: dict[str, int] = {}  # expert-parallel slices: parameter name -> expert dim
-        self.pipeline: Pipeline | None = None  # this rank's pipeline stages (pp > 1)
-        self.copies: set[str] = set()  # weights this rank holds as a copy of another stage's (a tied embedding)
         if cfg.mode == "lora":
             for p in self.model.parameters():
                 p.requires_grad_(False)
             attach_lora(self.model, cfg.lora, dtype=torch.float32)
             for n, p in self.model.named_parameters():
                 p.requires_grad_(".lora." in n)
-            self.all_names = [n for n, p in self.model.named_parameters() if p.requires_grad]
-            initial = self._shard(dtype)
-            self.trainable = {n: p for n, p in self.model.named_parameters() if ".lora." in n}
-            params = list(self.trainable.values())
         else:
             if cfg.mode == "mxfp8":
                 from moerl.model.mx import apply_mxfp8
@@ -177,13 +161,15 @@ class Policy:
                 apply_mxfp8(self.model, cfg.mx_scale_mode)
             if cfg.reference:  # frozen, in the compute dtype (replicated when the policy is sharded)
                 self.ref_model = copy.deepcopy(self.model).to(dtype).requires_grad_(False)
-            self.all_names = [n for n, _ in self.model.named_parameters()]
-            initial = self._shard(dtype)
-            self.trainable = dict(self.model.named_parameters())
-            self.master = MasterWeights(self.trainable, initial)
-            params = self.master.parameters()
+        self.all_names = [n for n, p in self.model.named_parameters() if p.requires_grad]  # of the whole model
+        self.layout = parallelize(
+            self.model, world, LayoutConfig(cfg.mode, dtype, cfg.micro_batch_size, head=token_logprobs)
+        )
+        self.trainable = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        if cfg.mode != "lora":
+            self.master = MasterWeights(self.trainable, self.layout.initial)
         o = cfg.optim
-        params = list(params)
+        params = list(self.trained.values())
         # the fused kernel (one pass per tensor; ~8x the per-op loop on a CPU) where every parameter is a plain
         # tensor; FSDP's DTensors keep the default path
         fused = {"fused": True} if not any(isinstance(p, DTensor) for p in params) else {}
@@ -199,60 +185,11 @@ class Policy:
         self.stop_checkpoint_dir: Path | None = None  # where to save before TrainingStopped
         self.stop_state: dict = {}  # the caller's state saved with it (the loop's step)
 
-    def _shard(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Split the model over the ranks: layers into pipeline stages, experts over the ep group, the rest FSDP over
-        the data group. Returns the fp32 values of expert slices now held in ``dtype`` (the optimizer's masters start
-        from them)."""
-        world, initial = self.world, {}
-        if world.pp > 1:
-            plan = plan_stages(self.model, world, world.schedule, world.stages)
-            prune(self.model, plan)
-            self.pipeline = Pipeline(self.model, plan, world, world.schedule, world.microbatches, token_logprobs)
-            self.copies = {"embed_tokens.weight"} if self.pipeline.copy else set()
-        if world.data_size == 1:
-            return initial
-        if world.ep > 1:
-            self.sliced = shard_experts(self.model, world)
-            params = dict(self.model.named_parameters())
-            for name in self.sliced:  # plain tensors in the compute dtype, fp32 masters (as in one process)
-                p = params[name]
-                if p.requires_grad and p.dtype != dtype and self.cfg.mode != "lora":
-                    initial[name] = p.detach()
-                    p.data = p.data.to(dtype)
-        keep = {dict(self.model.named_parameters())[n] for n in self.sliced}
-        if self.pipeline is None:
-            shard_model(self.model, self.dtype, self.cfg.mode, self.world.data_mesh, keep)
-        else:
-            for stage in self.pipeline.modules:  # each stage its own FSDP root
-                shard_model(stage.view, self.dtype, self.cfg.mode, self.world.data_mesh, keep, root=stage)
-        return initial
-
     @property
-    def fsdp_roots(self) -> list[torch.nn.Module]:
-        """What FSDP shards as a whole: the model, or each of this rank's pipeline stages."""
-        return list(self.pipeline.modules) if self.pipeline is not None else [self.model]
-
-    def whole(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """The whole tensor of trained weight ``name`` (or of its optimizer state) from this rank's part ``t``: a
-        collective when the policy is sharded."""
-        dim = self.sliced.get(name)
-        if dim is None or t.ndim == 0:
-            return full(t)
-        return gather_experts(self.world, t, dim)
-
-    def laid_out(self, name: str, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """A whole tensor ``value`` of weight ``name`` (or of its optimizer state) as this rank holds ``param``."""
-        dim = self.sliced.get(name)
-        if dim is None or value.ndim == 0:
-            return like(param, value)
-        return expert_slice(self.world, value, dim)
-
-    def whole_shape(self, name: str, param: torch.Tensor) -> torch.Size:
-        """The shape of weight ``name`` whole (``param`` is this rank's part)."""
-        dim = self.sliced.get(name)
-        if dim is None:
-            return param.shape
-        return param.shape[:dim] + (param.shape[dim] * self.world.ep,) + param.shape[dim + 1 :]
+    def trained(self) -> dict[str, torch.nn.Parameter]:
+        """What the optimizer steps, by name: the adapters (lora) or the fp32 masters (full / mxfp8); this rank's
+        parts of them."""
+        return self.master.master if self.master is not None else self.trainable
 
     @property
     def adapters(self) -> int | None:
@@ -268,6 +205,10 @@ class Policy:
             mb.input_ids, attention_mask=mb.attention_mask, replay=mb.replay if replay else None, adapters=adapters
         )
         return token_logprobs(out.logits, mb, temperature, entropy)
+
+    def _forward(self, model, step: Step):
+        """One micro-batch's (logprobs, entropy) through a whole ``model`` (the policy's or the reference)."""
+        return lambda mb: self._logprobs(model, mb, step.replay, step.adapters, step.temperature, step.entropy)
 
     @torch.no_grad()
     def forward_logprobs(
@@ -294,22 +235,16 @@ class Policy:
                 if self.ref_model is None:
                     raise ConfigError(f"reference logprobs in mode {self.cfg.mode!r} need PolicyConfig.reference=True")
                 model = self.ref_model
-        if self.pipeline is not None and model is self.model:
-            return self._pipeline_logprobs(Step(batch, replay, adapters, temperature, entropy))
-        parts = []
-        for mb, real in micro_batches(self.world, batch, self.cfg.micro_batch_size):
-            out = self._logprobs(model, mb, replay, adapters, temperature, entropy)
-            if real:
-                parts.append(out)
-        lp = gather_rows(self.world, [p[0] for p in parts], batch)
-        return lp, (gather_rows(self.world, [p[1] for p in parts], batch) if entropy else None)
+        step = Step(batch, replay, adapters, temperature, entropy)
+        # the frozen reference copy is whole on every rank: it runs outside the pipeline stages
+        return self.layout.forward(step, self._forward(model, step), stages=model is self.model)
 
     def logprobs_with_reference(
         self, batch: Batch, replay: bool = True, temperature: float = 1.0
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logprobs with R3 replay, the reference model's logprobs) of ``batch``. LoRA in one process: one forward
         over both, the reference rows without adapters and routing themselves (-1 replay rows); else two forwards."""
-        if self.cfg.mode != "lora" or self.world.size > 1 or self.pipeline is not None:
+        if self.cfg.mode != "lora" or self.layout.ranks > 1:
             policy = self.forward_logprobs(batch, replay=replay, temperature=temperature)[0]
             return policy, self.forward_logprobs(batch, reference=True, temperature=temperature)[0]
         b = len(batch)
@@ -332,161 +267,83 @@ class Policy:
         """One optimizer step over ``batch`` (micro-batched). ``loss_fn(logprobs, micro_batch, entropy)`` returns
         (loss, metrics), normalised by the whole batch (``micro_batch.total_tokens`` / ``total_seqs``) so the
         accumulated gradient is the full batch's. A non-finite loss or gradient skips the step."""
-        params = self.optimizer.param_groups[0]["params"]
-        for p in [*params, *self.trainable.values()]:
+        trained = self.trained
+        for p in [*trained.values(), *self.trainable.values()]:
             p.grad = None
         self.model.train()
         step = Step(batch, replay, self.adapters, temperature, entropy)
         try:
-            if self.pipeline is not None:
-                total, metrics = self._pipeline_train(step, loss_fn)
-            else:
-                total, metrics = self._accumulate(step, loss_fn)
+            total, metrics = self.layout.backward(step, self._forward(self.model, step), loss_fn)
         finally:
             self.model.eval()
-        total, metrics = sum_over_ranks(self.world, total, metrics)
         if self.master is not None:
             self.master.grads_to_master()
-        self._reduce_expert_grads()
-        own = self.master.master if self.master is not None else self.trainable
-        if self.pipeline is not None:
-            self.pipeline.tie_grads(own.get("embed_tokens.weight"))
-        clip = self.cfg.optim.grad_clip or math.inf
-        if self.world.size == 1:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
-        else:
-            slices = {id(own[n]) for n in self.sliced if n in own}
-            grad_norm = clip_grads(self.world, params, clip, slices, {id(own[n]) for n in self.copies if n in own})
+        self.layout.reduce_grads(trained)
+        grad_norm = self.layout.clip_grads(trained, self.cfg.optim.grad_clip or math.inf)
         lr = self.optimizer.param_groups[0]["lr"]
+        done = {"loss": total, "grad_norm": grad_norm, "lr": lr}
         if not (math.isfinite(total) and math.isfinite(grad_norm)):
-            self.nan_skipped += 1
-            self.nan_streak += 1
-            for p in params:
-                p.grad = None
-            if self.nan_streak >= self.cfg.max_nan_steps:
-                raise TrainingStopped(
-                    f"{self.nan_streak} consecutive steps had a non-finite loss or gradient (loss {total}, "
-                    f"grad norm {grad_norm}) at step {self.step}{self.save_stop_checkpoint()}"
-                )
-            return {
-                "loss": total,
-                "grad_norm": grad_norm,
-                "lr": lr,
-                "skipped": 1.0,
-                "nan_skipped": float(self.nan_skipped),
-                **metrics,
-            }
+            self._skip(done)
+            return {**done, "skipped": 1.0, "nan_skipped": float(self.nan_skipped), **metrics}
         self.optimizer.step()
-        bad = self.nonfinite_weight()
-        if bad is not None:  # the step cannot be undone: stop, and never save or sync these weights
-            where = ""
-            if self.stop_checkpoint_dir is not None:
-                kept = self.stop_checkpoint_dir if self.stop_checkpoint_dir.exists() else "none yet"
-                where = f"; nothing saved (last good checkpoint: {kept})"
-            raise TrainingStopped(
-                f"optimizer step {self.step + 1} made weight {bad!r} non-finite (loss {total}, grad norm {grad_norm}, "
-                f"lr {lr}){where}"
-            )
+        self._check_weights(done)
         self.scheduler.step()
         if self.master is not None:
             self.master.master_to_model()
         self.nan_streak = 0
         self.step += 1
-        return {
-            "loss": total,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "skipped": 0.0,
-            "nan_skipped": float(self.nan_skipped),
-            **metrics,
-        }
+        return {**done, "skipped": 0.0, "nan_skipped": float(self.nan_skipped), **metrics}
 
-    def _accumulate(self, step: Step, loss_fn: LossFn) -> tuple[float, dict[str, float]]:
-        """Forward and backward of this rank's micro-batches; its loss and metric sums."""
-        batch, total, metrics = step.batch, 0.0, {}
-        for mb, real in micro_batches(self.world, batch, self.cfg.micro_batch_size):
-            lp, ent = self._logprobs(self.model, mb, step.replay, step.adapters, step.temperature, step.entropy)
-            loss, m = loss_fn(lp, mb, ent)
-            if not real:  # a stand-in row: it only keeps FSDP's collectives in step
-                loss, m = loss * 0.0, {k: 0.0 for k in m}
-            loss.backward()
-            total += float(loss.detach())
-            for k, v in m.items():
-                metrics[k] = metrics.get(k, 0.0) + float(v) * len(mb) / len(batch) * real
-        return total, metrics
+    def _skip(self, done: dict[str, float]) -> None:
+        """A non-finite loss or gradient: drop the gradients; stop after ``max_nan_steps`` in a row."""
+        self.nan_skipped += 1
+        self.nan_streak += 1
+        for p in self.trained.values():
+            p.grad = None
+        if self.nan_streak >= self.cfg.max_nan_steps:
+            raise TrainingStopped(
+                f"{self.nan_streak} consecutive steps had a non-finite loss or gradient (loss {done['loss']}, "
+                f"grad norm {done['grad_norm']}) at step {self.step}{self.save_stop_checkpoint()}"
+            )
 
-    def _pipeline_rows(self, batch: Batch) -> tuple[torch.Tensor, int]:
-        """This pipeline's rows of ``batch`` (its data rank's share) and the largest share's size."""
-        n = len(batch)
-        return torch.arange(n)[share(self.world, self.world.data_rank, n)], math.ceil(n / self.world.data_size)
-
-    def _pipeline_logprobs(self, step: Step) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logprobs (and entropies) of every row through the pipelines, on every rank."""
-        batch, pipe = step.batch, self.pipeline
-        rows, width = self._pipeline_rows(batch)
-        out = pipe.run(step, rows, width, self.cfg.micro_batch_size, self.dtype)
-        lp, ent = (out if step.entropy else (out, None)) if out is not None else (None, None)
-        shape = (len(rows), batch.input_ids.shape[1])
-        lp = gather_rows(self.world, [pipe.from_last(lp, shape)], batch)
-        return lp, (gather_rows(self.world, [pipe.from_last(ent, shape)], batch) if step.entropy else None)
-
-    def _pipeline_train(self, step: Step, loss_fn: LossFn) -> tuple[float, dict[str, float]]:
-        """Forward and backward of this pipeline's rows; its loss and metric sums on every rank of the pipeline."""
-        batch, pipe = step.batch, self.pipeline
-        rows, width = self._pipeline_rows(batch)
-        total, metrics = 0.0, {}
-
-        def loss(output, rows):
-            nonlocal total
-            lp, ent = output if step.entropy else (output, None)
-            value, m = loss_fn(lp, step.rows(rows), ent)
-            total += float(value.detach())
-            real = int((rows >= 0).sum())
-            for k, v in m.items():
-                metrics[k] = metrics.get(k, 0.0) + float(v) * real / len(batch)
-            return value
-
-        pipe.run(step, rows, width, self.cfg.micro_batch_size, self.dtype, loss)
-        total, metrics = pipe.share_json([total, metrics])
-        return total, metrics
-
-    def _reduce_expert_grads(self) -> None:
-        """Expert slices are replicated over dp (FSDP leaves them out): their gradients are summed over it, in
-        fp32."""
-        if self.world.dp == 1:
+    def _check_weights(self, done: dict[str, float]) -> None:
+        """After the optimizer step: a non-finite weight cannot be undone: stop, and never save or sync it."""
+        bad = self.nonfinite_weight()
+        if bad is None:
             return
-        own = self.master.master if self.master is not None else self.trainable
-        for name in self.sliced:
-            p = own.get(name)
-            if p is not None and p.grad is not None:
-                dist.all_reduce(p.grad, group=self.world.group("dp"))
+        where = ""
+        if self.stop_checkpoint_dir is not None:
+            kept = self.stop_checkpoint_dir if self.stop_checkpoint_dir.exists() else "none yet"
+            where = f"; nothing saved (last good checkpoint: {kept})"
+        raise TrainingStopped(
+            f"optimizer step {self.step + 1} made weight {bad!r} non-finite (loss {done['loss']}, grad norm "
+            f"{done['grad_norm']}, lr {done['lr']}){where}"
+        )
 
     def nonfinite_weight(self) -> str | None:
         """The name of the first trained tensor (adapter or fp32 master) holding NaN or inf, else None (each rank
         checks its shards; the ranks agree on the first bad name)."""
         state, names = self.trainable_state(), self.all_names
         bad = next((n for n in state if not all_finite(local(state[n]))), None)
-        first = agreed_min(self.world, names.index(bad) if bad is not None else len(names))
+        first = self.layout.agreed_min(names.index(bad) if bad is not None else len(names))
         return names[first] if first < len(names) else None
 
     def full_state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """The trained weights and the optimizer's ``state_dict``, every tensor whole (gathered from the ranks when
-        the policy is sharded: a collective)."""
-        weights = {n: self.whole(n, t) for n, t in self.trainable_state().items()}
-        opt, names = self.optimizer.state_dict(), list(weights)
-        state = {names[i]: {k: self.whole(names[i], v) for k, v in st.items()} for i, st in opt["state"].items()}
-        if self.pipeline is not None:  # every stage's tensors, on every rank of the pipeline
-            own = [(f"w/{n}", t) for n, t in weights.items() if n not in self.copies]
-            own += [(f"o/{k}/{n}", v) for n, st in state.items() if n not in self.copies for k, v in st.items()]
-            weights, state = {}, {}
-            for key, t in self.pipeline.stream(own):
-                kind, rest = key.split("/", 1)
-                if kind == "w":
-                    weights[rest] = t
-                else:
-                    k, n = rest.split("/", 1)
-                    state.setdefault(n, {})[k] = t
-            weights = {n: weights[n] for n in self.all_names}
+        """The trained weights and the optimizer's ``state_dict``, every tensor whole, on every rank (gathered from
+        the ranks when the policy is sharded: a collective)."""
+        own, opt = self.trainable_state(), self.optimizer.state_dict()
+        names = list(own)
+        parts = [(f"w/{n}", n, t) for n, t in own.items()]
+        parts += [(f"o/{k}/{names[i]}", names[i], v) for i, st in opt["state"].items() for k, v in st.items()]
+        weights, state = {}, {}
+        for key, t in self.layout.everywhere(parts):
+            kind, rest = key.split("/", 1)
+            if kind == "w":
+                weights[rest] = t
+            else:
+                k, n = rest.split("/", 1)
+                state.setdefault(n, {})[k] = t
+        weights = {n: weights[n] for n in self.all_names}
         index = {n: i for i, n in enumerate(weights)}  # the optimizer's order over the whole model
         opt["state"] = {index[n]: st for n, st in state.items()}
         opt["param_groups"] = [{**g, "params": list(range(len(weights)))} for g in opt["param_groups"]]
@@ -503,7 +360,7 @@ class Policy:
         ``moerl.parallel.shards``)."""
         from moerl.parallel.shards import save_shards
 
-        save_shards(self, Path(directory))
+        save_shards(self.layout, self.trained, self.optimizer.state_dict()["state"], Path(directory))
 
     def load(self, path) -> dict:
         """Restore the state saved at ``path`` (see ``moerl.trainer.checkpoint``); returns the caller's state."""
@@ -514,29 +371,17 @@ class Policy:
     def close(self) -> None:
         """Nothing to release in one process (a sharded policy lets its other ranks go)."""
 
-    @contextmanager
     def gathered(self):
         """A context in which the model's parameters are whole (sharded policies gather them: a collective). With
         pipeline stages rank 0 gets a whole model built from every stage's weights (the other ranks None)."""
-        if self.pipeline is None:
-            with self.gathered_here():
-                yield self.model
-            return
-        weights, _ = self.full_state()
-        model = None
-        if self.world.driver:
-            model = load_model(self.checkpoint, dtype=self.dtype).eval()
-            if self.cfg.mode == "lora":
-                attach_lora(model, self.cfg.lora, dtype=torch.float32)
-            params = dict(model.named_parameters())
-            with torch.no_grad():
-                for name, t in weights.items():
-                    params[name].copy_(t)
-        yield model
+        return self.layout.gathered(self.trainable_state(), self._fresh_model)
 
-    def gathered_here(self):
-        """A context in which this rank's parameters are whole: FSDP shards and expert slices gathered."""
-        return _both(gathered(*self.fsdp_roots), whole_experts(self.model, self.world))
+    def _fresh_model(self) -> torch.nn.Module:
+        """A whole model of this policy's kind, in the compute dtype (its trained weights are copied in after)."""
+        model = load_model(self.checkpoint, dtype=self.dtype).eval()
+        if self.cfg.mode == "lora":
+            attach_lora(model, self.cfg.lora, dtype=torch.float32)
+        return model
 
     def save_stop_checkpoint(self) -> str:
         """Before a TrainingStopped: save the current state to ``stop_checkpoint_dir`` (with ``stop_state``) if its
@@ -546,7 +391,7 @@ class Policy:
         bad = self.nonfinite_weight()
         if bad is not None:
             return f"; weight {bad!r} is non-finite: nothing saved (last good checkpoint: {self.stop_checkpoint_dir})"
-        if not self.world.driver:  # rank 0 writes it; this rank writes its shards with it
+        if not self.layout.world.driver:  # rank 0 writes it; this rank writes its shards with it
             from moerl.trainer.checkpoint import shards_of_save
 
             self.save_shards(shards_of_save(self.stop_checkpoint_dir))
@@ -558,6 +403,4 @@ class Policy:
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """What a checkpoint stores as weights: the adapters (lora) or the fp32 masters (full / mxfp8)."""
-        if self.master is not None:
-            return {n: p.detach() for n, p in self.master.master.items()}
-        return {n: p.detach() for n, p in self.trainable.items()}
+        return {n: p.detach() for n, p in self.trained.items()}

@@ -1,0 +1,270 @@
+"""The Layout: how this rank holds the trained model, and every operation whose form depends on it.
+
+``parallelize(model, world, cfg)`` splits the model from outside, as torchtitan's ``parallelize_fn`` does: layers
+into pipeline stages, experts over the ep group, the rest FSDP over the data group. The returned ``Layout`` owns the
+stages, the FSDP roots, the expert slices, the tied copies and the device, and answers what the trainer, checkpoints
+and weight sync ask of a split model: a tensor whole or laid out by name, every stage's tensors streamed, gradients
+reduced and clipped over every placement, a batch run as micro-batches or through the pipeline, rows gathered. One
+process is a Layout too, where each of these is the plain single-process operation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+from moerl.parallel.expert import expert_slice, gather_experts, shard_experts, whole_experts
+from moerl.parallel.fsdp import clip_grads, gathered, shard_model
+from moerl.parallel.pipeline import Pipeline, Step, plan_stages, prune
+from moerl.parallel.rows import gather_rows, micro_batches, share, sum_over_ranks
+from moerl.parallel.world import World, agreed_min, full, like
+
+Forward = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]  # (micro-batch) -> (logprobs, entropy or None)
+Loss = Callable[..., tuple[torch.Tensor, dict[str, float]]]  # (logprobs, micro-batch, entropy) -> (loss, metrics)
+
+
+@dataclass(slots=True)
+class LayoutConfig:
+    """What the split needs to know of the training: the mode (lora shards only what trains; full / mxfp8 shard the
+    fp32 masters and gather them in ``dtype``), the compute dtype, the micro-batch size, and the pipeline's last-stage
+    head ``(logits, micro-batch, temperature, entropy) -> (logprobs, entropy or None)``."""
+
+    mode: str
+    dtype: torch.dtype
+    micro_batch_size: int
+    head: Callable
+
+
+def storage_dtype(world: World, mode: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype to load the model in: a sharded full / mxfp8 model holds its fp32 masters as its own parameters
+    (FSDP gathers them in the compute dtype); otherwise the compute dtype."""
+    return torch.float32 if world.data_size > 1 and mode != "lora" else dtype
+
+
+def parallelize(model: torch.nn.Module, world: World, cfg: LayoutConfig) -> Layout:
+    """Split ``model`` (in place) over ``world`` and return its Layout. Trainable flags must be set before: FSDP
+    leaves frozen parameters replicated."""
+    layout = Layout(model, world, cfg)
+    if world.pp > 1:
+        plan = plan_stages(model, world, world.schedule, world.stages)
+        prune(model, plan)
+        layout.pipeline = Pipeline(model, plan, world, world.schedule, world.microbatches, cfg.head, layout.device)
+        layout.copies = {"embed_tokens.weight"} if layout.pipeline.copy else set()
+    if world.data_size == 1:
+        return layout
+    if world.ep > 1:
+        layout.sliced = shard_experts(model, world)
+        params = dict(model.named_parameters())
+        for name in layout.sliced:  # plain tensors in the compute dtype, fp32 masters (as in one process)
+            p = params[name]
+            if p.requires_grad and p.dtype != cfg.dtype and cfg.mode != "lora":
+                layout.initial[name] = p.detach()
+                p.data = p.data.to(cfg.dtype)
+    keep = {dict(model.named_parameters())[n] for n in layout.sliced}
+    for root in layout.roots:  # the model, or each pipeline stage as its own FSDP root
+        view = root.view if layout.pipeline is not None else root
+        shard_model(view, cfg.dtype, cfg.mode, world.data_mesh, keep, root=root)
+    return layout
+
+
+class Layout:
+    """This rank's part of the model and how the parts fit (see the module docstring). Built by ``parallelize``."""
+
+    def __init__(self, model: torch.nn.Module, world: World, cfg: LayoutConfig):
+        self.model, self.world, self.cfg = model, world, cfg
+        self.device = next(model.parameters()).device
+        self.pipeline: Pipeline | None = None  # this rank's pipeline stages (pp > 1)
+        self.sliced: dict[str, int] = {}  # expert-parallel slices: parameter name -> expert dim
+        self.copies: set[str] = set()  # weights held as a copy of another stage's (a tied embedding's)
+        self.initial: dict[str, torch.Tensor] = {}  # fp32 values of slices now held in the compute dtype
+
+    @property
+    def ranks(self) -> int:
+        return self.world.size
+
+    @property
+    def roots(self) -> list[torch.nn.Module]:
+        """What FSDP shards as a whole: the model, or each of this rank's pipeline stages."""
+        return list(self.pipeline.modules) if self.pipeline is not None else [self.model]
+
+    # --- tensors by name -------------------------------------------------------------------------------------
+
+    def whole(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """The whole tensor of weight ``name`` (or of its optimizer state) from this rank's part ``t``: a collective
+        when the model is sharded."""
+        dim = self.sliced.get(name)
+        if dim is None or t.ndim == 0:
+            return full(t)
+        return gather_experts(self.world, t, dim)
+
+    def laid_out(self, name: str, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """A whole tensor ``value`` of weight ``name`` (or of its optimizer state) as this rank holds ``param``."""
+        dim = self.sliced.get(name)
+        if dim is None or value.ndim == 0:
+            return like(param, value)
+        return expert_slice(self.world, value, dim)
+
+    def whole_shape(self, name: str, param: torch.Tensor) -> torch.Size:
+        """The shape of weight ``name`` whole (``param`` is this rank's part)."""
+        dim = self.sliced.get(name)
+        if dim is None:
+            return param.shape
+        return param.shape[:dim] + (param.shape[dim] * self.world.ep,) + param.shape[dim + 1 :]
+
+    def global_view(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (this rank's part of weight ``name`` or of its state) as a tensor that knows its place in the whole:
+        FSDP's DTensors as they are, an expert slice as a DTensor sharded over the ep ranks, anything else whole
+        (replicated, or held by one pipeline stage). What DCP reads and writes."""
+        dim = self.sliced.get(name)
+        if dim is None or t.ndim == 0:
+            return t
+        return DTensor.from_local(t, self.world.mesh["ep"], [Shard(dim)], run_check=False)
+
+    def own_part(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``global_view``: how this rank holds weight ``name`` (expert slices as plain tensors)."""
+        return t.to_local() if name in self.sliced and isinstance(t, DTensor) else t
+
+    def everywhere(self, parts: Iterable[tuple[str, str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(key, whole tensor)`` for every stage's ``(key, weight name, this rank's part)`` — tied copies left out
+        (their original is there) — one tensor at a time, on every rank (a collective: every rank runs it to the
+        end). One pipeline stage: this rank's own, made whole."""
+        return self.stream((key, self.whole(name, t)) for key, name, t in parts if name not in self.copies)
+
+    def stream(self, own: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every stage's ``(name, tensor)`` (``own``: this rank's, already whole over its data group), stage by stage,
+        on every rank of the pipeline (a collective); one stage: ``own``."""
+        return iter(own) if self.pipeline is None else self.pipeline.stream(own)
+
+    def gathered_here(self):
+        """A context in which this rank's parameters are whole: FSDP shards and expert slices gathered."""
+        return _both(gathered(*self.roots), whole_experts(self.model, self.world))
+
+    @contextmanager
+    def gathered(self, trained: dict[str, torch.Tensor], build: Callable[[], torch.nn.Module]):
+        """A context with the model whole. One pipeline: this rank's parameters gathered (``gathered_here``). Several
+        stages: rank 0 gets ``build()`` (a fresh model of the same kind) with every stage's ``trained`` tensors
+        copied in, the other ranks None."""
+        if self.pipeline is None:
+            with self.gathered_here():
+                yield self.model
+            return
+        weights = dict(self.everywhere((n, n, t) for n, t in trained.items()))
+        model = None
+        if self.world.driver:
+            model = build()
+            params = dict(model.named_parameters())
+            with torch.no_grad():
+                for name, t in weights.items():
+                    params[name].copy_(t)
+        yield model
+
+    # --- running batches ----------------------------------------------------------------------------------------
+
+    def forward(self, step: Step, forward: Forward, stages: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logprobs [B, T] (and entropies) of every row of ``step.batch``, on every rank. ``forward(micro-batch)``
+        runs one micro-batch through a whole model; with pipeline stages (and ``stages``) the batch goes through
+        them instead."""
+        if self.pipeline is not None and stages:
+            return self._pipeline_forward(step)
+        batch, parts = step.batch, []
+        for mb, real in micro_batches(self.world, batch, self.cfg.micro_batch_size):
+            out = forward(mb)
+            if real:  # a stand-in row only keeps the ranks' collectives in step
+                parts.append(out)
+        lp = gather_rows(self.world, [p[0] for p in parts], batch)
+        return lp, (gather_rows(self.world, [p[1] for p in parts], batch) if step.entropy else None)
+
+    def backward(self, step: Step, forward: Forward, loss_fn: Loss) -> tuple[float, dict[str, float]]:
+        """Forward and backward of every row of ``step.batch`` (each rank its share); the loss and metric sums over
+        the batch, on every rank. ``loss_fn(logprobs, micro-batch, entropy)`` is normalised by the whole batch."""
+        if self.pipeline is not None:
+            total, metrics = self._pipeline_backward(step, loss_fn)
+        else:
+            total, metrics = self._accumulate(step, forward, loss_fn)
+        return sum_over_ranks(self.world, total, metrics)
+
+    def _accumulate(self, step: Step, forward: Forward, loss_fn: Loss) -> tuple[float, dict[str, float]]:
+        batch, total, metrics = step.batch, 0.0, {}
+        for mb, real in micro_batches(self.world, batch, self.cfg.micro_batch_size):
+            lp, ent = forward(mb)
+            loss, m = loss_fn(lp, mb, ent)
+            if not real:  # a stand-in row: it only keeps FSDP's collectives in step
+                loss, m = loss * 0.0, {k: 0.0 for k in m}
+            loss.backward()
+            total += float(loss.detach())
+            for k, v in m.items():
+                metrics[k] = metrics.get(k, 0.0) + float(v) * len(mb) / len(batch) * real
+        return total, metrics
+
+    def _pipeline_rows(self, batch) -> tuple[torch.Tensor, int]:
+        """This pipeline's rows of ``batch`` (its data rank's share) and the largest share's size."""
+        n = len(batch)
+        return torch.arange(n)[share(self.world, self.world.data_rank, n)], math.ceil(n / self.world.data_size)
+
+    def _pipeline_forward(self, step: Step) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batch, pipe = step.batch, self.pipeline
+        rows, width = self._pipeline_rows(batch)
+        out = pipe.run(step, rows, width, self.cfg.micro_batch_size, self.cfg.dtype)
+        lp, ent = (out if step.entropy else (out, None)) if out is not None else (None, None)
+        shape = (len(rows), batch.input_ids.shape[1])
+        lp = gather_rows(self.world, [pipe.from_last(lp, shape)], batch)
+        return lp, (gather_rows(self.world, [pipe.from_last(ent, shape)], batch) if step.entropy else None)
+
+    def _pipeline_backward(self, step: Step, loss_fn: Loss) -> tuple[float, dict[str, float]]:
+        """This pipeline's rows; its loss and metric sums on every rank of the pipeline."""
+        batch, pipe = step.batch, self.pipeline
+        rows, width = self._pipeline_rows(batch)
+        total, metrics = 0.0, {}
+
+        def loss(output, rows):
+            nonlocal total
+            lp, ent = output if step.entropy else (output, None)
+            value, m = loss_fn(lp, step.rows(rows), ent)
+            total += float(value.detach())
+            real = int((rows >= 0).sum())
+            for k, v in m.items():
+                metrics[k] = metrics.get(k, 0.0) + float(v) * real / len(batch)
+            return value
+
+        pipe.run(step, rows, width, self.cfg.micro_batch_size, self.cfg.dtype, loss)
+        return tuple(pipe.share_json([total, metrics]))
+
+    # --- gradients ----------------------------------------------------------------------------------------------
+
+    def reduce_grads(self, trained: dict[str, torch.Tensor]) -> None:
+        """What the schedule and FSDP leave to do for the gradients of ``trained`` (the optimizer's tensors by name):
+        expert slices, replicated over dp, summed over it in fp32; a tied embedding's two ends given the sum of
+        both."""
+        if self.world.dp > 1:
+            for name in self.sliced:
+                p = trained.get(name)
+                if p is not None and p.grad is not None:
+                    dist.all_reduce(p.grad, group=self.world.group("dp"))
+        if self.pipeline is not None:
+            self.pipeline.tie_grads(trained.get("embed_tokens.weight"))
+
+    def clip_grads(self, trained: dict[str, torch.Tensor], max_norm: float) -> float:
+        """Clip the gradients of ``trained`` to a global L2 norm of ``max_norm``, every part counted once; returns
+        the norm before."""
+        params = list(trained.values())
+        if self.world.size == 1:
+            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        slices = {id(trained[n]) for n in self.sliced if n in trained}
+        copies = {id(trained[n]) for n in self.copies if n in trained}
+        return clip_grads(self.world, params, max_norm, slices, copies)
+
+    def agreed_min(self, value: int) -> int:
+        """The smallest of every rank's ``value`` (e.g. the index of the first bad tensor in a shared list)."""
+        return agreed_min(self.world, value)
+
+
+@contextmanager
+def _both(first, second):
+    with first, second:
+        yield

@@ -1,0 +1,59 @@
+"""The package's layering, read from the source: the parallel plans wrap the trainer's model from outside and import
+nothing of the trainer; the Policy reaches the split only through its Layout."""
+
+import ast
+import sys
+from pathlib import Path
+
+import moerl
+
+ROOT = Path(moerl.__file__).parent
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module ``path`` imports (``import a.b`` and ``from a.b import c``, at any depth, lazy ones included)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+    return out
+
+
+def importers(package: str, target: str) -> dict[str, list[str]]:
+    """The files of ``moerl/<package>`` that import something under ``moerl.<target>``, with what they import."""
+    found = {}
+    for path in sorted((ROOT / package).glob("*.py")):
+        hits = sorted(m for m in imported_modules(path) if m == f"moerl.{target}" or m.startswith(f"moerl.{target}."))
+        if hits:
+            found[path.name] = hits
+    return found
+
+
+def test_parallel_imports_nothing_from_the_trainer():
+    assert importers("parallel", "trainer") == {}
+
+
+def test_the_check_sees_an_import_of_the_trainer(tmp_path, monkeypatch):
+    # negative control: the same scan over a copy of parallel/ with one lazy import of the trainer added finds it
+    copy = tmp_path / "moerl" / "parallel"
+    copy.mkdir(parents=True)
+    for path in (ROOT / "parallel").glob("*.py"):
+        (copy / path.name).write_text(path.read_text())
+    layout = copy / "layout.py"
+    layout.write_text(layout.read_text() + "\n\ndef _late():\n    from moerl.trainer.batch import Batch\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path / "moerl")
+    assert importers("parallel", "trainer") == {"layout.py": ["moerl.trainer.batch"]}
+
+
+def test_the_policy_reaches_the_split_only_through_its_layout():
+    # the pipeline, FSDP, expert-parallel and row plumbing live in moerl.parallel.layout, not in the policy (which
+    # writes its shards through moerl.parallel.shards, given its Layout)
+    uses = {m for m in imported_modules(ROOT / "trainer" / "policy.py") if m.startswith("moerl.parallel")}
+    assert uses <= {"moerl.parallel.layout", "moerl.parallel.pipeline", "moerl.parallel.shards", "moerl.parallel.world"}
+    names = set()
+    for node in ast.walk(ast.parse((ROOT / "trainer" / "policy.py").read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module in ("moerl.parallel.pipeline", "moerl.parallel.world"):
+            names |= {alias.name for alias in node.names}
+    assert names <= {"Step", "World", "local"}
