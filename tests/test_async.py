@@ -65,7 +65,15 @@ def test_a_weight_sync_goes_between_engine_calls_never_inside_one(warm_model, tm
     env = make_env(cfg.env.name, **cfg.env.kwargs)
     engine = build_engine(cfg, warm_model)
     try:
-        gen = Generator(cfg, env, engine)
+        gen = Generator(
+            env,
+            engine,
+            cfg.rollout,
+            cfg.algo,
+            seed=cfg.train.seed,
+            eval_problems=cfg.env.eval_problems,
+            lora=cfg.policy.mode == "lora",
+        )
         problems, params = env.problems(16, seed=1), gen.sampling(16, 1.0, 8, seed=5)
         reference = [e.tokens for e in gen.generate(problems, params)]
         head = engine.engines[0].model.lm_head.weight

@@ -16,12 +16,14 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from moerl.bridges.base import _compile, match
+from moerl.bridges.base import Bridge, _compile, match
 from moerl.bridges.checkpoint import moerl_rules, resolve
 from moerl.bridges.registry import get_bridge
 from moerl.errors import CheckpointError
@@ -67,6 +69,29 @@ def read_peft_adapter(path: str | os.PathLike, model) -> dict[str, torch.Tensor]
     for f in (cfg_file, weights):
         if not f.exists():
             raise CheckpointError(f"{f} does not exist: not a PEFT adapter directory")
+    scale = _scaler(_read_config(cfg_file))
+    modules = _load_modules(weights)
+    rd = _Reading(weights.name, model, get_bridge(model.hf_config), dict(model.named_parameters()), scale)
+    out: dict[str, torch.Tensor] = {}
+    per_expert: dict[tuple[str, str, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (module, part, e) -> A, B
+    for hf_module, ab in modules.items():
+        a, b = _factors(rd.file, hf_module, ab)
+        experts = _wrapped_experts(rd, hf_module)
+        if experts is not None:
+            out |= _read_experts(rd, hf_module, experts, a, b)
+        else:
+            _read_linear(rd, hf_module, a, b, out, per_expert)
+    for module in sorted({k[0] for k in per_expert}):
+        out |= _join_per_expert(rd, module, per_expert)
+    _pad_untargeted(out, model.config)
+    return out
+
+
+# -- reading: the adapter's files -------------------------------------------------------------------------------
+
+
+def _read_config(cfg_file: Path) -> dict:
+    """``adapter_config.json``, refused unless it describes a plain LoRA (not DoRA, not another PEFT method)."""
     try:
         cfg = json.loads(cfg_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -77,12 +102,23 @@ def read_peft_adapter(path: str | os.PathLike, model) -> dict[str, torch.Tensor]
         raise CheckpointError(f"{cfg_file}: peft_type {cfg.get('peft_type')!r} is not LORA")
     if cfg.get("use_dora"):
         raise CheckpointError(f"{cfg_file}: DoRA adapters are not supported")
+    return cfg
+
+
+def _scaler(cfg: dict) -> Callable[[str, int], float]:
+    """PEFT's scale of a module's LoRA by its key and rank: alpha / r, or alpha / sqrt(r) with rsLoRA (the
+    ``alpha_pattern`` entry matching the key, else ``lora_alpha``)."""
     alpha, rslora = float(cfg.get("lora_alpha", 8)), bool(cfg.get("use_rslora", False))
 
     def scale(key: str, rank: int) -> float:
         a = float(_pattern_value(cfg.get("alpha_pattern"), key, alpha))
         return a / rank**0.5 if rslora else a / rank
 
+    return scale
+
+
+def _load_modules(weights: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """The adapter's tensors by HF module (``base_model.model.`` dropped), as ``{"lora_A": .., "lora_B": ..}`` fp32."""
     raw = {k.removeprefix(PREFIX): v for k, v in load_file(weights).items()}
     modules: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in raw.items():
@@ -92,84 +128,137 @@ def read_peft_adapter(path: str | os.PathLike, model) -> dict[str, torch.Tensor]
                 f"{weights.name}: unexpected tensor {key!r} (expected *.lora_A.weight / *.lora_B.weight)"
             )
         modules.setdefault(m.group(1), {})[m.group(2)] = t.float()
+    return modules
 
-    bridge = get_bridge(model.hf_config)
-    params = dict(model.named_parameters())
-    mcfg = model.config
-    out: dict[str, torch.Tensor] = {}
-    per_expert: dict[tuple[str, str, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (module, part, e) -> A, B
-    for hf_module, ab in modules.items():
-        if set(ab) != {"lora_A", "lora_B"}:
-            raise CheckpointError(f"{weights.name}: module {hf_module!r} has {sorted(ab)}, needs lora_A and lora_B")
-        a, b = ab["lora_A"], ab["lora_B"]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[0] == 0 or a.shape[0] != b.shape[1]:
-            raise CheckpointError(
-                f"{weights.name}: module {hf_module!r} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; "
-                "needs [r, in] and [out, r] with the same rank r >= 1"
-            )
-        experts_module = hf_module.removesuffix(".base_layer")
-        layer = match(_compile(bridge.peft_experts), experts_module)
-        if layer is not None and f"layers.{layer['i']}.mlp.experts.gate_up_proj" in params:  # a ParamWrapper
-            moerl_module = f"layers.{layer['i']}.mlp.experts"
-            e, h, i = mcfg.num_experts, mcfg.hidden_size, mcfg.moe_intermediate_size
-            rank = a.shape[0] // e
-            if rank == 0 or a.shape[0] % e:
-                raise CheckpointError(
-                    f"{weights.name}: expert module {hf_module!r} has lora_A {tuple(a.shape)}: its rows must be "
-                    f"num_experts={e} x rank r >= 1"
-                )
-            a_e = a.view(e, rank, a.shape[1])  # [E, r, in]
-            b_e = b.view(b.shape[0], rank, e).permute(2, 0, 1)  # [E, out, r]
-            is_gate_up = b.shape[0] == 2 * i if 2 * i != h else a.shape[1] == h
-            name = "gate_up_proj" if is_gate_up else "down_proj"
-            b_e = b_e * scale(f"{experts_module}.{name}", rank)
-            b_e = _rows_of(moerl_rules(bridge, f"{moerl_module}.{name}"), mcfg, b_e, save=False)
-            if is_gate_up:
-                out[f"{moerl_module}.gate_up_A"], out[f"{moerl_module}.gate_up_B"] = a_e, b_e
-            else:
-                out[f"{moerl_module}.down_A"], out[f"{moerl_module}.down_B"] = a_e, b_e
-            out[f"{moerl_module}.scale"] = torch.tensor(1.0)
-            continue
-        place = resolve(bridge, params, f"{hf_module}.weight")
-        if place is None:
-            raise CheckpointError(
-                f"{weights.name}: adapter module {hf_module!r} matches no layer of this "
-                f"{model.hf_config['architectures'][0]} model"
-            )
-        rule, groups, target, _ = place
-        b = _rows(rule, mcfg, b * scale(hf_module, a.shape[0]))
-        if "e" in groups:  # one expert's linear layer (pre-v5 layout)
-            part = rule.part or "down"
-            per_expert[(target.rsplit(".", 1)[0], part, int(groups["e"]))] = (a, b)
-            continue
-        module = target.removesuffix(".weight")
-        out[f"{module}.lora_A"], out[f"{module}.lora_B"], out[f"{module}.scale"] = a, b, torch.tensor(1.0)
 
-    for module in sorted({k[0] for k in per_expert}):
-        got = {(part, e) for (mod, part, e) in per_expert if mod == module}
-        want = {(p, e) for p in ("gate", "up", "down") for e in range(mcfg.num_experts)}
-        if got != want:
-            missing = sorted(want - got)[:3]
-            raise CheckpointError(f"{weights.name}: per-expert adapter of {module!r} lacks (part, expert) {missing}")
-        gu_a, gu_b, dn_a, dn_b = [], [], [], []
-        for e in range(mcfg.num_experts):
-            (ga, gb), (ua, ub), (da, db) = (per_expert[(module, p, e)] for p in ("gate", "up", "down"))
-            gu_a.append(torch.cat([ga, ua]))
-            gu_b.append(torch.block_diag(gb, ub))
-            dn_a.append(da)
-            dn_b.append(db)
-        out[f"{module}.gate_up_A"], out[f"{module}.gate_up_B"] = torch.stack(gu_a), torch.stack(gu_b)
-        out[f"{module}.down_A"], out[f"{module}.down_B"] = torch.stack(dn_a), torch.stack(dn_b)
-        out[f"{module}.scale"] = torch.tensor(1.0)
+def _factors(file: str, hf_module: str, ab: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A module's A [r, in] and B [out, r], refused unless both are there with one rank r >= 1."""
+    if set(ab) != {"lora_A", "lora_B"}:
+        raise CheckpointError(f"{file}: module {hf_module!r} has {sorted(ab)}, needs lora_A and lora_B")
+    a, b = ab["lora_A"], ab["lora_B"]
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] == 0 or a.shape[0] != b.shape[1]:
+        raise CheckpointError(
+            f"{file}: module {hf_module!r} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; "
+            "needs [r, in] and [out, r] with the same rank r >= 1"
+        )
+    return a, b
 
-    for key in [k for k in out if k.endswith(".gate_up_A") or k.endswith(".down_A")]:  # one projection targeted
+
+# -- reading: one module per target kind ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Reading:
+    """What every module of one adapter is read against: the weights file's name (errors name it), the model, its
+    bridge and parameters, and PEFT's scale per module."""
+
+    file: str
+    model: torch.nn.Module
+    bridge: Bridge
+    params: dict[str, torch.nn.Parameter]
+    scale: Callable[[str, int], float]
+
+
+def _wrapped_experts(rd: _Reading, hf_module: str) -> str | None:
+    """The moerl experts module (``layers.{i}.mlp.experts``) when ``hf_module`` is PEFT's ParamWrapper on a layer's
+    3D experts (``{experts}`` or its inner ``{experts}.base_layer``); None for any other module."""
+    layer = match(_compile(rd.bridge.peft_experts), hf_module.removesuffix(".base_layer"))
+    if layer is not None and f"layers.{layer['i']}.mlp.experts.gate_up_proj" in rd.params:
+        return f"layers.{layer['i']}.mlp.experts"
+    return None
+
+
+def _read_experts(rd: _Reading, hf_module: str, moerl_module: str, a: torch.Tensor, b: torch.Tensor) -> dict:
+    """One 3D-experts projection (``target_parameters``): A's rows are expert-major [r * E, in], B's columns
+    rank-major [out, r * E]; gate_up or down is told by the shapes (by B's rows unless 2 * I == H)."""
+    mcfg = rd.model.config
+    e, h, i = mcfg.num_experts, mcfg.hidden_size, mcfg.moe_intermediate_size
+    rank = a.shape[0] // e
+    if rank == 0 or a.shape[0] % e:
+        raise CheckpointError(
+            f"{rd.file}: expert module {hf_module!r} has lora_A {tuple(a.shape)}: its rows must be "
+            f"num_experts={e} x rank r >= 1"
+        )
+    a_e = a.view(e, rank, a.shape[1])  # [E, r, in]
+    b_e = b.view(b.shape[0], rank, e).permute(2, 0, 1)  # [E, out, r]
+    is_gate_up = b.shape[0] == 2 * i if 2 * i != h else a.shape[1] == h
+    name = "gate_up_proj" if is_gate_up else "down_proj"
+    b_e = b_e * rd.scale(f"{hf_module.removesuffix('.base_layer')}.{name}", rank)
+    b_e = _rows_of(moerl_rules(rd.bridge, f"{moerl_module}.{name}"), mcfg, b_e, save=False)
+    part = "gate_up" if is_gate_up else "down"
+    return {
+        f"{moerl_module}.{part}_A": a_e,
+        f"{moerl_module}.{part}_B": b_e,
+        f"{moerl_module}.scale": torch.tensor(1.0),
+    }
+
+
+def _read_linear(
+    rd: _Reading,
+    hf_module: str,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: dict[str, torch.Tensor],
+    per_expert: dict[tuple[str, str, int], tuple[torch.Tensor, torch.Tensor]],
+) -> None:
+    """One linear layer (``target_modules``) into ``out``; one expert's linear layer (the pre-v5 layout) into
+    ``per_expert``, joined once every expert's gate / up / down is read."""
+    place = resolve(rd.bridge, rd.params, f"{hf_module}.weight")
+    if place is None:
+        raise CheckpointError(
+            f"{rd.file}: adapter module {hf_module!r} matches no layer of this "
+            f"{rd.model.hf_config['architectures'][0]} model"
+        )
+    rule, groups, target, _ = place
+    b = _rows(rule, rd.model.config, b * rd.scale(hf_module, a.shape[0]))
+    if "e" in groups:  # one expert's linear layer (pre-v5 layout)
+        part = rule.part or "down"
+        per_expert[(target.rsplit(".", 1)[0], part, int(groups["e"]))] = (a, b)
+        return
+    module = target.removesuffix(".weight")
+    out[f"{module}.lora_A"], out[f"{module}.lora_B"], out[f"{module}.scale"] = a, b, torch.tensor(1.0)
+
+
+def _join_per_expert(
+    rd: _Reading, module: str, per_expert: dict[tuple[str, str, int], tuple[torch.Tensor, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
+    """``module``'s per-expert gate / up / down LoRAs as moerl's expert adapter: gate and up joined as one LoRA of
+    rank 2r (A stacked, B block-diagonal); refused unless every expert has all three."""
+    num_experts = rd.model.config.num_experts
+    got = {(part, e) for (mod, part, e) in per_expert if mod == module}
+    want = {(p, e) for p in ("gate", "up", "down") for e in range(num_experts)}
+    if got != want:
+        missing = sorted(want - got)[:3]
+        raise CheckpointError(f"{rd.file}: per-expert adapter of {module!r} lacks (part, expert) {missing}")
+    gu_a, gu_b, dn_a, dn_b = [], [], [], []
+    for e in range(num_experts):
+        (ga, gb), (ua, ub), (da, db) = (per_expert[(module, p, e)] for p in ("gate", "up", "down"))
+        gu_a.append(torch.cat([ga, ua]))
+        gu_b.append(torch.block_diag(gb, ub))
+        dn_a.append(da)
+        dn_b.append(db)
+    return {
+        f"{module}.gate_up_A": torch.stack(gu_a),
+        f"{module}.gate_up_B": torch.stack(gu_b),
+        f"{module}.down_A": torch.stack(dn_a),
+        f"{module}.down_B": torch.stack(dn_b),
+        f"{module}.scale": torch.tensor(1.0),
+    }
+
+
+def _pad_untargeted(out: dict[str, torch.Tensor], mcfg) -> None:
+    """Experts with only one projection targeted get a zero rank-1 LoRA on the other: the expert adapter holds
+    both."""
+    for key in [k for k in out if k.endswith(".gate_up_A") or k.endswith(".down_A")]:
         module, part = key.rsplit(".", 1)
         other = "down" if part == "gate_up_A" else "gate_up"
         if f"{module}.{other}_A" not in out:
             e, h, i = mcfg.num_experts, mcfg.hidden_size, mcfg.moe_intermediate_size
             d_in, d_out = (i, h) if other == "down" else (h, 2 * i)
             out[f"{module}.{other}_A"], out[f"{module}.{other}_B"] = torch.zeros(e, 1, d_in), torch.zeros(e, d_out, 1)
-    return out
+
+
+# -- writing ----------------------------------------------------------------------------------------------------
 
 
 def write_peft_adapter(model, out_dir: str | os.PathLike, slot: int = 0) -> Path:
@@ -182,44 +271,72 @@ def write_peft_adapter(model, out_dir: str | os.PathLike, slot: int = 0) -> Path
     shared layout. Dense-MLP and shared-expert adapters are refused: on transformers v5 MoE models PEFT maps
     every ``gate_proj`` / ``up_proj`` / ``down_proj`` target to the fused experts, so it cannot load them.
     """
-    from moerl.bridges.checkpoint import to_hf
     from moerl.model.lora import LinearLora, lora_modules
 
     bridge = get_bridge(model.hf_config)
     tensors, target_modules, linear_ranks, expert_ranks = {}, set(), set(), set()
     for path, lora in lora_modules(model).items():
-        s = lora.scale[slot].detach().float()
         if isinstance(lora, LinearLora):
-            if path.rsplit(".", 1)[-1] in ("gate_proj", "up_proj", "down_proj"):
-                raise CheckpointError(
-                    f"adapter on {path!r} cannot be written for PEFT: on transformers v5 MoE models PEFT maps "
-                    f"gate_proj / up_proj / down_proj targets to the fused experts; export merged weights instead "
-                    f"(export_model(..., state_dict=merged_state_dict(model))) or leave dense MLPs out of lora.targets"
-                )
-            weight = model.get_parameter(f"{path}.weight")
-            hf_name = next(iter(to_hf(bridge, f"{path}.weight", weight, model.config)))[0].removesuffix(".weight")
-            ((rule, _),) = moerl_rules(bridge, f"{path}.weight")
-            a, b = lora.lora_A[slot].detach().float(), lora.lora_B[slot].detach().float() * s
-            b = _rows(rule, model.config, b, save=True)
+            hf_name, a, b = _write_linear(model, bridge, path, lora, slot)
             tensors[f"{PREFIX}{hf_name}.lora_A.weight"], tensors[f"{PREFIX}{hf_name}.lora_B.weight"] = a, b
             target_modules.add(hf_name.rsplit(".", 1)[-1])
             linear_ranks.add(a.shape[0])
-            continue
-        e = lora.num_experts
-        gu_a, gu_b, dn_a, dn_b = (
-            getattr(lora, k)[slot].detach().float() for k in ("gate_up_A", "gate_up_B", "down_A", "down_B")
+        else:
+            rank, expert_tensors = _write_experts(model, bridge, path, lora, slot)
+            tensors |= expert_tensors
+            expert_ranks.add(rank)
+    config = _peft_config(bridge, target_modules, linear_ranks, expert_ranks)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def _write_linear(model, bridge: Bridge, path: str, lora, slot: int) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """A linear layer's HF module name, A [r, in] and B [out, r] (scale folded in, rows in HF order); dense-MLP
+    and shared-expert layers are refused (PEFT would put them on the fused experts)."""
+    from moerl.bridges.checkpoint import to_hf
+
+    s = lora.scale[slot].detach().float()
+    if path.rsplit(".", 1)[-1] in ("gate_proj", "up_proj", "down_proj"):
+        raise CheckpointError(
+            f"adapter on {path!r} cannot be written for PEFT: on transformers v5 MoE models PEFT maps "
+            f"gate_proj / up_proj / down_proj targets to the fused experts; export merged weights instead "
+            f"(export_model(..., state_dict=merged_state_dict(model))) or leave dense MLPs out of lora.targets"
         )
-        if gu_a.ndim == 2:  # shared_outer: the shared factors, once per expert
-            gu_a, dn_b = gu_a.expand(e, *gu_a.shape), dn_b.expand(e, *dn_b.shape)
-        gu_b, dn_b = gu_b * s, dn_b * s
-        gu_b = _rows_of(moerl_rules(bridge, f"{path}.gate_up_proj"), model.config, gu_b)
-        dn_b = _rows_of(moerl_rules(bridge, f"{path}.down_proj"), model.config, dn_b)
-        rank = gu_a.shape[1]
-        hf_experts = bridge.peft_experts.format(i=path.split(".")[1])
-        for name, a, b in ((f"{hf_experts}.base_layer", gu_a, gu_b), (hf_experts, dn_a, dn_b)):
-            tensors[f"{PREFIX}{name}.lora_A.weight"] = a.reshape(e * rank, a.shape[-1]).contiguous()  # expert-major
-            tensors[f"{PREFIX}{name}.lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], rank * e).contiguous()
-        expert_ranks.add(rank)
+    weight = model.get_parameter(f"{path}.weight")
+    hf_name = next(iter(to_hf(bridge, f"{path}.weight", weight, model.config)))[0].removesuffix(".weight")
+    ((rule, _),) = moerl_rules(bridge, f"{path}.weight")
+    a, b = lora.lora_A[slot].detach().float(), lora.lora_B[slot].detach().float() * s
+    return hf_name, a, _rows(rule, model.config, b, save=True)
+
+
+def _write_experts(model, bridge: Bridge, path: str, lora, slot: int) -> tuple[int, dict[str, torch.Tensor]]:
+    """An expert adapter's rank and its two ParamWrapper tensor pairs (gate_up the inner ``base_layer``, down the
+    outer): A expert-major [E * r, in], B rank-major [out, r * E], scale folded in, rows in HF order."""
+    s = lora.scale[slot].detach().float()
+    e = lora.num_experts
+    gu_a, gu_b, dn_a, dn_b = (
+        getattr(lora, k)[slot].detach().float() for k in ("gate_up_A", "gate_up_B", "down_A", "down_B")
+    )
+    if gu_a.ndim == 2:  # shared_outer: the shared factors, once per expert
+        gu_a, dn_b = gu_a.expand(e, *gu_a.shape), dn_b.expand(e, *dn_b.shape)
+    gu_b, dn_b = gu_b * s, dn_b * s
+    gu_b = _rows_of(moerl_rules(bridge, f"{path}.gate_up_proj"), model.config, gu_b)
+    dn_b = _rows_of(moerl_rules(bridge, f"{path}.down_proj"), model.config, dn_b)
+    rank = gu_a.shape[1]
+    hf_experts = bridge.peft_experts.format(i=path.split(".")[1])
+    tensors = {}
+    for name, a, b in ((f"{hf_experts}.base_layer", gu_a, gu_b), (hf_experts, dn_a, dn_b)):
+        tensors[f"{PREFIX}{name}.lora_A.weight"] = a.reshape(e * rank, a.shape[-1]).contiguous()  # expert-major
+        tensors[f"{PREFIX}{name}.lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], rank * e).contiguous()
+    return rank, tensors
+
+
+def _peft_config(bridge: Bridge, target_modules: set[str], linear_ranks: set[int], expert_ranks: set[int]) -> dict:
+    """``adapter_config.json``: one rank (or one for linear layers and one for the experts, by ``rank_pattern``),
+    ``lora_alpha`` = r since the scales are folded into B."""
     if len(linear_ranks) > 1 or len(expert_ranks) > 1:
         raise CheckpointError(f"adapter ranks differ between modules ({linear_ranks | expert_ranks}); cannot write")
     r = next(iter(linear_ranks or expert_ranks))
@@ -246,8 +363,4 @@ def write_peft_adapter(model, out_dir: str | os.PathLike, slot: int = 0) -> Path
         re_ = next(iter(expert_ranks))
         config["rank_pattern"] = {r".*\.gate_up_proj": re_, r".*\.down_proj": re_}
         config["alpha_pattern"] = dict(config["rank_pattern"])
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
-    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
-    return out
+    return config

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moerl.errors import ConfigError
+
 
 @dataclass(slots=True)
 class RopeConfig:
@@ -101,15 +103,10 @@ class ModelConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the field when the combination cannot be built."""
-        from moerl.errors import ConfigError
-
-        def bad(name: str, why: str) -> ConfigError:
-            return ConfigError(f"ModelConfig.{name}={getattr(self, name)!r}: {why}")
-
         if self.attention not in ("gqa", "mla"):
-            raise bad("attention", "allowed: gqa, mla")
+            raise self._bad("attention", "allowed: gqa, mla")
         if self.qk_norm not in ("none", "head", "full"):
-            raise bad("qk_norm", "allowed: none, head, full")
+            raise self._bad("qk_norm", "allowed: none, head, full")
         for name, allowed in (
             ("scoring", ("softmax", "sigmoid", "sparsemixer")),
             ("norm", ("rms", "layer")),
@@ -117,34 +114,47 @@ class ModelConfig:
             ("group_score", ("top2_sum", "max")),
         ):
             if getattr(self, name) not in allowed:
-                raise bad(name, f"allowed: {', '.join(allowed)}")
+                raise self._bad(name, f"allowed: {', '.join(allowed)}")
         if self.activation not in ("silu", "swiglu_clamped"):
-            raise bad("activation", "allowed: silu, swiglu_clamped")
+            raise self._bad("activation", "allowed: silu, swiglu_clamped")
         if self.rope.kind not in ("default", "linear", "yarn", "llama3"):
             raise ConfigError(f"ModelConfig.rope.kind={self.rope.kind!r}: allowed: default, linear, yarn, llama3")
         if len(self.layer_types) != self.num_layers:
-            raise bad("layer_types", f"needs {self.num_layers} entries (num_layers)")
+            raise self._bad("layer_types", f"needs {self.num_layers} entries (num_layers)")
         if any(t not in ("full", "sliding") for t in self.layer_types):
-            raise bad("layer_types", "entries allowed: full, sliding")
+            raise self._bad("layer_types", "entries allowed: full, sliding")
         if "sliding" in self.layer_types and not self.sliding_window:
-            raise bad("sliding_window", "sliding layers need a window > 0")
+            raise self._bad("sliding_window", "sliding layers need a window > 0")
         if any(not 0 <= i < self.num_layers for i in self.moe_layers):
-            raise bad("moe_layers", f"indices must lie in [0, {self.num_layers})")
+            raise self._bad("moe_layers", f"indices must lie in [0, {self.num_layers})")
         if self.moe_layers and not 1 <= self.top_k <= self.num_experts:
-            raise bad("top_k", f"must lie in [1, num_experts={self.num_experts}]")
+            raise self._bad("top_k", f"must lie in [1, num_experts={self.num_experts}]")
         if self.num_heads % self.num_kv_heads:
-            raise bad("num_kv_heads", f"must divide num_heads={self.num_heads}")
+            raise self._bad("num_kv_heads", f"must divide num_heads={self.num_heads}")
         if self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
-            raise bad("n_group", f"must divide num_experts and be >= topk_group={self.topk_group}")
+            raise self._bad("n_group", f"must divide num_experts and be >= topk_group={self.topk_group}")
         self._validate_unused()
+
+    def _bad(self, name: str, why: str) -> ConfigError:
+        """The ConfigError that names field ``name`` and its value."""
+        return ConfigError(f"ModelConfig.{name}={getattr(self, name)!r}: {why}")
+
+    def _only_defaults(self, where: str, defaults: tuple[tuple[str, object], ...]) -> None:
+        """Refuse any of ``defaults``' fields set away from its default: the decoder ignores it ``where``."""
+        for name, default in defaults:
+            if getattr(self, name) != default:
+                raise self._bad(name, f"not built {where} (only {default!r})")
 
     def _validate_unused(self) -> None:
         """Refuse every field the decoder would accept and then ignore (a model computed wrongly, silently)."""
-        from moerl.errors import ConfigError
+        self._validate_sizes()
+        self._validate_attention()
+        self._validate_router()
+        self._validate_multipliers()
+        self._validate_experts()
 
-        def bad(name: str, why: str) -> ConfigError:
-            return ConfigError(f"ModelConfig.{name}={getattr(self, name)!r}: {why}")
-
+    def _validate_sizes(self) -> None:
+        """Every size the built layers use is >= 1; no MoE layer is listed twice."""
         positive = ["vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_position_embeddings"]
         positive += ["head_dim"] if self.attention == "gqa" else ["kv_lora_rank", "qk_rope_head_dim", "v_head_dim"]
         if self.moe_layers:
@@ -153,74 +163,86 @@ class ModelConfig:
             positive.append("intermediate_size")  # the dense MLP layers
         for name in positive:
             if not getattr(self, name) >= 1:
-                raise bad(name, "must be >= 1")
+                raise self._bad(name, "must be >= 1")
         if not self.rms_norm_eps > 0:
-            raise bad("rms_norm_eps", "must be > 0")
+            raise self._bad("rms_norm_eps", "must be > 0")
         if len(set(self.moe_layers)) != len(self.moe_layers):
-            raise bad("moe_layers", "holds an index twice")
-        # attention
+            raise self._bad("moe_layers", "holds an index twice")
+
+    def _validate_attention(self) -> None:
+        """Multi-head latent attention fields only with ``attention='mla'``, and GQA-only ones only without it."""
         if self.attention == "gqa":
             for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
                 if getattr(self, name):
-                    raise bad(name, "multi-head latent attention field set with attention='gqa'")
+                    raise self._bad(name, "multi-head latent attention field set with attention='gqa'")
             if self.qk_norm_after_rope and self.qk_norm != "head":
-                raise bad("qk_norm_after_rope", f"needs per-head norms (qk_norm='head', not {self.qk_norm!r})")
+                raise self._bad("qk_norm_after_rope", f"needs per-head norms (qk_norm='head', not {self.qk_norm!r})")
             if self.qk_norm_after_rope and self.rope_interleave:
-                raise bad("qk_norm_after_rope", "not built with rope_interleave (the norm would see reordered dims)")
+                raise self._bad(
+                    "qk_norm_after_rope", "not built with rope_interleave (the norm would see reordered dims)"
+                )
             if self.rope_dim is not None and not (0 < self.rope_dim <= self.head_dim and self.rope_dim % 2 == 0):
-                raise bad("rope_dim", f"must be even and lie in [2, head_dim={self.head_dim}]")
+                raise self._bad("rope_dim", f"must be even and lie in [2, head_dim={self.head_dim}]")
         else:
-            for name, value, default in (
-                ("qk_norm", self.qk_norm, "none"),
-                ("clip_qkv", self.clip_qkv, None),
-                ("attention_sinks", self.attention_sinks, False),
-                ("rope_dim", self.rope_dim, None),
-                ("qk_norm_after_rope", self.qk_norm_after_rope, False),
-            ):
-                if value != default:
-                    raise bad(name, f"not built for attention='mla' (only {default!r})")
+            mla_defaults = (
+                ("qk_norm", "none"),
+                ("clip_qkv", None),
+                ("attention_sinks", False),
+                ("rope_dim", None),
+                ("qk_norm_after_rope", False),
+            )
+            self._only_defaults("for attention='mla'", mla_defaults)
         if self.clip_qkv is not None and not self.clip_qkv > 0:
-            raise bad("clip_qkv", "must be > 0 (or None)")
+            raise self._bad("clip_qkv", "must be > 0 (or None)")
         if self.sliding_window is not None and "sliding" not in self.layer_types:
-            raise bad("sliding_window", "set, but no layer is 'sliding' (layer_types): it would be ignored")
-        # router
+            raise self._bad("sliding_window", "set, but no layer is 'sliding' (layer_types): it would be ignored")
+
+    def _validate_router(self) -> None:
+        """Router fields a scoring mode ignores (``topk_before_softmax``, sparsemixer) stay at their defaults."""
         if self.topk_before_softmax:
-            for name, value, default in (
-                ("scoring", self.scoring, "softmax"),
-                ("norm_topk_prob", self.norm_topk_prob, False),  # the softmax over k already sums to 1
-                ("score_correction_bias", self.score_correction_bias, False),
-                ("n_group", self.n_group, 1),
-            ):
-                if value != default:
-                    raise bad(name, f"not built with topk_before_softmax=True (only {default!r})")
+            self._only_defaults(
+                "with topk_before_softmax=True",
+                (
+                    ("scoring", "softmax"),
+                    ("norm_topk_prob", False),  # the softmax over k already sums to 1
+                    ("score_correction_bias", False),
+                    ("n_group", 1),
+                ),
+            )
         if self.scoring == "sparsemixer":
-            for name, value, default in (
-                ("top_k", self.top_k, 2),
-                ("norm_topk_prob", self.norm_topk_prob, False),
-                ("score_correction_bias", self.score_correction_bias, False),
-                ("n_group", self.n_group, 1),
-                ("routed_scaling_factor", self.routed_scaling_factor, 1.0),
-            ):
-                if value != default:
-                    raise bad(name, f"not built with scoring='sparsemixer' (only {default!r})")
+            self._only_defaults(
+                "with scoring='sparsemixer'",
+                (
+                    ("top_k", 2),
+                    ("norm_topk_prob", False),
+                    ("score_correction_bias", False),
+                    ("n_group", 1),
+                    ("routed_scaling_factor", 1.0),
+                ),
+            )
             if not self.sparsemixer_eps >= 0:
-                raise bad("sparsemixer_eps", "must be >= 0")
+                raise self._bad("sparsemixer_eps", "must be >= 0")
         if self.norm_topk_min and not self.norm_topk_prob:
-            raise bad("norm_topk_min", "a floor for a normalisation that is off (norm_topk_prob=False)")
+            raise self._bad("norm_topk_min", "a floor for a normalisation that is off (norm_topk_prob=False)")
         if not self.norm_topk_min >= 0:
-            raise bad("norm_topk_min", "must be >= 0")
+            raise self._bad("norm_topk_min", "must be >= 0")
         if self.group_score != "top2_sum" and self.n_group == 1:
-            raise bad("group_score", "set, but routing is not group-limited (n_group=1)")
-        for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+            raise self._bad("group_score", "set, but routing is not group-limited (n_group=1)")
+
+    def _validate_multipliers(self) -> None:
+        """Embedding / residual / logit multipliers and the routed scaling factor are > 0."""
+        for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling", "routed_scaling_factor"):
             if not getattr(self, name) > 0:
-                raise bad(name, "must be > 0")
-        if not self.routed_scaling_factor > 0:
-            raise bad("routed_scaling_factor", "must be > 0")
-        # experts
+                raise self._bad(name, "must be > 0")
+
+    def _validate_experts(self) -> None:
+        """Clamped-SwiGLU constants only with that activation; a shared-expert gate only with a shared expert."""
         if self.activation == "silu" and (self.swiglu_alpha, self.swiglu_limit) != (1.702, 7.0):
-            raise bad("activation", "swiglu_alpha / swiglu_limit set: only activation='swiglu_clamped' uses them")
+            raise self._bad("activation", "swiglu_alpha / swiglu_limit set: only activation='swiglu_clamped' uses them")
         if self.shared_expert_gate and not self.shared_expert_size:
-            raise bad("shared_expert_gate", "a gate for a shared expert that does not exist (shared_expert_size=0)")
+            raise self._bad(
+                "shared_expert_gate", "a gate for a shared expert that does not exist (shared_expert_size=0)"
+            )
 
     @property
     def moe_layer_set(self) -> frozenset[int]:

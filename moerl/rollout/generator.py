@@ -18,7 +18,7 @@ from moerl.engine import Request, SamplingParams
 from moerl.envs.base import Problem, env_step, safe_call, safe_reward
 from moerl.errors import ConfigError
 from moerl.rollout.episode import Episode, drop_failed_groups, keep_informative
-from moerl.run_config import RunConfig
+from moerl.run_config import AlgoSection, RolloutSection
 from moerl.sync.weights import ADAPTER
 
 
@@ -59,16 +59,30 @@ class StepRollouts:
 
 
 class Generator:
-    """Turns problems into scored episodes on ``engine`` for the run ``cfg`` and environment ``env``."""
+    """Turns problems into scored episodes on ``engine`` for the environment ``env``: sampling and the step's size
+    from ``rollout``, reward timeout and dynamic sampling from ``algo``. Problems and sampling seeds are a function
+    of the run's ``seed``; ``evaluate`` scores ``eval_problems`` held-out problems; ``lora``: requests use the
+    trained adapter."""
 
-    def __init__(self, cfg: RunConfig, env, engine):
-        self.cfg, self.env, self.engine = cfg, env, engine
-        self.adapter = ADAPTER if cfg.policy.mode == "lora" else None
+    def __init__(
+        self,
+        env,
+        engine,
+        rollout: RolloutSection,
+        algo: AlgoSection,
+        *,
+        seed: int,
+        eval_problems: int,
+        lora: bool,
+    ):
+        self.env, self.engine = env, engine
+        self.rollout, self.algo, self.seed, self.eval_problems = rollout, algo, seed, eval_problems
+        self.adapter = ADAPTER if lora else None
         self.turns = EngineTurns()
 
     def sampling(self, count: int, temperature: float, n: int, seed: int) -> list[SamplingParams]:
         """One SamplingParams per problem (seeds ``seed``, ``seed + 1``, ...), the rest from ``rollout``."""
-        r = self.cfg.rollout
+        r = self.rollout
         return [
             SamplingParams(temperature=temperature, top_p=r.top_p, max_tokens=r.max_tokens, n=n, seed=seed + i)
             for i in range(count)
@@ -94,25 +108,29 @@ class Generator:
                 if out.error is not None:  # failed while running (non-finite logits): training drops the group
                     episodes += [Episode.failed(first_group + g, out.error)] * params[g].n
                     continue
-                p = len(out.prompt_token_ids)
-                for c in out.outputs:
-                    reward, err = safe_reward(
-                        self.env.reward, problem, c.text, timeout_s=self.cfg.algo.reward_timeout_s
-                    )
-                    episodes.append(
-                        Episode(
-                            first_group + g,
-                            out.prompt_token_ids + c.token_ids,
-                            p,
-                            [0] * p + [1] * len(c.token_ids),
-                            [0.0] * p + c.logprobs.tolist(),
-                            c.routed_experts,
-                            reward,
-                            c.finish_reason,
-                            err,
-                            out.weight_version,
-                        )
-                    )
+                episodes += self._scored(problem, out, first_group + g)
+        return episodes
+
+    def _scored(self, problem: Problem, out, group: int) -> list[Episode]:
+        """The episodes of one problem's completions (single-turn), each scored by the environment's reward."""
+        p = len(out.prompt_token_ids)
+        episodes = []
+        for c in out.outputs:
+            reward, err = safe_reward(self.env.reward, problem, c.text, timeout_s=self.algo.reward_timeout_s)
+            episodes.append(
+                Episode(
+                    group,
+                    out.prompt_token_ids + c.token_ids,
+                    p,
+                    [0] * p + [1] * len(c.token_ids),
+                    [0.0] * p + c.logprobs.tolist(),
+                    c.routed_experts,
+                    reward,
+                    c.finish_reason,
+                    err,
+                    out.weight_version,
+                )
+            )
         return episodes
 
     def _multi_turn(
@@ -120,59 +138,19 @@ class Generator:
     ) -> list[Episode]:
         """Episodes: the model speaks, the environment answers (its tokens are not trained on), until done. Each
         turn is one engine call; an episode keeps the oldest weight version of its turns."""
-        env, tok = self.env, self.engine.tokenizer
-        live = []  # (episode, environment state, sampling params, per-episode seed)
-        for g, (problem, sp) in enumerate(zip(problems, params, strict=True)):
-            for j in range(sp.n):
-                ids = tok(problem.prompt)["input_ids"]
-                ep = Episode(first_group + g, ids, len(ids), [0] * len(ids), [0.0] * len(ids), None, 0.0, "stop", None)
-                ep.version = -1
-                live.append((ep, env.start(problem), sp, sp.seed * 31 + j))
+        live = self._start_episodes(problems, params, first_group)
         episodes = [e for e, *_ in live]
-        for turn in range(env.max_turns):
+        for turn in range(self.env.max_turns):
             if not live:
                 break
-            reqs = [
-                Request(
-                    e.tokens,
-                    SamplingParams(temperature=sp.temperature, top_p=sp.top_p, max_tokens=sp.max_tokens, seed=s + turn),
-                    adapter=self.adapter,
-                )
-                for e, _, sp, s in live
-            ]
+            reqs = [self._turn_request(e, sp, s + turn) for e, _, sp, s in live]
             still = []
             with self.turns.turn(priority):
                 outs = self.engine.generate(reqs)
                 for (e, state, sp, s), out in zip(live, outs, strict=True):
-                    if out.error_kind == "rejected":  # the context filled up: the episode ends unfinished
-                        e.reward, e.finish_reason = 0.0, "length"
-                        continue
-                    if out.error is not None:  # failed while running: its group is dropped and counted
-                        e.reward, e.finish_reason, e.reward_error = 0.0, "error", out.error
-                        continue
-                    c = out.outputs[0]
-                    e.tokens = e.tokens + c.token_ids
-                    e.loss_mask += [1] * len(c.token_ids)
-                    e.rollout_logprobs += c.logprobs.tolist()
-                    e.routed, e.finish_reason = c.routed_experts, c.finish_reason
-                    e.version = out.weight_version if e.version < 0 else min(e.version, out.weight_version)
-                    # the environment's step runs in the reward worker, bounded by the reward timeout: one that raises
-                    # or hangs ends the episode with reward 0, counted, and the run goes on
-                    timeout = self.cfg.algo.reward_timeout_s
-                    kind, value = safe_call(env_step, env, state, c.text, timeout_s=timeout)
-                    if kind == "ok":
-                        message, reward, state = value
-                    else:
-                        message, reward, e.reward_error = None, 0.0, kind
-                    if message is None or turn == env.max_turns - 1:
-                        e.reward = float(reward or 0.0)
-                        continue
-                    extra = tok(message, add_special_tokens=False)["input_ids"]
-                    e.tokens = e.tokens + extra
-                    e.loss_mask += [0] * len(extra)
-                    e.rollout_logprobs += [0.0] * len(extra)
-                    e.routed = None  # covered again by the next turn's request
-                    still.append((e, state, sp, s))
+                    goes_on, state = self._take_turn(e, state, out, last=turn == self.env.max_turns - 1)
+                    if goes_on:
+                        still.append((e, state, sp, s))
             live = still
         for e in episodes:
             e.version = max(e.version, 0)
@@ -180,40 +158,94 @@ class Generator:
                 e.routed = None  # the last turn did not cover the whole sequence: no replay rows for it
         return episodes
 
+    def _start_episodes(self, problems: list[Problem], params: list[SamplingParams], first_group: int) -> list:
+        """One live episode per sample: (episode holding the prompt, environment state, sampling params, the
+        episode's seed); versions -1 until a turn sets them."""
+        tok, live = self.engine.tokenizer, []
+        for g, (problem, sp) in enumerate(zip(problems, params, strict=True)):
+            for j in range(sp.n):
+                ids = tok(problem.prompt)["input_ids"]
+                ep = Episode(first_group + g, ids, len(ids), [0] * len(ids), [0.0] * len(ids), None, 0.0, "stop", None)
+                ep.version = -1
+                live.append((ep, self.env.start(problem), sp, sp.seed * 31 + j))
+        return live
+
+    def _turn_request(self, e: Episode, sp: SamplingParams, seed: int) -> Request:
+        """The next turn of episode ``e``: one completion of its tokens so far."""
+        return Request(
+            e.tokens,
+            SamplingParams(temperature=sp.temperature, top_p=sp.top_p, max_tokens=sp.max_tokens, seed=seed),
+            adapter=self.adapter,
+        )
+
+    def _take_turn(self, e: Episode, state, out, last: bool) -> tuple[bool, object]:
+        """Episode ``e`` after one turn's engine output ``out``: the model's tokens appended (trained on), then the
+        environment's answer (not trained on). Returns whether the episode goes on, and the environment's state."""
+        if out.error_kind == "rejected":  # the context filled up: the episode ends unfinished
+            e.reward, e.finish_reason = 0.0, "length"
+            return False, state
+        if out.error is not None:  # failed while running: its group is dropped and counted
+            e.reward, e.finish_reason, e.reward_error = 0.0, "error", out.error
+            return False, state
+        c = out.outputs[0]
+        e.tokens = e.tokens + c.token_ids
+        e.loss_mask += [1] * len(c.token_ids)
+        e.rollout_logprobs += c.logprobs.tolist()
+        e.routed, e.finish_reason = c.routed_experts, c.finish_reason
+        e.version = out.weight_version if e.version < 0 else min(e.version, out.weight_version)
+        message, reward, state = self._env_step(e, state, c.text)
+        if message is None or last:
+            e.reward = float(reward or 0.0)
+            return False, state
+        extra = self.engine.tokenizer(message, add_special_tokens=False)["input_ids"]
+        e.tokens = e.tokens + extra
+        e.loss_mask += [0] * len(extra)
+        e.rollout_logprobs += [0.0] * len(extra)
+        e.routed = None  # covered again by the next turn's request
+        return True, state
+
+    def _env_step(self, e: Episode, state, text: str) -> tuple[str | None, float | None, object]:
+        """The environment's answer to ``text``: (message, reward, new state). The step runs in the reward worker,
+        bounded by the reward timeout: one that raises or hangs ends the episode with reward 0, counted in
+        ``e.reward_error``, and the run goes on."""
+        kind, value = safe_call(env_step, self.env, state, text, timeout_s=self.algo.reward_timeout_s)
+        if kind == "ok":
+            return value
+        e.reward_error = kind
+        return None, 0.0, state
+
     def collect(self, step: int) -> StepRollouts:
         """The rollouts of training step ``step`` (0-based): ``prompts_per_step`` groups of ``group_size`` samples;
         problems and sampling seeds are a function of the run's seed and ``step`` alone."""
-        cfg = self.cfg
+        r, algo = self.rollout, self.algo
         t0 = time.perf_counter()
         episodes, samples, gen_tokens, dropped, refills, failed = [], 0, 0, 0, 0, 0
-        seed = cfg.train.seed * 1_000_003 + step
-        while len({e.group for e in episodes}) < cfg.rollout.prompts_per_step:
-            want = cfg.rollout.prompts_per_step - len({e.group for e in episodes})
+        seed = self.seed * 1_000_003 + step
+        while len({e.group for e in episodes}) < r.prompts_per_step:
+            want = r.prompts_per_step - len({e.group for e in episodes})
             problems = self.env.problems(want, seed=seed * 101 + refills, split="train")
-            params = self.sampling(len(problems), cfg.rollout.temperature, cfg.rollout.group_size,
-                                   seed=(seed * 101 + refills) * 7919)  # fmt: skip
+            params = self.sampling(len(problems), r.temperature, r.group_size, seed=(seed * 101 + refills) * 7919)
             new = self.generate(problems, params, first_group=len(episodes) and max(e.group for e in episodes) + 1)
             samples += len(new)
             new, n_failed = drop_failed_groups(new, step)
             failed += n_failed
             gen_tokens += sum(sum(e.loss_mask) for e in new)
-            if cfg.algo.dynamic_sampling:
+            if algo.dynamic_sampling:
                 new, n_dropped = keep_informative(new)
                 dropped += n_dropped
             episodes += new
             refills += 1
-            if not cfg.algo.dynamic_sampling or refills > cfg.algo.max_refills:
+            if not algo.dynamic_sampling or refills > algo.max_refills:
                 break
         return StepRollouts(step, episodes, samples, gen_tokens, dropped, failed, time.perf_counter() - t0)
 
     def evaluate(self, sampled: bool = False) -> float:
-        """Held-out accuracy on ``env.eval_problems`` test-split problems: greedy answers, or (``sampled``) the mean
-        over 4 samples each at the rollout temperature."""
-        cfg = self.cfg
-        if cfg.env.eval_problems <= 0:
+        """Held-out accuracy on ``eval_problems`` test-split problems: greedy answers, or (``sampled``) the mean over
+        4 samples each at the rollout temperature."""
+        if self.eval_problems <= 0:
             return math.nan
-        problems = self.env.problems(cfg.env.eval_problems, seed=cfg.train.seed, split="test")
-        temperature, n = (cfg.rollout.temperature, 4) if sampled else (0.0, 1)
+        problems = self.env.problems(self.eval_problems, seed=self.seed, split="test")
+        temperature, n = (self.rollout.temperature, 4) if sampled else (0.0, 1)
         params = self.sampling(len(problems), temperature, n, seed=10_007)
         episodes = self.generate(problems, params, priority=True)
         return sum(e.reward >= 1.0 for e in episodes) / len(episodes)

@@ -140,58 +140,113 @@ def make_policy_loss(cfg: PolicyLossConfig) -> LossFn:
     def loss_fn(
         logprobs: torch.Tensor, mb: Batch, entropy: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        ex = mb.extras
-        mask = mb.loss_mask.to(logprobs.dtype)
-        if "advantages" not in ex:
-            raise ConfigError("the policy loss needs extras['advantages'] ([B] per sequence or [B, T] per token)")
-        adv = ex["advantages"].to(logprobs.dtype)
-        adv = adv[:, None] if adv.dim() == 1 else adv
-        old = ex.get("old_logprobs")
-        old = logprobs.detach() if old is None else old.to(logprobs.dtype)
-        log_ratio = (logprobs - old) * mask
-        if cfg.kind == "gspo":
-            log_ratio = (log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(mask)
-        ratio = log_ratio.exp()
-        clipped = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
-        if cfg.kind == "cispo":
-            pg = -clipped.detach() * adv * logprobs
-            changed = clipped != ratio
-        else:
-            unclipped = -adv * ratio
-            pg = torch.maximum(unclipped, -adv * clipped)
-            if cfg.dual_clip is not None:
-                pg = torch.where(adv < 0, torch.minimum(pg, -cfg.dual_clip * adv), pg)
-            changed = pg != unclipped
-        metrics = {"clip_frac": _mean(changed.to(mask.dtype), mask), "ratio_mean": _mean(ratio, mask)}
-        rollout = ex.get("rollout_logprobs")
-        if rollout is not None:
-            metrics.update({f"mismatch_{k}": v for k, v in mismatch_metrics(old, rollout, mask).items()})
-        if cfg.mismatch != "none":
-            if rollout is None:
-                raise ConfigError(f"PolicyLossConfig.mismatch={cfg.mismatch!r} needs extras['rollout_logprobs']")
-            bounds = (cfg.mismatch_cap, cfg.mismatch_low, cfg.mismatch_high)
-            w = mismatch_weights(old.detach(), rollout, mask, cfg.mismatch, cfg.mismatch_level, *bounds)
-            pg = pg * w
-            metrics["mismatch_weight_mean"] = _mean(w, mask)
-        n_tok, n_seq = int(mask.sum()), int((mask.sum(1) > 0).sum())
-        metrics["pg_loss"] = float(reduce_loss(pg.detach(), mask, cfg.reduction, n_tok, n_seq))
-        loss = reduce_loss(pg, mask, cfg.reduction, mb.total_tokens, mb.total_seqs)
-        kl_in_loss = cfg.kl_coef > 0 and not cfg.kl_in_reward
-        ref = ex.get("ref_logprobs")
-        if ref is not None:
-            kl = kl_penalty(logprobs * mask, ref.to(logprobs.dtype) * mask, cfg.kl_estimator)
-            metrics["kl"] = _mean(kl, mask)
-            if kl_in_loss:
-                loss = loss + cfg.kl_coef * reduce_loss(kl, mask, cfg.reduction, mb.total_tokens, mb.total_seqs)
-        elif kl_in_loss:
-            raise ConfigError("PolicyLossConfig.kl_coef > 0 (KL in the loss) needs extras['ref_logprobs']")
-        if entropy is not None:
-            metrics["entropy"] = _mean(entropy, mask)
-            if cfg.entropy_coef > 0:
-                bonus = reduce_loss(entropy, mask, cfg.reduction, mb.total_tokens, mb.total_seqs)
-                loss = loss - cfg.entropy_coef * bonus
-        elif cfg.entropy_coef > 0:
-            raise ConfigError("PolicyLossConfig.entropy_coef > 0 needs the entropy: train_step(..., entropy=True)")
-        return loss, metrics
+        return _policy_loss(cfg, logprobs, mb, entropy)
 
     return loss_fn
+
+
+def _policy_loss(
+    cfg: PolicyLossConfig, logprobs: torch.Tensor, mb: Batch, entropy: torch.Tensor | None
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """``make_policy_loss``'s loss on one micro-batch: the clipped objective, mismatch-weighted, reduced, then the
+    KL and entropy terms."""
+    ex = mb.extras
+    mask = mb.loss_mask.to(logprobs.dtype)
+    adv = _advantages(ex, logprobs.dtype)
+    old = ex.get("old_logprobs")
+    old = logprobs.detach() if old is None else old.to(logprobs.dtype)
+    pg, ratio, changed = _surrogate(cfg, logprobs, old, adv, mask)
+    metrics = {"clip_frac": _mean(changed.to(mask.dtype), mask), "ratio_mean": _mean(ratio, mask)}
+    pg = _mismatch_weighted(cfg, pg, old, ex.get("rollout_logprobs"), mask, metrics)
+    n_tok, n_seq = int(mask.sum()), int((mask.sum(1) > 0).sum())
+    metrics["pg_loss"] = float(reduce_loss(pg.detach(), mask, cfg.reduction, n_tok, n_seq))
+    loss = reduce_loss(pg, mask, cfg.reduction, mb.total_tokens, mb.total_seqs)
+    kl = _kl_term(cfg, logprobs, mb, mask, metrics)
+    if kl is not None:
+        loss = loss + kl
+    bonus = _entropy_bonus(cfg, entropy, mb, mask, metrics)
+    if bonus is not None:
+        loss = loss - bonus
+    return loss, metrics
+
+
+def _advantages(extras: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """``extras['advantages']`` as [B, 1] (per sequence) or [B, T] (per token)."""
+    if "advantages" not in extras:
+        raise ConfigError("the policy loss needs extras['advantages'] ([B] per sequence or [B, T] per token)")
+    adv = extras["advantages"].to(dtype)
+    return adv[:, None] if adv.dim() == 1 else adv
+
+
+def _surrogate(
+    cfg: PolicyLossConfig, logprobs: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token policy-gradient loss of ``cfg.kind`` (see ``make_policy_loss``), the ratio it used (gspo: the
+    sequence's), and where clipping changed the loss (cispo: the weight)."""
+    log_ratio = (logprobs - old) * mask
+    if cfg.kind == "gspo":
+        log_ratio = (log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(mask)
+    ratio = log_ratio.exp()
+    clipped = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
+    if cfg.kind == "cispo":
+        return -clipped.detach() * adv * logprobs, ratio, clipped != ratio
+    unclipped = -adv * ratio
+    pg = torch.maximum(unclipped, -adv * clipped)
+    if cfg.dual_clip is not None:
+        pg = torch.where(adv < 0, torch.minimum(pg, -cfg.dual_clip * adv), pg)
+    return pg, ratio, pg != unclipped
+
+
+def _mismatch_weighted(
+    cfg: PolicyLossConfig,
+    pg: torch.Tensor,
+    old: torch.Tensor,
+    rollout: torch.Tensor | None,
+    mask: torch.Tensor,
+    metrics: dict[str, float],
+) -> torch.Tensor:
+    """``pg`` times the rollout-vs-trainer mismatch weights of ``cfg.mismatch`` (unchanged with none); the
+    mismatch metrics into ``metrics`` whenever the rollout logprobs are there."""
+    if rollout is not None:
+        metrics.update({f"mismatch_{k}": v for k, v in mismatch_metrics(old, rollout, mask).items()})
+    if cfg.mismatch == "none":
+        return pg
+    if rollout is None:
+        raise ConfigError(f"PolicyLossConfig.mismatch={cfg.mismatch!r} needs extras['rollout_logprobs']")
+    bounds = (cfg.mismatch_cap, cfg.mismatch_low, cfg.mismatch_high)
+    w = mismatch_weights(old.detach(), rollout, mask, cfg.mismatch, cfg.mismatch_level, *bounds)
+    metrics["mismatch_weight_mean"] = _mean(w, mask)
+    return pg * w
+
+
+def _kl_term(
+    cfg: PolicyLossConfig, logprobs: torch.Tensor, mb: Batch, mask: torch.Tensor, metrics: dict[str, float]
+) -> torch.Tensor | None:
+    """``kl_coef * reduce(kl)`` to add to the loss (None when the KL is not in the loss); ``metrics['kl']``
+    whenever the reference logprobs are there."""
+    kl_in_loss = cfg.kl_coef > 0 and not cfg.kl_in_reward
+    ref = mb.extras.get("ref_logprobs")
+    if ref is None:
+        if kl_in_loss:
+            raise ConfigError("PolicyLossConfig.kl_coef > 0 (KL in the loss) needs extras['ref_logprobs']")
+        return None
+    kl = kl_penalty(logprobs * mask, ref.to(logprobs.dtype) * mask, cfg.kl_estimator)
+    metrics["kl"] = _mean(kl, mask)
+    if not kl_in_loss:
+        return None
+    return cfg.kl_coef * reduce_loss(kl, mask, cfg.reduction, mb.total_tokens, mb.total_seqs)
+
+
+def _entropy_bonus(
+    cfg: PolicyLossConfig, entropy: torch.Tensor | None, mb: Batch, mask: torch.Tensor, metrics: dict[str, float]
+) -> torch.Tensor | None:
+    """``entropy_coef * reduce(entropy)`` to subtract from the loss (None when the coefficient is 0);
+    ``metrics['entropy']`` whenever the entropy is given."""
+    if entropy is None:
+        if cfg.entropy_coef > 0:
+            raise ConfigError("PolicyLossConfig.entropy_coef > 0 needs the entropy: train_step(..., entropy=True)")
+        return None
+    metrics["entropy"] = _mean(entropy, mask)
+    if not cfg.entropy_coef > 0:
+        return None
+    return cfg.entropy_coef * reduce_loss(entropy, mask, cfg.reduction, mb.total_tokens, mb.total_seqs)
