@@ -9,6 +9,7 @@ import torch
 from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
 from moerl.engine import compiled as compiled_decode
 from moerl.errors import ConfigError
+from moerl.model.mx import apply_mxfp8
 from moerl.presets import init_model
 
 # GPT-OSS tiny, two layers: sinks, a sliding and a full layer, expert biases, clamped SwiGLU
@@ -116,6 +117,6 @@ def test_compile_decode_refusals(tmp_path):
     with pytest.raises(ConfigError, match=r"rollout.compile_decode with an mxfp8 policy: not built"):
         build_native(spec)
     model = init_model("qwen3_moe", "tiny")
-    model.layers[0].mlp.experts.mx = "floor"
+    apply_mxfp8(model, "floor")
     with pytest.raises(ConfigError, match=r"compile_decode: not built for MXFP8 engines"):
         LLMEngine(model, EngineConfig(compile_decode=True))

@@ -6,7 +6,15 @@ from hf_models import VOCAB
 
 from moerl.bridges import load_model
 from moerl.errors import ConfigError
-from moerl.model.lora import LoraConfig, attach_lora, lora_candidates, lora_modules, merged_state_dict
+from moerl.model.lora import (
+    LoraConfig,
+    LoraExperts,
+    LoraLinear,
+    attach_lora,
+    lora_candidates,
+    lora_modules,
+    merged_state_dict,
+)
 
 TOL = 1e-5  # fp32
 
@@ -126,3 +134,53 @@ def test_rank_below_one(hf_checkpoints):
     model = load_model(hf_checkpoints["Qwen3MoeForCausalLM"][0], dtype=torch.float32)
     with pytest.raises(ConfigError, match=r"lora\.rank=0: must be >= 1"):
         attach_lora(model, LoraConfig(rank=0))
+
+
+def test_attach_lora_swaps_modules_and_keeps_the_base_tensors(hf_checkpoints):
+    model = load_model(hf_checkpoints["Qwen3MoeForCausalLM"][0], dtype=torch.float32)
+    ids = _ids()
+    with torch.no_grad():
+        base = model(ids).logits
+    before = dict(model.named_parameters())
+    attach_lora(model, LoraConfig(rank=4))
+    assert type(model.layers[0].self_attn.q_proj) is LoraLinear
+    assert type(model.layers[model.moe_layer_ids[0]].mlp.experts) is LoraExperts
+    after = dict(model.named_parameters())
+    assert all(after[name] is p for name, p in before.items())  # the same tensors under the same names
+    assert set(after) - set(before) == {n for n in after if ".lora." in n}
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, base)  # adapters off: the base model's numbers exactly
+
+
+def test_lora_and_mxfp8_refuse_each_other_and_a_second_attach(hf_checkpoints):
+    from moerl.model.mx import apply_mxfp8
+
+    path = hf_checkpoints["Qwen3MoeForCausalLM"][0]
+    ids = _ids()
+    mx = load_model(path, dtype=torch.float32)
+    apply_mxfp8(mx)
+    with torch.no_grad():
+        before = mx(ids).logits
+    with pytest.raises(ConfigError, match=r"lora: layers\.0\.self_attn\.q_proj is a MXLinear.*separate modes"):
+        attach_lora(mx, LoraConfig(rank=4))
+    with torch.no_grad():
+        assert torch.equal(mx(ids).logits, before)  # a refused attach changes nothing
+    assert not lora_modules(mx)
+    lora = load_model(path, dtype=torch.float32)
+    attach_lora(lora, LoraConfig(rank=4))
+    with pytest.raises(ConfigError, match=r"mxfp8: layers\.0\.self_attn\.q_proj is a LoraLinear.*separate modes"):
+        apply_mxfp8(lora)
+    with pytest.raises(ConfigError, match=r"lora: layers\.0\.self_attn\.q_proj is a LoraLinear.*attach once"):
+        attach_lora(lora, LoraConfig(rank=4))
+    assert type(lora.layers[0].self_attn.q_proj) is LoraLinear
+
+
+def test_a_swap_takes_over_only_from_its_base_class():
+    from moerl.model.linear import Linear
+    from moerl.model.swap import swapped
+
+    with pytest.raises(TypeError, match=r"LoraExperts does not extend Linear.*cannot take over"):
+        swapped(Linear(2, 2), LoraExperts)
+    base = Linear(2, 2)
+    new = swapped(base, LoraLinear)
+    assert type(new) is LoraLinear and new.weight is base.weight and new.bias is base.bias

@@ -7,7 +7,7 @@ from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
 
 from moerl.errors import ConfigError
 from moerl.model.grouped import Groups, group_mm
-from moerl.model.mx import mx_fake_quant, mx_group_mm, mx_linear, mx_quantize
+from moerl.model.mx import MXExperts, MXLinear, mx_fake_quant, mx_group_mm, mx_linear, mx_quantize
 from moerl.trainer import OptimConfig, Policy, PolicyConfig
 from moerl.trainer.losses import sft_loss
 
@@ -117,8 +117,10 @@ def test_mxfp8_training_loss_falls_and_keeps_router_embeddings_unquantized(hf_ch
         PolicyConfig(mode="mxfp8", dtype="bfloat16", optim=OptimConfig(lr=1e-3)),
     )
     model = pol.model
-    assert model.layers[0].self_attn.q_proj.mx == "rceil" and model.layers[0].mlp.experts.mx == "rceil"
-    assert not hasattr(model.layers[0].mlp.router, "mx") and not hasattr(model.lm_head, "mx")
+    q_proj, experts = model.layers[0].self_attn.q_proj, model.layers[0].mlp.experts
+    assert isinstance(q_proj, MXLinear) and isinstance(experts, MXExperts)
+    assert q_proj.mode == "rceil" and experts.mode == "rceil"
+    assert not hasattr(model.layers[0].mlp.router, "mode") and type(model.lm_head) is torch.nn.Linear
     assert model.layers[0].mlp.router.weight.dtype == torch.float32
     batch = make_batch()
     losses = [pol.train_step(batch, sft_loss)["loss"] for _ in range(10)]

@@ -57,3 +57,46 @@ def test_the_policy_reaches_the_split_only_through_its_layout():
         if isinstance(node, ast.ImportFrom) and node.module in ("moerl.parallel.pipeline", "moerl.parallel.world"):
             names |= {alias.name for alias in node.names}
     assert names <= {"Step", "World", "local"}
+
+
+PLAIN_MODEL = ("config.py", "grouped.py", "linear.py", "moe.py", "rope.py", "transformer.py")
+
+
+def model_graph(root: Path) -> dict[str, set[str]]:
+    """moerl.model's modules and which of them each imports (lazy imports included)."""
+    files = {p.stem: p for p in (root / "model").glob("*.py") if p.stem != "__init__"}
+    return {
+        name: {m.rsplit(".", 1)[1] for m in imported_modules(path) if m.startswith("moerl.model.")} & set(files)
+        for name, path in files.items()
+    }
+
+
+def cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``graph``, or None."""
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*path, node, nxt]
+            if nxt not in state and (found := visit(nxt, [*path, node])):
+                return found
+        state[node] = 2
+        return None
+
+    return next((found for node in sorted(graph) if node not in state and (found := visit(node, []))), None)
+
+
+def test_the_plain_model_knows_neither_lora_nor_mx_and_model_has_no_import_circle():
+    for name in PLAIN_MODEL:
+        hits = {m for m in imported_modules(ROOT / "model" / name) if m in ("moerl.model.lora", "moerl.model.mx")}
+        assert not hits, f"model/{name} imports {hits}: modes are swapped in from outside"
+    graph = model_graph(ROOT)
+    assert {"lora", "mx", "moe"} <= set(graph)
+    assert cycle(graph) is None
+
+
+def test_the_circle_check_finds_a_circle():
+    graph = model_graph(ROOT)
+    assert cycle({**graph, "moe": graph["moe"] | {"lora"}}) is not None  # moe -> lora -> moe, as it was

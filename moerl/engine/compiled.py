@@ -20,6 +20,7 @@ import torch
 
 from moerl.engine.kv_cache import KVCache, StepView
 from moerl.errors import ConfigError
+from moerl.model.mx import MXExperts
 from moerl.model.transformer import MoEModel
 
 BUCKETS = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128)  # then multiples of 64
@@ -51,7 +52,7 @@ class CompiledDecode:
             raise ValueError("CompiledDecode needs a KVCache built with scratch=True")
         for i in model.moe_layer_ids:
             experts = model.layers[i].mlp.experts
-            if experts.mx is not None:
+            if isinstance(experts, MXExperts):
                 raise ConfigError("EngineConfig.compile_decode: not built for MXFP8 engines (eager decode only)")
             experts.dense_in_graph = dense_experts_pay(model)
         self.model, self.cache, self.capture = model, cache, capture

@@ -1,5 +1,9 @@
 """LoRA on linear layers and on 3D experts, with several adapters resident at once.
 
+``attach_lora`` swaps each target for its LoRA class from outside the model (gpt-fast's module swap): a ``Linear``
+becomes a ``LoraLinear``, the routed ``Experts`` a ``LoraExperts``; each holds its adapter weights as ``.lora`` and
+keeps the base's own parameters.
+
 Each adapted module holds ``S`` adapter *slots* (stacked A / B tensors); every token of a forward picks a slot
 (or none) through the model's shared ``LoraContext``. The trainer uses one slot, the engine many.
 
@@ -20,6 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from moerl.model.grouped import Groups, group_mm
+from moerl.model.linear import Linear
+from moerl.model.moe import Experts, Route
+from moerl.model.swap import replace_module, swapped
 
 LAYOUTS = ("per_expert", "shared_outer")
 
@@ -122,25 +129,14 @@ class LinearLora(nn.Module):
         return self.lora_B[slot] @ self.lora_A[slot] * self.scale[slot]
 
 
-class Linear(nn.Linear):
-    """nn.Linear that adds its LoRA delta when adapters are attached and active, and runs MXFP8 GEMMs when
-    ``mx`` is set (moerl.model.mx.apply_mxfp8)."""
+class LoraLinear(Linear):
+    """A projection with adapter slots: the base product plus the delta of the active slots."""
 
-    def __init__(self, d_in: int, d_out: int, bias: bool = True):
-        super().__init__(d_in, d_out, bias=bias)
-        self.lora: LinearLora | None = None
-        self.mx: str | None = None  # MXFP8 scale mode when the layer's GEMMs are MX-quantized
+    lora: LinearLora
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mx is not None:
-            from moerl.model.mx import mx_linear
-
-            y = mx_linear(x, self.weight, self.bias, self.mx)
-        else:
-            y = F.linear(x, self.weight, self.bias)
-        if self.lora is not None and self.lora.ctx.active:
-            y = self.lora(x, y)
-        return y
+        y = F.linear(x, self.weight, self.bias)
+        return self.lora(x, y) if self.lora.ctx.active else y
 
 
 class ExpertLora(nn.Module):
@@ -246,6 +242,54 @@ class ExpertLora(nn.Module):
         return out, None
 
 
+class LoraExperts(Experts):
+    """The routed experts with adapter slots on both projections (``.lora``: an ``ExpertLora``)."""
+
+    lora: ExpertLora
+
+    def _grouped(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        lora = self.lora
+        if not lora.ctx.active:
+            return super()._grouped(x, idx, weights)
+        route = Route(idx, weights, self.num_experts, x.dtype)
+        groups = lora.groups(route.token, route.expert, route.by_expert)
+        xs = x.index_select(0, route.token)
+        h = self._gmm(xs, self.gate_up_proj.transpose(1, 2), route.by_expert)
+        delta, rows = lora.gate_up_delta(x, xs, route.token, groups)
+        h = self._hidden(_add(h, delta, rows), route)
+        y = self._gmm(h, self.down_proj.transpose(1, 2), route.by_expert)
+        delta, rows = lora.down_delta(h, route.token, x.shape[0], groups)
+        if lora.layout == "shared_outer":  # one expand per token, after the routed sum
+            return self._down_sum(x, y, route) + delta.to(x.dtype)
+        return self._down_sum(x, _add(y, delta, rows), route)
+
+    def _project(self, e: int, which: str, rows: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """The reference loop's projection plus the naive LoRA delta: per expert, per adapter slot."""
+        out = super()._project(e, which, rows, token)
+        lora = self.lora
+        if not lora.ctx.active:
+            return out
+        for s, picked in self._slots(token):
+            gu_a, gu_b, dn_a, dn_b = lora.factors(s, e)
+            a, b = (gu_a, gu_b) if which == "gate_up" else (dn_a, dn_b)
+            d = (rows[picked].to(a.dtype) @ a.T) @ b.T * lora.scale[s]
+            out = out.index_add(0, picked, d.to(out.dtype))
+        return out
+
+    def _slots(self, token: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """(slot, positions among ``token``) of every adapter slot the tokens use."""
+        ctx = self.lora.ctx
+        if ctx.token_slots is None:
+            return [(ctx.single, torch.arange(token.numel(), device=token.device))]
+        row_slot = ctx.token_slots[token]
+        return [(int(s), (row_slot == s).nonzero().squeeze(1)) for s in row_slot.unique().tolist() if s >= 0]
+
+
+def _add(y: torch.Tensor, delta: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """``y`` plus ``delta`` at rows ``rows`` (all rows when None), in y's dtype."""
+    return y + delta.to(y.dtype) if rows is None else y.index_add(0, rows, delta.to(y.dtype))
+
+
 def _init_A(t: torch.Tensor, generator: torch.Generator | None) -> None:
     # PEFT's default: kaiming-uniform(a=sqrt(5)) on A, i.e. U(-1/sqrt(fan_in), 1/sqrt(fan_in)); B stays zero
     bound = 1 / math.sqrt(t.shape[-1])
@@ -256,11 +300,11 @@ def lora_candidates(model: nn.Module) -> list[str]:
     """Names LoRA targets can use: linear layers by leaf name and qualified name, and ``experts``."""
     names = set()
     for path, mod in model.named_modules():
-        if isinstance(mod, Linear) and "router" not in path:
+        if isinstance(mod, Linear):
             parts = path.split(".")
             names.add(parts[-1])
             names.add(".".join(parts[-2:]))
-        elif type(mod).__name__ == "Experts":
+        elif isinstance(mod, Experts):
             names.add("experts")
     return sorted(names)
 
@@ -280,34 +324,42 @@ def attach_lora(
     targets = cfg.targets or default_targets(model)
     ctx = LoraContext()
     expert_rank = max(1, cfg.rank // mcfg.top_k) if cfg.expert_rank_norm else cfg.rank
-    used = set()
+    used, swaps = set(), []
     for path, mod in model.named_modules():
         hit = [t for t in targets if path == t or path.endswith("." + t)]
-        if not hit:
+        if not hit or not isinstance(mod, Linear | Experts):
             continue
-        if isinstance(mod, Linear) and "router" not in path:
-            mod.lora = LinearLora(ctx, cfg.slots, cfg.rank, mod.in_features, mod.out_features, cfg.dropout, dtype)
-            mod.lora.to(mod.weight.device)
-            mod.lora.scale.fill_(cfg.scale(cfg.rank))
+        if type(mod) not in (Linear, Experts):  # another mode's class (MXFP8), or adapters attached already
+            raise ConfigError(
+                f"lora: {path} is a {type(mod).__name__}; adapters attach to a plain model's projections and "
+                "experts only (LoRA and MXFP8 are separate modes, and adapters attach once)"
+            )
+        if isinstance(mod, Linear):
+            new = swapped(mod, LoraLinear)
+            new.lora = LinearLora(ctx, cfg.slots, cfg.rank, mod.in_features, mod.out_features, cfg.dropout, dtype)
+            new.lora.to(mod.weight.device)
+            new.lora.scale.fill_(cfg.scale(cfg.rank))
             with torch.no_grad():
-                _init_A(mod.lora.lora_A, generator)
-        elif type(mod).__name__ == "Experts":
-            e, i2, h = mod.gate_up_proj.shape
-            mod.lora = ExpertLora(ctx, cfg.slots, expert_rank, e, h, i2 // 2, cfg.layout, dtype)
-            mod.lora.to(mod.gate_up_proj.device)
-            mod.lora.scale.fill_(cfg.scale(expert_rank))
-            with torch.no_grad():
-                _init_A(mod.lora.gate_up_A, generator)
-                _init_A(mod.lora.down_A, generator)
+                _init_A(new.lora.lora_A, generator)
         else:
-            continue
+            e, i2, h = mod.gate_up_proj.shape
+            new = swapped(mod, LoraExperts)
+            new.lora = ExpertLora(ctx, cfg.slots, expert_rank, e, h, i2 // 2, cfg.layout, dtype)
+            new.lora.to(mod.gate_up_proj.device)
+            new.lora.scale.fill_(cfg.scale(expert_rank))
+            with torch.no_grad():
+                _init_A(new.lora.gate_up_A, generator)
+                _init_A(new.lora.down_A, generator)
+        swaps.append((path, new))
         used.update(hit)
     unmatched = [t for t in targets if t not in used]
     if unmatched:
         raise ConfigError(
             f"lora.targets {unmatched} match no module of this model; candidates: {', '.join(lora_candidates(model))}"
         )
-    model.lora_ctx = ctx
+    for path, new in swaps:
+        replace_module(model, path, new)
+    model.adapter_ctx = ctx  # the model hands each forward's ``adapters`` to it
     return ctx
 
 

@@ -1,4 +1,7 @@
-"""MoE block: fp32 router with routing capture and replay, 3D experts with a grouped and a loop path."""
+"""MoE block: fp32 router with routing capture and replay, 3D experts with a grouped and a loop path.
+
+Plain PyTorch in one dtype: training modes swap modules from outside (``moerl.model.lora``: ``LoraExperts``,
+``moerl.model.mx``: ``MXExperts``), replacing the methods marked below as what a mode replaces."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from torch import nn
 
 from moerl.model.config import ModelConfig
 from moerl.model.grouped import Groups, group_mm
-from moerl.model.lora import ExpertLora, Linear
+from moerl.model.linear import Linear
 
 
 class Router(nn.Module):
@@ -128,8 +131,26 @@ def _activate(gate_up: torch.Tensor, activation: str, alpha: float, limit: float
     return (up + 1) * gate * torch.sigmoid(gate * alpha)
 
 
+class Route:
+    """The (token, slot) pairs of a forward sorted by expert: ``token`` and ``expert`` per pair, ``by_expert`` (the
+    grouped GEMMs' groups) and ``gate`` [pairs, 1] (each pair's gate weight, in the activations' dtype)."""
+
+    __slots__ = ("token", "expert", "by_expert", "gate")
+
+    def __init__(self, idx: torch.Tensor, weights: torch.Tensor, n_experts: int, dtype: torch.dtype):
+        k = idx.shape[1]
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)
+        self.token, self.expert = order // k, flat[order]
+        self.by_expert = Groups(self.expert, n_experts)
+        self.gate = weights.reshape(-1)[order, None].to(dtype)
+
+
 class Experts(nn.Module):
-    """E experts as 3D tensors: ``gate_up_proj`` [E, 2I, H] (gate rows first), ``down_proj`` [E, H, I]."""
+    """E experts as 3D tensors: ``gate_up_proj`` [E, 2I, H] (gate rows first), ``down_proj`` [E, H, I].
+
+    A mode's subclass replaces the GEMMs (``_gmm``, ``_linear``: MXFP8) or adds to the projections (``_grouped``
+    around ``_hidden`` and ``_down_sum``, ``_project`` in the reference loop: LoRA)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -142,22 +163,14 @@ class Experts(nn.Module):
         self.down_proj_bias = nn.Parameter(torch.zeros(e, h)) if cfg.expert_bias else None
         self.grouped = True  # False: the per-expert loop, kept as the reference
         self.dense_in_graph = False  # inside a compiled graph: every expert on every token (see _dense)
-        self.lora: ExpertLora | None = None
-        self.mx: str | None = None  # MXFP8 scale mode when the expert GEMMs are MX-quantized
 
     def _gmm(self, x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
-        if self.mx is None:
-            return group_mm(x, w, groups)
-        from moerl.model.mx import mx_group_mm
-
-        return mx_group_mm(x, w, groups, self.mx)
+        """A grouped GEMM of the experts (what MXFP8 replaces)."""
+        return group_mm(x, w, groups)
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.mx is None:
-            return F.linear(x, w, bias)
-        from moerl.model.mx import mx_linear
-
-        return mx_linear(x, w, bias, self.mx)
+        """One expert's GEMM in the reference loop (what MXFP8 replaces)."""
+        return F.linear(x, w, bias)
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, H], idx/weights [N, k] -> sum_k weights * expert_idx(x), [N, H] in x's dtype."""
@@ -168,35 +181,23 @@ class Experts(nn.Module):
         return self._loop(x, idx, weights)
 
     def _grouped(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        k = idx.shape[1]
-        flat = idx.reshape(-1)
-        order = flat.argsort(stable=True)  # (token, slot) pairs sorted by expert
-        token, expert = order // k, flat[order]
-        by_expert = Groups(expert, self.num_experts)
-        gate = weights.reshape(-1)[order, None].to(x.dtype)
-        lora = self.lora if self.lora is not None and self.lora.ctx.active else None
-        xs = x.index_select(0, token)
-        h = self._gmm(xs, self.gate_up_proj.transpose(1, 2), by_expert)
-        if lora is not None:
-            groups = lora.groups(token, expert, by_expert)
-            delta, rows = lora.gate_up_delta(x, xs, token, groups)
-            h = h + delta.to(h.dtype) if rows is None else h.index_add(0, rows, delta.to(h.dtype))
+        route = Route(idx, weights, self.num_experts, x.dtype)
+        xs = x.index_select(0, route.token)
+        h = self._hidden(self._gmm(xs, self.gate_up_proj.transpose(1, 2), route.by_expert), route)
+        return self._down_sum(x, self._gmm(h, self.down_proj.transpose(1, 2), route.by_expert), route)
+
+    def _hidden(self, h: torch.Tensor, route: Route) -> torch.Tensor:
+        """The gate_up rows ``h`` (expert-sorted) -> the gate-weighted activations that down_proj takes."""
         if self.gate_up_proj_bias is not None:
-            h = h + self.gate_up_proj_bias[expert]
+            h = h + self.gate_up_proj_bias[route.expert]
         # the gate weight scales the small [*, I] activation, not the [*, H] output: down_proj is linear
-        h = _activate(h, self.activation, self.alpha, self.limit) * gate
-        y = self._gmm(h, self.down_proj.transpose(1, 2), by_expert)
-        token_delta = None
-        if lora is not None:
-            delta, rows = lora.down_delta(h, token, x.shape[0], groups)
-            if lora.layout == "shared_outer":
-                token_delta = delta
-            else:
-                y = y + delta.to(y.dtype) if rows is None else y.index_add(0, rows, delta.to(y.dtype))
+        return _activate(h, self.activation, self.alpha, self.limit) * route.gate
+
+    def _down_sum(self, x: torch.Tensor, y: torch.Tensor, route: Route) -> torch.Tensor:
+        """The down_proj rows ``y`` (expert-sorted) summed per token -> [N, H] in x's dtype."""
         if self.down_proj_bias is not None:
-            y = y + self.down_proj_bias[expert] * gate
-        out = torch.zeros_like(x).index_add_(0, token, y)
-        return out if token_delta is None else out + token_delta.to(x.dtype)
+            y = y + self.down_proj_bias[route.expert] * route.gate
+        return torch.zeros_like(x).index_add_(0, route.token, y)
 
     def _dense(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, weighted by a gate matrix that is zero off the chosen experts: two GEMMs
@@ -212,39 +213,20 @@ class Experts(nn.Module):
 
     def _loop(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
-        lora = self.lora if self.lora is not None and self.lora.ctx.active else None
-        slot_of = lora.ctx.token_slots if lora is not None else None
         for e in range(self.num_experts):
             token, slot = (idx == e).nonzero(as_tuple=True)
             if token.numel() == 0:
                 continue
-            xe = x[token]
-            bias = self.gate_up_proj_bias[e] if self.gate_up_proj_bias is not None else None
-            gu = self._linear(xe, self.gate_up_proj[e], bias)
-            adapters = self._loop_adapters(lora, slot_of, token)
-            for s, rows in adapters:  # naive LoRA: per expert, per adapter
-                gu_a, gu_b, _, _ = lora.factors(s, e)
-                d = (xe[rows].to(gu_a.dtype) @ gu_a.T) @ gu_b.T * lora.scale[s]
-                gu = gu.index_add(0, rows, d.to(gu.dtype))
-            h = _activate(gu, self.activation, self.alpha, self.limit)
-            bias = self.down_proj_bias[e] if self.down_proj_bias is not None else None
-            y = self._linear(h, self.down_proj[e], bias)
-            for s, rows in adapters:
-                _, _, dn_a, dn_b = lora.factors(s, e)
-                d = (h[rows].to(dn_a.dtype) @ dn_a.T) @ dn_b.T * lora.scale[s]
-                y = y.index_add(0, rows, d.to(y.dtype))
-            y = y * weights[token, slot, None]
-            out.index_add_(0, token, y.to(x.dtype))
+            gu = self._project(e, "gate_up", x[token], token)
+            y = self._project(e, "down", _activate(gu, self.activation, self.alpha, self.limit), token)
+            out.index_add_(0, token, (y * weights[token, slot, None]).to(x.dtype))
         return out
 
-    @staticmethod
-    def _loop_adapters(lora, slot_of, token) -> list[tuple[int, torch.Tensor]]:
-        if lora is None:
-            return []
-        if slot_of is None:
-            return [(lora.ctx.single, torch.arange(token.numel()))]
-        row_slot = slot_of[token]
-        return [(int(s), (row_slot == s).nonzero().squeeze(1)) for s in row_slot.unique().tolist() if s >= 0]
+    def _project(self, e: int, which: str, rows: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """Expert ``e``'s ``which`` projection (gate_up or down) of ``rows`` (those of tokens ``token``), with its
+        bias: one step of the reference loop."""
+        bias = getattr(self, f"{which}_proj_bias")
+        return self._linear(rows, getattr(self, f"{which}_proj")[e], bias[e] if bias is not None else None)
 
 
 class MLP(nn.Module):

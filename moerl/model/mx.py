@@ -13,6 +13,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moerl.model.grouped import group_mm
+from moerl.model.linear import Linear
+from moerl.model.moe import Experts
+from moerl.model.swap import replace_module, swapped
+
 BLOCK = 32
 SCALE_MODES = ("floor", "rceil")
 MX_SCALE = ".mx_scale"  # suffix of the E8M0 scales that travel with E4M3 weights in a weight sync
@@ -92,16 +97,12 @@ def _pad_groups(rows: torch.Tensor, offs: torch.Tensor, n_groups: int) -> torch.
 class _MXGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, groups, mode):
-        from moerl.model.grouped import group_mm
-
         ctx.save_for_backward(x, w)
         ctx.groups, ctx.mode = groups, mode
         return group_mm(mx_fake_quant(x, -1, mode), mx_fake_quant(w, 1, mode), groups)
 
     @staticmethod
     def backward(ctx, g):
-        from moerl.model.grouped import group_mm
-
         x, w = ctx.saved_tensors
         m, groups = ctx.mode, ctx.groups
         gx = group_mm(mx_fake_quant(g.contiguous(), -1, m), mx_fake_quant(w, 2, m).transpose(1, 2), groups)
@@ -116,13 +117,44 @@ def mx_group_mm(x: torch.Tensor, w: torch.Tensor, groups, mode: str) -> torch.Te
     return _MXGroupedMM.apply(x, w, groups, mode)
 
 
-def apply_mxfp8(model: torch.nn.Module, mode: str = "rceil") -> None:
-    """Quantize every linear layer and the experts' GEMMs of ``model`` (not the router, embeddings, lm_head,
-    norms or the shared-expert gate)."""
-    from moerl.model.lora import Linear
-    from moerl.model.moe import Experts
+class MXLinear(Linear):
+    """A projection whose GEMMs (forward and both backward) take MXFP8 operands; ``mode``: the scale mode."""
 
+    mode: str
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return mx_linear(x, self.weight, self.bias, self.mode)
+
+
+class MXExperts(Experts):
+    """Routed experts whose grouped GEMMs (and the reference loop's) take MXFP8 operands."""
+
+    mode: str
+
+    def _gmm(self, x: torch.Tensor, w: torch.Tensor, groups) -> torch.Tensor:
+        return mx_group_mm(x, w, groups, self.mode)
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return mx_linear(x, w, bias, self.mode)
+
+
+def apply_mxfp8(model: torch.nn.Module, mode: str = "rceil") -> None:
+    """Swap every projection and the routed experts of ``model`` for their MXFP8 classes (not the router,
+    embeddings, lm_head, norms or the shared-expert gate: plain modules no mode touches)."""
     _mode(mode)
-    for mod in model.modules():
-        if isinstance(mod, (Linear, Experts)):
-            mod.mx = mode
+    swaps = []
+    for path, mod in model.named_modules():
+        if not isinstance(mod, Linear | Experts):
+            continue
+        if type(mod) not in (Linear, Experts):  # another mode's class (LoRA), or MXFP8 applied already
+            from moerl.errors import ConfigError
+
+            raise ConfigError(
+                f"mxfp8: {path} is a {type(mod).__name__}; MXFP8 applies to a plain model's projections and experts "
+                "only (LoRA and MXFP8 are separate modes, and MXFP8 applies once)"
+            )
+        new = swapped(mod, MXLinear if isinstance(mod, Linear) else MXExperts)
+        new.mode = mode
+        swaps.append((path, new))
+    for path, new in swaps:
+        replace_module(model, path, new)

@@ -14,7 +14,7 @@ from torch import nn
 
 from moerl.errors import ReplayError
 from moerl.model.config import ModelConfig
-from moerl.model.lora import Linear, LoraContext
+from moerl.model.linear import Linear
 from moerl.model.moe import MLP, MoE
 from moerl.model.rope import apply_rope, inv_freq_and_scale, rope_cos_sin
 
@@ -267,7 +267,9 @@ class MoEModel(nn.Module):
         # a pipeline stage (moerl.parallel.pipeline) keeps only its layers: the others are placeholders, the
         # embedding lives on the first stage, the norm and head on the last
         self.hf_config: dict | None = None  # set by the bridge loader; export writes it back
-        self.lora_ctx: LoraContext | None = None  # set by attach_lora
+        # the adapter slots' context (``set(adapters, batch, seq)``), installed by a mode that attaches adapters
+        # (moerl.model.lora.attach_lora); the plain model only hands it each forward's ``adapters``
+        self.adapter_ctx = None
         self.init_rope()
         if dtype is not None:
             self.to(dtype)
@@ -358,8 +360,8 @@ class MoEModel(nn.Module):
         without the final norm returns its hidden states as ``ModelOutput.hidden``.
         """
         b, t = input_ids.shape if hidden is None else hidden.shape[:2]
-        if self.lora_ctx is not None:
-            self.lora_ctx.set(adapters, b, t)
+        if self.adapter_ctx is not None:
+            self.adapter_ctx.set(adapters, b, t)
         elif adapters is not None:
             raise ValueError("adapters given but this model has no LoRA attached (moerl.model.lora.attach_lora)")
         if positions is None:

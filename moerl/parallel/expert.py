@@ -1,6 +1,9 @@
 """Expert parallelism, applied from outside the model: each rank of the ``ep`` group keeps a contiguous slice of
 every MoE layer's experts (and of their per-expert adapters), and each MoE forward sends every (token, slot) pair to
-the rank that holds its expert and the results back, with ``all_to_all_single`` (counts exchanged first).
+the rank that holds its expert and the results back, with ``all_to_all_single`` (counts exchanged first). The
+exchange is a pair of hooks on the experts module (torchtitan's input / output functions of a parallel style): the
+pre-hook sends the pairs away and hands the module the pairs it got, the forward hook sends the results back and
+sums them per token. The module itself — plain, LoRA or MXFP8 — runs unchanged on its slice.
 
 The expert index of each pair — the router's own or R3's replayed one — decides where it goes. Its gate weight
 travels with it in fp32, so the router's gradient comes back through the exchange. The receiving rank computes its
@@ -51,16 +54,23 @@ def _exchange(rows: torch.Tensor, out_counts: list[int], in_counts: list[int], g
     return _all_to_all(rows, out_counts, in_counts, group)
 
 
-class ExpertParallel(Experts):
-    """Experts ``[first, first + num_experts)`` of a layer's ``total_experts``, on one rank of ``group``."""
+class ExpertDispatch:
+    """The exchange of one MoE layer's experts: experts ``[first, first + local)`` of ``total`` on this rank of
+    ``group`` (``ranks`` ranks). Installed as the experts module's forward pre-hook and forward hook."""
 
-    first: int
-    total_experts: int
-    group: dist.ProcessGroup | None
-    ranks: int
+    def __init__(self, experts: nn.Module, first: int, total: int, group, ranks: int):
+        self.first, self.total, self.local = first, total, total // ranks
+        self.group, self.ranks = group, ranks
+        self._back = None  # (x, token, sent, got) of the forward in flight, for the forward hook
+        self.handles = (
+            experts.register_forward_pre_hook(self.dispatch),
+            experts.register_forward_hook(self.combine),
+        )
 
-    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        lora = self.lora
+    def dispatch(self, experts: nn.Module, args: tuple) -> tuple:
+        """(x [N, H], idx [N, k], weights [N, k]) -> the pairs this rank's experts run: (rows, local idx, gate)."""
+        x, idx, weights = args
+        lora = getattr(experts, "lora", None)
         if lora is not None and lora.ctx.active and lora.ctx.single is None:
             raise ConfigError(
                 "expert parallelism trains one adapter slot per forward; per-sequence adapter slots (the rollout "
@@ -70,14 +80,20 @@ class ExpertParallel(Experts):
         flat = idx.reshape(-1)
         order = flat.argsort(stable=True)  # pairs sorted by expert, so grouped by the rank that holds it
         token, expert = order // k, flat[order]
-        sent = torch.bincount(expert // self.num_experts, minlength=self.ranks)
+        sent = torch.bincount(expert // self.local, minlength=self.ranks)
         got = torch.empty_like(sent)
         dist.all_to_all_single(got, sent, group=self.group)
         sent, got = sent.tolist(), got.tolist()
         rows = _exchange(x.index_select(0, token), got, sent, self.group)
         gate = _exchange(weights.reshape(-1)[order], got, sent, self.group)
-        local = _exchange(expert % self.num_experts, got, sent, self.group)
-        y = super().forward(rows, local[:, None], gate[:, None])
+        local = _exchange(expert % self.local, got, sent, self.group)
+        self._back = (x, token, sent, got)
+        return rows, local[:, None], gate[:, None]
+
+    def combine(self, experts: nn.Module, args: tuple, y: torch.Tensor) -> torch.Tensor:
+        """The results of the pairs this rank ran, back to their tokens' ranks and summed per token."""
+        x, token, sent, got = self._back
+        self._back = None
         back = _exchange(y, sent, got, self.group)
         return torch.zeros_like(x).index_add_(0, token, back)
 
@@ -85,7 +101,7 @@ class ExpertParallel(Experts):
 def _sliced_tensors(experts: Experts) -> list[tuple[nn.Module, str, int]]:
     """(module, attribute, expert dim) of every per-expert tensor of ``experts`` and its adapters."""
     out = [(experts, n, 0) for n in EXPERT_WEIGHTS if getattr(experts, n) is not None]
-    lora = experts.lora
+    lora = getattr(experts, "lora", None)
     if lora is not None:
         per_expert = lora.layout == "per_expert"
         names = ("gate_up_A", "gate_up_B", "down_A", "down_B") if per_expert else ("gate_up_B", "down_A")
@@ -94,8 +110,9 @@ def _sliced_tensors(experts: Experts) -> list[tuple[nn.Module, str, int]]:
 
 
 def shard_experts(model: nn.Module, world: World) -> dict[str, int]:
-    """Keep this rank's slice of every MoE layer's experts (in place); returns {parameter name: expert dim} of the
-    sliced tensors (plain tensors, not FSDP's: the caller leaves them out of the data-parallel units)."""
+    """Keep this rank's slice of every MoE layer's experts (in place) and install the exchange; returns
+    {parameter name: expert dim} of the sliced tensors (plain tensors, not FSDP's: the caller leaves them out of the
+    data-parallel units)."""
     check_layout(world.dp, world.ep, world.pp, model.config)
     total = model.config.num_experts
     n = total // world.ep
@@ -108,9 +125,7 @@ def shard_experts(model: nn.Module, world: World) -> dict[str, int]:
             setattr(module, attr, nn.Parameter(p.detach().narrow(dim, first, n).clone(), p.requires_grad))
             prefix = f"layers.{i}.mlp.experts" + (".lora" if module is not experts else "")
             sliced[f"{prefix}.{attr}"] = dim
-        experts.__class__ = ExpertParallel
-        experts.first, experts.total_experts = first, total
-        experts.group, experts.ranks = world.group("ep"), world.ep
+        experts.ep = ExpertDispatch(experts, first, total, world.group("ep"), world.ep)
         _count(experts, n)
     return sliced
 
@@ -122,34 +137,29 @@ def gather_experts(world: World, t: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat(pieces, dim)
 
 
-def expert_slice(world: World, value: torch.Tensor, dim: int) -> torch.Tensor:
-    """This rank's slice of a whole per-expert tensor."""
-    n = value.shape[dim] // world.ep
-    return value.narrow(dim, world.ep_rank * n, n).clone()
-
-
 @contextmanager
 def whole_experts(model: nn.Module, world: World):
     """Inside the block every expert tensor of ``model`` is whole (gathered over the ep group; a collective), e.g.
     to export the adapters; the slices are back after it."""
     kept, layers = [], [model.layers[i].mlp.experts for i in model.moe_layer_ids]
-    layers = [e for e in layers if isinstance(e, ExpertParallel)]
+    layers = [e for e in layers if getattr(e, "ep", None) is not None]
     for experts in layers:
         for module, attr, dim in _sliced_tensors(experts):
             p = getattr(module, attr)
             kept.append((module, attr, p))
             setattr(module, attr, nn.Parameter(gather_experts(world, p.detach(), dim), requires_grad=False))
-        _count(experts, experts.total_experts)
+        _count(experts, experts.ep.total)
     try:
         yield model
     finally:
         for module, attr, p in kept:
             setattr(module, attr, p)
         for experts in layers:
-            _count(experts, experts.total_experts // experts.ranks)
+            _count(experts, experts.ep.local)
 
 
 def _count(experts: Experts, n: int) -> None:
     experts.num_experts = n
-    if experts.lora is not None:
-        experts.lora.num_experts = n
+    lora = getattr(experts, "lora", None)
+    if lora is not None:
+        lora.num_experts = n

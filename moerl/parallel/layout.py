@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from moerl.parallel.expert import expert_slice, gather_experts, shard_experts, whole_experts
+from moerl.parallel.expert import shard_experts, whole_experts
 from moerl.parallel.fsdp import clip_grads, gathered, shard_model
 from moerl.parallel.pipeline import Pipeline, Step, plan_stages, prune
 from moerl.parallel.rows import gather_rows, micro_batches, share, sum_over_ranks
@@ -95,40 +95,32 @@ class Layout:
 
     # --- tensors by name -------------------------------------------------------------------------------------
 
-    def whole(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """The whole tensor of weight ``name`` (or of its optimizer state) from this rank's part ``t``: a collective
-        when the model is sharded."""
-        dim = self.sliced.get(name)
-        if dim is None or t.ndim == 0:
-            return full(t)
-        return gather_experts(self.world, t, dim)
-
-    def laid_out(self, name: str, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """A whole tensor ``value`` of weight ``name`` (or of its optimizer state) as this rank holds ``param``."""
-        dim = self.sliced.get(name)
-        if dim is None or value.ndim == 0:
-            return like(param, value)
-        return expert_slice(self.world, value, dim)
-
-    def whole_shape(self, name: str, param: torch.Tensor) -> torch.Size:
-        """The shape of weight ``name`` whole (``param`` is this rank's part)."""
-        dim = self.sliced.get(name)
-        if dim is None:
-            return param.shape
-        return param.shape[:dim] + (param.shape[dim] * self.world.ep,) + param.shape[dim + 1 :]
-
     def global_view(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """``t`` (this rank's part of weight ``name`` or of its state) as a tensor that knows its place in the whole:
         FSDP's DTensors as they are, an expert slice as a DTensor sharded over the ep ranks, anything else whole
-        (replicated, or held by one pipeline stage). What DCP reads and writes."""
+        (replicated, or held by one pipeline stage). Every question about a tensor's placement goes through it."""
         dim = self.sliced.get(name)
         if dim is None or t.ndim == 0:
             return t
         return DTensor.from_local(t, self.world.mesh["ep"], [Shard(dim)], run_check=False)
 
     def own_part(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """The inverse of ``global_view``: how this rank holds weight ``name`` (expert slices as plain tensors)."""
-        return t.to_local() if name in self.sliced and isinstance(t, DTensor) else t
+        """The inverse of ``global_view``: how this rank holds weight ``name`` (an expert slice as its own plain
+        tensor, the rest as they are)."""
+        return t.to_local().clone() if name in self.sliced and isinstance(t, DTensor) else t
+
+    def whole(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """The whole tensor of weight ``name`` (or of its optimizer state) from this rank's part ``t``: a collective
+        when the model is sharded."""
+        return full(self.global_view(name, t))
+
+    def laid_out(self, name: str, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """A whole tensor ``value`` of weight ``name`` (or of its optimizer state) as this rank holds ``param``."""
+        return self.own_part(name, like(self.global_view(name, param), value))
+
+    def whole_shape(self, name: str, param: torch.Tensor) -> torch.Size:
+        """The shape of weight ``name`` whole (``param`` is this rank's part)."""
+        return self.global_view(name, param).shape
 
     def everywhere(self, parts: Iterable[tuple[str, str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """``(key, whole tensor)`` for every stage's ``(key, weight name, this rank's part)`` — tied copies left out

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from moerl.errors import TrainingStopped
 from moerl.finite import all_finite
 from moerl.model.lora import slot_tensors
-from moerl.model.mx import BLOCK, MX_SCALE, mx_fake_quant, mx_quantize
+from moerl.model.mx import BLOCK, MX_SCALE, MXExperts, MXLinear, mx_fake_quant, mx_quantize
 
 ADAPTER = "policy"
 
@@ -39,7 +39,7 @@ def _is_router(name: str) -> bool:
 def _mx_weight(name: str, model) -> bool:
     """Weights whose GEMMs the trainer quantizes (and so are sent quantized): MX linear layers and experts."""
     module = model.get_submodule(name.rsplit(".", 1)[0])
-    return getattr(module, "mx", None) is not None and name.endswith(("weight", "gate_up_proj", "down_proj"))
+    return isinstance(module, MXLinear | MXExperts) and name.endswith(("weight", "gate_up_proj", "down_proj"))
 
 
 def policy_tensors(policy) -> Iterator[tuple[str, torch.Tensor]]:

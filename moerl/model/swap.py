@@ -1,0 +1,26 @@
+"""Module swaps: how a mode (LoRA, MXFP8) replaces a plain module of the model from outside, as gpt-fast swaps
+``nn.Linear`` for its quantized linear. The new module takes over the old one's parameters, buffers, submodules and
+settings as they are (shared, not copied), so names, values and devices stay."""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from torch import nn
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def swapped(module: nn.Module, cls: type[M]) -> M:
+    """A new ``cls`` module (a subclass of ``module``'s class) holding ``module``'s state."""
+    if not issubclass(cls, type(module)):
+        raise TypeError(f"{cls.__name__} does not extend {type(module).__name__}: it cannot take over its state")
+    new = cls.__new__(cls)
+    new.__dict__.update({k: v.copy() if isinstance(v, dict) else v for k, v in module.__dict__.items()})
+    return new
+
+
+def replace_module(model: nn.Module, path: str, new: nn.Module) -> None:
+    """Put ``new`` at ``path`` (a dotted module name) of ``model``."""
+    parent, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, name, new)
