@@ -98,15 +98,7 @@ def _train_policy(cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Po
         from moerl.rollout.vllm import warn_no_routing
 
         warn_no_routing(cfg.rollout.engine)
-    gen = Generator(
-        env,
-        engine,
-        cfg.rollout,
-        cfg.algo,
-        seed=cfg.train.seed,
-        eval_problems=cfg.env.eval_problems,
-        lora=cfg.policy.mode == "lora",
-    )
+    gen = build_generator(cfg, env, engine)
     metrics = ahead = None
     try:
         if run.resume:
@@ -372,6 +364,12 @@ def ensure_model(cfg: RunConfig, run_dir: Path, fresh: bool) -> Path:
 
         init_model(cfg.model.arch, cfg.model.preset, path, seed=cfg.model.seed)
     return path
+
+
+def build_generator(cfg: RunConfig, env, engine) -> Generator:
+    """The run's Generator: ``env``'s problems on ``engine``, given the run's config sections it reads."""
+    seed, held_out, lora = cfg.train.seed, cfg.env.eval_problems, cfg.policy.mode == "lora"
+    return Generator(env, engine, cfg.rollout, cfg.algo, seed=seed, eval_problems=held_out, lora=lora)
 
 
 def build_engine(cfg: RunConfig, model_path: Path, engines=None):

@@ -58,22 +58,13 @@ def test_a_weight_sync_goes_between_engine_calls_never_inside_one(warm_model, tm
     import torch
 
     from moerl.envs import make_env
-    from moerl.loop import build_engine
-    from moerl.rollout.generator import Generator
+    from moerl.loop import build_engine, build_generator
 
     cfg = run_cfg(tmp_path, warm_model, "full", **{"rollout.max_tokens": 8})
     env = make_env(cfg.env.name, **cfg.env.kwargs)
     engine = build_engine(cfg, warm_model)
     try:
-        gen = Generator(
-            env,
-            engine,
-            cfg.rollout,
-            cfg.algo,
-            seed=cfg.train.seed,
-            eval_problems=cfg.env.eval_problems,
-            lora=cfg.policy.mode == "lora",
-        )
+        gen = build_generator(cfg, env, engine)
         problems, params = env.problems(16, seed=1), gen.sampling(16, 1.0, 8, seed=5)
         reference = [e.tokens for e in gen.generate(problems, params)]
         head = engine.engines[0].model.lm_head.weight
