@@ -6,7 +6,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,15 @@ class World:
     stages: list[int] | None = None  # layers per pipeline stage (None: balanced by parameter count)
     mesh: DeviceMesh | None = None  # dims ("pp", "dp", "ep"); None for one process
     data_mesh: DeviceMesh | None = None  # this stage's dp x ep ranks as one dimension: FSDP shards over it
+    # this rank's coordinates, from ``rank``
+    stage: int = field(init=False)  # its pipeline rank (its first stage)
+    data_rank: int = field(init=False)  # its index in the data group (dp x ep)
+    dp_rank: int = field(init=False)
+    ep_rank: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stage, self.data_rank = divmod(self.rank, self.dp * self.ep)
+        self.dp_rank, self.ep_rank = divmod(self.data_rank, self.ep)
 
     @property
     def driver(self) -> bool:
@@ -41,23 +50,6 @@ class World:
     @property
     def data_size(self) -> int:
         return self.dp * self.ep
-
-    @property
-    def data_rank(self) -> int:
-        return self.rank % self.data_size
-
-    @property
-    def stage(self) -> int:
-        """This rank's pipeline rank (its first stage)."""
-        return self.rank // self.data_size
-
-    @property
-    def ep_rank(self) -> int:
-        return self.rank % self.ep
-
-    @property
-    def dp_rank(self) -> int:
-        return self.data_rank // self.ep
 
     def close(self) -> None:
         """Leave the process group (every rank, once its work is done): its connections close in order instead of
