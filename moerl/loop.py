@@ -394,7 +394,7 @@ def build_engine(cfg: RunConfig, model_path: Path, engines=None):
         from moerl.rollout.spec import EngineSpec
 
         c = cfg.cluster
-        spec = EngineSpec(str(model_path), ecfg, r.dtype, mx_scale_mode=mx, threads=engines.engine_threads)
+        spec = EngineSpec(str(model_path), ecfg, r.dtype, r.device, mx_scale_mode=mx, threads=engines.engine_threads)
         remote = start_engines(spec, r.num_engines, engines, c.weight_transport, c.engine_restarts)
         return EnginePool(spec, "ray", r.num_engines, remote=remote)
     threads = r.engine_threads or max(1, torch.get_num_threads() // r.num_engines)
@@ -405,6 +405,7 @@ def build_engine(cfg: RunConfig, model_path: Path, engines=None):
         placement=r.placement,
         num_engines=r.num_engines,
         dtype=r.dtype,
+        device=r.device,
         mx_scale_mode=mx,
         threads=threads if r.placement == "process" else 0,
         vllm_args=r.vllm_args,

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 
 from moerl.config import config_key
+from moerl.device import device_name
 from moerl.envs import check_env_kwargs
 from moerl.errors import ConfigError
 from moerl.precision import DTYPE_NAMES
@@ -54,6 +55,7 @@ class RolloutSection:
     sync_bucket_mb: int = 64  # weight sync goes in buckets of at most this many MiB
     vllm_args: dict = field(default_factory=dict)  # more vllm.LLM arguments (engine=vllm), e.g. enforce_eager: true
     dtype: str = "auto"  # engine compute dtype: auto (native engines: bf16 where native, else fp32; vLLM: bf16)
+    device: str = "auto"  # native engines: auto (CUDA where present) | cpu | cuda | cuda:N; vLLM picks its own
     compile_decode: bool = False  # native engines: decode steps through one torch.compile graph (full mode)
 
     def __post_init__(self) -> None:
@@ -67,6 +69,12 @@ class RolloutSection:
                 ("sync_bucket_mb", self.sync_bucket_mb, self.sync_bucket_mb >= 1, "must be >= 1"),
                 ("vllm_args", self.vllm_args, not self.vllm_args or self.engine == "vllm", "only with engine: vllm"),
                 ("dtype", self.dtype, self.dtype in DTYPE_NAMES, f"allowed: {', '.join(DTYPE_NAMES)}"),
+                (
+                    "device",
+                    self.device,
+                    device_name(self.device, "rollout.device") == "auto" or self.engine == "native",
+                    "native engines only (vLLM places itself on its platform's devices): leave it auto",
+                ),
                 ("compile_decode", self.compile_decode, isinstance(self.compile_decode, bool), "must be true or false"),
                 (
                     "compile_decode",

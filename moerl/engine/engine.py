@@ -37,7 +37,9 @@ class LLMEngine:
         config: EngineConfig | None = None,
         dtype: torch.dtype = torch.bfloat16,
         tokenizer=None,
+        device: str | torch.device = "cpu",
     ):
+        """``device``: where a model loaded from a checkpoint directory goes (a MoEModel stays on its own)."""
         self.config = cfg = config or EngineConfig()
         reuse_freed_memory()  # CPU: decode steps allocate the same buffers again and again (moerl.allocator)
         if not isinstance(model, MoEModel):
@@ -48,7 +50,7 @@ class LLMEngine:
                 from moerl.bridges.checkpoint import load_tokenizer
 
                 tokenizer = load_tokenizer(path)
-            model = load_model(path, dtype=dtype)
+            model = load_model(path, dtype=dtype, device=device)
         self.model, self.tokenizer = model.eval(), tokenizer
         mcfg = model.config
         if cfg.max_model_len > mcfg.max_position_embeddings:
@@ -278,7 +280,10 @@ class LLMEngine:
             [s.block_table[:nb] + s.block_table[:1] * (nb - len(s.block_table[:nb])) for s, _ in batch]
         )
         lengths = torch.tensor([n for _, n in batch])
-        ids, positions, tables, lengths = (t.to(device) for t in (ids, positions, tables, lengths))
+        write_rows = torch.tensor([r * c + i for r, (_, n) in enumerate(batch) for i in range(n)])
+        ids, positions, tables, lengths, write_rows = (
+            t.to(device) for t in (ids, positions, tables, lengths, write_rows)
+        )
         if kind == "decode" and self.compiled is not None:
             all_logits, routed = self.compiled.step(ids, positions, tables)
         else:
@@ -290,7 +295,7 @@ class LLMEngine:
                 positions=positions,
                 capture=self.config.capture_routing,
                 adapters=adapters,
-                cache=StepView(self.cache, tables, positions, lengths),
+                cache=StepView(self.cache, tables, positions, lengths, write_rows),
                 logits_index=lengths - 1,
             )
             all_logits, routed = out.logits, out.routed
@@ -312,9 +317,8 @@ class LLMEngine:
         if not to_sample:
             return 0
         seqs = [s for s, _ in to_sample]
-        rows = all_logits[[r for _, r in to_sample]]
-        finite = rows.isfinite().all(-1)  # one vectorised check per step, on the rows being sampled only
-        logits, finite = rows.cpu(), finite.cpu()
+        logits = all_logits[[r for _, r in to_sample]]  # sampled where they are: only tokens come to the host
+        finite = logits.isfinite().all(-1).cpu()  # one vectorised check per step, on the rows being sampled only
         if not bool(finite.all()):
             seqs, logits = self._fail_non_finite(seqs, logits, finite)
             if not seqs:
@@ -327,7 +331,8 @@ class LLMEngine:
             min(self.eos_ids) if self.eos_ids else None,
             self.generator,
         )
-        for s, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist(), strict=True):
+        picked = torch.stack([tokens.double(), logprobs.double()]).tolist()  # one copy to the host (ids < 2^53)
+        for s, tok, lp in zip(seqs, map(int, picked[0]), picked[1], strict=True):
             s.tokens.append(tok)
             s.logprobs.append(lp)
             reason = self._stop_reason(s, tok)

@@ -95,15 +95,24 @@ class StepView:
     rest is padding); ``block_tables`` [B, nb]; keys are visible up to each query's own position.
     """
 
-    def __init__(self, cache: KVCache, block_tables: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor):
+    def __init__(
+        self,
+        cache: KVCache,
+        block_tables: torch.Tensor,
+        positions: torch.Tensor,
+        lengths: torch.Tensor,
+        write_rows: torch.Tensor | None = None,
+    ):
+        """``write_rows``: the flat [B * C] indices of the real new tokens, when the caller has them (else found
+        here: a host sync)."""
         self.cache, self.block_tables = cache, block_tables
         b, c = positions.shape
         bs = cache.block_size
-        real = torch.arange(c)[None, :] < lengths[:, None]  # [B, C]
+        real = torch.arange(c, device=lengths.device)[None, :] < lengths[:, None]  # [B, C]
         block = block_tables.gather(1, (positions // bs).clamp(max=block_tables.shape[1] - 1))
         self.slots = torch.where(real, block * bs + positions % bs, -1).reshape(-1)
         self.write = self.slots >= 0
-        self.write_rows = self.write.nonzero().squeeze(1)
+        self.write_rows = write_rows if write_rows is not None else self.write.nonzero().squeeze(1)
         write_slots = self.slots[self.write_rows]
         heads, n = cache.k[0].shape[0], cache.k[0].shape[1]
         self.write_at = (torch.arange(heads, device=write_slots.device)[:, None] * n + write_slots[None, :]).reshape(-1)
@@ -115,7 +124,7 @@ class StepView:
         head_base = torch.arange(heads, device=dev)[:, None] * n
         self.read_rows = (head_base + key_slots[None, :]).reshape(-1)
         self.b = b
-        key_pos = torch.arange(s)[None, None, :]
+        key_pos = torch.arange(s, device=dev)[None, None, :]
         q_pos = positions[:, :, None]
         visible = key_pos <= q_pos
         # padded queries see key 0 only, so their rows stay finite

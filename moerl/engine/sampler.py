@@ -22,9 +22,10 @@ def sample(
     eos_id: int | None,
     fallback: torch.Generator,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next tokens [M] and their logprobs [M] (fp32, log-softmax of logits / temperature) for logits [M, V]."""
-    logits = logits.float()
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
+    """Next tokens [M] and their logprobs [M] (fp32, log-softmax of logits / temperature) for logits [M, V], on the
+    logits' device. The seeded generators are the host's: one uniform per sampled row comes from them."""
+    logits, device = logits.float(), logits.device
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
     z = logits / temps[:, None]
     logp = z.log_softmax(-1)
     masked = z
@@ -34,11 +35,11 @@ def sample(
             if stops:
                 masked = masked.clone() if masked is z else masked
                 masked[i, stops] = float("-inf")
-    top_k = torch.tensor([p.top_k for p in params])
-    top_p = torch.tensor([p.top_p for p in params])
-    if bool((top_k > 0).any() or (top_p < 1).any()):
+    if any(p.top_k > 0 or p.top_p < 1 for p in params):
+        top_k = torch.tensor([p.top_k for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
         ordered, order = masked.sort(dim=-1, descending=True)
-        rank = torch.arange(ordered.shape[1])[None, :]
+        rank = torch.arange(ordered.shape[1], device=device)[None, :]
         drop = (top_k[:, None] > 0) & (rank >= top_k[:, None])
         probs = ordered.softmax(-1)
         drop |= (probs.cumsum(-1) - probs) >= top_p[:, None]  # keep the smallest prefix reaching top_p
@@ -58,6 +59,7 @@ def sample(
                 shared.append(j)
         if shared:
             u[shared] = torch.rand(len(shared), generator=fallback, dtype=torch.float64)
+        u = u.to(device)
         cdf = probs[drawn].double().cumsum(-1)
         total = cdf[:, -1]
         # u < 1, so the point lies below the total mass (nextafter: never equal to it after rounding): the first

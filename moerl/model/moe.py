@@ -115,10 +115,9 @@ class Router(nn.Module):
         if replay is None:
             idx = self._select(logits, scores)
         else:
+            # rows holding -1 route themselves; chosen for every row and picked, not tested: no host sync per layer
             idx = replay.long()
-            free = idx[:, 0] < 0
-            if free.any():
-                idx = torch.where(free[:, None], self._select(logits, scores), idx)
+            idx = torch.where(idx[:, :1] < 0, self._select(logits, scores), idx)
         return self.gate_weights(logits, scores, idx), idx
 
 

@@ -55,8 +55,7 @@ def mx_fake_quant(x: torch.Tensor, dim: int = -1, mode: str = "rceil") -> torch.
     scale, data = mx_quantize(flat, mode)
     out = mx_dequantize(scale, data, x.dtype)
     bad = ~torch.isfinite(flat.view(flat.shape[0], -1, BLOCK)).all(-1, keepdim=True)
-    if bad.any():
-        out = out.view(flat.shape[0], -1, BLOCK).masked_fill(bad, float("nan")).view_as(flat)
+    out = out.view(flat.shape[0], -1, BLOCK).masked_fill(bad, float("nan")).view_as(flat)  # no host test per GEMM
     return out.view(*moved.shape[:-1], k + pad)[..., :k].movedim(-1, dim)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from moerl.device import resolve_device
 from moerl.engine import EngineConfig, LLMEngine
 from moerl.errors import ConfigError
 from moerl.precision import compute_dtype
@@ -19,6 +20,7 @@ class EngineSpec:
     model: str
     config: EngineConfig = field(default_factory=EngineConfig)
     dtype: str = "auto"  # auto | bfloat16 | float32 (moerl.precision), resolved where the engine runs
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (moerl.device), resolved where the engine runs
     mx_scale_mode: str | None = None  # mxfp8 policies: quantize the engine's GEMMs the trainer's way
     threads: int = 0  # torch threads of an engine process (0: leave torch's default)
     vllm_args: dict = field(default_factory=dict)  # engine=vllm: more vllm.LLM arguments
@@ -35,7 +37,9 @@ def build_native(spec: EngineSpec) -> LLMEngine:
     """The native engine ``spec`` describes (the same function builds it in process and in an engine process)."""
     if spec.mx_scale_mode is not None and spec.config.compile_decode:
         raise ConfigError("rollout.compile_decode with an mxfp8 policy: not built (MXFP8 engines decode eager)")
-    engine = LLMEngine(spec.model, spec.config, dtype=compute_dtype(spec.dtype, key="rollout.dtype"))
+    device = resolve_device(spec.device, key="rollout.device")
+    dtype = compute_dtype(spec.dtype, device, key="rollout.dtype")
+    engine = LLMEngine(spec.model, spec.config, dtype=dtype, device=device)
     if spec.mx_scale_mode is not None:
         from moerl.model.mx import apply_mxfp8
 

@@ -42,5 +42,19 @@ class Batch:
         pick = {k: (v[idx] if isinstance(v, torch.Tensor) else v) for k, v in pick.items()}
         return replace(self, **pick, extras={k: v[idx] for k, v in self.extras.items()})
 
+    def to(self, device: torch.device) -> Batch:
+        """This batch with every tensor on ``device`` (the batch itself when they are there already)."""
+        if self.input_ids.device == device:
+            return self
+        replay = self.replay.to(device) if self.replay is not None else None
+        return replace(
+            self,
+            input_ids=self.input_ids.to(device),
+            attention_mask=self.attention_mask.to(device),
+            loss_mask=self.loss_mask.to(device),
+            replay=replay,
+            extras={k: v.to(device) for k, v in self.extras.items()},
+        )
+
     def split(self, micro_batch_size: int) -> list[Batch]:
         return [self.rows(slice(i, i + micro_batch_size)) for i in range(0, len(self), micro_batch_size)]

@@ -62,6 +62,7 @@ def _first_fit(lengths: list[int], width: int) -> list[list[int]]:
 def plan_packing(attention_mask: torch.Tensor) -> Packing | None:
     """The packing of right-padded rows ``attention_mask`` [B, T] with the fewest padded tokens (row length T, 2T or
     4T, up to ``MAX_ROW``); None when it saves nothing or the rows are not right-padded."""
+    device, attention_mask = attention_mask.device, attention_mask.cpu()  # planned on the host: one copy
     b, t = attention_mask.shape
     lengths = attention_mask.sum(1)
     if not bool((attention_mask.bool() == (torch.arange(t) < lengths[:, None])).all()):
@@ -90,4 +91,4 @@ def plan_packing(attention_mask: torch.Tensor) -> Packing | None:
             segment[r, at : at + n] = s
             positions[r, at : at + n] = torch.arange(n)
             at += n
-    return Packing(src, dst, segment, positions)
+    return Packing(src.to(device), dst.to(device), segment.to(device), positions.to(device))

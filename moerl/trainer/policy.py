@@ -15,8 +15,9 @@ from torch.distributed.tensor import DTensor
 
 from moerl.allocator import reuse_freed_memory
 from moerl.bridges import load_model
+from moerl.device import device_name, resolve_device
 from moerl.errors import ConfigError, TrainingStopped
-from moerl.finite import all_finite
+from moerl.finite import first_nonfinite
 from moerl.model.lora import LoraConfig, attach_lora
 from moerl.model.mx import SCALE_MODES
 from moerl.parallel.layout import LayoutConfig, parallelize, storage_dtype
@@ -74,6 +75,7 @@ class PolicyConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     micro_batch_size: int = 8
     dtype: str = "auto"  # compute dtype (lora: the frozen base; full: the model copy): auto | bfloat16 | float32
+    device: str = "auto"  # auto (CUDA where present) | cpu | cuda | cuda:N (moerl.device)
     reference: bool = False  # full / mxfp8: keep a frozen copy for reference logprobs (lora: adapters off)
     max_nan_steps: int = 3  # consecutive non-finite steps that stop training
     mx_scale_mode: str = "rceil"  # mxfp8: floor | rceil
@@ -83,6 +85,7 @@ class PolicyConfig:
         if self.mode not in MODES:
             raise ConfigError(f"PolicyConfig.mode={self.mode!r}: allowed: {', '.join(MODES)}")
         dtype_name(self.dtype, key="PolicyConfig.dtype")  # auto: bf16 where native, else fp32 (moerl.precision)
+        device_name(self.device, key="policy.device")  # what this host lacks is refused where the policy is built
         if self.micro_batch_size < 1:
             raise ConfigError(f"PolicyConfig.micro_batch_size={self.micro_batch_size}: must be >= 1")
         if self.max_nan_steps < 1:
@@ -144,8 +147,9 @@ class Policy:
         reuse_freed_memory()  # CPU: each step frees and allocates the same activations (moerl.allocator)
         self.checkpoint = Path(checkpoint)
         world = world or World()
-        self.dtype = dtype = compute_dtype(cfg.dtype)
-        self.model = load_model(checkpoint, dtype=storage_dtype(world, cfg.mode, dtype)).eval()
+        self.device = resolve_device(cfg.device, key="policy.device")
+        self.dtype = dtype = compute_dtype(cfg.dtype, self.device)
+        self.model = load_model(checkpoint, dtype=storage_dtype(world, cfg.mode, dtype), device=self.device).eval()
         self.ref_model = None
         self.master: MasterWeights | None = None
         if cfg.mode == "lora":
@@ -228,6 +232,7 @@ class Policy:
         if isinstance(replay, torch.Tensor):
             batch = replace(batch, replay=replay)
             replay = True
+        home, batch = batch.input_ids.device, batch.to(self.device)  # results go back where the batch came from
         model, adapters = self.model, self.adapters
         if reference:
             replay, adapters = False, None
@@ -237,7 +242,8 @@ class Policy:
                 model = self.ref_model
         step = Step(batch, replay, adapters, temperature, entropy)
         # the frozen reference copy is whole on every rank: it runs outside the pipeline stages
-        return self.layout.forward(step, self._forward(model, step), stages=model is self.model)
+        lp, ent = self.layout.forward(step, self._forward(model, step), stages=model is self.model)
+        return lp.to(home), (ent.to(home) if ent is not None else None)
 
     def logprobs_with_reference(
         self, batch: Batch, replay: bool = True, temperature: float = 1.0
@@ -254,7 +260,7 @@ class Policy:
             torch.cat([batch.attention_mask, batch.attention_mask]),
             torch.cat([batch.loss_mask, batch.loss_mask]),
             None if routed is None else torch.cat([routed, torch.full_like(routed, -1)]),
-            {"adapter_slots": torch.tensor([self.adapters] * b + [-1] * b)},
+            {"adapter_slots": torch.tensor([self.adapters] * b + [-1] * b, device=batch.input_ids.device)},
             total_tokens=batch.total_tokens,
             total_seqs=batch.total_seqs,
         )
@@ -271,7 +277,7 @@ class Policy:
         for p in [*trained.values(), *self.trainable.values()]:
             p.grad = None
         self.model.train()
-        step = Step(batch, replay, self.adapters, temperature, entropy)
+        step = Step(batch.to(self.device), replay, self.adapters, temperature, entropy)
         try:
             total, metrics = self.layout.backward(step, self._forward(self.model, step), loss_fn)
         finally:
@@ -324,7 +330,8 @@ class Policy:
         """The name of the first trained tensor (adapter or fp32 master) holding NaN or inf, else None (each rank
         checks its shards; the ranks agree on the first bad name)."""
         state, names = self.trainable_state(), self.all_names
-        bad = next((n for n in state if not all_finite(local(state[n]))), None)
+        first = first_nonfinite([local(t) for t in state.values()])  # one host read for every tensor
+        bad = list(state)[first] if first is not None else None
         first = self.layout.agreed_min(names.index(bad) if bad is not None else len(names))
         return names[first] if first < len(names) else None
 

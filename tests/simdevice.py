@@ -1,0 +1,235 @@
+"""A simulated CUDA device for hosts without one, to catch device mixing in CI.
+
+Inside ``SimCuda()`` tensors made for ``cuda`` (a factory's ``device=``, ``.to("cuda")``, ``.cuda()``) are CPU
+tensors the simulation tracks as being on the device; they report ``device == cuda:0`` and ``is_cuda``. Two modes do
+it: a torch-function mode (what Python code sees: the device it reads, the factories and moves it calls, the host
+reads it makes) and a dispatch mode under it (every ATen op, the backward's included: where results live, and the
+check). An op that combines a tensor on the device with a CPU tensor of one element or more is refused as CUDA refuses
+it (CPU scalars and CPU index tensors of ``t[idx]`` are allowed, as CUDA allows them; a copy between the two is a
+transfer), and so is a CPU generator drawing for the device. Reads of device values on the host (``.item()``,
+``.tolist()``, ``bool``, ``.cpu()``, ``nonzero``, ...) are counted as host syncs, by the moerl line that made them.
+
+What it cannot show: the speed, kernels that exist on the CPU only, the alignment rules of CUDA kernels.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections import Counter
+from contextlib import ExitStack
+
+import torch
+from torch.overrides import TorchFunctionMode, resolve_name
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+CUDA = torch.device("cuda", 0)
+CPU = torch.device("cpu")
+aten = torch.ops.aten
+
+# Python-level reads of a device value on the host: CUDA waits for the device there
+SYNCS = {
+    "Tensor.item",
+    "Tensor.tolist",
+    "Tensor.__bool__",
+    "Tensor.__int__",
+    "Tensor.__float__",
+    "Tensor.__index__",
+    "Tensor.numpy",
+    "Tensor.nonzero",
+    "torch.nonzero",
+    "Tensor.unique",
+    "torch.unique",
+}
+MOVES = ("Tensor.to", "Tensor.cuda", "Tensor.cpu")
+# ATen ops that take CPU index tensors or a CPU source with device tensors, as CUDA does
+MIXED_OK = {
+    aten.index.Tensor,
+    aten.index_put.default,
+    aten.index_put_.default,
+    aten._index_put_impl_.default,
+    aten.copy_.default,
+    aten._to_copy.default,
+    aten.lift_fresh.default,
+    aten.set_.source_Storage_storage_offset,
+    aten.set_.source_Tensor,
+}
+
+
+class DeviceMixError(RuntimeError):
+    """A torch call combined the simulated device's tensors with CPU tensors where CUDA refuses it."""
+
+
+def _is_cuda(device) -> bool:
+    return device is not None and not isinstance(device, torch.dtype) and torch.device(device).type == "cuda"
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+class _Where:
+    """Which storages are on the simulated device (by address; every tensor made while simulating is recorded)."""
+
+    def __init__(self):
+        self.state: dict[int, bool] = {}
+
+    def on(self, t: torch.Tensor) -> bool:
+        storage = t.untyped_storage()  # its device is the real one (``t.device`` is what the simulation reports)
+        return storage.device.type == "cpu" and t.numel() > 0 and self.state.get(storage.data_ptr(), False)
+
+    def mark(self, out, device: bool) -> None:
+        for t in _tensors(out):
+            storage = t.untyped_storage()
+            if storage.device.type == "cpu" and t.numel() > 0:
+                self.state[storage.data_ptr()] = device
+
+
+class _Dispatch(TorchDispatchMode):
+    """Every ATen op: the check, and where its results live (on the device if any input is)."""
+
+    def __init__(self, where: _Where):
+        super().__init__()
+        self.where = where
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ins = _tensors((args, kwargs))
+        dev = [t for t in ins if self.where.on(t)]
+        if dev and func not in MIXED_OK:
+            host = [t for t in ins if not self.where.on(t) and not t.is_meta and t.dim() > 0 and t.numel()]
+            if host:
+                shapes = ", ".join(str(tuple(t.shape)) for t in host)
+                raise DeviceMixError(
+                    f"{func}: expected all tensors on one device, got cuda:0 tensors and CPU tensor(s) of shape "
+                    f"{shapes}"
+                )
+        out = func(*args, **kwargs)
+        if func in (aten.copy_.default, aten.set_.source_Storage_storage_offset, aten.set_.source_Tensor):
+            return out  # the destination stays where it is
+        if func is aten._to_copy.default and kwargs.get("device") is not None:
+            self.where.mark(out, _is_cuda(kwargs["device"]))  # a move; a dtype cast alone stays where it is
+            return out
+        self.where.mark(out, bool(dev))
+        return out
+
+
+class _Function(TorchFunctionMode):
+    """What Python code sees: devices reported, factories and moves made for the device, host reads counted."""
+
+    def __init__(self, where: _Where, syncs: Counter):
+        super().__init__()
+        self.where, self.syncs = where, syncs
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = resolve_name(func) or getattr(func, "__name__", str(func))
+        name = name.removeprefix("torch.") if name.startswith("torch.Tensor.") else name
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if name in ("Tensor.device.__get__", "Tensor.is_cuda.__get__", "Tensor.is_cpu.__get__"):
+            on = self.where.on(first)
+            if name == "Tensor.device.__get__":
+                return CUDA if on else func(*args, **kwargs)
+            return on if name == "Tensor.is_cuda.__get__" else not on
+        if name in ("Tensor.backward", "torch.autograd.backward"):
+            return self._backward(name, args, kwargs)
+        target = self._target(name, args, kwargs)
+        dev_in = any(self.where.on(t) for t in _tensors((args, kwargs)))
+        if name in SYNCS and dev_in:
+            self._count(name)
+        if _is_cuda(target):
+            if isinstance(kwargs.get("generator"), torch.Generator):
+                raise DeviceMixError(f"{name}: a CPU generator cannot draw for the CUDA device")
+            out = first.clone() if name in MOVES and first is not None else func(*args, **{**kwargs, "device": CPU})
+            if name == "Tensor.to":  # a dtype given with the device
+                dtype = next((a for a in (*args[1:], kwargs.get("dtype")) if isinstance(a, torch.dtype)), None)
+                out = out.to(dtype) if dtype is not None else out
+            self.where.mark(out, True)
+            return out
+        if (
+            name in MOVES and dev_in and target is not None
+        ):  # device -> host: a new host tensor, and the host waits for it
+            self._count("device -> host copy")
+            out = func(*args, **kwargs)
+            out = out.clone() if out.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() else out
+            self.where.mark(out, False)
+            return out
+        out = func(*args, **kwargs)
+        if not _tensors((args, kwargs)):  # made from Python values (torch.tensor makes it without an ATen op)
+            self.where.mark(out, False)
+        return out  # else where its results live: the dispatch mode says
+
+    def _backward(self, name: str, args, kwargs) -> None:
+        """Run the autograd engine with this mode on, so the Python backward of custom autograd functions sees the
+        devices as the forward did (a mode is off inside its own handler, so ``func`` would run them without it).
+        The engine call is torch.autograd.backward's own, after its checks."""
+        from torch.autograd.graph import _engine_run_backward
+
+        if name == "Tensor.backward":
+            params = dict(zip(("gradient", "retain_graph", "create_graph", "inputs"), args[1:], strict=False))
+            params |= kwargs
+            tensors, grads = (args[0],), (params.get("gradient"),)
+        else:
+            params = dict(zip(("grad_tensors", "retain_graph", "create_graph"), args[1:], strict=False)) | kwargs
+            tensors = (args[0],) if isinstance(args[0], torch.Tensor) else tuple(args[0])
+            grads = params.get("grad_tensors") or (None,) * len(tensors)
+            grads = (grads,) if isinstance(grads, torch.Tensor) else tuple(grads)
+        grads = tuple(torch.ones_like(t) if g is None else g for t, g in zip(tensors, grads, strict=True))
+        create = bool(params.get("create_graph", False))
+        retain = params.get("retain_graph")
+        inputs = params.get("inputs") or ()
+        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        torch._C._push_on_torch_function_stack(self)
+        try:
+            _engine_run_backward(
+                tensors,
+                grads,
+                create if retain is None else retain,
+                create,
+                inputs,
+                allow_unreachable=True,
+                accumulate_grad=True,
+            )
+        finally:
+            torch._C._pop_torch_function_stack()
+
+    def _target(self, name: str, args, kwargs):
+        """The device a factory or a move makes its result on (None: no such call)."""
+        if name == "Tensor.cuda":
+            return CUDA
+        if name == "Tensor.cpu":
+            return CPU
+        if name == "Tensor.to":
+            for a in (*args[1:], kwargs.get("device")):
+                if isinstance(a, str | torch.device):
+                    return torch.device(a)
+                if isinstance(a, torch.Tensor):
+                    return CUDA if self.where.on(a) else CPU
+            return None
+        return kwargs.get("device")
+
+    def _count(self, what: str) -> None:
+        stack = traceback.extract_stack()
+        caller = next((f for f in reversed(stack) if "/moerl/" in f.filename and "simdevice" not in f.filename), None)
+        where = f"{caller.filename.rsplit('/moerl/', 1)[1]}:{caller.lineno}" if caller else "outside moerl"
+        self.syncs[(what, where)] += 1
+
+
+class SimCuda:
+    """``with SimCuda() as sim:`` runs torch as if a CUDA device were there (see the module docstring); ``sim.syncs``
+    counts host syncs by (call, moerl line)."""
+
+    def __init__(self):
+        self.where, self.syncs = _Where(), Counter()
+        self._stack = ExitStack()
+
+    def on_device(self, t: torch.Tensor) -> bool:
+        return self.where.on(t)
+
+    def __enter__(self) -> SimCuda:
+        self._stack.enter_context(_Dispatch(self.where))
+        self._stack.enter_context(_Function(self.where, self.syncs))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
