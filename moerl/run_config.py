@@ -12,7 +12,6 @@ from moerl.device import device_name
 from moerl.envs import check_env_kwargs
 from moerl.errors import ConfigError
 from moerl.precision import DTYPE_NAMES
-from moerl.rollout.spec import PLACEMENTS
 from moerl.trainer import PolicyConfig
 from moerl.trainer.advantages import ESTIMATORS
 from moerl.trainer.losses import PolicyLossConfig
@@ -37,6 +36,9 @@ class ModelSection:
     arch: str = "qwen3_moe"
     preset: str = "tiny"
     seed: int = 0
+
+
+PLACEMENTS = ("inprocess", "process")  # what rollout.placement chooses; "ray": Ray actors (cluster.backend=ray)
 
 
 @dataclass(slots=True)

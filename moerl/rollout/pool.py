@@ -20,8 +20,9 @@ from moerl.errors import ConfigError, EngineDied, EngineError
 from moerl.rollout.local import LocalEngine
 from moerl.rollout.process import EngineProcess
 from moerl.rollout.shm import SharedBuffer, ShmWriter
-from moerl.rollout.spec import PLACEMENTS, EngineSpec, build_native
+from moerl.rollout.spec import EngineSpec, build_native
 from moerl.rollout.wire import pack_inline
+from moerl.run_config import PLACEMENTS
 
 _live: weakref.WeakSet[EnginePool] = weakref.WeakSet()
 

@@ -10,8 +10,6 @@ from moerl.engine import EngineConfig, LLMEngine
 from moerl.errors import ConfigError
 from moerl.precision import compute_dtype
 
-PLACEMENTS = ("inprocess", "process")  # what rollout.placement chooses; "ray": Ray actors (cluster.backend=ray)
-
 
 @dataclass(slots=True)
 class EngineSpec:
