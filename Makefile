@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test gpu-check lint bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -28,6 +28,12 @@ test: $(TEST_STAMP)
 	$(PY) -m moerl.precision
 	$(PY) -m ruff check moerl tests benchmarks
 	$(PY) -m pytest -q --durations=15  # the slowest tests, to keep CI within its budget
+	DEV=cpu $(PY) benchmarks/gpu_check.py  # the GPU check's dry run: it must work before device time is spent
+
+# the GPU check (one PASS / FAIL line per item): run from the tree with the machine's own python and CUDA torch, no
+# install (installing moerl's pins would replace that torch); DEV=cpu runs it on a CPU
+gpu-check:
+	PYTHONPATH=. DEV=$${DEV:-cuda} $${PYTHON:-python3} benchmarks/gpu_check.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/forward.py

@@ -125,3 +125,16 @@ def test_mxfp8_training_loss_falls_and_keeps_router_embeddings_unquantized(hf_ch
     batch = make_batch()
     losses = [pol.train_step(batch, sft_loss)["loss"] for _ in range(10)]
     assert losses[-1] < losses[0] - 0.3, losses
+
+
+def test_mxfp8_without_torchao_is_refused_by_name(monkeypatch):
+    import sys
+
+    from moerl.errors import ConfigError
+    from moerl.model.mx import _mode
+
+    monkeypatch.setitem(sys.modules, "torchao.prototype.mx_formats.config", None)  # as where torchao is absent
+    with pytest.raises(ConfigError, match=r"MXFP8 \(policy.mode=mxfp8\) needs torchao 0\.18.*lora / full mode"):
+        _mode("rceil")
+    monkeypatch.undo()
+    assert _mode("rceil") is not None  # with torchao: the scale mode

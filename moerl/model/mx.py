@@ -24,8 +24,15 @@ MX_SCALE = ".mx_scale"  # suffix of the E8M0 scales that travel with E4M3 weight
 
 
 def _mode(mode: str):
-    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    try:
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    except ImportError as e:  # e.g. a GPU box with its own torch and no torchao
+        from moerl.errors import ConfigError
 
+        raise ConfigError(
+            f"MXFP8 (policy.mode=mxfp8) needs torchao 0.18's MX primitives, which do not import here ({e}); "
+            "install moerl's dependencies (pip install -e .) or train in lora / full mode"
+        ) from None
     if mode not in SCALE_MODES:
         from moerl.errors import ConfigError
 

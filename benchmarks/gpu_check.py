@@ -1,0 +1,377 @@
+"""moerl on a GPU: one prepared check, one PASS / FAIL / SKIP line per item with its figure (``make gpu-check``).
+
+Run from the tree (``PYTHONPATH=.``), no install: the GPU machine has its own torch. ``DEV=cpu`` runs the same checks
+on a CPU, smaller (``make test`` runs that dry run), so the script is known to work before device time is spent.
+
+    DEV=cuda python benchmarks/gpu_check.py     # on the GPU machine (~ a few minutes)
+    DEV=cpu  python benchmarks/gpu_check.py     # the dry run
+
+Exit status 1 when any check fails. A failing check prints the innermost moerl line it failed at.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moerl.bridges import load_model  # noqa: E402
+from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams  # noqa: E402
+from moerl.errors import ConfigError  # noqa: E402
+from moerl.model.grouped import Groups, group_mm  # noqa: E402
+from moerl.model.lora import slot_tensors  # noqa: E402
+from moerl.presets import init_model  # noqa: E402
+from moerl.sync import sync_policy  # noqa: E402
+from moerl.trainer import Batch, OptimConfig, Policy, PolicyConfig  # noqa: E402
+from moerl.trainer.losses import sft_loss  # noqa: E402
+
+DEV = os.environ.get("DEV", "cuda")
+CUDA = DEV.startswith("cuda")
+BF16 = torch.bfloat16
+# on the GPU bf16 is the engine's and the trainer's dtype; the CPU dry run checks the same paths in fp32 (an AVX2
+# host multiplies bf16 at ~1 GFLOP/s)
+DT = BF16 if CUDA else torch.float32
+FAILED: list[str] = []
+
+
+def check(name: str, fn, *args) -> None:
+    """Run one check: ``fn`` returns (ok, figure) or raises; prints one line."""
+    start = time.perf_counter()
+    try:
+        ok, figure = fn(*args)
+        status = "PASS" if ok is True else "SKIP" if ok is None else "FAIL"
+    except Exception as e:  # a check's failure is a line of the report, not the end of it
+        frames = traceback.extract_tb(e.__traceback__)
+        at = ([f for f in frames if "/moerl/" in f.filename] or frames)[-1]
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        status, figure = "FAIL", f"{type(e).__name__}: {first} @ {at.filename.rsplit('/', 2)[-2:]}:{at.lineno}"
+    if status == "FAIL":
+        FAILED.append(name)
+    print(f"{status} {name}: {figure} [{time.perf_counter() - start:.1f} s]", flush=True)
+
+
+def sync() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def requests(n: int, tokens: int, adapters=(None,), seed: int = 0) -> list[Request]:
+    """``n`` seeded requests with prompts of 3..39 tokens, the adapters taken in turn."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 40, (n,), generator=g).tolist()
+    return [
+        Request(
+            torch.randint(4, 100, (k,), generator=g).tolist(),
+            SamplingParams(max_tokens=tokens, seed=i, ignore_eos=True),
+            adapter=adapters[i % len(adapters)],
+        )
+        for i, k in enumerate(lengths)
+    ]
+
+
+def to_batch(outs) -> Batch:
+    """Engine outputs as a trainer batch, the engine's routing as R3 replay (-1 on padding)."""
+    seqs = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
+    b, t = len(seqs), max(map(len, seqs))
+    ids, mask, loss = (torch.zeros(b, t, dtype=torch.long) for _ in range(3))
+    routed = outs[0].outputs[0].routed_experts
+    replay = torch.full((b, t - 1, *routed.shape[1:]), -1)
+    for i, (o, s) in enumerate(zip(outs, seqs, strict=True)):
+        ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
+        loss[i, len(o.prompt_token_ids) : len(s)] = 1
+        replay[i, : len(s) - 1] = o.outputs[0].routed_experts.long()
+    return Batch(ids, mask, loss, replay)
+
+
+def k3_gap(outs, lp: torch.Tensor) -> tuple[float, float]:
+    """k3 and max |d| between the trainer's logprobs ``lp`` and the engine's for the generated tokens."""
+    d = torch.cat(
+        [
+            lp[i, len(o.prompt_token_ids) :][: len(o.outputs[0].token_ids)].float().cpu() - o.outputs[0].logprobs
+            for i, o in enumerate(outs)
+        ]
+    )
+    return (d.exp() - 1 - d).mean().item(), d.abs().max().item()
+
+
+# -- the checks -------------------------------------------------------------------------------------------------------
+
+
+def grouped_mm() -> tuple[bool, str]:
+    """The experts' grouped GEMM in bf16, forward and backward, with empty groups, against per-group matmuls."""
+    e, k, n = 8, 128, 256
+    keys = torch.tensor([0] * 40 + [2] * 3 + [5] * 100 + [7], device=DEV)
+    x = torch.randn(len(keys), k, device=DEV, dtype=DT, requires_grad=True)
+    w = torch.randn(e, n, k, device=DEV, dtype=DT, requires_grad=True)
+    y = group_mm(x, w.mT, Groups(keys, e)).float()
+    y.square().sum().backward()
+    ref = torch.cat([x[keys == i].float() @ w[i].float().T for i in range(e)])
+    err = ((y - ref).abs().max() / ref.abs().max()).item()
+    return bool(w.grad.isfinite().all()) and err < 2e-2, f"{DT} fwd+bwd, empty groups, rel err {err:.1e}"
+
+
+def forward_parity(ckpt: Path) -> tuple[bool, str]:
+    """The model on the device in fp32 against the CPU in fp32 (the tests' oracle), padded rows included."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ids = torch.randint(4, 100, (4, 40), generator=torch.Generator().manual_seed(0))
+    mask = (torch.arange(40) < torch.tensor([[40], [30], [40], [10]])).long()
+    cpu, dev = load_model(ckpt, torch.float32), load_model(ckpt, torch.float32, device=DEV)
+    with torch.no_grad():
+        a = cpu(ids, attention_mask=mask, capture=True)
+        b = dev(ids.to(DEV), attention_mask=mask.to(DEV), capture=True)
+    d = (a.logits - b.logits.cpu()).abs().max().item()
+    agree = (a.routed == b.routed.cpu()).float().mean().item()
+    return d < 1e-3 and agree > 0.99, f"fp32 max|dlogit| {d:.1e}, routing agree {agree:.4f}"
+
+
+def engine_r3(ckpt: Path, state: dict) -> tuple[bool, str]:
+    """Engine generate with R3 capture on the device: its experts equal a full forward's on the same tokens."""
+    model = load_model(ckpt, DT, device=DEV)
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=8, max_model_len=128, capture_routing=True))
+    engine.generate(requests(1, 2))  # warm
+    sync()
+    start = time.perf_counter()
+    outs = engine.generate(requests(8, 32))
+    sync()
+    rate = 8 * 32 / (time.perf_counter() - start)
+    batch = to_batch(outs)
+    with torch.no_grad():
+        routed = model(batch.input_ids.to(DEV), attention_mask=batch.attention_mask.to(DEV), capture=True).routed
+    real = batch.replay >= 0
+    agree = (routed[:, :-1].cpu() == batch.replay)[real].float().mean().item()
+    state.update(engine=engine, outs=outs, batch=batch)
+    return agree > 0.98, f"{rate:.0f} tok/s eager (8 seqs, {DT}), experts = full forward {agree:.4f}"
+
+
+def engine_vs_trainer(ckpt: Path, state: dict) -> tuple[bool, str]:
+    """The trainer's logprobs of the engine's samples under R3 replay: k3 against the engine's."""
+    pol = Policy(ckpt, PolicyConfig(mode="full", dtype=str(DT).removeprefix("torch."), device=DEV))
+    k3, worst = k3_gap(state["outs"], pol.forward_logprobs(state["batch"], replay=True)[0])
+    state["policy"] = pol
+    bound = 1e-3 if DT == BF16 else 1e-6
+    return k3 < bound, f"k3 {k3:.1e} (bound {bound:.0e}), max|dlp| {worst:.2e}"
+
+
+def weight_sync(state: dict) -> tuple[bool, str]:
+    """A train step, then a full sync into the engine: weights equal in the engine's dtype, the router fp32."""
+    pol, engine = state["policy"], state["engine"]
+    metrics = pol.train_step(state["batch"], sft_loss)
+    stats = sync_policy(pol, engine, version=1)
+    params = dict(engine.model.named_parameters())
+    worst = max((params[n] - p.to(params[n].dtype)).abs().max().item() for n, p in pol.model.named_parameters())
+    router = next(n for n in params if n.endswith("router.weight"))
+    fp32 = params[router].dtype == torch.float32 and torch.equal(params[router], pol.master.master[router].detach())
+    return worst == 0 and fp32, (
+        f"loss {metrics['loss']:.3f}; {stats.bytes / 2**20:.1f} MiB in {stats.seconds * 1e3:.0f} ms, "
+        f"max|engine - trainer| {worst:.1e}, router fp32 bit for bit {fp32}"
+    )
+
+
+def train_steps(ckpt: Path, mode: str, packing: bool) -> tuple[bool | None, str]:
+    """Three steps of one mode on a fixed batch: finite, on the device, the loss falls."""
+    cfg = PolicyConfig(
+        mode=mode,
+        dtype=str(DT).removeprefix("torch."),
+        device=DEV,
+        micro_batch_size=8,
+        packing=packing,
+        optim=OptimConfig(lr=3e-3),
+    )
+    try:
+        pol = Policy(ckpt, cfg)
+    except ConfigError as e:
+        if mode == "mxfp8" and "torchao" in str(e):
+            return None, f"refused by name: {str(e)[:100]}"
+        raise
+    g = torch.Generator().manual_seed(1)
+    mask = (torch.arange(64) < torch.randint(16, 65, (16, 1), generator=g)).long()
+    loss = mask.clone()
+    loss[:, :8] = 0
+    batch = Batch(torch.randint(4, 100, (16, 64), generator=g) * mask, mask, loss)
+    losses = []
+    for _ in range(3):
+        sync()
+        start = time.perf_counter()
+        out = pol.train_step(batch, sft_loss)
+        sync()
+        losses.append(out["loss"])
+    on_device = all(p.device.type == torch.device(DEV).type for p in pol.trained.values())
+    ok = on_device and math.isfinite(out["grad_norm"]) and losses[-1] < losses[0]
+    return ok, f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, {(time.perf_counter() - start) * 1e3:.0f} ms/step"
+
+
+def engine_lora_slots(ckpt: Path) -> tuple[bool, str]:
+    """An engine batch mixing the trained adapter and no adapter, against the trainer with and without it."""
+    pol = Policy(ckpt, PolicyConfig(mode="lora", dtype=str(DT).removeprefix("torch."), device=DEV))
+    with torch.no_grad():  # adapters that matter (B starts at zero)
+        for p in pol.trainable.values():
+            p.add_(torch.randn_like(p) * 0.05)
+    engine = LLMEngine(
+        load_model(ckpt, DT, device=DEV),
+        EngineConfig(max_num_seqs=8, max_model_len=128, max_loras=2, capture_routing=True),
+    )
+    sync_policy(pol, engine, version=1)
+    outs = engine.generate(requests(6, 24, adapters=("policy", None)))
+    batch = to_batch(outs)
+    with_adapter = pol.forward_logprobs(batch, replay=True)[0]
+    base = pol.forward_logprobs(batch, reference=True)[0]
+    lp = torch.stack([(with_adapter if i % 2 == 0 else base)[i] for i in range(len(outs))])
+    k3, worst = k3_gap(outs, lp)
+    bound = 2e-3 if DT == BF16 else 1e-5
+    return k3 < bound, f"k3 {k3:.1e} (bound {bound:.0e}), max|dlp| {worst:.2e}"
+
+
+def compiled_decode(ckpt: Path) -> tuple[bool | None, str]:
+    """The compiled decode step with CUDA graphs: tokens against eager, speed, cudagraph skips."""
+    if not CUDA:
+        return None, "CUDA graphs: GPU only"
+    from torch._dynamo.utils import counters
+
+    model = load_model(ckpt, DT, device=DEV).eval()
+    eager = LLMEngine(model, EngineConfig(max_num_seqs=16, max_model_len=128))
+    fast = LLMEngine(model, EngineConfig(max_num_seqs=16, max_model_len=128, compile_decode=True))
+    ref = eager.generate(requests(16, 32))
+    fast.generate(requests(16, 32))  # compile and capture
+    sync()
+    start = time.perf_counter()
+    out = fast.generate(requests(16, 32))
+    sync()
+    t_fast = time.perf_counter() - start
+    start = time.perf_counter()
+    eager.generate(requests(16, 32))
+    sync()
+    t_eager = time.perf_counter() - start
+    same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(ref, out, strict=True))
+    skips = counters["inductor"]["cudagraph_skips"]
+    return same >= 12 and skips == 0, f"{same}/16 equal eager, {t_eager / t_fast:.1f}x eager, cudagraph skips {skips}"
+
+
+def ipc_sync() -> tuple[None, str]:
+    return None, "CUDA-IPC weight transport to an engine process: not built yet (issue 23 part 4)"
+
+
+# the MoE whose LoRA decode the check measures: Qwen3-30B-A3B's real shapes (128 experts, top-8), a few layers
+QWEN3_30B_A3B = {
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 4,
+    "vocab_size": 151936,
+}
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
+
+
+# the CPU dry run: the same code on shapes a CPU decodes in seconds
+SMALL_MOE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 1,
+    "vocab_size": 128,
+}
+
+
+def lora_decode(seqs: int, tokens: int) -> tuple[bool, str]:
+    """Decode at ``seqs`` concurrent sequences: base vs per_expert vs shared_outer LoRA (rank 16 on every
+    projection and expert, through the engine's adapter slot), as tokens/s and as a fraction of the HBM roofline
+    (the bytes a step must read: every non-expert weight, and each expert weighted by the chance the batch touches
+    it; over the device's bandwidth)."""
+    shape = QWEN3_30B_A3B if CUDA else SMALL_MOE
+    bw = next((b for n, b in HBM_BYTES_PER_S.items() if CUDA and n in torch.cuda.get_device_name()), None)
+    figures = []
+    for layout in (None, "per_expert", "shared_outer"):
+        model = _random_model(shape)
+        lora = {} if layout is None else {"max_loras": 1, "max_lora_rank": 16, "lora_layout": layout}
+        engine = LLMEngine(model, EngineConfig(max_num_seqs=seqs, max_model_len=64 + tokens, **lora))
+        adapter = None
+        if layout is not None:
+            g = torch.Generator().manual_seed(0)
+            shapes = slot_tensors(engine.model, 0)
+            engine.add_adapter("a", {k: torch.randn(v.shape, generator=g) * 0.01 for k, v in shapes.items()})
+            adapter = "a"
+        engine.generate(requests(seqs, 2, adapters=(adapter,)))  # warm
+        sync()
+        start = time.perf_counter()
+        engine.generate(requests(seqs, tokens, adapters=(adapter,), seed=1))
+        sync()
+        rate = seqs * tokens / (time.perf_counter() - start)
+        figures.append((layout or "base", rate, _step_bytes(model, seqs)))
+        del engine, model
+    base = figures[0][1]
+    parts = []
+    for name, rate, step_bytes in figures:
+        roof = f", {rate / seqs * step_bytes / bw:.0%} of roofline" if bw else ""
+        parts.append(f"{name} {rate:.0f} tok/s ({rate / base:.2f}x base{roof})")
+    return True, "; ".join(parts)
+
+
+def _random_model(overrides: dict):
+    """The model built on the current device with random weights (no CPU init of ~GBs)."""
+    from moerl.model.transformer import MoEModel
+    from moerl.presets import preset_config
+
+    _, cfg = preset_config("qwen3_moe", "tiny", overrides)
+    with torch.device(DEV):
+        model = MoEModel(cfg, DT)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0, 0.02)
+    return model.eval()
+
+
+def _step_bytes(model, seqs: int) -> float:
+    """Bytes one decode step reads: non-expert weights whole, each expert with the chance the batch touches it."""
+    total = expert = 0
+    for name, p in model.named_parameters():
+        size = p.numel() * p.element_size()
+        total += size
+        if ".experts." in name and ".lora." not in name:
+            expert += size
+    cfg = model.config
+    touched = 1 - (1 - cfg.top_k / cfg.num_experts) ** seqs
+    return total - expert + expert * touched
+
+
+def main() -> int:
+    print(f"INFO torch {torch.__version__}, device {DEV}", end="")
+    print(f" ({torch.cuda.get_device_name()}, CUDA {torch.version.cuda})" if CUDA else "", flush=True)
+    state: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = Path(tmp) / "tiny"
+        init_model("qwen3_moe", "tiny", ckpt)
+        check("grouped_mm", grouped_mm)
+        check("forward parity on the device", forward_parity, ckpt)
+        check("engine generate with R3 capture", engine_r3, ckpt, state)
+        check("engine vs trainer under R3", engine_vs_trainer, ckpt, state)
+        check("weight sync full, in process", weight_sync, state)
+        for mode in ("lora", "full", "mxfp8"):
+            check(f"train step {mode}", train_steps, ckpt, mode, False)
+        check("train step lora, packed", train_steps, ckpt, "lora", True)
+        check("engine mixed adapter slots vs trainer", engine_lora_slots, ckpt)
+        check("compiled decode with CUDA graphs", compiled_decode, ckpt)
+        check("weight sync over CUDA IPC", ipc_sync)
+        check("LoRA decode, Qwen3-30B-A3B shapes", lora_decode, 32 if CUDA else 4, 64 if CUDA else 4)
+    print(f"{'FAIL' if FAILED else 'PASS'} gpu-check on {DEV}: {len(FAILED)} failed {FAILED}", flush=True)
+    return 1 if FAILED else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
