@@ -40,5 +40,9 @@ class EngineError(MoerlError, RuntimeError):
     """A rollout engine process failed: it died, did not start, or raised something unexpected."""
 
 
+class SharedMemoryFull(EngineError):
+    """The shared memory a transfer to engine processes needs is not there (e.g. a container's small /dev/shm)."""
+
+
 class EngineDied(EngineError):
     """An engine its runtime restarts (a Ray actor) died while answering; the pool revives it."""

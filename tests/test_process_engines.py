@@ -255,3 +255,57 @@ def test_an_engine_that_dies_stops_the_run_with_its_trained_state_saved(ahead, w
     monkeypatch.setattr(loop, "rl_step", real)
     loop.train(cfg, resume=True)  # new engines, the run goes on from step 1
     assert [r["step"] for r in metric_rows(tmp_path / "run")] == [0, 1, 2, 3]
+
+
+def _small_shm(script: str, tmp_path) -> subprocess.CompletedProcess:
+    """Run ``script`` (shell) with a 1 MiB /dev/shm of its own (a private mount namespace: root only)."""
+    cmd = ["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=1M tmpfs /dev/shm && {script}"]
+    try:
+        probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1M tmpfs /dev/shm"], timeout=30)
+    except FileNotFoundError:
+        pytest.skip("no unshare on this host")
+    if probe.returncode != 0:
+        pytest.skip("this host does not let a test mount a private /dev/shm")
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+
+
+def test_a_small_dev_shm_is_a_named_error_not_a_bus_error(tmp_path):
+    script = textwrap.dedent(
+        """
+        import os, torch
+        from moerl.errors import SharedMemoryFull
+        from moerl.rollout.shm import ShmWriter
+        w = ShmWriter("moerl-weights")
+        w.put({"small": torch.zeros(1 << 16)})  # 256 KiB: fits
+        try:
+            w.put({"big": torch.zeros(1 << 20)})  # 4 MiB: does not
+        except SharedMemoryFull as e:
+            print("REFUSED", e)
+        w.close()
+        print("LEFT", sorted(os.listdir("/dev/shm")))
+        """
+    )
+    (tmp_path / "put.py").write_text(script)
+    out = _small_shm(f"{sys.executable} put.py", tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "REFUSED shared memory for engine processes: /dev/shm has" in out.stdout
+    assert "a buffer of 4.0 MiB does not fit" in out.stdout and "--shm-size" in out.stdout
+    assert "LEFT []" in out.stdout  # the refused buffer's file is gone too
+
+
+def test_a_run_whose_engines_lack_shared_memory_stops_named_with_its_state_saved(tmp_path):
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = [
+        f"{repo}/examples/full_arithmetic_engines.yaml",
+        f"run_dir={tmp_path}/run",
+        "train.steps=2",
+        "env.eval_problems=0",
+        "rollout.prompts_per_step=4",
+        "rollout.group_size=4",
+        "rollout.dtype=float32",
+        "policy.dtype=float32",
+    ]
+    out = _small_shm(f"{sys.executable} -m moerl.cli train {' '.join(args)}", tmp_path)
+    assert out.returncode not in (0, 135, -7), out.stderr[-2000:]  # 135 / -7: SIGBUS
+    assert "shared memory for engine processes: /dev/shm has" in out.stderr
+    assert (tmp_path / "run" / "checkpoint" / "checkpoint.json").exists()  # the trained step is kept

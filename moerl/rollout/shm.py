@@ -9,11 +9,14 @@ unlinked as soon as every reader has mapped it, so a crash leaves nothing behind
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import uuid
 from pathlib import Path
 
 import torch
+
+from moerl.errors import SharedMemoryFull
 
 ALIGN = 64  # byte alignment of every tensor in a buffer (any dtype can view it; cache-line aligned)
 
@@ -47,8 +50,7 @@ class SharedBuffer:
     def __init__(self, path: str, nbytes: int, create: bool):
         self.path, self.nbytes = path, nbytes
         if create:
-            with open(path, "wb") as f:
-                f.truncate(max(nbytes, 1))
+            _allocate(path, max(nbytes, 1))
         self.data = torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
 
     @classmethod
@@ -92,6 +94,26 @@ class SharedBuffer:
     def unlink(self) -> None:
         """Remove the file (mappings stay valid): call once every process that needs it has mapped it."""
         Path(self.path).unlink(missing_ok=True)
+
+
+def _allocate(path: str, nbytes: int) -> None:
+    """Create ``path`` with ``nbytes`` of real pages: a tmpfs without room fails here, by name, instead of killing
+    the process with SIGBUS at the first write to a page it cannot back (a sparse file's pages come on write)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        Path(path).unlink(missing_ok=True)
+        where = os.path.dirname(path)
+        free = shutil.disk_usage(where).free
+        raise SharedMemoryFull(
+            f"shared memory for engine processes: {where} has {free / 2**20:.1f} MiB free, a buffer of "
+            f"{nbytes / 2**20:.1f} MiB does not fit ({e.strerror}); a weight update is staged there whole: give it "
+            "room (docker run --shm-size=...; a container's default is 64 MiB) or run the engines in this process "
+            "(rollout.placement=inprocess)"
+        ) from None
+    finally:
+        os.close(fd)
 
 
 class BufferCache:
