@@ -6,9 +6,11 @@ in the step (synchronous) or ahead of it in a background thread (``algo.async``,
 from __future__ import annotations
 
 import math
+import os
 import random
 import sys
 import time
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -47,6 +49,24 @@ def train(cfg: RunConfig, resume: bool = False, overwrite: bool = False, engines
     With ``parallel`` ranks (under a torchrun launch, or as Ray actors), rank 0 runs the loop and returns; the
     others train and return None. ``engines``: where rank 0 starts Ray engine actors (``moerl.cluster``).
     """
+    with _deterministic(cfg.train.deterministic):
+        return _run(cfg, resume, overwrite, engines)
+
+
+@contextmanager
+def _deterministic(on: bool):
+    """torch's deterministic algorithms for the run (``train.deterministic``), as they were after it."""
+    before = torch.are_deterministic_algorithms_enabled()
+    if on:  # before any CUDA work: cuBLAS reads its workspace setting once
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def _run(cfg: RunConfig, resume: bool, overwrite: bool, engines) -> dict | None:
     par = cfg.parallel
     world = init_world(
         par.dp, par.ep, par.pp, schedule=par.schedule, microbatches=par.microbatches, stages=par.stages or None

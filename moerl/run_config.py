@@ -150,12 +150,16 @@ class TrainSection:
     checkpoint_every: int = 10
     eval_every: int = 0  # 0: evaluate before and after only
     export_adapter: bool = True  # lora: write a PEFT adapter at the end
+    # deterministic algorithms (torch.use_deterministic_algorithms; cuBLAS's fixed workspace): what bit-exact
+    # reruns and resumes on CUDA need (its index_add_ and some reductions use atomics); the CPU ones are already
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         _require(
             "train",
             (
                 ("steps", self.steps, self.steps >= 1, "must be >= 1"),
+                ("deterministic", self.deterministic, isinstance(self.deterministic, bool), "must be true or false"),
                 ("checkpoint_every", self.checkpoint_every, self.checkpoint_every >= 0, "must be >= 0 (0: at the end)"),
                 ("eval_every", self.eval_every, self.eval_every >= 0, "must be >= 0 (0: before and after only)"),
             ),

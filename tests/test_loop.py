@@ -195,3 +195,24 @@ def test_on_policy_steps_take_the_old_logprobs_from_the_training_forward(warm_mo
         assert all(r["mismatch_k3_r3"] < 1e-3 for r in rows), [r["mismatch_k3_r3"] for r in rows]
     with pytest.raises(ConfigError, match=r"'algo.mismatch_metric_every'=-1: must be >= 0"):
         run_cfg(tmp_path / "x", warm_model, **{"algo.mismatch_metric_every": -1})
+
+
+def test_a_deterministic_run_computes_what_the_default_run_does_on_the_cpu(warm_model, tmp_path, monkeypatch):
+    # train.deterministic turns torch's deterministic algorithms on for the run (what bit-exact reruns on CUDA need);
+    # the CPU kernels already are: the same numbers, and the process's setting is back after the run
+    import moerl.loop
+
+    keys = ("reward_mean", "loss", "grad_norm", "mismatch_k3_r3")
+    train(run_cfg(tmp_path / "default", warm_model, "full", steps=2))
+    seen, step = [], moerl.loop.rl_step
+
+    def watched(*args, **kwargs):  # the step itself, noting the setting it runs under
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(moerl.loop, "rl_step", watched)
+    train(run_cfg(tmp_path / "det", warm_model, "full", steps=2, **{"train.deterministic": "true"}))
+    assert seen == [True, True] and not torch.are_deterministic_algorithms_enabled()
+    default = [r for r in metric_rows(tmp_path / "default") if "loss" in r]
+    det = [r for r in metric_rows(tmp_path / "det") if "loss" in r]
+    assert [[r[k] for k in keys] for r in det] == [[r[k] for k in keys] for r in default]

@@ -85,7 +85,8 @@ def clip_grads(
     group and replicated across dp; other plain tensors are replicated across the data group; ``copies`` (a tied
     embedding's copy on the last pipeline stage) are counted where the original is. Each part counts once.
     """
-    total = torch.zeros((), dtype=torch.float64)
+    device = next((p.grad.device for p in params if p.grad is not None), torch.device("cpu"))
+    total = torch.zeros((), dtype=torch.float64, device=device)  # where the gradients are: one backend's collective
     for p in params:
         if p.grad is None or id(p) in copies:
             continue

@@ -197,7 +197,8 @@ class Layout:
     def _pipeline_rows(self, batch) -> tuple[torch.Tensor, int]:
         """This pipeline's rows of ``batch`` (its data rank's share) and the largest share's size."""
         n = len(batch)
-        return torch.arange(n)[share(self.world, self.world.data_rank, n)], math.ceil(n / self.world.data_size)
+        rows = torch.arange(n, device=batch.input_ids.device)[share(self.world, self.world.data_rank, n)]
+        return rows, math.ceil(n / self.world.data_size)
 
     def _pipeline_forward(self, step: Step) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, pipe = step.batch, self.pipeline

@@ -175,7 +175,7 @@ class StageModule(nn.Module):
         mb = step.rows(rows)
         replay = None
         if step.replay and mb.replay is not None and self.columns:
-            replay = mb.replay.index_select(2, torch.tensor(self.columns))
+            replay = mb.replay.index_select(2, torch.tensor(self.columns, device=mb.replay.device))
         out = self.view(
             mb.input_ids, attention_mask=mb.attention_mask, replay=replay, adapters=step.adapters, hidden=hidden
         )
@@ -227,7 +227,7 @@ class Pipeline:
         grad = loss_fn is not None  # static metadata: the float activations carry gradients when training
 
         def act(*shape, dtype=torch.float32):
-            return torch.empty(*shape, dtype=dtype, requires_grad=grad)
+            return torch.empty(*shape, dtype=dtype, device=self.device, requires_grad=grad)
 
         stages = []
         for module, s in zip(self.modules, self.plan.stages, strict=True):
@@ -285,7 +285,7 @@ class Pipeline:
         if self.world.pp == 1:
             return t
         src = dist.get_global_rank(self.group, self.last_stage % self.world.pp)
-        buf = t.contiguous() if t is not None else torch.empty(shape, dtype=dtype)
+        buf = t.contiguous() if t is not None else torch.empty(shape, dtype=dtype, device=self.device)
         dist.broadcast(buf, src, group=self.group)
         return buf
 
@@ -318,6 +318,7 @@ class Pipeline:
                 if items is not None:
                     raw = item[1].contiguous().reshape(-1).view(torch.uint8)
                 else:
-                    raw = torch.empty(math.prod(head["shape"]) * dtype.itemsize, dtype=torch.uint8)
+                    size = math.prod(head["shape"]) * dtype.itemsize
+                    raw = torch.empty(size, dtype=torch.uint8, device=self.device)  # the sender's device: one backend
                 dist.broadcast(raw, root, group=self.group)
                 yield head["name"], raw.view(dtype).reshape(head["shape"])

@@ -39,7 +39,7 @@ def micro_batches(world: World, batch, size: int) -> list[tuple[object, bool]]:
 
 def gather_rows(world: World, parts: list[torch.Tensor], batch) -> torch.Tensor:
     """Per-row results [rows, T] of every rank's share, in row order, on every rank."""
-    mine = torch.cat(parts) if parts else torch.zeros(0, batch.input_ids.shape[1])
+    mine = torch.cat(parts) if parts else torch.zeros(0, batch.input_ids.shape[1], device=batch.input_ids.device)
     if world.data_size == 1:
         return mine
     n = len(batch)

@@ -102,8 +102,11 @@ def init_world(dp: int = 1, ep: int = 1, pp: int = 1, **pipeline) -> World:
     # says where (an interleaved-1F1B LoRA rank once died with SIGABRT on an AMX host, no Python traceback)
     faulthandler.enable()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":  # one process per GPU: this rank's, before any CUDA tensor or NCCL communicator
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+        # CPU tensors (the announced batches, JSON headers, metric sums) over gloo, CUDA tensors over NCCL
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo")
     if dist.get_world_size() != size:
         raise ConfigError(
             f"parallel.dp x parallel.ep x parallel.pp = {size} ranks, but the launcher started "

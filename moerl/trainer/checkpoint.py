@@ -86,6 +86,8 @@ def save_checkpoint(path: str | os.PathLike, policy, state: dict | None = None) 
             for key, value in st.items():
                 tensors[f"optim/{names[idx]}/{key}"] = value.contiguous()
     tensors["rng/torch"] = torch.get_rng_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # dropout and sampling on the GPUs draw from these
+        tensors |= {f"rng/cuda/{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())}
     np_state = np.random.get_state()
     save_file(tensors, tmp / TENSORS)
     _fsync(tmp / TENSORS)
@@ -271,6 +273,10 @@ def load_checkpoint(path: str | os.PathLike, policy) -> dict:
         group.update(betas=(o.beta1, o.beta2), eps=o.eps)
     policy.scheduler._last_lr = [g["lr"] for g in policy.optimizer.param_groups]
     torch.set_rng_state(tensors["rng/torch"])
+    cuda_keys = sorted((k for k in tensors if k.startswith("rng/cuda/")), key=lambda k: int(k.rsplit("/", 1)[1]))
+    cuda = [tensors[k] for k in cuda_keys]
+    if cuda and torch.cuda.is_available():  # saved on a GPU host; a CPU host has none to restore
+        torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
     py = meta["python_random"]
     random.setstate((py[0], tuple(py[1]), py[2]))
     npr = meta["numpy_random"]
