@@ -60,6 +60,10 @@ class DeviceMixError(RuntimeError):
     """A torch call combined the simulated device's tensors with CPU tensors where CUDA refuses it."""
 
 
+class CudaRuleError(RuntimeError):
+    """A call CUDA refuses for another reason than devices (the grouped GEMM's stride alignment)."""
+
+
 def _is_cuda(device) -> bool:
     return device is not None and not isinstance(device, torch.dtype) and torch.device(device).type == "cuda"
 
@@ -104,6 +108,11 @@ class _Dispatch(TorchDispatchMode):
                     f"{func}: expected all tensors on one device, got cuda:0 tensors and CPU tensor(s) of shape "
                     f"{shapes}"
                 )
+        if dev and func is aten._grouped_mm.default and ins[0].element_size() == 2:
+            # CUDA's grouped GEMM takes 16-byte-aligned strides only: in bf16 / fp16, K and N multiples of 8
+            k, n = ins[0].shape[-1], ins[1].shape[-1]
+            if k % 8 or n % 8:
+                raise CudaRuleError(f"{func}: {ins[0].dtype} operands need K and N multiples of 8, got K={k}, N={n}")
         out = func(*args, **kwargs)
         if func in (aten.copy_.default, aten.set_.source_Storage_storage_offset, aten.set_.source_Tensor):
             return out  # the destination stays where it is
@@ -216,17 +225,32 @@ class _Function(TorchFunctionMode):
 
 
 class SimCuda:
-    """``with SimCuda() as sim:`` runs torch as if a CUDA device were there (see the module docstring); ``sim.syncs``
-    counts host syncs by (call, moerl line)."""
+    """``with SimCuda() as sim:`` runs torch as if a CUDA device were there (see the module docstring): ``torch.cuda``
+    answers as on a host with one GPU with ``sim.free_memory`` bytes free. ``sim.syncs`` counts host syncs by (call,
+    moerl line)."""
 
-    def __init__(self):
-        self.where, self.syncs = _Where(), Counter()
+    def __init__(self, free_memory: int = 64 * 2**30):
+        self.where, self.syncs, self.free_memory = _Where(), Counter(), free_memory
         self._stack = ExitStack()
 
     def on_device(self, t: torch.Tensor) -> bool:
         return self.where.on(t)
 
     def __enter__(self) -> SimCuda:
+        try:  # torchao probes CUDA when it loads: it loads on the real answer, before the simulated one
+            import torchao.prototype.mx_formats  # noqa: F401
+        except ImportError:
+            pass
+        answers = {
+            "is_available": lambda: True,
+            "device_count": lambda: 1,
+            "current_device": lambda: 0,
+            "set_device": lambda device: None,
+            "mem_get_info": lambda device=None: (self.free_memory, 2 * self.free_memory),
+        }
+        for name, answer in answers.items():
+            self._stack.callback(setattr, torch.cuda, name, getattr(torch.cuda, name))
+            setattr(torch.cuda, name, answer)
         self._stack.enter_context(_Dispatch(self.where))
         self._stack.enter_context(_Function(self.where, self.syncs))
         return self

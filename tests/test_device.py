@@ -29,17 +29,6 @@ def tiny(tmp_path_factory):
     return path
 
 
-@pytest.fixture
-def cuda_present(monkeypatch):
-    """What ``torch.cuda`` says on a host with one GPU (the simulated one); torchao is imported first (it probes
-    CUDA when it loads)."""
-    from moerl.model.mx import _mode
-
-    _mode("rceil")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-
-
 # -- the setting ----------------------------------------------------------------------------------------------------
 
 
@@ -151,6 +140,43 @@ def test_a_cpu_index_in_the_engine_step_is_caught(tiny, monkeypatch):
         _run_engine(tiny, "cuda")
 
 
+def test_the_kv_cache_takes_its_share_of_the_free_device_memory(tiny):
+    from moerl.engine.kv_cache import bytes_per_block
+
+    model = load_model(tiny, dtype=torch.float32)
+    per_block = bytes_per_block(model.config, 16, torch.float32)
+    with SimCuda(free_memory=per_block * 40) as sim:
+        model = model.to("cuda")
+        cfg = EngineConfig(max_num_seqs=64, max_model_len=64, kv_cache_memory=0.5)  # 64 x 4 blocks by default
+        assert LLMEngine(model, cfg).cache.num_blocks == 20  # half of 40 blocks' worth of free memory
+        assert LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=64)).cache.num_blocks == 8  # fits whole
+        sim.free_memory = per_block * 6
+        with pytest.raises(ConfigError, match=r"kv_cache_memory=0.5 of 0.00 GiB free on cuda:0: one sequence of"):
+            LLMEngine(model, cfg)
+    with pytest.raises(ConfigError, match=r"EngineConfig\.kv_cache_memory=0: must lie in \(0, 1\]"):
+        EngineConfig(kv_cache_memory=0)
+
+
+def test_a_rank_4_adapter_in_bf16_takes_the_grouped_gemm_padded(tiny):
+    # CUDA's grouped GEMM refuses bf16 K or N that are not multiples of 8 (a rank-4 adapter); the simulation applies
+    # that rule, and moerl pads with zeros: the numbers are the CPU path's
+    from simdevice import CudaRuleError
+
+    from moerl.model.grouped import Groups, group_mm
+
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.tensor([0] * 5 + [2] * 7 + [3] * 4)
+    x, w = torch.randn(16, 4, generator=gen).bfloat16(), torch.randn(4, 4, 12, generator=gen).bfloat16()
+    want = group_mm(x, w, Groups(keys, 4))  # the CPU's padded bmm
+    with SimCuda() as sim:
+        xd, wd, kd = x.to("cuda"), w.to("cuda"), keys.to("cuda")
+        got = group_mm(xd, wd, Groups(kd, 4))
+        assert sim.on_device(got) and got.shape == (16, 12)
+        with pytest.raises(CudaRuleError, match=r"K and N multiples of 8, got K=4, N=12"):
+            torch._grouped_mm(xd, wd, offs=Groups(kd, 4).offs)  # the control: unpadded, refused
+    assert torch.allclose(got.float(), want.float(), atol=0, rtol=2**-7)  # bf16: one rounding of the same sums
+
+
 # -- the trainer and weight sync ----------------------------------------------------------------------------------
 
 
@@ -167,7 +193,7 @@ def _batch(model) -> Batch:
 
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
 @pytest.mark.parametrize("mode", ["lora", "full", "mxfp8"])
-def test_a_train_step_on_the_device_is_the_cpu_step(tiny, cuda_present, mode, packing):
+def test_a_train_step_on_the_device_is_the_cpu_step(tiny, mode, packing):
     cfg = PolicyConfig(mode=mode, dtype="float32", packing=packing, micro_batch_size=2)
     torch.manual_seed(0)  # the same adapters
     ref = Policy(tiny, PolicyConfig(**{**_fields(cfg), "device": "cpu"}))
@@ -187,7 +213,7 @@ def test_a_train_step_on_the_device_is_the_cpu_step(tiny, cuda_present, mode, pa
     assert not in_layers, in_layers  # no host sync inside an MoE layer
 
 
-def test_a_full_sync_reaches_a_device_engine_with_the_fp32_router_bit_for_bit(tiny, cuda_present):
+def test_a_full_sync_reaches_a_device_engine_with_the_fp32_router_bit_for_bit(tiny):
     from moerl.sync import sync_policy
 
     with SimCuda() as sim:

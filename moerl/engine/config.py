@@ -98,7 +98,8 @@ class EngineConfig:
     """KV cache, batching and adapter limits of the native engine.
 
     The KV cache is preallocated: ``num_blocks`` blocks of ``block_size`` tokens. By default it holds
-    ``max_num_seqs`` sequences of ``max_model_len`` tokens; ``kv_cache_bytes`` caps it (a budget that cannot
+    ``max_num_seqs`` sequences of ``max_model_len`` tokens; ``kv_cache_bytes`` caps it, and on a GPU without it
+    ``kv_cache_memory`` (a fraction of the device memory free once the model is loaded) does (a budget that cannot
     hold one full-length sequence is refused).
     """
 
@@ -106,6 +107,7 @@ class EngineConfig:
     max_model_len: int = 1024
     block_size: int = 16
     kv_cache_bytes: int | None = None
+    kv_cache_memory: float = 0.9  # CUDA: the share of free device memory the KV cache may take (kv_cache_bytes unset)
     max_num_batched_tokens: int = 2048  # prefill tokens per step (longer prompts are prefilled in chunks)
     capture_routing: bool = True
     max_loras: int = 0  # adapter slots; 0 = LoRA off
@@ -130,5 +132,7 @@ class EngineConfig:
                 f"EngineConfig.compile_decode=True with max_loras={self.max_loras}: the compiled decode step covers "
                 "the base model only (LoRA decodes eager: set compile_decode=False)"
             )
+        if not (isinstance(self.kv_cache_memory, int | float) and 0 < self.kv_cache_memory <= 1):
+            raise ConfigError(f"EngineConfig.kv_cache_memory={self.kv_cache_memory!r}: must lie in (0, 1]")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ConfigError(f"EngineConfig.kv_cache_bytes={self.kv_cache_bytes!r}: must be >= 1")

@@ -61,15 +61,20 @@ class LLMEngine:
         per_block = bytes_per_block(mcfg, cfg.block_size, model.dtype)
         per_seq = ceil(cfg.max_model_len / cfg.block_size)
         num_blocks = cfg.max_num_seqs * per_seq
-        if cfg.kv_cache_bytes is not None:
-            num_blocks = min(num_blocks, cfg.kv_cache_bytes // per_block)
+        device = model.embed_tokens.weight.device
+        budget, source = cfg.kv_cache_bytes, f"EngineConfig.kv_cache_bytes={cfg.kv_cache_bytes}"
+        if budget is None and device.type == "cuda":  # what the device has left once the model is on it
+            free = torch.cuda.mem_get_info(device)[0]
+            budget = int(free * cfg.kv_cache_memory)
+            source = f"EngineConfig.kv_cache_memory={cfg.kv_cache_memory} of {free / 2**30:.2f} GiB free on {device}"
+        if budget is not None:
+            num_blocks = min(num_blocks, budget // per_block)
             if num_blocks < per_seq:
                 raise ConfigError(
-                    f"EngineConfig.kv_cache_bytes={cfg.kv_cache_bytes}: one sequence of max_model_len="
-                    f"{cfg.max_model_len} tokens needs {per_seq * per_block} bytes of KV cache "
-                    f"({per_block} bytes per {cfg.block_size}-token block); raise the budget or lower max_model_len"
+                    f"{source}: one sequence of max_model_len={cfg.max_model_len} tokens needs "
+                    f"{per_seq * per_block} bytes of KV cache ({per_block} bytes per {cfg.block_size}-token block); "
+                    "raise the budget or lower max_model_len"
                 )
-        device = model.embed_tokens.weight.device
         self.cache = KVCache(mcfg, num_blocks, cfg.block_size, model.dtype, device, scratch=cfg.compile_decode)
         self.kv_cache_bytes = self.cache.nbytes
         self.scheduler = Scheduler(cfg, self.cache)
