@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from moerl.device import resolve_device
 from moerl.engine import EngineConfig
 from moerl.envs import make_env
 from moerl.errors import EngineError, TrainingStopped
@@ -392,6 +393,16 @@ def build_generator(cfg: RunConfig, env, engine) -> Generator:
     return Generator(env, engine, cfg.rollout, cfg.algo, seed=seed, eval_problems=held_out, lora=lora)
 
 
+def shares_the_trainers_gpu(cfg: RunConfig) -> bool:
+    """Whether the rollout engine runs in the trainer's process on the trainer's GPU: then its KV cache holds memory
+    only while it generates, and the trainer has it back while it trains (engine and trainer take turns)."""
+    r = cfg.rollout
+    if r.engine != "native" or r.placement != "inprocess" or r.compile_decode or cfg.cluster.backend != "local":
+        return False
+    trainer = resolve_device(cfg.policy.device, key="policy.device")
+    return trainer.type == "cuda" and resolve_device(r.device, key="rollout.device") == trainer
+
+
 def build_engine(cfg: RunConfig, model_path: Path, engines=None):
     """The rollout engines (``rollout.num_engines``, placed per ``rollout.placement``, or as Ray actors where
     ``engines`` says) on their own copy of the base weights, set up for the policy's mode."""
@@ -406,6 +417,7 @@ def build_engine(cfg: RunConfig, model_path: Path, engines=None):
         lora_targets=lcfg.targets,
         compile_decode=r.compile_decode,
         seed=cfg.train.seed,
+        release_cache=shares_the_trainers_gpu(cfg),
     )
     mx = cfg.policy.mx_scale_mode if cfg.policy.mode == "mxfp8" else None
     if engines is not None:

@@ -229,3 +229,31 @@ def test_a_full_sync_reaches_a_device_engine_with_the_fp32_router_bit_for_bit(ti
 
 def _fields(cfg: PolicyConfig) -> dict:
     return {f: getattr(cfg, f) for f in cfg.__slots__}
+
+
+def test_an_engine_that_releases_its_cache_between_calls_generates_the_same(tiny):
+    reqs = [Request([1, 2, 3], SamplingParams(max_tokens=6, seed=i, n=2)) for i in range(3)]
+    kept = LLMEngine(tiny, EngineConfig(max_num_seqs=8, max_model_len=64), dtype=torch.float32)
+    released = LLMEngine(tiny, EngineConfig(max_num_seqs=8, max_model_len=64, release_cache=True), dtype=torch.float32)
+    assert released.cache.k[0].untyped_storage().nbytes() == 0  # no memory until it generates
+    for _ in range(2):  # and the second call starts from a zeroed cache again
+        a, b = kept.generate(reqs), released.generate(reqs)
+        assert [[c.token_ids for c in o.outputs] for o in a] == [[c.token_ids for c in o.outputs] for o in b]
+        pairs = [(c, d) for x, y in zip(a, b, strict=True) for c, d in zip(x.outputs, y.outputs, strict=True)]
+        assert all(torch.equal(c.logprobs, d.logprobs) for c, d in pairs)
+        assert all(t.untyped_storage().nbytes() == 0 for t in released.cache.k + released.cache.v)
+    with pytest.raises(ConfigError, match=r"release_cache=True with compile_decode=True: not built"):
+        EngineConfig(release_cache=True, compile_decode=True)
+
+
+def test_an_engine_on_the_trainers_gpu_releases_its_cache_while_the_trainer_steps():
+    from moerl.loop import shares_the_trainers_gpu
+
+    def cfg(*over):
+        return load_config(RunConfig, None, ["policy.device=cuda", "rollout.device=cuda", *over])
+
+    with SimCuda():
+        assert shares_the_trainers_gpu(cfg())
+        assert not shares_the_trainers_gpu(cfg("rollout.placement=process"))  # its own process: its own memory
+        assert not shares_the_trainers_gpu(cfg("rollout.compile_decode=true", "policy.mode=full"))
+    assert not shares_the_trainers_gpu(load_config(RunConfig, None, ["policy.device=cpu", "rollout.device=cpu"]))

@@ -116,6 +116,8 @@ class EngineConfig:
     lora_targets: list[str] | None = None  # None: every linear layer and the experts
     fused_lora: bool = True  # False: the naive per-expert, per-adapter reference path
     compile_decode: bool = False  # decode steps through one torch.compile graph (moerl.engine.compiled)
+    # the KV cache holds memory only inside generate(): a trainer on the same device gets it back between calls
+    release_cache: bool = False
     seed: int = 0
     progress: bool | None = None  # tokens/s bar; None: on for long generations when stderr is a terminal
 
@@ -134,5 +136,12 @@ class EngineConfig:
             )
         if not (isinstance(self.kv_cache_memory, int | float) and 0 < self.kv_cache_memory <= 1):
             raise ConfigError(f"EngineConfig.kv_cache_memory={self.kv_cache_memory!r}: must lie in (0, 1]")
+        if not isinstance(self.release_cache, bool):
+            raise ConfigError(f"EngineConfig.release_cache={self.release_cache!r}: must be True or False")
+        if self.release_cache and self.compile_decode:
+            raise ConfigError(
+                "EngineConfig.release_cache=True with compile_decode=True: not built (a captured decode graph holds "
+                "the cache's addresses); set one of them False"
+            )
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ConfigError(f"EngineConfig.kv_cache_bytes={self.kv_cache_bytes!r}: must be >= 1")

@@ -77,6 +77,8 @@ class LLMEngine:
                 )
         self.cache = KVCache(mcfg, num_blocks, cfg.block_size, model.dtype, device, scratch=cfg.compile_decode)
         self.kv_cache_bytes = self.cache.nbytes
+        if cfg.release_cache:
+            self.cache.release()
         self.scheduler = Scheduler(cfg, self.cache)
         self.adapters = AdapterSlots(model, cfg) if cfg.max_loras else None
         model.set_expert_path(grouped=cfg.fused_lora)
@@ -259,6 +261,8 @@ class LLMEngine:
             def hook(s: Sequence, token: int, reason: str | None) -> None:
                 on_token(s.group.order - first, s.index, token, reason)
 
+        if self.config.release_cache:
+            self.cache.restore()
         try:
             for g in groups:
                 self.scheduler.add(g)
@@ -268,7 +272,15 @@ class LLMEngine:
         except BaseException:
             self.scheduler.abort(groups)
             raise
+        finally:
+            if self.config.release_cache:
+                self._release_cache()
         return [item if isinstance(item, RequestOutput) else self._output(item) for item in items]
+
+    def _release_cache(self) -> None:
+        self.cache.release()
+        if self.cache.k[0].is_cuda:  # back to the device, not only to torch's cache: the trainer allocates next
+            torch.cuda.empty_cache()
 
     def _step(self, hook: Callable[[Sequence, int, str | None], None] | None = None) -> int:
         kind, batch = self.scheduler.next_batch()

@@ -72,6 +72,18 @@ class KVCache:
         self.nbytes = sum(t.numel() * t.element_size() for t in self.k + self.v)
         self.sliding_window = cfg.sliding_window
 
+    def release(self) -> None:
+        """Give the pools' memory back (their tensors stay, holding no bytes) until ``restore``."""
+        for pool in self.k + self.v:
+            pool.untyped_storage().resize_(0)
+
+    def restore(self) -> None:
+        """The pools' memory again, zeroed (what a fresh cache holds)."""
+        for pool in self.k + self.v:
+            if pool.untyped_storage().nbytes() == 0:
+                pool.untyped_storage().resize_(pool.numel() * pool.element_size())
+                pool.zero_()
+
     def zero(self, blocks: list[int]) -> None:
         """Zero these blocks in every pool. Attention weighs the unused slots of a block by 0, and 0 * NaN = NaN:
         blocks a non-finite sequence wrote must not reach the next owner as they are."""
