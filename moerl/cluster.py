@@ -24,12 +24,14 @@ PLACEMENT_TIMEOUT_S = 60.0
 
 @dataclass(slots=True)
 class EnginePlacement:
-    """Where rank 0 starts the engine actors: ``group``'s bundles ``engine_bundles``, ``engine_cpus`` each."""
+    """Where rank 0 starts the engine actors: ``group``'s bundles ``engine_bundles``, ``engine_cpus`` and
+    ``engine_gpus`` each."""
 
     group: object  # ray.util.placement_group.PlacementGroup
     engine_bundles: list[int]
     engine_cpus: float
     engine_threads: int
+    engine_gpus: float = 0.0
 
 
 class TrainerRank:
@@ -69,14 +71,21 @@ class TrainerRank:
 def bundles(cfg) -> tuple[list[dict], EnginePlacement]:
     """The placement group's bundles for ``cfg`` and where the engines go in it (the group filled in later)."""
     c, world, n = cfg.cluster, cfg.parallel.size, cfg.rollout.num_engines
-    ranks = [{"CPU": float(c.cpus_per_trainer)} for _ in range(world)]
-    if c.placement == "colocated":  # engine i shares rank (i mod world)'s CPUs with the most engines any rank has
-        share = c.cpus_per_trainer / (1 + -(-n // world))
+    ranks = [_bundle(c.cpus_per_trainer, c.gpus_per_trainer) for _ in range(world)]
+    if c.placement == "colocated":  # engine i shares rank (i mod world)'s CPUs and GPU with the most any rank has
+        parts = 1 + -(-n // world)
         threads = cfg.rollout.engine_threads or c.cpus_per_trainer
-        return ranks, EnginePlacement(None, [i % world for i in range(n)], share, threads)
+        where = EnginePlacement(None, [i % world for i in range(n)], c.cpus_per_trainer / parts, threads)
+        where.engine_gpus = c.gpus_per_trainer / parts
+        return ranks, where
     threads = cfg.rollout.engine_threads or c.cpus_per_engine
-    where = EnginePlacement(None, list(range(world, world + n)), float(c.cpus_per_engine), threads)
-    return ranks + [{"CPU": float(c.cpus_per_engine)} for _ in range(n)], where
+    where = EnginePlacement(None, list(range(world, world + n)), float(c.cpus_per_engine), threads, c.gpus_per_engine)
+    return ranks + [_bundle(c.cpus_per_engine, c.gpus_per_engine) for _ in range(n)], where
+
+
+def _bundle(cpus: float, gpus: float) -> dict:
+    """A placement bundle: CPUs, and GPUs when asked for (Ray then shows the actor its GPUs only)."""
+    return {"CPU": float(cpus)} | ({"GPU": float(gpus)} if gpus else {})
 
 
 def run_on_ray(cfg, resume: bool = False, overwrite: bool = False) -> dict:
@@ -98,14 +107,21 @@ def run_on_ray(cfg, resume: bool = False, overwrite: bool = False) -> dict:
             logging_level="warning",
         )
     specs, where = bundles(cfg)
-    need, have = sum(b["CPU"] for b in specs), ray.cluster_resources().get("CPU", 0)
-    if need > have:
-        if started:
-            ray.shutdown()
-        raise ConfigError(
-            f"cluster: {cfg.parallel.size} trainer rank(s) x cluster.cpus_per_trainer={c.cpus_per_trainer} and "
-            f"{cfg.rollout.num_engines} engine(s) ({c.placement}) needs {need:g} CPUs, the cluster has {have:g}"
-        )
+    for kind, per_trainer, per_engine in (
+        ("CPU", c.cpus_per_trainer, c.cpus_per_engine),
+        ("GPU", c.gpus_per_trainer, c.gpus_per_engine),
+    ):
+        need, have = sum(b.get(kind, 0) for b in specs), ray.cluster_resources().get(kind, 0)
+        if need > have:
+            if started:
+                ray.shutdown()
+            key = f"cluster.{kind.lower()}s_per"
+            engines = "" if c.placement == "colocated" else f", {key}_engine={per_engine:g}"
+            raise ConfigError(
+                f"cluster: {cfg.parallel.size} trainer rank(s) x {key}_trainer={per_trainer:g} and "
+                f"{cfg.rollout.num_engines} engine(s) ({c.placement}{engines}) needs {need:g} {kind}s, the cluster "
+                f"has {have:g}"
+            )
     group = placement_group(specs, strategy="PACK")
     ranks = []
     try:
@@ -120,11 +136,14 @@ def run_on_ray(cfg, resume: bool = False, overwrite: bool = False) -> dict:
         where.group = group
         colocated = c.placement == "colocated"
         share = where.engine_cpus if colocated else 0.0  # a colocated rank leaves its engines their part
+        gpu_share = where.engine_gpus if colocated else 0.0
         actor = ray.remote(TrainerRank)
         for r in range(cfg.parallel.size):
             strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=r)
             cpus = c.cpus_per_trainer - share * where.engine_bundles.count(r)
-            ranks.append(actor.options(num_cpus=cpus, scheduling_strategy=strategy).remote(c.cpus_per_trainer))
+            gpus = c.gpus_per_trainer - gpu_share * where.engine_bundles.count(r)
+            options = {"num_cpus": cpus, "num_gpus": gpus, "scheduling_strategy": strategy}
+            ranks.append(actor.options(**options).remote(c.cpus_per_trainer))
         found = ray.get([a.where.remote() for a in ranks])
         master = found[0] | {"one_node": len({f["node"] for f in found}) == 1}
         cfg_dict = to_dict(cfg)

@@ -26,6 +26,11 @@ def _require(section: str, rules) -> None:
             raise ConfigError(f"config key '{section}.{name}'={value!r}: {rule}")
 
 
+def _count(x) -> bool:
+    """A resource amount: a finite number >= 0."""
+    return _finite(x) and x >= 0
+
+
 def _finite(x) -> bool:
     return isinstance(x, int | float) and math.isfinite(x)
 
@@ -213,6 +218,8 @@ class ClusterSection:
     placement: str = "disaggregated"  # ray: engines on CPUs of their own | colocated: each shares a trainer rank's
     cpus_per_trainer: int = 1  # ray: CPUs (and torch threads) of each trainer rank
     cpus_per_engine: int = 1  # ray, disaggregated: CPUs (and torch threads) of each engine
+    gpus_per_trainer: float = 0  # ray: GPUs of each trainer rank (1: one process per GPU; colocated engines share it)
+    gpus_per_engine: float = 0  # ray, disaggregated: GPUs of each engine (a fraction shares a GPU between engines)
     weight_transport: str = "auto"  # ray: auto (shared memory on the trainer's node, else bytes through Ray) | shm |
     # object_store (always through Ray: where /dev/shm is small or not shared, e.g. containers)
     engine_restarts: int = 3  # ray: how often Ray restarts an engine actor that dies (the pool brings it back)
@@ -227,6 +234,8 @@ class ClusterSection:
                  f"allowed: {', '.join(CLUSTER_PLACEMENTS)}"),
                 ("cpus_per_trainer", self.cpus_per_trainer, self.cpus_per_trainer >= 1, "must be >= 1"),
                 ("cpus_per_engine", self.cpus_per_engine, self.cpus_per_engine >= 1, "must be >= 1"),
+                ("gpus_per_trainer", self.gpus_per_trainer, _count(self.gpus_per_trainer), "must be >= 0 (0: no GPU)"),
+                ("gpus_per_engine", self.gpus_per_engine, _count(self.gpus_per_engine), "must be >= 0 (0: no GPU)"),
                 ("weight_transport", self.weight_transport, self.weight_transport in TRANSPORTS,
                  f"allowed: {', '.join(TRANSPORTS)}"),
                 ("engine_restarts", self.engine_restarts, self.engine_restarts >= 0, "must be >= 0"),

@@ -159,9 +159,29 @@ def test_ray_configurations_that_are_not_built_or_do_not_fit_are_refused(cluster
         load_config(RunConfig, None, ["cluster.backend=ray", "cluster.weight_transport=nccl"])
     with pytest.raises(ConfigError, match=r"needs 9 CPUs.*the cluster has 2"):
         run_on_ray(_ray_cfg(tmp_path / "big", warm_model, 1, cluster, **{"cluster.cpus_per_trainer": 8}))
+    gpus = {"cluster.gpus_per_trainer": 1, "cluster.gpus_per_engine": 0.5}  # this CPU cluster has none
+    with pytest.raises(ConfigError, match=r"gpus_per_trainer=1 .*gpus_per_engine=0.5\) needs 1.5 GPUs, .*has 0"):
+        run_on_ray(_ray_cfg(tmp_path / "gpu", warm_model, 1, cluster, **gpus))
+    with pytest.raises(ConfigError, match=r"'cluster.gpus_per_engine'=-1.0: must be >= 0"):
+        load_config(RunConfig, None, ["cluster.backend=ray", "cluster.gpus_per_engine=-1"])
     # what a rank raises comes back as moerl's own error, naming the rank
     with pytest.raises(MoerlError, match=r"trainer rank 0: .*nope"):
         run_on_ray(_ray_cfg(tmp_path / "bad", tmp_path / "nope", 1, cluster))
+
+
+def test_gpus_go_into_the_placement_bundles_and_colocated_engines_share_their_ranks_gpu(warm_model, tmp_path):
+    from moerl.cluster import bundles
+
+    gpus = {"cluster.gpus_per_trainer": 1, "cluster.gpus_per_engine": 0.5, "parallel.dp": 2}
+    specs, where = bundles(_ray_cfg(tmp_path / "x", warm_model, 1, "auto", **gpus, **{"rollout.num_engines": 2}))
+    assert specs == [{"CPU": 1.0, "GPU": 1.0}] * 2 + [{"CPU": 1.0, "GPU": 0.5}] * 2
+    assert where.engine_bundles == [2, 3] and where.engine_gpus == 0.5
+    colocated = {"cluster.gpus_per_trainer": 1, "cluster.placement": "colocated", "parallel.dp": 2}
+    specs, where = bundles(_ray_cfg(tmp_path / "y", warm_model, 1, "auto", **colocated))
+    assert specs == [{"CPU": 1.0, "GPU": 1.0}] * 2  # the engine takes half of rank 0's CPU and GPU
+    assert where.engine_bundles == [0] and where.engine_cpus == 0.5 and where.engine_gpus == 0.5
+    specs, _ = bundles(_ray_cfg(tmp_path / "z", warm_model, 1, "auto", **{"parallel.dp": 2}))
+    assert specs == [{"CPU": 1.0}] * 3  # two ranks and an engine; no GPU asked: none in the bundles
 
 
 def test_an_engine_actor_out_of_restarts_is_an_engine_error_named(cluster, warm_model):

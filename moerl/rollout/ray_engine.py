@@ -133,6 +133,7 @@ def start_engines(spec: EngineSpec, num_engines: int, placement, transport: str,
     actors = [
         cls.options(
             num_cpus=placement.engine_cpus,
+            num_gpus=placement.engine_gpus,
             max_restarts=restarts,
             max_task_retries=0,  # a restarted engine has the base weights: the pool replays the update, then retries
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement.group, placement_group_bundle_index=b),
