@@ -302,6 +302,8 @@ MUTABLE = (
     "policy.optim.min_lr_ratio",
     "policy.micro_batch_size",
     "policy.max_nan_steps",
+    "policy.device",  # a checkpoint's tensors are on no device: a run may move between CPU and GPU (dtype auto
+    "rollout.device",  # follows the device)
     "rollout.max_num_seqs",
     "rollout.placement",
     "rollout.num_engines",

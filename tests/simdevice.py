@@ -99,7 +99,11 @@ class _Dispatch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         ins = _tensors((args, kwargs))
-        dev = [t for t in ins if self.where.on(t)]
+        # where the op runs: its tensors of one element or more decide; 0-d ones only when there are no others (a
+        # device loss's scalar gradient). CUDA takes CPU scalars, and C++ makes wrapped numbers without an ATen op
+        # (at an address a freed device tensor may have had): they must not pull an op onto the device
+        decide = [t for t in ins if t.dim() > 0] or ins
+        dev = [t for t in decide if self.where.on(t)]
         if dev and func not in MIXED_OK:
             host = [t for t in ins if not self.where.on(t) and not t.is_meta and t.dim() > 0 and t.numel()]
             if host:

@@ -70,19 +70,20 @@ class KVCache:
         self.k = [torch.zeros(heads, n, dk, dtype=dtype, device=device) for _ in cfg.layer_types]
         self.v = [torch.zeros(heads, n, dv, dtype=dtype, device=device) for _ in cfg.layer_types]
         self.nbytes = sum(t.numel() * t.element_size() for t in self.k + self.v)
+        self._k_shapes, self._v_shapes = [t.shape for t in self.k], [t.shape for t in self.v]
+        self.dtype, self.device = dtype, device
         self.sliding_window = cfg.sliding_window
 
     def release(self) -> None:
-        """Give the pools' memory back (their tensors stay, holding no bytes) until ``restore``."""
-        for pool in self.k + self.v:
-            pool.untyped_storage().resize_(0)
+        """Give the pools' memory back until ``restore`` (they become empty tensors of the same kind)."""
+        self.k = [pool.new_empty(0) for pool in self.k]
+        self.v = [pool.new_empty(0) for pool in self.v]
 
     def restore(self) -> None:
-        """The pools' memory again, zeroed (what a fresh cache holds)."""
-        for pool in self.k + self.v:
-            if pool.untyped_storage().nbytes() == 0:
-                pool.untyped_storage().resize_(pool.numel() * pool.element_size())
-                pool.zero_()
+        """The pools again, zeroed (what a fresh cache holds)."""
+        if self.k and self.k[0].numel() == 0:
+            self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for shape in self._k_shapes]
+            self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for shape in self._v_shapes]
 
     def zero(self, blocks: list[int]) -> None:
         """Zero these blocks in every pool. Attention weighs the unused slots of a block by 0, and 0 * NaN = NaN:

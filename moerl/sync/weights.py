@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from moerl.errors import TrainingStopped
-from moerl.finite import all_finite
+from moerl.finite import first_nonfinite
 from moerl.model.lora import slot_tensors
 from moerl.model.mx import BLOCK, MX_SCALE, MXExperts, MXLinear, mx_fake_quant, mx_quantize
 
@@ -129,9 +129,10 @@ def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
 
 
 def _check_finite(tensors: dict[str, torch.Tensor], version: int, engine) -> None:
-    for name, t in tensors.items():
-        if not all_finite(t):
-            raise TrainingStopped(
-                f"weight sync of version {version}: tensor {name!r} holds non-finite values; not pushed to the engine "
-                f"(it keeps version {engine.weight_version})"
-            )
+    bad = first_nonfinite(list(tensors.values()))  # one read of the device for the whole bucket
+    if bad is not None:
+        name = list(tensors)[bad]
+        raise TrainingStopped(
+            f"weight sync of version {version}: tensor {name!r} holds non-finite values; not pushed to the engine "
+            f"(it keeps version {engine.weight_version})"
+        )
