@@ -256,3 +256,21 @@ def test_resume_recovers_the_checkpoint_an_interrupted_save_left_complete(run_co
     assert "recovered the complete checkpoint checkpoint.tmp left by an interrupted save" in capsys.readouterr().err
     assert not (run_copy / "checkpoint.tmp").exists()
     assert [r["step"] for r in metric_rows(run_copy)] == [0, 1, 2, 3]
+
+
+def test_overrides_may_follow_the_flags_as_the_readme_writes_them(run_copy, warm_model, capsys):
+    # `moerl train CFG --resume train.steps=200`: argparse alone refused the overrides after the flag
+    from moerl.cli import parse_args
+
+    args = parse_args(["train", "cfg.yaml", "a.b=1", "--resume", "train.steps=200", "--overwrite", "c=2"])
+    assert (args.config, args.resume, args.overwrite) == ("cfg.yaml", True, True)
+    assert args.overrides == ["a.b=1", "train.steps=200", "c=2"]
+    with pytest.raises(SystemExit):
+        parse_args(["train", "cfg.yaml", "--resume", "--bogus"])  # an unknown flag stays refused, named
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["plot", "runs/x", "y=1"])  # only train takes overrides
+    assert "unrecognized arguments: y=1" in capsys.readouterr().err
+    recorded = str(run_copy / "config.yaml")  # the run's own config, then the README's order
+    assert main(["train", recorded, "--resume", "train.steps=3"]) == 0
+    assert [r["step"] for r in metric_rows(run_copy)] == [0, 1, 2, 3]
