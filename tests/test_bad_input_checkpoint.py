@@ -136,3 +136,51 @@ def test_an_intact_checkpoint_without_integrity_fields_still_loads(two_states, h
     m.pop("tensors_sha256"), m.pop("tensors_bytes")
     (path / "checkpoint.json").write_text(json.dumps(m))
     assert load_checkpoint(path, _policy(hf_checkpoints)) == {"step": 1}
+
+
+def test_a_full_disk_while_saving_is_a_named_error_and_the_last_checkpoint_stays(tmp_path):
+    # a 6 MiB filesystem of its own (a private mount namespace: root only): the first save of a tiny full-mode
+    # policy (~4 MiB of fp32 masters; no moments before a step) fits, the second (a new copy beside it) does not
+    import subprocess
+    import sys
+    import textwrap
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    script = textwrap.dedent(
+        f"""
+        import torch
+        from moerl.errors import CheckpointError
+        from moerl.presets import init_model
+        from moerl.trainer import Policy, PolicyConfig
+        from moerl.trainer.checkpoint import load_checkpoint, save_checkpoint
+        init_model("qwen3_moe", "tiny", "{tmp_path}/model")
+        pol = Policy("{tmp_path}/model", PolicyConfig(mode="full", dtype="float32"))
+        save_checkpoint("{disk}/ckpt", pol, state={{"step": 1}})
+        pol.step = 2
+        try:
+            save_checkpoint("{disk}/ckpt", pol, state={{"step": 2}})
+        except CheckpointError as e:
+            print("REFUSED", e)
+        import os
+        print("LEFT", sorted(os.listdir("{disk}")))
+        print("LOADS", load_checkpoint("{disk}/ckpt", pol))
+        """
+    )
+    (tmp_path / "save.py").write_text(script)
+    mount = f"mount -t tmpfs -o size=6M tmpfs {disk}"
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", mount], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("this host does not let a test mount a filesystem of its own")
+    out = subprocess.run(
+        ["unshare", "-m", "sh", "-c", f"{mount} && {sys.executable} {tmp_path}/save.py"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    refused = next(line for line in out.stdout.splitlines() if line.startswith("REFUSED"))
+    assert f"REFUSED saving checkpoint {disk}/ckpt failed: " in refused and "No space left on device" in refused
+    assert f"({disk} has " in refused and f"the last complete checkpoint {disk}/ckpt is kept" in refused
+    assert "LEFT ['ckpt']" in out.stdout  # the partial save is gone
+    assert "LOADS {'step': 1}" in out.stdout  # and the first one loads as saved

@@ -62,8 +62,23 @@ def shards_of_save(path: str | os.PathLike) -> Path:
 
 
 def save_checkpoint(path: str | os.PathLike, policy, state: dict | None = None) -> Path:
-    """Write a resumable checkpoint to ``path``, replacing the one there atomically (see the module docstring)."""
+    """Write a resumable checkpoint to ``path``, replacing the one there atomically (see the module docstring). A
+    disk that is full or read-only is a CheckpointError naming it; the last complete checkpoint stays."""
     path = Path(path)
+    try:
+        return _save(path, policy, state)
+    except (OSError, SafetensorError) as e:  # safetensors reports the OS's error as its own
+        shutil.rmtree(_aside(path, ".tmp"), ignore_errors=True)  # the partial save; the complete one is untouched
+        where = path.parent if path.parent.exists() else Path(".")
+        free = shutil.disk_usage(where).free
+        kept = f"the last complete checkpoint {path} is kept" if path.exists() else "no earlier checkpoint to keep"
+        raise CheckpointError(
+            f"saving checkpoint {path} failed: {getattr(e, 'strerror', None) or e} ({where} has "
+            f"{free / 2**20:.1f} MiB free); {kept}"
+        ) from None
+
+
+def _save(path: Path, policy, state: dict | None) -> Path:
     tmp, old = _aside(path, ".tmp"), _aside(path, ".old")
     recover_checkpoint(path)  # a crash of an earlier save: put its complete checkpoint back in place first
     shutil.rmtree(tmp, ignore_errors=True)
