@@ -1,6 +1,7 @@
 """Bad checkpoints and configs fail with errors that name the thing that is wrong."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -172,6 +173,21 @@ def test_shard_listed_in_index_but_absent(ckpt):
 def test_malformed_index_file(text, pattern, ckpt):
     (ckpt / "model.safetensors.index.json").write_text(text)
     with pytest.raises(CheckpointError, match=pattern):
+        load_model(ckpt)
+
+
+@pytest.mark.parametrize("name", ["../../etc/passwd", "/etc/passwd", "sub/../../model.safetensors"])
+def test_an_index_naming_a_file_outside_the_checkpoint_is_refused(name, ckpt):
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": name}}))
+    with pytest.raises(CheckpointError, match=rf"lists the weight file '{re.escape(name)}', outside the checkpoint"):
+        load_model(ckpt)
+
+
+def test_a_json_file_larger_than_any_checkpoint_has_is_refused_before_it_is_read(ckpt, monkeypatch):
+    from moerl.bridges import checkpoint as bridge_checkpoint
+
+    monkeypatch.setattr(bridge_checkpoint, "MAX_JSON_BYTES", 64)  # the 64 MiB bound, scaled to this tiny config
+    with pytest.raises(CheckpointError, match=r"config\.json has \d+ bytes; a checkpoint's JSON file has at most 64"):
         load_model(ckpt)
 
 

@@ -23,6 +23,20 @@ from moerl.model.transformer import MoEModel
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
+MAX_JSON_BYTES = 64 << 20  # a checkpoint's JSON files (config, index, tokenizer) are far smaller: read no more
+
+
+def _read_json(file: Path):
+    """A checkpoint's JSON file, bounded: a file larger than any real one is refused before it is read."""
+    size = file.stat().st_size
+    if size > MAX_JSON_BYTES:
+        raise CheckpointError(f"{file} has {size} bytes; a checkpoint's JSON file has at most {MAX_JSON_BYTES}")
+    try:
+        return json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file} is not valid JSON: {e}") from None
+
+
 def read_config(path: str | os.PathLike) -> dict:
     """config.json of a HF checkpoint directory, with clear errors for a bad path or file."""
     path = Path(path)
@@ -33,10 +47,7 @@ def read_config(path: str | os.PathLike) -> dict:
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise CheckpointError(f"{cfg_file} does not exist: not a Hugging Face checkpoint directory")
-    try:
-        return json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
+    return _read_json(cfg_file)
 
 
 def load_tokenizer(path: str | os.PathLike):
@@ -48,10 +59,7 @@ def load_tokenizer(path: str | os.PathLike):
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         file = path / name
         if file.exists():
-            try:
-                json.loads(file.read_text())
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise CheckpointError(f"{file} is not valid JSON: {e}") from None
+            _read_json(file)
     from transformers import AutoTokenizer
 
     try:
@@ -64,13 +72,15 @@ def load_tokenizer(path: str | os.PathLike):
 def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
-        try:
-            data = json.loads(index.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{index} is not valid JSON: {e}") from None
+        data = _read_json(index)
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
             raise CheckpointError(f"{index} has no 'weight_map' object")
+        for f in dict.fromkeys(weight_map.values()):  # file names in this directory only: never a path out of it
+            if Path(f).is_absolute() or ".." in Path(f).parts:
+                raise CheckpointError(
+                    f"{index} lists the weight file {f!r}, outside the checkpoint directory {path}; refused"
+                )
         files = [path / f for f in dict.fromkeys(weight_map.values())]
         for f in files:
             if not f.exists():
