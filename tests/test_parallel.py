@@ -316,6 +316,42 @@ def test_a_rank_that_dies_stops_every_rank_named_and_the_checkpoint_resumes(warm
     assert metric_rows(run)[-1].get("weight_version") == step + 1
 
 
+def test_ranks_stop_when_their_launcher_is_killed(warm_model, tmp_path):
+    """kill -9 of `moerl train ... parallel.dp=2` cannot stop its ranks itself: each rank notices its parent is gone
+    and stops, naming it (they trained on for 27 more steps before)."""
+    run = tmp_path / "run"
+    args = [f"run_dir={run}", f"model.path={warm_model}", "parallel.dp=2", "train.steps=500", "policy.mode=lora"]
+    args += ["train.checkpoint_every=1", "rollout.prompts_per_step=4", "rollout.group_size=4", "env.eval_problems=4"]
+    args += ["rollout.max_tokens=3", "rollout.max_model_len=32", "policy.dtype=float32"]
+    proc = subprocess.Popen([sys.executable, "-m", "moerl.cli", "train", *args], env=ENV, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 300
+        while not (run / "checkpoint" / "checkpoint.json").exists() and time.time() < deadline:
+            time.sleep(0.2)
+        ranks = [_rank_pid(r, str(run)) for r in (0, 1)]
+        assert None not in ranks
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.time() + 30
+        while any(_alive(pid) for pid in ranks) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(pid) for pid in ranks), ranks
+    finally:
+        proc.kill()
+        for r in (0, 1):
+            pid = _rank_pid(r, str(run))
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie does not)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
 def test_an_outer_launch_of_the_wrong_size_is_refused_by_name(tmp_path):
     cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "moerl.cli", "train"]
     cmd += [f"run_dir={tmp_path / 'run'}", "parallel.dp=2"]

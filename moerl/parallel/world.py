@@ -6,6 +6,9 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import sys
+import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -101,6 +104,7 @@ def init_world(dp: int = 1, ep: int = 1, pp: int = 1, **pipeline) -> World:
     # a rank that the C++ side aborts (std::terminate, SIGSEGV) prints every thread's Python stack, so the log
     # says where (an interleaved-1F1B LoRA rank once died with SIGABRT on an AMX host, no Python traceback)
     faulthandler.enable()
+    _die_with_the_launcher()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":  # one process per GPU: this rank's, before any CUDA tensor or NCCL communicator
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
@@ -116,6 +120,21 @@ def init_world(dp: int = 1, ep: int = 1, pp: int = 1, **pipeline) -> World:
     mesh = init_device_mesh(device, (pp, dp, ep), mesh_dim_names=("pp", "dp", "ep"))
     data = mesh["dp", "ep"]._flatten("data")
     return World(dist.get_rank(), size, dp, ep, pp, mesh=mesh, data_mesh=data, **pipeline)
+
+
+def _die_with_the_launcher(every_s: float = 1.0) -> None:
+    """A rank outlives its launcher (killed with -9, it cannot stop its ranks) only until this notices: a daemon
+    thread that ends the process, naming the launcher, once the rank's parent is gone (the rank is reparented)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        rank = os.environ.get("RANK", "?")
+        print(f"moerl: trainer rank {rank}: its launcher (pid {parent}) is gone; this rank stops", file=sys.stderr)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="moerl-launcher-watch", daemon=True).start()
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
