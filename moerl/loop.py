@@ -427,8 +427,8 @@ def build_engine(cfg: RunConfig, model_path: Path, engines=None):
 
         c = cfg.cluster
         spec = EngineSpec(str(model_path), ecfg, r.dtype, r.device, mx_scale_mode=mx, threads=engines.engine_threads)
-        remote = start_engines(spec, r.num_engines, engines, c.weight_transport, c.engine_restarts)
-        return EnginePool(spec, "ray", r.num_engines, remote=remote)
+        remote = start_engines(spec, r.num_engines, engines, r.weight_transport, c.engine_restarts)
+        return EnginePool(spec, "ray", r.num_engines, remote=remote, transport=r.weight_transport)
     threads = r.engine_threads or max(1, torch.get_num_threads() // r.num_engines)
     return make_engine(
         r.engine,
@@ -441,6 +441,7 @@ def build_engine(cfg: RunConfig, model_path: Path, engines=None):
         mx_scale_mode=mx,
         threads=threads if r.placement == "process" else 0,
         vllm_args=r.vllm_args,
+        weight_transport=r.weight_transport,
     )
 
 

@@ -60,6 +60,9 @@ class RolloutSection:
     num_engines: int = 1  # the groups of a step are split across them
     engine_threads: int = 0  # torch threads per engine process (0: this process's threads / num_engines)
     sync_bucket_mb: int = 64  # weight sync goes in buckets of at most this many MiB
+    # how weights reach engines in other processes: auto (CUDA IPC between GPUs of one node, else shared memory;
+    # bytes through Ray between nodes) | shm | inline (in the message) | cuda_ipc | broadcast (NCCL / gloo group)
+    weight_transport: str = "auto"
     vllm_args: dict = field(default_factory=dict)  # more vllm.LLM arguments (engine=vllm), e.g. enforce_eager: true
     dtype: str = "auto"  # engine compute dtype: auto (native engines: bf16 where native, else fp32; vLLM: bf16)
     device: str = "auto"  # native engines: auto (CUDA where present) | cpu | cuda | cuda:N; vLLM picks its own
@@ -74,6 +77,18 @@ class RolloutSection:
                 ("num_engines", self.num_engines, self.num_engines >= 1, "must be >= 1"),
                 ("engine_threads", self.engine_threads, self.engine_threads >= 0, "must be >= 0 (0: automatic)"),
                 ("sync_bucket_mb", self.sync_bucket_mb, self.sync_bucket_mb >= 1, "must be >= 1"),
+                (
+                    "weight_transport",
+                    self.weight_transport,
+                    self.weight_transport in TRANSPORTS,
+                    f"allowed: {', '.join(TRANSPORTS)}",
+                ),
+                (
+                    "weight_transport",
+                    self.weight_transport,
+                    self.weight_transport == "auto" or self.engine == "native",
+                    "native engines only (vLLM engines take their weights in their own processes): leave it auto",
+                ),
                 ("vllm_args", self.vllm_args, not self.vllm_args or self.engine == "vllm", "only with engine: vllm"),
                 ("dtype", self.dtype, self.dtype in DTYPE_NAMES, f"allowed: {', '.join(DTYPE_NAMES)}"),
                 (
@@ -203,9 +218,9 @@ class ParallelSection:
         )
 
 
+TRANSPORTS = ("auto", "shm", "inline", "cuda_ipc", "broadcast")  # moerl.rollout.transport
 BACKENDS = ("local", "ray")
 CLUSTER_PLACEMENTS = ("disaggregated", "colocated")
-TRANSPORTS = ("auto", "shm", "object_store")
 
 
 @dataclass(slots=True)
@@ -220,8 +235,6 @@ class ClusterSection:
     cpus_per_engine: int = 1  # ray, disaggregated: CPUs (and torch threads) of each engine
     gpus_per_trainer: float = 0  # ray: GPUs of each trainer rank (1: one process per GPU; colocated engines share it)
     gpus_per_engine: float = 0  # ray, disaggregated: GPUs of each engine (a fraction shares a GPU between engines)
-    weight_transport: str = "auto"  # ray: auto (shared memory on the trainer's node, else bytes through Ray) | shm |
-    # object_store (always through Ray: where /dev/shm is small or not shared, e.g. containers)
     engine_restarts: int = 3  # ray: how often Ray restarts an engine actor that dies (the pool brings it back)
     runtime_env: dict = field(default_factory=dict)  # ray: Ray's runtime_env for the run (env_vars, py_modules, ...)
 
@@ -236,8 +249,6 @@ class ClusterSection:
                 ("cpus_per_engine", self.cpus_per_engine, self.cpus_per_engine >= 1, "must be >= 1"),
                 ("gpus_per_trainer", self.gpus_per_trainer, _count(self.gpus_per_trainer), "must be >= 0 (0: no GPU)"),
                 ("gpus_per_engine", self.gpus_per_engine, _count(self.gpus_per_engine), "must be >= 0 (0: no GPU)"),
-                ("weight_transport", self.weight_transport, self.weight_transport in TRANSPORTS,
-                 f"allowed: {', '.join(TRANSPORTS)}"),
                 ("engine_restarts", self.engine_restarts, self.engine_restarts >= 0, "must be >= 0"),
             ),
         )  # fmt: skip
@@ -268,6 +279,17 @@ class RunConfig:
             raise ConfigError(
                 f"rollout.placement={r.placement!r} with cluster.backend: ray: the engines are Ray actors "
                 "(cluster.placement says where)"
+            )
+        if r.weight_transport != "auto" and r.placement == "inprocess" and self.cluster.backend == "local":
+            raise ConfigError(
+                f"config key 'rollout.weight_transport'={r.weight_transport!r} with rollout.placement=inprocess: "
+                "engines in the trainer's process take its tensors as they are (leave it auto)"
+            )
+        if r.weight_transport == "broadcast" and self.cluster.backend == "ray" and self.cluster.engine_restarts:
+            raise ConfigError(
+                "config key 'rollout.weight_transport'='broadcast' with cluster.engine_restarts="
+                f"{self.cluster.engine_restarts}: a restarted engine cannot rejoin the broadcast group; set "
+                "cluster.engine_restarts: 0 or use another transport"
             )
         if r.compile_decode and self.policy.mode != "full":
             raise ConfigError(
@@ -309,6 +331,7 @@ MUTABLE = (
     "rollout.num_engines",
     "rollout.engine_threads",
     "rollout.sync_bucket_mb",
+    "rollout.weight_transport",
     "rollout.compile_decode",
     "parallel.dp",  # a checkpoint holds whole tensors: any dp or ep size loads it
     "parallel.ep",
@@ -324,7 +347,6 @@ MUTABLE = (
     "cluster.placement",
     "cluster.cpus_per_trainer",
     "cluster.cpus_per_engine",
-    "cluster.weight_transport",
     "cluster.engine_restarts",
     "cluster.runtime_env",
 )

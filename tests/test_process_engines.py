@@ -207,14 +207,18 @@ def test_a_run_with_engine_processes_is_the_inprocess_run(warm_model, tmp_path):
 
     keys = ("reward_mean", "loss", "grad_norm", "mismatch_k3_r3", "mismatch_k3_no_r3", "eval_accuracy")
     rows = {}
-    for placement in ("inprocess", "process"):
+    for placement, transport in (("inprocess", "auto"), ("process", "auto"), ("process", "broadcast")):
         over = {"rollout.placement": placement, "rollout.num_engines": 2, "rollout.engine_threads": THREADS}
-        train(run_cfg(tmp_path / placement, warm_model, "lora", steps=2, **{"env.eval_problems": 4, **over}))
-        rows[placement] = metric_rows(tmp_path / placement)
-    assert [r["step"] for r in rows["process"]] == [0, 1, 2]
-    for a, b in zip(rows["inprocess"], rows["process"], strict=True):
-        assert {k: a.get(k) for k in keys} == {k: b.get(k) for k in keys}
-    assert rows["process"][-1]["mismatch_k3_r3"] < 1e-3
+        run = tmp_path / f"{placement}-{transport}"
+        over["rollout.weight_transport"] = transport  # the adapters through /dev/shm or a gloo broadcast
+        train(run_cfg(run, warm_model, "lora", steps=2, **{"env.eval_problems": 4, **over}))
+        rows[run.name] = metric_rows(run)
+    ref = rows.pop("inprocess-auto")
+    for got in rows.values():
+        assert [r["step"] for r in got] == [0, 1, 2]
+        for a, b in zip(ref, got, strict=True):
+            assert {k: a.get(k) for k in keys} == {k: b.get(k) for k in keys}
+        assert got[-1]["mismatch_k3_r3"] < 1e-3
 
 
 @pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async"])

@@ -112,7 +112,7 @@ def test_a_ray_run_gives_the_local_numbers_learns_and_survives_a_killed_engine(
 
     train(run_cfg(tmp_path / "local", warm_model, "lora", steps=8, **OVER))
     killer = _kill_when(tmp_path / "ray", "EngineActor", _rows_from(1))
-    over = {"cluster.weight_transport": "object_store"}
+    over = {"rollout.weight_transport": "inline"}
     summary = run_on_ray(_ray_cfg(tmp_path / "ray", warm_model, 8, cluster, **over))
     killer.join(timeout=1)
     local, remote = metric_rows(tmp_path / "local"), metric_rows(tmp_path / "ray")
@@ -155,8 +155,10 @@ def test_ray_configurations_that_are_not_built_or_do_not_fit_are_refused(cluster
         load_config(RunConfig, None, ["cluster.backend=ray", "rollout.engine=vllm"])
     with pytest.raises(ConfigError, match=r"rollout.placement='process' with cluster.backend: ray"):
         load_config(RunConfig, None, ["cluster.backend=ray", "rollout.placement=process"])
-    with pytest.raises(ConfigError, match=r"cluster.weight_transport'='nccl': allowed: auto, shm, object_store"):
-        load_config(RunConfig, None, ["cluster.backend=ray", "cluster.weight_transport=nccl"])
+    with pytest.raises(ConfigError, match=r"weight_transport'='nccl': allowed: auto, shm, inline, cuda_ipc, broadc"):
+        load_config(RunConfig, None, ["cluster.backend=ray", "rollout.weight_transport=nccl"])
+    with pytest.raises(ConfigError, match=r"'broadcast' with cluster.engine_restarts=3: a restarted engine cannot"):
+        load_config(RunConfig, None, ["cluster.backend=ray", "rollout.weight_transport=broadcast"])
     with pytest.raises(ConfigError, match=r"needs 9 CPUs.*the cluster has 2"):
         run_on_ray(_ray_cfg(tmp_path / "big", warm_model, 1, cluster, **{"cluster.cpus_per_trainer": 8}))
     gpus = {"cluster.gpus_per_trainer": 1, "cluster.gpus_per_engine": 0.5}  # this CPU cluster has none

@@ -34,11 +34,18 @@ class InferenceEngine(Protocol):
 
 
 def make_engine(
-    kind: str, model, config: EngineConfig | None = None, placement: str = "inprocess", num_engines: int = 1, **spec
+    kind: str,
+    model,
+    config: EngineConfig | None = None,
+    placement: str = "inprocess",
+    num_engines: int = 1,
+    weight_transport: str = "auto",
+    **spec,
 ):
     """Rollout engines by name, ``num_engines`` of them behind one InferenceEngine: ``native`` (moerl's own), in this
-    process or each in its own process (``placement``); or ``vllm`` (always in vLLM's own processes).
-    ``spec``: the rest of :class:`EngineSpec`."""
+    process or each in its own process (``placement``; weights reach those by ``weight_transport``, see
+    ``moerl.rollout.transport``); or ``vllm`` (always in vLLM's own processes). ``spec``: the rest of
+    :class:`EngineSpec`."""
     from moerl.rollout.pool import EnginePool
     from moerl.rollout.spec import EngineSpec
 
@@ -49,4 +56,4 @@ def make_engine(
         return VLLMEngine(spec, lora=spec.config.max_loras > 0, num_engines=num_engines)
     if kind != "native":
         raise ConfigError(f"rollout engine {kind!r}: allowed: native, vllm")
-    return EnginePool(spec, placement, num_engines)
+    return EnginePool(spec, placement, num_engines, transport=weight_transport)

@@ -18,8 +18,8 @@ COMMANDS = ("stage", "commit", "discard", "set_adapter", "add_adapter")
 class LocalEngine:
     """Handle on ``engine``, the pool's engine ``index``."""
 
-    inline = False  # the pool's shared-memory buffers are not needed here
-    local = True
+    local = True  # the pool hands it tensors as they are
+    same_node = True
 
     def __init__(self, engine: LLMEngine, index: int = 0):
         self.engine, self.index = engine, index

@@ -21,6 +21,7 @@ from moerl.rollout.local import LocalEngine
 from moerl.rollout.process import EngineProcess
 from moerl.rollout.shm import SharedBuffer, ShmWriter
 from moerl.rollout.spec import EngineSpec, build_native
+from moerl.rollout.transport import TRANSPORTS, IpcWriter, SyncGroup, choose, share
 from moerl.rollout.wire import pack_inline
 from moerl.run_config import PLACEMENTS
 
@@ -61,14 +62,24 @@ class EnginePool:
     ``requeued``). Every engine is a handle of one kind (``LocalEngine``, ``EngineProcess``, ``RayEngine``): the
     pool drives them the same way wherever they run."""
 
-    def __init__(self, spec: EngineSpec, placement: str = "inprocess", num_engines: int = 1, remote=None):
+    def __init__(
+        self, spec: EngineSpec, placement: str = "inprocess", num_engines: int = 1, remote=None, transport="auto"
+    ):
         if placement not in (*PLACEMENTS, "ray"):
             raise ConfigError(f"rollout.placement={placement!r}: allowed: {', '.join(PLACEMENTS)}")
         if num_engines < 1:
             raise ConfigError(f"rollout.num_engines={num_engines}: must be >= 1")
+        if transport not in TRANSPORTS:
+            raise ConfigError(f"rollout.weight_transport={transport!r}: allowed: {', '.join(TRANSPORTS)}")
+        if transport != "auto" and placement == "inprocess":
+            raise ConfigError(
+                f"rollout.weight_transport={transport!r} with rollout.placement=inprocess: engines in the trainer's "
+                "process take its tensors as they are (leave it auto)"
+            )
         self.engines: list = []
-        self.weights = ShmWriter("moerl-weights")  # engines in other processes: one buffer each bucket is read from
-        self.update: list[tuple[dict, object]] = []  # the messages of the last weight update, for a revived engine
+        self.transport, self.kinds = transport, {}  # each engine's transport, chosen at its first update
+        self.shm, self.ipc, self.group = ShmWriter("moerl-weights"), IpcWriter(), None
+        self.update: list[tuple[dict, dict]] = []  # the last weight update's commands, for a revived engine
         self.restarts = self.requeued = 0
         _live.add(self)
         try:
@@ -78,6 +89,11 @@ class EnginePool:
                 self.engines.append(
                     LocalEngine(build_native(spec), i) if placement == "inprocess" else EngineProcess(spec, i)
                 )
+            if transport == "cuda_ipc" and not all(e.device.startswith("cuda") for e in self.engines):
+                where = ", ".join(f"{e.name} on {e.device}" for e in self.engines)
+                raise ConfigError(f"rollout.weight_transport=cuda_ipc: needs every engine on CUDA ({where})")
+            if transport == "broadcast":
+                self._form_group()
         except BaseException:
             self.close()
             raise
@@ -87,6 +103,21 @@ class EnginePool:
 
             has_tok = any(os.path.exists(os.path.join(spec.model, f)) for f in ("tokenizer.json",))
             self.tokenizer = load_tokenizer(spec.model) if has_tok else None
+
+    def _form_group(self) -> None:
+        """The broadcast group of this process (rank 0) and the engines: NCCL when all of them are on GPUs."""
+        nccl = torch.cuda.is_available() and all(e.device.startswith("cuda") for e in self.engines)
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        host = "127.0.0.1"
+        if not all(e.same_node for e in self.engines):  # engines on other nodes reach this one by its address
+            import ray
+
+            host = ray.util.get_node_ip_address()
+        self.group = SyncGroup(len(self.engines) + 1, "nccl" if nccl else "gloo", device, host)
+        for rank, e in enumerate(self.engines, 1):
+            e.send({"op": "join", **self.group.join_fields(rank)})
+        self.group.connect()
+        _gather([partial(e.reply, "join") for e in self.engines])
 
     @property
     def weight_version(self) -> int:
@@ -115,15 +146,10 @@ class EnginePool:
         for _ in range(3):
             engine.revive()
             self.restarts += 1
-            copies: dict[int, SharedBuffer] = {}  # the update's buffers again, under new names
+            copies: dict[int, SharedBuffer] = {}  # the update's shared-memory files again, under new names
             try:
-                for msg, buf in self.update:
-                    if "buffer" in msg and not engine.inline and not os.path.exists(msg["buffer"]):
-                        if id(buf) not in copies:
-                            copies[id(buf)] = SharedBuffer.create(buf.nbytes, "moerl-replay")
-                            copies[id(buf)].data.copy_(buf.data)
-                        msg = msg | {"buffer": copies[id(buf)].path}
-                    engine.send(_for(engine, msg, buf))  # a Ray engine: it reads the tensors from the message
+                for msg, payloads in self.update:
+                    engine.send(msg | self._replayed(engine, payloads, copies))
                     engine.reply(msg["op"])
                 return
             except EngineDied:
@@ -133,25 +159,64 @@ class EnginePool:
                     c.unlink()
         raise EngineError(f"{engine.name} kept dying while its weights were restored")
 
+    def _replayed(self, engine, payloads: dict, copies: dict) -> dict:
+        """The fields that carry a recorded command's tensors to a revived ``engine`` the way it reads them."""
+        if not payloads:
+            return {}
+        kind = self.kinds[engine.index]
+        fields, kept = payloads[kind]
+        if kind == "shm" and not os.path.exists(fields["buffer"]):
+            if id(kept) not in copies:
+                copies[id(kept)] = SharedBuffer.create(kept.nbytes, "moerl-replay")
+                copies[id(kept)].data.copy_(kept.data)
+            return fields | {"buffer": copies[id(kept)].path}
+        if kind == "cuda_ipc":
+            return fields | {"ipc": share(kept)}  # a fresh reference for the new process
+        if kind == "broadcast":
+            raise EngineError(f"{engine.name} came back, but a restarted engine cannot rejoin the broadcast group")
+        return fields
+
     # -- weights ---------------------------------------------------------------------------------------------------
+    def _kind(self, engine, tensors: dict[str, torch.Tensor]) -> str:
+        if engine.local:
+            return "local"
+        return choose(self.transport, engine, next(iter(tensors.values())).device)
+
+    def _payload(self, kind: str, tensors: dict[str, torch.Tensor], append: bool) -> tuple[dict, object]:
+        """Message fields carrying ``tensors`` by ``kind``, and what must stay alive for a replay."""
+        if kind == "shm":
+            return self.shm.put(tensors, append), self.shm.buf
+        if kind == "cuda_ipc":
+            return self.ipc.put(tensors, append), self.ipc.buf
+        if kind == "broadcast":
+            return self.group.put(tensors), None
+        return (pack_inline(tensors) if kind == "inline" else {}), None
+
     def _broadcast(self, op: str, tensors: dict[str, torch.Tensor] | None = None, **fields) -> None:
-        """Send one command to every engine and wait for all; ``tensors`` go as they are to engines in this process,
-        through the shared buffer to the others, written once for all (a ``stage`` appends to the update's earlier
-        buckets), or inline to a Ray engine on another node. The command joins the update a revived engine gets
+        """Send one command to every engine and wait for all; ``tensors`` go as they are to engines in this process
+        and by each other engine's transport (``moerl.rollout.transport``), written once per transport (a
+        ``stage`` appends to the update's earlier buckets). The command joins the update a revived engine gets
         replayed."""
-        msg, buf = {"op": op, **fields}, None
-        shared = tensors is not None and not all(e.local for e in self.engines)  # a buffer only for other processes
-        if shared:
-            msg |= self.weights.put(tensors, append=op == "stage")
-            buf = self.weights.buf  # kept mapped while the update may be replayed
+        msg, payloads = {"op": op, **fields}, {}
+        if tensors:
+            for e in self.engines:
+                self.kinds[e.index] = kind = self._kind(e, tensors)
+                if kind not in payloads:
+                    payloads[kind] = self._payload(kind, tensors, append=op == "stage")
         if op == "discard":
             self.update = []
         elif op in ("set_adapter", "add_adapter"):  # a whole adapter: it replaces what the update held of it
-            self.update = [(m, b) for m, b in self.update if m.get("name") != fields["name"]] + [(msg, buf)]
+            self.update = [(m, p) for m, p in self.update if m.get("name") != fields["name"]] + [(msg, payloads)]
         else:
-            self.update.append((msg, buf))
+            self.update.append((msg, payloads))
         for e in self.engines:
-            e.send(_for(e, msg, buf), tensors)
+            e.send(msg | (payloads[self.kinds[e.index]][0] if payloads else {}), tensors)
+        sent = None
+        if "broadcast" in payloads:
+            try:
+                self.group.send()  # after the engines got the message: they wait for it in the broadcast
+            except EngineError as e:
+                sent = e  # an engine that died is named by its reply below
 
         def answer(e):
             try:
@@ -160,11 +225,14 @@ class EnginePool:
                 self._revive(e)  # the replay ends with this command
 
         _gather([partial(answer, e) for e in self.engines])
-        if shared:
-            self.weights.buf.unlink()  # every engine has mapped it: nothing is left in /dev/shm if we crash
+        if sent is not None:
+            raise sent
+        if "shm" in payloads:
+            self.shm.buf.unlink()  # every engine has mapped it: nothing is left in /dev/shm if we crash
 
     def discard_staged(self) -> None:
-        self.weights.reset()
+        self.shm.reset()
+        self.ipc.reset()
         self._broadcast("discard")
 
     def stage_weights(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -198,16 +266,10 @@ class EnginePool:
         """Stop the engine processes (nothing to do in process); idempotent."""
         for e in self.engines:
             e.close()
-        self.weights.close()
+        self.shm.close()
+        if self.group is not None:
+            self.group.close()
         _live.discard(self)
-
-
-def _for(engine, msg: dict, buf) -> dict:
-    """``msg`` as ``engine`` reads it: its tensors inline for a Ray engine our shared memory does not reach."""
-    if "buffer" not in msg or not getattr(engine, "inline", False):
-        return msg
-    tensors = buf.read(msg["tensors"], copy=False)
-    return {k: v for k, v in msg.items() if k not in ("buffer", "nbytes", "tensors")} | pack_inline(tensors)
 
 
 @atexit.register

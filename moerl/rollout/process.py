@@ -61,7 +61,8 @@ def serve(fd: int, parent: int) -> None:
 class EngineProcess:
     """One engine process. Calls are synchronous except ``generate_async`` / ``wait`` (engines run side by side)."""
 
-    local = False  # tensors reach it through shared memory or inline bytes in the message
+    local = False  # tensors reach it by a transport (moerl.rollout.transport)
+    same_node = True
 
     START_TIMEOUT_S = 600.0
 
@@ -72,7 +73,7 @@ class EngineProcess:
         self.weight_version = 0
         self.tokenizer = None
         reply = self._call({"op": "init", "spec": spec.to_json()}, timeout=self.START_TIMEOUT_S)
-        self.pid, self.kv_cache_bytes = reply["pid"], reply["kv_cache_bytes"]
+        self.pid, self.kv_cache_bytes, self.device = reply["pid"], reply["kv_cache_bytes"], reply["device"]
 
     @property
     def name(self) -> str:

@@ -1,8 +1,9 @@
 """Native engines as Ray actors, behind the same handle as an engine process.
 
-The actor runs the engine process's command server (``moerl.rollout.server``): JSON commands, tensors through
-file-backed shared memory when the actor shares the trainer's node (``/dev/shm``), else inline as bytes in the
-message, which Ray's object store carries between nodes. Ray restarts an actor that dies
+The actor runs the engine process's command server (``moerl.rollout.server``): JSON commands, weights by the
+transport ``moerl.rollout.transport`` chooses (shared memory or CUDA IPC on the trainer's node, bytes in the message
+through Ray's object store between nodes, or a broadcast group); outputs through shared memory on the trainer's node,
+else inline. Ray restarts an actor that dies
 (``cluster.engine_restarts`` times); the pool then replays the last weight update into it and re-sends its
 unfinished requests.
 """
@@ -40,24 +41,27 @@ class EngineActor:
     def where(self) -> dict:
         import ray
 
-        return {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+        device = str(self.server.engine.model.embed_tokens.weight.device)
+        return {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid(), "device": device}
 
 
 class RayEngine:
     """The loop's handle on one engine actor: ``send`` / ``reply`` like an engine process, ``generate_async`` /
-    ``wait`` so engines run side by side. ``inline``: tensors travel in the messages (no shared memory)."""
+    ``wait`` so engines run side by side. ``same_node``: it shares the trainer's node; ``inline``: its outputs travel
+    in the replies (no shared memory)."""
 
-    local = False  # tensors reach it through shared memory or inline bytes in the message
+    local = False  # tensors reach it by a transport (moerl.rollout.transport)
 
     START_TIMEOUT_S = 600.0
 
-    def __init__(self, actor, index: int, inline: bool):
+    def __init__(self, actor, index: int, same_node: bool, inline: bool):
         import ray
 
-        self.actor, self.index, self.inline = actor, index, inline
+        self.actor, self.index, self.same_node, self.inline = actor, index, same_node, inline
         self.outputs = BufferCache(unlink_on_open=True)
         self.weight_version, self.tokenizer, self.pending = 0, None, None
-        self.pid = ray.get(actor.where.remote(), timeout=self.START_TIMEOUT_S)["pid"]
+        where = ray.get(actor.where.remote(), timeout=self.START_TIMEOUT_S)
+        self.pid, self.device = where["pid"], where["device"]
 
     @property
     def name(self) -> str:
@@ -121,8 +125,8 @@ class RayEngine:
 
 def start_engines(spec: EngineSpec, num_engines: int, placement, transport: str, restarts: int) -> list[RayEngine]:
     """``num_engines`` engine actors in the bundles ``placement.engine_bundles`` of ``placement.group`` (each with
-    ``placement.engine_cpus`` CPUs and as many torch threads), restarted up to ``restarts`` times; tensors through
-    shared memory with those on this node (``transport`` auto), or always shm / always inline (object_store)."""
+    ``placement.engine_cpus`` CPUs and as many torch threads), restarted up to ``restarts`` times; outputs through
+    shared memory from those on this node, inline from the others and wherever ``transport`` is ``inline``."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -141,5 +145,7 @@ def start_engines(spec: EngineSpec, num_engines: int, placement, transport: str,
         for b in placement.engine_bundles
     ]
     nodes = ray.get([a.where.remote() for a in actors], timeout=RayEngine.START_TIMEOUT_S)
-    inline = [transport == "object_store" or (transport == "auto" and n["node"] != here) for n in nodes]
-    return [RayEngine(a, i, inl) for i, (a, inl) in enumerate(zip(actors, inline, strict=True))]
+    same = [n["node"] == here for n in nodes]
+    return [
+        RayEngine(a, i, s, transport == "inline" or not s) for i, (a, s) in enumerate(zip(actors, same, strict=True))
+    ]

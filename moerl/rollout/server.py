@@ -14,10 +14,11 @@ import torch
 from moerl.engine import LLMEngine
 from moerl.rollout.shm import BufferCache, ShmWriter
 from moerl.rollout.spec import EngineSpec, build_native
+from moerl.rollout.transport import IpcReader, SyncMember
 from moerl.rollout.wire import outputs_to_json, pack_inline, request_from_json, tensors_of
 from moerl.rpc import Dispatcher
 
-COMMANDS = ("init", "generate", "stage", "commit", "discard", "set_adapter", "add_adapter", "read_weights")
+COMMANDS = ("init", "join", "generate", "stage", "commit", "discard", "set_adapter", "add_adapter", "read_weights")
 
 
 class EngineServer:
@@ -26,6 +27,7 @@ class EngineServer:
     def __init__(self):
         self.reader, self.writer = BufferCache(), ShmWriter("moerl-out")
         self.engine: LLMEngine | None = None
+        self.ipc, self.member = IpcReader(), None  # cuda_ipc buffers; the pool's broadcast group once joined
         self.dispatch = Dispatcher(self, COMMANDS, "engine")
 
     def handle(self, msg: dict) -> dict:
@@ -34,13 +36,19 @@ class EngineServer:
 
     def close(self) -> None:
         self.writer.close()
+        if self.member is not None:
+            self.member.close()
 
     def _tensors_out(self, tensors: dict[str, torch.Tensor], inline: bool) -> dict:
         return pack_inline(tensors) if inline else self.writer.put(tensors)
 
     def _tensors_in(self, msg: dict) -> dict[str, torch.Tensor]:
-        # views, no copy: the parent writes each bucket of an update to its own place in the buffer, so the staged
-        # views stay valid until the commit copies them into the weights
+        # views, no copy: the parent writes each bucket of an update to its own place in the buffer (a broadcast
+        # bucket gets a buffer of its own), so the staged views stay valid until the commit copies them
+        if "broadcast" in msg:
+            return self.member.receive(msg).read(msg["tensors"], copy=False)
+        if "ipc" in msg:
+            return self.ipc.get(msg).read(msg["tensors"], copy=False)
         return tensors_of(msg, self.reader, copy=False)
 
     # -- the commands: each takes the message and returns the reply's fields ------------------------------------
@@ -49,7 +57,12 @@ class EngineServer:
         if spec.threads:
             torch.set_num_threads(spec.threads)
         self.engine = build_native(spec)
-        return {"pid": os.getpid(), "kv_cache_bytes": self.engine.kv_cache_bytes}
+        device = str(self.engine.model.embed_tokens.weight.device)
+        return {"pid": os.getpid(), "kv_cache_bytes": self.engine.kv_cache_bytes, "device": device}
+
+    def join(self, msg: dict) -> None:
+        """Become rank ``msg["rank"]`` of the pool's broadcast group (``transport.SyncGroup``)."""
+        self.member = SyncMember(msg, self.engine.model.embed_tokens.weight.device)
 
     def generate(self, msg: dict) -> dict:
         rows, tensors = outputs_to_json(self.engine.generate([request_from_json(r) for r in msg["requests"]]))

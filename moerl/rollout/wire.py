@@ -4,6 +4,7 @@ connection."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 from multiprocessing.connection import Connection
@@ -66,6 +67,8 @@ def outputs_from_json(rows: list[dict], tensors: dict[str, torch.Tensor]) -> lis
 
 
 def send_msg(conn: Connection, msg: dict) -> None:
+    if isinstance(msg.get("inline"), bytes):  # JSON carries the inline tensors' bytes as base64
+        msg = msg | {"inline": base64.b64encode(msg["inline"]).decode()}
     conn.send_bytes(json.dumps(msg).encode())
 
 
@@ -84,6 +87,7 @@ def tensors_of(fields: dict, buffers: BufferCache, copy: bool = True) -> dict[st
     """The tensors a message carries: inline bytes (``pack_inline``; viewed in a private copy of them) or a shared
     buffer's, mapped through ``buffers`` (copies, or views with ``copy=False``)."""
     if "inline" in fields:
-        data = torch.frombuffer(bytearray(fields["inline"]), dtype=torch.uint8)
+        raw = fields["inline"]
+        data = torch.frombuffer(bytearray(base64.b64decode(raw) if isinstance(raw, str) else raw), dtype=torch.uint8)
         return SharedBuffer.over(data).read(fields["tensors"], copy=False)
     return buffers.get(fields["buffer"], fields["nbytes"]).read(fields["tensors"], copy=copy)
