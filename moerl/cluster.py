@@ -11,7 +11,9 @@ pool (``moerl.rollout.pool``).
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +22,7 @@ from moerl import errors
 from moerl.errors import ConfigError, TrainingStopped
 
 PLACEMENT_TIMEOUT_S = 60.0
+CONNECT_TIMEOUT_S = 10.0  # an address that does not answer within this is refused by name
 
 
 @dataclass(slots=True)
@@ -99,13 +102,7 @@ def run_on_ray(cfg, resume: bool = False, overwrite: bool = False) -> dict:
 
     c = cfg.cluster
     started = not ray.is_initialized()
-    if started:
-        ray.init(
-            address=c.address or None,
-            runtime_env=c.runtime_env or None,
-            include_dashboard=False,
-            logging_level="warning",
-        )
+    own = init_ray(c.address, c.runtime_env) if started else None
     specs, where = bundles(cfg)
     for kind, per_trainer, per_engine in (
         ("CPU", c.cpus_per_trainer, c.cpus_per_engine),
@@ -115,6 +112,8 @@ def run_on_ray(cfg, resume: bool = False, overwrite: bool = False) -> dict:
         if need > have:
             if started:
                 ray.shutdown()
+            if own is not None:
+                shutil.rmtree(own, ignore_errors=True)
             key = f"cluster.{kind.lower()}s_per"
             engines = "" if c.placement == "colocated" else f", {key}_engine={per_engine:g}"
             raise ConfigError(
@@ -173,6 +172,52 @@ def run_on_ray(cfg, resume: bool = False, overwrite: bool = False) -> dict:
         remove_placement_group(group)
         if started:
             ray.shutdown()
+        if own is not None:
+            shutil.rmtree(own, ignore_errors=True)
+
+
+def init_ray(address: str, runtime_env: dict | None = None) -> str | None:
+    """Join the Ray cluster at ``address`` (``auto``: the one ``RAY_ADDRESS`` or ``ray start`` names), checked to
+    answer within ``CONNECT_TIMEOUT_S`` first (Ray itself retries an address nobody serves for ever); or with
+    ``address`` empty start a fresh local cluster in a directory of moerl's own (returned, for removal after
+    ``ray.shutdown``), never one a stale ``ray_current_cluster`` file names."""
+    import ray
+
+    common = {"runtime_env": runtime_env or None, "include_dashboard": False, "logging_level": "warning"}
+    if not address:
+        own = tempfile.mkdtemp(prefix="moerl-ray-")
+        ray.init(address="local", _temp_dir=own, **common)
+        return own
+    target = _resolve(address)
+    host, _, port = target.removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"cluster.address={address!r}: no Ray cluster answers at {target} within {CONNECT_TIMEOUT_S:.0f} s "
+            f"({getattr(e, 'strerror', None) or e}); start one (ray start --head) or leave cluster.address empty "
+            "for a local cluster of the run's own"
+        ) from None
+    ray.init(address=target, **common)
+    return None
+
+
+def _resolve(address: str) -> str:
+    """``auto`` as the ``host:port`` it means: ``RAY_ADDRESS``, else the cluster ``ray start`` recorded."""
+    if address != "auto":
+        return address
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"]
+    recorded = os.path.join(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir(), "ray", "ray_current_cluster")
+    try:
+        with open(recorded) as f:
+            return f.read(256).strip()
+    except OSError:
+        raise ConfigError(
+            "cluster.address='auto': no running Ray cluster is recorded on this machine (RAY_ADDRESS unset, no "
+            f"{recorded}); start one (ray start --head) or leave cluster.address empty for a local cluster of the "
+            "run's own"
+        ) from None
 
 
 def _rank_error(rank: int, e) -> Exception:

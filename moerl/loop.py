@@ -23,7 +23,7 @@ from moerl.engine import EngineConfig
 from moerl.envs import make_env
 from moerl.errors import EngineError, TrainingStopped
 from moerl.metrics import MetricsLogger, plot_run, read_metrics
-from moerl.parallel.world import World, broadcast_json, init_world
+from moerl.parallel.world import World, broadcast_json, init_world, stalled
 from moerl.rollout import make_engine
 from moerl.rollout.ahead import RolloutsAhead
 from moerl.rollout.episode import Episode, drop_stale, to_batch
@@ -70,17 +70,29 @@ def _deterministic(on: bool):
 def _run(cfg: RunConfig, resume: bool, overwrite: bool, engines) -> dict | None:
     par = cfg.parallel
     world = init_world(
-        par.dp, par.ep, par.pp, schedule=par.schedule, microbatches=par.microbatches, stages=par.stages or None
+        par.dp,
+        par.ep,
+        par.pp,
+        timeout_s=par.timeout_s,
+        schedule=par.schedule,
+        microbatches=par.microbatches,
+        stages=par.stages or None,
     )
-    if not world.driver:  # a trainer rank: it trains on its shard of what rank 0 announces
-        _serve(cfg, world)
-        world.close()
-        return None
-    run = RunDir.open(cfg, resume=resume, overwrite=overwrite)
     try:
-        summary = _train(cfg, run, world, engines)
-    finally:
-        run.close()
+        if not world.driver:  # a trainer rank: it trains on its shard of what rank 0 announces
+            _serve(cfg, world)
+            world.close()
+            return None
+        run = RunDir.open(cfg, resume=resume, overwrite=overwrite)
+        try:
+            summary = _train(cfg, run, world, engines)
+        finally:
+            run.close()
+    except RuntimeError as e:
+        fault = stalled(e, par.timeout_s) if world.size > 1 else None
+        if fault is None:
+            raise
+        raise fault from None
     world.close()
     return summary
 
@@ -427,7 +439,7 @@ def build_engine(cfg: RunConfig, model_path: Path, engines=None):
 
         c = cfg.cluster
         spec = EngineSpec(str(model_path), ecfg, r.dtype, r.device, mx_scale_mode=mx, threads=engines.engine_threads)
-        remote = start_engines(spec, r.num_engines, engines, r.weight_transport, c.engine_restarts)
+        remote = start_engines(spec, r.num_engines, engines, r.weight_transport, c.engine_restarts, r.engine_timeout_s)
         return EnginePool(spec, "ray", r.num_engines, remote=remote, transport=r.weight_transport)
     threads = r.engine_threads or max(1, torch.get_num_threads() // r.num_engines)
     return make_engine(
@@ -442,6 +454,7 @@ def build_engine(cfg: RunConfig, model_path: Path, engines=None):
         threads=threads if r.placement == "process" else 0,
         vllm_args=r.vllm_args,
         weight_transport=r.weight_transport,
+        timeout_s=r.engine_timeout_s,
     )
 
 

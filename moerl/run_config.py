@@ -63,6 +63,8 @@ class RolloutSection:
     # how weights reach engines in other processes: auto (CUDA IPC between GPUs of one node, else shared memory;
     # bytes through Ray between nodes) | shm | inline (in the message) | cuda_ipc | broadcast (NCCL / gloo group)
     weight_transport: str = "auto"
+    engine_timeout_s: float = 300.0  # an engine in another process that makes no progress this long is named, the
+    # run stops with its state saved (progress: a decode step or a reply; heartbeats show a busy engine lives)
     vllm_args: dict = field(default_factory=dict)  # more vllm.LLM arguments (engine=vllm), e.g. enforce_eager: true
     dtype: str = "auto"  # engine compute dtype: auto (native engines: bf16 where native, else fp32; vLLM: bf16)
     device: str = "auto"  # native engines: auto (CUDA where present) | cpu | cuda | cuda:N; vLLM picks its own
@@ -77,6 +79,12 @@ class RolloutSection:
                 ("num_engines", self.num_engines, self.num_engines >= 1, "must be >= 1"),
                 ("engine_threads", self.engine_threads, self.engine_threads >= 0, "must be >= 0 (0: automatic)"),
                 ("sync_bucket_mb", self.sync_bucket_mb, self.sync_bucket_mb >= 1, "must be >= 1"),
+                (
+                    "engine_timeout_s",
+                    self.engine_timeout_s,
+                    _finite(self.engine_timeout_s) and self.engine_timeout_s > 0,
+                    "must be > 0 (seconds)",
+                ),
                 (
                     "weight_transport",
                     self.weight_transport,
@@ -199,6 +207,9 @@ class ParallelSection:
     microbatches: int = 0  # pipeline micro-batches per call (0: one per stage, more if policy.micro_batch_size needs)
     schedule: str = "1f1b"  # pipeline schedule: 1f1b | gpipe | interleaved_1f1b (two stages per rank)
     stages: list[int] = field(default_factory=list)  # layers per pipeline stage ([]: balanced by parameter count)
+    # how long a collective waits for the other ranks before the run stops naming the one that stopped answering;
+    # ranks wait in one while rank 0 generates and evaluates, so it must exceed that phase
+    timeout_s: float = 1800.0
 
     @property
     def size(self) -> int:
@@ -214,6 +225,7 @@ class ParallelSection:
                 ("pp", self.pp, isinstance(self.pp, int) and self.pp >= 1, "must be >= 1"),
                 ("microbatches", self.microbatches, self.microbatches >= 0, "must be >= 0 (0: one per stage)"),
                 ("schedule", self.schedule, self.schedule in SCHEDULES, f"allowed: {', '.join(SCHEDULES)}"),
+                ("timeout_s", self.timeout_s, _finite(self.timeout_s) and self.timeout_s > 0, "must be > 0 (seconds)"),
             ),
         )
 
@@ -332,6 +344,7 @@ MUTABLE = (
     "rollout.engine_threads",
     "rollout.sync_bucket_mb",
     "rollout.weight_transport",
+    "rollout.engine_timeout_s",
     "rollout.compile_decode",
     "parallel.dp",  # a checkpoint holds whole tensors: any dp or ep size loads it
     "parallel.ep",
@@ -339,6 +352,7 @@ MUTABLE = (
     "parallel.schedule",
     "parallel.microbatches",
     "parallel.stages",
+    "parallel.timeout_s",
     "env.eval_problems",
     "algo.reward_timeout_s",
     "algo.mismatch_metric_every",

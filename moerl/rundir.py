@@ -169,7 +169,13 @@ class RunDir:
             return
         found, note = recover_checkpoint(self.path / CHECKPOINT, dry_run=True)
         if found is None:
-            raise RunDirError(f"--resume: no complete checkpoint in {self.path / CHECKPOINT}; nothing to resume")
+            why = ""
+            if (self.path / CHECKPOINT).exists():  # say what is wrong with it: the file, the shard
+                try:
+                    read_meta(self.path / CHECKPOINT)
+                except (CheckpointError, OSError) as e:
+                    why = f" ({e})"
+            raise RunDirError(f"--resume: no complete checkpoint in {self.path / CHECKPOINT}{why}; nothing to resume")
         if not (self.path / CONFIG).exists():
             raise RunDirError(f"--resume: {self.path / CONFIG} is missing: the run's config was never recorded")
         if note:

@@ -93,6 +93,41 @@ def test_wrong_shape_names_both_shapes(ckpt):
         load_model(ckpt)
 
 
+@pytest.mark.parametrize(
+    ("changes", "pattern"),
+    [
+        ({"hidden_size": 10**9}, r"this config needs \d+\.\d TB for its weights alone .*; cpu has [\d.]+ GB available"),
+        ({"num_experts": 10**7}, r"this config needs \d+\.\d (TB|GB) for its weights alone"),
+        ({"num_hidden_layers": 10**6}, r"num_layers=1000000: moerl builds a module per layer and takes at most 4096"),
+    ],
+)
+def test_a_config_too_large_for_this_machine_is_refused_before_anything_is_allocated(ckpt, changes, pattern):
+    """Judged from the config on meta tensors (the 10^9-wide model would need terabytes): refused in well under a
+    second, before the weights' memory is asked for; the same check guards ``moerl generate`` and the trainer."""
+    import time
+
+    _edit_config(ckpt, **changes)
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=pattern):
+        load_model(ckpt)
+    assert time.monotonic() - start < 30
+
+
+def test_a_wrong_shape_is_refused_from_the_header_before_the_weights_are_allocated(ckpt, monkeypatch):
+    """The safetensors header is enough: the model is never materialised (``to_empty`` would be its allocation)."""
+    from moerl.model.transformer import MoEModel
+
+    _edit_tensors(ckpt, lambda t: t.__setitem__("model.layers.2.mlp.gate.weight", torch.zeros(8, 63)))
+
+    def never(self, *a, **k):
+        raise AssertionError("the model was allocated before its tensors' shapes were checked")
+
+    monkeypatch.setattr(MoEModel, "to_empty", never)
+    wrong = r"'model\.layers\.2\.mlp\.gate\.weight'.*shape \(8, 63\).*expects \(8, 64\)"
+    with pytest.raises(CheckpointError, match=wrong):
+        load_model(ckpt)
+
+
 def test_config_field_missing(ckpt):
     _edit_config(ckpt, hidden_size=...)
     with pytest.raises(ConfigError, match=r"config\.json: required field 'hidden_size' is missing"):

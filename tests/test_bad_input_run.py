@@ -164,17 +164,27 @@ def test_resume_drops_rows_after_the_checkpoint_and_a_cut_last_line(run_copy, wa
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4] and "loss" in rows[3]
 
 
-@pytest.mark.parametrize("case", ["no dir", "no checkpoint", "no config"])
+@pytest.mark.parametrize("case", ["no dir", "no checkpoint", "truncated checkpoint", "no config"])
 def test_resume_without_a_run_is_refused(case, run_copy, warm_model, tmp_path):
     import shutil
+
+    from moerl.trainer.checkpoint import TENSORS
 
     run = tmp_path / "nowhere" if case == "no dir" else run_copy
     if case == "no checkpoint":
         shutil.rmtree(run / "checkpoint")
+    if case == "truncated checkpoint":  # the file and the fault named (a shard of a sharded one alike)
+        tensors = run / "checkpoint" / TENSORS
+        tensors.write_bytes(tensors.read_bytes()[:-100])
     if case == "no config":
         (run / "config.yaml").unlink()
     before = tree_hash(run)
-    pattern = {"no dir": "does not exist", "no checkpoint": "no complete checkpoint", "no config": "config.yaml is"}
+    pattern = {
+        "no dir": "does not exist",
+        "no checkpoint": "no complete checkpoint",
+        "truncated checkpoint": rf"no complete checkpoint in \S+ \(\S+/{TENSORS} has \d+ bytes, .* truncated",
+        "no config": "config.yaml is",
+    }
     with pytest.raises(RunDirError, match=pattern[case]):
         train(_cfg(run, warm_model, steps=3), resume=True)
     assert tree_hash(run) == before

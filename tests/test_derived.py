@@ -102,3 +102,51 @@ def test_check_arch_prints_a_bridge_file_that_loads_the_checkpoint(without_bridg
     ids = _ids()
     with torch.no_grad():
         assert (load_model(tmp_path / "ckpt", torch.float32)(ids).logits - hf(ids).logits).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("case", ["tensor shape", "config size"])
+def test_check_arch_refuses_a_checkpoint_its_config_does_not_describe(case, without_bridge, tmp_path, capsys):
+    """Names are not enough: a tensor of the wrong shape, or a config whose sizes the tensors do not have (a
+    10^9-wide hidden size), fails by name from the headers, with nothing allocated."""
+    from safetensors.torch import load_file, save_file
+
+    from moerl.cli import main
+
+    arch = "MixtralForCausalLM"
+    build_hf_model(arch).save_pretrained(tmp_path / "ckpt")
+    without_bridge(arch)
+    weights, config = tmp_path / "ckpt" / "model.safetensors", tmp_path / "ckpt" / "config.json"
+    if case == "tensor shape":
+        tensors = load_file(weights)
+        name = next(n for n in tensors if n.startswith("model.layers.1.") and n.endswith("gate.weight"))
+        tensors[name] = tensors[name][:, :-1].clone()
+        save_file(tensors, weights, metadata={"format": "pt"})
+    else:
+        config.write_text(json.dumps(json.loads(config.read_text()) | {"hidden_size": 10**9}))
+    assert main(["check-arch", str(tmp_path / "ckpt")]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and "moerl: error: tensor '" in out.err
+    assert ("gate.weight' in model.safetensors has shape" if case == "tensor shape" else "1000000000") in out.err
+
+
+BAD_VALUES = [
+    ("hidden_size", "abc"), ("num_hidden_layers", None), ("num_experts_per_tok", -3), ("rms_norm_eps", 0),
+    ("tie_word_embeddings", "yes"), ("sliding_window", 0), ("mlp_only_layers", 1.5), ("num_key_value_heads", 0),
+    ("vocab_size", [1, 2]), ("max_position_embeddings", {"a": 1}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("field", "value"), BAD_VALUES)
+def test_check_arch_names_a_config_value_of_the_wrong_type_or_range(field, value, without_bridge, tmp_path, capsys):
+    """Strings, nulls, negatives, lists where sizes go: one line naming the field (``moerl: error: ...``), rc 2,
+    whether moerl's check or transformers' own finds it."""
+    from moerl.cli import main
+
+    arch = "Qwen3MoeForCausalLM"
+    build_hf_model(arch).save_pretrained(tmp_path / "ckpt")
+    without_bridge(arch)
+    config = tmp_path / "ckpt" / "config.json"
+    config.write_text(json.dumps(json.loads(config.read_text()) | {field: value}))
+    assert main(["check-arch", str(tmp_path / "ckpt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("moerl: error: ") and field in err, err

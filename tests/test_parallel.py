@@ -5,6 +5,7 @@ its checkpoint resumes at another dp or ep size; a rank that dies stops the run,
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -279,28 +280,30 @@ def _rank_pid(rank: int, marker: str) -> int | None:
     return None
 
 
-def test_a_rank_that_dies_stops_every_rank_named_and_the_checkpoint_resumes(warm_model, tmp_path):
-    """LoRA at ep=2 (the adapters of each rank's experts synced to the engine and checkpointed whole); the resume
-    runs in one process."""
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_a_rank_that_dies_stops_every_rank_named_and_the_checkpoint_resumes(how, warm_model, tmp_path):
+    """LoRA at ep=2 (the adapters of each rank's experts synced to the engine and checkpointed whole); rank 1 is
+    killed, or stopped (SIGSTOP: rank 0's next collective times out after ``parallel.timeout_s``, names it and ends
+    it); the resume runs in one process."""
     run = tmp_path / "run"
     args = [f"run_dir={run}", f"model.path={warm_model}", "parallel.ep=2", "train.steps=500", "policy.mode=lora"]
+    args += ["parallel.timeout_s=10"]
     args += ["train.checkpoint_every=1", "rollout.prompts_per_step=4", "rollout.group_size=4", "env.eval_problems=4"]
     args += ["rollout.max_tokens=3", "rollout.max_model_len=32", "policy.dtype=float32"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moerl.cli", "train", *args], env=ENV, stderr=subprocess.PIPE, text=True
-    )
+    proc, (_, victim) = _started(run, args)
     try:
-        deadline = time.time() + 300
-        while not (run / "checkpoint" / "checkpoint.json").exists() and time.time() < deadline:
-            time.sleep(0.2)
-        victim = _rank_pid(1, str(run))
-        assert victim is not None
-        os.kill(victim, signal.SIGKILL)
+        os.kill(victim, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
         _, err = proc.communicate(timeout=120)  # no rank waits forever on a collective
     finally:
         proc.kill()
     assert proc.returncode == 2
-    assert "moerl: error: trainer rank 1 of 2 failed (exit code -9)" in err, err[-3000:]
+    if how == "kill":
+        assert "moerl: error: trainer rank 1 of 2 failed (exit code -9)" in err, err[-3000:]
+    else:
+        # rank 0 names rank 1 and ends it; the launcher, seeing rank 1 gone, may end rank 0 before it exits by itself
+        named = rf"rank 0 of 2 failed \(exit code (2|-15)\): .*trainer rank 1 \(pid {victim}\) stopped answering"
+        assert re.search(named, err) and "parallel.timeout_s=10 s" in err, err[-3000:]
+        assert not _alive(victim)
     assert _rank_pid(0, str(run)) is None  # the launcher stopped rank 0 too
     from moerl.trainer.checkpoint import read_meta
 
@@ -323,13 +326,8 @@ def test_ranks_stop_when_their_launcher_is_killed(warm_model, tmp_path):
     args = [f"run_dir={run}", f"model.path={warm_model}", "parallel.dp=2", "train.steps=500", "policy.mode=lora"]
     args += ["train.checkpoint_every=1", "rollout.prompts_per_step=4", "rollout.group_size=4", "env.eval_problems=4"]
     args += ["rollout.max_tokens=3", "rollout.max_model_len=32", "policy.dtype=float32"]
-    proc = subprocess.Popen([sys.executable, "-m", "moerl.cli", "train", *args], env=ENV, stderr=subprocess.PIPE)
+    proc, ranks = _started(run, args)
     try:
-        deadline = time.time() + 300
-        while not (run / "checkpoint" / "checkpoint.json").exists() and time.time() < deadline:
-            time.sleep(0.2)
-        ranks = [_rank_pid(r, str(run)) for r in (0, 1)]
-        assert None not in ranks
         proc.kill()
         proc.wait(timeout=30)
         deadline = time.time() + 30
@@ -342,6 +340,37 @@ def test_ranks_stop_when_their_launcher_is_killed(warm_model, tmp_path):
             pid = _rank_pid(r, str(run))
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
+
+
+def _started(run: Path, args: list[str], **popen) -> tuple[subprocess.Popen, list[int]]:
+    """``moerl train args`` on two ranks, once its first checkpoint is written; the process and the ranks' pids."""
+    cmd = [sys.executable, "-m", "moerl.cli", "train", *args]
+    proc = subprocess.Popen(cmd, env=ENV, stderr=subprocess.PIPE, text=True, **popen)
+    deadline = time.time() + 300
+    while not (run / "checkpoint" / "checkpoint.json").exists() and time.time() < deadline:
+        time.sleep(0.2)
+    ranks = [_rank_pid(r, str(run)) for r in (0, 1)]
+    if None in ranks:
+        proc.kill()
+        raise AssertionError(f"the two ranks of {run} did not start: {ranks}")
+    return proc, ranks
+
+
+def test_ctrl_c_of_a_dp2_run_ends_every_rank_with_one_message_and_rc_130(warm_model, tmp_path):
+    """Ctrl-C as a terminal sends it: SIGINT to the launcher's whole process group, ranks included, mid-run."""
+    run = tmp_path / "run"
+    args = [f"run_dir={run}", f"model.path={warm_model}", "parallel.dp=2", "train.steps=500", "policy.mode=full"]
+    args += ["train.checkpoint_every=1", "rollout.prompts_per_step=4", "rollout.group_size=4", "env.eval_problems=4"]
+    args += ["rollout.max_tokens=3", "rollout.max_model_len=32", "policy.dtype=float32"]
+    proc, ranks = _started(run, args, start_new_session=True)  # its own process group, as a shell job is
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert err.strip().splitlines()[-1] == "moerl: interrupted" and "Traceback" not in err, err[-3000:]
+    assert not any(_alive(pid) for pid in ranks)
 
 
 def _alive(pid: int) -> bool:

@@ -221,11 +221,12 @@ def test_a_run_with_engine_processes_is_the_inprocess_run(warm_model, tmp_path):
         assert got[-1]["mismatch_k3_r3"] < 1e-3
 
 
-@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async"])
-def test_an_engine_that_dies_stops_the_run_with_its_trained_state_saved(ahead, warm_model, tmp_path, monkeypatch):
-    """Synchronous: step 2's rollouts find the engine gone; the state after step 1 is saved. Asynchronous (k=1):
-    step 2's rollouts were generated during step 1, step 2 trains, its weights cannot reach the dead engine: the
-    state after step 2 is saved with its metrics row, and the resume goes on from there."""
+@pytest.mark.parametrize(("ahead", "how"), [(False, "kill"), (True, "kill"), (False, "stop")])
+def test_an_engine_that_dies_stops_the_run_with_its_trained_state_saved(ahead, how, warm_model, tmp_path, monkeypatch):
+    """Synchronous: step 2's rollouts find the engine gone (killed, or stopped: named after
+    ``rollout.engine_timeout_s`` without a heartbeat); the state after step 1 is saved. Asynchronous (k=1): step 2's
+    rollouts were generated during step 1, step 2 trains, its weights cannot reach the dead engine: the state after
+    step 2 is saved with its metrics row, and the resume goes on from there."""
     import json
 
     from run_helpers import metric_rows, run_cfg
@@ -237,9 +238,11 @@ def test_an_engine_that_dies_stops_the_run_with_its_trained_state_saved(ahead, w
 
     def step_then_die(cfg, gen, policy, loss_fn, step, ahead):
         if step == 1:  # the second step's rollouts find engine 0 gone
-            os.kill(gen.engine.engines[0].proc.pid, signal.SIGKILL)
+            victim.append(gen.engine.engines[0].proc)
+            os.kill(victim[0].pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
         return real(cfg, gen, policy, loss_fn, step, ahead)
 
+    victim = []
     monkeypatch.setattr(loop, "rl_step", step_then_die)
     over = {
         "rollout.placement": "process",
@@ -247,12 +250,15 @@ def test_an_engine_that_dies_stops_the_run_with_its_trained_state_saved(ahead, w
         "env.eval_problems": 0,
         "train.checkpoint_every": 5,
         "algo.async": str(ahead).lower(),
+        "rollout.engine_timeout_s": 3,
     }
     cfg = run_cfg(tmp_path / "run", warm_model, "lora", steps=3, **over)
     doing = "set_adapter" if ahead else "generate"  # the LoRA sync, or the rollouts
-    stopped = rf"rollout engine 0 \(pid \d+\) was killed by signal 9 while {doing}.*checkpoint of the last good state"
+    fault = "was killed by signal 9" if how == "kill" else r"has not answered for 3 s"
+    stopped = rf"rollout engine 0 \(pid \d+\) {fault} while {doing}.*checkpoint of the last good state"
     with pytest.raises(TrainingStopped, match=stopped):
         loop.train(cfg)
+    assert victim[0].poll() is not None  # ended, not left stopped
     meta = json.loads((tmp_path / "run" / "checkpoint" / "checkpoint.json").read_text())
     done = 2 if ahead else 1
     assert meta["state"] == {"step": done} and [r["step"] for r in metric_rows(tmp_path / "run")] == [*range(done + 1)]

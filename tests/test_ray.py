@@ -75,15 +75,15 @@ def _pids(title: str) -> list[int]:
     return out
 
 
-def _kill_when(run_dir: Path, title: str, ready) -> threading.Thread:
-    """A thread that SIGKILLs the ``title`` actor's process once ``ready(run_dir)`` holds."""
+def _kill_when(run_dir: Path, title: str, ready, sig: int = signal.SIGKILL) -> threading.Thread:
+    """A thread that sends ``sig`` to the ``title`` actor's process once ``ready(run_dir)`` holds."""
 
     def watch():
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if ready(run_dir) and _pids(title):
                 for pid in _pids(title):
-                    os.kill(pid, signal.SIGKILL)
+                    os.kill(pid, sig)
                 return
             time.sleep(0.05)
 
@@ -144,6 +144,47 @@ def test_a_trainer_actor_killed_mid_run_stops_the_run_and_resume_continues(clust
     rows = metric_rows(run)
     assert [r["step"] for r in rows] == list(range(7)) and all(r["staleness_max"] <= 1 for r in rows[1:])
     assert json.loads(saved.read_text())["state"]["step"] == 6
+
+
+def test_an_engine_actor_that_stops_answering_is_named_and_the_run_stops_resumable(cluster, warm_model, tmp_path):
+    """A SIGSTOPped engine actor answers neither its command nor the progress calls: named after
+    ``rollout.engine_timeout_s``, killed (not restarted: a hung engine is not a dead one), the run stopped with the
+    last step's state saved."""
+    from moerl.cluster import run_on_ray
+
+    run = tmp_path / "ray"
+    stopper = _kill_when(run, "EngineActor", _rows_from(1), signal.SIGSTOP)
+    cfg = _ray_cfg(run, warm_model, 4, cluster, **{"rollout.engine_timeout_s": 3, "train.checkpoint_every": 1})
+    with pytest.raises(TrainingStopped, match=r"rollout engine 0 \(Ray actor, pid \d+\) has not answered for 3 s"):
+        run_on_ray(cfg)
+    stopper.join(timeout=1)
+    done = json.loads((run / "checkpoint" / "checkpoint.json").read_text())["state"]["step"]
+    assert done >= 1 and [r["step"] for r in metric_rows(run)] == list(range(done + 1))
+    assert not _pids("EngineActor")
+
+
+def test_ray_addresses_fail_fast_by_name_and_empty_starts_a_cluster_of_the_runs_own(cluster, tmp_path, monkeypatch):
+    """An address nobody serves is refused within CONNECT_TIMEOUT_S (Ray would retry for ever); ``auto`` with no
+    cluster recorded is refused; ``""`` starts a fresh local cluster in a directory of moerl's own even while
+    another one (the module's) is recorded, and that directory is removed afterwards by the run."""
+    from moerl.cluster import CONNECT_TIMEOUT_S, init_ray
+
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=r"cluster.address='127.0.0.1:1': no Ray cluster answers at 127.0.0.1:1"):
+        init_ray("127.0.0.1:1")
+    assert time.monotonic() - start < CONNECT_TIMEOUT_S + 5
+    with monkeypatch.context() as m:
+        m.delenv("RAY_ADDRESS", raising=False)
+        m.setenv("RAY_TMPDIR", str(tmp_path))
+        with pytest.raises(ConfigError, match=r"cluster.address='auto': no running Ray cluster is recorded"):
+            init_ray("auto")
+    recorded = Path("/tmp/ray/ray_current_cluster").read_text().strip()  # the module's cluster
+    own = init_ray("")
+    try:
+        assert Path(own).name.startswith("moerl-ray-") and ray.get_runtime_context().gcs_address != recorded
+    finally:
+        ray.shutdown()
+    assert Path("/tmp/ray/ray_current_cluster").read_text().strip() == recorded
 
 
 def test_ray_configurations_that_are_not_built_or_do_not_fit_are_refused(cluster, warm_model, tmp_path):

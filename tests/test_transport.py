@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from moerl.engine import EngineConfig
+from moerl.engine import EngineConfig, Request, SamplingParams
 from moerl.errors import ConfigError, EngineError
 from moerl.rollout import make_engine
 from moerl.rollout.transport import choose
@@ -129,3 +129,36 @@ def test_the_run_config_refuses_a_transport_it_would_ignore():
         load_config(RunConfig, None, ["rollout.weight_transport=shm"])
     with pytest.raises(ConfigError, match=r"rollout.weight_transport'='broadcast': native engines only"):
         load_config(RunConfig, None, ["rollout.engine=vllm", "rollout.weight_transport=broadcast"])
+
+
+def test_an_engine_that_stops_answering_is_named_and_ended(model):
+    """Liveness: a SIGSTOPped engine sends no heartbeat and is named once ``timeout_s`` passes without progress; one
+    that lives but is stuck (joining a broadcast group nobody forms: heartbeats, no progress) is named too; closing
+    the pool ends both processes."""
+    from moerl.rollout.process import EngineProcess
+
+    pool = make_engine(
+        "native", model, EngineConfig(max_num_seqs=4, max_model_len=32), placement="process", num_engines=2,
+        threads=1, dtype="float32", timeout_s=3.0,
+    )  # fmt: skip
+    try:
+        stopped, stuck = pool.engines
+        assert isinstance(stopped, EngineProcess)
+        os.kill(stopped.proc.pid, signal.SIGSTOP)
+        with pytest.raises(EngineError, match=r"rollout engine 0 \(pid \d+\) has not answered for 3 s while generate "
+                           r"\(it is stopped \(SIGSTOP\?\)\); rollout.engine_timeout_s"):  # fmt: skip
+            pool.generate([Request([5, 6, 7], SamplingParams(max_tokens=2))])
+        stuck.send({"op": "join", "host": "127.0.0.1", "port": _free_port(), "rank": 1, "size": 2, "backend": "gloo"})
+        with pytest.raises(EngineError, match=r"rollout engine 1 .* for 3 s while join \(its heartbeats go on, but it"):
+            stuck.reply("join")
+    finally:
+        pool.close()
+    assert stopped.proc.poll() is not None and stuck.proc.poll() is not None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

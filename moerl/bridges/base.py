@@ -173,6 +173,8 @@ def sparse_layers(num_layers: int, step: int = 1, dense: list[int] | tuple = (),
 def common_fields(c: HFConfig) -> dict:
     """ModelConfig fields every Llama-style family spells the same way."""
     hidden, heads = c.req("hidden_size", int), c.req("num_attention_heads", int)
+    if heads < 1:  # divides hidden_size below
+        raise ConfigError(f"{c.source}: field 'num_attention_heads' must be >= 1, got {heads}")
     return dict(
         vocab_size=c.req("vocab_size", int),
         hidden_size=hidden,

@@ -18,6 +18,7 @@ from moerl.bridges.quantized import dequantize, pairs, quantization
 from moerl.bridges.registry import get_bridge
 from moerl.errors import CheckpointError
 from moerl.model.config import ModelConfig
+from moerl.model.size import check_buildable, check_fits
 from moerl.model.transformer import MoEModel
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -136,6 +137,57 @@ def resolve(bridge: Bridge, params: dict, name: str) -> tuple[Rule, dict, str, t
     return None
 
 
+def _header_shapes(path: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """Every tensor's (file, shape), from the safetensors headers only."""
+    out = {}
+    for file in _weight_files(path):
+        try:
+            with safe_open(file, framework="pt") as handle:
+                for name in handle.keys():
+                    out[name] = (file, tuple(handle.get_slice(name).get_shape()))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{file} is not a readable safetensors file (truncated or corrupt?): {e}") from None
+    return out
+
+
+def check_shapes(path: Path, bridge: Bridge, cfg: ModelConfig, params: dict, hf: dict) -> None:
+    """Every tensor of checkpoint ``path`` has a place in ``params`` (meta tensors do) and the shape it takes,
+    judged from the safetensors headers: before a byte of weights is allocated or read. Quantized pairs are checked
+    when they are read."""
+    shapes = _header_shapes(path)
+    _, consumed = pairs(list(shapes), quantization(hf, str(path / "config.json")))
+    for name, (file, shape) in shapes.items():
+        if name in consumed or bridge.ignore(name, cfg) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        rule, target, dest = _place(bridge, params, name, file, hf)
+        if rule.load is not None:
+            try:
+                shape = tuple(rule.load(torch.empty(shape, device="meta"), cfg).shape)
+            except Exception:  # noqa: BLE001 - a transform meta tensors cannot take: checked as the tensor is read
+                continue
+        _check_shape(name, file, shape, dest, target)
+
+
+def _place(bridge: Bridge, params: dict, name: str, file: Path, hf: dict) -> tuple[Rule, str, torch.Tensor]:
+    """(rule, moerl parameter name, destination view) of checkpoint tensor ``name``; CheckpointError if none."""
+    place = resolve(bridge, params, name)
+    if place is None:
+        raise CheckpointError(
+            f"unexpected tensor {name!r} in {file.name}: no parameter of this "
+            f"{hf.get('architectures', ['?'])[0]} model (config.json) takes it"
+        )
+    rule, _, target, dest = place
+    return rule, target, dest
+
+
+def _check_shape(name: str, file: Path, shape: tuple, dest: torch.Tensor, target: str) -> None:
+    if tuple(shape) != tuple(dest.shape):
+        raise CheckpointError(
+            f"tensor {name!r} in {file.name} has shape {tuple(shape)}, the model expects {tuple(dest.shape)} "
+            f"(for {target})"
+        )
+
+
 def _dequantized(q: dict, name: str, data, scales) -> torch.Tensor:
     return dequantize(q, name, data(), scales())
 
@@ -158,8 +210,11 @@ def load_model(
     q = quantization(hf, str(path / "config.json"))
     bridge = bridge or get_bridge(hf, source=str(path / "config.json"))
     cfg = bridge.config_from_hf(HFConfig(hf, str(path / "config.json")))
+    check_buildable(cfg)
     with torch.device("meta"):
         model = MoEModel(cfg, dtype)
+    check_fits(model, device, str(path))
+    check_shapes(path, bridge, cfg, dict(model.named_parameters()) | dict(model.named_buffers()), hf)
     model.to_empty(device=device)
     model.init_rope()
     model.hf_config = hf
@@ -179,21 +234,11 @@ def load_model(
                 load = partial(_dequantized, q, name, loaders[data], loaders[scale])
             if bridge.ignore(name, cfg) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
                 continue
-            place = resolve(bridge, params, name)
-            if place is None:
-                raise CheckpointError(
-                    f"unexpected tensor {name!r} in {file.name}: no parameter of this "
-                    f"{hf.get('architectures', ['?'])[0]} model (config.json) takes it"
-                )
-            rule, _, target, dest = place
+            rule, target, dest = _place(bridge, params, name, file, hf)
             tensor = load()
             if rule.load is not None:
                 tensor = rule.load(tensor, cfg)
-            if tuple(tensor.shape) != tuple(dest.shape):
-                raise CheckpointError(
-                    f"tensor {name!r} in {file.name} has shape {tuple(tensor.shape)}, "
-                    f"the model expects {tuple(dest.shape)} (for {target})"
-                )
+            _check_shape(name, file, tensor.shape, dest, target)
             dest.copy_(tensor)
             filled[target] += dest.numel()
             seen.add(name)

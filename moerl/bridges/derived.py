@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import tempfile
 from functools import lru_cache
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 from moerl.bridges.base import Bridge, HFConfig, Preset, Rule, common_fields, layer_types, sparse_layers
-from moerl.errors import UnknownArchitectureError
+from moerl.errors import ConfigError, UnknownArchitectureError
 from moerl.model.config import ModelConfig
 
 TOL = 1e-4
@@ -60,7 +61,42 @@ INERT = {  # fields that do not change the forward pass (ids, bookkeeping, train
 VARIANTS = [dict(topk_before_softmax=t, qk_norm_after_rope=a) for t in (False, True) for a in (False, True)]
 
 
+# what the derived path reads as sizes and switches: checked for type and range before transformers sees them
+COUNTS = {  # ints >= 1 (null: absent)
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "max_position_embeddings", "intermediate_size", "sliding_window", "max_window_layers", "decoder_sparse_step",
+    "moe_layer_freq", "moe_layer_interval", *(n for names in SYNONYMS.values() for n in names),
+}  # fmt: skip
+NOT_NULL = {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", *SYNONYMS["top_k"]}
+INDICES = {"first_k_dense_replace", "moe_layer_start_index", "moe_layer_end_index"}  # ints >= 0
+SWITCHES = {"tie_word_embeddings", "norm_topk_prob", "attention_bias", "use_sliding_window", "qkv_bias", "mlp_bias"}
+POSITIVE = {"rms_norm_eps", "rope_theta", "clip_qkv"}  # numbers > 0
+
+
+def _typed(hf: dict) -> None:
+    """Every size, index, switch and positive number of ``hf`` the derived path reads has its type and range: a
+    ConfigError naming the field, not transformers' traceback."""
+    for key, value in hf.items():
+        if value is None and key not in NOT_NULL:
+            continue
+        if key in COUNTS or key in INDICES:
+            least = 1 if key in COUNTS else 0
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
+                raise ConfigError(f"config.json: field {key!r} must be an int >= {least}, got {value!r}")
+        elif key in SWITCHES and not isinstance(value, bool):
+            raise ConfigError(f"config.json: field {key!r} must be true or false, got {value!r}")
+        elif key in POSITIVE and not (
+            isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+        ):
+            raise ConfigError(f"config.json: field {key!r} must be a number > 0, got {value!r}")
+    layers = hf.get("mlp_only_layers") or []
+    if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
+        got = hf["mlp_only_layers"]
+        raise ConfigError(f"config.json: field 'mlp_only_layers' must list layer indices, got {got!r}")
+
+
 def _known(hf: dict) -> None:
+    _typed(hf)
     synonyms = {name for names in SYNONYMS.values() for name in names}
     unknown = sorted(set(hf) - READ - INERT - synonyms)
     if unknown:
@@ -341,9 +377,18 @@ def prove(hf: dict) -> tuple[Bridge, dict, Layout]:
         raise UnknownArchitectureError(
             f"cannot derive a bridge for {_arch(hf)}: transformers does not know it ({e})"
         ) from None
+    except Exception as e:  # noqa: BLE001 - transformers' own check of a value moerl does not read itself
+        first = " ".join(str(e).split())[:300]
+        raise ConfigError(f"config.json: transformers refuses it for {_arch(hf)}: {first}") from None
     config.architectures = [_arch(hf)]
     torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    try:
+        ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    except Exception as e:  # noqa: BLE001 - a value transformers' model cannot be built with
+        first = " ".join(str(e).split())[:300]
+        raise ConfigError(
+            f"config.json: transformers cannot build {_arch(hf)} from it: {type(e).__name__}: {first}"
+        ) from None
     if type(ref).__name__ != _arch(hf):
         raise UnknownArchitectureError(
             f"cannot derive a bridge for {_arch(hf)}: model_type {small.get('model_type')!r} builds "

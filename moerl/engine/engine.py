@@ -83,7 +83,7 @@ class LLMEngine:
         self.adapters = AdapterSlots(model, cfg) if cfg.max_loras else None
         model.set_expert_path(grouped=cfg.fused_lora)
         self.compiled = CompiledDecode(model, self.cache, cfg.capture_routing) if cfg.compile_decode else None
-        self.weight_version = 0
+        self.weight_version, self.steps = 0, 0
         self._staged: dict[str, torch.Tensor] = {}
         self.generator = torch.Generator().manual_seed(cfg.seed)
         eos = (tokenizer.eos_token_id if tokenizer is not None else None) or (model.hf_config or {}).get("eos_token_id")
@@ -269,6 +269,7 @@ class LLMEngine:
             with tqdm(total=total, unit="tok", disable=not show, desc="generate") as bar:
                 while self.scheduler.has_work():
                     bar.update(self._step(hook))
+                    self.steps += 1  # progress an engine process reports while it generates
         except BaseException:
             self.scheduler.abort(groups)
             raise

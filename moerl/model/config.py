@@ -129,6 +129,7 @@ class ModelConfig:
             raise self._bad("moe_layers", f"indices must lie in [0, {self.num_layers})")
         if self.moe_layers and not 1 <= self.top_k <= self.num_experts:
             raise self._bad("top_k", f"must lie in [1, num_experts={self.num_experts}]")
+        self._validate_sizes()  # before the divisions below
         if self.num_heads % self.num_kv_heads:
             raise self._bad("num_kv_heads", f"must divide num_heads={self.num_heads}")
         if self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import datetime
 import faulthandler
 import gc
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -75,6 +77,9 @@ class World:
         return self.data_mesh.get_group() if dim == "data" else self.mesh.get_group(dim)
 
 
+QUIET_CTRL_C = "MOERL_QUIET_CTRL_C"
+
+
 def under_launcher() -> bool:
     """Whether this process is one rank of a torchrun launch (moerl's own or an outer one)."""
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
@@ -83,15 +88,24 @@ def under_launcher() -> bool:
 def launch(moerl_argv: list[str], nprocs: int) -> None:
     """Run ``python -m moerl.cli <moerl_argv>`` on ``nprocs`` ranks of this machine with torchrun's launcher and wait;
     if a rank fails, the launcher stops the others and this raises TrainingStopped with the failing rank's message."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: the ranks talk over loopback only
+    os.environ[QUIET_CTRL_C] = "1"  # the ranks end quietly on Ctrl-C: this process says it once
     args = get_args_parser().parse_args(
         ["--standalone", f"--nproc-per-node={nprocs}", "--monitor-interval=0.5", "--module", "moerl.cli", *moerl_argv]
     )
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)  # its shutdown notes: ours is one line
     try:
         run(args)
+    except SignalException as e:  # Ctrl-C (or a kill) of the launcher: it has stopped the ranks
+        if e.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        raise TrainingStopped(f"the launcher got {e.sigval.name}; it stopped the {nprocs} trainer ranks") from None
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
@@ -101,9 +115,10 @@ def launch(moerl_argv: list[str], nprocs: int) -> None:
         ) from None
 
 
-def init_world(dp: int = 1, ep: int = 1, pp: int = 1, **pipeline) -> World:
+def init_world(dp: int = 1, ep: int = 1, pp: int = 1, timeout_s: float = 1800.0, **pipeline) -> World:
     """Join the process group of this launch (a no-op for one rank outside a launcher); checks its size and builds
-    the ``(pp, dp, ep)`` mesh. ``pipeline``: World's schedule, microbatches and stages."""
+    the ``(pp, dp, ep)`` mesh. ``timeout_s``: how long a collective waits for the other ranks before it fails
+    (``stalled`` names the rank that stopped). ``pipeline``: World's schedule, microbatches and stages."""
     size = dp * ep * pp
     if size == 1 and not under_launcher():
         return World()
@@ -111,12 +126,15 @@ def init_world(dp: int = 1, ep: int = 1, pp: int = 1, **pipeline) -> World:
     # says where (an interleaved-1F1B LoRA rank once died with SIGABRT on an AMX host, no Python traceback)
     faulthandler.enable()
     _die_with_the_launcher()
+    if os.environ.get(QUIET_CTRL_C):  # Ctrl-C reaches every rank and the launcher: the launcher speaks for all
+        signal.signal(signal.SIGINT, lambda *_: os._exit(130))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":  # one process per GPU: this rank's, before any CUDA tensor or NCCL communicator
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     if not dist.is_initialized():
         # CPU tensors (the announced batches, JSON headers, metric sums) over gloo, CUDA tensors over NCCL
-        dist.init_process_group("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo")
+        backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     if dist.get_world_size() != size:
         raise ConfigError(
             f"parallel.dp x parallel.ep x parallel.pp = {size} ranks, but the launcher started "
@@ -126,6 +144,56 @@ def init_world(dp: int = 1, ep: int = 1, pp: int = 1, **pipeline) -> World:
     mesh = init_device_mesh(device, (pp, dp, ep), mesh_dim_names=("pp", "dp", "ep"))
     data = mesh["dp", "ep"]._flatten("data")
     return World(dist.get_rank(), size, dp, ep, pp, mesh=mesh, data_mesh=data, **pipeline)
+
+
+def stalled(error: BaseException, timeout_s: float) -> TrainingStopped | None:
+    """A collective that timed out (``error``) as the named fault it is: the sibling ranks of this launch that are
+    stopped (SIGSTOP, a debugger) are named and ended, so the launcher stops the run instead of waiting on them.
+    None when ``error`` is not a timeout."""
+    text = str(error)
+    if "timed out" not in text.lower() and "timeout" not in text.lower():
+        return None
+    stopped = []
+    for pid, rank in _sibling_ranks():
+        if _state(pid) in ("T", "t"):
+            stopped.append(f"trainer rank {rank} (pid {pid})")
+            os.kill(pid, signal.SIGKILL)
+    who = (
+        f"{', '.join(stopped)} stopped answering (stopped: SIGSTOP?) and was ended"
+        if stopped
+        else ("a trainer rank did not answer")
+    )
+    first = (text.strip().splitlines() or [""])[0][:200]
+    return TrainingStopped(
+        f"{who}; rank {os.environ.get('RANK', '?')}'s collective waited parallel.timeout_s={timeout_s:g} s ({first}); "
+        "the last checkpoint is intact: --resume continues"
+    )
+
+
+def _sibling_ranks() -> list[tuple[int, str]]:
+    """The other ranks of this launch on this machine: processes of the same parent with a RANK in their env."""
+    parent, mine, out = os.getppid(), os.getpid(), []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == mine:
+            continue
+        try:
+            stat = open(f"/proc/{d}/stat").read().rsplit(")", 1)[-1].split()
+            if int(stat[1]) != parent:
+                continue
+            env = dict(kv.split(b"=", 1) for kv in open(f"/proc/{d}/environ", "rb").read().split(b"\0") if b"=" in kv)
+        except (OSError, IndexError, ValueError):
+            continue
+        if b"RANK" in env:
+            out.append((int(d), env[b"RANK"].decode()))
+    return out
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0]
+    except (OSError, IndexError):
+        return "?"
 
 
 def _die_with_the_launcher(every_s: float = 1.0) -> None:

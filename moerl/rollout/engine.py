@@ -40,12 +40,13 @@ def make_engine(
     placement: str = "inprocess",
     num_engines: int = 1,
     weight_transport: str = "auto",
+    timeout_s: float = 300.0,
     **spec,
 ):
     """Rollout engines by name, ``num_engines`` of them behind one InferenceEngine: ``native`` (moerl's own), in this
     process or each in its own process (``placement``; weights reach those by ``weight_transport``, see
-    ``moerl.rollout.transport``); or ``vllm`` (always in vLLM's own processes). ``spec``: the rest of
-    :class:`EngineSpec`."""
+    ``moerl.rollout.transport``; one that makes no progress for ``timeout_s`` is named as hung); or ``vllm``
+    (always in vLLM's own processes). ``spec``: the rest of :class:`EngineSpec`."""
     from moerl.rollout.pool import EnginePool
     from moerl.rollout.spec import EngineSpec
 
@@ -56,4 +57,4 @@ def make_engine(
         return VLLMEngine(spec, lora=spec.config.max_loras > 0, num_engines=num_engines)
     if kind != "native":
         raise ConfigError(f"rollout engine {kind!r}: allowed: native, vllm")
-    return EnginePool(spec, placement, num_engines, transport=weight_transport)
+    return EnginePool(spec, placement, num_engines, transport=weight_transport, timeout_s=timeout_s)

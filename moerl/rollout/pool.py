@@ -63,7 +63,13 @@ class EnginePool:
     pool drives them the same way wherever they run."""
 
     def __init__(
-        self, spec: EngineSpec, placement: str = "inprocess", num_engines: int = 1, remote=None, transport="auto"
+        self,
+        spec: EngineSpec,
+        placement: str = "inprocess",
+        num_engines: int = 1,
+        remote=None,
+        transport: str = "auto",
+        timeout_s: float = 300.0,
     ):
         if placement not in (*PLACEMENTS, "ray"):
             raise ConfigError(f"rollout.placement={placement!r}: allowed: {', '.join(PLACEMENTS)}")
@@ -86,9 +92,8 @@ class EnginePool:
             if remote is not None:
                 self.engines = list(remote)
             for i in range(num_engines if remote is None else 0):
-                self.engines.append(
-                    LocalEngine(build_native(spec), i) if placement == "inprocess" else EngineProcess(spec, i)
-                )
+                inproc = placement == "inprocess"
+                self.engines.append(LocalEngine(build_native(spec), i) if inproc else EngineProcess(spec, i, timeout_s))
             if transport == "cuda_ipc" and not all(e.device.startswith("cuda") for e in self.engines):
                 where = ", ".join(f"{e.name} on {e.device}" for e in self.engines)
                 raise ConfigError(f"rollout.weight_transport=cuda_ipc: needs every engine on CUDA ({where})")

@@ -13,6 +13,8 @@ import ctypes
 import os
 import signal
 import subprocess
+import threading
+import time
 from multiprocessing.connection import Connection
 
 import torch
@@ -38,12 +40,18 @@ def _die_with_parent(parent: int) -> None:
         os._exit(0)
 
 
+HEARTBEAT_S = 1.0  # while it runs a command, an engine process says this often that it lives, and how far it got
+
+
 def serve(fd: int, parent: int) -> None:
-    """The engine process: build the engine from the first message, then answer commands until told to stop."""
+    """The engine process: build the engine from the first message, then answer commands until told to stop; while
+    a command runs, a thread sends heartbeats carrying the engine's progress (``EngineServer.progress``)."""
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent stops us
     conn = Connection(fd)
     server = EngineServer()
+    lock, busy = threading.Lock(), threading.Event()  # a reply is sent after the command's last heartbeat
+    threading.Thread(target=_beat, args=(conn, lock, busy, server), name="moerl-heartbeat", daemon=True).start()
     while True:
         try:
             msg = recv_msg(conn)
@@ -51,8 +59,23 @@ def serve(fd: int, parent: int) -> None:
             break
         if msg["op"] == "shutdown":
             break
-        send_msg(conn, server.handle(msg))
+        busy.set()
+        reply = server.handle(msg)
+        with lock:
+            busy.clear()
+            send_msg(conn, reply)
     server.close()
+
+
+def _beat(conn: Connection, lock: threading.Lock, busy: threading.Event, server: EngineServer) -> None:
+    while True:
+        time.sleep(HEARTBEAT_S)
+        with lock:
+            if busy.is_set():
+                try:
+                    send_msg(conn, {"op": "beat", "progress": server.progress()})
+                except OSError:
+                    return
 
 
 # -- the parent's handle --------------------------------------------------------------------------------------------
@@ -66,8 +89,10 @@ class EngineProcess:
 
     START_TIMEOUT_S = 600.0
 
-    def __init__(self, spec: EngineSpec, index: int = 0):
-        self.index = index
+    def __init__(self, spec: EngineSpec, index: int = 0, timeout_s: float = 300.0):
+        """``timeout_s``: how long a command may go without progress (a reply, or a generation step in a
+        heartbeat) before the engine is named as hung."""
+        self.index, self.timeout_s, self.hung = index, timeout_s, False
         self.proc, self.conn = spawn("moerl.rollout.process", "serve", os.getpid())
         self.outputs = BufferCache(unlink_on_open=True)
         self.weight_version = 0
@@ -91,6 +116,18 @@ class EngineProcess:
         )
         return EngineError(f"{self.name} {how} while {doing}; see its stderr above")
 
+    def _hung(self, op: str, limit: float, beating: bool) -> EngineError:
+        if self.proc.poll() is not None:
+            return self._dead(op)
+        self.hung = True  # close() ends it without asking
+        why = "it is stopped (SIGSTOP?)" if _stopped(self.proc.pid) else "its process is alive"
+        if beating:
+            why = "its heartbeats go on, but it made no progress"
+        return EngineError(
+            f"{self.name} has not answered for {limit:.0f} s while {op} ({why}); rollout.engine_timeout_s sets how "
+            "long an engine may go without progress"
+        )
+
     def send(self, msg: dict, tensors=None) -> None:
         """Send command ``msg``; its tensors (``tensors`` as they are, in this process) travel as ``msg`` locates
         them."""
@@ -100,10 +137,19 @@ class EngineProcess:
             raise self._dead(msg["op"]) from None
 
     def reply(self, op: str, timeout: float | None = None) -> dict:
+        """The reply to command ``op``; EngineError naming the engine when it dies, or goes ``timeout`` seconds
+        (default ``timeout_s``) without progress: no heartbeat (stopped, or frozen) or no generation step."""
+        limit = timeout or self.timeout_s
+        last, progress = time.monotonic(), None
         try:
-            if timeout is not None and not self.conn.poll(timeout):
-                raise self._dead(op)
-            reply = recv_msg(self.conn)
+            while True:
+                if not self.conn.poll(max(0.0, last + limit - time.monotonic())):
+                    raise self._hung(op, limit, progress is not None)
+                reply = recv_msg(self.conn)
+                if reply.get("op") != "beat":
+                    break
+                if reply["progress"] != progress:
+                    last, progress = time.monotonic(), reply["progress"]
         except (EOFError, OSError):
             raise self._dead(op) from None
         check_reply(self.name, reply)
@@ -132,6 +178,9 @@ class EngineProcess:
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the process (asked first, killed after ``timeout`` seconds); idempotent."""
+        if self.proc.poll() is None and self.hung:
+            self.proc.kill()
+            self.proc.wait()
         if self.proc.poll() is None:
             try:
                 send_msg(self.conn, {"op": "shutdown"})
@@ -140,3 +189,12 @@ class EngineProcess:
                 self.proc.kill()
                 self.proc.wait()
         self.conn.close()
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (by SIGSTOP, or a debugger): state T or t in /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] in ("T", "t")
+    except (FileNotFoundError, IndexError):
+        return False

@@ -23,6 +23,8 @@ from moerl.rollout.spec import EngineSpec
 from moerl.rollout.wire import outputs_from_json, request_to_json, tensors_of
 from moerl.rpc import check_reply
 
+PROGRESS_EVERY_S = 1.0  # how often the handle asks a busy engine actor how far it got
+
 
 class EngineActor:
     """The actor: one native engine built from ``spec`` with ``threads`` torch threads (Ray re-runs this on a
@@ -37,6 +39,10 @@ class EngineActor:
 
     def call(self, msg: dict) -> dict:
         return self.server.handle(msg)
+
+    def progress(self) -> int:
+        """The engine's generation steps so far: answered beside a running ``call`` (the actor has two threads)."""
+        return self.server.progress()
 
     def where(self) -> dict:
         import ray
@@ -54,10 +60,11 @@ class RayEngine:
 
     START_TIMEOUT_S = 600.0
 
-    def __init__(self, actor, index: int, same_node: bool, inline: bool):
+    def __init__(self, actor, index: int, same_node: bool, inline: bool, timeout_s: float = 300.0):
         import ray
 
         self.actor, self.index, self.same_node, self.inline = actor, index, same_node, inline
+        self.timeout_s = timeout_s  # how long a call may go without progress
         self.outputs = BufferCache(unlink_on_open=True)
         self.weight_version, self.tokenizer, self.pending = 0, None, None
         where = ray.get(actor.where.remote(), timeout=self.START_TIMEOUT_S)
@@ -72,20 +79,42 @@ class RayEngine:
         self.pending = (msg["op"], self.actor.call.remote(msg))
 
     def reply(self, op: str, timeout: float | None = None) -> dict:
+        """The reply to ``op``; EngineDied when the actor died (Ray may restart it), EngineError naming it when it
+        goes ``timeout`` seconds (default ``timeout_s``) without progress: its ``progress`` call unanswered (the
+        process stopped or frozen) or no generation step."""
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
         _, ref = self.pending
         self.pending = None
+        limit = timeout or self.timeout_s
+        last, progress = time.monotonic(), None
         try:
-            reply = ray.get(ref, timeout=timeout)
+            while not ray.wait([ref], timeout=min(PROGRESS_EVERY_S, limit))[0]:
+                left = last + limit - time.monotonic()
+                try:
+                    now = ray.get(self.actor.progress.remote(), timeout=max(left, 0.1))
+                except GetTimeoutError:
+                    raise self._hung(op, limit, "it does not answer (stopped or frozen)") from None
+                if now != progress:
+                    last, progress = time.monotonic(), now
+                elif time.monotonic() - last > limit:
+                    raise self._hung(op, limit, "it answers, but it made no progress")
+            reply = ray.get(ref)
         except RayActorError as e:
             raise EngineDied(f"{self.name} died while {op}: {type(e).__name__}") from None
-        except GetTimeoutError:
-            raise EngineError(f"{self.name} is not answering while {op}") from None
         check_reply(self.name, reply)
         self.weight_version = reply["version"]
         return reply
+
+    def _hung(self, op: str, limit: float, why: str) -> EngineError:
+        import ray
+
+        ray.kill(self.actor, no_restart=True)  # a hung engine is not brought back: the run stops
+        return EngineError(
+            f"{self.name} has not answered for {limit:.0f} s while {op} ({why}); rollout.engine_timeout_s sets how "
+            "long an engine may go without progress"
+        )
 
     def generate_async(self, requests: list[Request]) -> None:
         self.send({"op": "generate", "requests": [request_to_json(r) for r in requests], "inline_out": self.inline})
@@ -123,7 +152,9 @@ class RayEngine:
         ray.kill(self.actor, no_restart=True)
 
 
-def start_engines(spec: EngineSpec, num_engines: int, placement, transport: str, restarts: int) -> list[RayEngine]:
+def start_engines(
+    spec: EngineSpec, num_engines: int, placement, transport: str, restarts: int, timeout_s: float = 300.0
+) -> list[RayEngine]:
     """``num_engines`` engine actors in the bundles ``placement.engine_bundles`` of ``placement.group`` (each with
     ``placement.engine_cpus`` CPUs and as many torch threads), restarted up to ``restarts`` times; outputs through
     shared memory from those on this node, inline from the others and wherever ``transport`` is ``inline``."""
@@ -140,6 +171,7 @@ def start_engines(spec: EngineSpec, num_engines: int, placement, transport: str,
             num_gpus=placement.engine_gpus,
             max_restarts=restarts,
             max_task_retries=0,  # a restarted engine has the base weights: the pool replays the update, then retries
+            max_concurrency=2,  # a progress call is answered while a command runs
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement.group, placement_group_bundle_index=b),
         ).remote(spec.to_json(), max(1, int(placement.engine_cpus)))
         for b in placement.engine_bundles
@@ -147,5 +179,6 @@ def start_engines(spec: EngineSpec, num_engines: int, placement, transport: str,
     nodes = ray.get([a.where.remote() for a in actors], timeout=RayEngine.START_TIMEOUT_S)
     same = [n["node"] == here for n in nodes]
     return [
-        RayEngine(a, i, s, transport == "inline" or not s) for i, (a, s) in enumerate(zip(actors, same, strict=True))
+        RayEngine(a, i, s, transport == "inline" or not s, timeout_s)
+        for i, (a, s) in enumerate(zip(actors, same, strict=True))
     ]

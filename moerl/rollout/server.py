@@ -34,6 +34,10 @@ class EngineServer:
         reply = self.dispatch.reply(msg["op"], msg)
         return reply | {"version": self.engine.weight_version if self.engine else 0} if reply["ok"] else reply
 
+    def progress(self) -> int:
+        """How far the engine got: its generation steps so far (a heartbeat carries it while a command runs)."""
+        return self.engine.steps if self.engine is not None else 0
+
     def close(self) -> None:
         self.writer.close()
         if self.member is not None:

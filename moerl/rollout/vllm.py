@@ -24,6 +24,7 @@ from moerl.errors import ConfigError, EngineError
 from moerl.rollout.pool import _gather, split
 from moerl.rollout.shm import ShmWriter
 from moerl.rollout.spec import EngineSpec
+from moerl.rollout.vllm_watch import VLLMWatch, release_shm, shm_segments
 
 EXTENSION = "moerl.rollout.vllm_worker.MoerlWorkerExtension"
 
@@ -48,12 +49,16 @@ def _llm_args(vllm, spec: EngineSpec) -> dict:
     """moerl's vllm.LLM arguments plus ``spec.vllm_args``, each of those checked by name against vLLM's EngineArgs."""
     import dataclasses
 
-    known = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
-    for key in spec.vllm_args:
+    known = {f.name: f.type for f in dataclasses.fields(vllm.EngineArgs)}
+    for key, value in spec.vllm_args.items():
         if key in OWN_ARGS:
             raise ConfigError(f"rollout.vllm_args.{key}: moerl sets it (from model / rollout / train); remove it")
         if key not in known:
             raise ConfigError(f"rollout.vllm_args.{key}: not an argument of vLLM {vllm.__version__}'s engine")
+        if not _fits(value, known[key]):
+            raise ConfigError(
+                f"rollout.vllm_args.{key}={value!r}: vLLM {vllm.__version__} expects {_type_name(known[key])}"
+            )
     cfg = spec.config
     return {
         "model": spec.model,
@@ -65,6 +70,44 @@ def _llm_args(vllm, spec: EngineSpec) -> dict:
         "logprobs_mode": "processed_logprobs",
         "worker_extension_cls": EXTENSION,
     } | spec.vllm_args
+
+
+def _fits(value, tp) -> bool:
+    """Whether ``value`` (from YAML / the command line) is of EngineArgs type ``tp``: plain types, unions, Literal,
+    containers by their kind; a type this does not know (a string annotation, a config class) is left to vLLM."""
+    import types
+    import typing
+
+    if tp is type(None) or tp is None:
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, arm) for arm in typing.get_args(tp))
+    if origin is typing.Literal:
+        return value in typing.get_args(tp)
+    if origin in (list, tuple, set, dict):
+        return isinstance(value, dict if origin is dict else list | tuple)
+    return True
+
+
+def _type_name(tp) -> str:
+    import typing
+
+    if typing.get_origin(tp) is typing.Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(tp)))
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _first_lines(e: BaseException, n: int = 3) -> str:
+    return " / ".join(line.strip() for line in str(e).strip().splitlines()[:n]) or type(e).__name__
 
 
 def _cpu_binds(n: int, threads: int) -> list[str | None]:
@@ -122,21 +165,30 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on a CPU; vLLM's default is 4
         os.environ[ENV] = "1"  # moerl's plugin gives vLLM's MoE models fp32 routers, in all of vLLM's processes
         self.max_model_len = spec.config.max_model_len
-        self.llms = []
+        self.llms, self.watches = [], []
         self.weights = ShmWriter("moerl-vllm")  # one shared buffer per bucket, read by every engine
         self.weight_version = 0
+        before = shm_segments()
         try:
             for bind in _cpu_binds(num_engines, spec.threads):
                 if bind is not None:  # read by the engine's worker process when vLLM starts it, just below
                     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
                 try:
                     self.llms.append(vllm.LLM(**args))
+                    self.watches.append(VLLMWatch(self.llms[-1], len(self.llms) - 1))
+                except Exception as e:  # vLLM's own check of its arguments and of what this machine has
+                    raise EngineError(
+                        f"vLLM engine {len(self.llms)} did not start (rollout.vllm_args={spec.vllm_args}): "
+                        f"{type(e).__name__}: {_first_lines(e)}"
+                    ) from None
                 finally:
                     if bind is not None:
                         del os.environ["VLLM_CPU_OMP_THREADS_BIND"]
         except BaseException:
+            self.shm = shm_segments() - before
             self.close()
             raise
+        self.shm = shm_segments() - before  # vLLM's own segments: released at close if its processes cannot
         self.tokenizer = load_tokenizer(spec.model)
         hf_config = read_config(spec.model)
         self.bridge = get_bridge(hf_config, source=spec.model)
@@ -153,17 +205,27 @@ class VLLMEngine:
         """``fn(llm)`` for every engine side by side, results in order."""
         return self._each_of([(llm,) for llm in self.llms], fn)
 
-    @staticmethod
-    def _each_of(calls: list[tuple], fn) -> list:
-        """``fn(*args)`` for every ``args`` side by side (threads: the work runs in vLLM's own processes), results in
-        order; the first exception is raised once every call has returned."""
+    def _each_of(self, calls: list[tuple], fn) -> list:
+        """``fn(llm, *args)`` for every ``(llm, *args)`` side by side (threads: the work runs in vLLM's own
+        processes), results in order; the first exception is raised once every call has returned."""
         if len(calls) <= 1:
-            return [fn(*args) for args in calls]
+            return [self._watched(fn, *args) for args in calls]
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(len(calls)) as ex:
-            futures = [ex.submit(fn, *args) for args in calls]
+            futures = [ex.submit(self._watched, fn, *args) for args in calls]
         return _gather([f.result for f in futures])
+
+    def _watched(self, fn, llm, *args):
+        """``fn(llm, *args)``; when it fails because one of the engine's processes died, an EngineError naming it."""
+        try:
+            return fn(llm, *args)
+        except Exception:
+            watch = self.watches[self.llms.index(llm)]
+            dead = watch.dead or watch.check()
+            if dead is None:
+                raise
+            raise EngineError(f"{dead}; vLLM's engine is gone") from None
 
     # -- generation ----------------------------------------------------------------------------------------------
     def _params(self, p):
@@ -263,7 +325,7 @@ class VLLMEngine:
         """Each engine's own tensors by vLLM name (``model.layers.0.mlp.gate.weight``), read from its worker."""
         out = []
         for llm in self.llms:
-            raw = llm.collective_rpc("moerl_read", args=(list(names),))[0]
+            raw = self._watched(lambda e: e.collective_rpc("moerl_read", args=(list(names),))[0], llm)
             out.append({n: _tensor(*v) for n, v in raw.items()})
         return out
 
@@ -271,9 +333,12 @@ class VLLMEngine:
         """Stop vLLM's engine processes; idempotent."""
         for llm in getattr(self, "llms", []):
             llm.llm_engine.engine_core.shutdown()
-        self.llms = []
+        for watch in getattr(self, "watches", []):
+            watch.stop()
+        self.llms, self.watches = [], []
         gc.collect()
         self.weights.close()
+        release_shm(getattr(self, "shm", set()))  # what vLLM's processes could not unlink if they died
 
 
 def _tensor(dtype: str, shape: list[int], values: list) -> torch.Tensor:

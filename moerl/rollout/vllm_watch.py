@@ -1,0 +1,118 @@
+"""Watching one vLLM engine's processes, so that one that dies is a named EngineError, never a hang.
+
+vLLM's synchronous client waits on its output queue with no timeout, and when its EngineCore dies it shuts its
+reader down without waking that wait (a ``generate`` then hangs for ever); utility calls (``collective_rpc``) wait on
+futures nobody resolves. The watch polls the EngineCore processes vLLM started and the workers those started; once
+one is gone it wakes every waiter with the error that names it. ``shm_created`` / ``release_shm`` remove the shared
+memory segments (``psm_*``) of a vLLM engine whose processes died without unlinking them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+from moerl.errors import EngineError
+
+POLL_S = 0.5
+SHM = Path("/dev/shm")
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """Processes whose parent is ``pid``: (pid, process title)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = (Path("/proc") / d / "stat").read_text()
+            if int(stat.rsplit(")", 1)[-1].split()[1]) == pid:
+                title = (Path("/proc") / d / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+                out.append((int(d), title.strip() or stat[stat.index("(") + 1 : stat.rindex(")")]))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+class VLLMWatch:
+    """Watches vLLM engine ``index``'s processes (from ``llm``) until ``stop``; ``dead`` says which one died."""
+
+    def __init__(self, llm, index: int):
+        self.core, self.index = llm.llm_engine.engine_core, index
+        manager = getattr(getattr(self.core, "resources", None), "engine_manager", None)
+        self.cores = list(getattr(manager, "processes", []))  # multiprocessing processes: exit codes known
+        self.workers = [w for p in self.cores for w in _children(p.pid)]
+        self.dead: str | None = None
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, name=f"moerl-vllm-watch-{index}", daemon=True).start()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.cores] + [pid for pid, _ in self.workers]
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_S):
+            self.dead = self.check()
+            if self.dead is not None:
+                self._wake(EngineError(self.dead))
+                return
+
+    def check(self) -> str | None:
+        """Which of the engine's processes is gone, in words; None while all live."""
+        who = f"vLLM engine {self.index}'s"
+        for pid, title in self.workers:  # a dead worker takes its EngineCore down: name the cause
+            if not _alive(pid):
+                return f"{who} worker {title} (pid {pid}) died"
+        for p in self.cores:
+            code = p.exitcode
+            if code is not None:
+                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                return f"{who} EngineCore (pid {p.pid}) {how}"
+        return None
+
+    def _wake(self, error: EngineError) -> None:
+        """Hand ``error`` to whatever waits on the engine: a generate's output queue, utility calls' futures."""
+        queue = getattr(self.core, "outputs_queue", None)
+        if queue is not None:
+            queue.put_nowait(error)
+        for future in list(getattr(self.core, "utility_results", {}).values()):
+            try:
+                future.set_exception(error)
+            except Exception:  # noqa: BLE001 - answered or cancelled meanwhile
+                pass
+
+    def stop(self) -> None:
+        """Stop watching; a worker left behind by an EngineCore that died is ended (vLLM would leave it running)."""
+        self._stop.set()
+        for pid, title in self.workers:
+            if _alive(pid) and _title(pid) == title:  # still that worker, not a new process under a reused pid
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def _title(pid: int) -> str | None:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace").strip()
+    except OSError:
+        return None
+
+
+def shm_segments() -> set[str]:
+    return {p.name for p in SHM.glob("psm_*")} if SHM.is_dir() else set()
+
+
+def release_shm(names: set[str]) -> None:
+    """Unlink the segments ``names`` (the ones a vLLM engine created at start) that are still there."""
+    for name in names:
+        (SHM / name).unlink(missing_ok=True)
