@@ -3,9 +3,10 @@ bytes on the same machine.
 
 Contenders per preset and mode: ``process`` (the engine in its own process: shared-memory buckets, staged and
 committed there), ``inprocess`` (the engine in the trainer's process), ``memcpy`` (one ``copy_`` of a buffer of
-the same size, the floor of any transfer) and, with ``--vllm``, a vLLM engine (full mode: the same shared-memory
-buckets, reloaded by vLLM's worker). Each measurement is a fresh child process (model built, one warm-up sync,
-then the median of ``--syncs`` timed syncs); rounds run the contenders interleaved, rotating who goes first.
+the same size, the floor of any transfer) and, with ``--vllm``, a vLLM engine (the same shared-memory buckets,
+reloaded by vLLM's worker; LoRA and MXFP8 in the dense form: merged weights, MX-rounded bf16 values). Each
+measurement is a fresh child process (model built, one warm-up sync, then the median of ``--syncs`` timed syncs);
+rounds run the contenders interleaved, rotating who goes first.
 
     python benchmarks/sync_bandwidth.py [--presets tiny small] [--rounds 3] [--syncs 5] [--vllm]
 """
@@ -27,7 +28,7 @@ from contender import run_contender
 CPU = torch.backends.cpu.get_cpu_capability()  # AVX2-only hosts have no fast bf16 GEMM
 
 MODES = ("full", "lora", "mxfp8")
-CONTENDERS = ("process", "inprocess", "memcpy")  # and "vllm" (full mode) with --vllm
+CONTENDERS = ("process", "inprocess", "memcpy")  # and "vllm" with --vllm
 
 
 def child(args) -> None:
@@ -39,7 +40,8 @@ def child(args) -> None:
 
     lora = LoraConfig(rank=16, alpha=32, layout="shared_outer")
     policy = Policy(args.ckpt, PolicyConfig(mode=args.mode, dtype="bfloat16", lora=lora))
-    nbytes = sum(t.numel() * t.element_size() for _, t in policy_tensors(policy))
+    dense = args.child == "vllm"  # what a vLLM engine is sent: LoRA merged, MX weights as bf16 values
+    nbytes = sum(t.numel() * t.element_size() for _, t in policy_tensors(policy, dense))
     times = []
     if args.child == "memcpy":
         src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
@@ -54,7 +56,7 @@ def child(args) -> None:
         cfg.lora_layout = "shared_outer"
         mx = "rceil" if args.mode == "mxfp8" else None
         if args.child == "vllm":
-            engine = make_engine("vllm", args.ckpt, cfg)
+            engine = make_engine("vllm", args.ckpt, cfg, mx_scale_mode=mx)
         else:
             engine = make_engine(
                 "native", args.ckpt, cfg, placement=args.child, threads=torch.get_num_threads(), mx_scale_mode=mx
@@ -83,7 +85,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--syncs", type=int, default=5)
     p.add_argument("--bucket-mb", type=int, default=64)
-    p.add_argument("--vllm", action="store_true", help="add vLLM (full mode only) as a contender")
+    p.add_argument("--vllm", action="store_true", help="add vLLM as a contender")
     p.add_argument("--child", choices=(*CONTENDERS, "vllm"))
     p.add_argument("--mode", choices=MODES)
     p.add_argument("--ckpt")
@@ -97,14 +99,14 @@ def main() -> None:
         f"process, {args.rounds} interleaved rounds; torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"cpu {CPU}, {platform.machine()}"
     )
-    print("| preset | mode | MB sent | contender | GB/s (median, min-max of rounds) | vs memcpy |")
-    print("|---|---|---|---|---|---|")
+    print("| preset | mode | MB sent | contender | ms a sync | GB/s (median, min-max of rounds) | vs memcpy |")
+    print("|---|---|---|---|---|---|---|")
     for preset in args.presets:
         with tempfile.TemporaryDirectory() as d:
             ckpt = str(Path(d) / "model")
             init_model("qwen3_moe", preset, ckpt, seed=0)
             for mode in args.modes:
-                contenders = CONTENDERS + (("vllm",) if args.vllm and mode == "full" else ())
+                contenders = CONTENDERS + (("vllm",) if args.vllm else ())
                 runs: dict[str, list[dict]] = {c: [] for c in contenders}
                 for r in range(args.rounds):
                     k = r % len(contenders)
@@ -112,12 +114,12 @@ def main() -> None:
                         runs[c].append(run_child(__file__, ckpt, mode, c, args))
                 gbs = {c: [x["bytes"] / x["seconds"] / 1e9 for x in v] for c, v in runs.items()}
                 ref = statistics.median(gbs["memcpy"])
-                mb = runs["memcpy"][0]["bytes"] / 1e6
                 for c in contenders:
-                    med = statistics.median(gbs[c])
+                    med, mb = statistics.median(gbs[c]), runs[c][0]["bytes"] / 1e6
+                    ms = statistics.median(x["seconds"] for x in runs[c]) * 1e3
                     print(
-                        f"| {preset} | {mode} | {mb:.1f} | {c} | {med:.2f} ({min(gbs[c]):.2f}-{max(gbs[c]):.2f}) "
-                        f"| {med / ref:.2f}x |",
+                        f"| {preset} | {mode} | {mb:.1f} | {c} | {ms:.1f} | {med:.2f} ({min(gbs[c]):.2f}-"
+                        f"{max(gbs[c]):.2f}) | {med / ref:.2f}x |",
                         flush=True,
                     )
 

@@ -53,9 +53,15 @@ class TrainerRank:
         return {"ip": ray.util.get_node_ip_address(), "port": port, "pid": os.getpid(), "node": ctx.get_node_id()}
 
     def run(self, cfg: dict, resume: bool, overwrite: bool, rank: int, size: int, master: dict, engines):
+        import ray
+
         from moerl.config import from_dict
         from moerl.loop import train
+        from moerl.parallel.world import die_with
         from moerl.run_config import RunConfig
+
+        if master["driver"]["node"] == ray.get_runtime_context().get_node_id():  # a killed driver ends its ranks
+            die_with(master["driver"]["pid"], "its Ray driver")
 
         if size > 1:  # the environment torchrun would give this rank
             if master["one_node"]:  # the ranks talk over loopback only (across nodes they need the network)
@@ -144,7 +150,8 @@ def run_on_ray(cfg, resume: bool = False, overwrite: bool = False) -> dict:
             options = {"num_cpus": cpus, "num_gpus": gpus, "scheduling_strategy": strategy}
             ranks.append(actor.options(**options).remote(c.cpus_per_trainer))
         found = ray.get([a.where.remote() for a in ranks])
-        master = found[0] | {"one_node": len({f["node"] for f in found}) == 1}
+        driver = {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+        master = found[0] | {"one_node": len({f["node"] for f in found}) == 1, "driver": driver}
         cfg_dict = to_dict(cfg)
         runs = {
             ranks[r].run.remote(cfg_dict, resume, overwrite, r, len(ranks), master, where if r == 0 else None): r

@@ -292,6 +292,11 @@ class RunConfig:
                 f"rollout.placement={r.placement!r} with cluster.backend: ray: the engines are Ray actors "
                 "(cluster.placement says where)"
             )
+        if r.engine == "vllm" and self.policy.mode == "lora" and self.parallel.size > 1:
+            raise ConfigError(
+                f"rollout.engine=vllm with policy.mode=lora on {self.parallel.size} trainer ranks: not built (the "
+                "merged-weight sync runs in one trainer process); use rollout.engine=native or parallel sizes of 1"
+            )
         if r.weight_transport != "auto" and r.placement == "inprocess" and self.cluster.backend == "local":
             raise ConfigError(
                 f"config key 'rollout.weight_transport'={r.weight_transport!r} with rollout.placement=inprocess: "

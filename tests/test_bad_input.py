@@ -226,6 +226,26 @@ def test_a_json_file_larger_than_any_checkpoint_has_is_refused_before_it_is_read
         load_model(ckpt)
 
 
+@pytest.mark.parametrize("target", ["/dev/zero", "fifo"])
+def test_a_config_that_is_not_a_regular_file_is_refused_unread(ckpt, target):
+    """``config.json`` -> ``/dev/zero`` would be read until memory runs out, a FIFO would block: neither is read."""
+    import os
+
+    (ckpt / "config.json").unlink()
+    if target == "fifo":
+        os.mkfifo(ckpt / "config.json")
+    else:
+        (ckpt / "config.json").symlink_to(target)
+    with pytest.raises(CheckpointError, match=r"config\.json is not a regular file"):
+        load_model(ckpt)
+
+
+def test_a_weight_file_with_a_bad_header_is_named(ckpt):
+    (ckpt / "model.safetensors").write_bytes(b"\xff" * 8 + b"{not a header")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is not a readable safetensors file"):
+        load_model(ckpt)
+
+
 def test_path_does_not_exist(tmp_path):
     with pytest.raises(CheckpointError, match=r"checkpoint path '.*nowhere' does not exist"):
         load_model(tmp_path / "nowhere")

@@ -300,8 +300,8 @@ def test_a_rank_that_dies_stops_every_rank_named_and_the_checkpoint_resumes(how,
     if how == "kill":
         assert "moerl: error: trainer rank 1 of 2 failed (exit code -9)" in err, err[-3000:]
     else:
-        # rank 0 names rank 1 and ends it; the launcher, seeing rank 1 gone, may end rank 0 before it exits by itself
-        named = rf"rank 0 of 2 failed \(exit code (2|-15)\): .*trainer rank 1 \(pid {victim}\) stopped answering"
+        # rank 0 names rank 1 and ends it (the launcher, seeing rank 1 gone, may end rank 0 before it exits)
+        named = rf"rank 0 of 2 failed \(exit code -?\d+\): .*trainer rank 1 \(pid {victim}\) stopped answering"
         assert re.search(named, err) and "parallel.timeout_s=10 s" in err, err[-3000:]
         assert not _alive(victim)
     assert _rank_pid(0, str(run)) is None  # the launcher stopped rank 0 too

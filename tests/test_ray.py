@@ -160,7 +160,46 @@ def test_an_engine_actor_that_stops_answering_is_named_and_the_run_stops_resumab
     stopper.join(timeout=1)
     done = json.loads((run / "checkpoint" / "checkpoint.json").read_text())["state"]["step"]
     assert done >= 1 and [r["step"] for r in metric_rows(run)] == list(range(done + 1))
+    deadline = time.monotonic() + 15  # Ray ends a killed actor's process asynchronously
+    while _pids("EngineActor") and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert not _pids("EngineActor")
+
+
+def test_trainer_ranks_stop_when_their_ray_driver_is_killed(cluster, warm_model, tmp_path):
+    """kill -9 of the driver (`moerl train ... cluster.backend=ray`): its rank actors notice within seconds and
+    stop, naming it, instead of training on until Ray notices their owner is gone."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "ray"
+    over = {"cluster.backend": "ray", "cluster.address": cluster, "cluster.runtime_env": json.dumps(RUNTIME_ENV)}
+    args = [f"run_dir={run}", f"model.path={warm_model}", "train.steps=500", "train.checkpoint_every=1"]
+    args += ["policy.dtype=float32", "rollout.dtype=float32", "rollout.max_tokens=3", "rollout.max_model_len=32"]
+    args += ["rollout.prompts_per_step=4", "rollout.group_size=4", "env.eval_problems=4", "env.name=arithmetic"]
+    args += [f"{k}={v}" for k, v in over.items()]
+    driver = subprocess.Popen([sys.executable, "-m", "moerl.cli", "train", *args], stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run / "checkpoint" / "checkpoint.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ranks = _pids("TrainerRank")
+        assert ranks, "no trainer rank actor runs"
+        driver.kill()
+        driver.wait()
+        deadline = time.monotonic() + 20
+        while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in ranks)
+    finally:
+        driver.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_ray_addresses_fail_fast_by_name_and_empty_starts_a_cluster_of_the_runs_own(cluster, tmp_path, monkeypatch):
@@ -179,6 +218,9 @@ def test_ray_addresses_fail_fast_by_name_and_empty_starts_a_cluster_of_the_runs_
         with pytest.raises(ConfigError, match=r"cluster.address='auto': no running Ray cluster is recorded"):
             init_ray("auto")
     recorded = Path("/tmp/ray/ray_current_cluster").read_text().strip()  # the module's cluster
+    # a new local cluster turns Ray's token auth on by default and leaves ~/.ray/auth_token behind, which later
+    # clusters of this machine then require: this test's cluster goes without
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     own = init_ray("")
     try:
         assert Path(own).name.startswith("moerl-ray-") and ray.get_runtime_context().gcs_address != recorded

@@ -28,12 +28,19 @@ MAX_JSON_BYTES = 64 << 20  # a checkpoint's JSON files (config, index, tokenizer
 
 
 def _read_json(file: Path):
-    """A checkpoint's JSON file, bounded: a file larger than any real one is refused before it is read."""
+    """A checkpoint's JSON file, bounded: a file larger than any real one is refused before it is read, and one that
+    is not a regular file (a link to ``/dev/zero``, a FIFO) is not read at all."""
+    if not file.is_file():
+        raise CheckpointError(f"{file} is not a regular file (a device, a FIFO?); a checkpoint's JSON file is one")
     size = file.stat().st_size
     if size > MAX_JSON_BYTES:
         raise CheckpointError(f"{file} has {size} bytes; a checkpoint's JSON file has at most {MAX_JSON_BYTES}")
     try:
-        return json.loads(file.read_text())
+        with open(file, "rb") as f:
+            data = f.read(MAX_JSON_BYTES + 1)  # a file that grew after the check is still bounded
+        if len(data) > MAX_JSON_BYTES:
+            raise CheckpointError(f"{file} holds more than {MAX_JSON_BYTES} bytes; a checkpoint's JSON file does not")
+        return json.loads(data.decode())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{file} is not valid JSON: {e}") from None
 

@@ -369,19 +369,24 @@ def lora_modules(model: nn.Module) -> dict[str, LinearLora | ExpertLora]:
 
 
 @torch.no_grad()
+def merged_weights(model: nn.Module, slot: int = 0, dtype: torch.dtype | None = None):
+    """The weights adapter ``slot`` touches, merged (W + scale * B @ A, summed in fp32), one module at a time, as
+    ``(name, tensor)`` in ``dtype`` (default: the base weight's)."""
+    state = model.state_dict()
+    for path, lora in lora_modules(model).items():
+        if isinstance(lora, LinearLora):
+            deltas = [("weight", lora.delta_weight(slot))]
+        else:
+            deltas = list(zip(("gate_up_proj", "down_proj"), lora.delta_weights(slot), strict=True))
+        for name, d in deltas:
+            w = state[f"{path}.{name}"]
+            yield f"{path}.{name}", (w.float() + d.float()).to(dtype or w.dtype)
+
+
 def merged_state_dict(model: nn.Module, slot: int = 0) -> dict[str, torch.Tensor]:
     """The base state dict with adapter ``slot`` merged into the weights (W + scale * B @ A), no LoRA keys."""
     state = {k: v for k, v in model.state_dict().items() if ".lora." not in k}
-    for path, lora in lora_modules(model).items():
-        if isinstance(lora, LinearLora):
-            w = state[f"{path}.weight"]
-            state[f"{path}.weight"] = (w.float() + lora.delta_weight(slot).float()).to(w.dtype)
-        else:
-            gu, dn = lora.delta_weights(slot)
-            for name, d in (("gate_up_proj", gu), ("down_proj", dn)):
-                w = state[f"{path}.{name}"]
-                state[f"{path}.{name}"] = (w.float() + d.float()).to(w.dtype)
-    return state
+    return state | dict(merged_weights(model, slot))
 
 
 def default_targets(model: nn.Module) -> list[str]:

@@ -107,7 +107,10 @@ def launch(moerl_argv: list[str], nprocs: int) -> None:
             raise KeyboardInterrupt from None
         raise TrainingStopped(f"the launcher got {e.sigval.name}; it stopped the {nprocs} trainer ranks") from None
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        # the first rank that said why (its error file), else the first to fail: a rank that names a stopped peer
+        # ends it, and the launcher may see that peer's death first
+        said = [(r, f) for r, f in e.failures.items() if os.path.isfile(f.error_file)]
+        rank, failure = min(said, key=lambda rf: rf[1].timestamp) if said else e.get_first_failure()
         message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
         raise TrainingStopped(
             f"trainer rank {rank} of {nprocs} failed (exit code {failure.exitcode}): {message.strip() or 'see above'}; "
@@ -209,6 +212,20 @@ def _die_with_the_launcher(every_s: float = 1.0) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="moerl-launcher-watch", daemon=True).start()
+
+
+def die_with(pid: int, who: str, every_s: float = 1.0) -> None:
+    """End this process, naming ``who``, once process ``pid`` (on this machine) is gone: a Ray trainer rank whose
+    driver was killed would otherwise train on until Ray notices its owner died."""
+
+    def watch() -> None:
+        while _state(pid) not in ("?", "Z"):
+            time.sleep(every_s)
+        rank = os.environ.get("RANK", "0")
+        print(f"moerl: trainer rank {rank}: {who} (pid {pid}) is gone; this rank stops", file=sys.stderr)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="moerl-driver-watch", daemon=True).start()
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

@@ -54,7 +54,7 @@ def make_engine(
     if kind == "vllm":
         from moerl.rollout.vllm import VLLMEngine
 
-        return VLLMEngine(spec, lora=spec.config.max_loras > 0, num_engines=num_engines)
+        return VLLMEngine(spec, lora=spec.config.max_loras > 0, num_engines=num_engines, timeout_s=timeout_s)
     if kind != "native":
         raise ConfigError(f"rollout engine {kind!r}: allowed: native, vllm")
     return EnginePool(spec, placement, num_engines, transport=weight_transport, timeout_s=timeout_s)

@@ -5,9 +5,10 @@ Driven through vLLM's own interfaces: ``vllm.LLM`` with moerl's worker extension
 in-place ``reload_weights``. Logprobs are vLLM's ``processed_logprobs``: the sampled token's fp32 log-softmax after
 temperature, which is moerl's quantity whenever top-k / top-p are off (vLLM applies them before the log-softmax).
 
-What the CPU build of vLLM cannot do is refused or said, never ignored: MoE LoRA (needs Triton) is refused, MXFP8
-rollouts (vLLM would compute with unquantized activations) are refused, and routed-expert capture is absent, so the
-loop runs without R3 for this engine and says so once.
+LoRA and MXFP8 policies sync in the dense form (``moerl.sync.weights``): the weights LoRA touches merged, or the
+MX-rounded weights in bf16, as full-mode updates; vLLM multiplies MX-rounded weights with unquantized activations
+(said when the engine starts). vLLM's own MoE LoRA (adapters in memory, for fast decode) needs Triton and a GPU: not
+used here. Routed-expert capture is absent, so the loop runs without R3 for this engine and says so once.
 """
 
 from __future__ import annotations
@@ -126,18 +127,12 @@ class VLLMEngine:
     every engine. ``close`` stops them."""
 
     supports_routing = False  # vLLM's routed-experts capture needs the GPU model runner
+    dense_weights = True  # LoRA merged, MXFP8 as MX-rounded values: full-mode updates (moerl.sync.weights)
 
-    def __init__(self, spec: EngineSpec, lora: bool = False, num_engines: int = 1):
-        if lora:
-            raise ConfigError(
-                "rollout.engine=vllm with policy.mode=lora: vLLM's MoE LoRA needs Triton kernels, which the CPU build "
-                "of vLLM does not have; use rollout.engine=native for LoRA on a CPU"
-            )
-        if spec.mx_scale_mode is not None:
-            raise ConfigError(
-                "rollout.engine=vllm with policy.mode=mxfp8: vLLM on the CPU cannot compute MXFP8 GEMMs the trainer's "
-                "way (its activations would stay unquantized); use rollout.engine=native for MXFP8"
-            )
+    def __init__(self, spec: EngineSpec, lora: bool = False, num_engines: int = 1, timeout_s: float = 300.0):
+        """``lora``: requests name the policy's adapter (``moerl.sync.ADAPTER``), served by the merged weights."""
+        from moerl.sync.weights import ADAPTER
+
         if num_engines < 1:
             raise ConfigError(f"rollout.num_engines={num_engines}: must be >= 1")
         from moerl.bridges.checkpoint import read_config
@@ -162,6 +157,19 @@ class VLLMEngine:
         from moerl.rollout.vllm_plugin import ENV
 
         args = _llm_args(vllm, spec)
+        self.adapter = ADAPTER if lora else None
+        if lora:
+            print(
+                "moerl: rollout.engine=vllm with policy.mode=lora: each sync merges the adapters into vLLM's weights "
+                "(only the tensors they touch are sent)",
+                file=sys.stderr,
+            )
+        if spec.mx_scale_mode is not None:
+            print(
+                "moerl: rollout.engine=vllm with policy.mode=mxfp8: vLLM multiplies the trainer's MX-rounded weights "
+                "with unquantized bf16 activations (the trainer quantizes its activations too)",
+                file=sys.stderr,
+            )
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on a CPU; vLLM's default is 4
         os.environ[ENV] = "1"  # moerl's plugin gives vLLM's MoE models fp32 routers, in all of vLLM's processes
         self.max_model_len = spec.config.max_model_len
@@ -175,7 +183,7 @@ class VLLMEngine:
                     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
                 try:
                     self.llms.append(vllm.LLM(**args))
-                    self.watches.append(VLLMWatch(self.llms[-1], len(self.llms) - 1))
+                    self.watches.append(VLLMWatch(self.llms[-1], len(self.llms) - 1, timeout_s))
                 except Exception as e:  # vLLM's own check of its arguments and of what this machine has
                     raise EngineError(
                         f"vLLM engine {len(self.llms)} did not start (rollout.vllm_args={spec.vllm_args}): "
@@ -257,8 +265,9 @@ class VLLMEngine:
                 )
                 outs[i] = RequestOutput(rid, ids, [], self.weight_version, error=error, error_kind="rejected")
                 continue
-            if r.adapter is not None:
-                raise ConfigError(f"request {rid}: adapter {r.adapter!r}: this vLLM engine serves no adapters")
+            if r.adapter is not None and r.adapter != self.adapter:
+                serves = f"only {self.adapter!r}, merged into its weights" if self.adapter else "no adapters"
+                raise ConfigError(f"request {rid}: adapter {r.adapter!r}: this vLLM engine serves {serves}")
             prompts.append(self._tokens_prompt(prompt_token_ids=ids))
             params.append(self._params(r.params))
             where.append((i, rid, ids))
@@ -316,10 +325,12 @@ class VLLMEngine:
         self.commit_weights(version)
 
     def set_adapter(self, name: str, tensors: dict[str, torch.Tensor], version: int) -> None:
-        raise ConfigError("a vLLM engine on the CPU serves no adapters (MoE LoRA needs Triton)")
+        raise ConfigError(
+            "a vLLM engine takes no adapter tensors: moerl syncs LoRA into it as merged weights (sync_policy)"
+        )
 
     def add_adapter(self, name: str, source) -> None:
-        raise ConfigError("a vLLM engine on the CPU serves no adapters (MoE LoRA needs Triton)")
+        raise ConfigError("a vLLM engine loads no adapters: merge them (moerl export) or sync a LoRA policy")
 
     def read_weights(self, names: list[str]) -> list[dict[str, torch.Tensor]]:
         """Each engine's own tensors by vLLM name (``model.layers.0.mlp.gate.weight``), read from its worker."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 from moerl.errors import EngineError
@@ -36,18 +37,26 @@ def _children(pid: int) -> list[tuple[int, str]]:
     return out
 
 
-def _alive(pid: int) -> bool:
+def _state(pid: int) -> str:
+    """Process ``pid``'s state letter (R, S, T, Z, ...); "" when it is gone."""
     try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z"
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[-1].split()[0]
     except (OSError, IndexError):
-        return False
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    return _state(pid) not in ("", "Z")
 
 
 class VLLMWatch:
     """Watches vLLM engine ``index``'s processes (from ``llm``) until ``stop``; ``dead`` says which one died."""
 
-    def __init__(self, llm, index: int):
-        self.core, self.index = llm.llm_engine.engine_core, index
+    def __init__(self, llm, index: int, timeout_s: float = 300.0):
+        """``timeout_s``: how long one of the processes may stay stopped (SIGSTOP, a debugger) before it counts as
+        gone: nothing it owes arrives while it is stopped."""
+        self.core, self.index, self.timeout_s = llm.llm_engine.engine_core, index, timeout_s
+        self.stopped_since: dict[int, float] = {}
         manager = getattr(getattr(self.core, "resources", None), "engine_manager", None)
         self.cores = list(getattr(manager, "processes", []))  # multiprocessing processes: exit codes known
         self.workers = [w for p in self.cores for w in _children(p.pid)]
@@ -77,6 +86,15 @@ class VLLMWatch:
             if code is not None:
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
                 return f"{who} EngineCore (pid {p.pid}) {how}"
+        now = time.monotonic()
+        for pid, title in [(p.pid, "EngineCore") for p in self.cores] + [(w, f"worker {t}") for w, t in self.workers]:
+            if _state(pid) not in ("T", "t"):
+                self.stopped_since.pop(pid, None)
+            elif now - self.stopped_since.setdefault(pid, now) > self.timeout_s:
+                return (
+                    f"{who} {title} (pid {pid}) has been stopped (SIGSTOP?) for {self.timeout_s:.0f} s "
+                    "(rollout.engine_timeout_s)"
+                )
         return None
 
     def _wake(self, error: EngineError) -> None:

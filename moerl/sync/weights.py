@@ -4,6 +4,12 @@
 - full: every weight in the trainer's compute dtype, the router (and its correction bias) in fp32, bit for bit.
 - mxfp8: the GEMM weights as E4M3 data + E8M0 scales from the same quantizer the trainer uses, the rest as in
   full; the engine dequantizes on apply.
+
+An engine that serves neither adapters nor MX weights (vLLM: ``engine.dense_weights``) gets the *dense* form, a
+full-mode update: lora sends the weights the adapters touch merged (W + scale * B @ A, fp32; the router untouched,
+moerl puts no adapter on it), mxfp8 sends ``dequantize(quantize(master))`` in bf16 (which holds every E4M3 x E8M0
+value exactly), so the engine multiplies with exactly the MX-rounded weights the trainer uses (its activations stay
+unquantized).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from moerl.errors import TrainingStopped
 from moerl.finite import first_nonfinite
-from moerl.model.lora import slot_tensors
+from moerl.model.lora import merged_weights, slot_tensors
 from moerl.model.mx import BLOCK, MX_SCALE, MXExperts, MXLinear, mx_fake_quant, mx_quantize
 
 ADAPTER = "policy"
@@ -42,19 +48,22 @@ def _mx_weight(name: str, model) -> bool:
     return isinstance(module, MXLinear | MXExperts) and name.endswith(("weight", "gate_up_proj", "down_proj"))
 
 
-def policy_tensors(policy) -> Iterator[tuple[str, torch.Tensor]]:
-    """The named tensors the engine needs for ``policy``'s current weights, one at a time. A sharded policy gathers
-    each one whole as it goes (a collective: every rank runs this iterator to its end), so the whole model is never
-    on one rank at once."""
-    return policy.layout.stream(_own_tensors(policy))
+def policy_tensors(policy, dense: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """The named tensors the engine needs for ``policy``'s current weights, one at a time (``dense``: the form for
+    an engine without adapters or MX weights, see the module). A sharded policy gathers each one whole as it goes
+    (a collective: every rank runs this iterator to its end), so the whole model is never on one rank at once."""
+    return policy.layout.stream(_own_tensors(policy, dense))
 
 
-def _own_tensors(policy) -> Iterator[tuple[str, torch.Tensor]]:
+def _own_tensors(policy, dense: bool) -> Iterator[tuple[str, torch.Tensor]]:
     """This rank's part of ``policy_tensors`` (each tensor whole over the data and expert groups)."""
     layout = policy.layout
     if policy.cfg.mode == "lora":  # small: the adapters, gathered together
         with layout.gathered_here():
-            yield from slot_tensors(policy.model, 0).items()
+            if dense:  # the touched weights, merged: one module's at a time
+                yield from ((n, layout.whole(n, t)) for n, t in merged_weights(policy.model, 0, torch.float32))
+            else:
+                yield from slot_tensors(policy.model, 0).items()
         return
     masters = policy.master.master
     for name, master in masters.items():
@@ -64,11 +73,11 @@ def _own_tensors(policy) -> Iterator[tuple[str, torch.Tensor]]:
         if _is_router(name):
             yield name, t.float()
         elif policy.cfg.mode == "mxfp8" and _mx_weight(name, policy.model):
-            if t.shape[-1] % BLOCK == 0:
+            if t.shape[-1] % BLOCK == 0 and not dense:
                 scale, data = mx_quantize(t, policy.cfg.mx_scale_mode)
                 yield name, data
                 yield name + MX_SCALE, scale
-            else:  # a ragged last block: send the MX values themselves (bf16 holds them exactly)
+            else:  # a ragged last block, or a dense engine: the MX values themselves (bf16 holds them exactly)
                 yield name, mx_fake_quant(t, -1, policy.cfg.mx_scale_mode).to(torch.bfloat16)
         else:
             # in the compute dtype; in one process the model holds round(master) already
@@ -99,10 +108,11 @@ def sync_policy(policy, engine, version: int, bucket_bytes: int = 64 * 2**20) ->
     """Push ``policy``'s weights to ``engine`` and tag them ``version``; applied atomically. Each bucket is checked
     for non-finite values before it is staged; a bad one discards what was staged, so the engine keeps its weights."""
     start = time.perf_counter()
-    stream = policy.sync_tensors()
+    dense = getattr(engine, "dense_weights", False)
+    stream = policy.sync_tensors(dense=dense) if dense else policy.sync_tensors()
     count = nbytes = n_buckets = 0
     try:
-        if policy.cfg.mode == "lora":
+        if policy.cfg.mode == "lora" and not dense:
             tensors = dict(stream)
             _check_finite(tensors, version, engine)
             engine.set_adapter(ADAPTER, tensors, version)

@@ -118,11 +118,11 @@ class DistributedPolicy(Policy):
         with self._announced("save_shards", {"path": str(directory)}):
             return super().save_shards(directory)
 
-    def sync_tensors(self):
+    def sync_tensors(self, dense: bool = False):
         """The engine's tensors, gathered one at a time; the caller must exhaust the iterator (the other ranks
         gather with it)."""
-        with self._announced("sync_tensors"):
-            yield from super().sync_tensors()
+        with self._announced("sync_tensors", {"dense": dense}):
+            yield from super().sync_tensors(dense)
 
     def load(self, path) -> dict:
         with self._announced("load", {"path": str(path)}):
@@ -180,8 +180,8 @@ class RankServer:
     def save_shards(self, batch, path) -> None:
         self.policy.save_shards(path)
 
-    def sync_tensors(self, batch) -> None:
-        for _ in self.policy.sync_tensors():  # every rank gathers each tensor with rank 0
+    def sync_tensors(self, batch, dense: bool = False) -> None:
+        for _ in self.policy.sync_tensors(dense):  # every rank gathers each tensor with rank 0
             pass
 
     def load(self, batch, path) -> None:

@@ -356,11 +356,12 @@ class Policy:
         opt["param_groups"] = [{**g, "params": list(range(len(weights)))} for g in opt["param_groups"]]
         return weights, opt
 
-    def sync_tensors(self):
-        """The named tensors an engine needs for the current weights, one at a time (see ``moerl.sync``)."""
+    def sync_tensors(self, dense: bool = False):
+        """The named tensors an engine needs for the current weights, one at a time (see ``moerl.sync``; ``dense``:
+        for an engine without adapters or MX weights)."""
         from moerl.sync.weights import policy_tensors
 
-        return policy_tensors(self)
+        return policy_tensors(self, dense)
 
     def save_shards(self, directory) -> None:
         """Write this rank's part of the trained state under ``directory`` (a collective; see
