@@ -40,7 +40,7 @@ def child(args) -> None:
 
     lora = LoraConfig(rank=16, alpha=32, layout="shared_outer")
     policy = Policy(args.ckpt, PolicyConfig(mode=args.mode, dtype="bfloat16", lora=lora))
-    dense = args.child == "vllm"  # what a vLLM engine is sent: LoRA merged, MX weights as bf16 values
+    dense = "bfloat16" if args.child == "vllm" else None  # what a vLLM engine is sent: LoRA merged, MX values
     nbytes = sum(t.numel() * t.element_size() for _, t in policy_tensors(policy, dense))
     times = []
     if args.child == "memcpy":

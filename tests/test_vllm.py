@@ -325,9 +325,10 @@ def test_a_vllm_process_that_dies_is_named_and_its_shared_memory_released(model,
 
 def test_a_lora_policy_syncs_into_vllm_as_merged_weights(model):
     """policy.mode=lora on vLLM: a sync sends only the weights the adapters touch (attention, dense MLP, experts;
-    never the router, embeddings or norms), merged in fp32 (vLLM rounds them to its bf16 once). vLLM's logprobs are
-    then the trainer's with the adapter, to the bf16 bound of the full sync (k3 < 2e-3 without each sequence's worst
-    token, which stays within ln 2); negative control: the same tokens scored with the adapter off disagree."""
+    never the router, embeddings or norms), merged in fp32 and sent in vLLM's dtype (bf16: one rounding). vLLM's
+    logprobs are then the trainer's with the adapter, to the bf16 bound of the full sync (k3 < 2e-3 without each
+    sequence's worst token, which stays within ln 2); negative control: the same tokens scored with the adapter off
+    disagree."""
     from moerl.model.lora import LoraConfig, merged_weights
 
     lora = LoraConfig(rank=8, alpha=32)
@@ -338,8 +339,9 @@ def test_a_lora_policy_syncs_into_vllm_as_merged_weights(model):
     engine = make_engine("vllm", model, EngineConfig(max_num_seqs=16, max_model_len=32, max_loras=1), vllm_args=EAGER)
     try:
         stats = sync_policy(policy, engine, version=4, bucket_bytes=1 << 16)
-        touched = [n for n, _ in merged_weights(policy.model)]
+        touched = dict(merged_weights(policy.model, 0, torch.bfloat16))
         assert stats.tensors == len(touched) and engine.weight_version == 4
+        assert stats.bytes == sum(t.numel() * 2 for t in touched.values())  # in the engine's bf16
         assert not [n for n in touched if ".router." in n or "embed" in n or "norm" in n]
         _assert_logprobs_agree(policy, engine)
         assert _logprob_disagreements(policy, engine, reference=True)  # the adapter made a difference vLLM shows

@@ -127,7 +127,6 @@ class VLLMEngine:
     every engine. ``close`` stops them."""
 
     supports_routing = False  # vLLM's routed-experts capture needs the GPU model runner
-    dense_weights = True  # LoRA merged, MXFP8 as MX-rounded values: full-mode updates (moerl.sync.weights)
 
     def __init__(self, spec: EngineSpec, lora: bool = False, num_engines: int = 1, timeout_s: float = 300.0):
         """``lora``: requests name the policy's adapter (``moerl.sync.ADAPTER``), served by the merged weights."""
@@ -157,6 +156,8 @@ class VLLMEngine:
         from moerl.rollout.vllm_plugin import ENV
 
         args = _llm_args(vllm, spec)
+        # LoRA merged, MXFP8 as MX-rounded values, in this dtype: full-mode updates (moerl.sync.weights)
+        self.dense_weights = "bfloat16" if args["dtype"] == "auto" else str(args["dtype"])
         self.adapter = ADAPTER if lora else None
         if lora:
             print(

@@ -5,11 +5,11 @@
 - mxfp8: the GEMM weights as E4M3 data + E8M0 scales from the same quantizer the trainer uses, the rest as in
   full; the engine dequantizes on apply.
 
-An engine that serves neither adapters nor MX weights (vLLM: ``engine.dense_weights``) gets the *dense* form, a
-full-mode update: lora sends the weights the adapters touch merged (W + scale * B @ A, fp32; the router untouched,
-moerl puts no adapter on it), mxfp8 sends ``dequantize(quantize(master))`` in bf16 (which holds every E4M3 x E8M0
-value exactly), so the engine multiplies with exactly the MX-rounded weights the trainer uses (its activations stay
-unquantized).
+An engine that serves neither adapters nor MX weights (vLLM: ``engine.dense_weights`` names its dtype) gets the
+*dense* form, a full-mode update: lora sends the weights the adapters touch merged (W + scale * B @ A summed in
+fp32, sent in the engine's dtype; the router untouched, moerl puts no adapter on it), mxfp8 sends
+``dequantize(quantize(master))`` in bf16 (which holds every E4M3 x E8M0 value exactly), so the engine multiplies
+with exactly the MX-rounded weights the trainer uses (its activations stay unquantized).
 """
 
 from __future__ import annotations
@@ -48,20 +48,22 @@ def _mx_weight(name: str, model) -> bool:
     return isinstance(module, MXLinear | MXExperts) and name.endswith(("weight", "gate_up_proj", "down_proj"))
 
 
-def policy_tensors(policy, dense: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """The named tensors the engine needs for ``policy``'s current weights, one at a time (``dense``: the form for
-    an engine without adapters or MX weights, see the module). A sharded policy gathers each one whole as it goes
-    (a collective: every rank runs this iterator to its end), so the whole model is never on one rank at once."""
+def policy_tensors(policy, dense: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The named tensors the engine needs for ``policy``'s current weights, one at a time (``dense``: the dtype name
+    of an engine without adapters or MX weights, which gets the dense form, see the module). A sharded policy
+    gathers each one whole as it goes (a collective: every rank runs this iterator to its end), so the whole model
+    is never on one rank at once."""
     return policy.layout.stream(_own_tensors(policy, dense))
 
 
-def _own_tensors(policy, dense: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _own_tensors(policy, dense: str | None) -> Iterator[tuple[str, torch.Tensor]]:
     """This rank's part of ``policy_tensors`` (each tensor whole over the data and expert groups)."""
     layout = policy.layout
     if policy.cfg.mode == "lora":  # small: the adapters, gathered together
         with layout.gathered_here():
             if dense:  # the touched weights, merged: one module's at a time
-                yield from ((n, layout.whole(n, t)) for n, t in merged_weights(policy.model, 0, torch.float32))
+                merged = merged_weights(policy.model, 0, getattr(torch, dense))
+                yield from ((n, layout.whole(n, t)) for n, t in merged)
             else:
                 yield from slot_tensors(policy.model, 0).items()
         return
@@ -108,7 +110,7 @@ def sync_policy(policy, engine, version: int, bucket_bytes: int = 64 * 2**20) ->
     """Push ``policy``'s weights to ``engine`` and tag them ``version``; applied atomically. Each bucket is checked
     for non-finite values before it is staged; a bad one discards what was staged, so the engine keeps its weights."""
     start = time.perf_counter()
-    dense = getattr(engine, "dense_weights", False)
+    dense = getattr(engine, "dense_weights", None)
     stream = policy.sync_tensors(dense=dense) if dense else policy.sync_tensors()
     count = nbytes = n_buckets = 0
     try:

@@ -118,7 +118,7 @@ class DistributedPolicy(Policy):
         with self._announced("save_shards", {"path": str(directory)}):
             return super().save_shards(directory)
 
-    def sync_tensors(self, dense: bool = False):
+    def sync_tensors(self, dense: str | None = None):
         """The engine's tensors, gathered one at a time; the caller must exhaust the iterator (the other ranks
         gather with it)."""
         with self._announced("sync_tensors", {"dense": dense}):
@@ -180,7 +180,7 @@ class RankServer:
     def save_shards(self, batch, path) -> None:
         self.policy.save_shards(path)
 
-    def sync_tensors(self, batch, dense: bool = False) -> None:
+    def sync_tensors(self, batch, dense: str | None = None) -> None:
         for _ in self.policy.sync_tensors(dense):  # every rank gathers each tensor with rank 0
             pass
 

@@ -356,9 +356,9 @@ class Policy:
         opt["param_groups"] = [{**g, "params": list(range(len(weights)))} for g in opt["param_groups"]]
         return weights, opt
 
-    def sync_tensors(self, dense: bool = False):
+    def sync_tensors(self, dense: str | None = None):
         """The named tensors an engine needs for the current weights, one at a time (see ``moerl.sync``; ``dense``:
-        for an engine without adapters or MX weights)."""
+        the dtype of an engine without adapters or MX weights)."""
         from moerl.sync.weights import policy_tensors
 
         return policy_tensors(self, dense)
