@@ -16,10 +16,11 @@ from tolerances import BF16_LOGPROBS_MAX
 
 from moerl.bridges import export_model
 from moerl.bridges.checkpoint import to_hf
+from moerl.child import proc_alive as _alive
 from moerl.engine import EngineConfig, Request, SamplingParams
 from moerl.errors import ConfigError, EngineError
 from moerl.rollout import make_engine
-from moerl.rollout.vllm_watch import _alive, shm_segments
+from moerl.rollout.vllm_watch import shm_segments
 from moerl.sync import sync_policy
 from moerl.trainer import Batch, OptimConfig, Policy, PolicyConfig
 from moerl.trainer.losses import sft_loss

@@ -91,6 +91,11 @@ class LLMEngine:
         self._order = 0
 
     # -- adapters and weights ------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """Where the model, its KV cache and every step's tensors live."""
+        return self.model.embed_tokens.weight.device
+
     def add_adapter(self, name: str, source: str | os.PathLike | dict[str, torch.Tensor]) -> None:
         """Load an adapter from a PEFT directory or from moerl-named tensors into a free slot."""
         if self.adapters is None:
@@ -288,7 +293,7 @@ class LLMEngine:
         bs = self.cache.block_size
         c = max(n for _, n in batch)
         nb = max(ceil((s.num_cached + n) / bs) for s, n in batch)
-        device = self.model.embed_tokens.weight.device
+        device = self.device
         ids = torch.tensor([s.tokens[s.num_cached : s.num_cached + n] + [0] * (c - n) for s, n in batch])
         starts = torch.tensor([s.num_cached for s, _ in batch])
         positions = starts[:, None] + torch.arange(c)[None, :]

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from moerl.child import proc_alive, proc_children, proc_stopped
 from moerl.errors import ConfigError, TrainingStopped
 
 
@@ -158,7 +159,7 @@ def stalled(error: BaseException, timeout_s: float) -> TrainingStopped | None:
         return None
     stopped = []
     for pid, rank in _sibling_ranks():
-        if _state(pid) in ("T", "t"):
+        if proc_stopped(pid):
             stopped.append(f"trainer rank {rank} (pid {pid})")
             os.kill(pid, signal.SIGKILL)
     who = (
@@ -175,57 +176,41 @@ def stalled(error: BaseException, timeout_s: float) -> TrainingStopped | None:
 
 def _sibling_ranks() -> list[tuple[int, str]]:
     """The other ranks of this launch on this machine: processes of the same parent with a RANK in their env."""
-    parent, mine, out = os.getppid(), os.getpid(), []
-    for d in os.listdir("/proc"):
-        if not d.isdigit() or int(d) == mine:
-            continue
+    out = []
+    for pid in proc_children(os.getppid()):
         try:
-            stat = open(f"/proc/{d}/stat").read().rsplit(")", 1)[-1].split()
-            if int(stat[1]) != parent:
-                continue
-            env = dict(kv.split(b"=", 1) for kv in open(f"/proc/{d}/environ", "rb").read().split(b"\0") if b"=" in kv)
-        except (OSError, IndexError, ValueError):
+            env = dict(kv.split(b"=", 1) for kv in open(f"/proc/{pid}/environ", "rb").read().split(b"\0") if b"=" in kv)
+        except OSError:
             continue
-        if b"RANK" in env:
-            out.append((int(d), env[b"RANK"].decode()))
+        if pid != os.getpid() and b"RANK" in env:
+            out.append((pid, env[b"RANK"].decode()))
     return out
 
 
-def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0]
-    except (OSError, IndexError):
-        return "?"
-
-
-def _die_with_the_launcher(every_s: float = 1.0) -> None:
-    """A rank outlives its launcher (killed with -9, it cannot stop its ranks) only until this notices: a daemon
-    thread that ends the process, naming the launcher, once the rank's parent is gone (the rank is reparented)."""
+def _die_with_the_launcher() -> None:
+    """A rank outlives its launcher (killed with -9, it cannot stop its ranks) only until this notices: the rank's
+    parent gone, the rank is reparented."""
     parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(every_s)
-        rank = os.environ.get("RANK", "?")
-        print(f"moerl: trainer rank {rank}: its launcher (pid {parent}) is gone; this rank stops", file=sys.stderr)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="moerl-launcher-watch", daemon=True).start()
+    _end_when(lambda: os.getppid() != parent, f"its launcher (pid {parent})", "?")
 
 
-def die_with(pid: int, who: str, every_s: float = 1.0) -> None:
+def die_with(pid: int, who: str) -> None:
     """End this process, naming ``who``, once process ``pid`` (on this machine) is gone: a Ray trainer rank whose
     driver was killed would otherwise train on until Ray notices its owner died."""
+    _end_when(lambda: not proc_alive(pid), f"{who} (pid {pid})", "0")
+
+
+def _end_when(gone, who: str, default_rank: str, every_s: float = 1.0) -> None:
+    """A daemon thread that ends this rank, naming ``who``, once ``gone()`` holds."""
 
     def watch() -> None:
-        while _state(pid) not in ("?", "Z"):
+        while not gone():
             time.sleep(every_s)
-        rank = os.environ.get("RANK", "0")
-        print(f"moerl: trainer rank {rank}: {who} (pid {pid}) is gone; this rank stops", file=sys.stderr)
+        rank = os.environ.get("RANK", default_rank)
+        print(f"moerl: trainer rank {rank}: {who} is gone; this rank stops", file=sys.stderr)
         os._exit(1)
 
-    threading.Thread(target=watch, name="moerl-driver-watch", daemon=True).start()
+    threading.Thread(target=watch, name="moerl-parent-watch", daemon=True).start()
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from moerl.child import spawn
+from moerl.child import proc_stopped, spawn
 from moerl.engine import Request, RequestOutput
 from moerl.errors import EngineError
 from moerl.rollout.server import EngineServer
@@ -120,9 +120,10 @@ class EngineProcess:
         if self.proc.poll() is not None:
             return self._dead(op)
         self.hung = True  # close() ends it without asking
-        why = "it is stopped (SIGSTOP?)" if _stopped(self.proc.pid) else "its process is alive"
         if beating:
             why = "its heartbeats go on, but it made no progress"
+        else:
+            why = "it is stopped (SIGSTOP?)" if proc_stopped(self.proc.pid) else "its process is alive"
         return EngineError(
             f"{self.name} has not answered for {limit:.0f} s while {op} ({why}); rollout.engine_timeout_s sets how "
             "long an engine may go without progress"
@@ -189,12 +190,3 @@ class EngineProcess:
                 self.proc.kill()
                 self.proc.wait()
         self.conn.close()
-
-
-def _stopped(pid: int) -> bool:
-    """Whether process ``pid`` is stopped (by SIGSTOP, or a debugger): state T or t in /proc."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] in ("T", "t")
-    except (FileNotFoundError, IndexError):
-        return False

@@ -47,8 +47,8 @@ class EngineActor:
     def where(self) -> dict:
         import ray
 
-        device = str(self.server.engine.model.embed_tokens.weight.device)
-        return {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid(), "device": device}
+        node = ray.get_runtime_context().get_node_id()
+        return {"node": node, "pid": os.getpid(), "device": str(self.server.engine.device)}
 
 
 class RayEngine:

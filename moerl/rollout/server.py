@@ -61,12 +61,11 @@ class EngineServer:
         if spec.threads:
             torch.set_num_threads(spec.threads)
         self.engine = build_native(spec)
-        device = str(self.engine.model.embed_tokens.weight.device)
-        return {"pid": os.getpid(), "kv_cache_bytes": self.engine.kv_cache_bytes, "device": device}
+        return {"pid": os.getpid(), "kv_cache_bytes": self.engine.kv_cache_bytes, "device": str(self.engine.device)}
 
     def join(self, msg: dict) -> None:
         """Become rank ``msg["rank"]`` of the pool's broadcast group (``transport.SyncGroup``)."""
-        self.member = SyncMember(msg, self.engine.model.embed_tokens.weight.device)
+        self.member = SyncMember(msg, self.engine.device)
 
     def generate(self, msg: dict) -> dict:
         rows, tensors = outputs_to_json(self.engine.generate([request_from_json(r) for r in msg["requests"]]))

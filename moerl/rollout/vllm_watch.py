@@ -15,38 +15,11 @@ import threading
 import time
 from pathlib import Path
 
+from moerl.child import proc_alive, proc_children, proc_stopped, proc_title
 from moerl.errors import EngineError
 
 POLL_S = 0.5
 SHM = Path("/dev/shm")
-
-
-def _children(pid: int) -> list[tuple[int, str]]:
-    """Processes whose parent is ``pid``: (pid, process title)."""
-    out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            stat = (Path("/proc") / d / "stat").read_text()
-            if int(stat.rsplit(")", 1)[-1].split()[1]) == pid:
-                title = (Path("/proc") / d / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-                out.append((int(d), title.strip() or stat[stat.index("(") + 1 : stat.rindex(")")]))
-        except (OSError, ValueError, IndexError):
-            continue
-    return out
-
-
-def _state(pid: int) -> str:
-    """Process ``pid``'s state letter (R, S, T, Z, ...); "" when it is gone."""
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[-1].split()[0]
-    except (OSError, IndexError):
-        return ""
-
-
-def _alive(pid: int) -> bool:
-    return _state(pid) not in ("", "Z")
 
 
 class VLLMWatch:
@@ -59,7 +32,7 @@ class VLLMWatch:
         self.stopped_since: dict[int, float] = {}
         manager = getattr(getattr(self.core, "resources", None), "engine_manager", None)
         self.cores = list(getattr(manager, "processes", []))  # multiprocessing processes: exit codes known
-        self.workers = [w for p in self.cores for w in _children(p.pid)]
+        self.workers = [(w, proc_title(w) or "?") for p in self.cores for w in proc_children(p.pid)]
         self.dead: str | None = None
         self._stop = threading.Event()
         threading.Thread(target=self._run, name=f"moerl-vllm-watch-{index}", daemon=True).start()
@@ -79,7 +52,7 @@ class VLLMWatch:
         """Which of the engine's processes is gone, in words; None while all live."""
         who = f"vLLM engine {self.index}'s"
         for pid, title in self.workers:  # a dead worker takes its EngineCore down: name the cause
-            if not _alive(pid):
+            if not proc_alive(pid):
                 return f"{who} worker {title} (pid {pid}) died"
         for p in self.cores:
             code = p.exitcode
@@ -88,7 +61,7 @@ class VLLMWatch:
                 return f"{who} EngineCore (pid {p.pid}) {how}"
         now = time.monotonic()
         for pid, title in [(p.pid, "EngineCore") for p in self.cores] + [(w, f"worker {t}") for w, t in self.workers]:
-            if _state(pid) not in ("T", "t"):
+            if not proc_stopped(pid):
                 self.stopped_since.pop(pid, None)
             elif now - self.stopped_since.setdefault(pid, now) > self.timeout_s:
                 return (
@@ -112,18 +85,11 @@ class VLLMWatch:
         """Stop watching; a worker left behind by an EngineCore that died is ended (vLLM would leave it running)."""
         self._stop.set()
         for pid, title in self.workers:
-            if _alive(pid) and _title(pid) == title:  # still that worker, not a new process under a reused pid
+            if proc_alive(pid) and proc_title(pid) == title:  # still that worker, not a process under a reused pid
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-
-
-def _title(pid: int) -> str | None:
-    try:
-        return (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace").strip()
-    except OSError:
-        return None
 
 
 def shm_segments() -> set[str]:
