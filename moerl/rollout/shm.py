@@ -44,6 +44,18 @@ def layout(tensors: dict[str, torch.Tensor], start: int = 0) -> tuple[list[dict]
     return specs, offset
 
 
+def placement(tensors: dict[str, torch.Tensor], used: int, append: bool, capacity: int | None) -> tuple:
+    """Where a bucket goes in a staging buffer that grows (``capacity`` None: no buffer yet, or none usable):
+    ``(start, end, size)``, ``size`` that of a new buffer to make first (the bucket then starts it) or None. With
+    ``append`` it goes after the ``used`` bytes of the update's earlier buckets, which readers still view."""
+    start = used if append else 0
+    _, end = layout(tensors, start)
+    if capacity is not None and end <= capacity:
+        return start, end, None
+    _, end = layout(tensors)
+    return 0, end, max(end, 2 * (capacity or 0), 1 << 20)
+
+
 class SharedBuffer:
     """A byte buffer in a shared file. The creator writes (``pack``), readers ``open`` it by path and ``view``."""
 
@@ -147,14 +159,11 @@ class ShmWriter:
         self.used = 0
 
     def put(self, tensors: dict[str, torch.Tensor], append: bool = False) -> dict:
-        start = self.used if append else 0
-        _, end = layout(tensors, start)
-        if self.buf is None or end > self.buf.nbytes:  # a new file; readers keep their views of the old one
-            old = self.buf.nbytes if self.buf is not None else 0
+        start, end, size = placement(tensors, self.used, append, self.buf.nbytes if self.buf is not None else None)
+        if size is not None:  # a new file; readers keep their views of the old one
             if self.buf is not None:
                 self.buf.unlink()
-            _, end = layout(tensors)
-            start, self.buf = 0, SharedBuffer.create(max(end, 2 * old, 1 << 20), self.tag)
+            self.buf = SharedBuffer.create(size, self.tag)
         specs = self.buf.pack(tensors, start)
         self.used = end
         return {"buffer": self.buf.path, "nbytes": self.buf.nbytes, "tensors": specs}

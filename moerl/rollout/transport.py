@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from moerl.errors import ConfigError, EngineError
-from moerl.rollout.shm import SharedBuffer, layout
+from moerl.rollout.shm import SharedBuffer, layout, placement
 from moerl.run_config import TRANSPORTS  # noqa: F401 - the names, kept with the other config choices
 
 SYNC_TIMEOUT_S = 600.0  # a broadcast that waits longer names the group (an engine stopped or died mid-update)
@@ -80,14 +80,12 @@ class IpcWriter:
 
     def put(self, tensors: dict[str, torch.Tensor], append: bool = False) -> dict:
         device = next(iter(tensors.values())).device
-        start = self.used if append else 0
-        _, end = layout(tensors, start)
-        if self.buf is None or end > self.buf.numel() or self.buf.device != device:
-            old = self.buf.numel() if self.buf is not None else 0
+        usable = self.buf is not None and self.buf.device == device
+        start, end, size = placement(tensors, self.used, append, self.buf.numel() if usable else None)
+        if size is not None:
             if self.buf is not None:
                 self.kept.append(self.buf)
-            _, end = layout(tensors)
-            start, self.buf = 0, torch.empty(max(end, 2 * old, 1 << 20), dtype=torch.uint8, device=device)
+            self.buf = torch.empty(size, dtype=torch.uint8, device=device)
         specs = SharedBuffer.over(self.buf).pack(tensors, start)
         self.used = end
         torch.cuda.current_stream(device).synchronize()  # the engine reads what these copies wrote
