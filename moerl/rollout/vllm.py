@@ -157,7 +157,7 @@ class VLLMEngine:
 
         args = _llm_args(vllm, spec)
         # LoRA merged, MXFP8 as MX-rounded values, in this dtype: full-mode updates (moerl.sync.weights)
-        self.dense_weights = "bfloat16" if args["dtype"] == "auto" else str(args["dtype"])
+        self.dense_weights = str(args["dtype"])  # _llm_args resolved auto
         self.adapter = ADAPTER if lora else None
         if lora:
             print(

@@ -111,7 +111,7 @@ def sync_policy(policy, engine, version: int, bucket_bytes: int = 64 * 2**20) ->
     for non-finite values before it is staged; a bad one discards what was staged, so the engine keeps its weights."""
     start = time.perf_counter()
     dense = getattr(engine, "dense_weights", None)
-    stream = policy.sync_tensors(dense=dense) if dense else policy.sync_tensors()
+    stream = policy.sync_tensors(dense)
     count = nbytes = n_buckets = 0
     try:
         if policy.cfg.mode == "lora" and not dense:
