@@ -127,10 +127,6 @@ def _train(cfg: RunConfig, run: RunDir, world: World, engines) -> dict:
 
 def _train_policy(cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Policy, engines) -> dict:
     engine = build_engine(cfg, model_path, engines)
-    if cfg.algo.r3 and not getattr(engine, "supports_routing", True):
-        from moerl.rollout.vllm import warn_no_routing
-
-        warn_no_routing(cfg.rollout.engine)
     gen = build_generator(cfg, env, engine)
     metrics = ahead = None
     try:

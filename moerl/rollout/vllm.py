@@ -8,7 +8,8 @@ temperature, which is moerl's quantity whenever top-k / top-p are off (vLLM appl
 LoRA and MXFP8 policies sync in the dense form (``moerl.sync.weights``): the weights LoRA touches merged, or the
 MX-rounded weights in bf16, as full-mode updates; vLLM multiplies MX-rounded weights with unquantized activations
 (said when the engine starts). vLLM's own MoE LoRA (adapters in memory, for fast decode) needs Triton and a GPU: not
-used here. Routed-expert capture is absent, so the loop runs without R3 for this engine and says so once.
+used here. Routed experts (R3) are recorded in vLLM's worker by moerl (``moerl.rollout.vllm_routes``) and come
+back with each sample in moerl's layout, prompt rows included.
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ def _llm_args(vllm, spec: EngineSpec) -> dict:
             raise ConfigError(f"rollout.vllm_args.{key}: moerl sets it (from model / rollout / train); remove it")
         if key not in known:
             raise ConfigError(f"rollout.vllm_args.{key}: not an argument of vLLM {vllm.__version__}'s engine")
+        if key == "speculative_config" and value and spec.config.capture_routing:
+            raise ConfigError(
+                "rollout.vllm_args.speculative_config: moerl records each token's routed experts (R3) as vLLM runs "
+                "them, and draft tokens vLLM rejects would leave theirs in the rows; remove it"
+            )
         if not _fits(value, known[key]):
             raise ConfigError(
                 f"rollout.vllm_args.{key}={value!r}: vLLM {vllm.__version__} expects {_type_name(known[key])}"
@@ -125,8 +131,6 @@ class VLLMEngine:
     """``num_engines`` vLLM engines (each in its own processes, started by vLLM) on ``spec.model``, behind one
     InferenceEngine: the requests of a call are split across them and gathered back in order; weight updates reach
     every engine. ``close`` stops them."""
-
-    supports_routing = False  # vLLM's routed-experts capture needs the GPU model runner
 
     def __init__(self, spec: EngineSpec, lora: bool = False, num_engines: int = 1, timeout_s: float = 300.0):
         """``lora``: requests name the policy's adapter (``moerl.sync.ADAPTER``), served by the merged weights."""
@@ -198,6 +202,9 @@ class VLLMEngine:
             self.close()
             raise
         self.shm = shm_segments() - before  # vLLM's own segments: released at close if its processes cannot
+        self.capture = spec.config.capture_routing
+        if self.capture:
+            self._each(lambda llm: llm.collective_rpc("moerl_record_routes"))
         self.tokenizer = load_tokenizer(spec.model)
         hf_config = read_config(spec.model)
         self.bridge = get_bridge(hf_config, source=spec.model)
@@ -274,18 +281,27 @@ class VLLMEngine:
             where.append((i, rid, ids))
         parts = split([requests[i] for i, _, _ in where], len(self.llms))
         calls = [(llm, s) for llm, s in zip(self.llms, parts, strict=True) if prompts[s]]
-        done = self._each_of(calls, lambda llm, s: llm.generate(prompts[s], params[s], use_tqdm=False))
-        results = [res for outs in done for res in outs]
-        for (i, rid, ids), res in zip(where, results, strict=True):
+        done = self._each_of(calls, lambda llm, s: self._generate_on(llm, prompts[s], params[s]))
+        results = [(res, routes) for outs, routes in done for res in outs]
+        for (i, rid, ids), (res, routes) in zip(where, results, strict=True):
             comps = []
             for c in res.outputs:
                 lp = None
                 if c.logprobs is not None:
                     lp = torch.tensor([d[t].logprob for d, t in zip(c.logprobs, c.token_ids, strict=True)])
                 reason = "stop" if c.finish_reason == "stop" else "length"
-                comps.append(Completion(c.index, list(c.token_ids), c.text, lp, reason, None))
+                rows = None
+                if routes is not None:
+                    key = f"{c.index}_{res.request_id}" if len(res.outputs) > 1 else res.request_id
+                    rows = _rows(routes, key, len(ids) + len(c.token_ids) - 1, f"request {rid} sample {c.index}")
+                comps.append(Completion(c.index, list(c.token_ids), c.text, lp, reason, rows))
             outs[i] = RequestOutput(rid, ids, comps, self.weight_version)
         return outs
+
+    def _generate_on(self, llm, prompts: list, params: list) -> tuple[list, dict | None]:
+        """One engine's share: vLLM's outputs, and with routing capture the rows its worker recorded for them."""
+        results = llm.generate(prompts, params, use_tqdm=False)
+        return results, (llm.collective_rpc("moerl_take_routes")[0] if self.capture else None)
 
     # -- weights -------------------------------------------------------------------------------------------------
     def discard_staged(self) -> None:
@@ -353,15 +369,20 @@ class VLLMEngine:
         release_shm(getattr(self, "shm", set()))  # what vLLM's processes could not unlink if they died
 
 
+def _rows(routes: dict, key: str, length: int, what: str) -> torch.Tensor:
+    """The routing rows of one sample (``RouteRecorder.take``'s entry ``key``), cut to its ``length`` = T-1 tokens
+    (the engine may have run a step past a stop string)."""
+    if key not in routes or routes[key][1][0] < length:
+        got = routes[key][1][0] if key in routes else 0
+        raise EngineError(
+            f"{what}: vLLM recorded the routed experts of {got} of its {length} tokens (a forward that bypasses "
+            "Python, e.g. a CUDA graph, runs without moerl's capture: set rollout.vllm_args.enforce_eager=true)"
+        )
+    dtype, shape, data = routes[key]
+    rows = torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)).view(shape)
+    return rows[:length]
+
+
 def _tensor(dtype: str, shape: list[int], values: list) -> torch.Tensor:
     """A tensor from a worker's (dtype, shape, flat values) answer."""
     return torch.tensor(values, dtype=getattr(torch, dtype.removeprefix("torch."))).view(shape)
-
-
-def warn_no_routing(engine: str) -> None:
-    """Say once per run that R3 is off for this engine (it cannot capture routing)."""
-    print(
-        f"moerl: rollout.engine={engine} captures no routed experts on this platform: the trainer routes by itself "
-        "for its rollouts (algo.r3 has no effect; the mismatch metrics show the cost)",
-        file=sys.stderr,
-    )

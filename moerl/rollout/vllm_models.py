@@ -1,7 +1,8 @@
 """vLLM model classes with fp32 routers (registered by ``moerl.rollout.vllm_plugin``; imported by vLLM only).
 
 Each class is vLLM's own model for one of moerl's architectures, with every MoE gate rebuilt in fp32 after
-``__init__``; nothing else changes.
+``__init__`` and every MoE router hooked to report its chosen experts (``moerl.rollout.vllm_routes``); nothing else
+changes.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from vllm.model_executor.models.mixtral import MixtralForCausalLM
 from vllm.model_executor.models.olmoe import OlmoeForCausalLM
 from vllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
+
+from moerl.rollout.vllm_routes import bind
 
 
 def _fp32_copy(gate: GateLinear) -> GateLinear:
@@ -54,6 +57,7 @@ def _with_fp32_router(base: type) -> type:
     def __init__(self, *, vllm_config, prefix: str = ""):
         base.__init__(self, vllm_config=vllm_config, prefix=prefix)
         fp32_gates(self)
+        bind(self)  # R3: each router reports the experts it chose (recorded once moerl asks)
 
     return type(base.__name__.replace("ForCausalLM", "Fp32Router"), (base,), {"__init__": __init__})
 

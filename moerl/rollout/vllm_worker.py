@@ -69,6 +69,20 @@ class MoerlWorkerExtension:
                     kernel.fused_experts.process_weights_after_loading(module)
         return len(staged)
 
+    def moerl_record_routes(self) -> int:
+        """Start recording each token's chosen experts (``moerl.rollout.vllm_routes``); returns the MoE layers."""
+        from moerl.rollout import vllm_routes
+
+        if vllm_routes.RECORDER is None:
+            vllm_routes.RECORDER = vllm_routes.RouteRecorder(self.model_runner)
+        return len(vllm_routes.RECORDER.routers)
+
+    def moerl_take_routes(self) -> dict[str, list]:
+        """The rows recorded since the last call, per request (``RouteRecorder.take``)."""
+        from moerl.rollout import vllm_routes
+
+        return vllm_routes.RECORDER.take()
+
     def moerl_gates(self) -> list[str]:
         """The module names of the model's MoE gates, in order."""
         from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
