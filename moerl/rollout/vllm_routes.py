@@ -7,12 +7,13 @@ top-k, before any load-balancing remap), so the rows are what the layer computed
 Rows are kept the way vLLM keeps KV: per KV slot (the step's ``slot_mapping`` of a full-attention cache group).
 A prompt token served from the prefix cache was not run again, but its slot still holds the rows computed with its
 KV; so do the n samples of one prompt, which share its blocks. After the last MoE layer of each step, every request
-in the batch copies the rows of its positions it does not have yet (through its block table) into rows of its own,
-which outlive its blocks; the driver collects them once ``generate`` returns (``take``).
+in the batch logs the rows of the positions it ran (and, at its first step after prefix-cache hits, those of its
+cached positions, read through its block table), which outlive its blocks; the driver collects them once
+``generate`` returns (``take``).
 
 vLLM's own routed-experts capture lives in its GPU model runner (Triton); this works on every platform whose model
-runner is the V1 one (the CPU runner included) when the forward runs eagerly in Python: a CUDA graph replays
-without the hook, which ``take``'s callers see as missing rows and refuse.
+runner is the V1 one (the CPU runner included), eager or compiled (the hook is a custom op); a CUDA graph replays
+kernels without it, which ``take``'s callers see as missing rows and refuse.
 """
 
 from __future__ import annotations
@@ -96,8 +97,10 @@ class RouteRecorder:
         self.dtype = torch.uint8 if experts <= 256 else torch.int16  # moerl's layout
         self.table = runner.input_batch.block_table[full_attention_group(runner)]
         self.store: torch.Tensor | None = None  # [slots, L_moe, k], grown to the highest slot seen
-        self.rows: dict[str, list[torch.Tensor]] = {}  # request key -> chunks of [positions, L_moe, k]
+        # (request keys, each token's index into them, its position, its rows [tokens, L_moe, k]) per step
+        self.log: list[tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.have: dict[str, int] = {}  # request key -> positions recorded
+        self.keys: dict[str, str] = {}  # vLLM's request id -> request key
         self.n = 0  # tokens of the step in flight
         if any(r.capture_fn is None for r in self.routers):
             raise RuntimeError("moerl R3: the vLLM model's routers are not hooked (not a moerl fp32-router model)")
@@ -129,31 +132,55 @@ class RouteRecorder:
             self._collect()
 
     def _collect(self) -> None:
-        """Each request of the step takes the rows of its positions up to the last one computed now."""
+        """After the step's last MoE layer: log its rows with their requests and positions (one gather); a request
+        whose first position now lies past what it has (prompt tokens served from the prefix cache) first takes
+        those rows from its blocks' slots; positions it already has (recomputed after a preemption) stand."""
         runner, batch = self.runner, self.runner.input_batch
         num = batch.num_reqs
-        ends = runner.query_start_loc.np[1 : num + 1]
-        starts = runner.query_start_loc.np[:num]
-        last = runner.positions[torch.as_tensor(ends - 1, dtype=torch.long)].tolist()
-        size = self.table.block_size
+        qsl = torch.as_tensor(runner.query_start_loc.np[: num + 1], dtype=torch.long)
+        pos = runner.positions[: self.n].to("cpu", torch.long, copy=True)  # the runner's buffer: the next step's
+        counts = qsl[1:] - qsl[:-1]
+        firsts, lasts = pos[qsl[:-1].clamp(max=self.n - 1)].tolist(), pos[(qsl[1:] - 1).clamp(min=0)].tolist()
+        owner = torch.repeat_interleave(torch.arange(num), counts)
+        keys, keep = [], None
         for i, rid in enumerate(batch.req_ids[:num]):
-            if ends[i] == starts[i]:
+            key = self.keys.get(rid) or self.keys.setdefault(rid, request_key(rid))
+            keys.append(key)
+            if counts[i] == 0:
                 continue
-            key, upto = request_key(rid), last[i] + 1
             have = self.have.get(key, 0)
-            if upto <= have:  # recomputed after a preemption: the rows it has stand
-                continue
-            pos = torch.arange(have, upto)
-            blocks = torch.as_tensor(self.table.block_table.np[i], dtype=torch.long)
-            slots = (blocks[pos // size] * size + pos % size).to(self.store.device)
-            self.rows.setdefault(key, []).append(self.store[slots])
-            self.have[key] = upto
+            if firsts[i] > have:
+                self._from_slots(key, i, have, firsts[i])
+            elif firsts[i] < have:
+                keep = (keep if keep is not None else torch.ones(self.n, dtype=torch.bool)) & ~(
+                    (owner == i) & (pos < have)
+                )
+            self.have[key] = max(have, lasts[i] + 1)
+        rows = self.store[self.slots].cpu()
+        if keep is not None:
+            owner, pos, rows = owner[keep], pos[keep], rows[keep]
+        self.log.append((keys, owner, pos, rows))
+
+    def _from_slots(self, key: str, i: int, start: int, end: int) -> None:
+        """Rows of positions [start, end) of the batch's request ``i``, read from its blocks' slots."""
+        size = self.table.block_size
+        p = torch.arange(start, end)
+        blocks = torch.as_tensor(self.table.block_table.np[i], dtype=torch.long)
+        slots = (blocks[p // size] * size + p % size).to(self.store.device)
+        self.log.append(([key], torch.zeros(end - start, dtype=torch.long), p, self.store[slots].cpu()))
 
     def take(self) -> dict[str, list]:
         """Every request's rows so far, forgotten here: key -> [dtype, shape, bytes] (the RPC carries no tensors)."""
+        log, self.log, self.have, self.keys = self.log, [], {}, {}
+        if not log:
+            return {}
+        index: dict[str, int] = {}
+        owners = [torch.tensor([index.setdefault(k, len(index)) for k in keys])[owner] for keys, owner, _, _ in log]
+        owner, pos, rows = torch.cat(owners), torch.cat([e[2] for e in log]), torch.cat([e[3] for e in log])
+        order = torch.argsort(owner * (int(pos.max()) + 1) + pos)
+        per_key = torch.bincount(owner, minlength=len(index)).tolist()
         out = {}
-        for key, chunks in self.rows.items():
-            rows = torch.cat(chunks).cpu().contiguous()
-            out[key] = [str(rows.dtype).removeprefix("torch."), list(rows.shape), rows.numpy().tobytes()]
-        self.rows, self.have = {}, {}
+        for key, chunk in zip(index, torch.split(rows[order], per_key), strict=True):
+            chunk = chunk.contiguous()
+            out[key] = [str(chunk.dtype).removeprefix("torch."), list(chunk.shape), chunk.numpy().tobytes()]
         return out
