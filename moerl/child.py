@@ -37,6 +37,12 @@ def proc_stat(pid: int) -> list[str]:
         return []
 
 
+def proc_cpu_ticks(pid: int) -> int:
+    """The CPU time process ``pid`` has used (user + system, in clock ticks); 0 when it is gone."""
+    fields = proc_stat(pid)
+    return int(fields[11]) + int(fields[12]) if len(fields) > 12 else 0
+
+
 def proc_state(pid: int) -> str:
     """Process ``pid``'s state letter (R, S, T stopped, Z exited, ...); "" when it is gone."""
     return (proc_stat(pid) or [""])[0]

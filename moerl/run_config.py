@@ -285,8 +285,6 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         r, a = self.rollout, self.algo
-        if self.cluster.backend == "ray" and r.engine != "native":
-            raise ConfigError(f"rollout.engine={r.engine!r} with cluster.backend: ray: not built (native engines only)")
         if self.cluster.backend == "ray" and r.placement != "inprocess":
             raise ConfigError(
                 f"rollout.placement={r.placement!r} with cluster.backend: ray: the engines are Ray actors "

@@ -125,6 +125,11 @@ class EnginePool:
         _gather([partial(e.reply, "join") for e in self.engines])
 
     @property
+    def dense_weights(self) -> str | None:
+        """The dtype of the dense form the engines take (vLLM engines as Ray actors), else None (``sync_policy``)."""
+        return getattr(self.engines[0], "dense_weights", None)
+
+    @property
     def weight_version(self) -> int:
         return min(e.weight_version for e in self.engines)
 

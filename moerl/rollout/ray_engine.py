@@ -1,4 +1,5 @@
-"""Native engines as Ray actors, behind the same handle as an engine process.
+"""Engines as Ray actors (native, or vLLM: the actor starts vLLM's processes), behind the same handle as an engine
+process.
 
 The actor runs the engine process's command server (``moerl.rollout.server``): JSON commands, weights by the
 transport ``moerl.rollout.transport`` chooses (shared memory or CUDA IPC on the trainer's node, bytes in the message
@@ -32,6 +33,9 @@ class EngineActor:
 
     def __init__(self, spec: dict, threads: int):
         torch.set_num_threads(max(1, threads))
+        if spec["kind"] == "vllm":  # vLLM's CPU worker: the actor's CPUs as threads, not vLLM's own core binding
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            os.environ["OMP_NUM_THREADS"] = str(max(1, threads))
         self.server = EngineServer()
         reply = self.server.handle({"op": "init", "spec": spec})
         if not reply["ok"]:
@@ -48,7 +52,9 @@ class EngineActor:
         import ray
 
         node = ray.get_runtime_context().get_node_id()
-        return {"node": node, "pid": os.getpid(), "device": str(self.server.engine.device)}
+        engine = self.server.engine
+        dense = getattr(engine, "dense_weights", None)
+        return {"node": node, "pid": os.getpid(), "device": str(engine.device), "dense": dense}
 
 
 class RayEngine:
@@ -69,6 +75,7 @@ class RayEngine:
         self.weight_version, self.tokenizer, self.pending = 0, None, None
         where = ray.get(actor.where.remote(), timeout=self.START_TIMEOUT_S)
         self.pid, self.device = where["pid"], where["device"]
+        self.dense_weights = where["dense"]  # a vLLM engine's dtype: it takes LoRA merged, MX values
 
     @property
     def name(self) -> str:

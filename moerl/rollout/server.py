@@ -13,7 +13,7 @@ import torch
 
 from moerl.engine import LLMEngine
 from moerl.rollout.shm import BufferCache, ShmWriter
-from moerl.rollout.spec import EngineSpec, build_native
+from moerl.rollout.spec import EngineSpec, build
 from moerl.rollout.transport import IpcReader, SyncMember
 from moerl.rollout.wire import outputs_to_json, pack_inline, request_from_json, tensors_of
 from moerl.rpc import Dispatcher
@@ -22,7 +22,7 @@ COMMANDS = ("init", "join", "generate", "stage", "commit", "discard", "set_adapt
 
 
 class EngineServer:
-    """One native engine behind the command protocol; ``handle`` answers one command."""
+    """One engine (native, or vLLM in a Ray actor) behind the command protocol; ``handle`` answers one command."""
 
     def __init__(self):
         self.reader, self.writer = BufferCache(), ShmWriter("moerl-out")
@@ -60,8 +60,13 @@ class EngineServer:
         spec = EngineSpec.from_json(msg["spec"])
         if spec.threads:
             torch.set_num_threads(spec.threads)
-        self.engine = build_native(spec)
-        return {"pid": os.getpid(), "kv_cache_bytes": self.engine.kv_cache_bytes, "device": str(self.engine.device)}
+        self.engine = build(spec)
+        return {
+            "pid": os.getpid(),
+            "kv_cache_bytes": getattr(self.engine, "kv_cache_bytes", 0),
+            "device": str(self.engine.device),
+            "dense_weights": getattr(self.engine, "dense_weights", None),  # vLLM: LoRA merged, MX values
+        }
 
     def join(self, msg: dict) -> None:
         """Become rank ``msg["rank"]`` of the pool's broadcast group (``transport.SyncGroup``)."""
@@ -87,5 +92,9 @@ class EngineServer:
         self.engine.add_adapter(msg["name"], self._tensors_in(msg) if "tensors" in msg else msg["path"])
 
     def read_weights(self, msg: dict) -> dict:
-        params = dict(self.engine.model.named_parameters()) | dict(self.engine.model.named_buffers())
-        return self._tensors_out({n: params[n].detach() for n in msg["names"]}, msg.get("inline_out", False))
+        if getattr(self.engine, "dense_weights", None) is not None:  # vLLM: its own tensors by its names
+            tensors = self.engine.read_weights(msg["names"])[0]
+        else:
+            params = dict(self.engine.model.named_parameters()) | dict(self.engine.model.named_buffers())
+            tensors = {n: params[n].detach() for n in msg["names"]}
+        return self._tensors_out(tensors, msg.get("inline_out", False))

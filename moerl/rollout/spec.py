@@ -1,4 +1,4 @@
-"""What builds one native rollout engine, in this process, in an engine process or in a Ray actor."""
+"""What builds one rollout engine, in this process, in an engine process or in a Ray actor."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from moerl.precision import compute_dtype
 
 @dataclass(slots=True)
 class EngineSpec:
-    """What builds one native engine, in this process or another: JSON-serialisable."""
+    """What builds one engine, in this process or another: JSON-serialisable."""
 
     model: str
     config: EngineConfig = field(default_factory=EngineConfig)
@@ -22,6 +22,7 @@ class EngineSpec:
     mx_scale_mode: str | None = None  # mxfp8 policies: quantize the engine's GEMMs the trainer's way
     threads: int = 0  # torch threads of an engine process (0: leave torch's default)
     vllm_args: dict = field(default_factory=dict)  # engine=vllm: more vllm.LLM arguments
+    kind: str = "native"  # native | vllm (a Ray engine actor builds either)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -29,6 +30,15 @@ class EngineSpec:
     @classmethod
     def from_json(cls, data: dict) -> EngineSpec:
         return cls(**{**data, "config": EngineConfig(**data["config"])})
+
+
+def build(spec: EngineSpec, timeout_s: float = 300.0):
+    """The engine ``spec`` describes: native, or one vLLM engine (its own processes, started from here)."""
+    if spec.kind == "vllm":
+        from moerl.rollout.vllm import VLLMEngine
+
+        return VLLMEngine(spec, lora=spec.config.max_loras > 0, timeout_s=timeout_s)
+    return build_native(spec)
 
 
 def build_native(spec: EngineSpec) -> LLMEngine:

@@ -203,6 +203,9 @@ class VLLMEngine:
             raise
         self.shm = shm_segments() - before  # vLLM's own segments: released at close if its processes cannot
         self.capture = spec.config.capture_routing
+        from vllm.platforms import current_platform
+
+        self.device = str(current_platform.device_type)
         if self.capture:
             self._each(lambda llm: llm.collective_rpc("moerl_record_routes"))
         self.tokenizer = load_tokenizer(spec.model)
@@ -211,6 +214,14 @@ class VLLMEngine:
         self.model_config = self.bridge.config_from_hf(HFConfig(hf_config, spec.model))  # for the rules' transforms
         self._sampling = vllm.SamplingParams
         self._tokens_prompt = vllm.inputs.TokensPrompt
+
+    @property
+    def steps(self) -> int:
+        """How far the engines got, for a heartbeat (a Ray actor's ``progress``): the CPU time their processes have
+        used (vLLM's client offers no step count; a stopped or dead engine uses none, and the watch names it)."""
+        from moerl.child import proc_cpu_ticks
+
+        return sum(proc_cpu_ticks(pid) for watch in self.watches for pid in watch.pids)
 
     @property
     def llm(self):
