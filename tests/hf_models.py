@@ -255,3 +255,29 @@ def hf_router_choices(model: torch.nn.Module, input_ids: torch.Tensor, **kwargs)
     which the derived-bridge proof uses: routers are *Router / *Gate modules; it fails saying so when none)."""
     logits, choices, _ = hf_forward(model, input_ids, **kwargs)
     return logits, choices
+
+
+# hybrid families: Gated DeltaNet linear-attention layers beside gated full attention (moerl.model.linear_attention)
+HYBRID_CONFIGS = {
+    "Qwen3_5MoeForCausalLM": dict(
+        model_type="qwen3_5_moe_text",
+        hidden_size=64,
+        num_hidden_layers=4,  # linear, linear, linear, full
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 0.5},
+        vocab_size=VOCAB,
+    ),
+}
+HYBRID_ARCHS = list(HYBRID_CONFIGS)
+CONFIGS |= HYBRID_CONFIGS

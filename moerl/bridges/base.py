@@ -189,12 +189,17 @@ def common_fields(c: HFConfig) -> dict:
     )
 
 
-def layer_types(c: HFConfig, num_layers: int, all_sliding: bool = False) -> tuple[list[str], int | None]:
-    """Per-layer attention kind from ``layer_types`` (v5) or, when ``all_sliding``, a window on every layer."""
+def layer_types(
+    c: HFConfig, num_layers: int, all_sliding: bool = False, linear: bool = False
+) -> tuple[list[str], int | None]:
+    """Per-layer attention kind from ``layer_types`` (v5) or, when ``all_sliding``, a window on every layer;
+    ``linear``: the family's ``linear_attention`` layers are Gated DeltaNet ones."""
     window = c.opt("sliding_window", int)
     types = c.opt("layer_types", list)
     if types is not None:
         known = {"full_attention": "full", "sliding_attention": "sliding"}
+        if linear:
+            known["linear_attention"] = "linear"
         unknown = [t for t in types if t not in known]
         if unknown:  # e.g. linear_attention (hybrid models): no such layer in the generic decoder
             raise ConfigError(

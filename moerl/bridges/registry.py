@@ -26,7 +26,7 @@ def bridge_for_arch(arch: str) -> Bridge:
     if arch in _BRIDGES:
         return _BRIDGES[arch]
     for bridge in _BRIDGES.values():
-        if bridge.model_type == arch:
+        if bridge.model_type in (arch, f"{arch}_text"):  # qwen3_5_moe: the text model of qwen3_5_moe
             return bridge
     raise UnknownArchitectureError(
         f"unknown architecture {arch!r}; supported: {', '.join(supported())} "
@@ -68,5 +68,6 @@ def _load_families() -> None:
         olmoe,
         phimoe,
         qwen2_moe,
+        qwen3_5_moe,
         qwen3_moe,
     )

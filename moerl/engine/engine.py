@@ -53,6 +53,11 @@ class LLMEngine:
             model = load_model(path, dtype=dtype, device=device)
         self.model, self.tokenizer = model.eval(), tokenizer
         mcfg = model.config
+        if "linear" in mcfg.layer_types:  # their recurrent and conv states need slots beside the paged KV cache
+            raise ConfigError(
+                "the rollout engine does not run linear-attention layers (Gated DeltaNet: layer_types "
+                f"{mcfg.layer_types.index('linear')}, ...) yet: this model trains, but cannot generate here"
+            )
         if cfg.max_model_len > mcfg.max_position_embeddings:
             raise ConfigError(
                 f"EngineConfig.max_model_len={cfg.max_model_len}: exceeds the model's max_position_embeddings="

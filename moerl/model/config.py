@@ -63,10 +63,17 @@ class ModelConfig:
     qk_norm: str = "none"  # none | head (per head, Qwen3) | full (whole projection, OLMoE)
     qk_norm_after_rope: bool = False  # per-head q/k norms after the rotation (HunYuan-MoE-V1)
     clip_qkv: float | None = None
-    layer_types: list[str] = field(default_factory=list)  # "full" | "sliding" per layer
+    layer_types: list[str] = field(default_factory=list)  # "full" | "sliding" | "linear" (Gated DeltaNet) per layer
     sliding_window: int | None = None
     attention_sinks: bool = False
     attn_scale: float | None = None  # None: rotary-inclusive q/k head dim ** -0.5
+    attn_output_gate: bool = False  # q_proj also yields a per-head gate: o * sigmoid(gate) (Qwen3-Next)
+    # linear-attention layers (Gated DeltaNet: moerl.model.linear_attention)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 4
     rope: RopeConfig = field(default_factory=RopeConfig)
     rope_dim: int | None = None  # rotated dims per head (None: all of head_dim)
     rope_interleave: bool = False  # rotary pairs stored interleaved (DeepSeek, Ernie-4.5)
@@ -121,8 +128,14 @@ class ModelConfig:
             raise ConfigError(f"ModelConfig.rope.kind={self.rope.kind!r}: allowed: default, linear, yarn, llama3")
         if len(self.layer_types) != self.num_layers:
             raise self._bad("layer_types", f"needs {self.num_layers} entries (num_layers)")
-        if any(t not in ("full", "sliding") for t in self.layer_types):
-            raise self._bad("layer_types", "entries allowed: full, sliding")
+        if any(t not in ("full", "sliding", "linear") for t in self.layer_types):
+            raise self._bad("layer_types", "entries allowed: full, sliding, linear")
+        if "linear" in self.layer_types:
+            heads = (self.linear_num_key_heads, self.linear_num_value_heads)
+            if min(heads) < 1 or self.linear_num_value_heads % self.linear_num_key_heads:
+                raise self._bad("linear_num_value_heads", "needs >= 1 key heads and a multiple of them as value heads")
+            if min(self.linear_key_head_dim, self.linear_value_head_dim, self.linear_conv_kernel) < 1:
+                raise self._bad("linear_key_head_dim", "linear layers need head dims and a conv kernel >= 1")
         if "sliding" in self.layer_types and not self.sliding_window:
             raise self._bad("sliding_window", "sliding layers need a window > 0")
         if any(not 0 <= i < self.num_layers for i in self.moe_layers):

@@ -86,7 +86,8 @@ class Attention(nn.Module):
         h, nh, nkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, d
         self.rope_dim = cfg.rope_dim or d
-        self.q_proj = Linear(h, nh * d, bias=cfg.qkv_bias)
+        self.output_gate = cfg.attn_output_gate  # q_proj yields [q | gate] per head
+        self.q_proj = Linear(h, nh * d * (2 if self.output_gate else 1), bias=cfg.qkv_bias)
         self.k_proj = Linear(h, nkv * d, bias=cfg.qkv_bias)
         self.v_proj = Linear(h, nkv * d, bias=cfg.qkv_bias)
         self.o_proj = Linear(nh * d, h, bias=cfg.o_bias)
@@ -100,11 +101,16 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(nh)) if cfg.attention_sinks else None
         self.scale = cfg.attn_scale or d**-0.5
         self.sliding = cfg.layer_types[layer] == "sliding"
+        self.mask_kind = cfg.layer_types[layer]
         self.layer = layer
 
     def forward(self, x, cos, sin, mask, cache: KVCacheView | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(b, t, self.num_heads, 2, self.head_dim).unbind(3)
+            q, gate = q.reshape(b, t, -1), gate.reshape(b, t, -1)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
@@ -129,7 +135,8 @@ class Attention(nn.Module):
             mask = cache.mask(self.sliding)
         else:
             k, v = k.transpose(1, 2), v.transpose(1, 2)
-        return self.o_proj(attend(q.transpose(1, 2), k, v, mask, self.scale, self.sinks))
+        out = attend(q.transpose(1, 2), k, v, mask, self.scale, self.sinks)
+        return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
 
 
 MLA_NORM_EPS = 1e-6  # the latent norms' epsilon: fixed in DeepSeek's reference code, whatever rms_norm_eps says
@@ -157,6 +164,7 @@ class MLAttention(nn.Module):
         self.interleave = cfg.rope_interleave
         self.scale = cfg.attn_scale or qk_dim**-0.5
         self.sliding = cfg.layer_types[layer] == "sliding"
+        self.mask_kind = cfg.layer_types[layer]
         self.layer = layer
 
     def forward(self, x, cos, sin, mask, cache: KVCacheView | None = None) -> torch.Tensor:
@@ -191,7 +199,12 @@ class DecoderLayer(nn.Module):
         self.post_norm = cfg.norm_placement == "post"
         if not self.post_norm:
             self.input_layernorm = layer_norm(cfg, cfg.hidden_size)
-        self.self_attn = (MLAttention if cfg.attention == "mla" else Attention)(cfg, layer)
+        if cfg.layer_types[layer] == "linear":
+            from moerl.model.linear_attention import GatedDeltaNet
+
+            self.self_attn = GatedDeltaNet(cfg, layer)
+        else:
+            self.self_attn = (MLAttention if cfg.attention == "mla" else Attention)(cfg, layer)
         self.post_attention_layernorm = layer_norm(cfg, cfg.hidden_size)
         if self.post_norm:
             self.post_feedforward_layernorm = layer_norm(cfg, cfg.hidden_size)
@@ -377,8 +390,9 @@ class MoEModel(nn.Module):
         window = self.config.sliding_window if self.config.sliding_window and self.config.sliding_window < t else None
         plain = attention_mask is None or cache is not None  # no padding: the causal kernel, no mask tensor
         masks = {
-            False: None if plain else build_mask(attention_mask, b, t, None, x.device),
-            True: None if plain and window is None else build_mask(attention_mask, b, t, window, x.device),
+            "full": None if plain else build_mask(attention_mask, b, t, None, x.device),
+            "sliding": None if plain and window is None else build_mask(attention_mask, b, t, window, x.device),
+            "linear": attention_mask,  # the sequences themselves: states restart at each
         }
         routed = []
         for layer in self.layers:
@@ -389,7 +403,7 @@ class MoEModel(nn.Module):
                 x,
                 cos,
                 sin,
-                masks[layer.self_attn.sliding],
+                masks[layer.self_attn.mask_kind],
                 replay[:, col] if replay is not None and layer.is_moe else None,
                 cache,
             )

@@ -1,0 +1,122 @@
+"""Qwen3.5-MoE (text): a hybrid of Gated DeltaNet linear-attention layers and gated full-attention layers (an
+output gate from q_proj, partial RoPE, per-head q/k norms), 1 + w RMSNorms, softmax -> top-k routing with the top
+k renormalised, and a shared expert behind a sigmoid gate in every layer."""
+
+from moerl.bridges.base import (
+    Bridge,
+    HFConfig,
+    Preset,
+    Rule,
+    common_fields,
+    common_preset,
+    expert_rules,
+    layer_types,
+)
+from moerl.bridges.registry import register
+from moerl.errors import ConfigError
+from moerl.model.config import ModelConfig
+
+ARCH = "Qwen3_5MoeForCausalLM"
+
+
+def config_from_hf(c: HFConfig) -> ModelConfig:
+    f = common_fields(c)
+    n = f["num_layers"]
+    if c.opt("layer_types", list) is None:  # the config's own default: every interval-th layer full attention
+        every = c.opt("full_attention_interval", int, 4)
+        c = HFConfig(c.data | {"layer_types": _pattern(n, every)}, c.source)
+    types, _ = layer_types(c, n, linear=True)
+    rope = HFConfig(c.opt("rope_parameters", dict) or {}, f"{c.source} rope_parameters")
+    partial = rope.opt("partial_rotary_factor", float, c.opt("partial_rotary_factor", float, 0.25))
+    rope_dim = int(f["head_dim"] * partial)
+    if rope_dim % 2 or not 0 < rope_dim <= f["head_dim"]:
+        raise ConfigError(
+            f"{c.source}: partial_rotary_factor={partial} gives {rope_dim} rotary dims of {f['head_dim']}"
+        )
+    bias = c.opt("attention_bias", bool, False)
+    return ModelConfig(
+        **f,
+        intermediate_size=c.req("moe_intermediate_size", int),  # no dense MLP layer: every layer is MoE
+        num_experts=c.req("num_experts", int),
+        top_k=c.req("num_experts_per_tok", int),
+        moe_intermediate_size=c.req("moe_intermediate_size", int),
+        moe_layers=list(range(n)),
+        qkv_bias=bias,
+        o_bias=bias,
+        qk_norm="head",
+        attn_output_gate=True,
+        rope_dim=None if rope_dim == f["head_dim"] else rope_dim,
+        layer_types=types,
+        norm_topk_prob=True,
+        shared_expert_size=c.req("shared_expert_intermediate_size", int),
+        shared_expert_gate=True,
+        linear_num_key_heads=c.req("linear_num_key_heads", int),
+        linear_num_value_heads=c.req("linear_num_value_heads", int),
+        linear_key_head_dim=c.req("linear_key_head_dim", int),
+        linear_value_head_dim=c.req("linear_value_head_dim", int),
+        linear_conv_kernel=c.opt("linear_conv_kernel_dim", int, 4),
+    )
+
+
+def _pattern(n: int, every: int) -> list[str]:
+    return ["linear_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+
+
+def preset_config(p: Preset, bos: int, eos: int, pad: int) -> dict:
+    return common_preset(p, ARCH, "qwen3_5_moe_text", bos, eos, pad) | {
+        "num_experts": p.num_experts,
+        "moe_intermediate_size": p.moe_intermediate_size,
+        "shared_expert_intermediate_size": p.moe_intermediate_size,
+        "layer_types": _pattern(p.num_layers, 4),
+        "linear_num_key_heads": p.num_kv_heads,
+        "linear_num_value_heads": p.num_heads,
+        "linear_key_head_dim": p.head_dim,
+        "linear_value_head_dim": p.head_dim,
+        "linear_conv_kernel_dim": 4,
+        "attention_bias": False,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 0.25},
+    }
+
+
+def _plus_one(t, cfg):  # the checkpoint's norms scale by 1 + w (zero-centred); moerl's by w
+    return t + 1
+
+
+def _minus_one(t, cfg):
+    return t - 1
+
+
+NORMS = ("input_layernorm", "post_attention_layernorm")
+MIXER = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj")
+
+BRIDGE = register(
+    Bridge(
+        architectures=(ARCH,),
+        model_type="qwen3_5_moe_text",
+        config_from_hf=config_from_hf,
+        preset_config=preset_config,
+        rules=(
+            *(
+                Rule(f"model.layers.{{i}}.{n}.weight", f"layers.{{i}}.{n}.weight", load=_plus_one, save=_minus_one)
+                for n in NORMS
+            ),
+            *(
+                Rule(
+                    f"model.layers.{{i}}.self_attn.{n}.weight",
+                    f"layers.{{i}}.self_attn.{n}.weight",
+                    load=_plus_one,
+                    save=_minus_one,
+                )
+                for n in ("q_norm", "k_norm")
+            ),
+            Rule("model.norm.weight", "norm.weight", load=_plus_one, save=_minus_one),
+            # the linear-attention mixer sits where attention does (layers.{i}.self_attn): its own names only
+            *(Rule(f"model.layers.{{i}}.linear_attn.{n}.{{x}}", f"layers.{{i}}.self_attn.{n}.{{x}}") for n in MIXER),
+            *(Rule(f"model.layers.{{i}}.linear_attn.{n}", f"layers.{{i}}.self_attn.{n}") for n in ("dt_bias", "A_log")),
+            Rule("model.layers.{i}.mlp.gate.weight", "layers.{i}.mlp.router.weight"),
+            Rule("model.layers.{i}.mlp.shared_expert.{x}", "layers.{i}.mlp.shared_experts.{x}"),
+            Rule("model.layers.{i}.mlp.shared_expert_gate.weight", "layers.{i}.mlp.shared_experts_gate.weight"),
+            *expert_rules("mlp", "gate_proj", "up_proj", "down_proj"),
+        ),
+    )
+)
