@@ -152,16 +152,21 @@ def cmd_archs(args) -> None:
     """Each supported architecture, its model_type and what it runs on: every family trains and serves on the
     native engine; the vLLM engine needs moerl's fp32-router model for it."""
     from moerl.bridges import bridge_for_arch, supported
+    from moerl.presets import preset_config
     from moerl.rollout.vllm_plugin import MODELS
 
-    rows = [
-        (a, bridge_for_arch(a).model_type, "full (also vLLM)" if a in MODELS else "native engine only")
-        for a in supported()
-    ]
+    def engines(arch: str) -> str:
+        if arch in MODELS:
+            return "full (also vLLM)"
+        if "linear" in preset_config(arch, "tiny")[1].layer_types:
+            return "none yet: trains only (no engine runs linear-attention layers)"
+        return "native engine only"
+
+    rows = [(a, bridge_for_arch(a).model_type, engines(a)) for a in supported()]
     width = max(len(a) for a, _, _ in rows)
-    print(f"{'architecture':<{width}}  {'model_type':<15} rollout engines")
-    for arch, model_type, engines in rows:
-        print(f"{arch:<{width}}  {model_type:<15} {engines}")
+    print(f"{'architecture':<{width}}  {'model_type':<16} rollout engines")
+    for arch, model_type, kinds in rows:
+        print(f"{arch:<{width}}  {model_type:<16} {kinds}")
 
 
 def cmd_demo(args) -> None:

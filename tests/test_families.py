@@ -6,7 +6,7 @@ logits and other indices change them."""
 
 import pytest
 import torch
-from hf_models import NEW_ARCHS, VOCAB, hf_router_choices, save_hf_model
+from hf_models import HYBRID_ARCHS, NEW_ARCHS, VOCAB, hf_router_choices, save_hf_model
 from test_engine import full_forward_check
 from transformers import AutoModelForCausalLM
 
@@ -120,6 +120,8 @@ def test_archs_lists_every_family_and_its_engines(capsys):
     assert set(lines) == set(supported())
     for arch in NEW_ARCHS:
         assert lines[arch].endswith("native engine only")
+    for arch in HYBRID_ARCHS:
+        assert lines[arch].endswith("trains only (no engine runs linear-attention layers)")
     assert lines["Qwen3MoeForCausalLM"].endswith("full (also vLLM)")
 
 

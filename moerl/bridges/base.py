@@ -71,6 +71,22 @@ COMMON_RULES = (
 
 
 @dataclass(frozen=True)
+class Fused:
+    """One checkpoint tensor that holds several of the bridge's tensors (Qwen3-Next's ``in_proj_qkvz``): on load
+    ``split`` cuts it into ``parts`` (names the rules then place, e.g. the unfused family's names), on export
+    ``join`` puts them back. Templates take ``{i}``."""
+
+    hf: str
+    parts: tuple[str, ...]
+    split: Callable[[torch.Tensor, ModelConfig], list[torch.Tensor]]
+    join: Callable[[list[torch.Tensor], ModelConfig], torch.Tensor]
+
+    def __post_init__(self):
+        object.__setattr__(self, "_hf_re", _compile(self.hf))
+        object.__setattr__(self, "_parts_re", tuple(_compile(p) for p in self.parts))
+
+
+@dataclass(frozen=True)
 class Preset:
     """Model sizes shared by every architecture's preset (see moerl.presets)."""
 
@@ -97,6 +113,7 @@ class Bridge:
     config_from_hf: Callable[[HFConfig], ModelConfig]
     preset_config: Callable[[Preset], dict]
     rules: tuple[Rule, ...] = ()
+    fused: tuple[Fused, ...] = ()
     ignore: Callable[[str, ModelConfig], bool] = field(default=lambda name, cfg: False)
     # where transformers v5 keeps a layer's fused experts module: PEFT's target_parameters address it by that path
     peft_experts: str = "model.layers.{i}.mlp.experts"

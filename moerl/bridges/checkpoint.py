@@ -119,6 +119,36 @@ def iter_tensors(path: Path) -> Iterator[tuple[str, Path, callable]]:
             yield name, file, load
 
 
+def unfused(bridge: Bridge, name: str, load, cfg: ModelConfig) -> list[tuple[str, callable]]:
+    """(name, loader) of each tensor checkpoint tensor ``name`` holds: its parts when the bridge stores it fused
+    (``Fused``; the tensor is read once for all of them), else itself."""
+    for f in bridge.fused:
+        groups = match(f._hf_re, name)
+        if groups is not None:
+            cache: list = []
+
+            def part(j: int, f=f):
+                if not cache:
+                    cache.extend(f.split(load(), cfg))
+                return cache[j]
+
+            return [(p.format(**groups), partial(part, j)) for j, p in enumerate(f.parts)]
+    return [(name, load)]
+
+
+def fused(bridge: Bridge, tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """``tensors`` (checkpoint names) with each complete set of a ``Fused``'s parts joined into its tensor."""
+    for f in bridge.fused:
+        for name in list(tensors):
+            groups = match(f._parts_re[0], name)
+            if groups is None:
+                continue
+            names = [p.format(**groups) for p in f.parts]
+            if all(n in tensors for n in names):
+                tensors[f.hf.format(**groups)] = f.join([tensors.pop(n) for n in names], cfg)
+    return tensors
+
+
 def _destination(params: dict, rule: Rule, groups: dict) -> tuple[str, torch.Tensor] | None:
     target = rule.moerl.format(**groups)
     if target not in params:
@@ -163,16 +193,24 @@ def check_shapes(path: Path, bridge: Bridge, cfg: ModelConfig, params: dict, hf:
     when they are read."""
     shapes = _header_shapes(path)
     _, consumed = pairs(list(shapes), quantization(hf, str(path / "config.json")))
-    for name, (file, shape) in shapes.items():
-        if name in consumed or bridge.ignore(name, cfg) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+    for whole, (file, whole_shape) in shapes.items():
+        if whole in consumed:
             continue
-        rule, target, dest = _place(bridge, params, name, file, hf)
-        if rule.load is not None:
-            try:
-                shape = tuple(rule.load(torch.empty(shape, device="meta"), cfg).shape)
-            except Exception:  # noqa: BLE001 - a transform meta tensors cannot take: checked as the tensor is read
+        try:
+            parts = unfused(bridge, whole, lambda s=whole_shape: torch.empty(s, device="meta"), cfg)
+            parts = [(n, tuple(load().shape)) for n, load in parts]
+        except Exception:  # noqa: BLE001 - a fused tensor of a shape its split cannot take: checked as it is read
+            continue
+        for name, shape in parts:
+            if bridge.ignore(name, cfg) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
                 continue
-        _check_shape(name, file, shape, dest, target)
+            rule, target, dest = _place(bridge, params, name, file, hf)
+            if rule.load is not None:
+                try:
+                    shape = tuple(rule.load(torch.empty(shape, device="meta"), cfg).shape)
+                except Exception:  # noqa: BLE001 - a transform meta tensors cannot take: checked as it is read
+                    continue
+            _check_shape(name, file, shape, dest, target)
 
 
 def _place(bridge: Bridge, params: dict, name: str, file: Path, hf: dict) -> tuple[Rule, str, torch.Tensor]:
@@ -239,16 +277,17 @@ def load_model(
                     continue
                 name, (data, scale) = firsts[name], quantized[firsts[name]]
                 load = partial(_dequantized, q, name, loaders[data], loaders[scale])
-            if bridge.ignore(name, cfg) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
-                continue
-            rule, target, dest = _place(bridge, params, name, file, hf)
-            tensor = load()
-            if rule.load is not None:
-                tensor = rule.load(tensor, cfg)
-            _check_shape(name, file, tensor.shape, dest, target)
-            dest.copy_(tensor)
-            filled[target] += dest.numel()
-            seen.add(name)
+            for part, read in unfused(bridge, name, load, cfg):  # a fused tensor: its parts
+                if bridge.ignore(part, cfg) or (cfg.tie_word_embeddings and part == "lm_head.weight"):
+                    continue
+                rule, target, dest = _place(bridge, params, part, file, hf)
+                tensor = read()
+                if rule.load is not None:
+                    tensor = rule.load(tensor, cfg)
+                _check_shape(part, file, tensor.shape, dest, target)
+                dest.copy_(tensor)
+                filled[target] += dest.numel()
+                seen.add(part)
     missing = [
         hf_name
         for target, n in filled.items()
@@ -304,16 +343,19 @@ def export_model(
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     state = model.state_dict() if state_dict is None else state_dict
-    for name, tensor in state.items():
-        if ".lora." in name:
-            continue
-        for hf_name, t in to_hf(bridge, name, tensor.detach(), model.config):
-            nbytes = t.numel() * t.element_size()
-            if shards[-1] and size + nbytes > max_shard_bytes:
-                shards.append({})
-                size = 0
-            shards[-1][hf_name] = t.contiguous().cpu()
-            size += nbytes
+    tensors = {
+        hf_name: t
+        for name, tensor in state.items()
+        if ".lora." not in name
+        for hf_name, t in to_hf(bridge, name, tensor.detach(), model.config)
+    }
+    for hf_name, t in fused(bridge, tensors, model.config).items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][hf_name] = t.contiguous().cpu()
+        size += nbytes
     for old in out.glob("model*.safetensors*"):
         old.unlink()
     meta = {"format": "pt"}

@@ -307,6 +307,13 @@ def _write_linear(model, bridge: Bridge, path: str, lora, slot: int) -> tuple[st
         )
     weight = model.get_parameter(f"{path}.weight")
     hf_name = next(iter(to_hf(bridge, f"{path}.weight", weight, model.config)))[0].removesuffix(".weight")
+    for f in bridge.fused:
+        if any(p.match(f"{hf_name}.weight") for p in f._parts_re):
+            raise CheckpointError(
+                f"adapter on {path!r} cannot be written for PEFT: the checkpoint stores that projection fused "
+                f"with others ({f.hf.format(i='{i}')}), and one PEFT adapter cannot hold two; export merged weights "
+                "instead (export_model(..., state_dict=merged_state_dict(model)))"
+            )
     ((rule, _),) = moerl_rules(bridge, f"{path}.weight")
     a, b = lora.lora_A[slot].detach().float(), lora.lora_B[slot].detach().float() * s
     return hf_name, a, _rows(rule, model.config, b, save=True)

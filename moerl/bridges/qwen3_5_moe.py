@@ -20,6 +20,14 @@ ARCH = "Qwen3_5MoeForCausalLM"
 
 
 def config_from_hf(c: HFConfig) -> ModelConfig:
+    n = c.req("num_hidden_layers", int)
+    moe = c.req("moe_intermediate_size", int)  # no dense MLP layer: every layer is MoE
+    return hybrid_config(c, intermediate_size=moe, moe_layers=list(range(n)), norm_topk_prob=True)
+
+
+def hybrid_config(c: HFConfig, **mlp) -> ModelConfig:
+    """The config of a Qwen hybrid (Qwen3.5-MoE, Qwen3-Next) but for its MLP layout (``mlp``: intermediate_size,
+    moe_layers, norm_topk_prob)."""
     f = common_fields(c)
     n = f["num_layers"]
     if c.opt("layer_types", list) is None:  # the config's own default: every interval-th layer full attention
@@ -36,18 +44,16 @@ def config_from_hf(c: HFConfig) -> ModelConfig:
     bias = c.opt("attention_bias", bool, False)
     return ModelConfig(
         **f,
-        intermediate_size=c.req("moe_intermediate_size", int),  # no dense MLP layer: every layer is MoE
+        **mlp,
         num_experts=c.req("num_experts", int),
         top_k=c.req("num_experts_per_tok", int),
         moe_intermediate_size=c.req("moe_intermediate_size", int),
-        moe_layers=list(range(n)),
         qkv_bias=bias,
         o_bias=bias,
         qk_norm="head",
         attn_output_gate=True,
         rope_dim=None if rope_dim == f["head_dim"] else rope_dim,
         layer_types=types,
-        norm_topk_prob=True,
         shared_expert_size=c.req("shared_expert_intermediate_size", int),
         shared_expert_gate=True,
         linear_num_key_heads=c.req("linear_num_key_heads", int),
@@ -89,34 +95,36 @@ def _minus_one(t, cfg):
 NORMS = ("input_layernorm", "post_attention_layernorm")
 MIXER = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj")
 
+HYBRID_RULES = (
+    *(
+        Rule(f"model.layers.{{i}}.{n}.weight", f"layers.{{i}}.{n}.weight", load=_plus_one, save=_minus_one)
+        for n in NORMS
+    ),
+    *(
+        Rule(
+            f"model.layers.{{i}}.self_attn.{n}.weight",
+            f"layers.{{i}}.self_attn.{n}.weight",
+            load=_plus_one,
+            save=_minus_one,
+        )
+        for n in ("q_norm", "k_norm")
+    ),
+    Rule("model.norm.weight", "norm.weight", load=_plus_one, save=_minus_one),
+    # the linear-attention mixer sits where attention does (layers.{i}.self_attn): its own names only
+    *(Rule(f"model.layers.{{i}}.linear_attn.{n}.{{x}}", f"layers.{{i}}.self_attn.{n}.{{x}}") for n in MIXER),
+    *(Rule(f"model.layers.{{i}}.linear_attn.{n}", f"layers.{{i}}.self_attn.{n}") for n in ("dt_bias", "A_log")),
+    Rule("model.layers.{i}.mlp.gate.weight", "layers.{i}.mlp.router.weight"),
+    Rule("model.layers.{i}.mlp.shared_expert.{x}", "layers.{i}.mlp.shared_experts.{x}"),
+    Rule("model.layers.{i}.mlp.shared_expert_gate.weight", "layers.{i}.mlp.shared_experts_gate.weight"),
+    *expert_rules("mlp", "gate_proj", "up_proj", "down_proj"),
+)
+
 BRIDGE = register(
     Bridge(
         architectures=(ARCH,),
         model_type="qwen3_5_moe_text",
         config_from_hf=config_from_hf,
         preset_config=preset_config,
-        rules=(
-            *(
-                Rule(f"model.layers.{{i}}.{n}.weight", f"layers.{{i}}.{n}.weight", load=_plus_one, save=_minus_one)
-                for n in NORMS
-            ),
-            *(
-                Rule(
-                    f"model.layers.{{i}}.self_attn.{n}.weight",
-                    f"layers.{{i}}.self_attn.{n}.weight",
-                    load=_plus_one,
-                    save=_minus_one,
-                )
-                for n in ("q_norm", "k_norm")
-            ),
-            Rule("model.norm.weight", "norm.weight", load=_plus_one, save=_minus_one),
-            # the linear-attention mixer sits where attention does (layers.{i}.self_attn): its own names only
-            *(Rule(f"model.layers.{{i}}.linear_attn.{n}.{{x}}", f"layers.{{i}}.self_attn.{n}.{{x}}") for n in MIXER),
-            *(Rule(f"model.layers.{{i}}.linear_attn.{n}", f"layers.{{i}}.self_attn.{n}") for n in ("dt_bias", "A_log")),
-            Rule("model.layers.{i}.mlp.gate.weight", "layers.{i}.mlp.router.weight"),
-            Rule("model.layers.{i}.mlp.shared_expert.{x}", "layers.{i}.mlp.shared_experts.{x}"),
-            Rule("model.layers.{i}.mlp.shared_expert_gate.weight", "layers.{i}.mlp.shared_experts_gate.weight"),
-            *expert_rules("mlp", "gate_proj", "up_proj", "down_proj"),
-        ),
+        rules=HYBRID_RULES,
     )
 )

@@ -70,4 +70,5 @@ def _load_families() -> None:
         qwen2_moe,
         qwen3_5_moe,
         qwen3_moe,
+        qwen3_next,
     )
