@@ -31,8 +31,10 @@ def child(args) -> None:
 
     cfg = EngineConfig(max_num_seqs=args.seqs, max_model_len=args.tokens + 16, capture_routing=args.child == "r3")
     engine = make_engine("vllm", args.ckpt, cfg)
-    params = [SamplingParams(temperature=1.0, max_tokens=args.tokens, ignore_eos=True, seed=i) for i in range(args.seqs)]
-    reqs = [Request([5 + i % 50, 6, 7, 8], p) for i, p in enumerate(params)]
+    reqs = [
+        Request([5 + i % 50, 6, 7, 8], SamplingParams(temperature=1.0, max_tokens=args.tokens, ignore_eos=True, seed=i))
+        for i in range(args.seqs)
+    ]
     try:
         engine.generate(reqs)
         times = []

@@ -276,3 +276,19 @@ def test_vllm_engines_refuse_hybrid_families_by_name(arch, checkpoints):
 
     with pytest.raises(ConfigError, match=rf"rollout.engine=vllm with {arch}: moerl has no fp32-router vLLM model"):
         make_engine("vllm", checkpoints[arch][0], EngineConfig())
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_the_derived_bridge_knows_linear_attention_layers(arch, tmp_path):
+    """With no bridge file, a hybrid family's config and tensor names are enough: the derived path reads the
+    linear-attention fields, sees split or fused projections and the output gate in the tensor shapes, finds the
+    1 + w norms by proof (the norm_offset variant), and proves the bridge at fp32 parity (``moerl check-arch``)."""
+    import json
+
+    from moerl.bridges.derived import prove
+
+    build_hf_model(arch).save_pretrained(tmp_path)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    _, variant, layout = prove(hf)
+    assert layout.linear == ("fused" if arch == "Qwen3NextForCausalLM" else "split") and layout.output_gate
+    assert variant["norm_offset"]

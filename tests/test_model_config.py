@@ -24,6 +24,8 @@ GQA = dict(
     moe_intermediate_size=8,
     moe_layers=[1],
 )
+LINEAR = dict(linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=4, linear_value_head_dim=4)
+HYBRID = GQA | LINEAR | dict(layer_types=["linear", "full"], attn_output_gate=True, rope_dim=2)
 MLA = GQA | dict(attention="mla", head_dim=0, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4)
 
 REFUSED = [
@@ -63,6 +65,17 @@ REFUSED = [
     (MLA, dict(rope_dim=2), "rope_dim", "not built for attention='mla'"),
     (MLA, dict(qk_norm_after_rope=True), "qk_norm_after_rope", "not built for attention='mla'"),
     (MLA, dict(v_head_dim=0), "v_head_dim", "must be >= 1"),
+    (MLA, dict(attn_output_gate=True), "attn_output_gate", "not built for attention='mla'"),
+    (GQA, dict(linear_num_key_heads=2), "linear_num_key_heads", "without a 'linear' layer"),
+    (GQA, dict(linear_conv_kernel=3), "linear_conv_kernel", "without a 'linear' layer"),
+    (
+        HYBRID,
+        dict(linear_num_key_heads=2, linear_num_value_heads=3),
+        "linear_num_value_heads",
+        "a multiple of them as value heads",
+    ),
+    (HYBRID, dict(linear_conv_kernel=0), "linear_key_head_dim", "a conv kernel >= 1"),
+    (GQA, dict(layer_types=["mamba", "full"]), "layer_types", "entries allowed: full, sliding, linear"),
 ]
 
 
@@ -75,6 +88,7 @@ ACCEPTED = [
     GQA | dict(rope_interleave=True, score_correction_bias=True, norm_topk_prob=True, norm_topk_min=1e-12),
     GQA | dict(n_group=2, topk_group=1, group_score="max", qk_norm="head", qk_norm_after_rope=True),
     GQA | dict(scoring="sparsemixer", norm="layer", norm_placement="post", mlp_bias=True, lm_head_bias=True),
+    HYBRID | dict(linear_conv_kernel=3),
 ]
 
 

@@ -31,6 +31,7 @@ from moerl.errors import ConfigError, UnknownArchitectureError
 from moerl.model.config import ModelConfig
 
 TOL = 1e-4
+LINEAR_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
 SYNONYMS = {
     "num_experts": ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
     "top_k": ("num_experts_per_tok", "experts_per_token", "moe_k", "moe_topk"),
@@ -46,6 +47,8 @@ READ = {
     # what the tensor names decide (biases, which layers are MoE)
     "qkv_bias", "mlp_bias", "use_bias", "lm_head_bias", "decoder_sparse_step", "mlp_only_layers",
     "first_k_dense_replace", "moe_layer_freq", "moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval",
+    # linear-attention (Gated DeltaNet) layers and the partial rotary of hybrid families
+    *LINEAR_FIELDS, "linear_conv_kernel_dim", "partial_rotary_factor", "full_attention_interval",
 }  # fmt: skip
 INERT = {  # fields that do not change the forward pass (ids, bookkeeping, training-only losses)
     "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
@@ -57,8 +60,13 @@ INERT = {  # fields that do not change the forward pass (ids, bookkeeping, train
     # routing noise in training; where a family uses one at inference too (PhiMoE), the proof finds the difference
     "router_jitter_noise", "input_jitter_noise",
 }  # fmt: skip
-# behaviour tensor names cannot show, tried in this order
-VARIANTS = [dict(topk_before_softmax=t, qk_norm_after_rope=a) for t in (False, True) for a in (False, True)]
+# behaviour tensor names cannot show, tried in this order (norm_offset: RMSNorms that scale by 1 + w, Qwen3.5's)
+VARIANTS = [
+    dict(topk_before_softmax=t, qk_norm_after_rope=a, norm_offset=o)
+    for o in (False, True)
+    for t in (False, True)
+    for a in (False, True)
+]
 
 
 # what the derived path reads as sizes and switches: checked for type and range before transformers sees them
@@ -66,11 +74,12 @@ COUNTS = {  # ints >= 1 (null: absent)
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
     "max_position_embeddings", "intermediate_size", "sliding_window", "max_window_layers", "decoder_sparse_step",
     "moe_layer_freq", "moe_layer_interval", *(n for names in SYNONYMS.values() for n in names),
+    *LINEAR_FIELDS, "linear_conv_kernel_dim", "full_attention_interval",
 }  # fmt: skip
 NOT_NULL = {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", *SYNONYMS["top_k"]}
 INDICES = {"first_k_dense_replace", "moe_layer_start_index", "moe_layer_end_index"}  # ints >= 0
 SWITCHES = {"tie_word_embeddings", "norm_topk_prob", "attention_bias", "use_sliding_window", "qkv_bias", "mlp_bias"}
-POSITIVE = {"rms_norm_eps", "rope_theta", "clip_qkv"}  # numbers > 0
+POSITIVE = {"rms_norm_eps", "rope_theta", "clip_qkv", "partial_rotary_factor"}  # numbers > 0
 
 
 def _typed(hf: dict) -> None:
@@ -137,6 +146,8 @@ class Layout:
     post_norm: bool  # post-sublayer norms, no input norm
     tied: bool
     lm_head_bias: bool
+    linear: str | None = None  # linear-attention projections: "split" (in_proj_qkv, _z, _b, _a) | "fused" (_qkvz, _ba)
+    output_gate: bool = False  # q_proj yields a per-head output gate too (twice o_proj's input)
 
 
 def read_layout(shapes: dict[str, tuple[int, ...]]) -> Layout:
@@ -173,7 +184,17 @@ def read_layout(shapes: dict[str, tuple[int, ...]]) -> Layout:
     q_proj = next((shape for n, shape in shapes.items() if n.endswith("self_attn.q_proj.weight")), None)
     if q_proj is None:
         raise UnknownArchitectureError("no self_attn.q_proj tensor (only grouped-query attention is derived)")
-    qk_norm = "none" if q_norm is None else ("full" if q_norm[0] == q_proj[0] else "head")
+    o_proj = next((shape for n, shape in shapes.items() if n.endswith("self_attn.o_proj.weight")), None)
+    output_gate = o_proj is not None and q_proj[0] == 2 * o_proj[1]
+    qk_norm = "none" if q_norm is None else ("full" if q_norm[0] * (2 if output_gate else 1) == q_proj[0] else "head")
+    linear = next(
+        (
+            kind
+            for kind, proj in (("split", "in_proj_qkv"), ("fused", "in_proj_qkvz"))
+            if any(f"linear_attn.{proj}." in p for p in patterns)
+        ),
+        None,
+    )
     return Layout(
         block=block,
         router=router,
@@ -193,6 +214,8 @@ def read_layout(shapes: dict[str, tuple[int, ...]]) -> Layout:
         and not any("input_layernorm" in p for p in patterns),
         tied="lm_head.weight" not in shapes,
         lm_head_bias="lm_head.bias" in shapes,
+        linear=linear,
+        output_gate=output_gate,
     )
 
 
@@ -224,7 +247,7 @@ def derive(hf: dict, layout: Layout, variant: dict) -> Bridge:
         if use and not c.opt("layer_types", list):
             raise UnknownArchitectureError(f"{c.source}: use_sliding_window without layer_types: not derivable")
         # a window with neither switch nor layer types slides on every layer (Mixtral's convention)
-        types, window = layer_types(c, n, all_sliding=use is None)
+        types, window = layer_types(c, n, all_sliding=use is None, linear=layout.linear is not None)
         moe_size = c.first(SYNONYMS["moe_intermediate_size"] + ("intermediate_size",), int)
         shared = 0
         if layout.shared is not None:  # its own size, else n shared experts' worth, else one expert's
@@ -254,6 +277,9 @@ def derive(hf: dict, layout: Layout, variant: dict) -> Bridge:
             norm_topk_prob=False if before else c.opt("norm_topk_prob", bool, False),
             shared_expert_size=shared,
             shared_expert_gate=layout.shared_gate,
+            attn_output_gate=layout.output_gate,
+            rope_dim=_rope_dim(c, f["head_dim"]),
+            **_linear_fields(c, layout),
         )
 
     hf_block = f"model.layers.{{i}}.{layout.block}"
@@ -272,9 +298,25 @@ def derive(hf: dict, layout: Layout, variant: dict) -> Bridge:
         rules.append(Rule(f"{hf_block}.experts.{{x}}", "layers.{i}.mlp.experts.{x}"))
     if layout.shared is not None:
         rules.append(Rule(f"{hf_block}.{layout.shared}.{{x}}", "layers.{i}.mlp.shared_experts.{x}"))
-    if layout.qk_norm_names != ("q_norm", "k_norm"):
+    offset = {"load": _plus_one, "save": _minus_one} if variant.get("norm_offset") else {}
+    if layout.qk_norm_names != ("q_norm", "k_norm") or offset:
         for theirs, ours in zip(layout.qk_norm_names, ("q_norm", "k_norm"), strict=True):
-            rules.append(Rule(f"model.layers.{{i}}.self_attn.{theirs}.weight", f"layers.{{i}}.self_attn.{ours}.weight"))
+            rules.append(
+                Rule(f"model.layers.{{i}}.self_attn.{theirs}.weight", f"layers.{{i}}.self_attn.{ours}.weight", **offset)
+            )
+    if offset:
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            rules.append(Rule(f"model.layers.{{i}}.{norm}.weight", f"layers.{{i}}.{norm}.weight", **offset))
+        rules.append(Rule("model.norm.weight", "norm.weight", **offset))
+    fused = ()
+    if layout.linear is not None:
+        from moerl.bridges.qwen3_5_moe import MIXER
+        from moerl.bridges.qwen3_next import FUSED
+
+        mixer = "model.layers.{i}.linear_attn"
+        rules += [Rule(f"{mixer}.{m}.{{x}}", f"layers.{{i}}.self_attn.{m}.{{x}}") for m in MIXER]
+        rules += [Rule(f"{mixer}.{m}", f"layers.{{i}}.self_attn.{m}") for m in ("dt_bias", "A_log")]
+        fused = FUSED if layout.linear == "fused" else ()
     if layout.shared_gate:
         rules.append(Rule(f"{hf_block}.shared_expert_gate.weight", "layers.{i}.mlp.shared_experts_gate.weight"))
     return Bridge(
@@ -283,7 +325,36 @@ def derive(hf: dict, layout: Layout, variant: dict) -> Bridge:
         config_from_hf=config_from_hf,
         preset_config=_no_preset,
         rules=tuple(rules),
+        fused=fused,
     )
+
+
+def _plus_one(t, cfg):  # RMSNorms that scale by 1 + w (the norm_offset variant)
+    return t + 1
+
+
+def _minus_one(t, cfg):
+    return t - 1
+
+
+def _rope_dim(c: HFConfig, head_dim: int) -> int | None:
+    """Rotary dims per head from ``partial_rotary_factor`` (top level or in rope_parameters); None: all."""
+    params = c.opt("rope_parameters", dict) or {}
+    factor = params.get("partial_rotary_factor", c.opt("partial_rotary_factor", float, 1.0))
+    dims = int(head_dim * factor)
+    if factor == 1.0 or dims == head_dim:
+        return None
+    if dims < 2 or dims % 2:
+        raise ConfigError(f"{c.source}: partial_rotary_factor={factor} gives {dims} rotary dims of {head_dim}")
+    return dims
+
+
+def _linear_fields(c: HFConfig, layout: Layout) -> dict:
+    """The linear-attention sizes, when the family has such layers."""
+    if layout.linear is None:
+        return {}
+    fields = {f: c.req(f, int) for f in LINEAR_FIELDS}
+    return fields | {"linear_conv_kernel": c.opt("linear_conv_kernel_dim", int, 4)}
 
 
 def _no_preset(p: Preset, bos: int, eos: int, pad: int) -> dict:
@@ -312,11 +383,19 @@ def tiny_config(hf: dict) -> dict:
             small[key] = min(small[key], 2)
     n = hf.get("num_hidden_layers", 2)
     keep = max([2, hf.get("first_k_dense_replace", 0) + 1, *[i + 1 for i in hf.get("mlp_only_layers") or []]])
-    small["num_hidden_layers"] = min(n, max(keep, 2), 4)
+    kinds = hf.get("layer_types") if isinstance(hf.get("layer_types"), list) else []
+    keep = max([keep, *(kinds.index(k) + 1 for k in set(kinds))])  # a layer of every kind
+    small["num_hidden_layers"] = min(n, max(keep, 2), max(4, keep if kinds else 4))
     if isinstance(small.get("layer_types"), list):
         small["layer_types"] = small["layer_types"][: small["num_hidden_layers"]]
     if small.get("sliding_window"):
         small["sliding_window"] = min(small["sliding_window"], 8)
+    if (
+        "linear_num_key_heads" in small
+    ):  # linear-attention layers: 2 key heads, twice as many value heads if it has more
+        more = (hf.get("linear_num_value_heads") or 0) > (hf.get("linear_num_key_heads") or 0)
+        small |= {"linear_num_key_heads": 2, "linear_num_value_heads": 4 if more else 2}
+        small |= {"linear_key_head_dim": 16, "linear_value_head_dim": 16}
     for key, default in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
         if isinstance(small.get(key), int) and small[key] >= small.get("vocab_size", 128):
             small[key] = default

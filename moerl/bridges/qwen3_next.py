@@ -70,7 +70,18 @@ def join_ba(parts: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
     return torch.cat([b, a], dim=1).reshape(-1, b.shape[-1])
 
 
-MIXER = "model.layers.{i}.linear_attn"
+PREFIX = "model.layers.{i}.linear_attn"
+FUSED = (
+    Fused(
+        f"{PREFIX}.in_proj_qkvz.weight",
+        (f"{PREFIX}.in_proj_qkv.weight", f"{PREFIX}.in_proj_z.weight"),
+        split_qkvz,
+        join_qkvz,
+    ),
+    Fused(
+        f"{PREFIX}.in_proj_ba.weight", (f"{PREFIX}.in_proj_b.weight", f"{PREFIX}.in_proj_a.weight"), split_ba, join_ba
+    ),
+)
 
 BRIDGE = register(
     Bridge(
@@ -79,19 +90,6 @@ BRIDGE = register(
         config_from_hf=config_from_hf,
         preset_config=preset_config,
         rules=HYBRID_RULES,
-        fused=(
-            Fused(
-                f"{MIXER}.in_proj_qkvz.weight",
-                (f"{MIXER}.in_proj_qkv.weight", f"{MIXER}.in_proj_z.weight"),
-                split_qkvz,
-                join_qkvz,
-            ),
-            Fused(
-                f"{MIXER}.in_proj_ba.weight",
-                (f"{MIXER}.in_proj_b.weight", f"{MIXER}.in_proj_a.weight"),
-                split_ba,
-                join_ba,
-            ),
-        ),
+        fused=FUSED,
     )
 )

@@ -130,7 +130,14 @@ class ModelConfig:
             raise self._bad("layer_types", f"needs {self.num_layers} entries (num_layers)")
         if any(t not in ("full", "sliding", "linear") for t in self.layer_types):
             raise self._bad("layer_types", "entries allowed: full, sliding, linear")
-        if "linear" in self.layer_types:
+        if "linear" not in self.layer_types:  # the linear-attention fields would be ignored
+            linear_defaults = tuple((f"linear_{n}", 0) for n in ("num_key_heads", "num_value_heads")) + (
+                ("linear_key_head_dim", 0),
+                ("linear_value_head_dim", 0),
+                ("linear_conv_kernel", 4),
+            )
+            self._only_defaults("without a 'linear' layer (layer_types)", linear_defaults)
+        else:
             heads = (self.linear_num_key_heads, self.linear_num_value_heads)
             if min(heads) < 1 or self.linear_num_value_heads % self.linear_num_key_heads:
                 raise self._bad("linear_num_value_heads", "needs >= 1 key heads and a multiple of them as value heads")
@@ -204,6 +211,7 @@ class ModelConfig:
                 ("attention_sinks", False),
                 ("rope_dim", None),
                 ("qk_norm_after_rope", False),
+                ("attn_output_gate", False),
             )
             self._only_defaults("for attention='mla'", mla_defaults)
         if self.clip_qkv is not None and not self.clip_qkv > 0:
