@@ -574,3 +574,23 @@ def test_a_damaged_shard_is_refused_by_name(dp2_checkpoint, model, tmp_path, cas
     with pytest.raises(CheckpointError, match=pattern):
         load_checkpoint(ckpt, policy)
     assert all(torch.equal(before[k], v) for k, v in policy.trainable_state().items()) and policy.step == 0
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """A Qwen3.5-MoE checkpoint (transformers'): three linear-attention layers, one full; its one-process step."""
+    from hf_models import save_hf_model
+
+    path = tmp_path_factory.mktemp("hybrid") / "qwen3_5_moe"
+    save_hf_model("Qwen3_5MoeForCausalLM", path)
+    return path, _step(path, "full", "float32", path.parent / "one.json")
+
+
+@pytest.mark.parametrize("layout", ["2,1,1", "1,2,1", "1,1,2"])
+def test_a_hybrid_model_trains_on_several_ranks_as_in_one_process(hybrid, tmp_path, layout):
+    """Gated DeltaNet layers under FSDP (dp=2), expert parallelism (ep=2) and a pipeline whose stage boundary falls
+    between two linear-attention layers (pp=2: layers 0-1 | 2-3), R3 replay on: one step equals one process's."""
+    path, (one, t1) = hybrid
+    two, t2 = _step(path, "full", "float32", tmp_path / "two.json", layout)
+    differences = _step_differences(one, t1, two, t2, "full", "float32", 1e-6)
+    assert not differences, differences
