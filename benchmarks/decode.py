@@ -158,19 +158,24 @@ def contender(name: str, ckpt: str, args, rnd: int, vllm_python: str | None) -> 
 
 def bench(preset: str, args, vllm_python: str | None) -> None:
     names = [n for n in CONTENDERS if (n != "vLLM" or vllm_python) and (n in args.contenders or n == "moerl base")]
+    more = [f"moerl base [{arch}]" for arch in args.archs[1:]]  # the base engine on the other architectures
+    names += more
     runs: dict[str, list[dict]] = {n: [] for n in names}
-    with tempfile.TemporaryDirectory() as ckpt:
-        init_model("qwen3_moe", preset, ckpt, seed=0)
+    with tempfile.TemporaryDirectory() as d:
+        ckpts = {arch: str(Path(d) / arch) for arch in args.archs}
+        for arch, ckpt in ckpts.items():
+            init_model(arch, preset, ckpt, seed=0)
         for r in range(args.rounds):
             for n in names[r % len(names) :] + names[: r % len(names)]:  # rotate who runs first
-                runs[n].append(contender(n, ckpt, args, r, vllm_python))
+                arch = n[n.index("[") + 1 : -1] if n in more else args.archs[0]
+                runs[n].append(contender(n.split(" [")[0], ckpts[arch], args, r, vllm_python))
     tps = {n: [x["tokens_per_s"] for x in v] for n, v in runs.items()}
     med = {n: statistics.median(v) for n, v in tps.items()}
     base = med["moerl base"]
     print(
-        f"\n## {preset} (Qwen3-MoE), {args.num_seqs} seqs x {args.new_tokens} new tokens, {args.dtype}, median of "
-        f"{args.rounds} rounds (each contender in a fresh process per round, {args.reps} timed generates after a "
-        "warm-up)"
+        f"\n## {preset} ({args.archs[0]}), {args.num_seqs} seqs x {args.new_tokens} new tokens, {args.dtype}, "
+        f"median of {args.rounds} rounds (each contender in a fresh process per round, {args.reps} timed generates "
+        "after a warm-up)"
     )
     print("| engine | tokens/s (spread) | vs moerl base | vs vLLM | peak RSS (MB) | KV cache (MB) | first gen (s) |")
     print("|---|---|---|---|---|---|---|")
@@ -198,6 +203,7 @@ def bench(preset: str, args, vllm_python: str | None) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--presets", nargs="+", default=["tiny", "small"])
+    p.add_argument("--archs", nargs="+", default=["qwen3_moe"], help="moerl base per architecture (others: the first)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--num-seqs", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)

@@ -117,6 +117,9 @@ def main() -> None:
         help="compute dtype of every contender (moerl trainer and engine, TRL); auto: bf16 where native, else fp32",
     )
     p.add_argument("--modes", nargs="+", default=["full", "lora"], choices=["full", "lora"])
+    p.add_argument(
+        "--archs", nargs="+", default=["qwen3_moe"], help="moerl contenders per architecture (TRL: the first)"
+    )
     p.add_argument("--trl-python", default=os.environ.get("MOERL_TRL_PYTHON", "/work/trl-venv/bin/python"))
     p.add_argument(
         "--engines",
@@ -142,17 +145,20 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for preset in args.presets:
         with tempfile.TemporaryDirectory() as d:
-            ckpt = str(Path(d) / "model")
-            init_model("qwen3_moe", preset, ckpt, seed=0)
             contenders = {}
-            for m in args.modes:
-                for where in ["inprocess:1", *args.engines]:
-                    placement, n = where.split(":")
-                    if placement == "vllm" and m == "lora":
-                        continue
-                    name = f"moerl {m}" + ("" if where == "inprocess:1" else f" ({placement}, {n} engines)")
-                    run_dir = str(Path(d) / f"{m}-{placement}-{n}")
-                    contenders[name] = (ckpt, run_dir, m, placement, int(n))
+            for arch in args.archs:
+                ckpt = str(Path(d) / arch)
+                init_model(arch, preset, ckpt, seed=0)
+                for m in args.modes:
+                    for where in ["inprocess:1", *args.engines]:
+                        placement, n = where.split(":")
+                        if placement == "vllm" and m == "lora":
+                            continue
+                        name = f"moerl {m}" + ("" if where == "inprocess:1" else f" ({placement}, {n} engines)")
+                        name += "" if arch == args.archs[0] else f" [{arch}]"
+                        run_dir = str(Path(d) / f"{arch}-{m}-{placement}-{n}")
+                        contenders[name] = (ckpt, run_dir, m, placement, int(n))
+            ckpt = str(Path(d) / args.archs[0])
             if trl:
                 contenders["TRL GRPOTrainer"] = None
             names = list(contenders)

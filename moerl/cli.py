@@ -152,17 +152,12 @@ def cmd_archs(args) -> None:
     """Each supported architecture, its model_type and what it runs on: every family trains and serves on the
     native engine; the vLLM engine needs moerl's fp32-router model for it."""
     from moerl.bridges import bridge_for_arch, supported
-    from moerl.presets import preset_config
     from moerl.rollout.vllm_plugin import MODELS
 
-    def engines(arch: str) -> str:
-        if arch in MODELS:
-            return "full (also vLLM)"
-        if "linear" in preset_config(arch, "tiny")[1].layer_types:
-            return "none yet: trains only (no engine runs linear-attention layers)"
-        return "native engine only"
-
-    rows = [(a, bridge_for_arch(a).model_type, engines(a)) for a in supported()]
+    rows = [
+        (a, bridge_for_arch(a).model_type, "full (also vLLM)" if a in MODELS else "native engine only")
+        for a in supported()
+    ]
     width = max(len(a) for a, _, _ in rows)
     print(f"{'architecture':<{width}}  {'model_type':<16} rollout engines")
     for arch, model_type, kinds in rows:
@@ -172,7 +167,7 @@ def cmd_archs(args) -> None:
 def cmd_demo(args) -> None:
     from moerl.demo import run_demo
 
-    run_demo(args.run_dir, sft_steps=args.sft_steps, rl_steps=args.rl_steps, overwrite=args.overwrite)
+    run_demo(args.run_dir, sft_steps=args.sft_steps, rl_steps=args.rl_steps, overwrite=args.overwrite, arch=args.arch)
 
 
 def cmd_train(args) -> None:
@@ -255,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("demo", help="the main job: a tiny MoE learns arithmetic (warm-up, then GRPO + LoRA + R3)")
     s.add_argument("--run-dir", default="runs/demo")
+    s.add_argument("--arch", default="qwen3_moe", help="the tiny preset's architecture (qwen3_5_moe: the hybrid)")
     s.add_argument("--sft-steps", type=int, default=120)
     s.add_argument("--rl-steps", type=int, default=300)
     s.add_argument("--overwrite", action="store_true", help="start over in a run directory holding a previous demo")

@@ -40,10 +40,16 @@ def demo_config(run_dir: Path, model_path: Path, rl_steps: int) -> RunConfig:
 
 
 def run_demo(
-    run_dir: str = "runs/demo", sft_steps: int = 120, rl_steps: int = 300, log=print, overwrite: bool = False
+    run_dir: str = "runs/demo",
+    sft_steps: int = 120,
+    rl_steps: int = 300,
+    log=print,
+    overwrite: bool = False,
+    arch: str = "qwen3_moe",
 ) -> dict:
     """Build, warm up, train with GRPO; returns accuracies, timings and where the outputs are. A directory holding
-    a previous demo is refused unless ``overwrite`` (then the demo starts over there)."""
+    a previous demo is refused unless ``overwrite`` (then the demo starts over there). ``arch``: the tiny preset of
+    this architecture (e.g. ``qwen3_5_moe``, the hybrid)."""
     from transformers import AutoTokenizer
 
     from moerl.bridges import export_model
@@ -59,8 +65,9 @@ def run_demo(
         )
     start = time.perf_counter()
     base = run_dir / "base_model"
-    init_model("qwen3_moe", "tiny", base, seed=0)
-    log(f"[demo] tiny Qwen3-MoE (4 layers, 8 experts top-2) written to {base}")
+    model = init_model(arch, "tiny", base, seed=0)
+    kinds = "" if set(model.config.layer_types) == {"full"} else f" ({', '.join(model.config.layer_types)} layers)"
+    log(f"[demo] tiny {arch} (4 layers{kinds}, 8 experts top-2) written to {base}")
     env = make_env("arithmetic", **ENV)
     tok = AutoTokenizer.from_pretrained(base)
     warm = Policy(

@@ -16,7 +16,7 @@ from moerl.allocator import reuse_freed_memory
 from moerl.engine.adapters import AdapterSlots
 from moerl.engine.compiled import CompiledDecode
 from moerl.engine.config import EngineConfig, SamplingParams, int_or_none
-from moerl.engine.kv_cache import KVCache, StepView, bytes_per_block
+from moerl.engine.kv_cache import KVCache, LinearStates, StepView, bytes_per_block
 from moerl.engine.sampler import sample, sequence_generator
 from moerl.engine.scheduler import Scheduler
 from moerl.engine.sequence import Completion, Group, Request, RequestOutput, Sequence
@@ -53,17 +53,17 @@ class LLMEngine:
             model = load_model(path, dtype=dtype, device=device)
         self.model, self.tokenizer = model.eval(), tokenizer
         mcfg = model.config
-        if "linear" in mcfg.layer_types:  # their recurrent and conv states need slots beside the paged KV cache
+        if "linear" in mcfg.layer_types and cfg.compile_decode:
             raise ConfigError(
-                "the rollout engine does not run linear-attention layers (Gated DeltaNet: layer_types "
-                f"{mcfg.layer_types.index('linear')}, ...) yet: this model trains, but cannot generate here"
+                "EngineConfig.compile_decode with linear-attention layers (Gated DeltaNet): not built (their decode "
+                "steps run eager)"
             )
         if cfg.max_model_len > mcfg.max_position_embeddings:
             raise ConfigError(
                 f"EngineConfig.max_model_len={cfg.max_model_len}: exceeds the model's max_position_embeddings="
                 f"{mcfg.max_position_embeddings}"
             )
-        per_block = bytes_per_block(mcfg, cfg.block_size, model.dtype)
+        per_block = max(1, bytes_per_block(mcfg, cfg.block_size, model.dtype))
         per_seq = ceil(cfg.max_model_len / cfg.block_size)
         num_blocks = cfg.max_num_seqs * per_seq
         device = model.embed_tokens.weight.device
@@ -81,7 +81,9 @@ class LLMEngine:
                     "raise the budget or lower max_model_len"
                 )
         self.cache = KVCache(mcfg, num_blocks, cfg.block_size, model.dtype, device, scratch=cfg.compile_decode)
-        self.kv_cache_bytes = self.cache.nbytes
+        if "linear" in mcfg.layer_types:  # a state slot per sequence beside the pages
+            self.cache.states = LinearStates(mcfg, cfg.max_num_seqs, model.dtype, device)
+        self.kv_cache_bytes = self.cache.nbytes + (self.cache.states.nbytes if self.cache.states else 0)
         if cfg.release_cache:
             self.cache.release()
         self.scheduler = Scheduler(cfg, self.cache)
@@ -290,7 +292,9 @@ class LLMEngine:
 
     def _release_cache(self) -> None:
         self.cache.release()
-        if self.cache.k[0].is_cuda:  # back to the device, not only to torch's cache: the trainer allocates next
+        if (
+            torch.device(self.cache.device).type == "cuda"
+        ):  # back to the device, not only to torch's cache: the trainer allocates next
             torch.cuda.empty_cache()
 
     def _step(self, hook: Callable[[Sequence, int, str | None], None] | None = None) -> int:
@@ -309,8 +313,9 @@ class LLMEngine:
         )
         lengths = torch.tensor([n for _, n in batch])
         write_rows = torch.tensor([r * c + i for r, (_, n) in enumerate(batch) for i in range(n)])
-        ids, positions, tables, lengths, write_rows = (
-            t.to(device) for t in (ids, positions, tables, lengths, write_rows)
+        state_slots = torch.tensor([s.state_slot for s, _ in batch])
+        ids, positions, tables, lengths, write_rows, state_slots = (
+            t.to(device) for t in (ids, positions, tables, lengths, write_rows, state_slots)
         )
         if kind == "decode" and self.compiled is not None:
             all_logits, routed = self.compiled.step(ids, positions, tables)
@@ -323,7 +328,7 @@ class LLMEngine:
                 positions=positions,
                 capture=self.config.capture_routing,
                 adapters=adapters,
-                cache=StepView(self.cache, tables, positions, lengths, write_rows),
+                cache=StepView(self.cache, tables, positions, lengths, write_rows, state_slots),
                 logits_index=lengths - 1,
             )
             all_logits, routed = out.logits, out.routed

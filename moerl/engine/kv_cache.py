@@ -16,7 +16,40 @@ def kv_shape(cfg: ModelConfig) -> tuple[int, int, int]:
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     heads, dk, dv = kv_shape(cfg)
-    return cfg.num_layers * block_size * heads * (dk + dv) * dtype.itemsize
+    attention = sum(t != "linear" for t in cfg.layer_types)  # linear-attention layers keep a state, not keys
+    return attention * block_size * heads * (dk + dv) * dtype.itemsize
+
+
+class LinearStates:
+    """Per-sequence slots of the linear-attention layers' states, beside the paged cache: per such layer the conv
+    input window [slots, C, K-1] (model dtype) and the recurrent state [slots, Hv, dk, dv] (fp32). A sequence takes
+    a slot when admitted (zeroed) and gives it back when it ends; the n samples of a prompt copy its slot."""
+
+    def __init__(self, cfg: ModelConfig, slots: int, dtype: torch.dtype, device):
+        conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
+        conv_dim += cfg.linear_num_value_heads * cfg.linear_value_head_dim
+        state = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+        layers = [i for i, t in enumerate(cfg.layer_types) if t == "linear"]
+        self.conv = {
+            i: torch.zeros(slots, conv_dim, cfg.linear_conv_kernel - 1, dtype=dtype, device=device) for i in layers
+        }
+        self.state = {i: torch.zeros(slots, *state, device=device) for i in layers}
+        self.free = list(range(slots - 1, -1, -1))
+        self.nbytes = sum(t.numel() * t.element_size() for t in [*self.conv.values(), *self.state.values()])
+
+    def take(self) -> int:
+        slot = self.free.pop()
+        for t in [*self.conv.values(), *self.state.values()]:
+            t[slot].zero_()
+        return slot
+
+    def give(self, slot: int) -> None:
+        if slot >= 0:
+            self.free.append(slot)
+
+    def copy(self, src: int, dst: int) -> None:
+        for t in [*self.conv.values(), *self.state.values()]:
+            t[dst].copy_(t[src])
 
 
 class BlockAllocator:
@@ -67,21 +100,35 @@ class KVCache:
         # ``scratch``: one more block, never allocated, that the padding rows of a compiled decode step write to
         self.scratch_block = num_blocks if scratch else None
         n = (num_blocks + scratch) * block_size
-        self.k = [torch.zeros(heads, n, dk, dtype=dtype, device=device) for _ in cfg.layer_types]
-        self.v = [torch.zeros(heads, n, dv, dtype=dtype, device=device) for _ in cfg.layer_types]
+        # linear-attention layers keep no keys: an empty pool holds their place (states: LinearStates)
+        self.k = [
+            torch.zeros(heads, n if t != "linear" else 0, dk, dtype=dtype, device=device) for t in cfg.layer_types
+        ]
+        self.v = [
+            torch.zeros(heads, n if t != "linear" else 0, dv, dtype=dtype, device=device) for t in cfg.layer_types
+        ]
+        self.states: LinearStates | None = None  # set by the engine for a model with linear-attention layers
         self.nbytes = sum(t.numel() * t.element_size() for t in self.k + self.v)
         self._k_shapes, self._v_shapes = [t.shape for t in self.k], [t.shape for t in self.v]
         self.dtype, self.device = dtype, device
         self.sliding_window = cfg.sliding_window
+        self.heads, self.rows = heads, n  # every attention pool's [heads, rows, d]
+        self.attention = [i for i, t in enumerate(cfg.layer_types) if t != "linear"]
+        self.released = False
+
+    def _pools(self) -> list[torch.Tensor]:
+        return [pool for i in self.attention for pool in (self.k[i], self.v[i])]
 
     def release(self) -> None:
         """Give the pools' memory back until ``restore`` (they become empty tensors of the same kind)."""
         self.k = [pool.new_empty(0) for pool in self.k]
         self.v = [pool.new_empty(0) for pool in self.v]
+        self.released = True
 
     def restore(self) -> None:
         """The pools again, zeroed (what a fresh cache holds)."""
-        if self.k and self.k[0].numel() == 0:
+        if self.released:
+            self.released = False
             self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for shape in self._k_shapes]
             self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for shape in self._v_shapes]
 
@@ -91,13 +138,13 @@ class KVCache:
         if not blocks:
             return
         bs = self.block_size
-        slots = (torch.tensor(blocks)[:, None] * bs + torch.arange(bs)).flatten().to(self.k[0].device)
-        for pool in self.k + self.v:
+        slots = (torch.tensor(blocks)[:, None] * bs + torch.arange(bs)).flatten().to(self.device)
+        for pool in self._pools():
             pool.index_fill_(1, slots, 0)
 
     def copy_block(self, src: int, dst: int) -> None:
         bs = self.block_size
-        for pool in self.k + self.v:
+        for pool in self._pools():
             pool[:, dst * bs : (dst + 1) * bs].copy_(pool[:, src * bs : (src + 1) * bs])
 
 
@@ -115,10 +162,12 @@ class StepView:
         positions: torch.Tensor,
         lengths: torch.Tensor,
         write_rows: torch.Tensor | None = None,
+        state_slots: torch.Tensor | None = None,
     ):
         """``write_rows``: the flat [B * C] indices of the real new tokens, when the caller has them (else found
-        here: a host sync)."""
+        here: a host sync). ``state_slots`` [B]: each row's slot of the linear-attention states (LinearStates)."""
         self.cache, self.block_tables = cache, block_tables
+        self.lengths, self.state_slots = lengths, state_slots
         b, c = positions.shape
         bs = cache.block_size
         real = torch.arange(c, device=lengths.device)[None, :] < lengths[:, None]  # [B, C]
@@ -127,13 +176,13 @@ class StepView:
         self.write = self.slots >= 0
         self.write_rows = write_rows if write_rows is not None else self.write.nonzero().squeeze(1)
         write_slots = self.slots[self.write_rows]
-        heads, n = cache.k[0].shape[0], cache.k[0].shape[1]
+        heads, n = cache.heads, cache.rows
         self.write_at = (torch.arange(heads, device=write_slots.device)[:, None] * n + write_slots[None, :]).reshape(-1)
         s = block_tables.shape[1] * bs
         # row of every visible key position in the flattened [H * slots, d] pool, head-major: [H * B * S]
         dev = block_tables.device
         key_slots = (block_tables[:, :, None] * bs + torch.arange(bs, device=dev)).reshape(-1)
-        heads, n = cache.k[0].shape[0], cache.k[0].shape[1]
+        heads, n = cache.heads, cache.rows
         head_base = torch.arange(heads, device=dev)[:, None] * n
         self.read_rows = (head_base + key_slots[None, :]).reshape(-1)
         self.b = b
@@ -143,6 +192,7 @@ class StepView:
         # padded queries see key 0 only, so their rows stay finite
         self._base = torch.where(real[:, :, None], visible, key_pos == 0).unsqueeze(1)  # [B, 1, C, S]
         self._q_pos, self._key_pos, self._real = q_pos, key_pos, real
+        self.real = real  # [B, C] which new tokens are real (linear-attention layers mask the rest out)
         self._sliding: torch.Tensor | None = None
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -58,6 +58,8 @@ class Scheduler:
                 if seq.index > 0:
                     self.blocks.share(shared)
                 seq.block_table = shared + self.blocks.allocate(own)
+                if self.cache.states is not None:  # admitted within max_num_seqs: a slot is free
+                    seq.state_slot = self.cache.states.take()
             self.prefilling.append(group)
 
     def next_batch(self) -> tuple[str, list[tuple[Sequence, int]]] | None:
@@ -85,6 +87,8 @@ class Scheduler:
         for seq in group.seqs[1:]:
             if prompt % bs:
                 self.cache.copy_block(parent.block_table[prompt // bs], seq.block_table[prompt // bs])
+            if self.cache.states is not None:  # the prompt's linear-attention states, exactly
+                self.cache.states.copy(parent.state_slot, seq.state_slot)
             seq.num_cached = prompt
         self.running.extend(group.seqs)
 
@@ -95,6 +99,7 @@ class Scheduler:
         if zero:
             self.cache.zero(freed)
         seq.block_table = []
+        self._give_slot(seq)
         self.running.remove(seq)
 
     def abort(self, groups: list[Group]) -> None:
@@ -111,8 +116,14 @@ class Scheduler:
             for seq in group.seqs:
                 freed += self.blocks.release(seq.block_table)
                 seq.block_table = []
+                self._give_slot(seq)
                 seq.finish_reason = seq.finish_reason or "abort"
         self.cache.zero(freed)  # the fault may have come from non-finite values
+
+    def _give_slot(self, seq: Sequence) -> None:
+        if self.cache.states is not None and seq.state_slot >= 0:
+            self.cache.states.give(seq.state_slot)
+            seq.state_slot = -1
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)

@@ -53,6 +53,7 @@ class Sequence:
     index: int
     tokens: list[int]
     block_table: list[int] = field(default_factory=list)
+    state_slot: int = -1  # its linear-attention states' slot (LinearStates), for a model with such layers
     num_cached: int = 0  # tokens whose keys/values are in the cache
     logprobs: list[float] = field(default_factory=list)
     routed: list[torch.Tensor] = field(default_factory=list)  # [L_moe, k] per generated token that ran

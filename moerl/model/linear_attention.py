@@ -10,7 +10,8 @@ Training and prefill use the chunked form (chunks of ``CHUNK`` tokens: the write
 triangular system, chunks follow one another through S); decode uses the recurrent form, one token at a time. The
 state math is fp32 whatever the model dtype. Packed rows (``attention_mask`` numbering its sequences 1, 2, ...) are
 split into their sequences first, so the conv and the state restart at every sequence start; padding (0) never
-enters either.
+enters either. In the rollout engine each row continues its sequence from its slot of ``LinearStates``
+(``moerl.engine.kv_cache``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moerl.errors import ConfigError
 from moerl.model.config import ModelConfig
 from moerl.model.linear import Linear
 
@@ -162,9 +162,10 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(self.norm(o.to(x.dtype), z).flatten(-2))
 
     def forward(self, x, cos=None, sin=None, mask=None, cache=None) -> torch.Tensor:
-        """x [B, T, H]; ``mask`` the forward's ``attention_mask`` (None: every row one whole sequence)."""
-        if cache is not None:  # the engine refuses these models when it is built (moerl.engine.engine)
-            raise ConfigError("linear-attention layers in the rollout engine: not built yet")
+        """x [B, T, H]; ``mask`` the forward's ``attention_mask`` (None: every row one whole sequence); ``cache``
+        the engine's step (its rows continue their sequences from their state slots)."""
+        if cache is not None:
+            return self._step(x, cache)
         b, t, hdim = x.shape
         if mask is not None:  # one row per sequence: states and convs restart at each start, padding stays out
             index, valid = sequences(mask)
@@ -174,4 +175,28 @@ class GatedDeltaNet(nn.Module):
         mixed, _ = causal_conv(self.in_proj_qkv(x), self.conv1d.weight)
         q, k, v, g, beta = self._heads(mixed, x)
         o, _ = delta_rule_chunked(q, k, v, g, beta)
+        return self._out(o, x)
+
+    def _step(self, x: torch.Tensor, cache) -> torch.Tensor:
+        """One engine step: each row's real tokens (``cache.real``) continue its sequence from its slot's conv
+        window and state (``cache.state_slots``), which are written back; padding neither decays nor writes the
+        state (g = 0, beta = 0) and stays out of the conv window. Prefill chunks take the chunked form, decode the
+        recurrent step."""
+        states, slots, real = cache.cache.states, cache.state_slots, cache.real
+        conv_pool, state_pool = states.conv[self.layer], states.state[self.layer]
+        inputs = self.in_proj_qkv(x) * real[..., None]
+        mixed, _ = causal_conv(inputs, self.conv1d.weight, conv_pool[slots])
+        # the next window: the last K-1 real inputs (the old window first, for rows shorter than it)
+        kk = conv_pool.shape[-1]
+        full = torch.cat([conv_pool[slots], inputs.transpose(1, 2).to(conv_pool.dtype)], dim=-1)
+        at = cache.lengths[:, None] + torch.arange(kk, device=x.device)[None, :]
+        conv_pool[slots] = full.gather(2, at[:, None, :].expand(-1, full.shape[1], -1))
+        q, k, v, g, beta = self._heads(mixed, x)
+        g, beta = g * real[..., None], beta * real[..., None]
+        if x.shape[1] == 1:
+            o, new = delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state_pool[slots])
+            o = o[:, None]
+        else:
+            o, new = delta_rule_chunked(q, k, v, g, beta, state_pool[slots])
+        state_pool[slots] = new
         return self._out(o, x)
