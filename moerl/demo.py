@@ -66,8 +66,8 @@ def run_demo(
     start = time.perf_counter()
     base = run_dir / "base_model"
     model = init_model(arch, "tiny", base, seed=0)
-    kinds = "" if set(model.config.layer_types) == {"full"} else f" ({', '.join(model.config.layer_types)} layers)"
-    log(f"[demo] tiny {arch} (4 layers{kinds}, 8 experts top-2) written to {base}")
+    kinds = "" if set(model.config.layer_types) == {"full"} else f": {', '.join(model.config.layer_types)}"
+    log(f"[demo] tiny {arch} ({model.config.num_layers} layers{kinds}; 8 experts top-2) written to {base}")
     env = make_env("arithmetic", **ENV)
     tok = AutoTokenizer.from_pretrained(base)
     warm = Policy(
