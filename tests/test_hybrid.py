@@ -381,3 +381,24 @@ def test_an_rl_run_on_a_hybrid_model_learns(mode, tmp_path, monkeypatch):
     rewards = [r["reward_mean"] for r in rows]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
     assert all(r["mismatch_k3_r3"] < 1e-4 for r in rows)  # fp32 engine and trainer: the same numbers
+
+
+def test_a_missing_fused_tensor_is_named_as_the_checkpoint_stores_it(checkpoints, tmp_path):
+    """A Qwen3-Next checkpoint without layer 0's in_proj_qkvz: the error names that tensor (not the parts moerl
+    splits it into)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from moerl.errors import CheckpointError
+
+    src, _ = checkpoints["Qwen3NextForCausalLM"]
+    shutil.copytree(src, tmp_path / "m")
+    (shard,) = (tmp_path / "m").glob("*.safetensors")
+    tensors = load_file(shard)
+    del tensors["model.layers.0.linear_attn.in_proj_qkvz.weight"]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(
+        CheckpointError, match=r"missing tensor\(s\) in .*: model.layers.0.linear_attn.in_proj_qkvz.weight$"
+    ):
+        load_model(tmp_path / "m", dtype=torch.float32)

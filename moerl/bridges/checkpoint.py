@@ -149,6 +149,16 @@ def fused(bridge: Bridge, tensors: dict[str, torch.Tensor], cfg: ModelConfig) ->
     return tensors
 
 
+def _stored_as(bridge: Bridge, name: str) -> str:
+    """The checkpoint name tensor ``name`` is stored under: its fused tensor's, when the bridge fuses it."""
+    for f in bridge.fused:
+        for part in f._parts_re:
+            groups = match(part, name)
+            if groups is not None:
+                return f.hf.format(**groups)
+    return name
+
+
 def _destination(params: dict, rule: Rule, groups: dict) -> tuple[str, torch.Tensor] | None:
     target = rule.moerl.format(**groups)
     if target not in params:
@@ -289,12 +299,13 @@ def load_model(
                 filled[target] += dest.numel()
                 seen.add(part)
     missing = [
-        hf_name
+        _stored_as(bridge, hf_name)
         for target, n in filled.items()
         if n < params[target].numel()
         for hf_name, _ in to_hf(bridge, target, params[target], cfg)
         if hf_name not in seen
     ]
+    missing = list(dict.fromkeys(missing))  # a fused tensor's parts: named once
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(f"missing tensor(s) in {path}: {', '.join(missing[:5])}{more}")
