@@ -319,3 +319,31 @@ def test_a_run_whose_engines_lack_shared_memory_stops_named_with_its_state_saved
     assert out.returncode not in (0, 135, -7), out.stderr[-2000:]  # 135 / -7: SIGBUS
     assert "shared memory for engine processes: /dev/shm has" in out.stderr
     assert (tmp_path / "run" / "checkpoint" / "checkpoint.json").exists()  # the trained step is kept
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_a_hybrid_models_engine_process_gives_the_inprocess_rollouts_after_a_sync(mode, tmp_path):
+    """The Qwen3.5-MoE tiny (linear-attention layers: state slots in the engine) in an engine process: after a sync
+    of a trained policy (LoRA: its adapters), the same rollouts as the in-process engine, bit for bit."""
+    from moerl.presets import init_model
+
+    init_model("qwen3_5_moe", "tiny", tmp_path / "hybrid", seed=0)
+    policy = _trained_policy(tmp_path / "hybrid", mode)
+    pools = {p: _pool(tmp_path / "hybrid", p, 1, mode) for p in ("inprocess", "process")}
+    try:
+        reqs = _requests(seed=1)
+        for r in reqs:
+            r.adapter = "policy" if mode == "lora" else None
+        before = {p: pool.generate(reqs) for p, pool in pools.items()} if mode == "full" else None
+        for pool in pools.values():
+            sync_policy(policy, pool, version=1, bucket_bytes=1 << 16)
+        outs = {p: pool.generate(reqs) for p, pool in pools.items()}
+        _same(outs["inprocess"], outs["process"])
+        assert all(o.weight_version == 1 for o in outs["process"])
+        if before is not None:  # the sync changed what the engine computes
+            assert [c.logprobs.tolist() for o in before["process"] for c in o.outputs] != [
+                c.logprobs.tolist() for o in outs["process"] for c in o.outputs
+            ]
+    finally:
+        for pool in pools.values():
+            pool.close()
