@@ -332,55 +332,66 @@ def test_the_derived_bridge_knows_linear_attention_layers(arch, tmp_path):
     assert variant["norm_offset"]
 
 
-@pytest.mark.parametrize("mode", ["lora", "full"])
-def test_an_rl_run_on_a_hybrid_model_learns(mode, tmp_path, monkeypatch):
-    """The whole loop on the Qwen3.5-MoE tiny (3 linear-attention layers, 1 full): a short supervised warm-up on the
-    easy task, then GRPO with the native engine's rollouts (state slots), weight sync and R3 replay: reward rises on
-    the four problems (measured: lora 0.35 -> 0.56, full 0.35 -> 0.82 over the first 3 / last 3 of 12 steps)."""
-    from run_helpers import EASY, metric_rows, run_cfg
+@pytest.fixture(scope="module")
+def warm_hybrid(tmp_path_factory):
+    """The Qwen3.5-MoE tiny after a short supervised warm-up on the easy task (it gets some answers right)."""
+    from run_helpers import EASY
     from transformers import AutoTokenizer
 
     from moerl.bridges import export_model
     from moerl.envs import make_env
-    from moerl.loop import train
     from moerl.presets import init_model
     from moerl.trainer import OptimConfig, Policy, PolicyConfig
     from moerl.trainer.sft import run_sft
 
-    init_model("qwen3_5_moe", "tiny", tmp_path / "base", seed=0)
-    warm = Policy(
-        tmp_path / "base", PolicyConfig(mode="full", dtype="float32", micro_batch_size=256, optim=OptimConfig(lr=3e-3))
-    )
-    run_sft(
-        warm,
-        AutoTokenizer.from_pretrained(tmp_path / "base"),
-        make_env("arithmetic", **EASY).sft_examples(500, seed=0),
-        steps=SFT_STEPS,
-        batch_size=64,
-    )
-    export_model(warm.model, tmp_path / "warm", tokenizer_dir=tmp_path / "base")
-    from moerl.envs.arithmetic import ArithmeticEnv
+    root = tmp_path_factory.mktemp("warm_hybrid")
+    init_model("qwen3_5_moe", "tiny", root / "base", seed=0)
+    cfg = PolicyConfig(mode="full", dtype="float32", micro_batch_size=256, optim=OptimConfig(lr=3e-3))
+    warm = Policy(root / "base", cfg)
+    examples = make_env("arithmetic", **EASY).sft_examples(500, seed=0)
+    run_sft(warm, AutoTokenizer.from_pretrained(root / "base"), examples, steps=SFT_STEPS, batch_size=64)
+    export_model(warm.model, root / "warm", tokenizer_dir=root / "base")
+    return root / "warm"
 
-    fixed, held_out = ArithmeticEnv(**EASY).problems(4, seed=3), ArithmeticEnv.problems  # after the warm-up
-    monkeypatch.setattr(
-        ArithmeticEnv,
-        "problems",
-        lambda self, n, seed, split="train": (fixed * n)[:n] if split == "train" else held_out(self, n, seed, split),
-    )
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_an_rl_run_on_a_hybrid_model_learns(mode, warm_hybrid, tmp_path, four_problems):
+    """The whole loop on the Qwen3.5-MoE tiny (3 linear-attention layers, 1 full), warmed up: GRPO with the native
+    engine's rollouts (state slots), weight sync and R3 replay: reward rises on the four problems (measured: lora
+    0.35 -> 0.56, full 0.35 -> 0.82 over the first 3 / last 3 of 12 steps)."""
+    from run_helpers import metric_rows, run_cfg
+
+    from moerl.loop import train
+
     lr = {"lora": 3e-3, "full": 1e-3}[mode]
-    train(
-        run_cfg(
-            tmp_path / "run",
-            tmp_path / "warm",
-            mode,
-            steps=12,
-            **{"policy.optim.lr": lr, "rollout.prompts_per_step": 4, "env.eval_problems": 4},
-        )
-    )
+    over = {"policy.optim.lr": lr, "rollout.prompts_per_step": 4, "env.eval_problems": 4}
+    train(run_cfg(tmp_path / "run", warm_hybrid, mode, steps=12, **over))
     rows = [r for r in metric_rows(tmp_path / "run") if "reward_mean" in r]
     rewards = [r["reward_mean"] for r in rows]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
     assert all(r["mismatch_k3_r3"] < 1e-4 for r in rows)  # fp32 engine and trainer: the same numbers
+
+
+def test_a_hybrid_run_resumes_with_the_same_numbers(warm_hybrid, tmp_path):
+    """Checkpoint after step 2, resume to step 4: steps 3 and 4 as in the run that went straight through (the
+    engine's state slots start empty every step; nothing of them is checkpointed)."""
+    import shutil
+
+    from run_helpers import metric_rows, run_cfg
+
+    from moerl.loop import train
+
+    keys = ("reward_mean", "loss", "grad_norm", "mismatch_k3_r3", "lr")
+    train(run_cfg(tmp_path / "a", warm_hybrid, "lora", steps=4))
+    straight = {r["step"]: r for r in metric_rows(tmp_path / "a") if "loss" in r}
+    train(run_cfg(tmp_path / "b", warm_hybrid, "lora", steps=2))
+    shutil.copytree(tmp_path / "b" / "checkpoint", tmp_path / "b" / "kept")
+    train(run_cfg(tmp_path / "b", warm_hybrid, "lora", steps=4), resume=True)
+    resumed = {r["step"]: r for r in metric_rows(tmp_path / "b") if "loss" in r}
+    assert any(straight[s]["loss"] != 0 for s in (3, 4))  # steps that learn something, not zero-advantage ones
+    for step in (3, 4):
+        for k in keys:
+            assert resumed[step][k] == straight[step][k], (step, k)
 
 
 def test_a_missing_fused_tensor_is_named_as_the_checkpoint_stores_it(checkpoints, tmp_path):
