@@ -278,28 +278,10 @@ HYBRID_CONFIGS = {
         rope_parameters={"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 0.5},
         vocab_size=VOCAB,
     ),
-    "Qwen3NextForCausalLM": dict(  # q/k/v/z and b/a projections fused per key head; a dense MLP layer
-        model_type="qwen3_next",
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=48,
-        mlp_only_layers=[1],
-        norm_topk_prob=False,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=8,
-        linear_conv_kernel_dim=4,
-        rope_parameters={"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 0.5},
-        vocab_size=VOCAB,
-    ),
 }
+# Qwen3-Next: q/k/v/z and b/a projections fused per key head; a dense MLP layer
+HYBRID_CONFIGS["Qwen3NextForCausalLM"] = HYBRID_CONFIGS["Qwen3_5MoeForCausalLM"] | dict(
+    model_type="qwen3_next", intermediate_size=96, mlp_only_layers=[1], norm_topk_prob=False
+)
 HYBRID_ARCHS = list(HYBRID_CONFIGS)
 CONFIGS |= HYBRID_CONFIGS

@@ -230,6 +230,47 @@ def layer_types(
     return ["full"] * num_layers, None
 
 
+def partial_rope_dim(c: HFConfig, head_dim: int, default: float = 1.0) -> int | None:
+    """Rotary dims per head from ``partial_rotary_factor`` (in ``rope_parameters`` or at the top level; ``default``
+    when neither has it); None: all of them."""
+    rope = HFConfig(c.opt("rope_parameters", dict) or {}, f"{c.source} rope_parameters")
+    factor = rope.opt("partial_rotary_factor", float, c.opt("partial_rotary_factor", float, default))
+    dims = int(head_dim * factor)
+    if dims == head_dim:
+        return None
+    if dims % 2 or not 2 <= dims < head_dim:
+        raise ConfigError(f"{c.source}: partial_rotary_factor={factor} gives {dims} rotary dims of {head_dim}")
+    return dims
+
+
+# linear-attention (Gated DeltaNet) layers as the Qwen hybrids name them: config fields and tensors
+LINEAR_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+
+
+def linear_attention_fields(c: HFConfig) -> dict:
+    """ModelConfig's linear-attention sizes from those fields."""
+    return {f: c.req(f, int) for f in LINEAR_FIELDS} | {"linear_conv_kernel": c.opt("linear_conv_kernel_dim", int, 4)}
+
+
+# the mixer sits where attention does (layers.{i}.self_attn): its own names only
+LINEAR_ATTENTION_RULES = (
+    *(
+        Rule(f"model.layers.{{i}}.linear_attn.{m}.{{x}}", f"layers.{{i}}.self_attn.{m}.{{x}}")
+        for m in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj")
+    ),
+    *(Rule(f"model.layers.{{i}}.linear_attn.{m}", f"layers.{{i}}.self_attn.{m}") for m in ("dt_bias", "A_log")),
+)
+
+
+def plus_one(t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Load transform of RMSNorm weights stored zero-centred (the norm scales by 1 + w); moerl's scale by w."""
+    return t + 1
+
+
+def minus_one(t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    return t - 1
+
+
 def common_preset(p: Preset, architecture: str, model_type: str, bos: int, eos: int, pad: int) -> dict:
     """config.json fields shared by every family's preset."""
     return {

@@ -26,12 +26,25 @@ from pathlib import Path
 
 import torch
 
-from moerl.bridges.base import Bridge, HFConfig, Preset, Rule, common_fields, layer_types, sparse_layers
+from moerl.bridges.base import (
+    LINEAR_ATTENTION_RULES,
+    LINEAR_FIELDS,
+    Bridge,
+    HFConfig,
+    Preset,
+    Rule,
+    common_fields,
+    layer_types,
+    linear_attention_fields,
+    minus_one,
+    partial_rope_dim,
+    plus_one,
+    sparse_layers,
+)
 from moerl.errors import ConfigError, UnknownArchitectureError
 from moerl.model.config import ModelConfig
 
 TOL = 1e-4
-LINEAR_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
 SYNONYMS = {
     "num_experts": ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
     "top_k": ("num_experts_per_tok", "experts_per_token", "moe_k", "moe_topk"),
@@ -278,8 +291,8 @@ def derive(hf: dict, layout: Layout, variant: dict) -> Bridge:
             shared_expert_size=shared,
             shared_expert_gate=layout.shared_gate,
             attn_output_gate=layout.output_gate,
-            rope_dim=_rope_dim(c, f["head_dim"]),
-            **_linear_fields(c, layout),
+            rope_dim=partial_rope_dim(c, f["head_dim"]),
+            **(linear_attention_fields(c) if layout.linear is not None else {}),
         )
 
     hf_block = f"model.layers.{{i}}.{layout.block}"
@@ -298,7 +311,7 @@ def derive(hf: dict, layout: Layout, variant: dict) -> Bridge:
         rules.append(Rule(f"{hf_block}.experts.{{x}}", "layers.{i}.mlp.experts.{x}"))
     if layout.shared is not None:
         rules.append(Rule(f"{hf_block}.{layout.shared}.{{x}}", "layers.{i}.mlp.shared_experts.{x}"))
-    offset = {"load": _plus_one, "save": _minus_one} if variant.get("norm_offset") else {}
+    offset = {"load": plus_one, "save": minus_one} if variant.get("norm_offset") else {}
     if layout.qk_norm_names != ("q_norm", "k_norm") or offset:
         for theirs, ours in zip(layout.qk_norm_names, ("q_norm", "k_norm"), strict=True):
             rules.append(
@@ -310,12 +323,9 @@ def derive(hf: dict, layout: Layout, variant: dict) -> Bridge:
         rules.append(Rule("model.norm.weight", "norm.weight", **offset))
     fused = ()
     if layout.linear is not None:
-        from moerl.bridges.qwen3_5_moe import MIXER
         from moerl.bridges.qwen3_next import FUSED
 
-        mixer = "model.layers.{i}.linear_attn"
-        rules += [Rule(f"{mixer}.{m}.{{x}}", f"layers.{{i}}.self_attn.{m}.{{x}}") for m in MIXER]
-        rules += [Rule(f"{mixer}.{m}", f"layers.{{i}}.self_attn.{m}") for m in ("dt_bias", "A_log")]
+        rules += LINEAR_ATTENTION_RULES
         fused = FUSED if layout.linear == "fused" else ()
     if layout.shared_gate:
         rules.append(Rule(f"{hf_block}.shared_expert_gate.weight", "layers.{i}.mlp.shared_experts_gate.weight"))
@@ -327,34 +337,6 @@ def derive(hf: dict, layout: Layout, variant: dict) -> Bridge:
         rules=tuple(rules),
         fused=fused,
     )
-
-
-def _plus_one(t, cfg):  # RMSNorms that scale by 1 + w (the norm_offset variant)
-    return t + 1
-
-
-def _minus_one(t, cfg):
-    return t - 1
-
-
-def _rope_dim(c: HFConfig, head_dim: int) -> int | None:
-    """Rotary dims per head from ``partial_rotary_factor`` (top level or in rope_parameters); None: all."""
-    params = c.opt("rope_parameters", dict) or {}
-    factor = params.get("partial_rotary_factor", c.opt("partial_rotary_factor", float, 1.0))
-    dims = int(head_dim * factor)
-    if factor == 1.0 or dims == head_dim:
-        return None
-    if dims < 2 or dims % 2:
-        raise ConfigError(f"{c.source}: partial_rotary_factor={factor} gives {dims} rotary dims of {head_dim}")
-    return dims
-
-
-def _linear_fields(c: HFConfig, layout: Layout) -> dict:
-    """The linear-attention sizes, when the family has such layers."""
-    if layout.linear is None:
-        return {}
-    fields = {f: c.req(f, int) for f in LINEAR_FIELDS}
-    return fields | {"linear_conv_kernel": c.opt("linear_conv_kernel_dim", int, 4)}
 
 
 def _no_preset(p: Preset, bos: int, eos: int, pad: int) -> dict:
@@ -390,9 +372,8 @@ def tiny_config(hf: dict) -> dict:
         small["layer_types"] = small["layer_types"][: small["num_hidden_layers"]]
     if small.get("sliding_window"):
         small["sliding_window"] = min(small["sliding_window"], 8)
-    if (
-        "linear_num_key_heads" in small
-    ):  # linear-attention layers: 2 key heads, twice as many value heads if it has more
+    # linear-attention layers: 2 key heads, twice as many value heads if it has more
+    if "linear_num_key_heads" in small:
         more = (hf.get("linear_num_value_heads") or 0) > (hf.get("linear_num_key_heads") or 0)
         small |= {"linear_num_key_heads": 2, "linear_num_value_heads": 4 if more else 2}
         small |= {"linear_key_head_dim": 16, "linear_value_head_dim": 16}

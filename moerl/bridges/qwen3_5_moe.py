@@ -3,6 +3,7 @@ output gate from q_proj, partial RoPE, per-head q/k norms), 1 + w RMSNorms, soft
 k renormalised, and a shared expert behind a sigmoid gate in every layer."""
 
 from moerl.bridges.base import (
+    LINEAR_ATTENTION_RULES,
     Bridge,
     HFConfig,
     Preset,
@@ -11,9 +12,12 @@ from moerl.bridges.base import (
     common_preset,
     expert_rules,
     layer_types,
+    linear_attention_fields,
+    minus_one,
+    partial_rope_dim,
+    plus_one,
 )
 from moerl.bridges.registry import register
-from moerl.errors import ConfigError
 from moerl.model.config import ModelConfig
 
 ARCH = "Qwen3_5MoeForCausalLM"
@@ -34,13 +38,6 @@ def hybrid_config(c: HFConfig, **mlp) -> ModelConfig:
         every = c.opt("full_attention_interval", int, 4)
         c = HFConfig(c.data | {"layer_types": _pattern(n, every)}, c.source)
     types, _ = layer_types(c, n, linear=True)
-    rope = HFConfig(c.opt("rope_parameters", dict) or {}, f"{c.source} rope_parameters")
-    partial = rope.opt("partial_rotary_factor", float, c.opt("partial_rotary_factor", float, 0.25))
-    rope_dim = int(f["head_dim"] * partial)
-    if rope_dim % 2 or not 0 < rope_dim <= f["head_dim"]:
-        raise ConfigError(
-            f"{c.source}: partial_rotary_factor={partial} gives {rope_dim} rotary dims of {f['head_dim']}"
-        )
     bias = c.opt("attention_bias", bool, False)
     return ModelConfig(
         **f,
@@ -52,15 +49,11 @@ def hybrid_config(c: HFConfig, **mlp) -> ModelConfig:
         o_bias=bias,
         qk_norm="head",
         attn_output_gate=True,
-        rope_dim=None if rope_dim == f["head_dim"] else rope_dim,
+        rope_dim=partial_rope_dim(c, f["head_dim"], default=0.25),  # the config's own default
         layer_types=types,
         shared_expert_size=c.req("shared_expert_intermediate_size", int),
         shared_expert_gate=True,
-        linear_num_key_heads=c.req("linear_num_key_heads", int),
-        linear_num_value_heads=c.req("linear_num_value_heads", int),
-        linear_key_head_dim=c.req("linear_key_head_dim", int),
-        linear_value_head_dim=c.req("linear_value_head_dim", int),
-        linear_conv_kernel=c.opt("linear_conv_kernel_dim", int, 4),
+        **linear_attention_fields(c),
     )
 
 
@@ -84,35 +77,21 @@ def preset_config(p: Preset, bos: int, eos: int, pad: int) -> dict:
     }
 
 
-def _plus_one(t, cfg):  # the checkpoint's norms scale by 1 + w (zero-centred); moerl's by w
-    return t + 1
-
-
-def _minus_one(t, cfg):
-    return t - 1
-
-
 NORMS = ("input_layernorm", "post_attention_layernorm")
-MIXER = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj")
 
 HYBRID_RULES = (
-    *(
-        Rule(f"model.layers.{{i}}.{n}.weight", f"layers.{{i}}.{n}.weight", load=_plus_one, save=_minus_one)
-        for n in NORMS
-    ),
+    *(Rule(f"model.layers.{{i}}.{n}.weight", f"layers.{{i}}.{n}.weight", load=plus_one, save=minus_one) for n in NORMS),
     *(
         Rule(
             f"model.layers.{{i}}.self_attn.{n}.weight",
             f"layers.{{i}}.self_attn.{n}.weight",
-            load=_plus_one,
-            save=_minus_one,
+            load=plus_one,
+            save=minus_one,
         )
         for n in ("q_norm", "k_norm")
     ),
-    Rule("model.norm.weight", "norm.weight", load=_plus_one, save=_minus_one),
-    # the linear-attention mixer sits where attention does (layers.{i}.self_attn): its own names only
-    *(Rule(f"model.layers.{{i}}.linear_attn.{n}.{{x}}", f"layers.{{i}}.self_attn.{n}.{{x}}") for n in MIXER),
-    *(Rule(f"model.layers.{{i}}.linear_attn.{n}", f"layers.{{i}}.self_attn.{n}") for n in ("dt_bias", "A_log")),
+    Rule("model.norm.weight", "norm.weight", load=plus_one, save=minus_one),
+    *LINEAR_ATTENTION_RULES,
     Rule("model.layers.{i}.mlp.gate.weight", "layers.{i}.mlp.router.weight"),
     Rule("model.layers.{i}.mlp.shared_expert.{x}", "layers.{i}.mlp.shared_experts.{x}"),
     Rule("model.layers.{i}.mlp.shared_expert_gate.weight", "layers.{i}.mlp.shared_experts_gate.weight"),

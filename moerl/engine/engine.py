@@ -292,9 +292,8 @@ class LLMEngine:
 
     def _release_cache(self) -> None:
         self.cache.release()
-        if (
-            torch.device(self.cache.device).type == "cuda"
-        ):  # back to the device, not only to torch's cache: the trainer allocates next
+        # back to the device, not only to torch's cache: the trainer allocates next
+        if torch.device(self.cache.device).type == "cuda":
             torch.cuda.empty_cache()
 
     def _step(self, hook: Callable[[Sequence, int, str | None], None] | None = None) -> int:

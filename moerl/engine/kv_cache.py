@@ -34,12 +34,13 @@ class LinearStates:
             i: torch.zeros(slots, conv_dim, cfg.linear_conv_kernel - 1, dtype=dtype, device=device) for i in layers
         }
         self.state = {i: torch.zeros(slots, *state, device=device) for i in layers}
+        self.pools = [*self.conv.values(), *self.state.values()]
         self.free = list(range(slots - 1, -1, -1))
-        self.nbytes = sum(t.numel() * t.element_size() for t in [*self.conv.values(), *self.state.values()])
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.pools)
 
     def take(self) -> int:
         slot = self.free.pop()
-        for t in [*self.conv.values(), *self.state.values()]:
+        for t in self.pools:
             t[slot].zero_()
         return slot
 
@@ -48,7 +49,7 @@ class LinearStates:
             self.free.append(slot)
 
     def copy(self, src: int, dst: int) -> None:
-        for t in [*self.conv.values(), *self.state.values()]:
+        for t in self.pools:
             t[dst].copy_(t[src])
 
 

@@ -78,15 +78,21 @@ def delta_rule_step(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tensor
     return (s * q[..., None]).sum(-2), s
 
 
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None):
+def causal_conv(
+    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None, lengths: torch.Tensor | None = None
+):
     """Depthwise causal conv1d then SiLU: x [B, T, C], weight [C, 1, K]; ``state`` [B, C, K-1] holds the previous
-    K-1 inputs (None: zeros). Returns (y [B, T, C], the last K-1 inputs as the next state)."""
+    K-1 inputs (None: zeros). Returns (y [B, T, C], the last K-1 inputs as the next state: those up to each row's
+    ``lengths`` [B] real inputs, when given, so padding after them stays out)."""
     kk = weight.shape[-1]
     xt = x.transpose(1, 2)
     past = torch.zeros(*xt.shape[:2], kk - 1, dtype=xt.dtype, device=xt.device) if state is None else state
     full = torch.cat([past.to(xt.dtype), xt], dim=-1)
     y = F.conv1d(full, weight.to(xt.dtype), groups=xt.shape[1])
-    return F.silu(y).transpose(1, 2), full[..., full.shape[-1] - (kk - 1) :]
+    if lengths is None:
+        return F.silu(y).transpose(1, 2), full[..., full.shape[-1] - (kk - 1) :]
+    at = lengths[:, None] + torch.arange(kk - 1, device=x.device)[None, :]  # full's columns [len, len + K - 1)
+    return F.silu(y).transpose(1, 2), full.gather(2, at[:, None, :].expand(-1, full.shape[1], -1))
 
 
 class GatedRMSNorm(nn.Module):
@@ -185,12 +191,8 @@ class GatedDeltaNet(nn.Module):
         states, slots, real = cache.cache.states, cache.state_slots, cache.real
         conv_pool, state_pool = states.conv[self.layer], states.state[self.layer]
         inputs = self.in_proj_qkv(x) * real[..., None]
-        mixed, _ = causal_conv(inputs, self.conv1d.weight, conv_pool[slots])
-        # the next window: the last K-1 real inputs (the old window first, for rows shorter than it)
-        kk = conv_pool.shape[-1]
-        full = torch.cat([conv_pool[slots], inputs.transpose(1, 2).to(conv_pool.dtype)], dim=-1)
-        at = cache.lengths[:, None] + torch.arange(kk, device=x.device)[None, :]
-        conv_pool[slots] = full.gather(2, at[:, None, :].expand(-1, full.shape[1], -1))
+        mixed, window = causal_conv(inputs, self.conv1d.weight, conv_pool[slots], cache.lengths)
+        conv_pool[slots] = window.to(conv_pool.dtype)
         q, k, v, g, beta = self._heads(mixed, x)
         g, beta = g * real[..., None], beta * real[..., None]
         if x.shape[1] == 1:

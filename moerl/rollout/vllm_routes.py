@@ -100,7 +100,6 @@ class RouteRecorder:
         # (request keys, each token's index into them, its position, its rows [tokens, L_moe, k]) per step
         self.log: list[tuple[list[str], torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.have: dict[str, int] = {}  # request key -> positions recorded
-        self.keys: dict[str, str] = {}  # vLLM's request id -> request key
         self.n = 0  # tokens of the step in flight
         if any(r.capture_fn is None for r in self.routers):
             raise RuntimeError("moerl R3: the vLLM model's routers are not hooked (not a moerl fp32-router model)")
@@ -144,7 +143,7 @@ class RouteRecorder:
         owner = torch.repeat_interleave(torch.arange(num), counts)
         keys, keep = [], None
         for i, rid in enumerate(batch.req_ids[:num]):
-            key = self.keys.get(rid) or self.keys.setdefault(rid, request_key(rid))
+            key = request_key(rid)
             keys.append(key)
             if counts[i] == 0:
                 continue
@@ -171,7 +170,7 @@ class RouteRecorder:
 
     def take(self) -> dict[str, list]:
         """Every request's rows so far, forgotten here: key -> [dtype, shape, bytes] (the RPC carries no tensors)."""
-        log, self.log, self.have, self.keys = self.log, [], {}, {}
+        log, self.log, self.have = self.log, [], {}
         if not log:
             return {}
         index: dict[str, int] = {}
