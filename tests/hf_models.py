@@ -285,3 +285,66 @@ HYBRID_CONFIGS["Qwen3NextForCausalLM"] = HYBRID_CONFIGS["Qwen3_5MoeForCausalLM"]
 )
 HYBRID_ARCHS = list(HYBRID_CONFIGS)
 CONFIGS |= HYBRID_CONFIGS
+
+# 2026 families with no bridge file: the derived path (moerl.bridges.derived) loads them from their config and
+# tensor names alone. Each switches on knobs moerl has under that family's own names.
+DERIVED_CONFIGS = {
+    # GLM-4.5: DeepSeek-V3 routing (sigmoid, selection bias as a buffer, groups, scaling), per-head q/k norms behind
+    # a use_qk_norm switch, partial RoPE, first layer dense, a multi-token-prediction layer count
+    "Glm4MoeForCausalLM": dict(
+        model_type="glm4_moe", hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=1.8,
+        norm_topk_prob=True, use_qk_norm=True, partial_rotary_factor=0.5, num_nextn_predict_layers=1,
+        vocab_size=VOCAB,
+    ),
+    # GLM-4.7-Flash: latent attention with DeepSeek-V3 routing, dense / sparse layers listed per layer
+    "Glm4MoeLiteForCausalLM": dict(
+        model_type="glm4_moe_lite", hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"], num_attention_heads=4,
+        num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=1,
+        topk_group=1, routed_scaling_factor=1.8, norm_topk_prob=True, q_lora_rank=32, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True, vocab_size=VOCAB,
+    ),
+    # MiniMax-M2: sigmoid selection with the correction bias a buffer of the MoE block, q/k norms over the whole
+    # projection, partial RoPE spelled rotary_dim, w1 / w3 / w2 experts
+    "MiniMaxM2ForCausalLM": dict(
+        model_type="minimax_m2", hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, rotary_dim=8, num_local_experts=8, num_experts_per_tok=2,
+        scoring_func="sigmoid", vocab_size=VOCAB,
+    ),
+    # Granite-4-style muP: embedding / residual / attention multipliers, logits scaling, a shared dense MLP beside
+    # the MoE block with its gate and up rows fused in one input_linear
+    "GraniteMoeSharedForCausalLM": dict(
+        model_type="granitemoeshared", hidden_size=64, intermediate_size=32, shared_intermediate_size=48,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+        num_experts_per_tok=2, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625,
+        logits_scaling=6.0, vocab_size=VOCAB,
+    ),
+    # EXAONE-MoE: three sliding-window layers then a full one that rotates nothing, dense first layer, a shared
+    # expert, DeepSeek-V3 routing with the bias at the block
+    "ExaoneMoeForCausalLM": dict(
+        model_type="exaone_moe", hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+        num_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"], sliding_window=4, sliding_window_pattern=4,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"], n_group=1, topk_group=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, vocab_size=VOCAB,
+    ),
+    # HY-V3: the router under router.gate, its bias stored as expert_bias, the top-k always renormalised (no
+    # field says so), router_scaling_factor, a shared MLP
+    "HYV3ForCausalLM": dict(
+        model_type="hy_v3", hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        mlp_layer_types=["dense", "sparse"], num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=8, num_shared_experts=1, num_experts_per_tok=2, router_scaling_factor=2.826, vocab_size=VOCAB,
+    ),
+    # Solar-Open: DeepSeek-V3 routing under its names, shared experts, grouped-query attention
+    "SolarOpenForCausalLM": dict(
+        model_type="solar_open", hidden_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=1.5, norm_topk_prob=True,
+        vocab_size=VOCAB,
+    ),
+}  # fmt: skip
+DERIVED_ARCHS = list(DERIVED_CONFIGS)
+CONFIGS |= DERIVED_CONFIGS

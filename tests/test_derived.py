@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from hf_models import VOCAB, build_hf_model, hf_router_choices
+from hf_models import DERIVED_ARCHS, VOCAB, build_hf_model, hf_router_choices
 
 from moerl.bridges import derived, load_model
 from moerl.bridges import registry as bridge_registry
@@ -21,6 +21,8 @@ DERIVABLE = [
     "OlmoeForCausalLM",  # q/k norms over the whole projection, clip_qkv
     "FlexOlmoForCausalLM",  # post-sublayer norms
     "HunYuanMoEV1ForCausalLM",  # gate.wg router, shared_mlp, query_layernorm after the rotation
+    "GraniteMoeForCausalLM",  # muP multipliers, input_linear / output_linear experts
+    "DeepseekV3ForCausalLM",  # latent attention, sigmoid routing with a selection bias, expert groups, scaling
 ]
 
 
@@ -63,8 +65,8 @@ def test_derived_bridge_reproduces_the_hand_written_one(arch, without_bridge, tm
 def test_unknown_config_fields_and_tensors_are_refused_by_name(without_bridge, tmp_path):
     granite = json.loads(build_hf_model("GraniteMoeForCausalLM").config.to_json_string())
     without_bridge("GraniteMoeForCausalLM")
-    with pytest.raises(UnknownArchitectureError, match=r"'attention_multiplier', 'embedding_multiplier'.* not under"):
-        derived.prove(granite)
+    with pytest.raises(UnknownArchitectureError, match=r"'attention_logit_cap', 'router_temperature' are not under"):
+        derived.prove(granite | {"attention_logit_cap": 30.0, "router_temperature": 0.5})
     # a hybrid linear-attention family (derived since issue 26: tests/test_hybrid.py) with a field nobody reads
     from transformers import AutoConfig
 
@@ -132,7 +134,8 @@ def test_check_arch_refuses_a_checkpoint_its_config_does_not_describe(case, with
 BAD_VALUES = [
     ("hidden_size", "abc"), ("num_hidden_layers", None), ("num_experts_per_tok", -3), ("rms_norm_eps", 0),
     ("tie_word_embeddings", "yes"), ("sliding_window", 0), ("mlp_only_layers", 1.5), ("num_key_value_heads", 0),
-    ("vocab_size", [1, 2]), ("max_position_embeddings", {"a": 1}),
+    ("vocab_size", [1, 2]), ("max_position_embeddings", {"a": 1}), ("mlp_layer_types", ["dense", "moe"]),
+    ("n_group", 0), ("routed_scaling_factor", -1.0),
 ]  # fmt: skip
 
 
@@ -150,3 +153,110 @@ def test_check_arch_names_a_config_value_of_the_wrong_type_or_range(field, value
     assert main(["check-arch", str(tmp_path / "ckpt")]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("moerl: error: ") and field in err, err
+
+
+# the knob each 2026 family needs, set wrong on the loaded model: the tolerance must catch it
+KNOBS = {
+    "Glm4MoeForCausalLM": ("rope_dim", None),  # partial RoPE -> every dim rotates
+    "Glm4MoeLiteForCausalLM": ("rope_interleave", False),  # latent attention's rotary pairs
+    "MiniMaxM2ForCausalLM": ("rope_dim", None),  # the partial RoPE spelled rotary_dim -> every dim rotates
+    "GraniteMoeSharedForCausalLM": ("embedding_multiplier", 1.0),  # muP
+    "ExaoneMoeForCausalLM": ("nope_layers", []),  # the full-attention layer rotates after all
+    "HYV3ForCausalLM": ("norm_topk_prob", False),  # the renormalisation no field announces
+    "SolarOpenForCausalLM": ("routed_scaling_factor", 1.0),
+}
+
+
+@pytest.mark.parametrize("arch", DERIVED_ARCHS)
+def test_families_of_2026_load_with_no_bridge_file(arch, tmp_path):
+    """Families published this year built only of knobs moerl computes, under their own field and tensor names
+    (DeepSeek-V3 routing, latent attention, muP with a shared MLP, a selection bias kept as a buffer, full q/k
+    norms with partial RoPE, sliding layers beside full ones without RoPE): loaded with no bridge file at fp32
+    1e-4 of transformers with the same experts chosen; the knob set wrong, or the selection bias zeroed, misses."""
+    import dataclasses
+
+    from moerl.model.transformer import MoEModel
+
+    assert arch not in bridge_registry.supported()
+    hf = build_hf_model(arch)
+    hf.save_pretrained(tmp_path)
+    ids = _ids()
+    ref, choices = hf_router_choices(hf, ids)
+    model = load_model(tmp_path, torch.float32)
+    with torch.no_grad():
+        out = model(ids, capture=True)
+        assert (out.logits - ref).abs().max() <= 1e-4
+        assert len(choices) == len(model.moe_layer_ids)
+        for j, choice in enumerate(choices):
+            assert torch.equal(
+                out.routed[:, :, j].reshape(-1, model.config.top_k).sort(-1).values, choice.sort(-1).values
+            )
+        field, wrong = KNOBS[arch]
+        off = MoEModel(dataclasses.replace(model.config, **{field: wrong}), torch.float32)
+        off.load_state_dict(model.state_dict())
+        assert (off(ids).logits - ref).abs().max() > 1e-4, field
+        if model.config.score_correction_bias:
+            for layer in model.layers:
+                if layer.is_moe:
+                    layer.mlp.router.e_score_correction_bias.zero_()
+            unbiased = model(ids, capture=True).routed
+            assert any(
+                not torch.equal(unbiased[:, :, j].reshape(-1, model.config.top_k).sort(-1).values, c.sort(-1).values)
+                for j, c in enumerate(choices)
+            )
+
+
+def _default_config(model_type: str, **changes) -> dict:
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    hf = AutoConfig.for_model(model_type).to_dict() | {"architectures": [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]}
+    return {k: v for k, v in (hf | changes).items() if v is not None or k not in changes}
+
+
+REFUSED = [  # (model_type, config changes, the feature the refusal names)
+    ("longcat_flash", {}, "zero-computation experts"),
+    ("kimi_linear", {}, "linear-attention layers other than Gated DeltaNet"),
+    ("minimax", {}, "lightning linear-attention layers"),
+    ("deepseek_v32", {}, "indexed sparse attention"),
+    ("lfm2_moe", {}, "short-convolution layers"),
+    ("llama4_text", {}, "chunked attention; attention temperature tuning"),
+    ("afmoe", {}, "sandwich norms"),  # by its tensors
+    ("mimo_v2_flash", {}, "scaled attention values"),
+    ("qwen3_moe", {"v_head_dim": 32}, "latent-attention field.* 'v_head_dim' without latent-attention tensors"),
+    ("mellum", {"layer_types": ["sliding_attention", "full_attention"]}, "a RoPE per layer kind"),
+]
+
+
+@pytest.mark.parametrize(("model_type", "changes", "feature"), REFUSED, ids=[r[0] for r in REFUSED])
+def test_a_family_needing_what_moerl_lacks_is_refused_naming_the_feature(model_type, changes, feature):
+    """Not "fields not understood": the refusal says which feature (zero-computation experts, another linear
+    attention, an indexer, ...) the decoder does not compute, from the config or the tensor names."""
+    hf = _default_config(model_type, **changes)
+    if model_type == "qwen3_moe":
+        hf |= {"num_experts": 8, "num_experts_per_tok": 2}
+    with pytest.raises(UnknownArchitectureError, match=feature):
+        derived.prove(hf)
+
+
+@pytest.mark.parametrize(
+    "arch", ["ExaoneMoeForCausalLM", "Glm4MoeLiteForCausalLM", "GraniteMoeSharedForCausalLM", "MiniMaxM2ForCausalLM"]
+)
+def test_a_derived_family_decodes_in_the_engine_as_its_full_forward(arch, tmp_path):
+    """The engine serves a derived family (sliding layers beside NoPE ones through the paged cache, latent
+    attention, muP with a shared MLP, a buffer bias): each sampled token's logprobs and experts as a full forward
+    of the finished sequence gives them (k3 <= 1e-6 fp32, routing equal)."""
+    from test_engine import full_forward_check
+
+    from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
+
+    build_hf_model(arch).save_pretrained(tmp_path)
+    config = EngineConfig(max_num_seqs=4, max_model_len=48, block_size=4, max_num_batched_tokens=8)
+    engine = LLMEngine(tmp_path, config, torch.float32)
+    prompts = [torch.randint(4, 100, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 9, 14)]
+    outs = engine.generate(
+        [Request(p, SamplingParams(temperature=0.8, max_tokens=10, seed=i)) for i, p in enumerate(prompts)]
+    )
+    for out in outs:
+        kl, routed_ok = full_forward_check(engine.model, out, temperature=0.8)
+        assert kl <= 1e-6 and routed_ok, (kl, routed_ok)

@@ -5,7 +5,7 @@ negative control per knob; packing restarts the state at every sequence start an
 
 import pytest
 import torch
-from hf_models import HYBRID_ARCHS, VOCAB, build_hf_model, hf_router_choices
+from hf_models import HYBRID_ARCHS, HYBRID_CONFIGS, VOCAB, build_hf_model, hf_router_choices
 from transformers.models.qwen3_next import modeling_qwen3_next as ref
 
 from moerl.bridges import load_model
@@ -330,6 +330,59 @@ def test_the_derived_bridge_knows_linear_attention_layers(arch, tmp_path):
     _, variant, layout = prove(hf)
     assert layout.linear == ("fused" if arch == "Qwen3NextForCausalLM" else "split") and layout.output_gate
     assert variant["norm_offset"]
+
+
+def _multimodal_qwen3_5(path):
+    """A tiny Qwen3_5MoeForConditionalGeneration (vision tower and text model) saved at ``path``, random weights."""
+    from transformers import AutoConfig, Qwen3_5MoeForConditionalGeneration
+
+    text = {k: v for k, v in HYBRID_CONFIGS["Qwen3_5MoeForCausalLM"].items() if k != "model_type"}
+    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64)
+    torch.manual_seed(0)
+    model = Qwen3_5MoeForConditionalGeneration(
+        AutoConfig.for_model("qwen3_5_moe", text_config=text, vision_config=vision)
+    ).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            scale = 0.02 if p.ndim >= 2 else 0.1
+            p.copy_(torch.randn(p.shape, generator=gen) * scale + (1.0 if name.endswith("layernorm.weight") else 0.0))
+    model.save_pretrained(path)
+    return model
+
+
+def test_the_multimodal_checkpoint_loads_its_language_model(tmp_path):
+    """Qwen3.5-MoE as released (``...ForConditionalGeneration``: ``model.language_model.*`` beside
+    ``model.visual.*``): moerl loads the text model from ``text_config`` and skips the vision tower by name; fp32
+    logits of a text prompt within 1e-4 of transformers' multimodal model. Controls: a vision tensor changed
+    changes nothing, a language-model tensor changed misses; a text model_type nobody knows is refused by name."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from moerl.errors import CheckpointError
+
+    hf = _multimodal_qwen3_5(tmp_path / "mm")
+    ids = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = hf(input_ids=ids).logits
+        model = load_model(tmp_path / "mm", torch.float32)
+        assert model.hf_config["architectures"] == ["Qwen3_5MoeForCausalLM"]
+        assert (model(ids).logits - want).abs().max() <= FP32_TOL
+        file = tmp_path / "mm" / "model.safetensors"
+        tensors = load_file(file)
+        tensors["model.visual.merger.linear_fc2.weight"] += 1.0
+        save_file(tensors, file, metadata={"format": "pt"})
+        assert (load_model(tmp_path / "mm", torch.float32)(ids).logits - want).abs().max() <= FP32_TOL
+        tensors["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"] += 0.05
+        save_file(tensors, file, metadata={"format": "pt"})
+        assert (load_model(tmp_path / "mm", torch.float32)(ids).logits - want).abs().max() > FP32_TOL
+    config = tmp_path / "mm" / "config.json"
+    data = json.loads(config.read_text())
+    data["text_config"]["model_type"] = "qwen9_moe_text"
+    config.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match=r"text_config has model_type 'qwen9_moe_text': no causal language"):
+        load_model(tmp_path / "mm", torch.float32)
 
 
 @pytest.fixture(scope="module")

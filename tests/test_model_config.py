@@ -76,6 +76,10 @@ REFUSED = [
     ),
     (HYBRID, dict(linear_conv_kernel=0), "linear_key_head_dim", "a conv kernel >= 1"),
     (GQA, dict(layer_types=["mamba", "full"]), "layer_types", "entries allowed: full, sliding, linear"),
+    (GQA, dict(nope_layers=[2]), "nope_layers", r"indices must lie in \[0, 2\), each once"),
+    (GQA, dict(nope_layers=[1, 1]), "nope_layers", "each once"),
+    (MLA, dict(nope_layers=[0]), "nope_layers", "not built for attention='mla'"),
+    (HYBRID, dict(nope_layers=[0]), "nope_layers", "lists a linear-attention layer"),
 ]
 
 
@@ -89,6 +93,7 @@ ACCEPTED = [
     GQA | dict(n_group=2, topk_group=1, group_score="max", qk_norm="head", qk_norm_after_rope=True),
     GQA | dict(scoring="sparsemixer", norm="layer", norm_placement="post", mlp_bias=True, lm_head_bias=True),
     HYBRID | dict(linear_conv_kernel=3),
+    GQA | dict(nope_layers=[1], rope_dim=2),  # a layer without RoPE beside a partially rotated one
 ]
 
 

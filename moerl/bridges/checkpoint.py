@@ -14,6 +14,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from moerl.bridges.base import Bridge, HFConfig, Rule, match
+from moerl.bridges.multimodal import is_multimodal, text_config, text_name
 from moerl.bridges.quantized import dequantize, pairs, quantization
 from moerl.bridges.registry import get_bridge
 from moerl.errors import CheckpointError
@@ -55,7 +56,17 @@ def read_config(path: str | os.PathLike) -> dict:
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise CheckpointError(f"{cfg_file} does not exist: not a Hugging Face checkpoint directory")
-    return _read_json(cfg_file)
+    hf = _read_json(cfg_file)
+    if isinstance(hf, dict) and is_multimodal(hf):  # its language model: moerl.bridges.multimodal
+        return text_config(hf, str(cfg_file))
+    return hf
+
+
+def _renamer(path: Path):
+    """How the tensors of checkpoint ``path`` are named for the bridge: a multimodal checkpoint's language-model
+    tensors as the text checkpoint's (the others: None, skipped); else as stored."""
+    hf = _read_json(path / "config.json") if (path / "config.json").is_file() else {}
+    return text_name if isinstance(hf, dict) and is_multimodal(hf) else (lambda name: name)
 
 
 def load_tokenizer(path: str | os.PathLike):
@@ -101,7 +112,9 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def iter_tensors(path: Path) -> Iterator[tuple[str, Path, callable]]:
-    """(name, file, loader) for every tensor; the loader reads that one tensor only."""
+    """(name, file, loader) for every tensor (named for the bridge: ``_renamer``); the loader reads that one tensor
+    only."""
+    rename = _renamer(path)
     for file in _weight_files(path):
         try:
             handle = safe_open(file, framework="pt")
@@ -109,6 +122,8 @@ def iter_tensors(path: Path) -> Iterator[tuple[str, Path, callable]]:
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"{file} is not a readable safetensors file (truncated or corrupt?): {e}") from None
         for name in names:
+            if (ours := rename(name)) is None:
+                continue
 
             def load(handle=handle, name=name, file=file):
                 try:
@@ -116,7 +131,7 @@ def iter_tensors(path: Path) -> Iterator[tuple[str, Path, callable]]:
                 except (SafetensorError, OSError, ValueError, RuntimeError) as e:
                     raise CheckpointError(f"tensor {name!r} in {file} cannot be read (corrupt file?): {e}") from None
 
-            yield name, file, load
+            yield ours, file, load
 
 
 def unfused(bridge: Bridge, name: str, load, cfg: ModelConfig) -> list[tuple[str, callable]]:
@@ -186,12 +201,13 @@ def resolve(bridge: Bridge, params: dict, name: str) -> tuple[Rule, dict, str, t
 
 def _header_shapes(path: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
     """Every tensor's (file, shape), from the safetensors headers only."""
-    out = {}
+    out, rename = {}, _renamer(path)
     for file in _weight_files(path):
         try:
             with safe_open(file, framework="pt") as handle:
                 for name in handle.keys():
-                    out[name] = (file, tuple(handle.get_slice(name).get_shape()))
+                    if (ours := rename(name)) is not None:
+                        out[ours] = (file, tuple(handle.get_slice(name).get_shape()))
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"{file} is not a readable safetensors file (truncated or corrupt?): {e}") from None
     return out

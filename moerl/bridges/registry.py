@@ -34,6 +34,17 @@ def bridge_for_arch(arch: str) -> Bridge:
     )
 
 
+def text_architecture(model_type: str) -> str | None:
+    """The causal-LM architecture of a text model_type: a bridge's, else transformers' (then derived)."""
+    _load_families()
+    for bridge in _BRIDGES.values():
+        if bridge.model_type == model_type:
+            return bridge.architectures[0]
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+
+
 def get_bridge(hf_config: dict, source: str = "config.json") -> Bridge:
     """The bridge for a config.json dict, from its ``architectures`` list."""
     archs = hf_config.get("architectures")

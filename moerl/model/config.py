@@ -77,6 +77,7 @@ class ModelConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     rope_dim: int | None = None  # rotated dims per head (None: all of head_dim)
     rope_interleave: bool = False  # rotary pairs stored interleaved (DeepSeek, Ernie-4.5)
+    nope_layers: list[int] = field(default_factory=list)  # attention layers that rotate nothing (EXAONE's full ones)
     # multi-head latent attention (DeepSeek-V3)
     q_lora_rank: int | None = None
     kv_lora_rank: int = 0
@@ -145,6 +146,12 @@ class ModelConfig:
                 raise self._bad("linear_key_head_dim", "linear layers need head dims and a conv kernel >= 1")
         if "sliding" in self.layer_types and not self.sliding_window:
             raise self._bad("sliding_window", "sliding layers need a window > 0")
+        if any(not 0 <= i < self.num_layers for i in self.nope_layers) or len(set(self.nope_layers)) != len(
+            self.nope_layers
+        ):
+            raise self._bad("nope_layers", f"indices must lie in [0, {self.num_layers}), each once")
+        if any(self.layer_types[i] == "linear" for i in self.nope_layers):
+            raise self._bad("nope_layers", "lists a linear-attention layer (it has no RoPE to drop)")
         if any(not 0 <= i < self.num_layers for i in self.moe_layers):
             raise self._bad("moe_layers", f"indices must lie in [0, {self.num_layers})")
         if self.moe_layers and not 1 <= self.top_k <= self.num_experts:
@@ -212,6 +219,7 @@ class ModelConfig:
                 ("rope_dim", None),
                 ("qk_norm_after_rope", False),
                 ("attn_output_gate", False),
+                ("nope_layers", []),
             )
             self._only_defaults("for attention='mla'", mla_defaults)
         if self.clip_qkv is not None and not self.clip_qkv > 0:

@@ -85,7 +85,7 @@ class Attention(nn.Module):
         super().__init__()
         h, nh, nkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, d
-        self.rope_dim = cfg.rope_dim or d
+        self.rope_dim = 0 if layer in cfg.nope_layers else (cfg.rope_dim or d)  # 0: a layer without RoPE
         self.output_gate = cfg.attn_output_gate  # q_proj yields [q | gate] per head
         self.q_proj = Linear(h, nh * d * (2 if self.output_gate else 1), bias=cfg.qkv_bias)
         self.k_proj = Linear(h, nkv * d, bias=cfg.qkv_bias)
@@ -125,7 +125,7 @@ class Attention(nn.Module):
         # interleaved pairs come out in rotate-half order: q and k alike, so q . k is unchanged
         if r == self.head_dim:
             qk = apply_rope(qk, cos, sin, self.interleave)
-        else:  # partial rotary: only the first r dims of each head rotate
+        elif r:  # partial rotary: only the first r dims of each head rotate
             qk = torch.cat([apply_rope(qk[..., :r], cos, sin, self.interleave), qk[..., r:]], dim=-1)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=2)
         if self.qk_norm_after_rope:  # HunYuan-MoE-V1 (refused with interleaved pairs: they come out reordered)
