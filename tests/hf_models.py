@@ -345,6 +345,13 @@ DERIVED_CONFIGS = {
         num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=1.5, norm_topk_prob=True,
         vocab_size=VOCAB,
     ),
+    # GraniteMoeSWA: muP, a shared MLP, sliding layers beside full ones, sinks, a RoPE theta per layer (0: NoPE)
+    "GraniteMoeSWAForCausalLM": dict(
+        model_type="granitemoe_swa", hidden_size=64, intermediate_size=32, shared_intermediate_size=48,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+        num_experts_per_tok=2, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.25,
+        logits_scaling=6.0, sliding_window=4, layer_rope_theta=[0, 10000.0, 10000.0, 10000.0], vocab_size=VOCAB,
+    ),
 }  # fmt: skip
 DERIVED_ARCHS = list(DERIVED_CONFIGS)
 CONFIGS |= DERIVED_CONFIGS

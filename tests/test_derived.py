@@ -164,6 +164,7 @@ KNOBS = {
     "ExaoneMoeForCausalLM": ("nope_layers", []),  # the full-attention layer rotates after all
     "HYV3ForCausalLM": ("norm_topk_prob", False),  # the renormalisation no field announces
     "SolarOpenForCausalLM": ("routed_scaling_factor", 1.0),
+    "GraniteMoeSWAForCausalLM": ("nope_layers", []),  # layer_rope_theta 0: that layer rotates nothing
 }
 
 
@@ -179,6 +180,10 @@ def test_families_of_2026_load_with_no_bridge_file(arch, tmp_path):
 
     assert arch not in bridge_registry.supported()
     hf = build_hf_model(arch)
+    with torch.no_grad():  # sharper attention than the 0.02 init gives, so that where RoPE goes shows
+        for name, p in hf.named_parameters():
+            if name.endswith(derived.SHARP):
+                p.mul_(8)
     hf.save_pretrained(tmp_path)
     ids = _ids()
     ref, choices = hf_router_choices(hf, ids)
@@ -260,3 +265,22 @@ def test_a_derived_family_decodes_in_the_engine_as_its_full_forward(arch, tmp_pa
     for out in outs:
         kl, routed_ok = full_forward_check(engine.model, out, temperature=0.8)
         assert kl <= 1e-6 and routed_ok, (kl, routed_ok)
+
+
+def test_the_proof_perturbs_the_buffers_a_checkpoint_holds(monkeypatch):
+    """GLM-4.5's selection bias is a buffer (``mlp.gate.e_score_correction_bias``): the proof randomises it like the
+    parameters, so a bridge that leaves it out (the model keeps zeros) is refused (left at transformers' zeros on
+    both sides, that bridge would pass)."""
+    import dataclasses
+
+    hf = json.loads(build_hf_model("Glm4MoeForCausalLM").config.to_json_string())
+    real_derive = derived.derive
+
+    def without_bias(hf, layout, variant):  # the selection bias read from the checkpoint but never placed
+        bridge = real_derive(hf, dataclasses.replace(layout, correction_bias=None), variant)
+        return dataclasses.replace(bridge, ignore=lambda name, cfg: name.endswith("e_score_correction_bias"))
+
+    derived.prove(hf)  # the bridge as derived
+    monkeypatch.setattr(derived, "derive", without_bias)
+    with pytest.raises(UnknownArchitectureError, match=r"no variant matches transformers .*first difference: layer"):
+        derived.prove(hf)

@@ -78,7 +78,7 @@ READ = {
     # q/k norms on or off (the tensors tell), dense / sparse MLP per layer, the sliding period, MiniMax's rotary
     "use_qk_norm", "mlp_layer_types", "sliding_window_pattern", "rotary_dim", "global_attn_every_n_layers",
     # the first layers dense (AFMoE), muP's embedding scale by sqrt(hidden_size) as a switch (AFMoE)
-    "num_dense_layers", "mup_enabled",
+    "num_dense_layers", "mup_enabled", "layer_rope_theta",
     *MUP, *MLA, "rope_interleave",
 }  # fmt: skip
 INERT = {  # fields that do not change the forward pass (ids, bookkeeping, training-only losses)
@@ -241,6 +241,7 @@ class Layout:
     fused_experts: str = "experts"  # 3D experts as experts.{gate_up_proj, down_proj} | "linear": {input, output}_linear
     shared_at_layer: bool = False  # the shared MLP sits beside the MoE block (model.layers.{i}.shared_mlp)
     shared_fused: bool = False  # the shared MLP as input_linear (gate rows, then up rows) and output_linear
+    sinks: bool = False  # a learned sink logit per head (self_attn.sinks, GPT-OSS's)
 
 
 def read_layout(shapes: dict[str, tuple[int, ...]]) -> Layout:
@@ -321,6 +322,7 @@ def read_layout(shapes: dict[str, tuple[int, ...]]) -> Layout:
         correction_bias=correction_bias,
         fused_experts="linear" if any(p.endswith(f"{block}.input_linear.weight") for p in patterns) else "experts",
         shared_at_layer=shared_at_layer,
+        sinks=any(p.endswith("self_attn.sinks") for p in patterns),
         shared_fused=shared is not None and any(".shared_mlp.input_linear." in p for p in patterns),
     )
 
@@ -350,6 +352,15 @@ def moe_layers(c: HFConfig, n: int) -> list[int]:
 def _one_rope(c: HFConfig, types: list[str]) -> HFConfig:
     """``c`` with ``rope_parameters`` keyed by layer kind (MiMo, Mellum) reduced to the one RoPE its layers use;
     different RoPEs per kind are refused by name."""
+    thetas = [t for t in c.opt("layer_rope_theta", list, []) if t]  # GraniteMoeSWA: a theta per layer, 0 = NoPE
+    if thetas:
+        if len(set(thetas)) > 1:
+            raise UnknownArchitectureError(
+                f"{c.source}: layer_rope_theta differs between layers ({sorted(set(thetas))[:4]}): a RoPE per layer "
+                "is not computed by moerl's decoder"
+            )
+        params = dict(c.opt("rope_parameters", dict) or {}) | {"rope_theta": float(thetas[0])}
+        c = HFConfig(c.data | {"rope_parameters": params}, c.source)
     params = c.opt("rope_parameters", dict)
     if not params or not all(k in ("full_attention", "sliding_attention") for k in params):
         return c
@@ -402,6 +413,8 @@ def _attention(c: HFConfig, f: dict, layout: Layout, variant: dict, types: list[
     rotary = c.opt("rotary_dim", int)  # MiniMax-M2's spelling of a partial rotary
     rope_dim = partial_rope_dim(c, f["head_dim"]) if rotary is None else (None if rotary == f["head_dim"] else rotary)
     both = {"full", "sliding"} <= set(types)
+    nope = [i for i, t in enumerate(types) if t == "full"] if variant.get("nope_full") and both else []
+    nope += [i for i, theta in enumerate(c.opt("layer_rope_theta", list, [])) if theta == 0 and i not in nope]
     return dict(
         qkv_bias=layout.qkv_bias,
         o_bias=layout.o_bias,
@@ -411,7 +424,8 @@ def _attention(c: HFConfig, f: dict, layout: Layout, variant: dict, types: list[
         attn_output_gate=layout.output_gate,
         rope_dim=rope_dim,
         # EXAONE-MoE: with sliding layers, the full-attention ones rotate nothing (names cannot tell: a variant)
-        nope_layers=[i for i, t in enumerate(types) if t == "full"] if variant.get("nope_full") and both else [],
+        nope_layers=sorted(nope),
+        attention_sinks=layout.sinks,
         **({"attn_scale": c.req("attention_multiplier", float)} if "attention_multiplier" in c.data else {}),
     )
 
@@ -566,7 +580,7 @@ def tiny_config(hf: dict) -> dict:
         keep = max([keep, *(listed.index(k) + 1 for k in set(listed))])  # a layer of every kind
         kinds += listed
     small["num_hidden_layers"] = min(n, max(keep, 2), max(4, keep if kinds else 4))
-    for key in ("layer_types", "mlp_layer_types"):
+    for key in ("layer_types", "mlp_layer_types", "layer_rope_theta"):
         if isinstance(small.get(key), list):
             small[key] = small[key][: small["num_hidden_layers"]]
     if small.get("sliding_window"):
@@ -631,6 +645,9 @@ def _first_difference(model, bridge_hidden, ref_hidden, ours_routed, ref_choices
     return "the logits differ"
 
 
+SHARP = ("q_proj.weight", "k_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight")
+
+
 def prove(hf: dict) -> tuple[Bridge, dict, Layout]:
     """Derive the bridge for config ``hf`` and prove it on a tiny transformers instance; returns (bridge, variant,
     layout) or raises UnknownArchitectureError naming what could not be derived or where the proof failed."""
@@ -667,12 +684,13 @@ def prove(hf: dict) -> tuple[Bridge, dict, Layout]:
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in ref.named_parameters():
-            p.copy_(
-                torch.randn(p.shape, generator=gen) * (0.02 if p.ndim >= 2 else 0.1) + (1.0 if "norm" in name else 0.0)
-            )
-        for name, b in ref.named_buffers():  # a selection-only bias kept as a buffer: make it matter
-            if name.endswith("bias") and b.is_floating_point():
-                b.copy_(torch.randn(b.shape, generator=gen) * 0.05)
+            # q and k sharper than the rest: attention far from uniform, so where RoPE goes (or not) shows
+            scale = (0.16 if name.endswith(SHARP) else 0.02) if p.ndim >= 2 else 0.1
+            p.copy_(torch.randn(p.shape, generator=gen) * scale + (1.0 if "norm" in name else 0.0))
+        saved = set(ref.state_dict())  # every buffer the checkpoint holds (a selection bias): make it matter too
+        for name, b in ref.named_buffers():
+            if name in saved and b.is_floating_point():
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.05 + (1.0 if "norm" in name else 0.0))
     ids = torch.randint(0, small.get("vocab_size", 128), (2, 16), generator=gen)
     try:
         logits, choices, hidden = hf_forward(ref, ids)
