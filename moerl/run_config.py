@@ -68,7 +68,7 @@ class RolloutSection:
     vllm_args: dict = field(default_factory=dict)  # more vllm.LLM arguments (engine=vllm), e.g. enforce_eager: true
     dtype: str = "auto"  # engine compute dtype: auto (native engines: bf16 where native, else fp32; vLLM: bf16)
     device: str = "auto"  # native engines: auto (CUDA where present) | cpu | cuda | cuda:N; vLLM picks its own
-    compile_decode: bool = False  # native engines: decode steps through one torch.compile graph (full mode)
+    compile_decode: bool = False  # native engines: decode steps through one torch.compile graph (full, mxfp8)
 
     def __post_init__(self) -> None:
         _require(
@@ -306,10 +306,10 @@ class RunConfig:
                 f"{self.cluster.engine_restarts}: a restarted engine cannot rejoin the broadcast group; set "
                 "cluster.engine_restarts: 0 or use another transport"
             )
-        if r.compile_decode and self.policy.mode != "full":
+        if r.compile_decode and self.policy.mode == "lora":
             raise ConfigError(
-                f"config key 'rollout.compile_decode'=true with policy.mode={self.policy.mode!r}: the compiled decode "
-                "step covers the base model only (LoRA and MXFP8 engines decode eager)"
+                "config key 'rollout.compile_decode'=true with policy.mode='lora': the compiled decode step covers "
+                "full and mxfp8 engines (LoRA engines decode eager)"
             )
         batch = r.prompts_per_step * r.group_size
         if a.mini_batches > batch:

@@ -10,8 +10,8 @@ decode token 0 at position 0 into the cache's scratch block, never into a sequen
 does any batch larger than ``max_num_seqs`` (which the scheduler never forms).
 
 Inside the graph the routed experts take the dense path (every expert on every token, ``Experts._dense``) where
-that is cheap, else the grouped GEMM as one opaque op. Refused: LoRA slots and MXFP8 engines (their expert paths
-are not traced).
+that is cheap, else the grouped GEMM as one opaque op. MXFP8 engines' experts quantize their operands on either
+path, as eager. Refused: LoRA slots (their per-row slot choice is data-dependent Python, not traced).
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from __future__ import annotations
 import torch
 
 from moerl.engine.kv_cache import KVCache, StepView
-from moerl.errors import ConfigError
-from moerl.model.mx import MXExperts
 from moerl.model.transformer import MoEModel
 
 BUCKETS = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128)  # then multiples of 64
@@ -51,10 +49,7 @@ class CompiledDecode:
         if cache.scratch_block is None:
             raise ValueError("CompiledDecode needs a KVCache built with scratch=True")
         for i in model.moe_layer_ids:
-            experts = model.layers[i].mlp.experts
-            if isinstance(experts, MXExperts):
-                raise ConfigError("EngineConfig.compile_decode: not built for MXFP8 engines (eager decode only)")
-            experts.dense_in_graph = dense_experts_pay(model)
+            model.layers[i].mlp.experts.dense_in_graph = dense_experts_pay(model)
         self.model, self.cache, self.capture = model, cache, capture
         cuda = model.embed_tokens.weight.is_cuda
         self._graph = torch.compile(self._forward, dynamic=True, mode="reduce-overhead" if cuda else None)

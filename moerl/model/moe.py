@@ -201,14 +201,19 @@ class Experts(nn.Module):
     def _dense(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, weighted by a gate matrix that is zero off the chosen experts: two GEMMs
         over all experts and no sort, gather or scatter. E / k times the expert FLOPs, and fewer ops: it pays only
-        where the experts are small (the compiled decode step decides, ``moerl.engine.compiled``). Base model only."""
-        n, e = x.shape[0], self.num_experts
+        where the experts are small (the compiled decode step decides, ``moerl.engine.compiled``). Every operand
+        passes ``_operand`` (MXFP8: quantized along its reduction dim, as the grouped path's). No LoRA."""
+        n, e, q = x.shape[0], self.num_experts, self._operand
         gate = x.new_zeros(n, e).scatter_(1, idx, weights.to(x.dtype))  # [N, E]
         bias = self.gate_up_proj_bias.flatten() if self.gate_up_proj_bias is not None else None
-        h = F.linear(x, self.gate_up_proj.flatten(0, 1), bias).view(n, e, -1)
+        h = F.linear(q(x, -1), q(self.gate_up_proj, 2).flatten(0, 1), bias).view(n, e, -1)
         h = _activate(h, self.activation, self.alpha, self.limit) * gate[:, :, None]  # [N, E, I]
-        y = torch.bmm(h.transpose(0, 1), self.down_proj.transpose(1, 2)).sum(0)  # [N, H]
+        y = torch.bmm(q(h, -1).transpose(0, 1), q(self.down_proj, 2).transpose(1, 2)).sum(0)  # [N, H]
         return y + gate @ self.down_proj_bias if self.down_proj_bias is not None else y
+
+    def _operand(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """A GEMM operand of the dense path as the grouped GEMMs take it, reduced along ``dim`` (MXFP8 quantizes)."""
+        return t
 
     def _loop(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)

@@ -143,6 +143,9 @@ class MXExperts(Experts):
     def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return mx_linear(x, w, bias, self.mode)
 
+    def _operand(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return mx_fake_quant(t, dim, self.mode)
+
 
 def apply_mxfp8(model: torch.nn.Module, mode: str = "rceil") -> None:
     """Swap every projection and the routed experts of ``model`` for their MXFP8 classes (not the router,

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 from moerl.device import resolve_device
 from moerl.engine import EngineConfig, LLMEngine
-from moerl.errors import ConfigError
 from moerl.precision import compute_dtype
 
 
@@ -43,8 +42,6 @@ def build(spec: EngineSpec, timeout_s: float = 300.0):
 
 def build_native(spec: EngineSpec) -> LLMEngine:
     """The native engine ``spec`` describes (the same function builds it in process and in an engine process)."""
-    if spec.mx_scale_mode is not None and spec.config.compile_decode:
-        raise ConfigError("rollout.compile_decode with an mxfp8 policy: not built (MXFP8 engines decode eager)")
     device = resolve_device(spec.device, key="rollout.device")
     dtype = compute_dtype(spec.dtype, device, key="rollout.dtype")
     engine = LLMEngine(spec.model, spec.config, dtype=dtype, device=device)
