@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -39,7 +40,7 @@ from moerl.presets import init_model
 from moerl.trainer import Batch, OptimConfig, Policy, PolicyConfig
 from moerl.trainer.losses import sft_loss
 
-MODES = ("lora", "full", "mxfp8", "full-padded")
+MODES = ("lora", "full", "mxfp8", "full-padded", "full-compiled", "lora-compiled")
 
 
 def make_policy(ckpt: str, mode: str, micro: int, dtype: str) -> Policy:
@@ -47,7 +48,8 @@ def make_policy(ckpt: str, mode: str, micro: int, dtype: str) -> Policy:
     return Policy(
         ckpt,
         PolicyConfig(
-            mode=mode.removesuffix("-padded"),
+            mode=mode.removesuffix("-padded").removesuffix("-compiled"),
+            compile=mode.endswith("-compiled"),  # the others eager (auto would wait for the loop)
             dtype=dtype,
             lora=lora,
             micro_batch_size=micro,
@@ -117,15 +119,18 @@ def child(args) -> None:
         print(json.dumps({"flops_per_s": gemm_rate(shapes, getattr(torch, args.dtype))}))
         return
     pol = make_policy(args.ckpt, args.child, args.micro, args.dtype)
-    pol.train_step(batch, sft_loss)  # warm-up
+    start = time.perf_counter()
+    pol.train_step(batch, sft_loss)  # warm-up (compiled modes: the compilation, inductor's caches off)
+    first = time.perf_counter() - start
     times = []
     for _ in range(args.steps):
         start = time.perf_counter()
         pol.train_step(batch, sft_loss)
         times.append(time.perf_counter() - start)
     fwd, _ = forward_flops(pol.model, batch)
-    backward = 1.0 if args.child == "lora" else 2.0  # lora: no weight gradients for the frozen base
-    print(json.dumps({"seconds": statistics.median(times), "flops": fwd * (1 + backward), "peak_mb": peak_mb()}))
+    backward = 1.0 if args.child.startswith("lora") else 2.0  # lora: no weight gradients for the frozen base
+    row = {"seconds": statistics.median(times), "flops": fwd * (1 + backward), "peak_mb": peak_mb(), "first": first}
+    print(json.dumps(row))
 
 
 def main() -> None:
@@ -154,7 +159,9 @@ def main() -> None:
         for r in range(args.rounds):
             k = r % len(contenders)
             for c in contenders[k:] + contenders[:k]:
-                runs[c].append(run_contender([sys.executable, __file__, "--child", c, *common]))
+                cold = os.environ | {"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}  # each compiled run compiles anew
+                env = cold if c.endswith("-compiled") else None
+                runs[c].append(run_contender([sys.executable, __file__, "--child", c, *common], env=env))
     rate = [x["flops_per_s"] for x in runs["gemm"]]
     peak = statistics.median(rate)
     tokens = int(make_batch(args.batch, args.seq, args.ragged).attention_mask.sum())
@@ -168,8 +175,8 @@ def main() -> None:
         f"GEMM rate on the model's shapes ({args.dtype}): {peak / 1e9:.1f} GFLOP/s "
         f"(spread {min(rate) / 1e9:.1f}..{max(rate) / 1e9:.1f})"
     )
-    print("| mode | tokens/s (spread) | vs full | model TFLOP/step | MFU | peak RSS (MB) |")
-    print("|---|---|---|---|---|---|")
+    print("| mode | tokens/s (spread) | vs full | model TFLOP/step | MFU | peak RSS (MB) | first step (s) |")
+    print("|---|---|---|---|---|---|---|")
     tps = {m: [tokens / x["seconds"] for x in runs[m]] for m in modes}
     full = statistics.median(tps["full"]) if "full" in tps else None
     for m in modes:
@@ -180,6 +187,7 @@ def main() -> None:
         print(
             f"| {m} | {med:,.0f} ({min(tps[m]):,.0f}..{max(tps[m]):,.0f}) | {vs} | {flops / 1e12:.3f} | {mfu:.0%} |"
             f" {statistics.median(x['peak_mb'] for x in runs[m]):,.0f} |"
+            f" {statistics.median(x['first'] for x in runs[m]):.1f} |"
         )
 
 

@@ -34,6 +34,7 @@ from moerl.sync import sync_policy
 from moerl.trainer import Batch, Policy
 from moerl.trainer.advantages import compute_advantages
 from moerl.trainer.checkpoint import save_checkpoint
+from moerl.trainer.compile import COMPILE_SECONDS
 from moerl.trainer.driver import DistributedPolicy, serve
 from moerl.trainer.losses import kl_penalty, make_policy_loss
 from moerl.trainer.mismatch import mismatch_metrics
@@ -162,6 +163,8 @@ def _train_policy(cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Po
                 if last:
                     row["eval_accuracy_sampled"] = gen.evaluate(sampled=True)
                 metrics.log(step + 1, row)
+                if step == start + 2 and "seconds_train" in row:  # warm by now: does compiling pay for the rest?
+                    _maybe_compile(policy, cfg.train.steps - step - 1, row["seconds_train"])
                 if "reward_mean" in row:
                     bar.set_postfix(reward=f"{row['reward_mean']:.3f}", k3=f"{row['mismatch_k3_r3']:.1e}")
                 if last or (cfg.train.checkpoint_every and (step + 1) % cfg.train.checkpoint_every == 0):
@@ -184,6 +187,15 @@ def _train_policy(cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Po
         "accuracy_sampled_after": rows[-1].get("eval_accuracy_sampled", math.nan),
     }
     return summary | finish(cfg, run.path, policy)
+
+
+def _maybe_compile(policy: Policy, steps_left: int, seconds_train: float) -> None:
+    if policy.compile_if_it_pays(steps_left, seconds_train):
+        print(
+            f"moerl: compiling the trainer's attention blocks (policy.compile: auto; {steps_left} steps left at "
+            f"{seconds_train:.2f} s of training each repay the ~{COMPILE_SECONDS:.0f} s it takes)",
+            file=sys.stderr,
+        )
 
 
 def rl_step(cfg: RunConfig, gen: Generator, policy: Policy, loss_fn, step: int, ahead=None) -> dict:

@@ -14,6 +14,7 @@ from moerl.errors import ConfigError
 from moerl.precision import DTYPE_NAMES
 from moerl.trainer import PolicyConfig
 from moerl.trainer.advantages import ESTIMATORS
+from moerl.trainer.compile import check as check_compile
 from moerl.trainer.losses import PolicyLossConfig
 
 ENGINES = ("native", "vllm")
@@ -290,6 +291,7 @@ class RunConfig:
                 f"rollout.placement={r.placement!r} with cluster.backend: ray: the engines are Ray actors "
                 "(cluster.placement says where)"
             )
+        check_compile(self.policy.compile, self.parallel.size)
         if r.engine == "vllm" and self.policy.mode == "lora" and self.parallel.size > 1:
             raise ConfigError(
                 f"rollout.engine=vllm with policy.mode=lora on {self.parallel.size} trainer ranks: not built (the "

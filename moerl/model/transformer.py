@@ -5,6 +5,7 @@ Plain PyTorch, no parallelism inside: plans in ``moerl.parallel`` wrap it from o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -211,15 +212,23 @@ class DecoderLayer(nn.Module):
         self.residual_multiplier = cfg.residual_multiplier
         self.is_moe = layer in cfg.moe_layer_set
         self.mlp = MoE(cfg) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        # the attention half compiled for training (moerl.trainer.compile); None: eager
+        self.compiled_mix: Callable | None = None
 
-    def forward(self, x, cos, sin, mask, replay=None, cache=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def mix(self, x, cos, sin, mask, cache=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention half: (the residual stream after attention, the MLP's input)."""
         m = self.residual_multiplier
         if self.post_norm:
             a = self.post_attention_layernorm(self.self_attn(x, cos, sin, mask, cache))
         else:
             a = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         x = x + (a if m == 1.0 else m * a)  # no extra op per layer where there is no multiplier
-        h = x if self.post_norm else self.post_attention_layernorm(x)
+        return x, (x if self.post_norm else self.post_attention_layernorm(x))
+
+    def forward(self, x, cos, sin, mask, replay=None, cache=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        m = self.residual_multiplier
+        compiled = self.compiled_mix is not None and cache is None and self.training
+        x, h = self.compiled_mix(x, cos, sin, mask) if compiled else self.mix(x, cos, sin, mask, cache)
         idx = None
         if self.is_moe:
             out, idx = self.mlp(h.flatten(0, 1), replay)

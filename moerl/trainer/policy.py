@@ -25,6 +25,8 @@ from moerl.parallel.pipeline import Step
 from moerl.parallel.world import World, local
 from moerl.precision import compute_dtype, dtype_name
 from moerl.trainer.batch import Batch
+from moerl.trainer.compile import check as check_compile
+from moerl.trainer.compile import compile_blocks, pays
 from moerl.trainer.optim import SCHEDULES, MasterWeights, lr_lambda
 from moerl.trainer.packing import Packing, plan_packing
 
@@ -80,6 +82,9 @@ class PolicyConfig:
     max_nan_steps: int = 3  # consecutive non-finite steps that stop training
     mx_scale_mode: str = "rceil"  # mxfp8: floor | rceil
     packing: bool = True  # forwards run on the micro-batch's sequences packed into fewer rows (moerl.trainer.packing)
+    # the training forward / backward compiled by region (moerl.trainer.compile): auto (the loop decides from its
+    # first steps' times) | True | False
+    compile: bool | str = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -92,6 +97,7 @@ class PolicyConfig:
             raise ConfigError(f"PolicyConfig.max_nan_steps={self.max_nan_steps}: must be >= 1")
         if self.mx_scale_mode not in SCALE_MODES:
             raise ConfigError(f"PolicyConfig.mx_scale_mode={self.mx_scale_mode!r}: allowed: {', '.join(SCALE_MODES)}")
+        check_compile(self.compile, ranks=1)
 
 
 def next_token_logprobs(
@@ -170,6 +176,8 @@ class Policy:
             self.model, world, LayoutConfig(cfg.mode, dtype, cfg.micro_batch_size, head=token_logprobs)
         )
         self.trainable = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        check_compile(cfg.compile, self.layout.ranks)
+        self.compiled = cfg.compile is True and compile_blocks(self.model) > 0
         if cfg.mode != "lora":
             self.master = MasterWeights(self.trainable, self.layout.initial)
         o = cfg.optim
@@ -188,6 +196,14 @@ class Policy:
         self.nan_streak = 0
         self.stop_checkpoint_dir: Path | None = None  # where to save before TrainingStopped
         self.stop_state: dict = {}  # the caller's state saved with it (the loop's step)
+
+    def compile_if_it_pays(self, steps_left: int, seconds_train: float) -> bool:
+        """``policy.compile: auto``: compile the training blocks now if ``steps_left`` steps of ``seconds_train``
+        each repay it (``moerl.trainer.compile.pays``; one process only). True if this call compiled them."""
+        if self.compiled or self.cfg.compile != "auto" or self.layout.ranks > 1 or not pays(steps_left, seconds_train):
+            return False
+        self.compiled = compile_blocks(self.model) > 0
+        return self.compiled
 
     @property
     def trained(self) -> dict[str, torch.nn.Parameter]:

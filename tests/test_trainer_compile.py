@@ -1,0 +1,153 @@
+"""The trainer's regional compilation (``policy.compile``, ``moerl.trainer.compile``) against eager, the reference:
+fp32 logits and every gradient within fp32 rounding on packed rows with R3 replay, in full and LoRA mode; new
+packed lengths reuse the graph; negative control: a weight moved by 1e-3 misses the same tolerance. The auto rule
+and the refusals."""
+
+import copy
+
+import pytest
+import torch
+
+from moerl.bridges import load_model
+from moerl.errors import ConfigError
+from moerl.model.lora import LoraConfig, attach_lora
+from moerl.presets import init_model
+from moerl.trainer import Batch, OptimConfig, Policy, PolicyConfig
+from moerl.trainer.compile import COMPILE_SECONDS, GAIN, compile_blocks, pays
+from moerl.trainer.losses import sft_loss
+from moerl.trainer.packing import plan_packing
+
+TOL = 1e-5  # fp32: compiled kernels reorder sums (2e-7 measured)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    init_model("qwen3_moe", "tiny", path)
+    return path
+
+
+def _rows(lengths: list[int], seed: int = 0) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    t = max(lengths)
+    mask = (torch.arange(t)[None] < torch.tensor(lengths)[:, None]).long()
+    return Batch(torch.randint(4, 100, (len(lengths), t), generator=g) * mask, mask, mask)
+
+
+def _forward_backward(model, batch: Batch, replay_shift: int):
+    """Packed forward in training mode with replayed experts (the model's own choice shifted by ``replay_shift``),
+    a fixed random weighting of the log-softmax as the loss, its backward: (logits, {name: grad})."""
+    pk = plan_packing(batch.attention_mask)
+    ids = pk.pack(batch.input_ids, 0)
+    model.eval()
+    with torch.no_grad():
+        own = model(ids, positions=pk.positions, attention_mask=pk.segment, capture=True).routed
+    replay = (own + replay_shift) % model.config.num_experts
+    model.train()
+    model.zero_grad(set_to_none=True)
+    adapters = 0 if any(".lora." in n for n, _ in model.named_parameters()) else None
+    out = model(ids, positions=pk.positions, attention_mask=pk.segment, replay=replay, adapters=adapters)
+    weights = torch.randn(out.logits.shape, generator=torch.Generator().manual_seed(7))
+    (out.logits.float().log_softmax(-1) * weights * (pk.segment > 0)[..., None]).sum().backward()
+    model.eval()
+    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _worst(a, b) -> float:
+    logits_a, grads_a = a
+    logits_b, grads_b = b
+    assert grads_a.keys() == grads_b.keys() and grads_a
+    worst = float((logits_a - logits_b).abs().max())
+    for n, g in grads_a.items():
+        worst = max(worst, float((g - grads_b[n]).abs().max()) / max(1.0, float(g.abs().max())))
+    return worst
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_compiled_blocks_equal_eager_and_reuse_the_graph(tiny, mode):
+    eager = load_model(tiny, torch.float32)
+    if mode == "lora":
+        attach_lora(eager, LoraConfig(rank=4, alpha=8), dtype=torch.float32)
+        with torch.no_grad():  # B starts at zero: give the adapters a delta and their A gradients a signal
+            for n, p in eager.named_parameters():
+                if ".lora." in n:
+                    p.copy_(torch.randn(p.shape) * 0.05)
+        for n, p in eager.named_parameters():
+            p.requires_grad_(".lora." in n)
+    fast = copy.deepcopy(eager)
+    assert compile_blocks(fast) == eager.config.num_layers
+    from torch._dynamo.utils import counters
+
+    graphs = []
+    for k, lengths in enumerate([[9, 17, 5, 12], [20, 3, 14, 8, 11], [6, 19, 10]]):
+        batch = _rows(lengths, seed=k)
+        assert _worst(_forward_backward(eager, batch, k), _forward_backward(fast, batch, k)) <= TOL
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1] == graphs[2], graphs  # a third set of packed lengths compiles nothing new
+
+    # negative control: one attention weight moved by 1e-3 misses the tolerance
+    with torch.no_grad():
+        w = eager.layers[0].self_attn.q_proj.weight
+        w.add_(1e-3 * torch.randn(w.shape, generator=torch.Generator().manual_seed(3)))
+    batch = _rows([9, 17, 5, 12])
+    assert _worst(_forward_backward(eager, batch, 0), _forward_backward(fast, batch, 0)) > TOL
+
+
+def test_a_compiled_policy_trains_as_the_eager_one(tiny):
+    """Policy.train_step with policy.compile=true against compile=false: the same losses and gradient norms over
+    three steps of different packed lengths, the same adapters after them up to Adam's amplified rounding (LoRA,
+    fp32)."""
+    cfg = dict(mode="lora", dtype="float32", lora=LoraConfig(rank=4, alpha=8), optim=OptimConfig(lr=1e-2))
+    torch.manual_seed(0)  # the adapters' A start random: the same draw for both
+    eager = Policy(tiny, PolicyConfig(**cfg, compile=False))
+    torch.manual_seed(0)
+    fast = Policy(tiny, PolicyConfig(**cfg, compile=True))
+    assert fast.compiled and not eager.compiled
+    for k, lengths in enumerate([[9, 17, 5, 12], [20, 3, 14, 8, 11], [6, 19, 10]]):
+        batch = _rows(lengths, seed=k)
+        a, b = eager.train_step(batch, sft_loss), fast.train_step(batch, sft_loss)
+        assert abs(a["loss"] - b["loss"]) <= TOL * max(1.0, abs(a["loss"]))
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= TOL * max(1.0, a["grad_norm"])
+    # Adam divides by the gradients' own scale: where a gradient is ~0, rounding moves that element's update, so
+    # the adapters are compared against the size of the updates (lr 1e-2 x 3 steps): within 1% of it
+    for name, p in eager.trained.items():
+        assert (p - fast.trained[name]).abs().max() <= 0.01 * 3e-2, name
+
+
+def test_auto_compiles_only_when_the_steps_left_repay_it(tiny):
+    assert pays(1000, 0.5) and not pays(10, 0.5)  # 1000 x 0.1 x 0.5 s = 50 s >= 20 s; 10 steps: 0.5 s
+    assert pays(int(COMPILE_SECONDS / (GAIN * 0.2)) + 1, 0.2) and not pays(int(COMPILE_SECONDS / (GAIN * 0.2)) - 1, 0.2)
+    policy = Policy(tiny, PolicyConfig(mode="lora", dtype="float32"))  # auto: eager until the loop asks
+    assert not policy.compiled and all(layer.compiled_mix is None for layer in policy.model.layers)
+    assert not policy.compile_if_it_pays(10, 0.1)
+    assert policy.compile_if_it_pays(10_000, 0.1) and policy.compiled
+    off = Policy(tiny, PolicyConfig(mode="lora", dtype="float32", compile=False))
+    assert not off.compile_if_it_pays(10_000, 10.0) and not off.compiled
+
+
+def test_compile_refusals():
+    from moerl.config import load_config
+    from moerl.run_config import RunConfig
+
+    with pytest.raises(ConfigError, match=r"policy.compile='sometimes': allowed: auto, true, false"):
+        load_config(RunConfig, None, ["policy.compile=sometimes"])
+    with pytest.raises(ConfigError, match=r"policy.compile=true with 2 ranks: .*built for one process"):
+        load_config(RunConfig, None, ["policy.compile=true", "parallel.dp=2"])
+    assert load_config(RunConfig, None, ["policy.compile=auto", "parallel.dp=2"]).policy.compile == "auto"
+
+
+def test_the_loop_compiles_when_auto_finds_it_pays(warm_model, tmp_path, monkeypatch, capsys):
+    """A run with policy.compile: auto (compilation priced at 0 s here) compiles after its third step, says so,
+    and trains on through the compiled blocks to the end."""
+    from run_helpers import metric_rows, run_cfg
+
+    from moerl.loop import train
+    from moerl.trainer import compile as trainer_compile
+
+    monkeypatch.setattr(trainer_compile, "COMPILE_SECONDS", 0.0)
+    train(run_cfg(tmp_path / "run", warm_model, "lora", steps=5))
+    assert (
+        "moerl: compiling the trainer's attention blocks (policy.compile: auto; 2 steps left" in capsys.readouterr().err
+    )
+    losses = [r["loss"] for r in metric_rows(tmp_path / "run") if "loss" in r]
+    assert len(losses) == 5 and all(abs(x) < 1e3 for x in losses)
