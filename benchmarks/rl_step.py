@@ -4,16 +4,23 @@ without it), same checkpoint, prompts and sizes: 16 prompts x group 8 x 16 new t
 moerl: the full step of ``moerl.loop.train`` (generate with routing capture, rewards, the training forward with R3,
 one PPO epoch, weight sync), in full mode (fp32 masters: what TRL's trainer does) and in LoRA mode (every linear
 layer and the experts). TRL: ``benchmarks/trl_grpo_step.py`` (full fine-tune). Every contender computes in
-``--dtype`` (auto: bf16 where the CPU multiplies it natively, else fp32; TRL's bf16 is autocast). The first step of
+each of ``--dtypes`` (default: fp32, and bf16 too where the CPU multiplies it natively; TRL's bf16 is autocast):
+a row per contender and dtype, and "vs TRL" against TRL's fastest dtype, so every contender is compared in its best
+dtype. The fidelity beside the speed: the rollout-vs-trainer mismatch (k3, mean per token) with R3 (median over the
+steps) and without it (the last step's: ``algo.mismatch_metric_every`` set to measure it there). The first step of
 each run is a warm-up; a run's figure is the median of the rest; each run is a fresh process, ``--rounds`` of them
-per contender interleaved in a rotating order; the table shows the median over rounds and the spread.
+per contender interleaved in a rotating order; the table shows the median over rounds and the spread. The first
+line names the host (CPU features, what ``auto`` picks).
+
+The peers live in venvs of their own (CI does not need them): ``make peers`` creates ``.venv-trl`` (TRL 1.16 and its
+transformers beside the same CPU torch); ``--trl-python`` (or ``MOERL_TRL_PYTHON``) points elsewhere.
 
 ``--engines process:1 process:2`` adds rows with the rollouts on native engines in their own processes
 (placement:num_engines), ``vllm:1 vllm:2`` rows with vLLM engines (full mode: the CPU build of vLLM serves no MoE
 LoRA).
 
-    python benchmarks/rl_step.py [--presets tiny small] [--steps 5] [--rounds 1] [--dtype auto]
-        [--modes full lora] [--trl-python /work/trl-venv/bin/python] [--engines process:1 vllm:1]"""
+    python benchmarks/rl_step.py [--presets tiny small] [--steps 5] [--rounds 1] [--dtypes float32 bfloat16]
+        [--modes full lora] [--trl-python .venv-trl/bin/python] [--engines process:1 vllm:1]"""
 
 from __future__ import annotations
 
@@ -32,7 +39,7 @@ from contender import run_contender
 
 from moerl.config import load_config
 from moerl.loop import RunConfig, train
-from moerl.precision import dtype_name
+from moerl.precision import host_summary, native_bf16
 from moerl.presets import init_model
 
 HERE = Path(__file__).resolve().parent
@@ -40,11 +47,13 @@ CPU = torch.backends.cpu.get_cpu_capability()  # AVX2-only hosts have no fast bf
 STAGES = ("seconds_generate", "seconds_logprobs", "seconds_train", "seconds_sync")
 
 
-def moerl_step(ckpt: str, run_dir: str, args, mode: str, placement: str = "inprocess", engines: int = 1) -> dict:
+def moerl_step(
+    ckpt: str, run_dir: str, args, dtype: str, mode: str, placement: str = "inprocess", engines: int = 1
+) -> dict:
     """One moerl contender in a fresh child process (this script with ``--child``)."""
     cmd = [sys.executable, __file__, "--child", f"{mode}:{placement}:{engines}", "--ckpt", ckpt, "--run-dir", run_dir]
     cmd += ["--steps", str(args.steps), "--prompts", str(args.prompts), "--group", str(args.group)]
-    cmd += ["--new-tokens", str(args.new_tokens), "--dtype", args.dtype]
+    cmd += ["--new-tokens", str(args.new_tokens), "--dtype", dtype]
     return run_contender(cmd)
 
 
@@ -71,6 +80,7 @@ def child(args) -> None:
             f"rollout.max_tokens={args.new_tokens}",
             f"rollout.max_model_len={16 + args.new_tokens}",
             f"rollout.num_engines={engines}",
+            f"algo.mismatch_metric_every={args.steps - 1}",  # the R3-off mismatch once, on the last step
             *(["rollout.engine=vllm"] if placement == "vllm" else [f"rollout.placement={placement}"]),
         ],
     )
@@ -79,10 +89,15 @@ def child(args) -> None:
     steps = [r for r in rows if "seconds_train" in r][1:]  # the first step warms up
     secs = statistics.median(sum(r[s] for s in STAGES) for r in steps)
     stage = {s.removeprefix("seconds_"): statistics.median(r[s] for r in steps) for s in STAGES}
-    print(json.dumps({"seconds_per_step": secs, "samples_per_s": args.prompts * args.group / secs, "stages": stage}))
+    k3 = {
+        "r3": statistics.median(r["mismatch_k3_r3"] for r in steps),
+        "no_r3": next((r["mismatch_k3_no_r3"] for r in reversed(steps) if "mismatch_k3_no_r3" in r), None),
+    }
+    out = {"seconds_per_step": secs, "samples_per_s": args.prompts * args.group / secs, "stages": stage, "k3": k3}
+    print(json.dumps(out))
 
 
-def trl_step(python: str, ckpt: str, args) -> dict:
+def trl_step(python: str, ckpt: str, args, dtype: str) -> dict:
     cmd = [
         python,
         str(HERE / "trl_grpo_step.py"),
@@ -97,7 +112,7 @@ def trl_step(python: str, ckpt: str, args) -> dict:
         "--steps",
         str(args.steps),
         "--dtype",
-        args.dtype,
+        dtype,
     ]
     return run_contender(cmd)
 
@@ -111,16 +126,19 @@ def main() -> None:
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "bfloat16", "float32"],
-        help="compute dtype of every contender (moerl trainer and engine, TRL); auto: bf16 where native, else fp32",
+        "--dtypes",
+        nargs="+",
+        choices=["bfloat16", "float32"],
+        help="compute dtypes each contender runs in (default: float32, and bfloat16 where the CPU has it natively)",
     )
+    p.add_argument("--dtype", help=argparse.SUPPRESS)  # a child's
     p.add_argument("--modes", nargs="+", default=["full", "lora"], choices=["full", "lora"])
     p.add_argument(
         "--archs", nargs="+", default=["qwen3_moe"], help="moerl contenders per architecture (TRL: the first)"
     )
-    p.add_argument("--trl-python", default=os.environ.get("MOERL_TRL_PYTHON", "/work/trl-venv/bin/python"))
+    p.add_argument(
+        "--trl-python", default=os.environ.get("MOERL_TRL_PYTHON", str(HERE.parent / ".venv-trl/bin/python"))
+    )
     p.add_argument(
         "--engines",
         nargs="*",
@@ -133,16 +151,20 @@ def main() -> None:
     args = p.parse_args()
     if args.child:
         return child(args)
-    args.dtype = dtype_name(args.dtype)
+    dtypes = args.dtypes or (["float32", "bfloat16"] if native_bf16() else ["float32"])
     trl = args.trl_python if Path(args.trl_python).exists() else None
+    print(f"# host: {host_summary()}")
     print(
-        f"# RL step, {args.prompts} prompts x group {args.group} x {args.new_tokens} new tokens, every contender in "
-        f"{args.dtype}, median of {args.rounds} round(s) x {args.steps - 1} timed steps; torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads, cpu {CPU}, {platform.machine()}; TRL: "
-        f"{'yes' if trl else 'not installed, skipped'}"
+        f"# RL step, {args.prompts} prompts x group {args.group} x {args.new_tokens} new tokens, each contender in "
+        f"{' and '.join(dtypes)}, median of {args.rounds} round(s) x {args.steps - 1} timed steps; torch "
+        f"{torch.__version__}, {torch.get_num_threads()} threads, cpu {CPU}, {platform.machine()}; TRL: "
+        f"{args.trl_python if trl else 'not installed (make peers), skipped'}"
     )
-    print("| preset | engine | s/step (spread) | samples/s | stages (gen / logprobs / train / sync s) | vs TRL |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| preset | engine | dtype | s/step (spread) | samples/s | stages (gen / logprobs / train / sync s) | k3 R3 |"
+        " k3 no R3 | vs TRL's best |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for preset in args.presets:
         with tempfile.TemporaryDirectory() as d:
             contenders = {}
@@ -156,25 +178,28 @@ def main() -> None:
                             continue
                         name = f"moerl {m}" + ("" if where == "inprocess:1" else f" ({placement}, {n} engines)")
                         name += "" if arch == args.archs[0] else f" [{arch}]"
-                        run_dir = str(Path(d) / f"{arch}-{m}-{placement}-{n}")
-                        contenders[name] = (ckpt, run_dir, m, placement, int(n))
+                        for dt in dtypes:
+                            run_dir = str(Path(d) / f"{arch}-{m}-{placement}-{n}-{dt}")
+                            contenders[(name, dt)] = (ckpt, run_dir, dt, m, placement, int(n))
             ckpt = str(Path(d) / args.archs[0])
             if trl:
-                contenders["TRL GRPOTrainer"] = None
+                for dt in dtypes:
+                    contenders[("TRL GRPOTrainer", dt)] = dt
             names = list(contenders)
             rows = {n: [] for n in names}
             for r in range(args.rounds):
                 for name in names[r % len(names) :] + names[: r % len(names)]:
                     c = contenders[name]
-                    if c is None:
-                        rows[name].append(trl_step(trl, ckpt, args))
+                    if isinstance(c, str):
+                        rows[name].append(trl_step(trl, ckpt, args, c))
                     else:
                         shutil.rmtree(c[1], ignore_errors=True)
                         rows[name].append(moerl_step(c[0], c[1], args, *c[2:]))
         ref = None
-        if trl:
-            ref = args.prompts * args.group / statistics.median(x["seconds_per_step"] for x in rows["TRL GRPOTrainer"])
-        for name, runs in rows.items():
+        if trl:  # TRL in its fastest dtype on this host
+            best = min(statistics.median(x["seconds_per_step"] for x in rows[("TRL GRPOTrainer", dt)]) for dt in dtypes)
+            ref = args.prompts * args.group / best
+        for (name, dtype), runs in rows.items():
             secs = [x["seconds_per_step"] for x in runs]
             med = statistics.median(secs)
             st = "-"
@@ -182,8 +207,13 @@ def main() -> None:
                 st = " / ".join(f"{statistics.median(x['stages'][k] for x in runs):.2f}" for k in runs[0]["stages"])
             sps = args.prompts * args.group / med
             vs = f"{sps / ref:.2f}x" if ref else "n/a"
+            k3 = []
+            for key in ("r3", "no_r3"):  # TRL reports none
+                got = [x["k3"][key] for x in runs if "k3" in x and x["k3"][key] is not None]
+                k3.append(f"{statistics.median(got):.1e}" if got else "-")
             print(
-                f"| {preset} | {name} | {med:.2f} ({min(secs):.2f}..{max(secs):.2f}) | {sps:.1f} | {st} | {vs} |",
+                f"| {preset} | {name} | {dtype} | {med:.2f} ({min(secs):.2f}..{max(secs):.2f}) | {sps:.1f} | {st} |"
+                f" {k3[0]} | {k3[1]} | {vs} |",
                 flush=True,
             )
 
