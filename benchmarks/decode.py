@@ -39,9 +39,13 @@ LORA_VARIANTS = {  # name -> (adapter layout, engine layout, fused)
     "LoRA per_expert naive": ("per_expert", "per_expert", False),
     "LoRA per_expert fused": ("per_expert", "per_expert", True),
     "LoRA shared_outer fused": ("shared_outer", "shared_outer", True),
+    "LoRA shared_outer compiled": ("shared_outer", "shared_outer", True),  # compile_decode: the graph's LoRA path
 }
 RANK = 8
-CONTENDERS = ["moerl base", "moerl base compiled", *(f"moerl {v}" for v in LORA_VARIANTS), "transformers", "vLLM"]
+MX = ("moerl mxfp8", "moerl mxfp8 compiled")  # an MXFP8 policy's engine: every GEMM on MX-quantized operands
+CONTENDERS = [
+    "moerl base", "moerl base compiled", *(f"moerl {v}" for v in LORA_VARIANTS), *MX, "transformers", "vLLM"
+]  # fmt: skip
 
 
 def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -95,9 +99,10 @@ def build(name: str, ckpt: str, num_seqs: int, max_len: int, dtype: str):
             return (out.shape[1] - ids.shape[1]) * ids.shape[0]
 
         return run, None
-    cfg = EngineConfig(max_num_seqs=num_seqs, max_model_len=max_len, compile_decode=name == "moerl base compiled")
+    compiled = name.endswith("compiled")
+    cfg = EngineConfig(max_num_seqs=num_seqs, max_model_len=max_len, compile_decode=compiled)
     adapter = None
-    if name not in ("moerl base", "moerl base compiled"):
+    if name not in ("moerl base", "moerl base compiled", *MX):
         layout, engine_layout, fused = LORA_VARIANTS[name.removeprefix("moerl ")]
         cfg = EngineConfig(
             max_num_seqs=num_seqs,
@@ -106,9 +111,14 @@ def build(name: str, ckpt: str, num_seqs: int, max_len: int, dtype: str):
             max_lora_rank=RANK,
             lora_layout=engine_layout,
             fused_lora=fused,
+            compile_decode=compiled,
         )
         adapter = "a"
     engine = LLMEngine(ckpt, cfg, dtype=getattr(torch, dtype))
+    if name in MX:
+        from moerl.model.mx import apply_mxfp8
+
+        apply_mxfp8(engine.model, "rceil")
     if adapter:
         engine.add_adapter(adapter, random_adapter(ckpt, LORA_VARIANTS[name.removeprefix("moerl ")][0]))
 

@@ -69,7 +69,7 @@ class RolloutSection:
     vllm_args: dict = field(default_factory=dict)  # more vllm.LLM arguments (engine=vllm), e.g. enforce_eager: true
     dtype: str = "auto"  # engine compute dtype: auto (native engines: bf16 where native, else fp32; vLLM: bf16)
     device: str = "auto"  # native engines: auto (CUDA where present) | cpu | cuda | cuda:N; vLLM picks its own
-    compile_decode: bool = False  # native engines: decode steps through one torch.compile graph (full, mxfp8)
+    compile_decode: bool = False  # native engines: decode steps through one torch.compile graph (every mode)
 
     def __post_init__(self) -> None:
         _require(
@@ -307,11 +307,6 @@ class RunConfig:
                 "config key 'rollout.weight_transport'='broadcast' with cluster.engine_restarts="
                 f"{self.cluster.engine_restarts}: a restarted engine cannot rejoin the broadcast group; set "
                 "cluster.engine_restarts: 0 or use another transport"
-            )
-        if r.compile_decode and self.policy.mode == "lora":
-            raise ConfigError(
-                "config key 'rollout.compile_decode'=true with policy.mode='lora': the compiled decode step covers "
-                "full and mxfp8 engines (LoRA engines decode eager)"
             )
         batch = r.prompts_per_step * r.group_size
         if a.mini_batches > batch:

@@ -97,8 +97,7 @@ def test_buckets_pad_the_batch_to_few_sizes():
 def test_compile_decode_refusals(tmp_path):
     with pytest.raises(ConfigError, match=r"EngineConfig.compile_decode='yes': must be True or False"):
         EngineConfig(compile_decode="yes")
-    with pytest.raises(ConfigError, match=r"compile_decode=True with max_loras=1: .*base model only"):
-        EngineConfig(compile_decode=True, max_loras=1)
+    assert EngineConfig(compile_decode=True, max_loras=1).max_loras == 1  # LoRA engines compile too
 
     from moerl.config import load_config
     from moerl.run_config import RunConfig
@@ -107,8 +106,7 @@ def test_compile_decode_refusals(tmp_path):
     assert load_config(RunConfig, None, over).rollout.compile_decode is True
     with pytest.raises(ConfigError, match=r"'rollout.compile_decode'=True: only with engine: native"):
         load_config(RunConfig, None, [*over, "rollout.engine=vllm"])
-    with pytest.raises(ConfigError, match=r"'rollout.compile_decode'=true with policy.mode='lora'"):
-        load_config(RunConfig, None, [*over, "policy.mode=lora"])
+    assert load_config(RunConfig, None, [*over, "policy.mode=lora"]).rollout.compile_decode is True
     assert load_config(RunConfig, None, [*over, "policy.mode=mxfp8"]).rollout.compile_decode is True
 
 
@@ -140,3 +138,64 @@ def test_the_mxfp8_dense_path_quantizes_as_the_grouped_one():
         assert (moe.experts._dense(x, idx, weights) - grouped).abs().max() < 1e-5
         moe.experts._operand = lambda t, dim: t  # the unquantized operands
         assert (moe.experts._dense(x, idx, weights) - grouped).abs().max() > 1e-3
+
+
+def _lora_engine_model(layout: str):
+    """The tiny Qwen3-MoE with two random adapters (every projection and the experts) in slots 0 and 1."""
+    from moerl.model.lora import LoraConfig, attach_lora, lora_modules
+
+    model = init_model("qwen3_moe", "tiny", dtype=torch.float32)
+    attach_lora(model, LoraConfig(rank=4, alpha=8, layout=layout, slots=2), dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for lora in lora_modules(model).values():
+            for p in lora.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "shared_outer"])
+def test_the_graph_path_of_adapter_slots_equals_the_grouped_one(layout):
+    """Eager, fp32: every-slot-masked LoRA (what the compiled step runs: ``LinearLora`` and ``LoraExperts._dense``
+    with a slot tensor) against the grouped path with the same per-token slots (two adapters and none) within
+    1e-5; negative control: the slots shifted by one token miss by far more."""
+    model = _lora_engine_model(layout)
+    ctx = model.adapter_ctx
+    slots = torch.tensor([0, 1, -1, 1, 0, -1, 0, 1, 1, 0])
+    x = torch.randn(len(slots), model.config.hidden_size)
+    moe = model.layers[model.moe_layer_ids[0]].mlp
+    q = model.layers[0].self_attn.q_proj
+    with torch.no_grad():
+        weights, idx = moe.router(x)
+        ctx.set(slots, len(slots), 1)  # eager: the grouped path's per-token slots
+        want = moe.experts._grouped(x, idx, weights), q(x)
+        for control in (False, True):
+            ctx.single, ctx.token_slots = None, None
+            ctx.graph_slots = slots.roll(1) if control else slots
+            got = moe.experts._dense(x, idx, weights), q(x)
+            worst = max(float((a - b).abs().max()) for a, b in zip(got, want, strict=True))
+            assert (worst > 1e-3) if control else (worst < 1e-5), worst
+        ctx.set(None, 1, 1)
+
+
+def test_compiled_lora_decode_matches_the_eager_lora_engine():
+    """A LoRA engine (two adapters in slots, requests asking for either or none) decodes through one graph as eager:
+    same tokens and routing, fp32 logprobs within 1e-5."""
+    from moerl.model.lora import slot_tensors
+
+    donor = _lora_engine_model("per_expert")
+    cfg = {"max_num_seqs": 16, "max_model_len": 64, "max_loras": 2, "max_lora_rank": 4}
+    requests = lambda: [  # noqa: E731
+        Request(r.prompt, r.params, adapter=("a", "b", None)[i % 3]) for i, r in enumerate(_requests())
+    ]
+    outs = []
+    for compiled in (False, True):  # each engine its own copy of the base (seeded: the same weights)
+        engine = LLMEngine(
+            init_model("qwen3_moe", "tiny", dtype=torch.float32),
+            EngineConfig(**cfg, compile_decode=compiled),
+            dtype=torch.float32,
+        )
+        engine.add_adapter("a", slot_tensors(donor, 0))
+        engine.add_adapter("b", slot_tensors(donor, 1))
+        outs.append(engine.generate(requests()))
+    _compare(*outs)

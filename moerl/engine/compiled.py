@@ -11,7 +11,10 @@ does any batch larger than ``max_num_seqs`` (which the scheduler never forms).
 
 Inside the graph the routed experts take the dense path (every expert on every token, ``Experts._dense``) where
 that is cheap, else the grouped GEMM as one opaque op. MXFP8 engines' experts quantize their operands on either
-path, as eager. Refused: LoRA slots (their per-row slot choice is data-dependent Python, not traced).
+path, as eager. LoRA slots: each row's slot is a tensor in the graph; every projection computes every slot's
+shrink in one GEMM and keeps the row's own by a mask (``LinearLora``, ``LoraExperts._dense``), so adapted experts
+always take the dense path (their grouped path sorts rows by slot, which a graph cannot). Padding rows use no
+adapter.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from moerl.engine.kv_cache import KVCache, StepView
+from moerl.model.lora import LoraExperts
 from moerl.model.transformer import MoEModel
 
 BUCKETS = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128)  # then multiples of 64
@@ -49,20 +53,22 @@ class CompiledDecode:
         if cache.scratch_block is None:
             raise ValueError("CompiledDecode needs a KVCache built with scratch=True")
         for i in model.moe_layer_ids:
-            model.layers[i].mlp.experts.dense_in_graph = dense_experts_pay(model)
+            experts = model.layers[i].mlp.experts
+            experts.dense_in_graph = dense_experts_pay(model) or isinstance(experts, LoraExperts)
         self.model, self.cache, self.capture = model, cache, capture
         cuda = model.embed_tokens.weight.is_cuda
         self._graph = torch.compile(self._forward, dynamic=True, mode="reduce-overhead" if cuda else None)
 
-    def _forward(self, ids, positions, view: StepView) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out = self.model(ids, positions=positions, capture=self.capture, cache=view)
+    def _forward(self, ids, positions, view: StepView, adapters) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out = self.model(ids, positions=positions, capture=self.capture, cache=view, adapters=adapters)
         return out.logits[:, 0], out.routed
 
     def step(
-        self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor
+        self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, adapters: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One decode step for rows ``ids`` / ``positions`` [B, 1] with block tables [B, nb]: logits [B, V] and
-        the chosen experts [B, 1, L_moe, k] (None without capture)."""
+        """One decode step for rows ``ids`` / ``positions`` [B, 1] with block tables [B, nb] (and LoRA slots
+        ``adapters`` [B], -1 = none): logits [B, V] and the chosen experts [B, 1, L_moe, k] (None without
+        capture)."""
         b, nb = tables.shape
         rows, cols = bucket(b) - b, (1 << (nb - 1).bit_length()) - nb
         device = ids.device
@@ -72,8 +78,10 @@ class CompiledDecode:
             ids = torch.cat([ids, ids.new_zeros(rows, 1)])
             positions = torch.cat([positions, positions.new_zeros(rows, 1)])
             tables = torch.cat([tables, tables.new_full((rows, tables.shape[1]), self.cache.scratch_block)])
+            if adapters is not None:
+                adapters = torch.cat([adapters, adapters.new_full((rows,), -1)])
         view = StepView(self.cache, tables, positions, torch.ones(b + rows, dtype=torch.long, device=device))
         for t, dim in ((view._base, 3), (view._key_pos, 2), (view.read_rows, 0)):  # the key length is symbolic too
             torch._dynamo.mark_dynamic(t, dim)
-        logits, routed = self._graph(ids, positions, view)
+        logits, routed = self._graph(ids, positions, view, adapters)
         return logits[:b], routed[:b] if routed is not None else None

@@ -129,11 +129,6 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.max_loras={self.max_loras!r}: must be >= 0")
         if not isinstance(self.compile_decode, bool):
             raise ConfigError(f"EngineConfig.compile_decode={self.compile_decode!r}: must be True or False")
-        if self.compile_decode and self.max_loras:
-            raise ConfigError(
-                f"EngineConfig.compile_decode=True with max_loras={self.max_loras}: the compiled decode step covers "
-                "the base model only (LoRA decodes eager: set compile_decode=False)"
-            )
         if not (isinstance(self.kv_cache_memory, int | float) and 0 < self.kv_cache_memory <= 1):
             raise ConfigError(f"EngineConfig.kv_cache_memory={self.kv_cache_memory!r}: must lie in (0, 1]")
         if not isinstance(self.release_cache, bool):

@@ -316,12 +316,12 @@ class LLMEngine:
         ids, positions, tables, lengths, write_rows, state_slots = (
             t.to(device) for t in (ids, positions, tables, lengths, write_rows, state_slots)
         )
+        adapters = None
+        if self.adapters is not None:
+            adapters = torch.tensor([s.group.adapter_slot for s, _ in batch], device=device)
         if kind == "decode" and self.compiled is not None:
-            all_logits, routed = self.compiled.step(ids, positions, tables)
+            all_logits, routed = self.compiled.step(ids, positions, tables, adapters)
         else:
-            adapters = None
-            if self.adapters is not None:
-                adapters = torch.tensor([s.group.adapter_slot for s, _ in batch], device=device)
             out = self.model(
                 ids,
                 positions=positions,

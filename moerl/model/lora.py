@@ -25,7 +25,7 @@ from torch import nn
 
 from moerl.model.grouped import Groups, group_mm
 from moerl.model.linear import Linear
-from moerl.model.moe import Experts, Route
+from moerl.model.moe import Experts, Route, _activate
 from moerl.model.swap import replace_module, swapped
 
 LAYOUTS = ("per_expert", "shared_outer")
@@ -38,11 +38,16 @@ class LoraContext:
         self.enabled = True
         self.single: int | None = None  # every token uses this slot
         self.token_slots: torch.Tensor | None = None  # [N] slot per flattened token, -1 = no adapter
+        # inside a compiled graph: [N] slot per flattened token (-1 = none), applied by masking every slot's delta
+        self.graph_slots: torch.Tensor | None = None
 
     def set(self, adapters: int | torch.Tensor | None, batch: int, seq: int) -> None:
         """``adapters``: None (no LoRA), a slot for all tokens, a slot per sequence [B] or per token [B, T] (-1 =
         none)."""
-        self.single, self.token_slots = None, None
+        self.single, self.token_slots, self.graph_slots = None, None, None
+        if isinstance(adapters, torch.Tensor) and torch.compiler.is_compiling():  # no data-dependent branch
+            self.graph_slots = (adapters if adapters.ndim == 2 else adapters[:, None].expand(batch, seq)).flatten()
+            return
         if adapters is None or isinstance(adapters, int):
             self.single = adapters
             return
@@ -55,7 +60,14 @@ class LoraContext:
 
     @property
     def active(self) -> bool:
-        return self.enabled and (self.single is not None or self.token_slots is not None)
+        return self.enabled and (
+            self.single is not None or self.token_slots is not None or self.graph_slots is not None
+        )
+
+    def pick(self, slots: int, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[N, slots]: each token's adapter scale at its slot, 0 elsewhere (and everywhere for -1) (graph path)."""
+        s = self.graph_slots
+        return F.one_hot(s.clamp(min=0), slots).to(dtype) * ((s >= 0).to(dtype)[:, None] * scale.to(dtype))
 
     def slot_rows(self, n: int) -> list[tuple[int, torch.Tensor | None]]:
         """(slot, token rows or None for all rows) for each slot present among ``n`` flattened tokens."""
@@ -112,6 +124,11 @@ class LinearLora(nn.Module):
         """``y`` (the base layer's output for ``x``) plus this layer's LoRA delta."""
         x2 = self.dropout(x.reshape(-1, x.shape[-1]).to(self.lora_A.dtype))
         y2 = y.reshape(-1, y.shape[-1])
+        if self.ctx.graph_slots is not None:  # every slot's shrink in one GEMM, masked, then one expand
+            slots, rank = self.lora_A.shape[:2]
+            xa = (x2 @ self.lora_A.flatten(0, 1).T).view(-1, slots, rank)
+            xa = xa * self.ctx.pick(slots, self.scale, xa.dtype)[:, :, None]
+            return y + (xa.flatten(1) @ self.lora_B.transpose(1, 2).flatten(0, 1)).to(y.dtype).view_as(y)
         rows = self.ctx.slot_rows(x2.shape[0])
         if len(rows) == 1 and rows[0][1] is None:
             s = rows[0][0]
@@ -262,6 +279,36 @@ class LoraExperts(Experts):
         if lora.layout == "shared_outer":  # one expand per token, after the routed sum
             return self._down_sum(x, y, route) + delta.to(x.dtype)
         return self._down_sum(x, _add(y, delta, rows), route)
+
+    def _dense(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token (``Experts._dense``) with every adapter slot's deltas, each token's own slot
+        kept by a mask: the compiled decode step's path (no sort, gather or data-dependent branch)."""
+        lora = self.lora
+        if lora.ctx.graph_slots is None:
+            return super()._dense(x, idx, weights)
+        n, e, dt = x.shape[0], self.num_experts, lora.gate_up_B.dtype
+        slots = lora.gate_up_B.shape[0]
+        pick = lora.ctx.pick(slots, lora.scale, dt)  # [N, S]
+        gate = x.new_zeros(n, e).scatter_(1, idx, weights.to(x.dtype))  # [N, E]
+        bias = self.gate_up_proj_bias.flatten() if self.gate_up_proj_bias is not None else None
+        h = F.linear(x, self.gate_up_proj.flatten(0, 1), bias).view(n, e, -1)
+        xd = x.to(dt)
+        if lora.layout == "shared_outer":  # [S, r, H]: one shrink per token and slot
+            xa = torch.einsum("nh,srh->nsr", xd, lora.gate_up_A) * pick[:, :, None]
+            gu = torch.einsum("nsr,seir->nei", xa, lora.gate_up_B)
+        else:  # [S, E, r, H]
+            xa = torch.einsum("nh,serh->nser", xd, lora.gate_up_A) * pick[:, :, None, None]
+            gu = torch.einsum("nser,seir->nei", xa, lora.gate_up_B)
+        h = _activate(h + gu.to(h.dtype), self.activation, self.alpha, self.limit) * gate[:, :, None]  # [N, E, I]
+        y = torch.bmm(h.transpose(0, 1), self.down_proj.transpose(1, 2)).sum(0)  # [N, H]
+        if self.down_proj_bias is not None:
+            y = y + gate @ self.down_proj_bias
+        ha = torch.einsum("nei,seri->nser", h.to(dt), lora.down_A) * pick[:, :, None, None]
+        if lora.layout == "shared_outer":  # the routed sum in rank space, then one expand per slot
+            dn = torch.einsum("nsr,shr->nh", ha.sum(2), lora.down_B)
+        else:
+            dn = torch.einsum("nser,sehr->nh", ha, lora.down_B)
+        return y + dn.to(y.dtype)
 
     def _project(self, e: int, which: str, rows: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """The reference loop's projection plus the naive LoRA delta: per expert, per adapter slot."""
