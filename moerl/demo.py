@@ -22,12 +22,16 @@ def demo_config(run_dir: Path, model_path: Path, rl_steps: int) -> RunConfig:
         model=ModelSection(path=str(model_path)),
         policy=PolicyConfig(
             mode="lora",
-            dtype="auto",
+            # fp32 on every host: the tiny preset's GEMMs are too small for bf16 to pay even where it is native
+            # (the demo took 74-78 s in bf16, 42-46 s in fp32 on an AVX512-BF16 host: BENCHMARKS.md)
+            dtype="float32",
             lora=LoraConfig(rank=8, alpha=16, layout="shared_outer"),
             optim=OptimConfig(lr=1e-3, schedule="constant", grad_clip=1.0),
             micro_batch_size=128,
         ),
-        rollout=RolloutSection(prompts_per_step=16, group_size=8, max_tokens=4, temperature=1.0, max_model_len=32),
+        rollout=RolloutSection(
+            prompts_per_step=16, group_size=8, max_tokens=4, temperature=1.0, max_model_len=32, dtype="float32"
+        ),
         algo=AlgoSection(
             advantage="grpo",
             loss=PolicyLossConfig(kind="ppo", clip_low=0.2, clip_high=0.28),
