@@ -7,11 +7,11 @@ logits and other indices change them."""
 import pytest
 import torch
 from hf_models import HYBRID_ARCHS, NEW_ARCHS, VOCAB, hf_router_choices, save_hf_model
-from test_engine import full_forward_check
+from test_engine import engine_matches_full_forward
 from transformers import AutoModelForCausalLM
 
 from moerl.bridges import export_model, load_model, supported
-from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
+from moerl.engine import EngineConfig, LLMEngine
 from moerl.errors import ConfigError
 from moerl.rollout.engine import make_engine
 
@@ -85,13 +85,7 @@ def test_new_family_engine_and_replay(arch, checkpoints):
     engine = LLMEngine(
         path, EngineConfig(max_num_seqs=4, max_model_len=48, block_size=4, max_num_batched_tokens=8), torch.float32
     )
-    prompts = [torch.randint(4, 100, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 9, 14)]
-    outs = engine.generate(
-        [Request(p, SamplingParams(temperature=0.8, max_tokens=10, seed=i)) for i, p in enumerate(prompts)]
-    )
-    for out in outs:
-        kl, routed_ok = full_forward_check(engine.model, out, temperature=0.8)
-        assert kl <= 1e-6 and routed_ok, (kl, routed_ok)
+    engine_matches_full_forward(engine)
 
     model, ids = engine.model, _ids()
     with torch.no_grad():
