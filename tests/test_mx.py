@@ -138,3 +138,28 @@ def test_mxfp8_without_torchao_is_refused_by_name(monkeypatch):
         _mode("rceil")
     monkeypatch.undo()
     assert _mode("rceil") is not None  # with torchao: the scale mode
+
+
+def test_inference_keeps_quantized_weights_until_they_change():
+    """Without autograd (an engine's forward) MX layers quantize each weight once per weight version: the output is
+    bit for bit the autograd path's, a weight changed in place (a sync's copy) is quantized again (the cached
+    result would miss: negative control), and a training forward takes the autograd path."""
+    from moerl.model.mx import apply_mxfp8
+    from moerl.presets import init_model
+
+    model = init_model("qwen3_moe", "tiny", dtype=torch.float32)
+    apply_mxfp8(model, "rceil")
+    ids = torch.randint(4, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.enable_grad():
+        want = model(ids).logits.detach()  # every GEMM through the autograd functions
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, want)
+        q = model.layers[0].self_attn.q_proj
+        assert q._mx_kept  # kept after the first inference forward
+        kept = next(iter(q._mx_kept.values()))[1]
+        q.weight.mul_(1.5)  # in place, as a sync commits
+        moved = model(ids).logits
+    with torch.enable_grad():
+        assert torch.equal(moved, model(ids).logits.detach())
+    assert not torch.equal(next(iter(q._mx_kept.values()))[1], kept)
+    assert (moved - want).abs().max() > 1e-3

@@ -123,12 +123,40 @@ def mx_group_mm(x: torch.Tensor, w: torch.Tensor, groups, mode: str) -> torch.Te
     return _MXGroupedMM.apply(x, w, groups, mode)
 
 
+def _inference() -> bool:
+    """An eager forward without autograd (an engine's): where quantized weights can be kept between calls."""
+    return not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
+def kept_quant(owner: torch.nn.Module, w: torch.Tensor, dim: int, mode: str) -> torch.Tensor:
+    """``mx_fake_quant(w, dim, mode)``, kept on ``owner`` while ``w`` is unchanged. An engine's weights change only
+    at a sync (an in-place copy, which bumps the tensor's version counter) but every step quantized them again. One
+    entry per weight layout (shape, strides, dim, mode), replaced when the tensor or its version differs."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(w, DTensor):  # a sharded trainer's weight: quantized as it comes
+        return mx_fake_quant(w, dim, mode)
+    key = (tuple(w.shape), w.stride(), dim, mode)
+    kept = owner.__dict__.setdefault("_mx_kept", {})
+    hit = kept.get(key)
+    stamp = (w.data_ptr(), w._version)
+    if hit is not None and hit[0] == stamp:
+        return hit[1]
+    q = mx_fake_quant(w, dim, mode)
+    kept[key] = (stamp, q)
+    return q
+
+
 class MXLinear(Linear):
     """A projection whose GEMMs (forward and both backward) take MXFP8 operands; ``mode``: the scale mode."""
 
     mode: str
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _inference():  # the engine's: the weight quantized once per weight version
+            x2 = mx_fake_quant(x.reshape(-1, x.shape[-1]), -1, self.mode)
+            y = (x2 @ kept_quant(self, self.weight, -1, self.mode).T).view(*x.shape[:-1], self.weight.shape[0])
+            return y if self.bias is None else y + self.bias
         return mx_linear(x, self.weight, self.bias, self.mode)
 
 
@@ -138,6 +166,8 @@ class MXExperts(Experts):
     mode: str
 
     def _gmm(self, x: torch.Tensor, w: torch.Tensor, groups) -> torch.Tensor:
+        if _inference():  # as _MXGroupedMM's forward, the weight quantized once per weight version
+            return group_mm(mx_fake_quant(x, -1, self.mode), kept_quant(self, w, 1, self.mode), groups)
         return mx_group_mm(x, w, groups, self.mode)
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
