@@ -247,7 +247,7 @@ def main() -> None:
         return child(args)
     dtypes = args.dtypes or (["float32", "bfloat16"] if native_bf16() else ["float32"])
     vllm_python = args.vllm_python if has_vllm(args.vllm_python) else None
-    print(f"# host: {host_summary()}")
+    print(f"# {host_summary()}")
     print(
         f"# decode throughput; torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}, "
         f"CPU {torch.backends.cpu.get_cpu_capability()}; vLLM: "

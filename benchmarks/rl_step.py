@@ -153,7 +153,7 @@ def main() -> None:
         return child(args)
     dtypes = args.dtypes or (["float32", "bfloat16"] if native_bf16() else ["float32"])
     trl = args.trl_python if Path(args.trl_python).exists() else None
-    print(f"# host: {host_summary()}")
+    print(f"# {host_summary()}")
     print(
         f"# RL step, {args.prompts} prompts x group {args.group} x {args.new_tokens} new tokens, each contender in "
         f"{' and '.join(dtypes)}, median of {args.rounds} round(s) x {args.steps - 1} timed steps; torch "
