@@ -11,3 +11,23 @@ def run_contender(cmd: list[str], **kwargs) -> dict:
     """Run ``cmd`` (``subprocess.run`` keywords in ``kwargs``), fail if it fails, return its last line's JSON."""
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, **kwargs)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def add_dtypes(parser) -> None:
+    """``--dtypes`` (each contender runs in each) and a child's ``--dtype`` on a benchmark's argument parser."""
+    import argparse
+
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        choices=["bfloat16", "float32"],
+        help="dtypes every contender runs in (default: float32, and bfloat16 where the CPU has it natively)",
+    )
+    parser.add_argument("--dtype", help=argparse.SUPPRESS)  # a child's
+
+
+def dtypes(args) -> list[str]:
+    """The dtypes asked for, else fp32 and, where the host multiplies it natively, bf16."""
+    from moerl.precision import native_bf16
+
+    return args.dtypes or (["float32", "bfloat16"] if native_bf16() else ["float32"])

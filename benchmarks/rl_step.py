@@ -35,11 +35,12 @@ import tempfile
 from pathlib import Path
 
 import torch
-from contender import run_contender
+from contender import add_dtypes, run_contender
+from contender import dtypes as contender_dtypes
 
 from moerl.config import load_config
 from moerl.loop import RunConfig, train
-from moerl.precision import host_summary, native_bf16
+from moerl.precision import host_summary
 from moerl.presets import init_model
 
 HERE = Path(__file__).resolve().parent
@@ -125,13 +126,7 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=16)
-    p.add_argument(
-        "--dtypes",
-        nargs="+",
-        choices=["bfloat16", "float32"],
-        help="compute dtypes each contender runs in (default: float32, and bfloat16 where the CPU has it natively)",
-    )
-    p.add_argument("--dtype", help=argparse.SUPPRESS)  # a child's
+    add_dtypes(p)
     p.add_argument("--modes", nargs="+", default=["full", "lora"], choices=["full", "lora"])
     p.add_argument(
         "--archs", nargs="+", default=["qwen3_moe"], help="moerl contenders per architecture (TRL: the first)"
@@ -151,7 +146,7 @@ def main() -> None:
     args = p.parse_args()
     if args.child:
         return child(args)
-    dtypes = args.dtypes or (["float32", "bfloat16"] if native_bf16() else ["float32"])
+    dtypes = contender_dtypes(args)
     trl = args.trl_python if Path(args.trl_python).exists() else None
     print(f"# {host_summary()}")
     print(
