@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from moerl.errors import MoerlError
+from moerl.errors import ConfigError, MoerlError
 from moerl.precision import DTYPE_NAMES, compute_dtype
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -177,6 +177,11 @@ def cmd_train(args) -> None:
     from moerl.parallel.world import launch, under_launcher
 
     overrides = list(args.overrides)
+    if args.config is None and not overrides:  # a bare `moerl train` would start a 50-step run in runs/run
+        raise ConfigError(
+            "moerl train needs a config file and/or key=value overrides, e.g. `moerl train "
+            "examples/lora_arithmetic.yaml` or `moerl train train.steps=20 policy.mode=full`; nothing was started"
+        )
     if args.config is not None and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
         overrides.insert(0, args.config)  # no file given, only overrides
         args.config = None

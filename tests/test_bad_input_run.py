@@ -284,3 +284,14 @@ def test_overrides_may_follow_the_flags_as_the_readme_writes_them(run_copy, warm
     recorded = str(run_copy / "config.yaml")  # the run's own config, then the README's order
     assert main(["train", recorded, "--resume", "train.steps=3"]) == 0
     assert [r["step"] for r in metric_rows(run_copy)] == [0, 1, 2, 3]
+
+
+def test_a_bare_train_command_prints_how_to_use_it_and_starts_nothing(tmp_path, monkeypatch, capsys):
+    """``moerl train`` with neither a config nor overrides used to start a 50-step run in runs/run."""
+    from moerl.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train"]) == 2
+    err = capsys.readouterr().err
+    assert "moerl: error: moerl train needs a config file and/or key=value overrides" in err
+    assert "nothing was started" in err and not (tmp_path / "runs").exists()
