@@ -100,6 +100,14 @@ def cmd_generate(args) -> None:
         return SamplingParams(args.temperature, args.top_p, args.top_k, args.max_tokens, n=args.n, seed=args.seed + i)
 
     params(0)  # bad sampling options fail here, before the model is loaded
+    if args.n > 1 and args.temperature == 0:
+        raise ConfigError(f"--n {args.n} with greedy decoding (--temperature 0, the default) gives {args.n} equal "
+                          "completions: pass --temperature > 0 to sample")  # fmt: skip
+    lora = {}
+    if args.adapter is not None:  # a trained adapter (PEFT directory) on top of the checkpoint
+        from moerl.bridges.peft import adapter_rank
+
+        lora = {"max_loras": 1, "max_lora_rank": adapter_rank(args.adapter)}
     tok = load_tokenizer(args.model_dir)
     model = load_model(args.model_dir, dtype=compute_dtype(args.dtype))
     max_len = args.max_model_len
@@ -107,10 +115,12 @@ def cmd_generate(args) -> None:
         longest = max(len(tok(p)["input_ids"]) for p in args.prompt)
         max_len = min(model.config.max_position_embeddings, longest + args.max_tokens)
     n_seqs = max(args.n, min(len(args.prompt) * args.n, 64))
-    engine = LLMEngine(model, EngineConfig(max_num_seqs=n_seqs, max_model_len=max_len), tokenizer=tok)
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=n_seqs, max_model_len=max_len, **lora), tokenizer=tok)
+    if args.adapter is not None:
+        engine.add_adapter("adapter", args.adapter)
     printer = _Printer(args.prompt, args.n, tok)
     start = time.perf_counter()
-    reqs = [Request(p, params(i)) for i, p in enumerate(args.prompt)]
+    reqs = [Request(p, params(i), adapter="adapter" if args.adapter else None) for i, p in enumerate(args.prompt)]
     outs = engine.generate(reqs, on_token=printer.token if args.stream else None)
     secs = time.perf_counter() - start
     printer.outputs(outs)
@@ -228,7 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model_dir")
     s.add_argument("--prompt", action="append", required=True, help="a text prompt (repeat for several)")
     s.add_argument("--max-tokens", type=int, default=32)
-    s.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    s.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default); > 0 samples")
+    s.add_argument("--adapter", default=None, help="a LoRA adapter directory (PEFT, as moerl exports) to apply")
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--top-k", type=int, default=0, help="0: off")
     s.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i")

@@ -58,6 +58,7 @@ def test_seeded_samples_are_the_engines(ckpt, capsys):
 
 def test_stream_prints_the_same_text_while_it_generates(ckpt, capsys, monkeypatch):
     args = [ckpt, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--n", 2, "--max-tokens", 12, "--seed", 3]
+    args += ["--temperature", 1.0]
     step, printed = LLMEngine._step, []
 
     def step_and_look(self, *args):  # what stdout holds after each engine step
@@ -106,6 +107,8 @@ def test_on_token_reports_every_token_and_the_finish(ckpt):
         (["--n", "0"], r"SamplingParams\.n=0: must be >= 1"),
         (["--max-model-len", "9999"], r"EngineConfig\.max_model_len=9999: exceeds the model's max_position_embeddings"),
         (["--max-model-len", "0"], r"EngineConfig\.max_model_len=0: must be >= 1"),
+        (["--n", "2"], r"--n 2 with greedy decoding \(--temperature 0, the default\) gives 2 equal completions"),
+        (["--adapter", "/nowhere"], r"/nowhere/adapter_config.json does not exist: not a PEFT adapter directory"),
     ],
 )
 def test_bad_options_are_the_engines_named_errors(ckpt, capsys, extra, message):
@@ -161,3 +164,30 @@ def test_a_checkpoint_without_a_tokenizer_is_a_named_error(ckpt, tmp_path, capsy
         load_tokenizer(bare)
     code, _, err = run([bare, "--prompt", "1+1="], capsys)
     assert code == 2 and "has no tokenizer" in err
+
+
+def test_generate_applies_a_trained_adapter_greedily_by_default(ckpt, tmp_path, capsys):
+    """``moerl generate CKPT --adapter DIR`` (a PEFT directory as moerl exports it): greedy by default, the engine's
+    tokens with that adapter; negative control: the base model's greedy tokens differ."""
+    from moerl.bridges import load_model
+    from moerl.bridges.peft import write_peft_adapter
+    from moerl.model.lora import LoraConfig, attach_lora, lora_modules
+
+    model = load_model(ckpt, dtype=torch.float32)
+    attach_lora(model, LoraConfig(rank=4, alpha=8, targets=["q_proj", "k_proj", "v_proj", "o_proj", "experts"]))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for lora in lora_modules(model).values():
+            for p in lora.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    write_peft_adapter(model, tmp_path / "adapter")
+    args = [ckpt, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--max-tokens", 10, "--dtype", "float32"]
+    code, out, err = run([*args, "--adapter", tmp_path / "adapter"], capsys)
+    assert code == 0, err
+    engine = LLMEngine(ckpt, EngineConfig(max_loras=1, max_lora_rank=4), dtype=torch.float32)
+    engine.add_adapter("a", tmp_path / "adapter")
+    greedy = SamplingParams(temperature=0, max_tokens=10)
+    assert out == expected(engine.generate([Request(p, greedy, adapter="a") for p in PROMPTS]), PROMPTS, 1)
+    code, base, err = run(args, capsys)
+    assert code == 0 and base != out
+    assert base == expected(LLMEngine(ckpt, dtype=torch.float32).generate(PROMPTS, greedy), PROMPTS, 1)

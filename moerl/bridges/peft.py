@@ -87,6 +87,19 @@ def read_peft_adapter(path: str | os.PathLike, model) -> dict[str, torch.Tensor]
     return out
 
 
+def adapter_rank(path: str | os.PathLike) -> int:
+    """The largest LoRA rank of the PEFT adapter directory ``path`` (``r`` and its ``rank_pattern``): the rank an
+    engine's adapter slots need to hold it."""
+    cfg_file = Path(path) / "adapter_config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{cfg_file} does not exist: not a PEFT adapter directory")
+    cfg = _read_config(cfg_file)
+    ranks = [cfg.get("r", 8), *(cfg.get("rank_pattern") or {}).values()]
+    if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in ranks):
+        raise CheckpointError(f"{cfg_file}: LoRA ranks (r, rank_pattern) must be ints >= 1, got {ranks}")
+    return max(ranks)
+
+
 # -- reading: the adapter's files -------------------------------------------------------------------------------
 
 
