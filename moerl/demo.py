@@ -98,4 +98,8 @@ def run_demo(
         f"after {rl_steps} GRPO steps ({summary['seconds']:.0f}s in all)"
     )
     log(f"[demo] run directory {cfg.run_dir}: metrics.jsonl, tensorboard/, checkpoint/, adapter/, curves.png")
+    log("[demo] next:")
+    log(f"  moerl generate {sft_model} --adapter {cfg.run_dir}/adapter --prompt '12+7='   # the trained adapter")
+    log(f"  moerl plot {cfg.run_dir}                           # the reward and mismatch curves (curves.png)")
+    log(f"  moerl demo --rl-steps 600 --overwrite --run-dir {run_dir}   # a longer run")
     return summary

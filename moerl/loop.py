@@ -476,7 +476,7 @@ def finish(cfg: RunConfig, run_dir: Path, policy: Policy) -> dict:
 
         with policy.gathered() as model:  # a sharded policy's adapters, whole
             try:
-                write_peft_adapter(model, run_dir / "adapter")
+                write_peft_adapter(model, run_dir / "adapter", base=str(policy.checkpoint.resolve()))
                 out["adapter"] = str(run_dir / "adapter")
             except CheckpointError as e:  # adapters PEFT cannot express: merged weights instead
                 from moerl.bridges import export_model

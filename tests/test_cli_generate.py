@@ -191,3 +191,25 @@ def test_generate_applies_a_trained_adapter_greedily_by_default(ckpt, tmp_path, 
     code, base, err = run(args, capsys)
     assert code == 0 and base != out
     assert base == expected(LLMEngine(ckpt, dtype=torch.float32).generate(PROMPTS, greedy), PROMPTS, 1)
+
+
+def test_the_demo_ends_with_next_steps_that_work(tmp_path, capsys):
+    """A short demo (4 supervised, 2 GRPO steps) ends by saying what to do next; its generate line runs as printed
+    with the exported adapter (which names its base checkpoint), and so does its plot line."""
+    import json
+    import shlex
+
+    from moerl.demo import run_demo
+
+    lines = []
+    run_demo(str(tmp_path / "demo"), sft_steps=4, rl_steps=2, log=lines.append)
+    nxt = lines[lines.index("[demo] next:") + 1 :]
+    assert [line.split()[1] for line in nxt] == ["generate", "plot", "demo"]
+    adapter = tmp_path / "demo" / "rl" / "adapter"
+    base = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert base == str((tmp_path / "demo" / "sft_model").resolve())
+    for line in nxt[:2]:
+        capsys.readouterr()
+        argv = shlex.split(line.split("#")[0])[1:]
+        assert main(argv) == 0, capsys.readouterr().err
+    assert (tmp_path / "demo" / "rl" / "curves.png").exists()

@@ -274,7 +274,7 @@ def _pad_untargeted(out: dict[str, torch.Tensor], mcfg) -> None:
 # -- writing ----------------------------------------------------------------------------------------------------
 
 
-def write_peft_adapter(model, out_dir: str | os.PathLike, slot: int = 0) -> Path:
+def write_peft_adapter(model, out_dir: str | os.PathLike, slot: int = 0, base: str | None = None) -> Path:
     """Write adapter ``slot`` of ``model`` as a PEFT directory that ``peft.PeftModel.from_pretrained`` loads onto
     the transformers model (and vLLM reads): linear layers by ``target_modules``, the 3D experts by
     ``target_parameters`` (gate_up the inner ParamWrapper, down the outer).
@@ -283,6 +283,7 @@ def write_peft_adapter(model, out_dir: str | os.PathLike, slot: int = 0) -> Path
     gate_up A and down B are repeated for every expert, which gives the same function; PEFT and vLLM know no
     shared layout. Dense-MLP and shared-expert adapters are refused: on transformers v5 MoE models PEFT maps
     every ``gate_proj`` / ``up_proj`` / ``down_proj`` target to the fused experts, so it cannot load them.
+    ``base``: the base checkpoint's path, recorded as ``base_model_name_or_path``.
     """
     from moerl.model.lora import LinearLora, lora_modules
 
@@ -298,7 +299,7 @@ def write_peft_adapter(model, out_dir: str | os.PathLike, slot: int = 0) -> Path
             rank, expert_tensors = _write_experts(model, bridge, path, lora, slot)
             tensors |= expert_tensors
             expert_ranks.add(rank)
-    config = _peft_config(bridge, target_modules, linear_ranks, expert_ranks)
+    config = _peft_config(bridge, target_modules, linear_ranks, expert_ranks) | {"base_model_name_or_path": base}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
@@ -363,7 +364,6 @@ def _peft_config(bridge: Bridge, target_modules: set[str], linear_ranks: set[int
     experts = bridge.peft_experts.removeprefix("model.layers.{i}.")  # e.g. mlp.experts
     config = {
         "peft_type": "LORA",
-        "base_model_name_or_path": None,
         "r": r,
         "lora_alpha": r,  # the scales are folded into B
         "lora_dropout": 0.0,
