@@ -146,7 +146,9 @@ def _train_policy(cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Po
                 metrics.log(0, {"eval_accuracy": gen.evaluate(), "eval_accuracy_sampled": gen.evaluate(sampled=True)})
             if cfg.algo.async_:  # rollouts of the next steps are generated while this one trains
                 ahead = RolloutsAhead(gen, start, cfg.train.steps, cfg.algo.max_staleness)
-            bar = tqdm(range(start, cfg.train.steps), desc="rl", unit="step", disable=not sys.stderr.isatty())
+            tty = sys.stderr.isatty()  # a terminal gets a bar; a file or pipe one line per step
+            bar = tqdm(range(start, cfg.train.steps), desc="rl", unit="step", disable=not tty)
+            t_start = time.perf_counter()
             t_prev = time.perf_counter()  # samples/s over wall time, step end to step end (evaluation included)
             for step in bar:
                 policy.stop_state = {"step": step}  # a TrainingStopped saves the state after the last complete step
@@ -158,6 +160,10 @@ def _train_policy(cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Po
                     metrics.log(step + 1, row)  # the step trained: its row is kept with the state saved below
                     raise
                 last = step + 1 == cfg.train.steps
+                if last:  # what the last step's extra seconds are
+                    bar.set_description("rl (final evaluation)")
+                    if not tty:
+                        print("moerl: final evaluation on the held-out problems", file=sys.stderr, flush=True)
                 if last or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0):
                     row["eval_accuracy"] = gen.evaluate()
                 if last:
@@ -166,7 +172,11 @@ def _train_policy(cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Po
                 if step == start + 2 and "seconds_train" in row:  # warm by now: does compiling pay for the rest?
                     _maybe_compile(policy, cfg.train.steps - step - 1, row["seconds_train"])
                 if "reward_mean" in row:
-                    bar.set_postfix(reward=f"{row['reward_mean']:.3f}", k3=f"{row['mismatch_k3_r3']:.1e}")
+                    bar.set_postfix(reward=f"{row['reward_mean']:.3f}", mismatch=f"{row['mismatch_k3_r3']:.1e}")
+                if not tty:
+                    done = step + 1 - start
+                    line = progress_line(step + 1, cfg.train.steps, row, (time.perf_counter() - t_start) / done)
+                    print(line, file=sys.stderr, flush=True)
                 if last or (cfg.train.checkpoint_every and (step + 1) % cfg.train.checkpoint_every == 0):
                     save_checkpoint(ckpt_dir, policy, state={"step": step + 1})
                 t_prev = time.perf_counter()
@@ -179,6 +189,7 @@ def _train_policy(cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Po
             metrics.close()
         engine.close()
 
+    print("moerl: training done; exporting the results and drawing the curves", file=sys.stderr, flush=True)
     rows = read_metrics(run.path)
     summary = {
         "accuracy_before": rows[0].get("eval_accuracy", math.nan),
@@ -187,6 +198,23 @@ def _train_policy(cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Po
         "accuracy_sampled_after": rows[-1].get("eval_accuracy_sampled", math.nan),
     }
     return summary | finish(cfg, run.path, policy)
+
+
+def progress_line(step: int, total: int, row: dict, seconds_per_step: float) -> str:
+    """One line for a step when the output is not a terminal: step / total, reward, held-out accuracy when it was
+    evaluated, s/step and the time left (names a newcomer reads; the metrics file keeps the jargon ones)."""
+    parts = [f"step {step}/{total}"]
+    if "reward_mean" in row:
+        parts.append(f"reward {row['reward_mean']:.3f}")
+    elif row.get("skipped"):
+        parts.append("skipped (every group had equal rewards: nothing to learn from)")
+    if "eval_accuracy" in row:
+        parts.append(f"held-out accuracy {row['eval_accuracy']:.1%}")
+    if "mismatch_k3_r3" in row:
+        parts.append(f"engine/trainer mismatch {row['mismatch_k3_r3']:.1e}")
+    left = (total - step) * seconds_per_step
+    parts.append(f"{seconds_per_step:.2f} s/step, {int(left // 60)}m{int(left % 60):02d}s left")
+    return "moerl: " + " | ".join(parts)
 
 
 def _maybe_compile(policy: Policy, steps_left: int, seconds_train: float) -> None:

@@ -216,3 +216,16 @@ def test_a_deterministic_run_computes_what_the_default_run_does_on_the_cpu(warm_
     default = [r for r in metric_rows(tmp_path / "default") if "loss" in r]
     det = [r for r in metric_rows(tmp_path / "det") if "loss" in r]
     assert [[r[k] for k in keys] for r in det] == [[r[k] for k in keys] for r in default]
+
+
+def test_a_run_writes_a_progress_line_per_step_when_not_on_a_terminal(warm_model, tmp_path, capsys):
+    """Output to a file or pipe (pytest's capture is one): one readable line per step with the step, reward, s/step
+    and time left, the held-out accuracy where evaluated, and the final phase said in words."""
+    train(run_cfg(tmp_path / "run", warm_model, "lora", steps=3, **{"train.eval_every": 2}))
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("moerl: ")]
+    steps = [x for x in lines if x.startswith("moerl: step ")]
+    assert [x.split()[2] for x in steps] == ["1/3", "2/3", "3/3"]
+    assert all(" reward " in x and " s/step, " in x and "s left" in x for x in steps)
+    assert "held-out accuracy" in steps[1] and "held-out accuracy" in steps[2] and "held-out" not in steps[0]
+    assert "moerl: final evaluation on the held-out problems" in lines
+    assert lines[-1] == "moerl: training done; exporting the results and drawing the curves"
