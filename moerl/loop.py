@@ -182,6 +182,12 @@ def _train_policy(cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Po
                 t_prev = time.perf_counter()
         except EngineError as e:  # an engine process died: stop with the trained state saved
             raise TrainingStopped(f"{e}{policy.save_stop_checkpoint()}") from e
+        except KeyboardInterrupt:  # Ctrl-C: keep the last complete step (a second Ctrl-C stops the save itself)
+            if policy.layout.ranks == 1:  # several ranks would each need the others to save
+                print(f"moerl: interrupted after step {policy.stop_state['step']}", file=sys.stderr, flush=True)
+                saved = policy.save_stop_checkpoint().removeprefix("; ")
+                print(f"moerl: {saved}; continue with --resume", file=sys.stderr, flush=True)
+            raise
     finally:
         if ahead is not None:
             ahead.close()

@@ -229,3 +229,32 @@ def test_a_run_writes_a_progress_line_per_step_when_not_on_a_terminal(warm_model
     assert "held-out accuracy" in steps[1] and "held-out accuracy" in steps[2] and "held-out" not in steps[0]
     assert "moerl: final evaluation on the held-out problems" in lines
     assert lines[-1] == "moerl: training done; exporting the results and drawing the curves"
+
+
+def test_ctrl_c_saves_the_last_complete_step_and_the_run_resumes_from_it(warm_model, tmp_path, capsys, monkeypatch):
+    """Ctrl-C during step 3 of a run that checkpoints every 2 steps: the state after step 2 is saved (it says where),
+    and --resume goes on with step 3 as the uninterrupted run did (same loss and reward)."""
+    from moerl import loop
+
+    straight = {
+        r["step"]: r for r in metric_rows(train(run_cfg(tmp_path / "a", warm_model, steps=3)) and tmp_path / "a")
+    }
+    real, calls = loop.rl_step, []
+
+    def interrupted(cfg, gen, policy, loss_fn, step, ahead=None):
+        calls.append(step)
+        if step == 2:
+            raise KeyboardInterrupt
+        return real(cfg, gen, policy, loss_fn, step, ahead)
+
+    monkeypatch.setattr(loop, "rl_step", interrupted)
+    cfg = run_cfg(tmp_path / "b", warm_model, steps=3, **{"train.checkpoint_every": 0})  # no periodic checkpoint
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg)
+    err = capsys.readouterr().err
+    assert "moerl: interrupted after step 2" in err
+    assert f"checkpoint of the last good state saved to {tmp_path / 'b' / 'checkpoint'}; continue with --resume" in err
+    monkeypatch.setattr(loop, "rl_step", real)
+    train(cfg, resume=True)
+    resumed = {r["step"]: r for r in metric_rows(tmp_path / "b") if "loss" in r}
+    assert resumed[3]["loss"] == straight[3]["loss"] and resumed[3]["reward_mean"] == straight[3]["reward_mean"]
