@@ -236,13 +236,11 @@ def test_ctrl_c_saves_the_last_complete_step_and_the_run_resumes_from_it(warm_mo
     and --resume goes on with step 3 as the uninterrupted run did (same loss and reward)."""
     from moerl import loop
 
-    straight = {
-        r["step"]: r for r in metric_rows(train(run_cfg(tmp_path / "a", warm_model, steps=3)) and tmp_path / "a")
-    }
-    real, calls = loop.rl_step, []
+    train(run_cfg(tmp_path / "a", warm_model, steps=3))
+    straight = {r["step"]: r for r in metric_rows(tmp_path / "a") if "loss" in r}
+    real = loop.rl_step
 
     def interrupted(cfg, gen, policy, loss_fn, step, ahead=None):
-        calls.append(step)
         if step == 2:
             raise KeyboardInterrupt
         return real(cfg, gen, policy, loss_fn, step, ahead)
