@@ -100,7 +100,15 @@ def _bundle(cpus: float, gpus: float) -> dict:
 def run_on_ray(cfg, resume: bool = False, overwrite: bool = False) -> dict:
     """Run ``cfg`` on Ray (see the module); returns rank 0's summary. Raises what a rank raised, naming the rank, or
     TrainingStopped when a rank died."""
-    import ray
+    try:
+        import ray
+    except ImportError as e:
+        from moerl.errors import ConfigError
+
+        raise ConfigError(
+            f"cluster.backend: ray needs Ray, which is not installed here ({e}); install moerl's extra: "
+            "pip install -e '.[ray]' (make test installs it)"
+        ) from None
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

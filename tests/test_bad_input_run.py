@@ -295,3 +295,16 @@ def test_a_bare_train_command_prints_how_to_use_it_and_starts_nothing(tmp_path, 
     err = capsys.readouterr().err
     assert "moerl: error: moerl train needs a config file and/or key=value overrides" in err
     assert "nothing was started" in err and not (tmp_path / "runs").exists()
+
+
+def test_a_ray_run_without_ray_names_the_extra(tmp_path, monkeypatch, capsys):
+    """cluster.backend: ray where Ray does not import: one line naming the install, as vLLM's absence is named."""
+    import sys
+
+    from moerl.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # what an interpreter without Ray sees: import fails
+    assert main(["train", f"run_dir={tmp_path / 'run'}", "cluster.backend=ray"]) == 2
+    err = capsys.readouterr().err
+    assert "moerl: error: cluster.backend: ray needs Ray, which is not installed here" in err
+    assert "pip install -e '.[ray]'" in err and not (tmp_path / "run").exists()
