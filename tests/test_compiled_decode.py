@@ -180,14 +180,16 @@ def test_the_graph_path_of_adapter_slots_equals_the_grouped_one(layout):
 
 def test_compiled_lora_decode_matches_the_eager_lora_engine():
     """A LoRA engine (two adapters in slots, requests asking for either or none) decodes through one graph as eager:
-    same tokens and routing, fp32 logprobs within 1e-5."""
+    same tokens and routing, fp32 logprobs within 1e-5; negative control: the compiled engine with the requests'
+    adapters swapped (a <-> b) fails the same comparison."""
     from moerl.model.lora import slot_tensors
 
     donor = _lora_engine_model("per_expert")
     cfg = {"max_num_seqs": 16, "max_model_len": 64, "max_loras": 2, "max_lora_rank": 4}
-    requests = lambda: [  # noqa: E731
-        Request(r.prompt, r.params, adapter=("a", "b", None)[i % 3]) for i, r in enumerate(_requests())
-    ]
+
+    def requests(names=("a", "b", None)):
+        return [Request(r.prompt, r.params, adapter=names[i % 3]) for i, r in enumerate(_requests())]
+
     outs = []
     for compiled in (False, True):  # each engine its own copy of the base (seeded: the same weights)
         engine = LLMEngine(
@@ -198,4 +200,6 @@ def test_compiled_lora_decode_matches_the_eager_lora_engine():
         engine.add_adapter("a", slot_tensors(donor, 0))
         engine.add_adapter("b", slot_tensors(donor, 1))
         outs.append(engine.generate(requests()))
-    _compare(*outs)
+    assert _compare(*outs) < 1e-5
+    with pytest.raises(AssertionError):  # tokens, routing or logprobs differ with the other adapter
+        _compare(outs[0], engine.generate(requests(("b", "a", None))))

@@ -251,13 +251,14 @@ def test_a_derived_family_decodes_in_the_engine_as_its_full_forward(arch, tmp_pa
     """The engine serves a derived family (sliding layers beside NoPE ones through the paged cache, latent
     attention, muP with a shared MLP, a buffer bias): each sampled token's logprobs and experts as a full forward
     of the finished sequence gives them (k3 <= 1e-6 fp32, routing equal)."""
-    from test_engine import engine_matches_full_forward
+    from test_engine import engine_vs_full_forward
 
     from moerl.engine import EngineConfig, LLMEngine
 
     build_hf_model(arch).save_pretrained(tmp_path)
     config = EngineConfig(max_num_seqs=4, max_model_len=48, block_size=4, max_num_batched_tokens=8)
-    engine_matches_full_forward(LLMEngine(tmp_path, config, torch.float32))
+    kl, routed_ok = engine_vs_full_forward(LLMEngine(tmp_path, config, torch.float32))
+    assert kl <= 1e-6 and routed_ok, (kl, routed_ok)
 
 
 def test_the_proof_perturbs_the_buffers_a_checkpoint_holds(monkeypatch):

@@ -25,18 +25,17 @@ def full_forward_check(model, out, temperature=1.0, adapters=None):
     return k3(lp - c.logprobs), routed_ok
 
 
-def engine_matches_full_forward(engine) -> None:
-    """Three prompts (3, 9 and 14 tokens) sampled at 0.8 for 10 tokens: every token's logprob and experts as a full
-    forward of the finished sequence gives them (k3 <= 1e-6, fp32)."""
+def engine_vs_full_forward(engine) -> tuple[float, bool]:
+    """Three prompts (3, 9 and 14 tokens) sampled at 0.8 for 10 tokens against a full forward of each finished
+    sequence: (the largest k3 of the engine's logprobs, whether every token's experts are the forward's)."""
     from moerl.engine import Request, SamplingParams
 
     prompts = [torch.randint(4, 100, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 9, 14)]
     outs = engine.generate(
         [Request(p, SamplingParams(temperature=0.8, max_tokens=10, seed=i)) for i, p in enumerate(prompts)]
     )
-    for out in outs:
-        kl, routed_ok = full_forward_check(engine.model, out, temperature=0.8)
-        assert kl <= 1e-6 and routed_ok, (kl, routed_ok)
+    checks = [full_forward_check(engine.model, out, temperature=0.8) for out in outs]
+    return max(kl for kl, _ in checks), all(ok for _, ok in checks)
 
 
 def _prompts(n, lengths, seed=0):

@@ -7,7 +7,7 @@ logits and other indices change them."""
 import pytest
 import torch
 from hf_models import HYBRID_ARCHS, NEW_ARCHS, VOCAB, hf_router_choices, save_hf_model
-from test_engine import engine_matches_full_forward
+from test_engine import engine_vs_full_forward
 from transformers import AutoModelForCausalLM
 
 from moerl.bridges import export_model, load_model, supported
@@ -85,7 +85,8 @@ def test_new_family_engine_and_replay(arch, checkpoints):
     engine = LLMEngine(
         path, EngineConfig(max_num_seqs=4, max_model_len=48, block_size=4, max_num_batched_tokens=8), torch.float32
     )
-    engine_matches_full_forward(engine)
+    kl, routed_ok = engine_vs_full_forward(engine)
+    assert kl <= 1e-6 and routed_ok, (kl, routed_ok)
 
     model, ids = engine.model, _ids()
     with torch.no_grad():
