@@ -82,9 +82,14 @@ class _MXLinear(torch.autograd.Function):
         return gx, gw, None
 
 
-def mx_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, mode: str) -> torch.Tensor:
-    """``F.linear`` with MXFP8 operands in the forward and both backward GEMMs."""
-    y = _MXLinear.apply(x.reshape(-1, x.shape[-1]), w, mode).view(*x.shape[:-1], w.shape[0])
+def mx_linear(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, mode: str, wq: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear`` with MXFP8 operands in the forward and both backward GEMMs; ``wq``: ``w`` quantized already (a
+    forward without autograd, as ``_MXLinear``'s forward computes it)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    y2 = _MXLinear.apply(x2, w, mode) if wq is None else mx_fake_quant(x2, -1, mode) @ wq.T
+    y = y2.view(*x.shape[:-1], w.shape[0])
     return y if bias is None else y + bias
 
 
@@ -118,8 +123,11 @@ class _MXGroupedMM(torch.autograd.Function):
         return gx, gw, None, None
 
 
-def mx_group_mm(x: torch.Tensor, w: torch.Tensor, groups, mode: str) -> torch.Tensor:
-    """``group_mm`` with MXFP8 operands in the forward and both backward GEMMs."""
+def mx_group_mm(x: torch.Tensor, w: torch.Tensor, groups, mode: str, wq: torch.Tensor | None = None) -> torch.Tensor:
+    """``group_mm`` with MXFP8 operands in the forward and both backward GEMMs; ``wq``: ``w`` quantized already (a
+    forward without autograd, as ``_MXGroupedMM``'s forward computes it)."""
+    if wq is not None:
+        return group_mm(mx_fake_quant(x, -1, mode), wq, groups)
     return _MXGroupedMM.apply(x, w, groups, mode)
 
 
@@ -153,11 +161,8 @@ class MXLinear(Linear):
     mode: str
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _inference():  # the engine's: the weight quantized once per weight version
-            x2 = mx_fake_quant(x.reshape(-1, x.shape[-1]), -1, self.mode)
-            y = (x2 @ kept_quant(self, self.weight, -1, self.mode).T).view(*x.shape[:-1], self.weight.shape[0])
-            return y if self.bias is None else y + self.bias
-        return mx_linear(x, self.weight, self.bias, self.mode)
+        wq = kept_quant(self, self.weight, -1, self.mode) if _inference() else None  # once per weight version
+        return mx_linear(x, self.weight, self.bias, self.mode, wq)
 
 
 class MXExperts(Experts):
@@ -166,9 +171,8 @@ class MXExperts(Experts):
     mode: str
 
     def _gmm(self, x: torch.Tensor, w: torch.Tensor, groups) -> torch.Tensor:
-        if _inference():  # as _MXGroupedMM's forward, the weight quantized once per weight version
-            return group_mm(mx_fake_quant(x, -1, self.mode), kept_quant(self, w, 1, self.mode), groups)
-        return mx_group_mm(x, w, groups, self.mode)
+        wq = kept_quant(self, w, 1, self.mode) if _inference() else None  # once per weight version
+        return mx_group_mm(x, w, groups, self.mode, wq)
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return mx_linear(x, w, bias, self.mode)
