@@ -262,6 +262,13 @@ LINEAR_ATTENTION_RULES = (
 )
 
 
+def mtp_layer(name: str, cfg: ModelConfig) -> bool:
+    """A ``Bridge.ignore``: multi-token-prediction layers sit after the decoder (a layer index >= num_hidden_layers,
+    DeepSeek-V3's, GLM-4.5's ``num_nextn_predict_layers``); not loaded."""
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    return m is not None and int(m.group(1)) >= cfg.num_layers
+
+
 def plus_one(t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """Load transform of RMSNorm weights stored zero-centred (the norm scales by 1 + w); moerl's scale by w."""
     return t + 1

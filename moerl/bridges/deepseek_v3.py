@@ -1,9 +1,17 @@
 """DeepSeek-V3: multi-head latent attention, sigmoid router with a selection-only bias, group-limited top-k,
 routed scaling, a shared expert, first-k dense layers, interleaved rotary pairs, YaRN with mscale."""
 
-import re
-
-from moerl.bridges.base import Bridge, HFConfig, Preset, Rule, common_fields, common_preset, expert_rules, sparse_layers
+from moerl.bridges.base import (
+    Bridge,
+    HFConfig,
+    Preset,
+    Rule,
+    common_fields,
+    common_preset,
+    expert_rules,
+    mtp_layer,
+    sparse_layers,
+)
 from moerl.bridges.registry import register
 from moerl.errors import ConfigError
 from moerl.model.config import ModelConfig
@@ -92,12 +100,6 @@ def preset_config(p: Preset, bos: int, eos: int, pad: int) -> dict:
     return cfg | mla_preset(p)
 
 
-def _mtp_layer(name: str, cfg: ModelConfig) -> bool:
-    # multi-token-prediction layers sit after the decoder (layer index >= num_hidden_layers); not used here
-    m = re.match(r"model\.layers\.(\d+)\.", name)
-    return m is not None and int(m.group(1)) >= cfg.num_layers
-
-
 BRIDGE = register(
     Bridge(
         architectures=(ARCH,),
@@ -109,6 +111,6 @@ BRIDGE = register(
             Rule("model.layers.{i}.mlp.gate.e_score_correction_bias", "layers.{i}.mlp.router.e_score_correction_bias"),
             *expert_rules("mlp", "gate_proj", "up_proj", "down_proj"),
         ),
-        ignore=_mtp_layer,
+        ignore=mtp_layer,
     )
 )

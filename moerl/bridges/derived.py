@@ -40,6 +40,7 @@ from moerl.bridges.base import (
     layer_types,
     linear_attention_fields,
     minus_one,
+    mtp_layer,
     partial_rope_dim,
     plus_one,
     sparse_layers,
@@ -538,14 +539,8 @@ def derive(hf: dict, layout: Layout, variant: dict) -> Bridge:
         preset_config=_no_preset,
         rules=tuple(rules),
         fused=fused,
-        ignore=_beyond_the_decoder,
+        ignore=mtp_layer,
     )
-
-
-def _beyond_the_decoder(name: str, cfg: ModelConfig) -> bool:
-    """Multi-token-prediction layers (``num_nextn_predict_layers``) sit after the decoder: not loaded."""
-    m = re.match(r"model\.layers\.(\d+)\.", name)
-    return m is not None and int(m.group(1)) >= cfg.num_layers
 
 
 def _no_preset(p: Preset, bos: int, eos: int, pad: int) -> dict:
