@@ -156,9 +156,9 @@ def _lora_engine_model(layout: str):
 
 @pytest.mark.parametrize("layout", ["per_expert", "shared_outer"])
 def test_the_graph_path_of_adapter_slots_equals_the_grouped_one(layout):
-    """Eager, fp32: every-slot-masked LoRA (what the compiled step runs: ``LinearLora`` and ``LoraExperts._dense``
-    with a slot tensor) against the grouped path with the same per-token slots (two adapters and none) within
-    1e-5; negative control: the slots shifted by one token miss by far more."""
+    """Eager, fp32: every-slot-masked LoRA (what the compiled step runs: ``LinearLora`` and the dense expert path's
+    LoRA deltas, with a slot tensor) against the grouped path with the same per-token slots (two adapters and
+    none) within 1e-5; negative control: the slots shifted by one token miss by far more."""
     model = _lora_engine_model(layout)
     ctx = model.adapter_ctx
     slots = torch.tensor([0, 1, -1, 1, 0, -1, 0, 1, 1, 0])

@@ -12,9 +12,9 @@ does any batch larger than ``max_num_seqs`` (which the scheduler never forms).
 Inside the graph the routed experts take the dense path (every expert on every token, ``Experts._dense``) where
 that is cheap, else the grouped GEMM as one opaque op. MXFP8 engines' experts quantize their operands on either
 path, as eager. LoRA slots: each row's slot is a tensor in the graph; every projection computes every slot's
-shrink in one GEMM and keeps the row's own by a mask (``LinearLora``, ``LoraExperts._dense``), so adapted experts
-always take the dense path (their grouped path sorts rows by slot, which a graph cannot). Padding rows use no
-adapter.
+shrink in one GEMM and keeps the row's own by a mask (``LinearLora``, and ``LoraExperts``' deltas on the dense
+expert path), so adapted experts always take the dense path (their grouped path sorts rows by slot, which a graph
+cannot). Padding rows use no adapter.
 """
 
 from __future__ import annotations

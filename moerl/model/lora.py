@@ -25,7 +25,7 @@ from torch import nn
 
 from moerl.model.grouped import Groups, group_mm
 from moerl.model.linear import Linear
-from moerl.model.moe import Experts, Route, _activate
+from moerl.model.moe import Experts, Route
 from moerl.model.swap import replace_module, swapped
 
 LAYOUTS = ("per_expert", "shared_outer")
@@ -280,35 +280,29 @@ class LoraExperts(Experts):
             return self._down_sum(x, y, route) + delta.to(x.dtype)
         return self._down_sum(x, _add(y, delta, rows), route)
 
-    def _dense(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Every expert on every token (``Experts._dense``) with every adapter slot's deltas, each token's own slot
-        kept by a mask: the compiled decode step's path (no sort, gather or data-dependent branch)."""
+    # the dense path (``Experts._dense``, the compiled decode step's): every adapter slot's deltas, each token's own
+    # slot kept by a mask (no sort, gather or data-dependent branch)
+    def _dense_gate_up_delta(self, x: torch.Tensor) -> torch.Tensor | float:
         lora = self.lora
         if lora.ctx.graph_slots is None:
-            return super()._dense(x, idx, weights)
-        n, e, dt = x.shape[0], self.num_experts, lora.gate_up_B.dtype
-        slots = lora.gate_up_B.shape[0]
-        pick = lora.ctx.pick(slots, lora.scale, dt)  # [N, S]
-        gate = x.new_zeros(n, e).scatter_(1, idx, weights.to(x.dtype))  # [N, E]
-        bias = self.gate_up_proj_bias.flatten() if self.gate_up_proj_bias is not None else None
-        h = F.linear(x, self.gate_up_proj.flatten(0, 1), bias).view(n, e, -1)
-        xd = x.to(dt)
+            return 0.0
+        pick = lora.ctx.pick(lora.gate_up_B.shape[0], lora.scale, lora.gate_up_B.dtype)  # [N, S]
+        xd = x.to(lora.gate_up_B.dtype)
         if lora.layout == "shared_outer":  # [S, r, H]: one shrink per token and slot
             xa = torch.einsum("nh,srh->nsr", xd, lora.gate_up_A) * pick[:, :, None]
-            gu = torch.einsum("nsr,seir->nei", xa, lora.gate_up_B)
-        else:  # [S, E, r, H]
-            xa = torch.einsum("nh,serh->nser", xd, lora.gate_up_A) * pick[:, :, None, None]
-            gu = torch.einsum("nser,seir->nei", xa, lora.gate_up_B)
-        h = _activate(h + gu.to(h.dtype), self.activation, self.alpha, self.limit) * gate[:, :, None]  # [N, E, I]
-        y = torch.bmm(h.transpose(0, 1), self.down_proj.transpose(1, 2)).sum(0)  # [N, H]
-        if self.down_proj_bias is not None:
-            y = y + gate @ self.down_proj_bias
-        ha = torch.einsum("nei,seri->nser", h.to(dt), lora.down_A) * pick[:, :, None, None]
+            return torch.einsum("nsr,seir->nei", xa, lora.gate_up_B).to(x.dtype)
+        xa = torch.einsum("nh,serh->nser", xd, lora.gate_up_A) * pick[:, :, None, None]  # [S, E, r, H]
+        return torch.einsum("nser,seir->nei", xa, lora.gate_up_B).to(x.dtype)
+
+    def _dense_down_delta(self, h: torch.Tensor) -> torch.Tensor | float:
+        lora = self.lora
+        if lora.ctx.graph_slots is None:
+            return 0.0
+        pick = lora.ctx.pick(lora.down_A.shape[0], lora.scale, lora.down_A.dtype)
+        ha = torch.einsum("nei,seri->nser", h.to(lora.down_A.dtype), lora.down_A) * pick[:, :, None, None]
         if lora.layout == "shared_outer":  # the routed sum in rank space, then one expand per slot
-            dn = torch.einsum("nsr,shr->nh", ha.sum(2), lora.down_B)
-        else:
-            dn = torch.einsum("nser,sehr->nh", ha, lora.down_B)
-        return y + dn.to(y.dtype)
+            return torch.einsum("nsr,shr->nh", ha.sum(2), lora.down_B).to(h.dtype)
+        return torch.einsum("nser,sehr->nh", ha, lora.down_B).to(h.dtype)
 
     def _project(self, e: int, which: str, rows: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """The reference loop's projection plus the naive LoRA delta: per expert, per adapter slot."""

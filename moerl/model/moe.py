@@ -202,18 +202,28 @@ class Experts(nn.Module):
         """Every expert on every token, weighted by a gate matrix that is zero off the chosen experts: two GEMMs
         over all experts and no sort, gather or scatter. E / k times the expert FLOPs, and fewer ops: it pays only
         where the experts are small (the compiled decode step decides, ``moerl.engine.compiled``). Every operand
-        passes ``_operand`` (MXFP8: quantized along its reduction dim, as the grouped path's). No LoRA."""
+        passes ``_operand`` (MXFP8: quantized along its reduction dim, as the grouped path's); a mode adds its deltas
+        through ``_dense_gate_up_delta`` / ``_dense_down_delta`` (LoRA)."""
         n, e, q = x.shape[0], self.num_experts, self._operand
         gate = x.new_zeros(n, e).scatter_(1, idx, weights.to(x.dtype))  # [N, E]
         bias = self.gate_up_proj_bias.flatten() if self.gate_up_proj_bias is not None else None
         h = F.linear(q(x, -1), q(self.gate_up_proj, 2).flatten(0, 1), bias).view(n, e, -1)
-        h = _activate(h, self.activation, self.alpha, self.limit) * gate[:, :, None]  # [N, E, I]
+        h = _activate(h + self._dense_gate_up_delta(x), self.activation, self.alpha, self.limit) * gate[:, :, None]
         y = torch.bmm(q(h, -1).transpose(0, 1), q(self.down_proj, 2).transpose(1, 2)).sum(0)  # [N, H]
+        y = y + self._dense_down_delta(h)
         return y + gate @ self.down_proj_bias if self.down_proj_bias is not None else y
 
     def _operand(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """A GEMM operand of the dense path as the grouped GEMMs take it, reduced along ``dim`` (MXFP8 quantizes)."""
         return t
+
+    def _dense_gate_up_delta(self, x: torch.Tensor) -> torch.Tensor | float:
+        """What the dense path adds to every expert's gate_up rows of ``x`` [N, H] ([N, E, 2I]; LoRA's slots)."""
+        return 0.0
+
+    def _dense_down_delta(self, h: torch.Tensor) -> torch.Tensor | float:
+        """What the dense path adds to the routed sum from the gate-weighted activations ``h`` [N, E, I]."""
+        return 0.0
 
     def _loop(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
