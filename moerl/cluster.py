@@ -103,8 +103,6 @@ def run_on_ray(cfg, resume: bool = False, overwrite: bool = False) -> dict:
     try:
         import ray
     except ImportError as e:
-        from moerl.errors import ConfigError
-
         raise ConfigError(
             f"cluster.backend: ray needs Ray, which is not installed here ({e}); install moerl's extra: "
             "pip install -e '.[ray]' (make test installs it)"
