@@ -1,4 +1,4 @@
-"""``moerl`` command line: init-model, generate, archs, train, plot, demo."""
+"""``moerl`` command line: init-model, generate, eval, archs, check-arch, train, plot, demo."""
 
 from __future__ import annotations
 
@@ -92,9 +92,7 @@ class _Printer:
 
 def cmd_generate(args) -> None:
     """Sample continuations of ``--prompt``s with the rollout engine (KV cache, the engine's checks)."""
-    from moerl.bridges import load_model
-    from moerl.bridges.checkpoint import load_tokenizer
-    from moerl.engine import EngineConfig, LLMEngine, Request, RequestError, SamplingParams
+    from moerl.engine import Request, RequestError, SamplingParams
 
     def params(i: int) -> SamplingParams:  # prompt i is seeded with seed + i: equal prompts differ
         return SamplingParams(args.temperature, args.top_p, args.top_k, args.max_tokens, n=args.n, seed=args.seed + i)
@@ -103,21 +101,8 @@ def cmd_generate(args) -> None:
     if args.n > 1 and args.temperature == 0:
         raise ConfigError(f"--n {args.n} with greedy decoding (--temperature 0, the default) gives {args.n} equal "
                           "completions: pass --temperature > 0 to sample")  # fmt: skip
-    lora = {}
-    if args.adapter is not None:  # a trained adapter (PEFT directory) on top of the checkpoint
-        from moerl.bridges.peft import adapter_rank
-
-        lora = {"max_loras": 1, "max_lora_rank": adapter_rank(args.adapter)}
-    tok = load_tokenizer(args.model_dir)
-    model = load_model(args.model_dir, dtype=compute_dtype(args.dtype))
-    max_len = args.max_model_len
-    if max_len is None:  # the model's window, capped at what these prompts can use: the KV cache is sized by it
-        longest = max(len(tok(p)["input_ids"]) for p in args.prompt)
-        max_len = min(model.config.max_position_embeddings, longest + args.max_tokens)
     n_seqs = max(args.n, min(len(args.prompt) * args.n, 64))
-    engine = LLMEngine(model, EngineConfig(max_num_seqs=n_seqs, max_model_len=max_len, **lora), tokenizer=tok)
-    if args.adapter is not None:
-        engine.add_adapter("adapter", args.adapter)
+    engine, tok = _engine(args, args.prompt, args.max_tokens, n_seqs)
     printer = _Printer(args.prompt, args.n, tok)
     start = time.perf_counter()
     reqs = [Request(p, params(i), adapter="adapter" if args.adapter else None) for i, p in enumerate(args.prompt)]
@@ -129,6 +114,61 @@ def cmd_generate(args) -> None:
     failed = [f"prompt {i} {args.prompt[i]!r}: {o.error}" for i, o in enumerate(outs) if o.error is not None]
     if failed:
         raise RequestError("; ".join(failed))
+
+
+def _engine(args, prompts: list[str], max_tokens: int, max_num_seqs: int):
+    """The native engine on ``args.model_dir`` in ``args.dtype`` with ``args.adapter`` (a PEFT directory) loaded as
+    adapter ``"adapter"``; the KV cache sized for ``prompts`` plus ``max_tokens`` unless ``args.max_model_len``."""
+    from moerl.bridges import load_model
+    from moerl.bridges.checkpoint import load_tokenizer
+    from moerl.engine import EngineConfig, LLMEngine
+
+    lora = {}
+    if args.adapter is not None:  # a trained adapter (PEFT directory) on top of the checkpoint
+        from moerl.bridges.peft import adapter_rank
+
+        lora = {"max_loras": 1, "max_lora_rank": adapter_rank(args.adapter)}
+    tok = load_tokenizer(args.model_dir)
+    model = load_model(args.model_dir, dtype=compute_dtype(args.dtype))
+    max_len = args.max_model_len
+    if max_len is None:  # the model's window, capped at what these prompts can use: the KV cache is sized by it
+        longest = max(len(tok(p)["input_ids"]) for p in prompts)
+        max_len = min(model.config.max_position_embeddings, longest + max_tokens)
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_len, **lora), tokenizer=tok)
+    if args.adapter is not None:
+        engine.add_adapter("adapter", args.adapter)
+    return engine, tok
+
+
+def cmd_eval(args) -> None:
+    """Greedy accuracy of a checkpoint (with ``--adapter``) on an environment's held-out problems, with its 95%
+    interval: the problems a run with ``train.seed`` = ``--seed`` evaluates on and never trains on."""
+    import json
+
+    from moerl.envs import make_env
+    from moerl.envs.base import held_out
+    from moerl.loop import held_out_text
+    from moerl.rollout.generator import Generator
+    from moerl.run_config import AlgoSection, RolloutSection
+
+    try:
+        kwargs = json.loads(args.env_kwargs)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--env-kwargs {args.env_kwargs!r} is not JSON: {e}") from None
+    if not isinstance(kwargs, dict):
+        raise ConfigError(f"--env-kwargs {args.env_kwargs!r}: must be a JSON object, e.g. '{{\"max_operand\": 19}}'")
+    if args.problems < 1:
+        raise ConfigError(f"--problems {args.problems}: must be >= 1")
+    env = make_env(args.env, **kwargs)
+    problems = held_out(env, args.problems, seed=args.seed)
+    turns = getattr(env, "max_turns", 1)  # a multi-turn episode's context holds every turn and the env's replies
+    engine, _ = _engine(args, [p.prompt for p in problems], (args.max_tokens + 16) * turns, min(len(problems), 64))
+    rollout = RolloutSection(max_tokens=args.max_tokens, max_model_len=engine.config.max_model_len)
+    gen = Generator(env, engine, rollout, AlgoSection(), seed=args.seed, eval_problems=args.problems, lora=False)
+    gen.adapter = "adapter" if args.adapter is not None else None
+    row = gen.evaluate().metrics()
+    what = f"{args.env} {json.dumps(kwargs)}" if kwargs else args.env
+    print(f"held-out accuracy {held_out_text(row)} on {what}, greedy")
 
 
 def cmd_check_arch(args) -> None:
@@ -254,6 +294,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     s.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser(
+        "eval", help="held-out accuracy of a checkpoint (and adapter) on an environment, with its 95%% CI"
+    )
+    s.add_argument("model_dir")
+    s.add_argument("--adapter", default=None, help="a LoRA adapter directory (PEFT, as moerl exports) to apply")
+    s.add_argument("--env", default="arithmetic", help="the environment: arithmetic | countdown | math | calculator")
+    s.add_argument(
+        "--env-kwargs",
+        default="{}",
+        help="its arguments as in the run's env.kwargs (JSON), e.g. '{\"max_operand\": 19}'",
+    )
+    s.add_argument(
+        "--problems", type=int, default=200, help="distinct held-out problems (fewer if the split is smaller)"
+    )
+    s.add_argument("--seed", type=int, default=0, help="the run's train.seed: the same held-out problems")
+    s.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (per turn)")
+    s.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, help="auto: bf16 where native, else fp32")
+    s.add_argument("--max-model-len", type=int, default=None, help="context window (default: what the problems need)")
+    s.set_defaults(func=cmd_eval)
 
     s = sub.add_parser("archs", help="list the supported HF architectures")
     s.set_defaults(func=cmd_archs)

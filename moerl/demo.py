@@ -3,11 +3,13 @@ on every layer and the experts, with rollout routing replay; held-out accuracy b
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 from moerl.errors import RunDirError
-from moerl.loop import train
+from moerl.loop import held_out_text, train
+from moerl.metrics import read_metrics
 from moerl.model.lora import LoraConfig
 from moerl.run_config import AlgoSection, EnvSection, ModelSection, RolloutSection, RunConfig, TrainSection
 from moerl.trainer import OptimConfig, Policy, PolicyConfig
@@ -93,13 +95,25 @@ def run_demo(
     summary = train(cfg, overwrite=overwrite)
     summary["seconds"] = time.perf_counter() - start
     summary["seconds_sft"] = t_sft
-    log(
-        f"[demo] held-out accuracy: {summary['accuracy_before']:.1%} before RL -> {summary['accuracy_after']:.1%} "
-        f"after {rl_steps} GRPO steps ({summary['seconds']:.0f}s in all)"
-    )
-    log(f"[demo] run directory {cfg.run_dir}: metrics.jsonl, tensorboard/, checkpoint/, adapter/, curves.png")
+    before, after = (
+        held_out_text({f"eval_accuracy{k}": summary[f"accuracy_{when}{k}"] for k in ("", "_low", "_high")}
+                      | {"eval_problems": summary["eval_problems"]})
+        for when in ("before", "after")
+    )  # fmt: skip
+    log(f"[demo] held-out accuracy (distinct problems never trained on, greedy): {before} before RL")
+    log(f"[demo]                                            -> {after} after {rl_steps} GRPO steps")
+    rewards = [r["reward_mean"] for r in read_metrics(cfg.run_dir) if r.get("reward_mean") is not None]
+    if len(rewards) >= 40:
+        first, last = sum(rewards[:20]) / 20, sum(rewards[-20:]) / 20
+        log(f"[demo] training reward (sampled): {first:.1%} over the first 20 steps -> {last:.1%} over the last 20")
+    log(f"[demo] {summary['seconds']:.0f}s in all; run directory {cfg.run_dir}: metrics.jsonl, tensorboard/, "
+        "checkpoint/, adapter/, curves.png")  # fmt: skip
+    kwargs = json.dumps(ENV)
+    prompt = env.problems(1, seed=0, split="test")[0].prompt
     log("[demo] next:")
-    log(f"  moerl generate {sft_model} --adapter {cfg.run_dir}/adapter --prompt '12+7='   # the trained adapter")
+    log(f"  moerl generate {sft_model} --adapter {cfg.run_dir}/adapter --prompt '{prompt}'   # the trained adapter")
+    log(f"  moerl eval {sft_model} --adapter {cfg.run_dir}/adapter --env arithmetic --env-kwargs '{kwargs}' "
+        f"--max-tokens {cfg.rollout.max_tokens} --dtype float32   # the held-out accuracy again")  # fmt: skip
     log(f"  moerl plot {cfg.run_dir}                           # the reward and mismatch curves (curves.png)")
     log(f"  moerl demo --rl-steps 600 --overwrite --run-dir {run_dir}   # a longer run")
     return summary

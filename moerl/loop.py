@@ -143,16 +143,22 @@ def _train_policy(cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Po
         try:
             sync(policy, engine, version=start)
             if start == 0:
-                metrics.log(0, {"eval_accuracy": gen.evaluate(), "eval_accuracy_sampled": gen.evaluate(sampled=True)})
+                row = gen.evaluate().metrics() | gen.evaluate(sampled=True).metrics("eval_accuracy_sampled")
+                metrics.log(0, row)
+                say_evaluation(0, row)
             if cfg.algo.async_:  # rollouts of the next steps are generated while this one trains
                 ahead = RolloutsAhead(gen, start, cfg.train.steps, cfg.algo.max_staleness)
             tty = sys.stderr.isatty()  # a terminal gets a bar; a file or pipe one line per step
             bar = tqdm(range(start, cfg.train.steps), desc="rl", unit="step", disable=not tty)
             t_start = time.perf_counter()
             t_prev = time.perf_counter()  # samples/s over wall time, step end to step end (evaluation included)
+            flat = 0  # steps in a row without an informative group
             for step in bar:
                 policy.stop_state = {"step": step}  # a TrainingStopped saves the state after the last complete step
                 row = rl_step(cfg, gen, policy, loss_fn, step, ahead)
+                flat = flat + 1 if row["informative_groups"] == 0 else 0
+                if flat == FLAT_STEPS:
+                    say(flat_warning(step + 1, row["reward_generated"]), bar if tty else None)
                 policy.stop_state = {"step": step + 1}  # the weights are this step's now, whether the engine takes them
                 try:
                     row |= push(gen, policy, sync, step, ahead, row, t_prev)
@@ -165,9 +171,11 @@ def _train_policy(cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Po
                     if not tty:
                         print("moerl: final evaluation on the held-out problems", file=sys.stderr, flush=True)
                 if last or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0):
-                    row["eval_accuracy"] = gen.evaluate()
+                    row |= gen.evaluate().metrics()
+                    if tty:  # a file or pipe has it in the step's line
+                        say_evaluation(step + 1, row, bar)
                 if last:
-                    row["eval_accuracy_sampled"] = gen.evaluate(sampled=True)
+                    row |= gen.evaluate(sampled=True).metrics("eval_accuracy_sampled")
                 metrics.log(step + 1, row)
                 if step == start + 2 and "seconds_train" in row:  # warm by now: does compiling pay for the rest?
                     _maybe_compile(policy, cfg.train.steps - step - 1, row["seconds_train"])
@@ -197,12 +205,11 @@ def _train_policy(cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Po
 
     print("moerl: training done; exporting the results and drawing the curves", file=sys.stderr, flush=True)
     rows = read_metrics(run.path)
-    summary = {
-        "accuracy_before": rows[0].get("eval_accuracy", math.nan),
-        "accuracy_sampled_before": rows[0].get("eval_accuracy_sampled", math.nan),
-        "accuracy_after": rows[-1].get("eval_accuracy", math.nan),
-        "accuracy_sampled_after": rows[-1].get("eval_accuracy_sampled", math.nan),
-    }
+    summary = {"eval_problems": rows[-1].get("eval_problems", 0)}  # distinct held-out problems, never trained on
+    for when, row in (("before", rows[0]), ("after", rows[-1])):
+        for key in ("", "_low", "_high"):  # the greedy accuracy and its 95% interval
+            summary[f"accuracy_{when}{key}"] = row.get(f"eval_accuracy{key}", math.nan)
+        summary[f"accuracy_sampled_{when}"] = row.get("eval_accuracy_sampled", math.nan)
     return summary | finish(cfg, run.path, policy)
 
 
@@ -215,12 +222,52 @@ def progress_line(step: int, total: int, row: dict, seconds_per_step: float) -> 
     elif row.get("skipped"):
         parts.append("skipped (every group had equal rewards: nothing to learn from)")
     if "eval_accuracy" in row:
-        parts.append(f"held-out accuracy {row['eval_accuracy']:.1%}")
+        parts.append(f"held-out accuracy {held_out_text(row)}")
     if "mismatch_k3_r3" in row:
         parts.append(f"engine/trainer mismatch {row['mismatch_k3_r3']:.1e}")
     left = (total - step) * seconds_per_step
     parts.append(f"{seconds_per_step:.2f} s/step, {int(left // 60)}m{int(left % 60):02d}s left")
     return "moerl: " + " | ".join(parts)
+
+
+def held_out_text(row: dict, prefix: str = "eval_accuracy") -> str:
+    """``47.0% (95% CI 40.2-53.9%, 200 problems)``: an evaluation's accuracy with its interval and size."""
+    acc, low, high = row.get(prefix), row.get(f"{prefix}_low"), row.get(f"{prefix}_high")
+    if acc is None or (isinstance(acc, float) and math.isnan(acc)):
+        return "n/a (env.eval_problems: 0)"
+    if low is None or high is None:
+        return f"{acc:.1%}"
+    return f"{acc:.1%} (95% CI {low:.1%}-{high:.1%}, {row.get('eval_problems')} problems)"
+
+
+def say(line: str, bar=None) -> None:
+    """A line on the console (stderr; above the bar on a terminal)."""
+    (bar.write if bar is not None else partial(print, flush=True))(line, file=sys.stderr)
+
+
+def say_evaluation(step: int, row: dict, bar=None) -> None:
+    """An evaluation on the console in words."""
+    when = "before training" if step == 0 else f"after step {step}"
+    say(f"moerl: held-out accuracy {when}: {held_out_text(row)}", bar)
+
+
+FLAT_STEPS = 3  # this many steps in a row without a group whose rewards differ: the run is told why it learns nothing
+
+
+def flat_warning(step: int, reward: float) -> str:
+    """Why steps ``step - FLAT_STEPS + 1 .. step`` (1-based) learned nothing, and what to change."""
+    if reward >= 1.0:
+        why, fix = "every sample was right (the task is too easy for the model)", "make the task harder"
+    elif reward <= 0.0:
+        why = "every sample was wrong (the model solves none of these problems)"
+        fix = "start from a model that solves some (model.sft_steps warms the random preset up, or model.path=DIR)"
+    else:
+        why, fix = f"each group's samples scored alike (mean reward {reward:.3f})", "raise rollout.temperature"
+    return (
+        f"moerl: warning: steps {step - FLAT_STEPS + 1}-{step} learned nothing: within every group of "
+        f"samples the rewards were equal, so no sample was better than its group's baseline; {why}. To fix: {fix}, "
+        "or raise rollout.group_size."
+    )
 
 
 def _maybe_compile(policy: Policy, steps_left: int, seconds_train: float) -> None:
@@ -250,6 +297,8 @@ def rl_step(cfg: RunConfig, gen: Generator, policy: Policy, loss_fn, step: int, 
         "gen_tokens_per_s": got.gen_tokens / max(got.seconds, 1e-9),
         "seconds_generate": got.seconds,
         "samples": float(len(episodes)),
+        "reward_generated": got.reward_generated,  # every sample's, dropped groups' too
+        "informative_groups": float(got.informative_groups),
         "engine_restarts": float(getattr(gen.engine, "restarts", 0)),  # Ray engine actors brought back, in all
         "requeued_requests": float(getattr(gen.engine, "requeued", 0)),
     }

@@ -204,12 +204,20 @@ def test_the_demo_ends_with_next_steps_that_work(tmp_path, capsys):
     lines = []
     run_demo(str(tmp_path / "demo"), sft_steps=4, rl_steps=2, log=lines.append)
     nxt = lines[lines.index("[demo] next:") + 1 :]
-    assert [line.split()[1] for line in nxt] == ["generate", "plot", "demo"]
+    assert [line.split()[1] for line in nxt] == ["generate", "eval", "plot", "demo"]
     adapter = tmp_path / "demo" / "rl" / "adapter"
     base = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
     assert base == str((tmp_path / "demo" / "sft_model").resolve())
-    for line in nxt[:2]:
+    printed = {}
+    for line in nxt[:3]:
         capsys.readouterr()
         argv = shlex.split(line.split("#")[0])[1:]
         assert main(argv) == 0, capsys.readouterr().err
+        printed[argv[0]] = capsys.readouterr().out
+    # the eval line measures what the run's final evaluation did: the same problems, accuracy and interval
+    shown = [x for x in lines if x.startswith("[demo]") and " after 2 GRPO steps" in x]
+    assert (
+        len(shown) == 1
+        and f"-> {printed['eval'].split(' on ')[0].removeprefix('held-out accuracy ')} after" in shown[0]
+    )
     assert (tmp_path / "demo" / "rl" / "curves.png").exists()

@@ -131,9 +131,44 @@ def test_arithmetic_config_and_sft_examples():
         assert p.answer == want[(o1, o2)]
     pairs = ArithmeticEnv().sft_examples(5, seed=0)
     assert pairs[:2] == [("3+17=", "20"), ("4-3=", "1")]  # no terminator: the trainer appends EOS
-    for bad in ({"ops": "/"}, {"ops": ""}, {"num_terms": 1}, {"max_operand": 0}):
+    for bad in ({"ops": "/"}, {"ops": ""}, {"num_terms": 1}, {"max_operand": 0}, {"test_fraction": 1.0}):
         with pytest.raises(ConfigError):
             ArithmeticEnv(**bad)
+
+
+def test_held_out_problems_are_distinct_and_the_whole_test_split_of_a_small_space():
+    """The 100 problems a+b (a, b in 0..9): held_out asks for 64 and gets every test problem of that space once (the
+    test split counted by brute force), not 64 draws with repeats; a larger test_fraction holds out more, disjoint
+    from what training draws."""
+    from moerl.envs.base import held_out, split_of
+
+    space = [f"{a}+{b}=" for a in range(10) for b in range(10)]
+    for fraction in (0.1, 0.3):
+        env = ArithmeticEnv(max_operand=9, ops="+", test_fraction=fraction)
+        test = {q for q in space if split_of(q, fraction) == "test"}
+        got = held_out(env, 64, seed=0)
+        assert len({p.prompt for p in got}) == len(got) == len(test) and {p.prompt for p in got} == test
+        assert not test & {p.prompt for p in env.problems(500, seed=0, split="train")}
+    assert len(env.problems(64, seed=0, split="test")) == 64  # plain draws repeat: what evaluation used to score
+    big = ArithmeticEnv(max_operand=99, ops="+")
+    assert len({p.prompt for p in held_out(big, 200, seed=0)}) == 200  # a large space: exactly the count asked for
+    assert [p.prompt for p in held_out(big, 50, seed=0)] == [p.prompt for p in held_out(big, 200, seed=0)][:50]
+
+
+@pytest.mark.parametrize("correct,total", [(0, 10), (3, 10), (47, 100), (94, 200), (200, 200), (1, 1)])
+def test_wilson_interval_is_the_set_of_rates_the_score_test_accepts(correct, total):
+    """Oracle: the Wilson interval is every p whose score test |p_hat - p| <= 1.96 sqrt(p(1-p)/n) passes; found by
+    scanning p on a 1e-5 grid (not the closed form under test)."""
+    from moerl.envs.base import wilson_interval
+
+    low, high = wilson_interval(correct, total)
+    p_hat = correct / total
+    grid = [i / 100_000 for i in range(100_001)]
+    accepted = [p for p in grid if abs(p_hat - p) <= 1.96 * math.sqrt(p * (1 - p) / total) or p == p_hat]
+    assert abs(low - min(accepted)) < 2e-5 and abs(high - max(accepted)) < 2e-5
+    wrong = wilson_interval(correct, total, z=1.64)  # the 90% interval: a wrong knob is caught by the same check
+    assert (high - low) - (wrong[1] - wrong[0]) > 1e-3
+    assert all(math.isnan(x) for x in wilson_interval(0, 0))
 
 
 # ---- countdown ----

@@ -1,5 +1,7 @@
 """The RL loop end to end: every mode learns an easy task, resume continues with the same numbers, configs."""
 
+import json
+import re
 import shutil
 
 import pytest
@@ -227,6 +229,9 @@ def test_a_run_writes_a_progress_line_per_step_when_not_on_a_terminal(warm_model
     assert [x.split()[2] for x in steps] == ["1/3", "2/3", "3/3"]
     assert all(" reward " in x and " s/step, " in x and "s left" in x for x in steps)
     assert "held-out accuracy" in steps[1] and "held-out accuracy" in steps[2] and "held-out" not in steps[0]
+    # the accuracy with its interval and the number of distinct problems (the run's env.eval_problems)
+    assert re.search(r"held-out accuracy \d+\.\d% \(95% CI \d+\.\d%-\d+\.\d%, \d+ problems\)", steps[2])
+    assert lines[0].startswith("moerl: held-out accuracy before training: ")
     assert "moerl: final evaluation on the held-out problems" in lines
     assert lines[-1] == "moerl: training done; exporting the results and drawing the curves"
 
@@ -256,3 +261,21 @@ def test_ctrl_c_saves_the_last_complete_step_and_the_run_resumes_from_it(warm_mo
     train(cfg, resume=True)
     resumed = {r["step"]: r for r in metric_rows(tmp_path / "b") if "loss" in r}
     assert resumed[3]["loss"] == straight[3]["loss"] and resumed[3]["reward_mean"] == straight[3]["reward_mean"]
+
+
+def test_a_run_that_learns_nothing_for_three_steps_says_why(tmp_path, capsys):
+    """A random model on two-digit sums gets every sample wrong: after three such steps the run warns, naming the
+    cause (every sample wrong) and the fix (a warmed model); the warm model's run, whose groups differ, does not."""
+    from moerl.loop import FLAT_STEPS, flat_warning
+
+    hard = json.dumps({"max_operand": 99, "ops": "+"})
+    cfg = run_cfg(tmp_path / "run", None, "full", steps=FLAT_STEPS, **{"env.kwargs": hard, "model.path": "null"})
+    train(cfg)
+    err = capsys.readouterr().err
+    rows = [r for r in metric_rows(tmp_path / "run") if "informative_groups" in r]
+    assert [r["informative_groups"] for r in rows] == [0.0] * FLAT_STEPS and rows[-1]["reward_generated"] == 0.0
+    warnings = [x for x in err.splitlines() if x.startswith("moerl: warning: ")]
+    assert warnings == [flat_warning(FLAT_STEPS, 0.0)]
+    assert f"steps 1-{FLAT_STEPS} learned nothing" in warnings[0] and "every sample was wrong" in warnings[0]
+    assert "model.sft_steps" in warnings[0]
+    assert "too easy" in flat_warning(5, 1.0) and "mean reward 0.500" in flat_warning(5, 0.5)

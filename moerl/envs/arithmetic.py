@@ -24,21 +24,24 @@ def leading_int(text: str) -> int | None:
 
 class ArithmeticEnv:
     """``num_terms`` operands in ``[0, max_operand]`` joined by operators drawn from ``ops`` (a subset of ``+-*``,
-    usual precedence); prompt ``"12+7="``, answer the integer value.
+    usual precedence); prompt ``"12+7="``, answer the integer value. ``test_fraction`` of the problems (by prompt
+    hash) are held out: never trained on, evaluated.
 
     Reward 1.0 when the completion starts with the answer (see :func:`leading_int`; ``" 19\\nfoo"`` counts), else 0.0.
     """
 
     name = "arithmetic"
 
-    def __init__(self, max_operand: int = 20, ops: str = "+-", num_terms: int = 2) -> None:
+    def __init__(self, max_operand: int = 20, ops: str = "+-", num_terms: int = 2, test_fraction: float = 0.1) -> None:
         if max_operand < 1:
             raise ConfigError(f"arithmetic: max_operand must be >= 1, got {max_operand}")
         if not ops or set(ops) - set("+-*"):
             raise ConfigError(f"arithmetic: ops must be a non-empty subset of '+-*', got {ops!r}")
         if num_terms < 2:
             raise ConfigError(f"arithmetic: num_terms must be >= 2, got {num_terms}")
-        self.max_operand, self.ops, self.num_terms = max_operand, ops, num_terms
+        if not 0 < test_fraction < 1:
+            raise ConfigError(f"arithmetic: test_fraction must lie in (0, 1), got {test_fraction}")
+        self.max_operand, self.ops, self.num_terms, self.test_fraction = max_operand, ops, num_terms, test_fraction
 
     def _make(self, rng: random.Random) -> Problem:
         terms = [str(rng.randint(0, self.max_operand)) for _ in range(self.num_terms)]
@@ -46,8 +49,9 @@ class ArithmeticEnv:
         return Problem(expr + "=", evaluate(expr, max_len=len(expr), max_abs=10**100).value)
 
     def problems(self, n: int, seed: int, split: str = "train") -> list[Problem]:
-        """``n`` problems, deterministic in ``(seed, split)``; train and test are disjoint by prompt hash."""
-        return sample_problems(self.name, n, seed, split, self._make)
+        """``n`` problems, deterministic in ``(seed, split)``; train and test are disjoint by prompt hash (a
+        ``test_fraction`` of the problem space is test)."""
+        return sample_problems(self.name, n, seed, split, self._make, test_fraction=self.test_fraction)
 
     def reward(self, problem: Problem, completion: str) -> float:
         """1.0 when the completion's leading integer equals the answer, else 0.0."""

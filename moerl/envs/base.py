@@ -90,10 +90,17 @@ def split_of(key: str, test_fraction: float = TEST_FRACTION) -> str:
 
 
 def sample_problems(
-    name: str, n: int, seed: int, split: str, make: Callable[[random.Random], Problem], max_tries: int = 1000
+    name: str,
+    n: int,
+    seed: int,
+    split: str,
+    make: Callable[[random.Random], Problem],
+    max_tries: int = 1000,
+    test_fraction: float = TEST_FRACTION,
 ) -> list[Problem]:
     """``n`` problems drawn by ``make`` from an RNG seeded by ``(name, split, seed)``, keeping those whose prompt
-    hashes into ``split``. Raises ConfigError when the problem space is too small to find them."""
+    hashes into ``split`` (a ``test_fraction`` of the space is test). Raises ConfigError when the problem space is
+    too small to find them."""
     check_split(split)
     if n < 0:
         raise ConfigError(f"n must be >= 0, got {n}")
@@ -103,9 +110,33 @@ def sample_problems(
         if len(out) == n:
             return out
         p = make(rng)
-        if split_of(p.prompt) == split:
+        if split_of(p.prompt, test_fraction) == split:
             out.append(p)
     raise ConfigError(f"{name}: could not draw {n} {split} problems; widen the config (the problem space is too small)")
+
+
+def held_out(env, n: int, seed: int) -> list[Problem]:
+    """Up to ``n`` *distinct* test-split problems of ``env`` (by prompt), deterministic in ``seed``: an evaluation
+    over repeats of a few problems would claim a precision it does not have. Fewer when the test split of the
+    problem space is smaller (a 400-problem space holds ~40 test problems at the default fraction)."""
+    found: dict[str, Problem] = {}
+    for draws in (n, 4 * n, 16 * n):  # repeats thin out the draws: more of them find the rest of a small space
+        for p in env.problems(draws, seed=seed, split="test"):
+            found.setdefault(p.prompt, p)
+        if len(found) >= n:
+            break
+    return list(found.values())[:n]
+
+
+def wilson_interval(correct: int, total: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval (95% for ``z`` = 1.96) of a success rate of ``correct`` out of ``total``: unlike
+    the normal approximation it stays inside [0, 1] and is not empty at 0% or 100%."""
+    if total <= 0:
+        return math.nan, math.nan
+    p, zz = correct / total, z * z
+    mid = (p + zz / (2 * total)) / (1 + zz / total)
+    half = z * math.sqrt(p * (1 - p) / total + zz / (4 * total * total)) / (1 + zz / total)
+    return max(0.0, mid - half), min(1.0, mid + half)
 
 
 # ---- safe_reward: the reward function runs in a persistent worker process, killed on timeout ----

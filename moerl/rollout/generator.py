@@ -15,9 +15,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from moerl.engine import Request, SamplingParams
-from moerl.envs.base import Problem, env_step, safe_call, safe_reward
+from moerl.envs.base import Problem, env_step, held_out, safe_call, safe_reward, wilson_interval
 from moerl.errors import ConfigError
-from moerl.rollout.episode import Episode, drop_failed_groups, keep_informative
+from moerl.rollout.episode import Episode, drop_failed_groups, groups, keep_informative
 from moerl.run_config import AlgoSection, RolloutSection
 from moerl.sync.weights import ADAPTER
 
@@ -46,6 +46,26 @@ class EngineTurns:
 
 
 @dataclass(slots=True)
+class Score:
+    """An evaluation: ``correct`` of ``total`` answers (``problems`` distinct problems; 4 samples each when sampled)."""
+
+    correct: int
+    total: int
+    problems: int
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.total if self.total else math.nan
+
+    def metrics(self, prefix: str = "eval_accuracy") -> dict:
+        """The metrics-file keys: the accuracy and, for one greedy answer per problem, its 95% interval and count."""
+        if self.total != self.problems:  # several samples per problem are not independent trials: no interval
+            return {prefix: self.accuracy}
+        low, high = wilson_interval(self.correct, self.total)
+        return {prefix: self.accuracy, f"{prefix}_low": low, f"{prefix}_high": high, "eval_problems": self.problems}
+
+
+@dataclass(slots=True)
 class StepRollouts:
     """What generation produced for one training step."""
 
@@ -56,6 +76,8 @@ class StepRollouts:
     dropped_groups: int  # uninformative groups (dynamic sampling)
     failed_groups: int  # groups the engine failed
     seconds: float  # generation wall time
+    reward_generated: float  # the mean reward of every sample generated (dropped groups included)
+    informative_groups: int  # generated groups whose rewards differ: the only ones a group baseline learns from
 
 
 class Generator:
@@ -220,6 +242,7 @@ class Generator:
         r, algo = self.rollout, self.algo
         t0 = time.perf_counter()
         episodes, samples, gen_tokens, dropped, refills, failed = [], 0, 0, 0, 0, 0
+        rewards, informative = [], 0
         seed = self.seed * 1_000_003 + step
         while len({e.group for e in episodes}) < r.prompts_per_step:
             want = r.prompts_per_step - len({e.group for e in episodes})
@@ -230,6 +253,8 @@ class Generator:
             new, n_failed = drop_failed_groups(new, step)
             failed += n_failed
             gen_tokens += sum(sum(e.loss_mask) for e in new)
+            rewards += [e.reward for e in new]
+            informative += sum(len({e.reward for e in g}) > 1 for g in groups(new).values())
             if algo.dynamic_sampling:
                 new, n_dropped = keep_informative(new)
                 dropped += n_dropped
@@ -237,15 +262,16 @@ class Generator:
             refills += 1
             if not algo.dynamic_sampling or refills > algo.max_refills:
                 break
-        return StepRollouts(step, episodes, samples, gen_tokens, dropped, failed, time.perf_counter() - t0)
+        seconds, reward = time.perf_counter() - t0, sum(rewards) / len(rewards) if rewards else math.nan
+        return StepRollouts(step, episodes, samples, gen_tokens, dropped, failed, seconds, reward, informative)
 
-    def evaluate(self, sampled: bool = False) -> float:
-        """Held-out accuracy on ``eval_problems`` test-split problems: greedy answers, or (``sampled``) the mean over
-        4 samples each at the rollout temperature."""
+    def evaluate(self, sampled: bool = False) -> Score:
+        """Held-out accuracy on up to ``eval_problems`` distinct test-split problems: greedy answers, or
+        (``sampled``) 4 samples each at the rollout temperature."""
         if self.eval_problems <= 0:
-            return math.nan
-        problems = self.env.problems(self.eval_problems, seed=self.seed, split="test")
+            return Score(0, 0, 0)
+        problems = held_out(self.env, self.eval_problems, seed=self.seed)
         temperature, n = (self.rollout.temperature, 4) if sampled else (0.0, 1)
         params = self.sampling(len(problems), temperature, n, seed=10_007)
         episodes = self.generate(problems, params, priority=True)
-        return sum(e.reward >= 1.0 for e in episodes) / len(episodes)
+        return Score(sum(e.reward >= 1.0 for e in episodes), len(episodes), len(problems))
