@@ -1,4 +1,4 @@
-"""``moerl`` command line: init-model, generate, eval, archs, check-arch, train, plot, demo."""
+"""``moerl`` command line: init-model, sft, generate, eval, archs, check-arch, train, plot, demo."""
 
 from __future__ import annotations
 
@@ -140,16 +140,11 @@ def _engine(args, prompts: list[str], max_tokens: int, max_num_seqs: int):
     return engine, tok
 
 
-def cmd_eval(args) -> None:
-    """Greedy accuracy of a checkpoint (with ``--adapter``) on an environment's held-out problems, with its 95%
-    interval: the problems a run with ``train.seed`` = ``--seed`` evaluates on and never trains on."""
+def _env_from_args(args):
+    """The environment ``--env`` with ``--env-kwargs`` (a JSON object, as a run's ``env.kwargs``)."""
     import json
 
     from moerl.envs import make_env
-    from moerl.envs.base import held_out
-    from moerl.loop import held_out_text
-    from moerl.rollout.generator import Generator
-    from moerl.run_config import AlgoSection, RolloutSection
 
     try:
         kwargs = json.loads(args.env_kwargs)
@@ -157,9 +152,47 @@ def cmd_eval(args) -> None:
         raise ConfigError(f"--env-kwargs {args.env_kwargs!r} is not JSON: {e}") from None
     if not isinstance(kwargs, dict):
         raise ConfigError(f"--env-kwargs {args.env_kwargs!r}: must be a JSON object, e.g. '{{\"max_operand\": 19}}'")
+    return make_env(args.env, **kwargs), kwargs
+
+
+def cmd_sft(args) -> None:
+    """Warm a checkpoint up on an environment's worked examples (a random preset model unless ``--model``)."""
+    import tempfile
+    from pathlib import Path
+
+    from moerl.errors import RunDirError
+    from moerl.presets import init_model
+    from moerl.warmup import warm_up
+
+    if args.steps < 1:
+        raise ConfigError(f"--steps {args.steps}: must be >= 1")
+    env, _ = _env_from_args(args)
+    out = Path(args.out_dir)
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        raise RunDirError(f"sft: {str(out)!r} is not empty; pass --overwrite to write the checkpoint over it")
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    if args.model is not None:
+        warm_up(args.model, out, env, args.steps, log=log)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            init_model(args.arch, args.preset, tmp, seed=args.seed)
+            warm_up(tmp, out, env, args.steps, log=log)
+    print(f"wrote the warmed-up checkpoint to {out}: train from it with model.path={out}")
+
+
+def cmd_eval(args) -> None:
+    """Greedy accuracy of a checkpoint (with ``--adapter``) on an environment's held-out problems, with its 95%
+    interval: the problems a run with ``train.seed`` = ``--seed`` evaluates on and never trains on."""
+    import json
+
+    from moerl.envs.base import held_out
+    from moerl.loop import held_out_text
+    from moerl.rollout.generator import Generator
+    from moerl.run_config import AlgoSection, RolloutSection
+
     if args.problems < 1:
         raise ConfigError(f"--problems {args.problems}: must be >= 1")
-    env = make_env(args.env, **kwargs)
+    env, kwargs = _env_from_args(args)
     problems = held_out(env, args.problems, seed=args.seed)
     turns = getattr(env, "max_turns", 1)  # a multi-turn episode's context holds every turn and the env's replies
     engine, _ = _engine(args, [p.prompt for p in problems], (args.max_tokens + 16) * turns, min(len(problems), 64))
@@ -314,6 +347,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, help="auto: bf16 where native, else fp32")
     s.add_argument("--max-model-len", type=int, default=None, help="context window (default: what the problems need)")
     s.set_defaults(func=cmd_eval)
+
+    s = sub.add_parser(
+        "sft", help="warm a model up on an environment's worked examples (supervised), for RL to start from"
+    )
+    s.add_argument("out_dir")
+    s.add_argument("--model", default=None, help="a checkpoint to start from (default: a random --arch / --preset one)")
+    s.add_argument("--arch", default="qwen3_moe", help="the random model's architecture")
+    s.add_argument("--preset", default="tiny", choices=["tiny", "small"])
+    s.add_argument("--seed", type=int, default=0, help="the random model's seed")
+    s.add_argument("--env", default="arithmetic", help="the environment: arithmetic | countdown | math | calculator")
+    s.add_argument("--env-kwargs", default="{}", help="its arguments as in a run's env.kwargs (JSON)")
+    s.add_argument("--steps", type=int, default=120, help="supervised steps of 128 examples")
+    s.add_argument("--overwrite", action="store_true", help="write into a non-empty directory")
+    s.set_defaults(func=cmd_sft)
 
     s = sub.add_parser("archs", help="list the supported HF architectures")
     s.set_defaults(func=cmd_archs)

@@ -478,10 +478,15 @@ def _mismatch_row(row: dict, mm_on: dict | None, mm_off: dict | None) -> dict:
 
 
 def ensure_model(cfg: RunConfig, run_dir: Path, fresh: bool) -> Path:
-    """The checkpoint to start from: ``model.path``, or a random model of ``model.arch`` / ``preset`` / ``seed`` in
-    the run directory, written by a ``fresh`` run (a resume reuses it, or writes the same one again if it is gone)."""
+    """The checkpoint to start from: ``model.path``; a random model of ``model.arch`` / ``preset`` / ``seed``
+    warmed up for ``model.sft_steps`` (from ``model.base_cache``, built there on first use); or that random model
+    itself in the run directory, written by a ``fresh`` run (a resume reuses it, or writes the same one again)."""
     if cfg.model.path is not None:
         return Path(cfg.model.path)
+    if cfg.model.sft_steps:  # a warmed-up random model, shared by the runs of this recipe
+        from moerl.warmup import warmed_base
+
+        return warmed_base(cfg, make_env(cfg.env.name, **cfg.env.kwargs))
     path = run_dir / "base_model"
     if fresh or not (path / "config.json").exists():
         from moerl.presets import init_model

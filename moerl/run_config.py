@@ -39,9 +39,28 @@ def _finite(x) -> bool:
 @dataclass(slots=True)
 class ModelSection:
     path: str | None = None  # a HF checkpoint directory; None: a random one of ``arch`` / ``preset``
-    arch: str = "qwen3_moe"
-    preset: str = "tiny"
-    seed: int = 0
+    arch: str = "qwen3_moe"  # the random model's architecture (model.path unset)
+    preset: str = "tiny"  # the random model's size: tiny | small
+    seed: int = 0  # the random model's initialisation seed
+    # > 0 (model.path unset): first teach the random model the environment's worked examples for this many supervised
+    # steps, so RL starts from a model that solves some problems; built once into base_cache, reused by later runs
+    sft_steps: int = 0
+    base_cache: str = "runs/bases"  # where warmed-up random models are kept (model.sft_steps)
+
+    def __post_init__(self) -> None:
+        _require(
+            "model",
+            (
+                ("sft_steps", self.sft_steps, isinstance(self.sft_steps, int) and self.sft_steps >= 0, "must be >= 0"),
+                (
+                    "sft_steps",
+                    self.sft_steps,
+                    not self.sft_steps or self.path is None,
+                    "warms up the random model of model.arch / model.preset: with model.path set it would be ignored "
+                    "(remove one of them)",
+                ),
+            ),
+        )
 
 
 PLACEMENTS = ("inprocess", "process")  # what rollout.placement chooses; "ray": Ray actors (cluster.backend=ray)

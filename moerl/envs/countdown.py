@@ -77,6 +77,11 @@ class CountdownEnv:
         """``n`` problems, deterministic in ``(seed, split)``; train and test are disjoint by prompt hash."""
         return sample_problems(self.name, n, seed, split, self._make)
 
+    def sft_examples(self, n: int, seed: int) -> list[tuple[str, str]]:
+        """``(prompt, solution)`` pairs from the train split, e.g. ``("nums 3 5 9 target 24:", "(9-5)*3+...")``: the
+        expression the problem was built from (no terminator: the trainer appends EOS)."""
+        return [(p.prompt, p.meta["solution"]) for p in self.problems(n, seed, "train")]
+
     def reward(self, problem: Problem, completion: str) -> float:
         """1.0 iff the completion's expression uses only the given numbers (each at most once) and equals the
         target; 0.0 otherwise. Never raises; cost is bounded by ``max_len`` whatever the completion's length."""

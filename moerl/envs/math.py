@@ -116,6 +116,11 @@ class MathEnv:
             for i in order[:n]
         ]
 
+    def sft_examples(self, n: int, seed: int) -> list[tuple[str, str]]:
+        """``(prompt, "\\boxed{gold}")`` pairs from the train split: the answer in the form the instruction asks for
+        (the record's worked solution is not replayed: a small model learns the format and the arithmetic from it)."""
+        return [(p.prompt, f"\\boxed{{{p.answer}}}") for p in self.problems(n, seed, "train")]
+
     def reward(self, problem: Problem, completion: str) -> float:
         """1.0 if math-verify finds the completion's answer equal to the gold, else 0.0. math-verify's own time
         limits use SIGALRM and work only on the main thread; elsewhere run this under ``safe_reward``."""

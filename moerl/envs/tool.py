@@ -59,6 +59,18 @@ class CalculatorToolEnv:
         """``n`` problems, deterministic in ``(seed, split)``; train and test are disjoint by prompt hash."""
         return sample_problems(self.name, n, seed, split, self._make)
 
+    def sft_examples(self, n: int, seed: int, eos: str = "<eos>") -> list[tuple[str, str]]:
+        """Two ``(context, turn)`` pairs per train problem, the episode a tool user has: ``("47*86=?\n",
+        "CALC: 47*86\n")``, then with the tool's reply in the context ``("47*86=?\nCALC: 47*86\n<eos>= 4042\n",
+        "ANSWER: 4042")``. The engine keeps a turn's EOS in the conversation: ``eos`` is its text (moerl's char
+        tokenizer reads ``<eos>`` as the token); the trainer appends EOS to each turn."""
+        pairs = []
+        for p in self.problems(n, seed, "train"):
+            expr = p.prompt.removesuffix("=?\n")
+            call = f"CALC: {expr}\n"
+            pairs += [(p.prompt, call), (f"{p.prompt}{call}{eos}= {p.answer}\n", f"ANSWER: {p.answer}")]
+        return pairs[:n]
+
     def start(self, problem: Problem) -> ToolEpisode:
         """A new episode for ``problem``."""
         return ToolEpisode(problem)

@@ -1,0 +1,79 @@
+"""Supervised warm-up: a random preset model taught an environment's worked examples, so RL starts from a model that
+solves some problems (a model that solves none gives every group equal rewards and GRPO nothing to learn from).
+
+``moerl sft`` writes one; ``model.sft_steps`` in a run config builds one on first use in a shared cache
+(``model.base_cache``) that later runs with the same recipe reuse; ``moerl demo`` warms its model the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from moerl.errors import ConfigError
+
+EXAMPLES = 4000  # (prompt, target) pairs drawn from the train split; batches are sampled from them
+BATCH = 128
+LR = 3e-3
+
+
+def warm_up(base: str | os.PathLike, out: str | os.PathLike, env, steps: int, log=print, seed: int = 1) -> None:
+    """``steps`` full-model supervised steps of checkpoint ``base`` on ``env.sft_examples`` (train split only: the
+    held-out problems stay unseen), fp32, cosine schedule; the result is written to ``out`` with ``base``'s
+    tokenizer. An environment without worked examples is refused by name."""
+    from transformers import AutoTokenizer
+
+    from moerl.bridges import export_model
+    from moerl.trainer import OptimConfig, Policy, PolicyConfig
+    from moerl.trainer.sft import run_sft
+
+    if not hasattr(env, "sft_examples"):
+        raise ConfigError(f"environment {env.name!r} has no worked examples (sft_examples) to warm a model up with")
+    optim = OptimConfig(lr=LR, schedule="cosine", warmup_steps=min(10, steps // 4), total_steps=steps)
+    policy = Policy(base, PolicyConfig(mode="full", dtype="float32", micro_batch_size=256, optim=optim))
+    try:
+        tok = AutoTokenizer.from_pretrained(base)
+        run_sft(policy, tok, env.sft_examples(EXAMPLES, seed=seed), steps=steps, batch_size=BATCH, log=log)
+        export_model(policy.model, out, tokenizer_dir=base)
+    finally:
+        policy.close()
+
+
+def recipe(arch: str, preset: str, seed: int, env_name: str, env_kwargs: dict, steps: int) -> str:
+    """The cache directory name of a warmed base: readable parts and a hash of everything that makes it."""
+    key = json.dumps([arch, preset, seed, env_name, env_kwargs, steps, EXAMPLES, BATCH, LR], sort_keys=True)
+    return f"{arch}-{preset}-seed{seed}-{env_name}-sft{steps}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+
+
+def warmed_base(cfg, env, log=None) -> Path:
+    """The warmed checkpoint run config ``cfg`` starts from (``model.sft_steps`` > 0, no ``model.path``): taken
+    from ``model.base_cache`` when a run with the same recipe built it, else built there now (written to a
+    temporary directory and renamed, so a run that stops half-way leaves nothing a later one would take)."""
+    from moerl.presets import init_model
+
+    m = cfg.model
+    cache = Path(m.base_cache)
+    out = cache / recipe(m.arch, m.preset, m.seed, cfg.env.name, cfg.env.kwargs, m.sft_steps)
+    if (out / "config.json").exists():
+        return out
+    say = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    say(f"moerl: warming up a random {m.arch} {m.preset} model on {cfg.env.name} ({m.sft_steps} supervised steps, "
+        f"once: later runs with this recipe reuse {out})")  # fmt: skip
+    cache.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".building-", dir=cache))
+    try:
+        init_model(m.arch, m.preset, work / "random", seed=m.seed)
+        warm_up(work / "random", work / "warm", env, m.sft_steps, log=lambda line: say(f"moerl: {line}"))
+        try:
+            os.rename(work / "warm", out)
+        except OSError:  # another run built it meanwhile: theirs is the same recipe
+            if not (out / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
