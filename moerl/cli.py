@@ -1,4 +1,4 @@
-"""``moerl`` command line: init-model, sft, generate, eval, archs, check-arch, train, plot, demo."""
+"""``moerl`` command line: init-model, sft, generate, eval, archs, check-arch, train, config, plot, demo."""
 
 from __future__ import annotations
 
@@ -288,6 +288,14 @@ def cmd_train(args) -> None:
     print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
 
 
+def cmd_config(args) -> None:
+    """Every config key of ``moerl train`` with its default and what it does."""
+    from moerl.config_doc import markdown_table, text_table
+    from moerl.run_config import RunConfig
+
+    print((markdown_table if args.markdown else text_table)(RunConfig()), end="")
+
+
 def cmd_plot(args) -> None:
     from moerl.metrics import plot_run
 
@@ -379,12 +387,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--overwrite", action="store_true", help="start over in a run directory holding a previous demo")
     s.set_defaults(func=cmd_demo)
 
-    s = sub.add_parser("train", help="run the RL loop from a YAML config with key.sub=value overrides")
+    s = sub.add_parser(
+        "train",
+        help="run the RL loop from a YAML config with key.sub=value overrides",
+        description="Run the RL loop from a YAML config with key.sub=value overrides. Every key, its default and what "
+        "it does: moerl config",
+    )
     s.add_argument("config", nargs="?", help="YAML file (optional: defaults plus overrides also work)")
     s.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=20 policy.mode=full")
     s.add_argument("--resume", action="store_true", help="continue from run_dir/checkpoint")
     s.add_argument("--overwrite", action="store_true", help="start over in a run_dir that holds a run")
     s.set_defaults(func=cmd_train)
+
+    s = sub.add_parser("config", help="list every config key of moerl train with its default and what it does")
+    s.add_argument("--markdown", action="store_true", help="as a markdown table (README's Reference)")
+    s.set_defaults(func=cmd_config)
 
     s = sub.add_parser("plot", help="write a PNG of a run's reward and mismatch curves")
     s.add_argument("run_dir")

@@ -38,7 +38,7 @@ def _finite(x) -> bool:
 
 @dataclass(slots=True)
 class ModelSection:
-    path: str | None = None  # a HF checkpoint directory; None: a random one of ``arch`` / ``preset``
+    path: str | None = None  # a HF checkpoint directory to train; null: a random model of arch / preset
     arch: str = "qwen3_moe"  # the random model's architecture (model.path unset)
     preset: str = "tiny"  # the random model's size: tiny | small
     seed: int = 0  # the random model's initialisation seed
@@ -68,14 +68,14 @@ PLACEMENTS = ("inprocess", "process")  # what rollout.placement chooses; "ray": 
 
 @dataclass(slots=True)
 class RolloutSection:
-    engine: str = "native"
-    prompts_per_step: int = 16
-    group_size: int = 8
-    max_tokens: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_model_len: int = 128
-    max_num_seqs: int = 128
+    engine: str = "native"  # native (moerl's engine) | vllm
+    prompts_per_step: int = 16  # problems per RL step (groups)
+    group_size: int = 8  # samples per problem (the group a GRPO / RLOO baseline is taken over)
+    max_tokens: int = 8  # tokens per completion (per turn in multi-turn environments)
+    temperature: float = 1.0  # sampling temperature of the rollouts (evaluation is greedy)
+    top_p: float = 1.0  # nucleus sampling of the rollouts
+    max_model_len: int = 128  # context window of a sequence: prompt and completion(s)
+    max_num_seqs: int = 128  # sequences an engine decodes at once (sizes its KV cache)
     placement: str = "inprocess"  # native engines: inprocess | process (vLLM ones always run in their own)
     num_engines: int = 1  # the groups of a step are split across them
     engine_threads: int = 0  # torch threads per engine process (0: this process's threads / num_engines)
@@ -148,13 +148,13 @@ class AlgoSection:
     advantage: str = "grpo"  # grpo | rloo | reinforce_pp
     std_normalize: bool = True  # grpo: divide by the group's reward std
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
-    ppo_epochs: int = 1
-    mini_batches: int = 1
+    ppo_epochs: int = 1  # passes over a step's samples
+    mini_batches: int = 1  # optimizer steps per pass (the samples split into this many)
     r3: bool = True  # replay the engine's routing in the old-logprob and training forwards
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill with new prompts
-    max_refills: int = 3
+    max_refills: int = 3  # dynamic sampling: rounds of new prompts per step at most
     overlong_filter: bool = False  # DAPO: sequences cut by max_tokens do not enter the loss
-    reward_timeout_s: float = 5.0  # also bounds one step() of a multi-turn environment
+    reward_timeout_s: float = 5.0  # seconds a reward (or a multi-turn env's step) may take; then it scores 0
     mismatch_metric_every: int = 10  # the R3-off mismatch metric (a forward of its own) every N steps (0: never)
     async_: bool = False  # key `algo.async`: generate the next steps' rollouts while this one trains
     max_staleness: int = 1  # async: no sample more than this many weight versions behind the trainer
@@ -182,9 +182,9 @@ class AlgoSection:
 
 @dataclass(slots=True)
 class EnvSection:
-    name: str = "arithmetic"
-    kwargs: dict = field(default_factory=dict)
-    eval_problems: int = 64
+    name: str = "arithmetic"  # arithmetic | countdown | math | calculator (moerl.envs)
+    kwargs: dict = field(default_factory=dict)  # the environment's arguments, e.g. {max_operand: 19, ops: "+"}
+    eval_problems: int = 64  # distinct held-out problems evaluated greedily (0: no evaluation)
 
     def __post_init__(self) -> None:
         self.kwargs = check_env_kwargs(self.name, self.kwargs)
@@ -193,9 +193,9 @@ class EnvSection:
 
 @dataclass(slots=True)
 class TrainSection:
-    steps: int = 50
-    seed: int = 0
-    checkpoint_every: int = 10
+    steps: int = 50  # RL steps
+    seed: int = 0  # the run's seed: problems, sampling, adapter init; and which held-out problems
+    checkpoint_every: int = 10  # save the state every N steps (0: at the end only); --resume goes on from it
     eval_every: int = 0  # 0: evaluate before and after only
     export_adapter: bool = True  # lora: write a PEFT adapter at the end
     # deterministic algorithms (torch.use_deterministic_algorithms; cuBLAS's fixed workspace): what bit-exact
@@ -221,9 +221,9 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 class ParallelSection:
     """How the trainer is split across ranks: dp (FSDP2 data parallel) x ep (experts) x pp (pipeline stages)."""
 
-    dp: int = 1
-    ep: int = 1
-    pp: int = 1
+    dp: int = 1  # data-parallel ranks (FSDP2)
+    ep: int = 1  # expert-parallel ranks (the experts split across them)
+    pp: int = 1  # pipeline stages
     microbatches: int = 0  # pipeline micro-batches per call (0: one per stage, more if policy.micro_batch_size needs)
     schedule: str = "1f1b"  # pipeline schedule: 1f1b | gpipe | interleaved_1f1b (two stages per rank)
     stages: list[int] = field(default_factory=list)  # layers per pipeline stage ([]: balanced by parameter count)
@@ -293,7 +293,7 @@ class ClusterSection:
 
 @dataclass(slots=True)
 class RunConfig:
-    run_dir: str = "runs/run"
+    run_dir: str = "runs/run"  # where the run writes its config, metrics, checkpoint, adapter and curves
     model: ModelSection = field(default_factory=ModelSection)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     rollout: RolloutSection = field(default_factory=RolloutSection)

@@ -82,14 +82,14 @@ class LoraContext:
 class LoraConfig:
     """Shape of the adapters a model carries: which modules, rank, scale, expert layout, number of slots."""
 
-    rank: int = 8
-    alpha: float = 16.0
+    rank: int = 8  # adapter rank r
+    alpha: float = 16.0  # scale: alpha / r (alpha / sqrt(r) with rslora)
     targets: list[str] | None = None  # None: every linear layer (not router / lm_head) and the routed experts
     layout: str = "per_expert"  # per_expert | shared_outer
     rslora: bool = False  # scale alpha / sqrt(r) instead of alpha / r
-    dropout: float = 0.0
+    dropout: float = 0.0  # dropout on the adapter's input while training
     expert_rank_norm: bool = False  # expert adapters get rank // top_k
-    slots: int = 1
+    slots: int = 1  # adapters the model holds at once (engines: one per adapter served)
 
     def __post_init__(self) -> None:
         from moerl.errors import ConfigError

@@ -37,16 +37,16 @@ LossFn = Callable[[torch.Tensor, Batch, torch.Tensor | None], tuple[torch.Tensor
 
 @dataclass(slots=True)
 class OptimConfig:
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
+    lr: float = 1e-5  # AdamW learning rate (peak, with a schedule)
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.999  # AdamW second-moment decay
+    eps: float = 1e-8  # AdamW denominator epsilon
     grad_clip: float = 1.0  # max global grad norm; 0 = off
     schedule: str = "constant"  # constant | cosine (after warmup_steps of linear warm-up)
-    warmup_steps: int = 0
-    total_steps: int = 1000
-    min_lr_ratio: float = 0.0
+    warmup_steps: int = 0  # optimizer steps of linear warm-up from 0 to lr
+    total_steps: int = 1000  # cosine: the step where the learning rate reaches lr * min_lr_ratio
+    min_lr_ratio: float = 0.0  # cosine: the final learning rate as a fraction of lr
 
     def __post_init__(self) -> None:
         def finite(x) -> bool:
@@ -72,10 +72,10 @@ class OptimConfig:
 
 @dataclass(slots=True)
 class PolicyConfig:
-    mode: str = "lora"
+    mode: str = "lora"  # what trains: lora (adapters, base frozen) | full (bf16 / fp32 compute) | mxfp8
     lora: LoraConfig = field(default_factory=LoraConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    micro_batch_size: int = 8
+    micro_batch_size: int = 8  # sequences per forward / backward (gradients accumulate over a mini-batch)
     dtype: str = "auto"  # compute dtype (lora: the frozen base; full: the model copy): auto | bfloat16 | float32
     device: str = "auto"  # auto (CUDA where present) | cpu | cuda | cuda:N (moerl.device)
     reference: bool = False  # full / mxfp8: keep a frozen copy for reference logprobs (lora: adapters off)
