@@ -18,10 +18,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from moerl.cores import CoreShare
 from moerl.device import resolve_device
 from moerl.engine import EngineConfig
 from moerl.envs import make_env
 from moerl.errors import EngineError, TrainingStopped
+from moerl.logs import library_logs
 from moerl.metrics import MetricsLogger, plot_run, read_metrics
 from moerl.parallel.world import World, broadcast_json, init_world, stalled
 from moerl.rollout import make_engine
@@ -86,7 +88,8 @@ def _run(cfg: RunConfig, resume: bool, overwrite: bool, engines) -> dict | None:
             return None
         run = RunDir.open(cfg, resume=resume, overwrite=overwrite)
         try:
-            summary = _train(cfg, run, world, engines)
+            with library_logs(run.path):  # vLLM's, torchao's, ... log lines: the run's libraries.log
+                summary = _train(cfg, run, world, engines)
         finally:
             run.close()
     except RuntimeError as e:
@@ -130,6 +133,10 @@ def _train_policy(cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Po
     engine = build_engine(cfg, model_path, engines)
     gen = build_generator(cfg, env, engine)
     metrics = ahead = None
+    # torch threads follow the cores other processes leave (moerl.cores); not where ranks or Ray set them, nor where
+    # reruns must compute bit for bit
+    local = cfg.cluster.backend == "local" and policy.layout.ranks == 1 and not cfg.train.deterministic
+    cores = CoreShare(enabled=local)
     try:
         if run.resume:
             policy.load(run.checkpoint)  # last: it restores the RNGs the steps go on with
@@ -155,6 +162,8 @@ def _train_policy(cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Po
             flat = 0  # steps in a row without an informative group
             for step in bar:
                 policy.stop_state = {"step": step}  # a TrainingStopped saves the state after the last complete step
+                if line := cores.check():
+                    say(line, bar if tty else None)
                 row = rl_step(cfg, gen, policy, loss_fn, step, ahead)
                 flat = flat + 1 if row["informative_groups"] == 0 else 0
                 if flat == FLAT_STEPS:
@@ -197,6 +206,7 @@ def _train_policy(cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Po
                 print(f"moerl: {saved}; continue with --resume", file=sys.stderr, flush=True)
             raise
     finally:
+        cores.restore()
         if ahead is not None:
             ahead.close()
         if metrics is not None:

@@ -15,6 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from moerl.cores import CoreShare
 from moerl.errors import ConfigError
 
 EXAMPLES = 4000  # (prompt, target) pairs drawn from the train split; batches are sampled from them
@@ -36,11 +37,19 @@ def warm_up(base: str | os.PathLike, out: str | os.PathLike, env, steps: int, lo
         raise ConfigError(f"environment {env.name!r} has no worked examples (sft_examples) to warm a model up with")
     optim = OptimConfig(lr=LR, schedule="cosine", warmup_steps=min(10, steps // 4), total_steps=steps)
     policy = Policy(base, PolicyConfig(mode="full", dtype="float32", micro_batch_size=256, optim=optim))
+    cores = CoreShare()  # torch threads follow the cores other processes leave (moerl.cores)
+
+    def check() -> None:
+        if line := cores.check():
+            log(line.removeprefix("moerl: "))
+
     try:
         tok = AutoTokenizer.from_pretrained(base)
-        run_sft(policy, tok, env.sft_examples(EXAMPLES, seed=seed), steps=steps, batch_size=BATCH, log=log)
+        examples = env.sft_examples(EXAMPLES, seed=seed)
+        run_sft(policy, tok, examples, steps=steps, batch_size=BATCH, log=log, each_step=check)
         export_model(policy.model, out, tokenizer_dir=base)
     finally:
+        cores.restore()
         policy.close()
 
 

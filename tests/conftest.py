@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -5,6 +6,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+# runs here are compared bit for bit: the thread count stays as set (moerl.cores adapts it to other processes' load;
+# tests/test_cores.py turns it on)
+os.environ.setdefault("MOERL_CORE_SHARE", "0")
 
 from hf_models import ARCHS, save_hf_model  # noqa: E402
 

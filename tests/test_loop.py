@@ -1,8 +1,11 @@
 """The RL loop end to end: every mode learns an easy task, resume continues with the same numbers, configs."""
 
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -279,3 +282,28 @@ def test_a_run_that_learns_nothing_for_three_steps_says_why(tmp_path, capsys):
     assert f"steps 1-{FLAT_STEPS} learned nothing" in warnings[0] and "every sample was wrong" in warnings[0]
     assert "model.sft_steps" in warnings[0]
     assert "too easy" in flat_warning(5, 1.0) and "mean reward 0.500" in flat_warning(5, 0.5)
+
+
+def test_library_log_lines_go_to_the_runs_file_and_everything_is_restored(tmp_path):
+    """In a fresh process (pytest's own log handlers would hide the console behaviour): a library's warning
+    (torchao's 'Failed to load ...' is one) while a run lasts goes to its libraries.log, not the console; vLLM
+    processes get a logging config naming that file; afterwards the same warning reaches stderr again (control) and
+    the environment is as it was."""
+
+    script = f"""
+import json, logging, os
+from pathlib import Path
+from moerl.logs import library_logs
+with library_logs({str(tmp_path)!r}) as path:
+    logging.getLogger("torchao").warning("Failed to load _C_mxfp8.so: not needed here")
+    config = json.loads(Path(os.environ["VLLM_LOGGING_CONFIG_PATH"]).read_text())
+print(config["handlers"]["file"]["filename"], "vllm" in config["loggers"], os.environ.get("VLLM_LOGGING_CONFIG_PATH"))
+logging.getLogger("torchao").warning("after the run")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_CONFIG_PATH"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == "after the run\n"  # the warning inside the run is not there; the one after it is
+    log = tmp_path / "libraries.log"
+    assert " torchao WARNING Failed to load _C_mxfp8.so" in log.read_text()
+    assert out.stdout.split() == [str(log.resolve()), "True", "None"]

@@ -5,6 +5,7 @@ by name."""
 import copy
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -479,7 +480,7 @@ def test_mxfp8_weights_reach_vllm_as_the_trainers_mx_values_bit_for_bit(model, e
 
 
 @pytest.mark.parametrize("mode", ["full", "lora", "mxfp8"])
-def test_a_run_with_vllm_rollouts_learns(mode, warm_model, tmp_path, monkeypatch, capsys):
+def test_a_run_with_vllm_rollouts_learns(mode, warm_model, tmp_path, monkeypatch, capfd):
     from moerl.envs.arithmetic import ArithmeticEnv
     from moerl.loop import train
 
@@ -494,9 +495,14 @@ def test_a_run_with_vllm_rollouts_learns(mode, warm_model, tmp_path, monkeypatch
     if mode == "lora":
         over["policy.optim.lr"] = 3e-3
     train(run_cfg(tmp_path / "run", warm_model, mode, steps=12, **over))
-    err = capsys.readouterr().err
+    out, err = capfd.readouterr()  # the file descriptors: vLLM's processes write there, not to sys.stderr
     said = {"lora": "each sync merges the adapters into vLLM's weights", "mxfp8": "with unquantized bf16 activations"}
     assert said.get(mode, "") in err
+    # vLLM's log lines (its start-up, the weights a reload skips) are in the run's libraries.log, not the console
+    logged = (tmp_path / "run" / "libraries.log").read_text()
+    assert re.search(r" vllm\.\S+ INFO ", logged) and not re.search(
+        r"^(\(\w+ pid=\d+\) )?INFO \d\d-\d\d ", out + err, re.M
+    )
     rows = [r for r in metric_rows(tmp_path / "run") if "reward_mean" in r]
     rewards = [r["reward_mean"] for r in rows]
     # measured: full 0.74 over the first 3 steps -> 0.87 over the second half; on an AVX512-BF16 host lora (lr 3e-3)

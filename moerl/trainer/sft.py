@@ -26,12 +26,22 @@ def sft_batch(tokenizer, examples: list[tuple[str, str]]) -> Batch:
 
 
 def run_sft(
-    policy, tokenizer, examples: list[tuple[str, str]], steps: int, batch_size: int, seed: int = 0, log=None
+    policy,
+    tokenizer,
+    examples: list[tuple[str, str]],
+    steps: int,
+    batch_size: int,
+    seed: int = 0,
+    log=None,
+    each_step=None,
 ) -> list[float]:
-    """``steps`` optimizer steps on random batches of ``examples``; returns the losses."""
+    """``steps`` optimizer steps on random batches of ``examples``; returns the losses. ``each_step()`` runs before
+    every step (the warm-up's thread check)."""
     rng = random.Random(seed)
     losses = []
     for step in range(steps):
+        if each_step is not None:
+            each_step()
         batch = sft_batch(tokenizer, rng.sample(examples, min(batch_size, len(examples))))
         losses.append(policy.train_step(batch, sft_loss, replay=False)["loss"])
         if log is not None and (step + 1) % max(1, steps // 10) == 0:
