@@ -8,12 +8,12 @@ import json
 import logging
 import os
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 LOG = "libraries.log"
-VLLM_CONFIG = "vllm_logging.json"  # read by every vLLM process the run starts (VLLM_LOGGING_CONFIG_PATH)
 FORMAT = "%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"
 
 
@@ -23,7 +23,7 @@ def library_logs(run_dir: str | os.PathLike) -> Iterator[Path]:
     and vLLM's, in this process and the vLLM processes started meanwhile). A ``VLLM_LOGGING_CONFIG_PATH`` the user
     set is kept. Everything is as it was afterwards."""
     path = Path(run_dir) / LOG
-    handler = logging.FileHandler(path, mode="a", encoding="utf-8")
+    handler = logging.FileHandler(path, mode="a", encoding="utf-8", delay=True)  # no file until a line comes
     handler.setFormatter(logging.Formatter(FORMAT))
     handler.setLevel(logging.INFO)
     root = logging.getLogger()
@@ -31,8 +31,10 @@ def library_logs(run_dir: str | os.PathLike) -> Iterator[Path]:
     root.addHandler(handler)  # records of libraries without handlers of their own land here, not on stderr
     if level > logging.INFO:  # INFO and up are kept in the file
         root.setLevel(logging.INFO)
-    vllm_config = Path(run_dir) / VLLM_CONFIG
-    vllm_config.write_text(json.dumps(_vllm_config(path)))
+    fd, name = tempfile.mkstemp(prefix="moerl-vllm-logging-", suffix=".json")  # not in the run directory: a run
+    vllm_config = Path(name)  # refused before it begins leaves that as it was
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(_vllm_config(path)))
     had_env = os.environ.get("VLLM_LOGGING_CONFIG_PATH")
     if had_env is None:
         os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(vllm_config.resolve())
@@ -49,6 +51,7 @@ def library_logs(run_dir: str | os.PathLike) -> Iterator[Path]:
             vllm.handlers = vllm_handlers
         if had_env is None:
             os.environ.pop("VLLM_LOGGING_CONFIG_PATH", None)
+        vllm_config.unlink(missing_ok=True)  # vLLM's processes read it when they start, and they are gone now
         handler.close()
 
 
@@ -59,7 +62,13 @@ def _vllm_config(path: Path) -> dict:
         "disable_existing_loggers": False,
         "formatters": {"moerl": {"format": FORMAT}},
         "handlers": {
-            "file": {"class": "logging.FileHandler", "filename": str(path.resolve()), "mode": "a", "formatter": "moerl"}
+            "file": {
+                "class": "logging.FileHandler",
+                "filename": str(path.resolve()),
+                "mode": "a",
+                "delay": True,
+                "formatter": "moerl",
+            }
         },
         "loggers": {"vllm": {"handlers": ["file"], "level": "INFO", "propagate": False}},
     }

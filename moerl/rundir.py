@@ -26,7 +26,8 @@ from moerl.trainer.checkpoint import read_meta, recover_checkpoint
 CONFIG, HISTORY, LOCK, CHECKPOINT = "config.yaml", "config_history.jsonl", ".lock", "checkpoint"
 # a run's records: any of them means the directory holds a run; --overwrite removes them and the OUTPUTS
 RUN_FILES = (CONFIG, HISTORY, METRICS, CHECKPOINT, "checkpoint.tmp", "checkpoint.old")
-OUTPUTS = ("tensorboard", "curves.png", "adapter", "merged")  # base_model: a fresh run writes it anew
+# base_model: a fresh run writes it anew; libraries.log: moerl.logs
+OUTPUTS = ("tensorboard", "curves.png", "adapter", "merged", "libraries.log")
 
 
 class RunLock:
