@@ -35,7 +35,7 @@ from moerl.rundir import CHECKPOINT, RunDir
 from moerl.sync import sync_policy
 from moerl.trainer import Batch, Policy
 from moerl.trainer.advantages import compute_advantages
-from moerl.trainer.checkpoint import save_checkpoint
+from moerl.trainer.checkpoint import recover_checkpoint, save_checkpoint
 from moerl.trainer.compile import COMPILE_SECONDS
 from moerl.trainer.driver import DistributedPolicy, serve
 from moerl.trainer.losses import kl_penalty, make_policy_loss
@@ -201,8 +201,15 @@ def _train_policy(cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Po
             raise TrainingStopped(f"{e}{policy.save_stop_checkpoint()}") from e
         except KeyboardInterrupt:  # Ctrl-C: keep the last complete step (a second Ctrl-C stops the save itself)
             if policy.layout.ranks == 1:  # several ranks would each need the others to save
-                print(f"moerl: interrupted after step {policy.stop_state['step']}", file=sys.stderr, flush=True)
-                saved = policy.save_stop_checkpoint().removeprefix("; ")
+                print(f"moerl: interrupted after step {policy.stop_state['step']}; saving it (Ctrl-C again: stop "
+                      "the save, keep the last checkpoint)", file=sys.stderr, flush=True)  # fmt: skip
+                try:
+                    saved = policy.save_stop_checkpoint().removeprefix("; ")
+                except KeyboardInterrupt:  # the save writes aside and renames: the last complete one is intact
+                    found, _ = recover_checkpoint(ckpt_dir)
+                    kept = f"the last checkpoint ({ckpt_dir}) is kept" if found else "there is no earlier checkpoint"
+                    print(f"moerl: save stopped by a second Ctrl-C; {kept}", file=sys.stderr, flush=True)
+                    raise
                 print(f"moerl: {saved}; continue with --resume", file=sys.stderr, flush=True)
             raise
     finally:

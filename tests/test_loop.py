@@ -266,6 +266,44 @@ def test_ctrl_c_saves_the_last_complete_step_and_the_run_resumes_from_it(warm_mo
     assert resumed[3]["loss"] == straight[3]["loss"] and resumed[3]["reward_mean"] == straight[3]["reward_mean"]
 
 
+def test_a_second_ctrl_c_stops_the_save_and_the_last_checkpoint_stays(warm_model, tmp_path, capsys, monkeypatch):
+    """Ctrl-C during step 3 (checkpoints every 2 steps), then Ctrl-C again while the state is being written (its
+    tensors are on disk, its metadata not): the save stops saying so, the step-2 checkpoint is intact, and --resume
+    continues from step 2 as the uninterrupted run did."""
+    from moerl import loop
+    from moerl.trainer import checkpoint
+
+    train(run_cfg(tmp_path / "a", warm_model, steps=4))
+    straight = {r["step"]: r for r in metric_rows(tmp_path / "a") if "loss" in r}
+    real = loop.rl_step
+
+    def interrupted(cfg, gen, policy, loss_fn, step, ahead=None):
+        if step == 2:
+            monkeypatch.setattr(checkpoint, "_crash_point", second_ctrl_c)  # the stop save is interrupted too
+            raise KeyboardInterrupt
+        return real(cfg, gen, policy, loss_fn, step, ahead)
+
+    def second_ctrl_c(name):
+        if name == "tensors written":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "rl_step", interrupted)
+    cfg = run_cfg(tmp_path / "b", warm_model, steps=4)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg)
+    err = capsys.readouterr().err
+    assert "moerl: interrupted after step 2; saving it (Ctrl-C again: stop the save" in err
+    assert (
+        f"moerl: save stopped by a second Ctrl-C; the last checkpoint ({tmp_path / 'b' / 'checkpoint'}) is kept" in err
+    )
+    assert json.loads((tmp_path / "b" / "checkpoint" / "checkpoint.json").read_text())["state"]["step"] == 2
+    monkeypatch.setattr(loop, "rl_step", real)
+    monkeypatch.setattr(checkpoint, "_crash_point", lambda name: None)
+    train(cfg, resume=True)
+    resumed = {r["step"]: r for r in metric_rows(tmp_path / "b") if "loss" in r}
+    assert [resumed[s]["loss"] for s in (3, 4)] == [straight[s]["loss"] for s in (3, 4)]
+
+
 def test_a_run_that_learns_nothing_for_three_steps_says_why(tmp_path, capsys):
     """A random model on two-digit sums gets every sample wrong: after three such steps the run warns, naming the
     cause (every sample wrong) and the fix (a warmed model); the warm model's run, whose groups differ, does not."""
