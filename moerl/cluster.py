@@ -99,14 +99,22 @@ def _bundle(cpus: float, gpus: float) -> dict:
 
 def run_on_ray(cfg, resume: bool = False, overwrite: bool = False) -> dict:
     """Run ``cfg`` on Ray (see the module); returns rank 0's summary. Raises what a rank raised, naming the rank, or
-    TrainingStopped when a rank died."""
+    TrainingStopped when a rank died. Ray's own log lines in this process go to the run's libraries.log."""
     try:
-        import ray
+        import ray  # noqa: F401  (imported first: it sets up its logger, which held_lines then takes over)
     except ImportError as e:
         raise ConfigError(
             f"cluster.backend: ray needs Ray, which is not installed here ({e}); install moerl's extra: "
             "pip install -e '.[ray]' (make test installs it)"
         ) from None
+    from moerl.logs import held_lines
+
+    with held_lines("ray", cfg.run_dir):
+        return _run_on_ray(cfg, resume, overwrite)
+
+
+def _run_on_ray(cfg, resume: bool, overwrite: bool) -> dict:
+    import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

@@ -72,3 +72,31 @@ def _vllm_config(path: Path) -> dict:
         },
         "loggers": {"vllm": {"handlers": ["file"], "level": "INFO", "propagate": False}},
     }
+
+
+@contextmanager
+def held_lines(logger_name: str, run_dir: str | os.PathLike) -> Iterator[None]:
+    """Log records of ``logger_name`` (e.g. Ray's in the driver of a Ray run, whose run directory a Ray actor opens
+    later) are held meanwhile, then appended to ``run_dir/libraries.log`` if the run made that directory, else
+    given to the logger's own handlers after all: nothing is lost, nothing reaches a directory the run never had."""
+    logger = logging.getLogger(logger_name)
+    held: list[logging.LogRecord] = []
+
+    class Hold(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            held.append(record)
+
+    own = logger.handlers[:]
+    logger.handlers = [Hold()]
+    try:
+        yield
+    finally:
+        logger.handlers = own
+        path = Path(run_dir) / LOG
+        if held and path.parent.is_dir():
+            formatter = logging.Formatter(FORMAT)
+            with path.open("a", encoding="utf-8") as f:
+                f.writelines(formatter.format(r) + "\n" for r in held)
+        elif held:
+            for record in held:
+                logger.handle(record)

@@ -345,3 +345,30 @@ logging.getLogger("torchao").warning("after the run")
     log = tmp_path / "libraries.log"
     assert " torchao WARNING Failed to load _C_mxfp8.so" in log.read_text()
     assert out.stdout.split() == [str(log.resolve()), "True", "None"]
+
+
+def test_held_library_lines_reach_the_run_directory_or_else_their_own_handlers(tmp_path):
+    """A Ray run's driver: its library's lines are held, then appended to the run's libraries.log when the run made
+    its directory; when it did not (refused before), they go to the library's own handler after all, none lost."""
+    import logging
+
+    from moerl.logs import held_lines
+
+    seen = []
+
+    class Own(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    lib = logging.getLogger("moerl-test-library")
+    lib.handlers, lib.propagate = [Own()], False
+    with held_lines("moerl-test-library", tmp_path / "run"):
+        lib.warning("token authentication is enabled")
+        (tmp_path / "run").mkdir()  # the run opened its directory meanwhile
+    assert (
+        seen == []
+        and " moerl-test-library WARNING token authentication" in (tmp_path / "run" / "libraries.log").read_text()
+    )
+    with held_lines("moerl-test-library", tmp_path / "refused"):
+        lib.warning("no directory")
+    assert seen == ["no directory"] and not (tmp_path / "refused").exists() and isinstance(lib.handlers[0], Own)
