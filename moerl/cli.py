@@ -279,7 +279,7 @@ def cmd_train(args) -> None:
 
         summary = run_on_ray(cfg, resume=args.resume, overwrite=args.overwrite)
     elif cfg.parallel.size > 1 and not under_launcher():  # start the ranks; each runs this same command
-        launch(args.argv, cfg.parallel.size)
+        launch(args.argv, cfg.parallel.size, cfg.run_dir)
         return
     else:
         summary = train(cfg, resume=args.resume, overwrite=args.overwrite)

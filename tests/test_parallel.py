@@ -371,6 +371,9 @@ def test_ctrl_c_of_a_dp2_run_ends_every_rank_with_one_message_and_rc_130(warm_mo
     assert proc.returncode == 130, err[-3000:]
     assert err.strip().splitlines()[-1] == "moerl: interrupted" and "Traceback" not in err, err[-3000:]
     assert not any(_alive(pid) for pid in ranks)
+    # the launcher's own lines (torchrun's OMP_NUM_THREADS note, its shutdown) are in the run's libraries.log
+    assert " torch.distributed." not in err and "OMP_NUM_THREADS" not in err, err[-3000:]
+    assert "torch.distributed.run WARNING" in (run / "libraries.log").read_text()
 
 
 def _alive(pid: int) -> bool:

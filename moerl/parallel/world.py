@@ -86,9 +86,17 @@ def under_launcher() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
-def launch(moerl_argv: list[str], nprocs: int) -> None:
+def launch(moerl_argv: list[str], nprocs: int, run_dir: str) -> None:
     """Run ``python -m moerl.cli <moerl_argv>`` on ``nprocs`` ranks of this machine with torchrun's launcher and wait;
-    if a rank fails, the launcher stops the others and this raises TrainingStopped with the failing rank's message."""
+    if a rank fails, the launcher stops the others and this raises TrainingStopped with the failing rank's message.
+    The launcher's own log lines go to ``run_dir``'s libraries.log (moerl.logs)."""
+    from moerl.logs import held_lines
+
+    with held_lines("torch.distributed", run_dir):
+        _launch(moerl_argv, nprocs)
+
+
+def _launch(moerl_argv: list[str], nprocs: int) -> None:
     import logging
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
