@@ -302,6 +302,16 @@ def cmd_plot(args) -> None:
     print(plot_run(args.run_dir, args.out))
 
 
+def _env_arguments(s: argparse.ArgumentParser) -> None:
+    """``--env`` and ``--env-kwargs`` (read by ``_env_from_args``)."""
+    s.add_argument("--env", default="arithmetic", help="the environment: arithmetic | countdown | math | calculator")
+    s.add_argument(
+        "--env-kwargs",
+        default="{}",
+        help="its arguments as in a run's env.kwargs (JSON), e.g. '{\"max_operand\": 19}'",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moerl", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -341,12 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("model_dir")
     s.add_argument("--adapter", default=None, help="a LoRA adapter directory (PEFT, as moerl exports) to apply")
-    s.add_argument("--env", default="arithmetic", help="the environment: arithmetic | countdown | math | calculator")
-    s.add_argument(
-        "--env-kwargs",
-        default="{}",
-        help="its arguments as in the run's env.kwargs (JSON), e.g. '{\"max_operand\": 19}'",
-    )
+    _env_arguments(s)
     s.add_argument(
         "--problems", type=int, default=200, help="distinct held-out problems (fewer if the split is smaller)"
     )
@@ -364,8 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--arch", default="qwen3_moe", help="the random model's architecture")
     s.add_argument("--preset", default="tiny", choices=["tiny", "small"])
     s.add_argument("--seed", type=int, default=0, help="the random model's seed")
-    s.add_argument("--env", default="arithmetic", help="the environment: arithmetic | countdown | math | calculator")
-    s.add_argument("--env-kwargs", default="{}", help="its arguments as in a run's env.kwargs (JSON)")
+    _env_arguments(s)
     s.add_argument("--steps", type=int, default=120, help="supervised steps of 128 examples")
     s.add_argument("--overwrite", action="store_true", help="write into a non-empty directory")
     s.set_defaults(func=cmd_sft)
