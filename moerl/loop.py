@@ -178,7 +178,7 @@ def _train_policy(cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Po
                 if last:  # what the last step's extra seconds are
                     bar.set_description("rl (final evaluation)")
                     if not tty:
-                        print("moerl: final evaluation on the held-out problems", file=sys.stderr, flush=True)
+                        say("moerl: final evaluation on the held-out problems")
                 if last or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0):
                     row |= gen.evaluate().metrics()
                     if tty:  # a file or pipe has it in the step's line
@@ -192,8 +192,7 @@ def _train_policy(cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Po
                     bar.set_postfix(reward=f"{row['reward_mean']:.3f}", mismatch=f"{row['mismatch_k3_r3']:.1e}")
                 if not tty:
                     done = step + 1 - start
-                    line = progress_line(step + 1, cfg.train.steps, row, (time.perf_counter() - t_start) / done)
-                    print(line, file=sys.stderr, flush=True)
+                    say(progress_line(step + 1, cfg.train.steps, row, (time.perf_counter() - t_start) / done))
                 if last or (cfg.train.checkpoint_every and (step + 1) % cfg.train.checkpoint_every == 0):
                     save_checkpoint(ckpt_dir, policy, state={"step": step + 1})
                 t_prev = time.perf_counter()
