@@ -4,7 +4,9 @@ bytes on the same machine.
 Contenders per preset and mode: ``process`` (the engine in its own process: shared-memory buckets, staged and
 committed there), ``inprocess`` (the engine in the trainer's process), ``memcpy`` (one ``copy_`` of a buffer of
 the same size, the floor of any transfer) and, with ``--vllm``, a vLLM engine (the same shared-memory buckets,
-reloaded by vLLM's worker; LoRA and MXFP8 in the dense form: merged weights, MX-rounded bf16 values). Each
+loaded by moerl's worker extension; LoRA and MXFP8 in the dense form: merged weights, MX-rounded bf16 values) and
+``vllm-reload``, the same engine committing each sync through vLLM's general in-place ``reload_weights`` instead
+(how moerl's worker committed before it loaded through the model's own loaders: the baseline). Each
 measurement is a fresh child process (model built, one warm-up sync, then the median of ``--syncs`` timed syncs);
 rounds run the contenders interleaved, rotating who goes first.
 
@@ -28,7 +30,8 @@ from contender import run_contender
 CPU = torch.backends.cpu.get_cpu_capability()  # AVX2-only hosts have no fast bf16 GEMM
 
 MODES = ("full", "lora", "mxfp8")
-CONTENDERS = ("process", "inprocess", "memcpy")  # and "vllm" with --vllm
+CONTENDERS = ("process", "inprocess", "memcpy")  # and VLLM with --vllm
+VLLM = ("vllm", "vllm-reload")
 
 
 def child(args) -> None:
@@ -40,7 +43,7 @@ def child(args) -> None:
 
     lora = LoraConfig(rank=16, alpha=32, layout="shared_outer")
     policy = Policy(args.ckpt, PolicyConfig(mode=args.mode, dtype="bfloat16", lora=lora))
-    dense = "bfloat16" if args.child == "vllm" else None  # what a vLLM engine is sent: LoRA merged, MX values
+    dense = "bfloat16" if args.child in VLLM else None  # what a vLLM engine is sent: LoRA merged, MX values
     nbytes = sum(t.numel() * t.element_size() for _, t in policy_tensors(policy, dense))
     times = []
     if args.child == "memcpy":
@@ -55,7 +58,15 @@ def child(args) -> None:
         cfg = EngineConfig(max_num_seqs=4, max_model_len=64, max_loras=int(lora_engine), max_lora_rank=16)
         cfg.lora_layout = "shared_outer"
         mx = "rceil" if args.mode == "mxfp8" else None
-        if args.child == "vllm":
+        if args.child in VLLM:
+            if args.child == "vllm-reload":  # vLLM's worker imports the extension class by name: from this folder
+                import os
+
+                import moerl.rollout.vllm as moerl_vllm
+
+                here = str(Path(__file__).resolve().parent)
+                os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
+                moerl_vllm.EXTENSION = "vllm_reload_commit.ReloadCommit"
             engine = make_engine("vllm", args.ckpt, cfg, mx_scale_mode=mx)
         else:
             engine = make_engine(
@@ -86,7 +97,7 @@ def main() -> None:
     p.add_argument("--syncs", type=int, default=5)
     p.add_argument("--bucket-mb", type=int, default=64)
     p.add_argument("--vllm", action="store_true", help="add vLLM as a contender")
-    p.add_argument("--child", choices=(*CONTENDERS, "vllm"))
+    p.add_argument("--child", choices=(*CONTENDERS, *VLLM))
     p.add_argument("--mode", choices=MODES)
     p.add_argument("--ckpt")
     args = p.parse_args()
@@ -106,7 +117,7 @@ def main() -> None:
             ckpt = str(Path(d) / "model")
             init_model("qwen3_moe", preset, ckpt, seed=0)
             for mode in args.modes:
-                contenders = CONTENDERS + (("vllm",) if args.vllm else ())
+                contenders = CONTENDERS + (VLLM if args.vllm else ())
                 runs: dict[str, list[dict]] = {c: [] for c in contenders}
                 for r in range(args.rounds):
                     k = r % len(contenders)

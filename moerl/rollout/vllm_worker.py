@@ -3,8 +3,13 @@ vLLM's worker process through ``collective_rpc``.
 
 Tensors do not travel in the RPC arguments (vLLM's multiprocess RPC does not pickle them); the trainer writes each
 bucket into a file-backed shared buffer (``moerl.rollout.shm``) and the RPC carries its layout. The worker stages the
-buckets as views and, at commit, reloads them all at once through vLLM's own ``reload_weights`` (which runs the
-layers' post-load processing again, e.g. the CPU MoE kernels' weight packing), between two generation calls.
+buckets as views and, at commit, loads them all at once between two generation calls.
+
+The commit loads through the model's own ``load_weights`` (vLLM's name mapping and weight loaders, once per tensor)
+and then re-runs the post-load processing (the CPU kernels' weight packing) of the layers it touched, instead of
+vLLM's general in-place ``reload_weights``, which restores every layer of the model to its checkpoint form, runs
+each loader twice (once to count) and copies every processed tensor back (2x the time on the small preset). A
+linear layer whose CPU kernel packed its weight away keeps a checkpoint-shaped weight between syncs to load into.
 """
 
 from __future__ import annotations
@@ -14,8 +19,8 @@ import torch
 from moerl.rollout.shm import BufferCache
 
 # vLLM 0.32's GPT-OSS loader copies unquantized expert tensors straight into the parameters instead of through their
-# weight loaders, which is all the in-place reload intercepts: a reload silently keeps the old experts. moerl copies
-# them itself: checkpoint suffix -> (vLLM parameter suffix, whether the checkpoint holds it transposed)
+# weight loaders (vLLM's own in-place reload, which intercepts the loaders, silently keeps the old experts); moerl
+# copies them itself: checkpoint suffix -> (vLLM parameter suffix, whether the checkpoint holds it transposed)
 _DIRECT = {
     ".mlp.experts.gate_up_proj": (".mlp.experts.routed_experts.w13_weight", True),
     ".mlp.experts.gate_up_proj_bias": (".mlp.experts.routed_experts.w13_bias", False),
@@ -29,6 +34,90 @@ def _copy_into(params: dict, name: str, tensor: torch.Tensor) -> None:
         have = tuple(params[name].shape) if name in params else "no such parameter"
         raise ValueError(f"moerl weight sync: {name}: got {tuple(tensor.shape)}, the vLLM model has {have}")
     params[name].copy_(tensor)
+
+
+def _repack_experts(experts, layer: torch.nn.Module, spare: dict) -> None:
+    """Pack a CPU MoE layer's freshly loaded expert weights into its kernel's grouped-GEMM layout: vLLM's CPU pack
+    op writing into a buffer of the same shape kept from the last sync, which then becomes the weight (the old one
+    the next buffer), instead of the kernel's post-load step, which allocates both weights anew each time. Kernels
+    of another kind, and layers whose intermediate size vLLM pads, take that step."""
+    pack = getattr(torch.ops._C, "prepack_moe_weight", None)
+    kinds = {c.__name__ for c in type(experts).__mro__}
+    moe = getattr(experts, "moe_config", None)
+    if (
+        pack is None
+        or "CPUUnquantizedExperts" not in kinds
+        or getattr(experts, "_use_zentorch", False)
+        or moe is None
+        or experts._padded_intermediate_size(moe) != moe.intermediate_size_per_partition
+    ):
+        experts.process_weights_after_loading(layer)
+        return
+    for name in ("w13_weight", "w2_weight"):
+        weight = getattr(layer, name)
+        key = (tuple(weight.shape), weight.dtype)
+        out = spare.pop(key, None)
+        out = torch.empty_like(weight.data) if out is None else out
+        pack(weight.data, out, experts.isa)
+        spare[key], weight.data = weight.data, out
+
+
+class _Loader:
+    """Loads checkpoint-format tensors into a vLLM model already loaded once, and re-packs what they touched."""
+
+    def __init__(self, model: torch.nn.Module):
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+        self.model, self.weights, self.spare = model, {}, {}
+        # linear layers whose CPU kernel emptied their weight: their checkpoint-form weight, as vLLM recorded it when
+        # it built the model (which its own in-place reload relies on too)
+        self.emptied = {}
+        for name, m in model.named_modules():
+            w = m._parameters.get("weight")
+            if w is not None and w.numel() == 0 and hasattr(m, "cpu_linear"):
+                meta = get_layerwise_info(m).restore_metadata[0].get("weight")
+                if meta is None:
+                    raise RuntimeError(
+                        f"moerl weight sync: vLLM packed away the weight of {name} ({type(m).__name__}) and holds no "
+                        "record of its checkpoint form to load a new one into"
+                    )
+                self.emptied[m] = meta
+
+    def _weight(self, m: torch.nn.Module) -> torch.nn.Parameter:
+        from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
+        from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+
+        if m not in self.weights:  # kept between syncs: allocated once
+            self.weights[m] = restore_layer_refs(materialize_meta_tensor(self.emptied[m]), m)
+        return self.weights[m]
+
+    def load(self, named: list[tuple[str, torch.Tensor]]) -> set[int]:
+        """Load ``named`` through the model's loaders; returns the storages (data pointers) written."""
+        empty = {m: m._parameters["weight"] for m in self.emptied}
+        for m in self.emptied:
+            m._parameters["weight"] = self._weight(m)
+        try:
+            loaded = self.model.load_weights(iter(named))
+        except BaseException:
+            for m, w in empty.items():
+                m._parameters["weight"] = w
+            raise
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        touched = {params[n].data_ptr() for n in loaded if n in params}
+        for m, w in empty.items():  # layers not loaded keep their packed kernel and empty weight
+            if self.weights[m].data_ptr() not in touched:
+                m._parameters["weight"] = w
+        return touched
+
+    def process(self, touched: set[int]) -> None:
+        """Re-run the post-load processing of every layer (MoE experts aside: ``moerl_commit`` re-packs those)
+        holding a written storage: tied weights included."""
+        for m in self.model.modules():
+            method = getattr(m, "quant_method", None)
+            own = [p for p in m._parameters.values() if p is not None and p.numel()]
+            if method is None or hasattr(method, "moe_kernel") or not any(p.data_ptr() in touched for p in own):
+                continue
+            method.process_weights_after_loading(m)
 
 
 class MoerlWorkerExtension:
@@ -46,13 +135,15 @@ class MoerlWorkerExtension:
         self._moerl_staged = []
 
     def moerl_commit(self) -> int:
-        """Load every staged tensor into the model at once (vLLM's in-place reload); returns how many."""
+        """Load every staged tensor into the model at once and re-pack the layers they touched; returns how many."""
         staged, self._moerl_staged = getattr(self, "_moerl_staged", []), []
         model = self.model_runner.get_model()
         direct = _DIRECT if type(model).__name__.startswith("GptOss") else {}
         through_vllm = [(n, t) for n, t in staged if not n.endswith(tuple(direct))]
         with torch.no_grad():
-            self.model_runner.reload_weights(weights_iterator=iter(through_vllm), is_checkpoint_format=True)
+            loader = getattr(self, "_moerl_loader", None) or _Loader(model)
+            self._moerl_loader = loader
+            touched = loader.load(through_vllm)
             params = dict(model.named_parameters())
             for name, tensor in staged:
                 for suffix, (target, transpose) in direct.items():
@@ -66,7 +157,8 @@ class MoerlWorkerExtension:
                 kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
                 prefix = name.removesuffix(".routed_experts") + "."
                 if kernel is not None and any(n.startswith(prefix) for n in loaded):
-                    kernel.fused_experts.process_weights_after_loading(module)
+                    _repack_experts(kernel.fused_experts, module, loader.spare)
+            loader.process(touched)
         return len(staged)
 
     def moerl_record_routes(self) -> int:
