@@ -27,6 +27,10 @@ from moerl.trainer import Batch, OptimConfig, Policy, PolicyConfig
 from moerl.trainer.losses import sft_loss
 
 CFG = EngineConfig(max_num_seqs=16, max_model_len=32)
+# the module's compiled engine (vLLM's default mode), shared by the tests that sync their own weights into it first:
+# its KV blocks of 32 let a 42-token prompt put one block in the prefix cache
+SHARED = EngineConfig(max_num_seqs=16, max_model_len=96)
+BLOCKS_OF_32 = {"block_size": 32}
 
 
 def _requests():
@@ -49,7 +53,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model):
-    eng = make_engine("vllm", model, CFG)
+    eng = make_engine("vllm", model, SHARED, vllm_args=BLOCKS_OF_32)
     yield eng
     eng.close()
 
@@ -65,7 +69,7 @@ def test_a_full_sync_gives_exactly_a_fresh_vllm_engines_rollouts(model, engine, 
     assert stats.buckets > 1 and engine.weight_version == 3
     after = engine.generate(_requests())
     assert all(o.weight_version == 3 for o in after)
-    fresh = make_engine("vllm", tmp_path / "trained", CFG)
+    fresh = make_engine("vllm", tmp_path / "trained", SHARED, vllm_args=BLOCKS_OF_32)
     try:
         expected = fresh.generate(_requests())
     finally:
@@ -172,7 +176,7 @@ FAMILIES = {
     "DeepseekV3ForCausalLM": {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "head_dim": 64},
     "GptOssForCausalLM": None,
 }
-EAGER = {"enforce_eager": True}  # no compile: these engines start in ~40 s instead of ~90 s
+EAGER = {"enforce_eager": True}  # no compile: these engines start in ~17 s instead of ~40 s (measured, tiny)
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -294,41 +298,37 @@ def test_two_vllm_engines_split_the_requests_and_each_takes_every_sync(model, mo
         pool.close()
 
 
-def test_vllm_records_the_experts_each_token_was_routed_to(model, tmp_path):
+def test_vllm_records_the_experts_each_token_was_routed_to(model, engine):
     """R3 from vLLM: each sample comes back with the experts vLLM's MoE layers chose for its prompt and completion
     tokens, the ones moerl's forward chooses on the same tokens and weights (near-ties aside), in moerl's layout.
     The n samples of a prompt share its rows; a prompt served again from vLLM's prefix cache (blocks of 32: a
     42-token prompt caches one) gets the same rows, though its cached tokens were not run again; rows end with the
     tokens (a stop string)."""
-    engine = make_engine("vllm", model, EngineConfig(max_num_seqs=16, max_model_len=96), vllm_args={"block_size": 32})
     long = "1+2+3+4+5+6+7+8+9+10+11+12+13+14+15+16+17="  # 42 tokens
     reqs = _requests() + [Request(long, SamplingParams(temperature=1.0, max_tokens=12, n=3, seed=5))]
-    try:
-        policy = _train_one_step(model)
-        sync_policy(policy, engine, version=1)
-        first = engine.generate(reqs)
-        _assert_rows_are_moerls(policy.model, first)
-        for o in first:
-            p = len(o.prompt_token_ids) - 1
-            assert all(torch.equal(c.routed_experts[:p], o.outputs[0].routed_experts[:p]) for c in o.outputs)
-        again = engine.generate(reqs[-1:])[0]
-        cached = engine.llm.generate([{"prompt_token_ids": again.prompt_token_ids}], use_tqdm=False)
-        assert cached[0].num_cached_tokens == 32  # the prompt's first block is served from the cache
-        for c, c0 in zip(again.outputs, first[-1].outputs, strict=True):
-            assert c.token_ids == c0.token_ids and torch.equal(c.routed_experts, c0.routed_experts)
-        stop = engine.generate([Request(long, SamplingParams(temperature=1.0, max_tokens=12, stop=("+",), seed=9))])
-        c = stop[0].outputs[0]
-        assert c.finish_reason == "stop" or len(c.token_ids) == 12
-        assert c.routed_experts.shape[0] == len(stop[0].prompt_token_ids) + len(c.token_ids) - 1
-        _assert_rows_are_moerls(policy.model, stop)
-    finally:
-        engine.close()
+    policy = _train_one_step(model)
+    sync_policy(policy, engine, version=1)
+    first = engine.generate(reqs)
+    _assert_rows_are_moerls(policy.model, first)
+    for o in first:
+        p = len(o.prompt_token_ids) - 1
+        assert all(torch.equal(c.routed_experts[:p], o.outputs[0].routed_experts[:p]) for c in o.outputs)
+    again = engine.generate(reqs[-1:])[0]
+    cached = engine.llm.generate([{"prompt_token_ids": again.prompt_token_ids}], use_tqdm=False)
+    assert cached[0].num_cached_tokens == 32  # the prompt's first block is served from the cache
+    for c, c0 in zip(again.outputs, first[-1].outputs, strict=True):
+        assert c.token_ids == c0.token_ids and torch.equal(c.routed_experts, c0.routed_experts)
+    stop = engine.generate([Request(long, SamplingParams(temperature=1.0, max_tokens=12, stop=("+",), seed=9))])
+    c = stop[0].outputs[0]
+    assert c.finish_reason == "stop" or len(c.token_ids) == 12
+    assert c.routed_experts.shape[0] == len(stop[0].prompt_token_ids) + len(c.token_ids) - 1
+    _assert_rows_are_moerls(policy.model, stop)
 
 
 def test_vllm_rows_survive_preemption(model):
     """A KV cache of 8 blocks of 32 for 12 sequences of 64 tokens: vLLM preempts requests and runs them again
     (its own counter says how often); each sample's rows are still one per token and moerl's choices."""
-    args = {"block_size": 32, "num_gpu_blocks_override": 8, "disable_log_stats": False}
+    args = EAGER | {"block_size": 32, "num_gpu_blocks_override": 8, "disable_log_stats": False}
     engine = make_engine("vllm", model, EngineConfig(max_num_seqs=16, max_model_len=96), vllm_args=args)
     reqs = [
         Request([5 + i, 6, 7, 8], SamplingParams(temperature=1.0, max_tokens=60, ignore_eos=True, seed=i))
@@ -357,6 +357,18 @@ def test_rows_vllm_did_not_record_are_a_named_error():
         _rows(routes, "3", 9, "request 3 sample 0")
 
 
+def test_a_layer_vllm_packed_without_a_record_of_its_form_is_named():
+    """The worker loads a sync into the checkpoint-form weights vLLM recorded when it built the model; a linear layer
+    whose CPU kernel emptied its weight with no such record is named, not loaded wrongly."""
+    from moerl.rollout.vllm_worker import _Loader
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    model[0].weight = torch.nn.Parameter(torch.empty(0))  # what vLLM's CPU dispatch leaves after packing
+    model[0].cpu_linear = torch.nn.functional.linear
+    with pytest.raises(RuntimeError, match=r"packed away the weight of 0 \(Linear\) and holds no record"):
+        _Loader(model)
+
+
 def test_vllm_logprobs_are_the_trainers_logprobs(model, engine):
     """vLLM's processed logprobs (after temperature) against the trainer's fp32 recompute on the same weights."""
     policy = Policy(model, PolicyConfig(mode="full", dtype="bfloat16"))
@@ -365,7 +377,7 @@ def test_vllm_logprobs_are_the_trainers_logprobs(model, engine):
 
 
 def test_prompts_longer_than_the_context_window_fail_alone(engine):
-    outs = engine.generate([Request([5] * 40, SamplingParams(max_tokens=2)), Request("1+1=", SamplingParams())])
+    outs = engine.generate([Request([5] * 100, SamplingParams(max_tokens=2)), Request("1+1=", SamplingParams())])
     assert outs[0].error_kind == "rejected" and "does not fit the context window" in outs[0].error
     assert outs[1].error is None and outs[1].outputs[0].token_ids
 
@@ -521,6 +533,7 @@ def test_r3_from_vllm_takes_the_router_flips_out_of_the_mismatch(model, tmp_path
     from moerl.loop import train
 
     over = {"rollout.engine": "vllm", "policy.dtype": "bfloat16", "rollout.dtype": "bfloat16", "algo.r3": "true"}
+    over |= {"rollout.vllm_args": EAGER}
     over |= {"algo.mismatch_metric_every": 1, "rollout.max_tokens": 8, "policy.optim.lr": 1e-5}
     train(run_cfg(tmp_path / "run", model, "full", steps=4, **over))
     rows = [r for r in metric_rows(tmp_path / "run") if "reward_mean" in r]
