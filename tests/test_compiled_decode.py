@@ -110,19 +110,37 @@ def test_compile_decode_refusals(tmp_path):
     assert load_config(RunConfig, None, [*over, "policy.mode=mxfp8"]).rollout.compile_decode is True
 
 
-def test_compiled_mxfp8_decode_matches_the_eager_mxfp8_engine():
+def test_compiled_mxfp8_decode_matches_the_eager_mxfp8_engine(monkeypatch):
     """An MXFP8 engine (experts and projections quantize both operands, block 32, E8M0 / E4M3) decodes through the
     graph as eager: layer 0's experts on the dense path with MX operands, layer 1's as the grouped op; same tokens
     and routing, fp32 logprobs within 1e-3: an fp32 rounding difference before a cast to E4M3 can move a value by
-    one E4M3 step (5.5e-5 measured; the plain operands of the test below miss by > 1e-3 on the experts alone)."""
+    one E4M3 step (5.5e-5 measured; the plain operands of the test below miss by > 1e-3 on the experts alone).
+    The graph takes the weights quantized outside it, kept between steps: after a sync it computes with the new
+    ones, and skipping the step that re-quantizes them (negative control) leaves it on the old ones."""
     model = init_model("gpt_oss", "tiny", overrides=TWO_LAYERS, dtype=torch.float32)
     apply_mxfp8(model, "rceil")
     cfg = {"max_num_seqs": 16, "max_model_len": 64}
-    reference = LLMEngine(model, EngineConfig(**cfg), dtype=torch.float32).generate(_requests())
+    eager = LLMEngine(model, EngineConfig(**cfg), dtype=torch.float32)
+    reference = eager.generate(_requests())
     fast = LLMEngine(model, EngineConfig(**cfg, compile_decode=True), dtype=torch.float32)
     assert model.layers[0].mlp.experts.dense_in_graph
     model.layers[1].mlp.experts.dense_in_graph = False
     _compare(reference, fast.generate(_requests()), tol=1e-3)
+
+    # a sync of layer 0's down experts, which only the graph's dense path reads quantized along dim 2 (the eager
+    # prefill re-quantizes what it reads itself)
+    (name,) = [n for n, _ in model.named_parameters() if n.endswith("layers.0.mlp.experts.down_proj")]
+    g = torch.Generator().manual_seed(5)
+    new = model.get_parameter(name).detach() + 0.05 * torch.randn(model.get_parameter(name).shape, generator=g)
+    fast.update_weights({name: new}, version=1)
+    with monkeypatch.context() as m:
+        m.setattr(compiled_decode, "refresh_kept", lambda model: [])
+        stale = fast.generate(_requests())
+    after = fast.generate(_requests())
+    expected = eager.generate(_requests())
+    _compare(expected, after, tol=1e-3)
+    with pytest.raises(AssertionError):
+        _compare(expected, stale, tol=1e-3)
 
 
 def test_the_mxfp8_dense_path_quantizes_as_the_grouped_one():

@@ -142,8 +142,8 @@ def test_mxfp8_without_torchao_is_refused_by_name(monkeypatch):
 
 def test_inference_keeps_quantized_weights_until_they_change():
     """Without autograd (an engine's forward) MX layers quantize each weight once per weight version: the output is
-    bit for bit the autograd path's, a weight changed in place (a sync's copy) is quantized again (the cached
-    result would miss: negative control), and a training forward takes the autograd path."""
+    bit for bit the autograd path's, a weight changed in place (a sync's copy) is quantized again, into the kept tensor
+    (the cached result would miss: negative control), and a training forward takes the autograd path."""
     from moerl.model.mx import apply_mxfp8
     from moerl.presets import init_model
 
@@ -157,9 +157,11 @@ def test_inference_keeps_quantized_weights_until_they_change():
         q = model.layers[0].self_attn.q_proj
         assert q._mx_kept  # kept after the first inference forward
         kept = next(iter(q._mx_kept.values()))[1]
+        before = kept.clone()
         q.weight.mul_(1.5)  # in place, as a sync commits
         moved = model(ids).logits
     with torch.enable_grad():
         assert torch.equal(moved, model(ids).logits.detach())
-    assert not torch.equal(next(iter(q._mx_kept.values()))[1], kept)
+    # quantized again into the same tensor (which a compiled graph reads as its input)
+    assert next(iter(q._mx_kept.values()))[1] is kept and not torch.equal(kept, before)
     assert (moved - want).abs().max() > 1e-3

@@ -11,10 +11,11 @@ does any batch larger than ``max_num_seqs`` (which the scheduler never forms).
 
 Inside the graph the routed experts take the dense path (every expert on every token, ``Experts._dense``) where
 that is cheap, else the grouped GEMM as one opaque op. MXFP8 engines' experts quantize their operands on either
-path, as eager. LoRA slots: each row's slot is a tensor in the graph; every projection computes every slot's
-shrink in one GEMM and keeps the row's own by a mask (``LinearLora``, and ``LoraExperts``' deltas on the dense
-expert path), so adapted experts always take the dense path (their grouped path sorts rows by slot, which a graph
-cannot). Padding rows use no adapter.
+path, as eager; the weights come quantized from outside the graph, kept between steps and refreshed after a sync
+(``moerl.model.mx.weight_quant``), so a step quantizes only its activations. LoRA slots: each row's slot is a
+tensor in the graph; every projection computes every slot's shrink in one GEMM and keeps the row's own by a mask
+(``LinearLora``, and ``LoraExperts``' deltas on the dense expert path), so adapted experts always take the dense
+path (their grouped path sorts rows by slot, which a graph cannot). Padding rows use no adapter.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from moerl.engine.kv_cache import KVCache, StepView
 from moerl.model.lora import LoraExperts
+from moerl.model.mx import refresh_kept
 from moerl.model.transformer import MoEModel
 
 BUCKETS = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128)  # then multiples of 64
@@ -56,6 +58,7 @@ class CompiledDecode:
             experts = model.layers[i].mlp.experts
             experts.dense_in_graph = dense_experts_pay(model) or isinstance(experts, LoraExperts)
         self.model, self.cache, self.capture = model, cache, capture
+        self.mx = bool(refresh_kept(model))  # MXFP8: the quantized weights the graph reads, made before it compiles
         cuda = model.embed_tokens.weight.is_cuda
         self._graph = torch.compile(self._forward, dynamic=True, mode="reduce-overhead" if cuda else None)
 
@@ -83,5 +86,7 @@ class CompiledDecode:
         view = StepView(self.cache, tables, positions, torch.ones(b + rows, dtype=torch.long, device=device))
         for t, dim in ((view._base, 3), (view._key_pos, 2), (view.read_rows, 0)):  # the key length is symbolic too
             torch._dynamo.mark_dynamic(t, dim)
+        if self.mx:  # after a sync the kept weights are quantized again (in place), outside the graph
+            refresh_kept(self.model)
         logits, routed = self._graph(ids, positions, view, adapters)
         return logits[:b], routed[:b] if routed is not None else None

@@ -131,11 +131,6 @@ def mx_group_mm(x: torch.Tensor, w: torch.Tensor, groups, mode: str, wq: torch.T
     return _MXGroupedMM.apply(x, w, groups, mode)
 
 
-def _inference() -> bool:
-    """An eager forward without autograd (an engine's): where quantized weights can be kept between calls."""
-    return not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-
-
 def kept_quant(owner: torch.nn.Module, w: torch.Tensor, dim: int, mode: str) -> torch.Tensor:
     """``mx_fake_quant(w, dim, mode)``, kept on ``owner`` while ``w`` is unchanged. An engine's weights change only
     at a sync (an in-place copy, which bumps the tensor's version counter) but every step quantized them again. One
@@ -151,8 +146,33 @@ def kept_quant(owner: torch.nn.Module, w: torch.Tensor, dim: int, mode: str) -> 
     if hit is not None and hit[0] == stamp:
         return hit[1]
     q = mx_fake_quant(w, dim, mode)
+    if hit is not None:  # into the same tensor: a compiled graph reading it (weight_quant) sees the new values
+        q = hit[1].copy_(q)
     kept[key] = (stamp, q)
+    owner.__dict__.setdefault("_mx_graph", {})[key] = q  # never replaced: the graph's guards stay true
     return q
+
+
+def weight_quant(owner: torch.nn.Module, w: torch.Tensor, dim: int, mode: str) -> torch.Tensor | None:
+    """``w`` quantized for a forward without autograd (an engine's), or None with autograd (the GEMM's autograd
+    function quantizes). Eager: ``kept_quant``. Inside a compiled graph, which cannot check a tensor's version: the
+    tensor ``kept_quant`` keeps for ``w``, an input of the graph, which the compiled decode step brings up to date
+    before each step (``refresh_kept``); where none is kept yet, quantized in the graph."""
+    if torch.is_grad_enabled():
+        return None
+    if not torch.compiler.is_compiling():
+        return kept_quant(owner, w, dim, mode)
+    return owner.__dict__.get("_mx_graph", {}).get((tuple(w.shape), w.stride(), dim, mode))
+
+
+def refresh_kept(model: torch.nn.Module) -> list:
+    """Bring every quantized weight a compiled forward of ``model`` reads (``weight_quant``) up to date with its
+    weight (``kept_quant``: nothing when unchanged, an in-place update after a sync); returns the MX modules."""
+    owners = [m for m in model.modules() if isinstance(m, MXLinear | MXExperts)]
+    for m in owners:
+        for w, dim in m.graph_weights():
+            kept_quant(m, w, dim, m.mode)
+    return owners
 
 
 class MXLinear(Linear):
@@ -161,8 +181,12 @@ class MXLinear(Linear):
     mode: str
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        wq = kept_quant(self, self.weight, -1, self.mode) if _inference() else None  # once per weight version
+        wq = weight_quant(self, self.weight, -1, self.mode)  # an engine's: once per weight version
         return mx_linear(x, self.weight, self.bias, self.mode, wq)
+
+    def graph_weights(self) -> list[tuple[torch.Tensor, int]]:
+        """The (weight, reduction dim) pairs a compiled forward quantizes."""
+        return [(self.weight, -1)]
 
 
 class MXExperts(Experts):
@@ -171,14 +195,24 @@ class MXExperts(Experts):
     mode: str
 
     def _gmm(self, x: torch.Tensor, w: torch.Tensor, groups) -> torch.Tensor:
-        wq = kept_quant(self, w, 1, self.mode) if _inference() else None  # once per weight version
+        wq = weight_quant(self, w, 1, self.mode)  # an engine's: once per weight version
         return mx_group_mm(x, w, groups, self.mode, wq)
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return mx_linear(x, w, bias, self.mode)
 
     def _operand(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        if t is self.gate_up_proj or t is self.down_proj:
+            wq = weight_quant(self, t, dim, self.mode)
+            if wq is not None:
+                return wq
         return mx_fake_quant(t, dim, self.mode)
+
+    def graph_weights(self) -> list[tuple[torch.Tensor, int]]:
+        """The (weight, reduction dim) pairs a compiled forward quantizes: the dense path's or the grouped one's."""
+        if self.dense_in_graph:
+            return [(self.gate_up_proj, 2), (self.down_proj, 2)]
+        return [(self.gate_up_proj.transpose(1, 2), 1), (self.down_proj.transpose(1, 2), 1)]
 
 
 def apply_mxfp8(model: torch.nn.Module, mode: str = "rceil") -> None:
