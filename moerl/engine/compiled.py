@@ -58,7 +58,6 @@ class CompiledDecode:
             experts = model.layers[i].mlp.experts
             experts.dense_in_graph = dense_experts_pay(model) or isinstance(experts, LoraExperts)
         self.model, self.cache, self.capture = model, cache, capture
-        self.mx = bool(refresh_kept(model))  # MXFP8: the quantized weights the graph reads, made before it compiles
         cuda = model.embed_tokens.weight.is_cuda
         self._graph = torch.compile(self._forward, dynamic=True, mode="reduce-overhead" if cuda else None)
 
@@ -86,7 +85,8 @@ class CompiledDecode:
         view = StepView(self.cache, tables, positions, torch.ones(b + rows, dtype=torch.long, device=device))
         for t, dim in ((view._base, 3), (view._key_pos, 2), (view.read_rows, 0)):  # the key length is symbolic too
             torch._dynamo.mark_dynamic(t, dim)
-        if self.mx:  # after a sync the kept weights are quantized again (in place), outside the graph
-            refresh_kept(self.model)
+        # MXFP8 (applied to the engine's model after it is built): the quantized weights the graph reads, made before
+        # it first compiles and quantized again (in place) after a sync, outside the graph
+        refresh_kept(self.model)
         logits, routed = self._graph(ids, positions, view, adapters)
         return logits[:b], routed[:b] if routed is not None else None
