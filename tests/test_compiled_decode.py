@@ -134,7 +134,7 @@ def test_compiled_mxfp8_decode_matches_the_eager_mxfp8_engine(monkeypatch):
     new = model.get_parameter(name).detach() + 0.05 * torch.randn(model.get_parameter(name).shape, generator=g)
     fast.update_weights({name: new}, version=1)
     with monkeypatch.context() as m:
-        m.setattr(compiled_decode, "refresh_kept", lambda model: [])
+        m.setattr(compiled_decode, "refresh_kept", lambda model: None)
         stale = fast.generate(_requests())
     after = fast.generate(_requests())
     expected = eager.generate(_requests())

@@ -131,6 +131,11 @@ def mx_group_mm(x: torch.Tensor, w: torch.Tensor, groups, mode: str, wq: torch.T
     return _MXGroupedMM.apply(x, w, groups, mode)
 
 
+def _kept_key(w: torch.Tensor, dim: int, mode: str) -> tuple:
+    """One kept quantization per weight layout: shape, strides (a transposed view is another), dim, mode."""
+    return (tuple(w.shape), w.stride(), dim, mode)
+
+
 def kept_quant(owner: torch.nn.Module, w: torch.Tensor, dim: int, mode: str) -> torch.Tensor:
     """``mx_fake_quant(w, dim, mode)``, kept on ``owner`` while ``w`` is unchanged. An engine's weights change only
     at a sync (an in-place copy, which bumps the tensor's version counter) but every step quantized them again. One
@@ -139,7 +144,7 @@ def kept_quant(owner: torch.nn.Module, w: torch.Tensor, dim: int, mode: str) -> 
 
     if isinstance(w, DTensor):  # a sharded trainer's weight: quantized as it comes
         return mx_fake_quant(w, dim, mode)
-    key = (tuple(w.shape), w.stride(), dim, mode)
+    key = _kept_key(w, dim, mode)
     kept = owner.__dict__.setdefault("_mx_kept", {})
     hit = kept.get(key)
     stamp = (w.data_ptr(), w._version)
@@ -162,17 +167,16 @@ def weight_quant(owner: torch.nn.Module, w: torch.Tensor, dim: int, mode: str) -
         return None
     if not torch.compiler.is_compiling():
         return kept_quant(owner, w, dim, mode)
-    return owner.__dict__.get("_mx_graph", {}).get((tuple(w.shape), w.stride(), dim, mode))
+    return owner.__dict__.get("_mx_graph", {}).get(_kept_key(w, dim, mode))
 
 
-def refresh_kept(model: torch.nn.Module) -> list:
+def refresh_kept(model: torch.nn.Module) -> None:
     """Bring every quantized weight a compiled forward of ``model`` reads (``weight_quant``) up to date with its
-    weight (``kept_quant``: nothing when unchanged, an in-place update after a sync); returns the MX modules."""
-    owners = [m for m in model.modules() if isinstance(m, MXLinear | MXExperts)]
-    for m in owners:
-        for w, dim in m.graph_weights():
-            kept_quant(m, w, dim, m.mode)
-    return owners
+    weight (``kept_quant``: nothing when unchanged, an in-place update after a sync)."""
+    for m in model.modules():
+        if isinstance(m, MXLinear | MXExperts):
+            for w, dim in m.graph_weights():
+                kept_quant(m, w, dim, m.mode)
 
 
 class MXLinear(Linear):

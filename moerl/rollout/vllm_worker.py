@@ -110,14 +110,21 @@ class _Loader:
         return touched
 
     def process(self, touched: set[int]) -> None:
-        """Re-run the post-load processing of every layer (MoE experts aside: ``moerl_commit`` re-packs those)
-        holding a written storage: tied weights included."""
+        """Re-run the post-load processing of every layer holding a written storage (``touched``: data pointers;
+        tied weights included). A MoE layer's experts are re-packed when their weights were written: the loaders
+        wrote checkpoint-layout values over the kernel's packed ones."""
         for m in self.model.modules():
             method = getattr(m, "quant_method", None)
-            own = [p for p in m._parameters.values() if p is not None and p.numel()]
-            if method is None or hasattr(method, "moe_kernel") or not any(p.data_ptr() in touched for p in own):
+            if method is None:
                 continue
-            method.process_weights_after_loading(m)
+            if hasattr(method, "moe_kernel"):
+                weights = (m._parameters.get(n) for n in ("w13_weight", "w2_weight"))
+                if method.moe_kernel is not None and any(w is not None and w.data_ptr() in touched for w in weights):
+                    _repack_experts(method.moe_kernel.fused_experts, m, self.spare)
+                continue
+            own = [p for p in m._parameters.values() if p is not None and p.numel()]
+            if any(p.data_ptr() in touched for p in own):
+                method.process_weights_after_loading(m)
 
 
 class MoerlWorkerExtension:
@@ -144,20 +151,13 @@ class MoerlWorkerExtension:
             loader = getattr(self, "_moerl_loader", None) or _Loader(model)
             self._moerl_loader = loader
             touched = loader.load(through_vllm)
-            params = dict(model.named_parameters())
+            params = dict(model.named_parameters()) if direct else {}
             for name, tensor in staged:
                 for suffix, (target, transpose) in direct.items():
                     if name.endswith(suffix):
-                        _copy_into(params, name.removesuffix(suffix) + target, tensor.mT if transpose else tensor)
-            # vLLM 0.32 prepacks an unquantized MoE layer's CPU weights into its grouped-GEMM layout on the first
-            # load only; after a reload the experts hold checkpoint-layout values (scrambled outputs) until the
-            # kernel's own post-load step runs again, for the layers whose experts were reloaded
-            loaded = {n for n, _ in staged}
-            for name, module in model.named_modules():
-                kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-                prefix = name.removesuffix(".routed_experts") + "."
-                if kernel is not None and any(n.startswith(prefix) for n in loaded):
-                    _repack_experts(kernel.fused_experts, module, loader.spare)
+                        target = name.removesuffix(suffix) + target
+                        _copy_into(params, target, tensor.mT if transpose else tensor)
+                        touched.add(params[target].data_ptr())
             loader.process(touched)
         return len(staged)
 
