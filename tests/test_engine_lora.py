@@ -17,18 +17,13 @@ ARCH = "Qwen3MoeForCausalLM"
 PROMPTS = [[5, 9, 14, 3, 22], [40, 41, 42, 43, 44, 45, 46, 47, 48], [7, 7, 8]]
 
 
-def _trained_adapter(path, layout, rank, seed):
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts")
+
+
+def _trained_adapter(path, layout, rank, seed, targets=TARGETS):
     """A model with one random (trained-looking) adapter: its moerl tensors and its merged-weight twin."""
     model = load_model(path, dtype=torch.float32)
-    attach_lora(
-        model,
-        LoraConfig(
-            rank=rank,
-            alpha=2 * rank,
-            layout=layout,
-            targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts"],
-        ),
-    )
+    attach_lora(model, LoraConfig(rank=rank, alpha=2 * rank, layout=layout, targets=list(targets)))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for lora in lora_modules(model).values():

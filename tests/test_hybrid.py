@@ -199,6 +199,44 @@ def test_the_engine_continues_each_sequence_from_its_state_as_a_full_forward(arc
     assert kl > 1e-6 or not routed_ok
 
 
+def test_lora_slots_and_stop_strings_work_in_the_hybrid_engine(tmp_path):
+    """The Qwen3.5-MoE tiny in the fp32 engine, one batch: requests with an adapter on every projection (the
+    linear-attention ones too) and requests without, each within k3 1e-6 of its merged / base model (measured
+    ~1e-8), the adapter's effect beyond that; a request cut by a stop string ends with the text before it and, as
+    every finished sequence, gives its state slot back."""
+    from test_engine_lora import TARGETS, _logprob_k3, _trained_adapter
+
+    from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
+    from moerl.presets import init_model
+
+    init_model("qwen3_5_moe", "tiny", tmp_path, seed=0)
+    linear = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+    tensors, merged = _trained_adapter(tmp_path, "shared_outer", rank=4, seed=1, targets=TARGETS + linear)
+    cfg = EngineConfig(max_num_seqs=4, max_model_len=64, max_loras=1, max_lora_rank=4, lora_layout="shared_outer")
+    engine = LLMEngine(tmp_path, cfg, dtype=torch.float32)
+    engine.add_adapter("a", tensors)
+    base = load_model(tmp_path, dtype=torch.float32)
+    prompts = ["12+7=", "3+4=", "25+13="]
+    requests = [
+        Request(p, SamplingParams(temperature=1.0, max_tokens=10, seed=i, ignore_eos=True), adapter=a)
+        for i, (p, a) in enumerate(zip(prompts * 2, ["a", "a", "a", None, None, None], strict=True))
+    ]
+    for req, out in zip(requests, engine.generate(requests), strict=True):
+        assert _logprob_k3(merged if req.adapter else base, out) <= 1e-6, req.adapter
+        if req.adapter:
+            assert _logprob_k3(base, out) > 1e-6, "the adapter's effect is beyond the tolerance"
+
+    def run(**stop):
+        params = SamplingParams(max_tokens=20, seed=0, ignore_eos=True, **stop)
+        return engine.generate([Request("12+7=", params, adapter="a")])[0].outputs[0]
+
+    free = run()
+    stop = free.text[6:8]
+    cut = run(stop=[stop])
+    assert cut.finish_reason == "stop" and cut.text == free.text[: free.text.index(stop)]
+    assert len(engine.cache.states.free) == cfg.max_num_seqs
+
+
 def test_compiled_decode_is_refused_for_linear_attention_layers_by_name(checkpoints):
     from moerl.engine import EngineConfig, LLMEngine
     from moerl.errors import ConfigError
@@ -206,6 +244,8 @@ def test_compiled_decode_is_refused_for_linear_attention_layers_by_name(checkpoi
     path, _ = checkpoints[HYBRID_ARCHS[0]]
     with pytest.raises(ConfigError, match=r"compile_decode with linear-attention layers \(Gated DeltaNet\): not built"):
         LLMEngine(path, EngineConfig(max_num_seqs=2, max_model_len=32, compile_decode=True), dtype=torch.float32)
+    auto = LLMEngine(path, EngineConfig(max_num_seqs=2, max_model_len=32, compile_decode="auto"), dtype=torch.float32)
+    assert not auto.compile_decode() and auto.compiled is None  # auto: these stay eager
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next"])
