@@ -21,6 +21,8 @@ from tqdm import tqdm
 from moerl.cores import CoreShare
 from moerl.device import resolve_device
 from moerl.engine import EngineConfig
+from moerl.engine.compiled import COMPILE_SECONDS as DECODE_COMPILE_SECONDS
+from moerl.engine.compiled import pays as pays_decode
 from moerl.envs import make_env
 from moerl.errors import EngineError, TrainingStopped
 from moerl.logs import library_logs
@@ -160,6 +162,9 @@ def _train_policy(cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Po
             t_start = time.perf_counter()
             t_prev = time.perf_counter()  # samples/s over wall time, step end to step end (evaluation included)
             flat = 0  # steps in a row without an informative group
+            r = cfg.rollout  # compile_decode auto: synchronous runs (async ones generate while the loop decides)
+            auto = r.compile_decode == "auto" and r.engine == "native" and ahead is None and not cfg.train.deterministic
+            decoding = [] if auto else None
             for step in bar:
                 policy.stop_state = {"step": step}  # a TrainingStopped saves the state after the last complete step
                 if line := cores.check():
@@ -186,8 +191,13 @@ def _train_policy(cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Po
                 if last:
                     row |= gen.evaluate(sampled=True).metrics("eval_accuracy_sampled")
                 metrics.log(step + 1, row)
-                if step == start + 2 and "seconds_train" in row:  # warm by now: does compiling pay for the rest?
+                # warm by now: does compiling pay for the rest? (timings decide: not where reruns must be bit exact)
+                if step == start + 2 and "seconds_train" in row and not cfg.train.deterministic:
                     _maybe_compile(policy, cfg.train.steps - step - 1, row["seconds_train"])
+                if decoding is not None and step in (start + 1, start + 2):
+                    decoding.append(engine.decode_seconds())
+                    if len(decoding) == 2:  # the decode seconds of one warm step (its evaluation included)
+                        _maybe_compile_decode(engine, cfg.train.steps - step - 1, decoding[1] - decoding[0])
                 if "reward_mean" in row:
                     bar.set_postfix(reward=f"{row['reward_mean']:.3f}", mismatch=f"{row['mismatch_k3_r3']:.1e}")
                 if not tty:
@@ -291,6 +301,15 @@ def _maybe_compile(policy: Policy, steps_left: int, seconds_train: float) -> Non
         print(
             f"moerl: compiling the trainer's attention blocks (policy.compile: auto; {steps_left} steps left at "
             f"{seconds_train:.2f} s of training each repay the ~{COMPILE_SECONDS:.0f} s it takes)",
+            file=sys.stderr,
+        )
+
+
+def _maybe_compile_decode(engine, steps_left: int, decode_seconds: float) -> None:
+    if pays_decode(steps_left, decode_seconds) and engine.compile_decode():
+        print(
+            f"moerl: compiling the engine's decode step (rollout.compile_decode: auto; {steps_left} steps left at "
+            f"{decode_seconds:.2f} s of decoding each repay the ~{DECODE_COMPILE_SECONDS:.0f} s it takes)",
             file=sys.stderr,
         )
 
@@ -521,7 +540,7 @@ def shares_the_trainers_gpu(cfg: RunConfig) -> bool:
     """Whether the rollout engine runs in the trainer's process on the trainer's GPU: then its KV cache holds memory
     only while it generates, and the trainer has it back while it trains (engine and trainer take turns)."""
     r = cfg.rollout
-    if r.engine != "native" or r.placement != "inprocess" or r.compile_decode or cfg.cluster.backend != "local":
+    if r.engine != "native" or r.placement != "inprocess" or r.compile_decode is True or cfg.cluster.backend != "local":
         return False
     trainer = resolve_device(cfg.policy.device, key="policy.device")
     return trainer.type == "cuda" and resolve_device(r.device, key="rollout.device") == trainer

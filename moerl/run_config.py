@@ -88,7 +88,9 @@ class RolloutSection:
     vllm_args: dict = field(default_factory=dict)  # more vllm.LLM arguments (engine=vllm), e.g. enforce_eager: true
     dtype: str = "auto"  # engine compute dtype: auto (native engines: bf16 where native, else fp32; vLLM: bf16)
     device: str = "auto"  # native engines: auto (CUDA where present) | cpu | cuda | cuda:N; vLLM picks its own
-    compile_decode: bool = False  # native engines: decode steps through one torch.compile graph (every mode)
+    # native engines: decode steps through one torch.compile graph (every mode); auto: compiled once the run's first
+    # steps show the steps left repay the compilation (synchronous runs; moerl.engine.compiled.pays)
+    compile_decode: bool | str = "auto"
 
     def __post_init__(self) -> None:
         _require(
@@ -125,11 +127,16 @@ class RolloutSection:
                     device_name(self.device, "rollout.device") == "auto" or self.engine == "native",
                     "native engines only (vLLM places itself on its platform's devices): leave it auto",
                 ),
-                ("compile_decode", self.compile_decode, isinstance(self.compile_decode, bool), "must be true or false"),
                 (
                     "compile_decode",
                     self.compile_decode,
-                    not self.compile_decode or self.engine == "native",
+                    self.compile_decode in (True, False, "auto"),
+                    "allowed: auto, true, false",
+                ),
+                (
+                    "compile_decode",
+                    self.compile_decode,
+                    self.compile_decode is not True or self.engine == "native",
                     "only with engine: native (vLLM compiles its own graphs)",
                 ),
                 ("prompts_per_step", self.prompts_per_step, self.prompts_per_step >= 1, "must be >= 1"),

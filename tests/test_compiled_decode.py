@@ -45,7 +45,11 @@ def test_compiled_decode_matches_eager_and_sees_weight_updates():
     cfg = {"max_num_seqs": 16, "max_model_len": 64}
     eager = LLMEngine(model, EngineConfig(**cfg), dtype=torch.float32)
     reference = eager.generate(_requests())
-    fast = LLMEngine(model, EngineConfig(**cfg, compile_decode=True), dtype=torch.float32)
+    assert not eager.compile_decode()  # compile_decode False: stays eager
+    # "auto": eager (bit for bit the eager engine) until told to compile, timing its decode forwards meanwhile
+    fast = LLMEngine(model, EngineConfig(**cfg, compile_decode="auto"), dtype=torch.float32)
+    assert _compare(reference, fast.generate(_requests()), tol=1e-30) == 0 and fast.decode_seconds > 0
+    assert fast.compiled is None and fast.compile_decode() and fast.compiled is not None
     assert model.moe_layer_ids == [0, 1] and model.layers[0].mlp.experts.dense_in_graph  # small experts: dense
     model.layers[1].mlp.experts.dense_in_graph = False  # before the first decode step compiles the graph
     _compare(reference, fast.generate(_requests()))
@@ -95,13 +99,16 @@ def test_buckets_pad_the_batch_to_few_sizes():
 
 
 def test_compile_decode_refusals(tmp_path):
-    with pytest.raises(ConfigError, match=r"EngineConfig.compile_decode='yes': must be True or False"):
-        EngineConfig(compile_decode="yes")
-    assert EngineConfig(compile_decode=True, max_loras=1).max_loras == 1  # LoRA engines compile too
-
     from moerl.config import load_config
     from moerl.run_config import RunConfig
 
+    with pytest.raises(ConfigError, match=r"EngineConfig.compile_decode='yes': allowed: True, False, 'auto'"):
+        EngineConfig(compile_decode="yes")
+    with pytest.raises(ConfigError, match=r"'rollout.compile_decode'='sometimes': allowed: auto, true, false"):
+        load_config(RunConfig, None, ["rollout.compile_decode=sometimes"])
+    assert load_config(RunConfig, None, []).rollout.compile_decode == "auto"  # the default
+    assert load_config(RunConfig, None, ["rollout.engine=vllm"]).rollout.compile_decode == "auto"  # vLLM: its own
+    assert EngineConfig(compile_decode=True, max_loras=1).max_loras == 1  # LoRA engines compile too
     over = ["rollout.compile_decode=true", "policy.mode=full"]
     assert load_config(RunConfig, None, over).rollout.compile_decode is True
     with pytest.raises(ConfigError, match=r"'rollout.compile_decode'=True: only with engine: native"):
@@ -221,3 +228,35 @@ def test_compiled_lora_decode_matches_the_eager_lora_engine():
     assert _compare(*outs) < 1e-5
     with pytest.raises(AssertionError):  # tokens, routing or logprobs differ with the other adapter
         _compare(outs[0], engine.generate(requests(("b", "a", None))))
+
+
+def test_compiling_pays_past_the_measured_break_even():
+    """``compile_decode: auto`` compiles when the steps left save more than the compilation costs: at 0.12 of the
+    decode time saved and 30 s to compile, 1 s of decoding a step pays from 250 steps left on, not at 249."""
+    assert compiled_decode.pays(250, 1.0) and not compiled_decode.pays(249, 1.0)
+    assert not compiled_decode.pays(10_000, 0.0)
+
+
+def test_the_loop_compiles_the_decode_step_when_auto_finds_it_pays(warm_model, tmp_path, monkeypatch, capfd):
+    """A run with rollout.compile_decode: auto (the compilation priced at 0 s here) reads the engine's decode
+    seconds after its second and third steps, tells it to compile, says so, and its rollouts from then on come from
+    the compiled step (the step ran; the trainer's fp32 logprobs match them). Priced as measured (30 s), the same
+    run stays eager. Engines in processes answer the same two commands: tests/test_process_engines.py."""
+    from run_helpers import metric_rows, run_cfg
+
+    from moerl.engine.compiled import CompiledDecode
+    from moerl.loop import train
+
+    steps = []
+    step = CompiledDecode.step
+    monkeypatch.setattr(CompiledDecode, "step", lambda self, *a: steps.append(1) or step(self, *a))
+    train(run_cfg(tmp_path / "eager", warm_model, "full", steps=4, **{"rollout.max_tokens": 6}))
+    assert "compiling the engine's decode step" not in capfd.readouterr().err and not steps
+
+    monkeypatch.setattr(compiled_decode, "COMPILE_SECONDS", 0.0)
+    train(run_cfg(tmp_path / "run", warm_model, "full", steps=5, **{"rollout.max_tokens": 6}))
+    said = capfd.readouterr().err
+    assert "moerl: compiling the engine's decode step (rollout.compile_decode: auto; 2 steps left" in said
+    assert steps
+    rows = [r for r in metric_rows(tmp_path / "run") if "loss" in r]
+    assert len(rows) == 5 and all(r["mismatch_k3_r3"] < 1e-6 for r in rows)  # fp32: compiled within 1e-5 of eager

@@ -164,6 +164,22 @@ def test_errors_keep_their_type_and_a_dead_engine_is_named(model):
     assert all(e.proc.poll() is not None for e in pool.engines)
 
 
+def test_engine_processes_report_their_decode_seconds_and_compile_when_told(model):
+    """``compile_decode: auto`` across processes: each engine process answers ``decode_seconds`` (0 before a
+    generate, more after) and ``compile_decode`` (its compiled step is built; True for the pool); engines built
+    with compile_decode False answer False and stay eager."""
+    for setting in ("auto", False):
+        cfg = EngineConfig(max_num_seqs=16, max_model_len=32, compile_decode=setting)
+        pool = make_engine("native", model, cfg, placement="process", num_engines=1, threads=THREADS)
+        try:
+            assert pool.decode_seconds() == 0
+            pool.generate(_requests())
+            assert pool.decode_seconds() > 0
+            assert pool.compile_decode() is (setting == "auto") and pool.compiled is (setting == "auto")
+        finally:
+            pool.close()
+
+
 SCRIPT = """
 import signal, sys, time
 # Ctrl-C as in a terminal: a shell starts background jobs with SIGINT ignored, and children inherit that

@@ -32,6 +32,11 @@ BUCKETS = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128)  # then multiples of 64
 # on the CPU (64 rows, fp32): tiny preset (0.4 MFLOP) 3.4 ms per compiled step dense vs 6.3 grouped; small
 # (12.6 MFLOP) 140 ms dense vs 68 grouped
 DENSE_MAX_FLOPS_PER_TOKEN = 1e6
+# ``compile_decode: auto``: the share of decode time the compiled step saves and what compiling costs, measured
+# (BENCHMARKS.md, "Compiled decode"): 1.14-1.19x fp32 decode on tiny / small, 1.16x LoRA, 1.58x MXFP8, 1.66x bf16
+# (the lowest, 0.12 saved, taken); 8-23 s to compile with inductor's cache warm, up to 40 s cold on 2 cores
+GAIN = 0.12
+COMPILE_SECONDS = 30.0
 
 
 def bucket(n: int) -> int:
@@ -40,6 +45,12 @@ def bucket(n: int) -> int:
         if n <= size:
             return size
     return -(-n // 64) * 64
+
+
+def pays(steps_left: int, decode_seconds_per_step: float) -> bool:
+    """Whether compiling the decode step now saves more over ``steps_left`` steps, each spending
+    ``decode_seconds_per_step`` in decode forwards, than the compilation costs."""
+    return steps_left * GAIN * decode_seconds_per_step >= COMPILE_SECONDS
 
 
 def dense_experts_pay(model: MoEModel) -> bool:

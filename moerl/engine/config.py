@@ -115,7 +115,8 @@ class EngineConfig:
     lora_layout: str = "per_expert"
     lora_targets: list[str] | None = None  # None: every linear layer and the experts
     fused_lora: bool = True  # False: the naive per-expert, per-adapter reference path
-    compile_decode: bool = False  # decode steps through one torch.compile graph (moerl.engine.compiled)
+    # decode steps through one torch.compile graph (moerl.engine.compiled); "auto": eager until compile_decode()
+    compile_decode: bool | str = False
     # the KV cache holds memory only inside generate(): a trainer on the same device gets it back between calls
     release_cache: bool = False
     seed: int = 0
@@ -127,13 +128,13 @@ class EngineConfig:
                 raise ConfigError(f"EngineConfig.{name}={getattr(self, name)!r}: must be >= 1")
         if self.max_loras < 0:
             raise ConfigError(f"EngineConfig.max_loras={self.max_loras!r}: must be >= 0")
-        if not isinstance(self.compile_decode, bool):
-            raise ConfigError(f"EngineConfig.compile_decode={self.compile_decode!r}: must be True or False")
+        if self.compile_decode not in (True, False, "auto"):
+            raise ConfigError(f"EngineConfig.compile_decode={self.compile_decode!r}: allowed: True, False, 'auto'")
         if not (isinstance(self.kv_cache_memory, int | float) and 0 < self.kv_cache_memory <= 1):
             raise ConfigError(f"EngineConfig.kv_cache_memory={self.kv_cache_memory!r}: must lie in (0, 1]")
         if not isinstance(self.release_cache, bool):
             raise ConfigError(f"EngineConfig.release_cache={self.release_cache!r}: must be True or False")
-        if self.release_cache and self.compile_decode:
+        if self.release_cache and self.compile_decode is True:
             raise ConfigError(
                 "EngineConfig.release_cache=True with compile_decode=True: not built (a captured decode graph holds "
                 "the cache's addresses); set one of them False"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable
 from math import ceil
 from pathlib import Path
@@ -53,7 +54,7 @@ class LLMEngine:
             model = load_model(path, dtype=dtype, device=device)
         self.model, self.tokenizer = model.eval(), tokenizer
         mcfg = model.config
-        if "linear" in mcfg.layer_types and cfg.compile_decode:
+        if "linear" in mcfg.layer_types and cfg.compile_decode is True:
             raise ConfigError(
                 "EngineConfig.compile_decode with linear-attention layers (Gated DeltaNet): not built (their decode "
                 "steps run eager)"
@@ -80,7 +81,11 @@ class LLMEngine:
                     f"{per_seq * per_block} bytes of KV cache ({per_block} bytes per {cfg.block_size}-token block); "
                     "raise the budget or lower max_model_len"
                 )
-        self.cache = KVCache(mcfg, num_blocks, cfg.block_size, model.dtype, device, scratch=cfg.compile_decode)
+        # "auto" may compile later (``compile_decode()``): the padding rows' scratch block is there from the start
+        can = cfg.compile_decode is True or (
+            cfg.compile_decode == "auto" and "linear" not in mcfg.layer_types and not cfg.release_cache
+        )
+        self.cache = KVCache(mcfg, num_blocks, cfg.block_size, model.dtype, device, scratch=can)
         if "linear" in mcfg.layer_types:  # a state slot per sequence beside the pages
             self.cache.states = LinearStates(mcfg, cfg.max_num_seqs, model.dtype, device)
         self.kv_cache_bytes = self.cache.nbytes + (self.cache.states.nbytes if self.cache.states else 0)
@@ -89,19 +94,30 @@ class LLMEngine:
         self.scheduler = Scheduler(cfg, self.cache)
         self.adapters = AdapterSlots(model, cfg) if cfg.max_loras else None
         model.set_expert_path(grouped=cfg.fused_lora)
-        self.compiled = CompiledDecode(model, self.cache, cfg.capture_routing) if cfg.compile_decode else None
+        self.compiled = CompiledDecode(model, self.cache, cfg.capture_routing) if cfg.compile_decode is True else None
         self.weight_version, self.steps = 0, 0
+        self.decode_seconds = 0.0  # in decode steps' forwards so far: what compiling them would shorten
         self._staged: dict[str, torch.Tensor] = {}
         self.generator = torch.Generator().manual_seed(cfg.seed)
         eos = (tokenizer.eos_token_id if tokenizer is not None else None) or (model.hf_config or {}).get("eos_token_id")
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self._order = 0
 
-    # -- adapters and weights ------------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
         """Where the model, its KV cache and every step's tensors live."""
         return self.model.embed_tokens.weight.device
+
+    def compile_decode(self) -> bool:
+        """Decode through the compiled step from the next decode on (``EngineConfig.compile_decode="auto"``; the
+        run loop calls it once it has measured that compiling pays). Returns whether the compiled step is on: an
+        engine whose config is False, or that cannot compile (linear-attention layers, ``release_cache``), stays
+        eager."""
+        if self.compiled is None and self.cache.scratch_block is not None:
+            self.compiled = CompiledDecode(self.model, self.cache, self.config.capture_routing)
+        return self.compiled is not None
+
+    # -- adapters and weights ------------------------------------------------------------------------------
 
     def add_adapter(self, name: str, source: str | os.PathLike | dict[str, torch.Tensor]) -> None:
         """Load an adapter from a PEFT directory or from moerl-named tensors into a free slot."""
@@ -319,6 +335,7 @@ class LLMEngine:
         adapters = None
         if self.adapters is not None:
             adapters = torch.tensor([s.group.adapter_slot for s, _ in batch], device=device)
+        t0 = time.perf_counter()
         if kind == "decode" and self.compiled is not None:
             all_logits, routed = self.compiled.step(ids, positions, tables, adapters)
         else:
@@ -333,6 +350,8 @@ class LLMEngine:
             all_logits, routed = out.logits, out.routed
         if routed is not None:
             routed = routed.to(torch.uint8 if self.model.config.num_experts <= 256 else torch.int16).cpu()
+        if kind == "decode":  # on a GPU the copy above waits for the forward (without R3 capture: its launch only)
+            self.decode_seconds += time.perf_counter() - t0
         to_sample: list[tuple[Sequence, int]] = []
         for r, (s, n) in enumerate(batch):
             s.num_cached += n

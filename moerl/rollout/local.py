@@ -12,7 +12,7 @@ import torch
 from moerl.engine import LLMEngine, Request, RequestOutput
 from moerl.rpc import Dispatcher
 
-COMMANDS = ("stage", "commit", "discard", "set_adapter", "add_adapter")
+COMMANDS = ("stage", "commit", "discard", "set_adapter", "add_adapter", "compile_decode", "decode_seconds")
 
 
 class LocalEngine:
@@ -82,3 +82,9 @@ class LocalEngine:
 
     def add_adapter(self, msg: dict, tensors) -> None:
         self.engine.add_adapter(msg["name"], tensors if tensors is not None else msg["path"])
+
+    def compile_decode(self, msg: dict, tensors) -> dict:
+        return {"on": self.engine.compile_decode()}
+
+    def decode_seconds(self, msg: dict, tensors) -> dict:
+        return {"seconds": self.engine.decode_seconds}

@@ -21,9 +21,9 @@ from moerl.rollout.local import LocalEngine
 from moerl.rollout.process import EngineProcess
 from moerl.rollout.shm import SharedBuffer, ShmWriter
 from moerl.rollout.spec import EngineSpec, build_native
-from moerl.rollout.transport import TRANSPORTS, IpcWriter, SyncGroup, choose, share
+from moerl.rollout.transport import IpcWriter, SyncGroup, choose, share
 from moerl.rollout.wire import pack_inline
-from moerl.run_config import PLACEMENTS
+from moerl.run_config import PLACEMENTS, TRANSPORTS
 
 _live: weakref.WeakSet[EnginePool] = weakref.WeakSet()
 
@@ -87,6 +87,7 @@ class EnginePool:
         self.shm, self.ipc, self.group = ShmWriter("moerl-weights"), IpcWriter(), None
         self.update: list[tuple[dict, dict]] = []  # the last weight update's commands, for a revived engine
         self.restarts = self.requeued = 0
+        self.compiled = False  # every engine told to decode compiled (compile_decode), an engine brought back too
         _live.add(self)
         try:
             if remote is not None:
@@ -161,6 +162,9 @@ class EnginePool:
                 for msg, payloads in self.update:
                     engine.send(msg | self._replayed(engine, payloads, copies))
                     engine.reply(msg["op"])
+                if self.compiled:
+                    engine.send({"op": "compile_decode"})
+                    engine.reply("compile_decode")
                 return
             except EngineDied:
                 continue
@@ -239,6 +243,32 @@ class EnginePool:
             raise sent
         if "shm" in payloads:
             self.shm.buf.unlink()  # every engine has mapped it: nothing is left in /dev/shm if we crash
+
+    def _ask(self, op: str) -> list[dict]:
+        """Every engine's answer to command ``op`` (no weights: nothing to replay); one that died is brought back
+        and asked again."""
+
+        def ask(e):
+            while True:
+                e.send({"op": op})
+                try:
+                    return e.reply(op)
+                except EngineDied:
+                    self._revive(e)
+
+        return _gather([partial(ask, e) for e in self.engines])
+
+    def decode_seconds(self) -> float:
+        """Seconds the engines spent in decode forwards so far: their sum where they take turns in this process,
+        the busiest one's where they run side by side."""
+        seconds = [r["seconds"] for r in self._ask("decode_seconds")]
+        return sum(seconds) if self.engines[0].local else max(seconds)
+
+    def compile_decode(self) -> bool:
+        """Every engine decodes through its compiled step from its next decode on (``compile_decode: auto``, see
+        ``LLMEngine.compile_decode``); an engine brought back later is told again. True if every engine does."""
+        self.compiled = all(r["on"] for r in self._ask("compile_decode"))
+        return self.compiled
 
     def discard_staged(self) -> None:
         self.shm.reset()

@@ -18,7 +18,19 @@ from moerl.rollout.transport import IpcReader, SyncMember
 from moerl.rollout.wire import outputs_to_json, pack_inline, request_from_json, tensors_of
 from moerl.rpc import Dispatcher
 
-COMMANDS = ("init", "join", "generate", "stage", "commit", "discard", "set_adapter", "add_adapter", "read_weights")
+COMMANDS = (
+    "init",
+    "join",
+    "generate",
+    "stage",
+    "commit",
+    "discard",
+    "set_adapter",
+    "add_adapter",
+    "read_weights",
+    "compile_decode",
+    "decode_seconds",
+)
 
 
 class EngineServer:
@@ -90,6 +102,12 @@ class EngineServer:
 
     def add_adapter(self, msg: dict) -> None:
         self.engine.add_adapter(msg["name"], self._tensors_in(msg) if "tensors" in msg else msg["path"])
+
+    def compile_decode(self, msg: dict) -> dict:
+        return {"on": self.engine.compile_decode()}
+
+    def decode_seconds(self, msg: dict) -> dict:
+        return {"seconds": self.engine.decode_seconds}
 
     def read_weights(self, msg: dict) -> dict:
         if getattr(self.engine, "dense_weights", None) is not None:  # vLLM: its own tensors by its names
