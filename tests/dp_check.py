@@ -1,5 +1,7 @@
 """One trainer step on a fixed batch, run by every rank of a torchrun launch (or alone):
-``python dp_check.py CKPT MODE DTYPE OUT DP,EP,PP [extras]``. Rank 0 writes the step's numbers, the logprobs before
+``python dp_check.py CKPT MODE DTYPE OUT DP,EP,PP [extras]``, or several on one launch (one world, the cases in turn:
+``python dp_check.py --cases CKPT DP,EP,PP SCHEDULE CASES.json``, a list of ``[mode, dtype, out, [extras]]``; they
+share the launch's schedule). Rank 0 writes the step's numbers, the logprobs before
 and after it, and after it the whole weights (w/), optimizer state (o/) and weight-sync tensors (s/), to OUT (JSON +
 safetensors).
 
@@ -55,8 +57,26 @@ def _write(world, policy, out: str, tensors: dict, stats: dict | None = None) ->
 
 
 def main(ckpt: str, mode: str, dtype: str, out: str, layout: str, *extra: str) -> None:
-    schedule = next((e.split("=")[1] for e in extra if e.startswith("schedule=")), "1f1b")
+    world = init_world(*(int(n) for n in layout.split(",")), schedule=schedule_of(extra))
+    step(world, ckpt, mode, dtype, out, *extra)
+    world.close()
+
+
+def schedule_of(extra) -> str:
+    return next((e.split("=")[1] for e in extra if e.startswith("schedule=")), "1f1b")
+
+
+def cases(ckpt: str, layout: str, schedule: str, spec: str) -> None:
+    """Every case of ``spec`` (JSON: ``[mode, dtype, out, [extras]]``) on one world: a launch's start-up once."""
     world = init_world(*(int(n) for n in layout.split(",")), schedule=schedule)
+    for mode, dtype, out, extra in json.loads(open(spec).read()):
+        assert schedule_of(extra) == schedule, (extra, schedule)
+        step(world, ckpt, mode, dtype, out, *extra)
+    world.close()
+
+
+def step(world, ckpt: str, mode: str, dtype: str, out: str, *extra: str) -> None:
+    """One step of case (``mode``, ``dtype``, ``extra``) on ``world``; rank 0 writes it to ``out``."""
     mean = "mean" in extra
     torch.manual_seed(0)  # the same adapters on every rank
     lora = LoraConfig(layout="shared_outer" if "layout=shared_outer" in extra else "per_expert")
@@ -78,8 +98,7 @@ def main(ckpt: str, mode: str, dtype: str, out: str, layout: str, *extra: str) -
     if "load" in opt:
         policy.load(opt["load"])
     if "dump" in extra:  # the state as loaded
-        _write(world, policy, out, {})
-        return world.close()
+        return _write(world, policy, out, {})
     mcfg = policy.model.config
     batch = fixed_batch(len(mcfg.moe_layers), mcfg.top_k, mcfg.num_experts)
     first_old = None
@@ -94,8 +113,7 @@ def main(ckpt: str, mode: str, dtype: str, out: str, layout: str, *extra: str) -
                 policy.save_shards(shards_of_save(opt["save"]))
     new, _ = policy.forward_logprobs(batch, replay=True)
     _write(world, policy, out, {"old_logprobs": first_old, "new_logprobs": new}, stats)
-    world.close()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    cases(*sys.argv[2:]) if sys.argv[1] == "--cases" else main(*sys.argv[1:])

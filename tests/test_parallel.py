@@ -41,11 +41,15 @@ def _step(model, mode, dtype, out: Path, layout: str = "1,1,1", *extra) -> tuple
 
         main(*args[1:])
         return json.loads(out.read_text()), load_file(str(out) + ".st")
+    _launch(ranks, args)
+    return json.loads(out.read_text()), load_file(str(out) + ".st")
+
+
+def _launch(ranks: int, args: list[str]) -> None:
     args = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *args]
     done = subprocess.run([sys.executable, *args], env=ENV, capture_output=True, text=True, timeout=300)
     errors = "\n".join(line for line in done.stderr.splitlines() if "Warning" not in line)
     assert done.returncode == 0, errors[:4000] + "\n[...]\n" + errors[-2000:]
-    return json.loads(out.read_text()), load_file(str(out) + ".st")
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +111,35 @@ FP32_STEP = 1e-6
 FP32_AFTER = 1e-3
 
 
+@pytest.fixture(scope="module")
+def several_ranks(model, tmp_path_factory):
+    """The distributed step of each case of CASES: the cases that share a layout and a pipeline schedule run on one
+    torchrun launch, one after another on the same world (a launch's start-up is most of a case's time)."""
+    from dp_check import schedule_of
+
+    where, done = tmp_path_factory.mktemp("ranks"), set()
+
+    def step(layout, mode, dtype, *extra):
+        group = (layout, schedule_of(extra))
+        if group not in done:
+            done.add(group)
+            mine = [
+                (m, d, str(where / f"{i}.json"), e)
+                for i, (lay, m, d, e, _) in enumerate(CASES)
+                if (lay, schedule_of(e)) == group
+            ]
+            (where / "cases.json").write_text(json.dumps(mine))
+            ranks = math.prod(int(n) for n in layout.split(","))
+            _launch(ranks, [str(CHECK), "--cases", str(model), layout, group[1], str(where / "cases.json")])
+        i = next(i for i, c in enumerate(CASES) if c[:4] == (layout, mode, dtype, extra))
+        out = where / f"{i}.json"
+        return json.loads(out.read_text()), load_file(str(out) + ".st")
+
+    return step
+
+
 @pytest.mark.parametrize(("layout", "mode", "dtype", "extra", "rtol"), CASES)
-def test_one_step_on_several_ranks_is_one_process_step(one_process, model, tmp_path, layout, mode, dtype, extra, rtol):
+def test_one_step_on_several_ranks_is_one_process_step(one_process, several_ranks, layout, mode, dtype, extra, rtol):
     """R3 replay on, with replayed experts unlike the router's own choice (padding rows -1: route yourself); ragged
     rows (7), micro-batches of 2. dp=2: 4 rows on rank 0, 3 on rank 1; the loss is normalised by the global token
     count and the gradient summed over ranks. ep=2: each rank holds half the experts of every MoE layer and the
@@ -118,7 +149,7 @@ def test_one_step_on_several_ranks_is_one_process_step(one_process, model, tmp_p
     a pipeline per data rank, each on its share of the rows, each stage sharded over its two data ranks. Each
     equals one process's step within the tolerances above."""
     one, t1 = one_process(mode, dtype, *extra)
-    two, t2 = _step(model, mode, dtype, tmp_path / "two.json", layout, *extra)
+    two, t2 = several_ranks(layout, mode, dtype, *extra)
     differences = _step_differences(one, t1, two, t2, mode, dtype, rtol)
     assert not differences, differences
 

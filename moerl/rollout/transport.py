@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from moerl.errors import ConfigError, EngineError
 from moerl.rollout.shm import SharedBuffer, layout, placement
-from moerl.run_config import TRANSPORTS  # noqa: F401 - the names, kept with the other config choices
 
 SYNC_TIMEOUT_S = 600.0  # a broadcast that waits longer names the group (an engine stopped or died mid-update)
 
