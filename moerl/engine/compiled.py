@@ -34,7 +34,9 @@ BUCKETS = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128)  # then multiples of 64
 DENSE_MAX_FLOPS_PER_TOKEN = 1e6
 # ``compile_decode: auto``: the share of decode time the compiled step saves and what compiling costs, measured
 # (BENCHMARKS.md, "Compiled decode"): 1.14-1.19x fp32 decode on tiny / small, 1.16x LoRA, 1.58x MXFP8, 1.66x bf16
-# (the lowest, 0.12 saved, taken); 8-23 s to compile with inductor's cache warm, up to 40 s cold on 2 cores
+# (the lowest, 0.12 saved, taken); 8-23 s to compile with inductor's cache warm, up to 40 s cold on 2 cores. In a
+# LoRA run on tiny (benchmarks/compile_decode_run.py) the step saved 15% for 18 s: it paid after 273 steps, where
+# this rule waits for 540 (a fresh machine compiles cold)
 GAIN = 0.12
 COMPILE_SECONDS = 30.0
 
