@@ -34,7 +34,7 @@ BAD_CONFIGS = [
     ("rollout.vllm_args={enforce_eager: true}", r"'rollout.vllm_args'=\{'enforce_eager': True\}: only with engine"),
     ("rollout.num_engines=0", r"'rollout.num_engines'=0: must be >= 1"),
     ("rollout.dtype=float16", r"'rollout.dtype'='float16': allowed: auto, bfloat16, float32"),
-    ("rollout.compile_decode=maybe", r"config key 'rollout.compile_decode' must be bool, got str 'maybe'"),
+    ("rollout.compile_decode=maybe", r"config key 'rollout.compile_decode'='maybe': allowed: auto, true, false"),
     ("policy.compile=sometimes", r"policy.compile='sometimes': allowed: auto, true, false"),
     ("policy.dtype=fp32", r"PolicyConfig.dtype='fp32': allowed: auto, bfloat16, float32"),
     ("parallel.dp=0", r"'parallel.dp'=0: must be >= 1"),

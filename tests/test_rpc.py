@@ -19,7 +19,8 @@ def test_only_allowlisted_methods_are_called_and_errors_become_replies(tmp_path)
         for op in ("shutdown_now", "close", "handle", "_tensors_out"):  # unknown, or methods that are no command
             reply = server.handle({"op": op})
             assert not reply["ok"] and reply["type"] == "ValueError", reply
-            assert f"engine: unknown call {op!r}; allowed: add_adapter, commit, discard, generate" in reply["message"]
+            allowed = "add_adapter, commit, compile_decode, decode_seconds, discard, generate"
+            assert f"engine: unknown call {op!r}; allowed: {allowed}" in reply["message"]
             with pytest.raises(EngineError, match=rf"engine 0: ValueError: engine: unknown call {op!r}"):
                 check_reply("engine 0", reply)
         spec = EngineSpec(str(tmp_path / "m"), dtype="float32")
