@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from contender import run_contender
+from contender import rl_overrides, run_contender
 
 from moerl.config import load_config
 from moerl.engine import compiled
@@ -35,22 +35,8 @@ def child(args) -> None:
         RunConfig,
         None,
         [
-            f"run_dir={args.run_dir}",
-            f"model.path={args.ckpt}",
-            f"policy.mode={args.mode}",
-            f"policy.dtype={args.dtype}",
-            f"rollout.dtype={args.dtype}",
+            *rl_overrides(args.run_dir, args.ckpt, args.mode, args.dtype, args.steps, 16, 8, args.new_tokens),
             f"rollout.compile_decode={args.child}",
-            "policy.micro_batch_size=64",
-            f"train.steps={args.steps}",
-            "train.checkpoint_every=0",
-            "train.export_adapter=false",
-            "env.name=arithmetic",
-            "env.eval_problems=0",
-            "rollout.prompts_per_step=16",
-            "rollout.group_size=8",
-            f"rollout.max_tokens={args.new_tokens}",
-            f"rollout.max_model_len={16 + args.new_tokens}",
         ],
     )
     decode = []  # the pool's decode seconds after every generate

@@ -13,6 +13,28 @@ def run_contender(cmd: list[str], **kwargs) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def rl_overrides(run_dir, ckpt, mode: str, dtype: str, steps: int, prompts: int, group: int, new_tokens: int) -> list:
+    """The config overrides of a benchmark's RL run: ``steps`` steps of ``prompts`` x ``group`` samples of at most
+    ``new_tokens`` tokens on the arithmetic task, no checkpoints, export or evaluation."""
+    return [
+        f"run_dir={run_dir}",
+        f"model.path={ckpt}",
+        f"policy.mode={mode}",
+        f"policy.dtype={dtype}",
+        f"rollout.dtype={dtype}",
+        "policy.micro_batch_size=64",
+        f"train.steps={steps}",
+        "train.checkpoint_every=0",
+        "train.export_adapter=false",
+        "env.name=arithmetic",
+        "env.eval_problems=0",
+        f"rollout.prompts_per_step={prompts}",
+        f"rollout.group_size={group}",
+        f"rollout.max_tokens={new_tokens}",
+        f"rollout.max_model_len={16 + new_tokens}",
+    ]
+
+
 def add_dtypes(parser) -> None:
     """``--dtypes`` (each contender runs in each) and a child's ``--dtype`` on a benchmark's argument parser."""
     import argparse

@@ -35,7 +35,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from contender import add_dtypes, run_contender
+from contender import add_dtypes, rl_overrides, run_contender
 from contender import dtypes as contender_dtypes
 
 from moerl.config import load_config
@@ -65,21 +65,7 @@ def child(args) -> None:
         RunConfig,
         None,
         [
-            f"run_dir={run_dir}",
-            f"model.path={ckpt}",
-            f"policy.mode={mode}",
-            f"policy.dtype={args.dtype}",
-            f"rollout.dtype={args.dtype}",
-            "policy.micro_batch_size=64",
-            f"train.steps={args.steps}",
-            "train.checkpoint_every=0",
-            "train.export_adapter=false",
-            "env.name=arithmetic",
-            "env.eval_problems=0",
-            f"rollout.prompts_per_step={args.prompts}",
-            f"rollout.group_size={args.group}",
-            f"rollout.max_tokens={args.new_tokens}",
-            f"rollout.max_model_len={16 + args.new_tokens}",
+            *rl_overrides(run_dir, ckpt, mode, args.dtype, args.steps, args.prompts, args.group, args.new_tokens),
             f"rollout.num_engines={engines}",
             f"algo.mismatch_metric_every={args.steps - 1}",  # the R3-off mismatch once, on the last step
             *(["rollout.engine=vllm"] if placement == "vllm" else [f"rollout.placement={placement}"]),
