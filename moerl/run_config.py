@@ -130,7 +130,7 @@ class RolloutSection:
                 (
                     "compile_decode",
                     self.compile_decode,
-                    self.compile_decode in (True, False, "auto"),
+                    isinstance(self.compile_decode, bool) or self.compile_decode == "auto",
                     "allowed: auto, true, false",
                 ),
                 (

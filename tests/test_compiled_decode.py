@@ -104,6 +104,8 @@ def test_compile_decode_refusals(tmp_path):
 
     with pytest.raises(ConfigError, match=r"EngineConfig.compile_decode='yes': allowed: True, False, 'auto'"):
         EngineConfig(compile_decode="yes")
+    with pytest.raises(ConfigError, match=r"EngineConfig.compile_decode=1: allowed: True, False, 'auto'"):
+        EngineConfig(compile_decode=1)  # not taken for True
     with pytest.raises(ConfigError, match=r"'rollout.compile_decode'='sometimes': allowed: auto, true, false"):
         load_config(RunConfig, None, ["rollout.compile_decode=sometimes"])
     assert load_config(RunConfig, None, []).rollout.compile_decode == "auto"  # the default

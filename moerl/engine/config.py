@@ -128,7 +128,7 @@ class EngineConfig:
                 raise ConfigError(f"EngineConfig.{name}={getattr(self, name)!r}: must be >= 1")
         if self.max_loras < 0:
             raise ConfigError(f"EngineConfig.max_loras={self.max_loras!r}: must be >= 0")
-        if self.compile_decode not in (True, False, "auto"):
+        if not (isinstance(self.compile_decode, bool) or self.compile_decode == "auto"):
             raise ConfigError(f"EngineConfig.compile_decode={self.compile_decode!r}: allowed: True, False, 'auto'")
         if not (isinstance(self.kv_cache_memory, int | float) and 0 < self.kv_cache_memory <= 1):
             raise ConfigError(f"EngineConfig.kv_cache_memory={self.kv_cache_memory!r}: must lie in (0, 1]")
