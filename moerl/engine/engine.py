@@ -94,7 +94,9 @@ class LLMEngine:
         self.scheduler = Scheduler(cfg, self.cache)
         self.adapters = AdapterSlots(model, cfg) if cfg.max_loras else None
         model.set_expert_path(grouped=cfg.fused_lora)
-        self.compiled = CompiledDecode(model, self.cache, cfg.capture_routing) if cfg.compile_decode is True else None
+        self.compiled: CompiledDecode | None = None
+        if cfg.compile_decode is True:
+            self.compile_decode()
         self.weight_version, self.steps = 0, 0
         self.decode_seconds = 0.0  # in decode steps' forwards so far: what compiling them would shorten
         self._staged: dict[str, torch.Tensor] = {}
