@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from contender import run_contender
+from contender import add_child_args, run_contender
 
 from moerl.config import load_config
 from moerl.loop import RunConfig, train
@@ -91,9 +91,7 @@ def main() -> None:
     p.add_argument("--presets", nargs="+", default=["tiny", "small"])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--ckpt", help=argparse.SUPPRESS)
-    p.add_argument("--run-dir", help=argparse.SUPPRESS)
+    add_child_args(p)
     args = p.parse_args()
     if args.child:
         return child(args)

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from contender import rl_overrides, run_contender
+from contender import add_child_args, rl_overrides, run_contender
 
 from moerl.config import load_config
 from moerl.engine import compiled
@@ -65,9 +65,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--mode", default="lora", choices=["full", "lora", "mxfp8"])
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--ckpt", help=argparse.SUPPRESS)
-    p.add_argument("--run-dir", help=argparse.SUPPRESS)
+    add_child_args(p)
     args = p.parse_args()
     if args.child:
         return child(args)

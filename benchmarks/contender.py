@@ -35,6 +35,15 @@ def rl_overrides(run_dir, ckpt, mode: str, dtype: str, steps: int, prompts: int,
     ]
 
 
+def add_child_args(parser) -> None:
+    """The hidden arguments a benchmark passes its contender child: ``--child`` (which contender), ``--ckpt``,
+    ``--run-dir``."""
+    import argparse
+
+    for flag in ("--child", "--ckpt", "--run-dir"):
+        parser.add_argument(flag, help=argparse.SUPPRESS)
+
+
 def add_dtypes(parser) -> None:
     """``--dtypes`` (each contender runs in each) and a child's ``--dtype`` on a benchmark's argument parser."""
     import argparse

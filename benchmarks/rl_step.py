@@ -35,7 +35,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from contender import add_dtypes, rl_overrides, run_contender
+from contender import add_child_args, add_dtypes, rl_overrides, run_contender
 from contender import dtypes as contender_dtypes
 
 from moerl.config import load_config
@@ -126,9 +126,7 @@ def main() -> None:
         default=[],
         help="more rollouts for moerl, e.g. process:1 process:2 vllm:1 (placement or vllm:num_engines)",
     )
-    p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--ckpt", help=argparse.SUPPRESS)
-    p.add_argument("--run-dir", help=argparse.SUPPRESS)
+    add_child_args(p)
     args = p.parse_args()
     if args.child:
         return child(args)
