@@ -317,7 +317,7 @@ class RunConfig:
                 f"rollout.placement={r.placement!r} with cluster.backend: ray: the engines are Ray actors "
                 "(cluster.placement says where)"
             )
-        check_compile(self.policy.compile, self.parallel.size)
+        check_compile(self.policy.compile, self.parallel.size, self.policy.mode)
         if r.engine == "vllm" and self.policy.mode == "lora" and self.parallel.size > 1:
             raise ConfigError(
                 f"rollout.engine=vllm with policy.mode=lora on {self.parallel.size} trainer ranks: not built (the "

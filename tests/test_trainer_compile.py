@@ -1,7 +1,8 @@
-"""The trainer's regional compilation (``policy.compile``, ``moerl.trainer.compile``) against eager, the reference:
-fp32 logits and every gradient within fp32 rounding on packed rows with R3 replay, in full and LoRA mode; new
-packed lengths reuse the graph; negative control: a weight moved by 1e-3 misses the same tolerance. The auto rule
-and the refusals."""
+"""The trainer's compiled decoder blocks (``policy.compile``, ``moerl.trainer.compile``) against eager, the
+reference: fp32 logits and every gradient within fp32 rounding on packed rows with R3 replay, in full and LoRA mode,
+the routed experts' GEMMs and their backward inside the graph; new packed lengths reuse the graph; negative
+controls: an attention weight or an expert weight moved by 1e-3, or another replay, miss the same tolerance. The
+auto rule and the refusals."""
 
 import copy
 
@@ -10,6 +11,8 @@ import torch
 
 from moerl.bridges import load_model
 from moerl.errors import ConfigError
+from moerl.model import grouped
+from moerl.model.grouped import group_mm_wgrad
 from moerl.model.lora import LoraConfig, attach_lora
 from moerl.presets import init_model
 from moerl.trainer import Batch, OptimConfig, Policy, PolicyConfig
@@ -63,8 +66,12 @@ def _worst(a, b) -> float:
     return worst
 
 
+def _name(model, param) -> str:
+    return next(n for n, p in model.named_parameters() if p is param)
+
+
 @pytest.mark.parametrize("mode", ["full", "lora"])
-def test_compiled_blocks_equal_eager_and_reuse_the_graph(tiny, mode):
+def test_compiled_blocks_equal_eager_and_reuse_the_graph(tiny, mode, monkeypatch):
     eager = load_model(tiny, torch.float32)
     if mode == "lora":
         attach_lora(eager, LoraConfig(rank=4, alpha=8), dtype=torch.float32)
@@ -78,19 +85,31 @@ def test_compiled_blocks_equal_eager_and_reuse_the_graph(tiny, mode):
     assert compile_blocks(fast) == eager.config.num_layers
     from torch._dynamo.utils import counters
 
+    # the experts' weight gradients come from the graph's own op (eager autograd never calls it)
+    wgrad_calls = []
+    monkeypatch.setattr(grouped, "group_mm_wgrad", lambda *a: wgrad_calls.append(1) or group_mm_wgrad(*a))
     graphs = []
     for k, lengths in enumerate([[9, 17, 5, 12], [20, 3, 14, 8, 11], [6, 19, 10]]):
         batch = _rows(lengths, seed=k)
-        assert _worst(_forward_backward(eager, batch, k), _forward_backward(fast, batch, k)) <= TOL
+        before = len(wgrad_calls)
+        reference = _forward_backward(eager, batch, k)
+        assert len(wgrad_calls) == before
+        assert _worst(reference, _forward_backward(fast, batch, k)) <= TOL
         graphs.append(counters["stats"]["unique_graphs"])
-    assert graphs[1] == graphs[2], graphs  # a third set of packed lengths compiles nothing new
+    # a third set of packed lengths compiles nothing new, and nothing left the graph
+    assert graphs[1] == graphs[2] and not counters["graph_break"], (graphs, dict(counters["graph_break"]))
+    assert len(wgrad_calls) >= 2 * 3 * len(eager.moe_layer_ids)  # both projections (or their adapters), 3 steps
 
-    # negative control: one attention weight moved by 1e-3 misses the tolerance
-    with torch.no_grad():
-        w = eager.layers[0].self_attn.q_proj.weight
-        w.add_(1e-3 * torch.randn(w.shape, generator=torch.Generator().manual_seed(3)))
+    # negative controls: another replay, an attention weight, an expert weight moved by 1e-3
     batch = _rows([9, 17, 5, 12])
-    assert _worst(_forward_backward(eager, batch, 0), _forward_backward(fast, batch, 0)) > TOL
+    reference = _forward_backward(eager, batch, 0)
+    assert _worst(reference, _forward_backward(fast, batch, 1)) > TOL
+    gen = torch.Generator().manual_seed(3)
+    for w in (eager.layers[0].self_attn.q_proj.weight, eager.layers[1].mlp.experts.down_proj):
+        moved = copy.deepcopy(eager)
+        with torch.no_grad():
+            dict(moved.named_parameters())[_name(eager, w)].add_(1e-3 * torch.randn(w.shape, generator=gen))
+        assert _worst(_forward_backward(moved, batch, 0), _forward_backward(fast, batch, 0)) > TOL, _name(eager, w)
 
 
 def test_a_compiled_policy_trains_as_the_eager_one(tiny):
@@ -118,11 +137,13 @@ def test_auto_compiles_only_when_the_steps_left_repay_it(tiny):
     assert pays(1000, 0.5) and not pays(10, 0.5)  # 1000 x 0.1 x 0.5 s = 50 s >= 20 s; 10 steps: 0.5 s
     assert pays(int(COMPILE_SECONDS / (GAIN * 0.2)) + 1, 0.2) and not pays(int(COMPILE_SECONDS / (GAIN * 0.2)) - 1, 0.2)
     policy = Policy(tiny, PolicyConfig(mode="lora", dtype="float32"))  # auto: eager until the loop asks
-    assert not policy.compiled and all(layer.compiled_mix is None for layer in policy.model.layers)
+    assert not policy.compiled and all(layer.compiled is None for layer in policy.model.layers)
     assert not policy.compile_if_it_pays(10, 0.1)
     assert policy.compile_if_it_pays(10_000, 0.1) and policy.compiled
     off = Policy(tiny, PolicyConfig(mode="lora", dtype="float32", compile=False))
     assert not off.compile_if_it_pays(10_000, 10.0) and not off.compiled
+    mx = Policy(tiny, PolicyConfig(mode="mxfp8", dtype="float32"))  # mxfp8 trains eager (see the refusal)
+    assert not mx.compile_if_it_pays(10_000, 10.0) and not mx.compiled
 
 
 def test_compile_refusals():
@@ -134,6 +155,11 @@ def test_compile_refusals():
     with pytest.raises(ConfigError, match=r"policy.compile=true with 2 ranks: .*built for one process"):
         load_config(RunConfig, None, ["policy.compile=true", "parallel.dp=2"])
     assert load_config(RunConfig, None, ["policy.compile=auto", "parallel.dp=2"]).policy.compile == "auto"
+    with pytest.raises(ConfigError, match=r"policy.compile=true with policy.mode=mxfp8: .*do not trace"):
+        load_config(RunConfig, None, ["policy.compile=true", "policy.mode=mxfp8"])
+    with pytest.raises(ConfigError, match=r"policy.compile=true with policy.mode=mxfp8"):
+        PolicyConfig(mode="mxfp8", compile=True)
+    assert load_config(RunConfig, None, ["policy.compile=auto", "policy.mode=mxfp8"]).policy.compile == "auto"
 
 
 def test_the_loop_compiles_when_auto_finds_it_pays(warm_model, tmp_path, monkeypatch, capsys):

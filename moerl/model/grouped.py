@@ -15,7 +15,8 @@ class Groups:
     padding at most quadruples the work; large groups (prefill) keep the per-group GEMMs.
 
     Inside a ``torch.compile`` graph the choice depends on the data, so there the grouped GEMM is one opaque op
-    (``moerl::group_mm``) that makes it when it runs.
+    (``moerl::group_mm``) that makes it when it runs; its backward is two more such ops (``group_mm`` of the
+    output's gradient by the transposed weights, ``moerl::group_mm_wgrad``), so a compiled training graph holds it.
     """
 
     __slots__ = ("offs", "padded", "group", "pos", "cap", "keys", "n_groups", "opaque")
@@ -41,32 +42,74 @@ def group_mm(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
     if groups.opaque:
         return _group_mm_op(x, w, groups.keys, groups.n_groups)
     if not groups.padded:
-        if x.is_cuda and x.element_size() == 2:
-            return _aligned_grouped_mm(x, w, groups.offs)
-        return torch._grouped_mm(x, w, offs=groups.offs)
+        return _aligned_grouped_mm(x, w, groups.offs)
     buf = x.new_zeros(w.shape[0], groups.cap, x.shape[1])
     buf[groups.group, groups.pos] = x
     return torch.bmm(buf, w)[groups.group, groups.pos]
 
 
+def group_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """The gradient of ``group_mm``'s weights [G, K, N]: ``x_g^T @ dy_g`` over each group's rows of ``x`` [M, K] and
+    of the output's gradient ``dy`` [M, N] (zeros for a group without rows)."""
+    k, n = x.shape[1], dy.shape[1]
+    if groups.padded:
+        bx = x.new_zeros(groups.n_groups, groups.cap, k)
+        bdy = dy.new_zeros(groups.n_groups, groups.cap, n)
+        bx[groups.group, groups.pos], bdy[groups.group, groups.pos] = x, dy
+        return torch.bmm(bx.transpose(1, 2), bdy)
+    # the 2D x 2D form groups along the reduced dim; x^T's row stride is K, and strides must be 16-byte aligned
+    a = 16 // x.element_size()
+    x = F.pad(x, (0, -k % a)) if k % a else x.contiguous()
+    dy = F.pad(dy, (0, -n % a)) if n % a else dy.contiguous()
+    return torch._grouped_mm(x.t(), dy, offs=groups.offs)[:, :k, :n]
+
+
 def _aligned_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """CUDA's grouped GEMM in a 16-bit dtype takes 16-byte-aligned strides only: K and N not a multiple of 8 (a
-    rank-4 adapter, an odd hidden size) are padded with zeros, which add nothing, and the output is cut back."""
-    k, n = x.shape[1], w.shape[2]
-    if k % 8:
-        x, w = F.pad(x, (0, -k % 8)), F.pad(w, (0, 0, 0, -k % 8))
-    if n % 8:
-        w = F.pad(w, (0, -n % 8))
+    """The grouped GEMM takes 16-byte-aligned strides only (CUDA and CPU alike): K and N not a multiple of
+    ``16 / element size`` (a rank-4 adapter in bf16, an odd hidden size) are padded with zeros, which add nothing,
+    and the output is cut back."""
+    k, n, a = x.shape[1], w.shape[2], 16 // x.element_size()
+    if k % a:
+        x, w = F.pad(x, (0, -k % a)), F.pad(w, (0, 0, 0, -k % a))
+    if n % a:
+        w = F.pad(w, (0, -n % a))
     y = torch._grouped_mm(x, w, offs=offs)
-    return y[:, :n] if n % 8 else y
+    return y[:, :n] if n % a else y
 
 
 @torch.library.custom_op("moerl::group_mm", mutates_args=())
 def _group_mm_op(x: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_groups: int) -> torch.Tensor:
-    """``group_mm`` as one op a compiled graph calls (inference only: no autograd formula is registered)."""
+    """``group_mm`` as one op a compiled graph calls."""
     return group_mm(x, w, Groups(keys, n_groups))
 
 
 @_group_mm_op.register_fake
 def _(x: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_groups: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], w.shape[2])
+
+
+@torch.library.custom_op("moerl::group_mm_wgrad", mutates_args=())
+def _group_mm_wgrad_op(x: torch.Tensor, dy: torch.Tensor, keys: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """``group_mm_wgrad`` as one op a compiled graph's backward calls."""
+    return group_mm_wgrad(x, dy, Groups(keys, n_groups))
+
+
+@_group_mm_wgrad_op.register_fake
+def _(x: torch.Tensor, dy: torch.Tensor, keys: torch.Tensor, n_groups: int) -> torch.Tensor:
+    return x.new_empty(n_groups, x.shape[1], dy.shape[1])
+
+
+def _save(ctx, inputs, output) -> None:
+    x, w, keys, n_groups = inputs
+    ctx.save_for_backward(x, w, keys)
+    ctx.n_groups = n_groups
+
+
+def _backward(ctx, dy: torch.Tensor):
+    x, w, keys = ctx.saved_tensors
+    dx = _group_mm_op(dy, w.transpose(1, 2), keys, ctx.n_groups) if ctx.needs_input_grad[0] else None
+    dw = _group_mm_wgrad_op(x, dy, keys, ctx.n_groups) if ctx.needs_input_grad[1] else None
+    return dx, dw, None, None
+
+
+_group_mm_op.register_autograd(_backward, setup_context=_save)

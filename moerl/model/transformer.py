@@ -212,8 +212,8 @@ class DecoderLayer(nn.Module):
         self.residual_multiplier = cfg.residual_multiplier
         self.is_moe = layer in cfg.moe_layer_set
         self.mlp = MoE(cfg) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
-        # the attention half compiled for training (moerl.trainer.compile); None: eager
-        self.compiled_mix: Callable | None = None
+        # ``block`` compiled for training (moerl.trainer.compile); None: eager
+        self.compiled: Callable | None = None
 
     def mix(self, x, cos, sin, mask, cache=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention half: (the residual stream after attention, the MLP's input)."""
@@ -226,9 +226,14 @@ class DecoderLayer(nn.Module):
         return x, (x if self.post_norm else self.post_attention_layernorm(x))
 
     def forward(self, x, cos, sin, mask, replay=None, cache=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.compiled is not None and cache is None and self.training:
+            return self.compiled(x, cos, sin, mask, replay)
+        return self.block(x, cos, sin, mask, replay, cache)
+
+    def block(self, x, cos, sin, mask, replay=None, cache=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer: (its output, the MoE's chosen experts [N, k] or None)."""
         m = self.residual_multiplier
-        compiled = self.compiled_mix is not None and cache is None and self.training
-        x, h = self.compiled_mix(x, cos, sin, mask) if compiled else self.mix(x, cos, sin, mask, cache)
+        x, h = self.mix(x, cos, sin, mask, cache)
         idx = None
         if self.is_moe:
             out, idx = self.mlp(h.flatten(0, 1), replay)

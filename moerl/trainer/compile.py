@@ -23,11 +23,11 @@ COMPILE_SECONDS = 20.0
 
 
 def compile_blocks(model: torch.nn.Module) -> int:
-    """Compile the attention half of each of ``model``'s attention layers for training; returns how many."""
+    """Compile each of ``model``'s attention layers for training; returns how many."""
     n = 0
     for layer in model.layers:
-        if layer.compiled_mix is None and model.config.layer_types[layer.self_attn.layer] != "linear":
-            layer.compiled_mix = torch.compile(layer.mix, dynamic=True)
+        if layer.compiled is None and model.config.layer_types[layer.self_attn.layer] != "linear":
+            layer.compiled = torch.compile(layer.block, dynamic=True)
             n += 1
     return n
 
@@ -37,10 +37,16 @@ def pays(steps_left: int, seconds_train: float) -> bool:
     return steps_left * GAIN * seconds_train >= COMPILE_SECONDS
 
 
-def check(setting, ranks: int, key: str = "policy.compile") -> None:
-    """Refuse a ``policy.compile`` value that is not auto / true / false, and ``true`` on a parallel layout."""
+def check(setting, ranks: int, mode: str, key: str = "policy.compile") -> None:
+    """Refuse a ``policy.compile`` value that is not auto / true / false, and ``true`` on a parallel layout or in
+    mode mxfp8."""
     if setting not in ("auto", True, False):
         raise ConfigError(f"{key}={setting!r}: allowed: auto, true, false")
+    if setting is True and mode == "mxfp8":
+        raise ConfigError(
+            f"{key}=true with policy.mode=mxfp8: the MXFP8 projections' autograd functions (torchao's to_mx inside "
+            "them) do not trace, so mxfp8 trains eager; set it to auto or false"
+        )
     if setting is True and ranks > 1:
         raise ConfigError(
             f"{key}=true with {ranks} ranks: the compiled blocks are built for one process (FSDP / EP / PP layouts "

@@ -97,7 +97,7 @@ class PolicyConfig:
             raise ConfigError(f"PolicyConfig.max_nan_steps={self.max_nan_steps}: must be >= 1")
         if self.mx_scale_mode not in SCALE_MODES:
             raise ConfigError(f"PolicyConfig.mx_scale_mode={self.mx_scale_mode!r}: allowed: {', '.join(SCALE_MODES)}")
-        check_compile(self.compile, ranks=1)
+        check_compile(self.compile, ranks=1, mode=self.mode)
 
 
 def next_token_logprobs(
@@ -176,7 +176,7 @@ class Policy:
             self.model, world, LayoutConfig(cfg.mode, dtype, cfg.micro_batch_size, head=token_logprobs)
         )
         self.trainable = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
-        check_compile(cfg.compile, self.layout.ranks)
+        check_compile(cfg.compile, self.layout.ranks, cfg.mode)
         self.compiled = cfg.compile is True and compile_blocks(self.model) > 0
         if cfg.mode != "lora":
             self.master = MasterWeights(self.trainable, self.layout.initial)
@@ -199,8 +199,11 @@ class Policy:
 
     def compile_if_it_pays(self, steps_left: int, seconds_train: float) -> bool:
         """``policy.compile: auto``: compile the training blocks now if ``steps_left`` steps of ``seconds_train``
-        each repay it (``moerl.trainer.compile.pays``; one process only). True if this call compiled them."""
-        if self.compiled or self.cfg.compile != "auto" or self.layout.ranks > 1 or not pays(steps_left, seconds_train):
+        each repay it (``moerl.trainer.compile.pays``; one process, not mxfp8: see ``compile.check``). True if this
+        call compiled them."""
+        if self.compiled or self.cfg.compile != "auto" or self.layout.ranks > 1 or self.cfg.mode == "mxfp8":
+            return False
+        if not pays(steps_left, seconds_train):
             return False
         self.compiled = compile_blocks(self.model) > 0
         return self.compiled
