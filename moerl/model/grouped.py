@@ -108,7 +108,13 @@ def _save(ctx, inputs, output) -> None:
 def _backward(ctx, dy: torch.Tensor):
     x, w, keys = ctx.saved_tensors
     dx = _group_mm_op(dy, w.transpose(1, 2), keys, ctx.n_groups) if ctx.needs_input_grad[0] else None
-    dw = _group_mm_wgrad_op(x, dy, keys, ctx.n_groups) if ctx.needs_input_grad[1] else None
+    dw = None
+    if ctx.needs_input_grad[1] and w.transpose(1, 2).is_contiguous():
+        # the experts' and adapters' weights come as transposed views: their gradient made in the parameter's own
+        # layout (dy_g^T x_g) and handed back transposed, so no copy or strided add reaches the parameter's .grad
+        dw = _group_mm_wgrad_op(dy, x, keys, ctx.n_groups).transpose(1, 2)
+    elif ctx.needs_input_grad[1]:
+        dw = _group_mm_wgrad_op(x, dy, keys, ctx.n_groups)
     return dx, dw, None, None
 
 

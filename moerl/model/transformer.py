@@ -226,7 +226,9 @@ class DecoderLayer(nn.Module):
         return x, (x if self.post_norm else self.post_attention_layernorm(x))
 
     def forward(self, x, cos, sin, mask, replay=None, cache=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.compiled is not None and cache is None and self.training:
+        # a training forward whose input carries a gradient: LoRA's first layer (frozen embeddings below it) runs
+        # eager rather than compiling a second graph for an input without one
+        if self.compiled is not None and cache is None and self.training and x.requires_grad:
             return self.compiled(x, cos, sin, mask, replay)
         return self.block(x, cos, sin, mask, replay, cache)
 
