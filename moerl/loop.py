@@ -38,7 +38,7 @@ from moerl.sync import sync_policy
 from moerl.trainer import Batch, Policy
 from moerl.trainer.advantages import compute_advantages
 from moerl.trainer.checkpoint import recover_checkpoint, save_checkpoint
-from moerl.trainer.compile import COMPILE_SECONDS
+from moerl.trainer.compile import AutoCompile
 from moerl.trainer.driver import DistributedPolicy, serve
 from moerl.trainer.losses import kl_penalty, make_policy_loss
 from moerl.trainer.mismatch import mismatch_metrics
@@ -165,6 +165,7 @@ def _train_policy(cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Po
             r = cfg.rollout  # compile_decode auto: synchronous runs (async ones generate while the loop decides)
             auto = r.compile_decode == "auto" and r.engine == "native" and ahead is None and not cfg.train.deterministic
             decoding = [] if auto else None
+            compiling = None if cfg.train.deterministic else AutoCompile(start, cfg.train.steps)
             for step in bar:
                 policy.stop_state = {"step": step}  # a TrainingStopped saves the state after the last complete step
                 if line := cores.check():
@@ -191,9 +192,9 @@ def _train_policy(cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Po
                 if last:
                     row |= gen.evaluate(sampled=True).metrics("eval_accuracy_sampled")
                 metrics.log(step + 1, row)
-                # warm by now: does compiling pay for the rest? (timings decide: not where reruns must be bit exact)
-                if step == start + 2 and "seconds_train" in row and not cfg.train.deterministic:
-                    _maybe_compile(policy, cfg.train.steps - step - 1, row["seconds_train"])
+                # compile where it pays (timings decide: not where reruns must be bit exact)
+                if compiling is not None and (line := compiling.after(policy, step, row)):
+                    say(line, bar if tty else None)
                 if decoding is not None and step in (start + 1, start + 2):
                     decoding.append(engine.decode_seconds())
                     if len(decoding) == 2:  # the decode seconds of one warm step (its evaluation included)
@@ -294,15 +295,6 @@ def flat_warning(step: int, reward: float) -> str:
         f"samples the rewards were equal, so no sample was better than its group's baseline; {why}. To fix: {fix}, "
         "or raise rollout.group_size."
     )
-
-
-def _maybe_compile(policy: Policy, steps_left: int, seconds_train: float) -> None:
-    if policy.compile_if_it_pays(steps_left, seconds_train):
-        print(
-            f"moerl: compiling the trainer's attention blocks (policy.compile: auto; {steps_left} steps left at "
-            f"{seconds_train:.2f} s of training each repay the ~{COMPILE_SECONDS:.0f} s it takes)",
-            file=sys.stderr,
-        )
 
 
 def _maybe_compile_decode(engine, steps_left: int, decode_seconds: float) -> None:

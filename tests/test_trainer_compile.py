@@ -5,6 +5,7 @@ controls: an attention weight or an expert weight moved by 1e-3, or another repl
 auto rule and the refusals."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from moerl.model.grouped import group_mm_wgrad
 from moerl.model.lora import LoraConfig, attach_lora
 from moerl.presets import init_model
 from moerl.trainer import Batch, OptimConfig, Policy, PolicyConfig
-from moerl.trainer.compile import COMPILE_SECONDS, GAIN, compile_blocks, pays
+from moerl.trainer.compile import COMPILE_SECONDS, GAIN, AutoCompile, compile_blocks, pays
 from moerl.trainer.losses import sft_loss
 from moerl.trainer.packing import plan_packing
 
@@ -137,7 +138,7 @@ def test_a_compiled_policy_trains_as_the_eager_one(tiny):
 
 
 def test_auto_compiles_only_when_the_steps_left_repay_it(tiny):
-    assert pays(1000, 0.5) and not pays(10, 0.5)  # 1000 x 0.1 x 0.5 s = 50 s >= 20 s; 10 steps: 0.5 s
+    assert pays(1000, 0.5) and not pays(10, 0.5)  # 1000 x 0.15 x 0.5 s = 75 s >= 30 s; 10 steps: 0.75 s
     assert pays(int(COMPILE_SECONDS / (GAIN * 0.2)) + 1, 0.2) and not pays(int(COMPILE_SECONDS / (GAIN * 0.2)) - 1, 0.2)
     policy = Policy(tiny, PolicyConfig(mode="lora", dtype="float32"))  # auto: eager until the loop asks
     assert not policy.compiled and all(layer.compiled is None for layer in policy.model.layers)
@@ -147,6 +148,28 @@ def test_auto_compiles_only_when_the_steps_left_repay_it(tiny):
     assert not off.compile_if_it_pays(10_000, 10.0) and not off.compiled
     mx = Policy(tiny, PolicyConfig(mode="mxfp8", dtype="float32"))  # mxfp8 trains eager (see the refusal)
     assert not mx.compile_if_it_pays(10_000, 10.0) and not mx.compiled
+
+
+@pytest.mark.parametrize("compiled_rate, kept", [(120.0, True), (95.0, False)])
+def test_auto_keeps_the_compiled_blocks_only_where_they_train_faster(tiny, compiled_rate, kept):
+    """AutoCompile fed the rows of a run (training tokens/s): eager steps 1-2 at 100 and 90, compiled after step
+    2, steps 4-5 timed: kept where their best beats eager's best, else back to eager."""
+    policy = Policy(tiny, PolicyConfig(mode="lora", dtype="float32"))
+    auto = AutoCompile(start=0, steps=100_000)
+    rates = {0: 10.0, 1: 100.0, 2: 90.0, 3: 5.0, 4: compiled_rate, 5: compiled_rate - 10}
+    said = [
+        auto.after(policy, step, {"train_tokens_per_s": rate, "seconds_train": 1.0}) for step, rate in rates.items()
+    ]
+    assert said[2].startswith("moerl: compiling the trainer's decoder blocks (policy.compile: auto; 99997 steps")
+    assert said[:2] == [None, None] and said[3:5] == [None, None]
+    verdict = f"{compiled_rate / 100:.2f}x as fast as eager: " + ("kept" if kept else "back to eager")
+    assert verdict in said[5], said[5]
+    assert policy.compiled == kept and all((layer.compiled is not None) == kept for layer in policy.model.layers)
+    assert auto.after(policy, 6, {"train_tokens_per_s": 1.0, "seconds_train": 1.0}) is None  # decided once
+    short = AutoCompile(start=0, steps=10)  # 7 steps left do not repay the compilation: never compiled
+    eager = Policy(tiny, PolicyConfig(mode="lora", dtype="float32"))
+    assert not any(short.after(eager, s, {"train_tokens_per_s": 1.0, "seconds_train": 1.0}) for s in range(10))
+    assert not eager.compiled
 
 
 def test_compile_refusals():
@@ -167,16 +190,18 @@ def test_compile_refusals():
 
 def test_the_loop_compiles_when_auto_finds_it_pays(warm_model, tmp_path, monkeypatch, capsys):
     """A run with policy.compile: auto (compilation priced at 0 s here) compiles after its third step, says so,
-    and trains on through the compiled blocks to the end."""
+    times two compiled steps, says whether it keeps them, and trains on to the end."""
     from run_helpers import metric_rows, run_cfg
 
     from moerl.loop import train
     from moerl.trainer import compile as trainer_compile
 
     monkeypatch.setattr(trainer_compile, "COMPILE_SECONDS", 0.0)
-    train(run_cfg(tmp_path / "run", warm_model, "lora", steps=5))
-    assert (
-        "moerl: compiling the trainer's attention blocks (policy.compile: auto; 2 steps left" in capsys.readouterr().err
+    train(run_cfg(tmp_path / "run", warm_model, "lora", steps=7))
+    err = capsys.readouterr().err
+    assert "moerl: compiling the trainer's decoder blocks (policy.compile: auto; 4 steps left" in err
+    assert re.search(
+        r"moerl: the compiled decoder blocks trained? \d\.\d\dx as fast as eager: (kept|back to eager)", err
     )
     losses = [r["loss"] for r in metric_rows(tmp_path / "run") if "loss" in r]
-    assert len(losses) == 5 and all(abs(x) < 1e3 for x in losses)
+    assert len(losses) == 7 and all(abs(x) < 1e3 for x in losses)

@@ -216,7 +216,7 @@ class DecoderLayer(nn.Module):
         self.compiled: Callable | None = None
 
     def mix(self, x, cos, sin, mask, cache=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The attention half: (the residual stream after attention, the MLP's input)."""
+        """The attention half of the layer: (the residual stream after attention, the MLP's input)."""
         m = self.residual_multiplier
         if self.post_norm:
             a = self.post_attention_layernorm(self.self_attn(x, cos, sin, mask, cache))

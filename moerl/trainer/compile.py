@@ -1,13 +1,15 @@
-"""The trainer's forward and backward compiled by region (``policy.compile``): each attention layer's attention half
-(norms, projections with their LoRA slots, RoPE, attention, the residual) through one ``torch.compile`` graph
-shared by every layer of the model (their parameters are the graph's inputs), its backward through the graph
-AOTAutograd derives. The MoE half stays eager: its routing (R3 replay included) and grouped GEMMs depend on the
-data, and its GEMMs already run near the machine's rate. Shapes are symbolic (``dynamic=True``), so the packed
-rows' changing lengths reuse the graph instead of compiling again. Linear-attention layers (their packed-sequence
-split is data-dependent) stay eager. Eager stays the reference (``tests/test_trainer_compile.py``).
+"""The trainer's forward and backward compiled by decoder block (``policy.compile``): each attention layer whole
+(norms, projections with their LoRA slots, RoPE, attention, the router in fp32, R3 replay, the expert grouped GEMMs
+as ``moerl::group_mm`` with its registered backward, the shared expert, the residuals) through one
+``torch.compile`` graph shared by every layer of the model (their parameters are the graph's inputs), its backward
+through the graph AOTAutograd derives. Shapes are symbolic (``dynamic=True``, without duck sizing), so the packed
+rows' changing lengths reuse the one graph instead of compiling again. Linear-attention layers (their
+packed-sequence split is data-dependent) stay eager, and so does mode mxfp8 (refused: ``check``). Eager stays the
+reference (``tests/test_trainer_compile.py``).
 
-``auto`` (the default): the loop times its first training steps and compiles when the steps left repay the
-compilation: ``steps_left * GAIN * seconds_train >= COMPILE_SECONDS``.
+``auto`` (the default, ``AutoCompile``): the loop times its first training steps and compiles when the steps left
+repay the compilation, ``steps_left * GAIN * seconds_train >= COMPILE_SECONDS``; it times the compiled steps
+after and goes back to eager where they are not faster.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from torch.fx.experimental import _config as fx_config
 
 from moerl.errors import ConfigError
 
-# measured (BENCHMARKS.md, "Compiled training"): the share of a training step the compiled attention halves save
-# (7% tiny fp32, 11% small bf16: 0.10 taken) and the compilation's cost on 2 cores from a cold cache (12-15 s)
-GAIN = 0.10
-COMPILE_SECONDS = 20.0
+# measured (BENCHMARKS.md, "Compiled training"): the share of a training step the compiled blocks save on the small
+# preset in bf16 (18% full, 19% LoRA: 0.15 taken; a tiny model in fp32 loses, which the trial after compiling
+# catches) and the compilation's cost on 2 cores from a cold cache (22-27 s)
+GAIN = 0.15
+COMPILE_SECONDS = 30.0
 
 
 def compile_blocks(model: torch.nn.Module) -> int:
@@ -43,6 +46,55 @@ def _unducked(compiled):
             return compiled(*args)
 
     return call
+
+
+def uncompile_blocks(model: torch.nn.Module) -> None:
+    """Back to the eager layers."""
+    for layer in model.layers:
+        layer.compiled = None
+
+
+class AutoCompile:
+    """``policy.compile: auto`` over a run, fed each step's metrics row (``after``). The second and third steps
+    train eager and are timed (training tokens/s); after the third the blocks compile if the steps left repay
+    ``COMPILE_SECONDS`` at ``GAIN`` (``pays``). The two steps after the compiling one are timed as well, and the
+    compiled blocks stay only if they trained faster (the best of two against the best of two: a busy moment
+    slows one step, not both); where they did not (a model so small that launches outweigh the fused work),
+    the run goes back to eager."""
+
+    __slots__ = ("start", "steps", "eager", "compiled", "trying")
+
+    def __init__(self, start: int, steps: int):
+        self.start, self.steps = start, steps
+        self.eager: list[float] = []
+        self.compiled: list[float] = []
+        self.trying = False
+
+    def after(self, policy, step: int, row: dict) -> str | None:
+        """Act on step ``step``'s ``row``; returns what to tell the user, if anything."""
+        k, rate = step - self.start, row.get("train_tokens_per_s")
+        if rate is None:
+            return None
+        if k in (1, 2):
+            self.eager.append(rate)
+        if k == 2:
+            left, seconds = self.steps - step - 1, row["seconds_train"]
+            self.trying = policy.compile_if_it_pays(left, seconds)
+            if self.trying:
+                return (
+                    f"moerl: compiling the trainer's decoder blocks (policy.compile: auto; {left} steps left at "
+                    f"{seconds:.2f} s of training each repay the ~{COMPILE_SECONDS:.0f} s it takes)"
+                )
+        if self.trying and k in (4, 5):
+            self.compiled.append(rate)
+        if self.trying and k == 5:
+            self.trying = False
+            ratio = max(self.compiled) / max(self.eager)
+            if ratio > 1.0:
+                return f"moerl: the compiled decoder blocks train {ratio:.2f}x as fast as eager: kept"
+            policy.drop_compiled()
+            return f"moerl: the compiled decoder blocks trained {ratio:.2f}x as fast as eager: back to eager"
+        return None
 
 
 def pays(steps_left: int, seconds_train: float) -> bool:

@@ -26,7 +26,7 @@ from moerl.parallel.world import World, local
 from moerl.precision import compute_dtype, dtype_name
 from moerl.trainer.batch import Batch
 from moerl.trainer.compile import check as check_compile
-from moerl.trainer.compile import compile_blocks, pays
+from moerl.trainer.compile import compile_blocks, pays, uncompile_blocks
 from moerl.trainer.optim import SCHEDULES, MasterWeights, lr_lambda
 from moerl.trainer.packing import Packing, plan_packing
 
@@ -82,8 +82,8 @@ class PolicyConfig:
     max_nan_steps: int = 3  # consecutive non-finite steps that stop training
     mx_scale_mode: str = "rceil"  # mxfp8: floor | rceil
     packing: bool = True  # forwards run on the micro-batch's sequences packed into fewer rows (moerl.trainer.packing)
-    # the training forward / backward compiled by region (moerl.trainer.compile): auto (the loop decides from its
-    # first steps' times) | True | False
+    # the training forward / backward compiled by decoder block (moerl.trainer.compile): auto (the loop decides from
+    # its first steps' times, and keeps them where faster) | True | False
     compile: bool | str = "auto"
 
     def __post_init__(self) -> None:
@@ -207,6 +207,11 @@ class Policy:
             return False
         self.compiled = compile_blocks(self.model) > 0
         return self.compiled
+
+    def drop_compiled(self) -> None:
+        """Train eager again (``policy.compile: auto`` found the compiled blocks slower)."""
+        uncompile_blocks(self.model)
+        self.compiled = False
 
     @property
     def trained(self) -> dict[str, torch.nn.Parameter]:
