@@ -60,6 +60,7 @@ def moerl_step(
 
 def child(args) -> None:
     mode, placement, engines = args.child.split(":")
+    mode, compiled = mode.removesuffix("-compiled"), mode.endswith("-compiled")
     ckpt, run_dir = args.ckpt, args.run_dir
     cfg = load_config(
         RunConfig,
@@ -69,6 +70,8 @@ def child(args) -> None:
             f"rollout.num_engines={engines}",
             f"algo.mismatch_metric_every={args.steps - 1}",  # the R3-off mismatch once, on the last step
             *(["rollout.engine=vllm"] if placement == "vllm" else [f"rollout.placement={placement}"]),
+            # what auto settles on in a long run where compiling pays; the first (dropped) step compiles
+            *(["policy.compile=true", "rollout.compile_decode=true"] if compiled else []),
         ],
     )
     train(cfg)
@@ -113,7 +116,13 @@ def main() -> None:
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=16)
     add_dtypes(p)
-    p.add_argument("--modes", nargs="+", default=["full", "lora"], choices=["full", "lora"])
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=["full", "lora"],
+        choices=["full", "lora", "full-compiled", "lora-compiled"],
+        help="-compiled: the trainer's blocks and the engine's decode step compiled from the start",
+    )
     p.add_argument(
         "--archs", nargs="+", default=["qwen3_moe"], help="moerl contenders per architecture (TRL: the first)"
     )
@@ -153,7 +162,7 @@ def main() -> None:
                 for m in args.modes:
                     for where in ["inprocess:1", *args.engines]:
                         placement, n = where.split(":")
-                        if placement == "vllm" and m == "lora":
+                        if placement == "vllm" and m.startswith("lora"):
                             continue
                         name = f"moerl {m}" + ("" if where == "inprocess:1" else f" ({placement}, {n} engines)")
                         name += "" if arch == args.archs[0] else f" [{arch}]"
