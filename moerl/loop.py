@@ -165,7 +165,7 @@ def _train_policy(cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Po
             r = cfg.rollout  # compile_decode auto: synchronous runs (async ones generate while the loop decides)
             auto = r.compile_decode == "auto" and r.engine == "native" and ahead is None and not cfg.train.deterministic
             decoding = [] if auto else None
-            compiling = None if cfg.train.deterministic else AutoCompile(start, cfg.train.steps)
+            compiling = None if cfg.train.deterministic else AutoCompile(cfg.train.steps)
             for step in bar:
                 policy.stop_state = {"step": step}  # a TrainingStopped saves the state after the last complete step
                 if line := cores.check():

@@ -152,21 +152,23 @@ def test_auto_compiles_only_when_the_steps_left_repay_it(tiny):
 
 @pytest.mark.parametrize("compiled_rate, kept", [(120.0, True), (95.0, False)])
 def test_auto_keeps_the_compiled_blocks_only_where_they_train_faster(tiny, compiled_rate, kept):
-    """AutoCompile fed the rows of a run (training tokens/s): eager steps 1-2 at 100 and 90, compiled after step
-    2, steps 4-5 timed: kept where their best beats eager's best, else back to eager."""
+    """AutoCompile fed the rows of a run (training tokens/s; step 2 skipped training, as a step whose groups were
+    all uninformative does): trained steps 2-3 eager at 100 and 90, compiled after the third, the 5th and 6th
+    timed: kept where their best beats eager's best, else back to eager."""
     policy = Policy(tiny, PolicyConfig(mode="lora", dtype="float32"))
-    auto = AutoCompile(start=0, steps=100_000)
-    rates = {0: 10.0, 1: 100.0, 2: 90.0, 3: 5.0, 4: compiled_rate, 5: compiled_rate - 10}
-    said = [
-        auto.after(policy, step, {"train_tokens_per_s": rate, "seconds_train": 1.0}) for step, rate in rates.items()
-    ]
-    assert said[2].startswith("moerl: compiling the trainer's decoder blocks (policy.compile: auto; 99997 steps")
-    assert said[:2] == [None, None] and said[3:5] == [None, None]
+    auto = AutoCompile(steps=100_000)
+    rates = {0: 10.0, 1: 100.0, 2: None, 3: 90.0, 4: 5.0, 5: None, 6: compiled_rate, 7: compiled_rate - 10}
+    said = []
+    for step, rate in rates.items():
+        row = {"skipped": 1.0} if rate is None else {"train_tokens_per_s": rate, "seconds_train": 1.0}
+        said.append(auto.after(policy, step, row))
+    assert said[3].startswith("moerl: compiling the trainer's decoder blocks (policy.compile: auto; 99996 steps")
+    assert said[:3] == [None] * 3 and said[4:7] == [None] * 3
     verdict = f"{compiled_rate / 100:.2f}x as fast as eager: " + ("kept" if kept else "back to eager")
-    assert verdict in said[5], said[5]
+    assert verdict in said[7], said[7]
     assert policy.compiled == kept and all((layer.compiled is not None) == kept for layer in policy.model.layers)
-    assert auto.after(policy, 6, {"train_tokens_per_s": 1.0, "seconds_train": 1.0}) is None  # decided once
-    short = AutoCompile(start=0, steps=10)  # 7 steps left do not repay the compilation: never compiled
+    assert auto.after(policy, 8, {"train_tokens_per_s": 1.0, "seconds_train": 1.0}) is None  # decided once
+    short = AutoCompile(steps=10)  # 7 steps left do not repay the compilation: never compiled
     eager = Policy(tiny, PolicyConfig(mode="lora", dtype="float32"))
     assert not any(short.after(eager, s, {"train_tokens_per_s": 1.0, "seconds_train": 1.0}) for s in range(10))
     assert not eager.compiled
@@ -197,11 +199,12 @@ def test_the_loop_compiles_when_auto_finds_it_pays(warm_model, tmp_path, monkeyp
     from moerl.trainer import compile as trainer_compile
 
     monkeypatch.setattr(trainer_compile, "COMPILE_SECONDS", 0.0)
-    train(run_cfg(tmp_path / "run", warm_model, "lora", steps=7))
+    # 9 steps: the trial needs 6 that train, and a step whose groups all agree (the warm model) trains nothing
+    train(run_cfg(tmp_path / "run", warm_model, "lora", steps=9))
     err = capsys.readouterr().err
-    assert "moerl: compiling the trainer's decoder blocks (policy.compile: auto; 4 steps left" in err
+    assert re.search(r"moerl: compiling the trainer's decoder blocks \(policy.compile: auto; \d steps left", err)
     assert re.search(
-        r"moerl: the compiled decoder blocks trained? \d\.\d\dx as fast as eager: (kept|back to eager)", err
+        r"moerl: the compiled decoder blocks train(ed)? \d\.\d\dx as fast as eager: (kept|back to eager)", err
     )
     losses = [r["loss"] for r in metric_rows(tmp_path / "run") if "loss" in r]
-    assert len(losses) == 7 and all(abs(x) < 1e3 for x in losses)
+    assert len(losses) >= 6 and all(abs(x) < 1e3 for x in losses)

@@ -55,29 +55,33 @@ def uncompile_blocks(model: torch.nn.Module) -> None:
 
 
 class AutoCompile:
-    """``policy.compile: auto`` over a run, fed each step's metrics row (``after``). The second and third steps
+    """``policy.compile: auto`` over a run, fed each step's metrics row (``after``). Only steps that trained count
+    (a step whose groups were all uninformative skips training and has no time). The second and third such steps
     train eager and are timed (training tokens/s); after the third the blocks compile if the steps left repay
-    ``COMPILE_SECONDS`` at ``GAIN`` (``pays``). The two steps after the compiling one are timed as well, and the
-    compiled blocks stay only if they trained faster (the best of two against the best of two: a busy moment
-    slows one step, not both); where they did not (a model so small that launches outweigh the fused work),
-    the run goes back to eager."""
+    ``COMPILE_SECONDS`` at ``GAIN`` (``pays``). The two trained steps after the compiling one are timed as well,
+    and the compiled blocks stay only if they trained faster (the best of two against the best of two: a busy
+    moment slows one step, not both); where they did not (a model so small that launches outweigh the fused
+    work), the run goes back to eager."""
 
-    __slots__ = ("start", "steps", "eager", "compiled", "trying")
+    __slots__ = ("steps", "eager", "compiled", "trained", "trying")
 
-    def __init__(self, start: int, steps: int):
-        self.start, self.steps = start, steps
+    def __init__(self, steps: int):
+        self.steps = steps
         self.eager: list[float] = []
         self.compiled: list[float] = []
-        self.trying = False
+        self.trained = 0  # steps that trained, since the run (or its resumption) started
+        self.trying = False  # compiled here, not decided yet
 
     def after(self, policy, step: int, row: dict) -> str | None:
         """Act on step ``step``'s ``row``; returns what to tell the user, if anything."""
-        k, rate = step - self.start, row.get("train_tokens_per_s")
+        rate = row.get("train_tokens_per_s")
         if rate is None:
             return None
-        if k in (1, 2):
+        self.trained += 1
+        k = self.trained
+        if k in (2, 3):
             self.eager.append(rate)
-        if k == 2:
+        if k == 3:
             left, seconds = self.steps - step - 1, row["seconds_train"]
             self.trying = policy.compile_if_it_pays(left, seconds)
             if self.trying:
@@ -85,9 +89,9 @@ class AutoCompile:
                     f"moerl: compiling the trainer's decoder blocks (policy.compile: auto; {left} steps left at "
                     f"{seconds:.2f} s of training each repay the ~{COMPILE_SECONDS:.0f} s it takes)"
                 )
-        if self.trying and k in (4, 5):
+        if self.trying and k in (5, 6):  # the 4th compiles
             self.compiled.append(rate)
-        if self.trying and k == 5:
+        if self.trying and k == 6:
             self.trying = False
             ratio = max(self.compiled) / max(self.eager)
             if ratio > 1.0:
