@@ -180,6 +180,8 @@ def test_compile_refusals():
 
     with pytest.raises(ConfigError, match=r"policy.compile='sometimes': allowed: auto, true, false"):
         load_config(RunConfig, None, ["policy.compile=sometimes"])
+    with pytest.raises(ConfigError, match=r"policy.compile=1: allowed: auto, true, false"):
+        PolicyConfig(compile=1)  # not taken for true (it would have meant off: only ``is True`` compiles)
     with pytest.raises(ConfigError, match=r"policy.compile=true with 2 ranks: .*built for one process"):
         load_config(RunConfig, None, ["policy.compile=true", "parallel.dp=2"])
     assert load_config(RunConfig, None, ["policy.compile=auto", "parallel.dp=2"]).policy.compile == "auto"

@@ -109,7 +109,7 @@ def pays(steps_left: int, seconds_train: float) -> bool:
 def check(setting, ranks: int, mode: str, key: str = "policy.compile") -> None:
     """Refuse a ``policy.compile`` value that is not auto / true / false, and ``true`` on a parallel layout or in
     mode mxfp8."""
-    if setting not in ("auto", True, False):
+    if not (isinstance(setting, bool) or setting == "auto"):  # not ``in``: 1 and 0 compare equal to True / False
         raise ConfigError(f"{key}={setting!r}: allowed: auto, true, false")
     if setting is True and mode == "mxfp8":
         raise ConfigError(
