@@ -36,6 +36,12 @@ class Groups:
             self.group = keys
             self.pos = torch.arange(keys.numel(), device=keys.device) - (ends - counts)[keys]
 
+    def pad(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by group [M, D] -> the capacity-padded buffer [groups, cap, D] (zeros past each group's rows)."""
+        buf = rows.new_zeros(self.n_groups, self.cap, rows.shape[1])
+        buf[self.group, self.pos] = rows
+        return buf
+
 
 def group_mm(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
     """Row block g of ``x`` [M, K] (rows sorted by group) times ``w[g]`` [K, N] -> [M, N]."""
@@ -43,9 +49,7 @@ def group_mm(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
         return _group_mm_op(x, w, groups.keys, groups.n_groups)
     if not groups.padded:
         return _aligned_grouped_mm(x, w, groups.offs)
-    buf = x.new_zeros(w.shape[0], groups.cap, x.shape[1])
-    buf[groups.group, groups.pos] = x
-    return torch.bmm(buf, w)[groups.group, groups.pos]
+    return torch.bmm(groups.pad(x), w)[groups.group, groups.pos]
 
 
 def group_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, groups: Groups) -> torch.Tensor:
@@ -53,10 +57,7 @@ def group_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, groups: Groups) -> torch.T
     of the output's gradient ``dy`` [M, N] (zeros for a group without rows)."""
     k, n = x.shape[1], dy.shape[1]
     if groups.padded:
-        bx = x.new_zeros(groups.n_groups, groups.cap, k)
-        bdy = dy.new_zeros(groups.n_groups, groups.cap, n)
-        bx[groups.group, groups.pos], bdy[groups.group, groups.pos] = x, dy
-        return torch.bmm(bx.transpose(1, 2), bdy)
+        return torch.bmm(groups.pad(x).transpose(1, 2), groups.pad(dy))
     # the 2D x 2D form groups along the reduced dim; x^T's row stride is K, and strides must be 16-byte aligned
     a = 16 // x.element_size()
     x = F.pad(x, (0, -k % a)) if k % a else x.contiguous()
