@@ -61,3 +61,38 @@ def test_the_compiled_graphs_grouped_gemm_and_its_gradients_equal_a_loop(dtype, 
     moved = keys.clone()
     moved[int((keys == 1).nonzero()[0])] = 0
     assert _error(_through_op(x, w, moved, n_groups, dy), want) > TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "rows, k, n",
+    [(12, 16, 24), (600, 16, 24), (600, 4, 24), (600, 6, 10), (600, 2, 12)],
+    ids=["padded", "aligned", "rank4", "unaligned", "rank2"],
+)
+def test_the_ops_fakes_have_the_real_outputs_sizes_and_strides(dtype, rows, k, n):
+    # a compiled graph plans every later op from the fake; torch's opcheck compares fake and real outputs (sizes,
+    # strides, dtype), the schema and the autograd registration, forward and backward
+    from moerl.model.grouped import _group_mm_wgrad_op
+
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randint(0, 3, (rows,), generator=gen).sort().values
+    x = torch.randn(rows, k, generator=gen).to(dtype).requires_grad_()
+    w = torch.randn(4, n, k, generator=gen).to(dtype).transpose(1, 2).requires_grad_()
+    torch.library.opcheck(_group_mm_op, (x, w, keys, 4))
+    torch.library.opcheck(_group_mm_wgrad_op, (x.detach(), torch.randn(rows, n).to(dtype), keys, 4))
+
+
+def test_a_compiled_graph_reads_an_unaligned_grouped_gemm_as_eager_does():
+    # the strided output of a padded K / N once met a contiguous fake: "expected ... stride 12==10" at run time
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.arange(2).repeat_interleave(200)
+    x, w = torch.randn(400, 6, generator=gen), torch.randn(2, 6, 10, generator=gen)
+
+    def f(x, w, keys):
+        return _group_mm_op(x, w, keys, 2).t() * 2 + 1
+
+    want = f(x, w, keys)
+    torch._dynamo.reset()
+    got = torch.compile(f, backend="inductor", fullgraph=True)(x, w, keys)
+    assert torch.allclose(got, want, atol=1e-5, rtol=0)  # fp32: the same GEMM, elementwise ops after it
+    assert not torch.allclose(got, want + 1e-3, atol=1e-5, rtol=0)  # the tolerance catches a small shift

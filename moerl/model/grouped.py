@@ -9,10 +9,15 @@ import torch.nn.functional as F
 class Groups:
     """Rows sorted by group (an expert, or a (slot, expert) pair) and how a grouped GEMM runs over them.
 
-    On CUDA: ``torch._grouped_mm`` with the group offsets. On the CPU ``torch._grouped_mm`` is one small GEMM
-    per group, and per-call overhead dominates when groups are small (decode); there a single bmm over a
-    capacity-padded ``[groups, max rows, K]`` buffer is faster. It is used while groups average <= 64 rows and
-    padding at most quadruples the work; large groups (prefill) keep the per-group GEMMs.
+    ``keys`` [M] (each row's group) must be sorted. The group offsets come from a search of the sorted keys, on
+    their device: no host read (CUDA's ``bincount`` reads its input's extent on the host: a sync per layer, and none
+    may happen while a CUDA graph is captured).
+
+    On CUDA: ``torch._grouped_mm`` with the group offsets (its kernel, for bf16 on sm90 / sm100: ``device_kernel``;
+    elsewhere torch falls back to one GEMM per group over offsets it reads on the host). On the CPU
+    ``torch._grouped_mm`` is one small GEMM per group, and per-call overhead dominates when groups are small (decode);
+    there a single bmm over a capacity-padded ``[groups, max rows, K]`` buffer is faster. It is used while groups
+    average <= 64 rows and padding at most quadruples the work; large groups (prefill) keep the per-group GEMMs.
 
     Inside a ``torch.compile`` graph the choice depends on the data, so there the grouped GEMM is one opaque op
     (``moerl::group_mm``) that makes it when it runs; its backward is two more such ops (``group_mm`` of the
@@ -26,15 +31,16 @@ class Groups:
         self.opaque = torch.compiler.is_compiling()
         if self.opaque:
             return
-        counts = torch.bincount(keys, minlength=n_groups)
-        ends = counts.cumsum(0)
+        ends = torch.searchsorted(keys, torch.arange(n_groups, device=keys.device, dtype=keys.dtype), right=True)
         self.offs = ends.to(torch.int32)
-        self.cap = int(counts.max()) if not keys.is_cuda and keys.numel() else 0
-        rows = keys.numel()
-        self.padded = not keys.is_cuda and 0 < rows <= 64 * n_groups and n_groups * self.cap <= 4 * rows
-        if self.padded:
-            self.group = keys
-            self.pos = torch.arange(keys.numel(), device=keys.device) - (ends - counts)[keys]
+        self.cap, self.padded, rows = 0, False, keys.numel()
+        if not keys.is_cuda and rows:  # the CPU's choice reads the largest group: no sync on a CPU
+            counts = torch.diff(ends, prepend=ends.new_zeros(1))
+            self.cap = int(counts.max())
+            self.padded = rows <= 64 * n_groups and n_groups * self.cap <= 4 * rows
+            if self.padded:
+                self.group = keys
+                self.pos = torch.arange(rows, device=keys.device) - (ends - counts)[keys]
 
     def pad(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows sorted by group [M, D] -> the capacity-padded buffer [groups, cap, D] (zeros past each group's rows)."""
@@ -65,6 +71,16 @@ def group_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, groups: Groups) -> torch.T
     return torch._grouped_mm(x.t(), dy, offs=groups.offs)[:, :k, :n]
 
 
+def device_kernel(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether CUDA's grouped GEMM has its kernel for ``dtype`` on ``device``: bf16 on sm90 / sm100 (no host read, so
+    a CUDA graph can hold it). Elsewhere on CUDA ``torch._grouped_mm`` falls back to one GEMM per group over
+    ``offs.cpu()``: right, but a host sync per call, which no CUDA graph can capture."""
+    device = torch.device(device)
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return False
+    return torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
 def _aligned_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """The grouped GEMM takes 16-byte-aligned strides only (CUDA and CPU alike): K and N not a multiple of
     ``16 / element size`` (a rank-4 adapter in bf16, an odd hidden size) are padded with zeros, which add nothing,
@@ -72,6 +88,8 @@ def _aligned_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) ->
     k, n, a = x.shape[1], w.shape[2], 16 // x.element_size()
     if k % a:
         x, w = F.pad(x, (0, -k % a)), F.pad(w, (0, 0, 0, -k % a))
+    else:  # a gradient may arrive expanded (stride 0), which the kernel refuses
+        x = x.contiguous()
     if n % a:
         w = F.pad(w, (0, -n % a))
     y = torch._grouped_mm(x, w, offs=offs)
@@ -80,8 +98,9 @@ def _aligned_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) ->
 
 @torch.library.custom_op("moerl::group_mm", mutates_args=())
 def _group_mm_op(x: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_groups: int) -> torch.Tensor:
-    """``group_mm`` as one op a compiled graph calls."""
-    return group_mm(x, w, Groups(keys, n_groups))
+    """``group_mm`` as one op a compiled graph calls. Its output is contiguous whatever the path (a padded K / N
+    leaves a strided slice), as its fake says: a graph plans its layout from the fake."""
+    return group_mm(x, w, Groups(keys, n_groups)).contiguous()
 
 
 @_group_mm_op.register_fake
@@ -91,8 +110,8 @@ def _(x: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_groups: int) -> to
 
 @torch.library.custom_op("moerl::group_mm_wgrad", mutates_args=())
 def _group_mm_wgrad_op(x: torch.Tensor, dy: torch.Tensor, keys: torch.Tensor, n_groups: int) -> torch.Tensor:
-    """``group_mm_wgrad`` as one op a compiled graph's backward calls."""
-    return group_mm_wgrad(x, dy, Groups(keys, n_groups))
+    """``group_mm_wgrad`` as one op a compiled graph's backward calls (contiguous, as its fake)."""
+    return group_mm_wgrad(x, dy, Groups(keys, n_groups)).contiguous()
 
 
 @_group_mm_wgrad_op.register_fake
