@@ -69,8 +69,9 @@ class TrainerRank:
             os.environ |= {
                 "RANK": str(rank),
                 "WORLD_SIZE": str(size),
-                "LOCAL_RANK": str(rank),
-                "LOCAL_WORLD_SIZE": str(size),
+                # Ray shows an actor its own GPUs only (as cuda:0 ...): on its GPUs each rank is alone
+                "LOCAL_RANK": "0",
+                "LOCAL_WORLD_SIZE": "1",
                 "MASTER_ADDR": "127.0.0.1" if master["one_node"] else master["ip"],
                 "MASTER_PORT": str(master["port"]),
             }

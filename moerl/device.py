@@ -46,3 +46,29 @@ def resolve_device(name: str | torch.device, key: str = "device") -> torch.devic
         if device.index is not None and device.index >= count:
             raise ConfigError(f"{key}={name!r}: this host has {count} CUDA device(s): cuda:0 .. cuda:{count - 1}")
     return device
+
+
+def gpu_id(device: str | torch.device) -> str | None:
+    """The physical GPU behind a CUDA device: its UUID, the same in every process whatever ``CUDA_VISIBLE_DEVICES``
+    shows it as (Ray gives each actor its own numbering); None off CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Host tensors on ``device`` in one copy: on CUDA packed into one pinned buffer and sent non-blocking (a copy
+    from pageable memory, one per tensor, would wait for the stream each time); on the CPU as they are."""
+    if device.type != "cuda":
+        return tensors
+    spans, end = [], 0
+    for t in tensors:  # each at an offset aligned for its element size (views of the buffer as its dtype)
+        end = -(-end // 8) * 8
+        spans.append((end, t.numel() * t.element_size()))
+        end += spans[-1][1]
+    host = torch.empty(end, dtype=torch.uint8, pin_memory=True)
+    for t, (at, size) in zip(tensors, spans, strict=True):
+        host[at : at + size].copy_(t.contiguous().flatten().view(torch.uint8))
+    buf = host.to(device, non_blocking=True)
+    return [buf[at : at + size].view(t.dtype).view(t.shape) for t, (at, size) in zip(tensors, spans, strict=True)]

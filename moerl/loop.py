@@ -79,6 +79,7 @@ def _run(cfg: RunConfig, resume: bool, overwrite: bool, engines) -> dict | None:
         par.ep,
         par.pp,
         timeout_s=par.timeout_s,
+        device=cfg.policy.device,
         schedule=par.schedule,
         microbatches=par.microbatches,
         stages=par.stages or None,

@@ -6,8 +6,15 @@ it: a torch-function mode (what Python code sees: the device it reads, the facto
 reads it makes) and a dispatch mode under it (every ATen op, the backward's included: where results live, and the
 check). An op that combines a tensor on the device with a CPU tensor of one element or more is refused as CUDA refuses
 it (CPU scalars and CPU index tensors of ``t[idx]`` are allowed, as CUDA allows them; a copy between the two is a
-transfer), and so is a CPU generator drawing for the device. Reads of device values on the host (``.item()``,
-``.tolist()``, ``bool``, ``.cpu()``, ``nonzero``, ...) are counted as host syncs, by the moerl line that made them.
+transfer), and so is a CPU generator drawing for the device.
+
+Host syncs are counted, by the moerl line that made them, wherever they happen (Python code or an ATen op under it,
+the backward's included): reads of device values on the host (``.item()``, ``.tolist()``, ``bool``, ``.cpu()``), ops
+whose CUDA kernels read their data on the host to size their output (``nonzero``, ``unique``, ``bincount``,
+``masked_select``, ``repeat_interleave`` without ``output_size``, a boolean index), CUDA's grouped GEMM where it falls
+back to a loop over ``offs.cpu()`` (anything but bf16 on sm90 / sm100), and copies from pageable host memory to the
+device (a CUDA stream syncs before such a copy: only a pinned source copied with ``non_blocking=True`` does not; a
+CPU index tensor of a device tensor is copied so too).
 
 What it cannot show: the speed, kernels that exist on the CPU only, the alignment rules of CUDA kernels.
 """
@@ -17,6 +24,7 @@ from __future__ import annotations
 import traceback
 from collections import Counter
 from contextlib import ExitStack
+from types import SimpleNamespace
 
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
@@ -27,20 +35,32 @@ CUDA = torch.device("cuda", 0)
 CPU = torch.device("cpu")
 aten = torch.ops.aten
 
-# Python-level reads of a device value on the host: CUDA waits for the device there
+# reads of a device value on the host that Python makes: counted here (a CPU tensor's item() under inference mode
+# reaches no ATen op); the same read reaching ``_local_scalar_dense`` under them is not counted again
 SYNCS = {
-    "Tensor.item",
     "Tensor.tolist",
+    "Tensor.numpy",
+    "Tensor.__array__",
+    "Tensor.item",
     "Tensor.__bool__",
     "Tensor.__int__",
     "Tensor.__float__",
     "Tensor.__index__",
-    "Tensor.numpy",
-    "Tensor.nonzero",
-    "torch.nonzero",
-    "Tensor.unique",
-    "torch.unique",
 }
+# ATen ops whose CUDA kernels wait for the device: a value read back (item, bool), or an output sized by the data
+SYNC_OPS = {
+    aten._local_scalar_dense.default,
+    aten.nonzero.default,
+    aten.nonzero_static.default,
+    aten._unique2.default,
+    aten.unique_dim.default,
+    aten.unique_consecutive.default,
+    aten.bincount.default,
+    aten.masked_select.default,
+    aten.equal.default,
+}
+# a compute capability the simulated GPU reports (an H100 / H200): CUDA's grouped GEMM has its kernel there
+CAPABILITY = (9, 0)
 MOVES = ("Tensor.to", "Tensor.cuda", "Tensor.cpu")
 # ATen ops that take CPU index tensors or a CPU source with device tensors, as CUDA does
 MIXED_OK = {
@@ -77,6 +97,7 @@ class _Where:
 
     def __init__(self):
         self.state: dict[int, bool] = {}
+        self.reading = False  # inside a Python-level read (SYNCS), counted there
 
     def on(self, t: torch.Tensor) -> bool:
         storage = t.untyped_storage()  # its device is the real one (``t.device`` is what the simulation reports)
@@ -89,12 +110,58 @@ class _Where:
                 self.state[storage.data_ptr()] = device
 
 
-class _Dispatch(TorchDispatchMode):
-    """Every ATen op: the check, and where its results live (on the device if any input is)."""
+def _pageable(src: torch.Tensor, blocking: bool, pinned: set[int]) -> str | None:
+    """A host -> device copy of ``src`` syncs unless its memory is pinned and the copy is non-blocking."""
+    if blocking or src.untyped_storage().data_ptr() not in pinned:
+        return "pageable host -> device copy"
+    return None
 
-    def __init__(self, where: _Where):
+
+def _count(syncs: Counter, what: str) -> None:
+    """One host sync, by the innermost moerl line (not this module's) of the stack that made it."""
+    stack = traceback.extract_stack()
+    caller = next((f for f in reversed(stack) if "/moerl/" in f.filename and "simdevice" not in f.filename), None)
+    where = f"{caller.filename.rsplit('/moerl/', 1)[1]}:{caller.lineno}" if caller else "outside moerl"
+    syncs[(what, where)] += 1
+
+
+class _Dispatch(TorchDispatchMode):
+    """Every ATen op: the check, the host syncs, and where its results live (on the device if any input is)."""
+
+    def __init__(self, where: _Where, syncs: Counter, pinned: set[int]):
         super().__init__()
-        self.where = where
+        self.where, self.syncs, self.pinned = where, syncs, pinned
+
+    def _sync(self, func, args, kwargs, ins: list[torch.Tensor], dev: list[torch.Tensor]) -> str | None:
+        """What makes this op a host sync on CUDA, if it is one."""
+        if func is aten.repeat_interleave.Tensor:
+            return None if kwargs.get("output_size") is not None or not ins[0].numel() else str(func)
+        if func is aten.histc.default:  # CUDA reads the data's min / max when no range is given
+            lo, hi = (list(args[2:4]) + [kwargs.get("min", 0), kwargs.get("max", 0)])[:2]
+            return str(func) if lo == hi else None
+        # copies: ``copy_`` both ways; ``_to_copy`` to the device from C++ (Python's moves are counted by _Function)
+        if func is aten.copy_.default or (func is aten._to_copy.default and _is_cuda(kwargs.get("device"))):
+            dst_dev = self.where.on(ins[0]) if func is aten.copy_.default else True
+            src = ins[1] if func is aten.copy_.default else ins[0]
+            if self.where.on(src) and not dst_dev:
+                return "device -> host copy"
+            if dst_dev and not self.where.on(src) and src.numel():
+                blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+                return _pageable(src, blocking, self.pinned)
+            return None
+        if not dev:
+            return None
+        if func in SYNC_OPS:
+            return None if func is aten._local_scalar_dense.default and self.where.reading else str(func)
+        if func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default):
+            idx = [t for t in (args[1] if len(args) > 1 else kwargs.get("indices", ())) if isinstance(t, torch.Tensor)]
+            if any(t.dtype in (torch.bool, torch.uint8) for t in idx):
+                return f"{func} with a boolean index (nonzero)"
+            if any(not self.where.on(t) and t.dim() > 0 and t.numel() for t in idx):
+                return "pageable host -> device copy (a CPU index)"
+        if func is aten._grouped_mm.default and (ins[0].dtype != torch.bfloat16 or CAPABILITY[0] not in (9, 10)):
+            return f"{func} fallback ({ins[0].dtype}: offs.cpu(), one GEMM per group)"
+        return None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -113,15 +180,26 @@ class _Dispatch(TorchDispatchMode):
                     f"{shapes}"
                 )
         if dev and func is aten._grouped_mm.default and ins[0].element_size() == 2:
-            # CUDA's grouped GEMM takes 16-byte-aligned strides only: in bf16 / fp16, K and N multiples of 8
-            k, n = ins[0].shape[-1], ins[1].shape[-1]
-            if k % 8 or n % 8:
-                raise CudaRuleError(f"{func}: {ins[0].dtype} operands need K and N multiples of 8, got K={k}, N={n}")
+            # CUDA's grouped GEMM takes 16-byte-aligned strides only: each operand's leading stride (its row stride,
+            # or its column stride when it is a transposed view) a multiple of 8 elements in bf16 / fp16
+            for which, mat in zip(("mat_a", "mat_b"), ins[:2], strict=True):
+                lead = mat.stride(-2) if mat.stride(-1) == 1 else mat.stride(-1)
+                if lead % 8:
+                    raise CudaRuleError(
+                        f"{func}: {mat.dtype} operands need 16-byte-aligned strides (K and N multiples of 8), "
+                        f"{which} {tuple(mat.shape)} has strides {mat.stride()}"
+                    )
+        why = self._sync(func, args, kwargs, ins, dev)
+        if why is not None:
+            _count(self.syncs, why)
         out = func(*args, **kwargs)
         if func in (aten.copy_.default, aten.set_.source_Storage_storage_offset, aten.set_.source_Tensor):
             return out  # the destination stays where it is
         if func is aten._to_copy.default and kwargs.get("device") is not None:
-            self.where.mark(out, _is_cuda(kwargs["device"]))  # a move; a dtype cast alone stays where it is
+            # to the device: a move. To the CPU from the device: a cast C++ made with the tensor's real device (a
+            # decomposition's ``.to(dtype)``: bf16 rms_norm), which stays on the device; Python's moves to the host
+            # are marked by _Function after this
+            self.where.mark(out, _is_cuda(kwargs["device"]) or bool(dev))
             return out
         self.where.mark(out, bool(dev))
         return out
@@ -130,9 +208,9 @@ class _Dispatch(TorchDispatchMode):
 class _Function(TorchFunctionMode):
     """What Python code sees: devices reported, factories and moves made for the device, host reads counted."""
 
-    def __init__(self, where: _Where, syncs: Counter):
+    def __init__(self, where: _Where, syncs: Counter, pinned: set[int]):
         super().__init__()
-        self.where, self.syncs = where, syncs
+        self.where, self.syncs, self.pinned = where, syncs, pinned
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -146,13 +224,32 @@ class _Function(TorchFunctionMode):
             return on if name == "Tensor.is_cuda.__get__" else not on
         if name in ("Tensor.backward", "torch.autograd.backward"):
             return self._backward(name, args, kwargs)
+        if name == "Tensor.is_pinned":
+            return first.untyped_storage().data_ptr() in self.pinned
+        if name == "Tensor.pin_memory" or kwargs.get("pin_memory"):  # a CPU build cannot pin: it is recorded
+            out = first.clone() if name == "Tensor.pin_memory" else func(*args, **{**kwargs, "pin_memory": False})
+            self.pinned.add(out.untyped_storage().data_ptr())
+            self.where.mark(out, False)
+            return out
         target = self._target(name, args, kwargs)
         dev_in = any(self.where.on(t) for t in _tensors((args, kwargs)))
         if name in SYNCS and dev_in:
             self._count(name)
+            self.where.reading = True
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.where.reading = False
         if _is_cuda(target):
             if isinstance(kwargs.get("generator"), torch.Generator):
                 raise DeviceMixError(f"{name}: a CPU generator cannot draw for the CUDA device")
+            if name in MOVES and first is not None and not self.where.on(first):
+                blocking = not (kwargs.get("non_blocking") or any(a is True for a in args[1:]))
+                why = _pageable(first, blocking, self.pinned)
+                if why is not None:
+                    self._count(why)
+            elif name in ("torch.tensor", "torch.as_tensor", "torch.asarray"):  # from Python data, through the host
+                self._count("pageable host -> device copy")
             out = first.clone() if name in MOVES and first is not None else func(*args, **{**kwargs, "device": CPU})
             if name == "Tensor.to":  # a dtype given with the device
                 dtype = next((a for a in (*args[1:], kwargs.get("dtype")) if isinstance(a, torch.dtype)), None)
@@ -222,19 +319,17 @@ class _Function(TorchFunctionMode):
         return kwargs.get("device")
 
     def _count(self, what: str) -> None:
-        stack = traceback.extract_stack()
-        caller = next((f for f in reversed(stack) if "/moerl/" in f.filename and "simdevice" not in f.filename), None)
-        where = f"{caller.filename.rsplit('/moerl/', 1)[1]}:{caller.lineno}" if caller else "outside moerl"
-        self.syncs[(what, where)] += 1
+        _count(self.syncs, what)
 
 
 class SimCuda:
     """``with SimCuda() as sim:`` runs torch as if a CUDA device were there (see the module docstring): ``torch.cuda``
-    answers as on a host with one GPU with ``sim.free_memory`` bytes free. ``sim.syncs`` counts host syncs by (call,
-    moerl line)."""
+    answers as on a host with one GPU (compute capability ``CAPABILITY``) with ``sim.free_memory`` bytes free.
+    ``sim.syncs`` counts host syncs by (what, moerl line); ``sim.pinned`` holds the pinned host memory."""
 
     def __init__(self, free_memory: int = 64 * 2**30):
         self.where, self.syncs, self.free_memory = _Where(), Counter(), free_memory
+        self.pinned: set[int] = set()  # storages of host memory made pinned while simulating
         self._stack = ExitStack()
 
     def on_device(self, t: torch.Tensor) -> bool:
@@ -251,12 +346,17 @@ class SimCuda:
             "current_device": lambda: 0,
             "set_device": lambda device: None,
             "mem_get_info": lambda device=None: (self.free_memory, 2 * self.free_memory),
+            "get_device_capability": lambda device=None: CAPABILITY,
+            "get_device_properties": lambda device=None: SimpleNamespace(
+                name="simulated GPU", uuid="GPU-simulated-0", total_memory=2 * self.free_memory, major=CAPABILITY[0]
+            ),
+            "get_device_name": lambda device=None: "simulated GPU",
         }
         for name, answer in answers.items():
             self._stack.callback(setattr, torch.cuda, name, getattr(torch.cuda, name))
             setattr(torch.cuda, name, answer)
-        self._stack.enter_context(_Dispatch(self.where))
-        self._stack.enter_context(_Function(self.where, self.syncs))
+        self._stack.enter_context(_Dispatch(self.where, self.syncs, self.pinned))
+        self._stack.enter_context(_Function(self.where, self.syncs, self.pinned))
         return self
 
     def __exit__(self, *exc) -> None:

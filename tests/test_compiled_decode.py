@@ -182,10 +182,11 @@ def _lora_engine_model(layout: str):
 
 
 @pytest.mark.parametrize("layout", ["per_expert", "shared_outer"])
-def test_the_graph_path_of_adapter_slots_equals_the_grouped_one(layout):
-    """Eager, fp32: every-slot-masked LoRA (what the compiled step runs: ``LinearLora`` and the dense expert path's
-    LoRA deltas, with a slot tensor) against the grouped path with the same per-token slots (two adapters and
-    none) within 1e-5; negative control: the slots shifted by one token miss by far more."""
+def test_the_paths_of_mixed_adapter_slots_equal_the_reference_loop(layout):
+    """Eager, fp32: a mix of per-token slots (two adapters and none) on the experts' grouped path (rows grouped by
+    (slot, expert), no host read) and on the dense path (every slot's deltas masked: what the compiled step runs),
+    against the reference loop (per expert, per slot) within 1e-5; the linear layers' masked slots against the
+    slot's own merged weight. Negative control: the slots shifted by one token miss by far more."""
     model = _lora_engine_model(layout)
     ctx = model.adapter_ctx
     slots = torch.tensor([0, 1, -1, 1, 0, -1, 0, 1, 1, 0])
@@ -194,21 +195,25 @@ def test_the_graph_path_of_adapter_slots_equals_the_grouped_one(layout):
     q = model.layers[0].self_attn.q_proj
     with torch.no_grad():
         weights, idx = moe.router(x)
-        ctx.set(slots, len(slots), 1)  # eager: the grouped path's per-token slots
-        want = moe.experts._grouped(x, idx, weights), q(x)
+        ctx.set(slots, len(slots), 1)
+        merged = [q.weight + q.lora.delta_weight(s) for s in (0, 1)] + [q.weight]
+        want_q = torch.stack([x[i] @ merged[s].T for i, s in enumerate(slots.tolist())])
+        want = moe.experts._loop(x, idx, weights)
         for control in (False, True):
-            ctx.single, ctx.token_slots = None, None
-            ctx.graph_slots = slots.roll(1) if control else slots
-            got = moe.experts._dense(x, idx, weights), q(x)
-            worst = max(float((a - b).abs().max()) for a, b in zip(got, want, strict=True))
+            ctx.set(slots.roll(1) if control else slots, len(slots), 1)
+            for got in (moe.experts._grouped(x, idx, weights), moe.experts._dense(x, idx, weights)):
+                worst = float((got - want).abs().max())
+                assert (worst > 1e-3) if control else (worst < 1e-5), worst
+            worst = float((q(x) - want_q).abs().max())
             assert (worst > 1e-3) if control else (worst < 1e-5), worst
         ctx.set(None, 1, 1)
 
 
 def test_compiled_lora_decode_matches_the_eager_lora_engine():
-    """A LoRA engine (two adapters in slots, requests asking for either or none) decodes through one graph as eager:
-    same tokens and routing, fp32 logprobs within 1e-5; negative control: the compiled engine with the requests'
-    adapters swapped (a <-> b) fails the same comparison."""
+    """A LoRA engine (two adapters in slots, requests asking for either or none) decodes through one graph as eager,
+    its adapted experts on the dense path in half the layers and as the grouped op, rows grouped by (slot, expert),
+    in the others: same tokens and routing, fp32 logprobs within 1e-5; negative control: the compiled engine with
+    the requests' adapters swapped (a <-> b) fails the same comparison."""
     from moerl.model.lora import slot_tensors
 
     donor = _lora_engine_model("per_expert")
@@ -226,6 +231,8 @@ def test_compiled_lora_decode_matches_the_eager_lora_engine():
         )
         engine.add_adapter("a", slot_tensors(donor, 0))
         engine.add_adapter("b", slot_tensors(donor, 1))
+        for i in engine.model.moe_layer_ids[1::2]:  # half the layers' adapted experts as the grouped op
+            engine.model.layers[i].mlp.experts.dense_in_graph = False
         outs.append(engine.generate(requests()))
     assert _compare(*outs) < 1e-5
     with pytest.raises(AssertionError):  # tokens, routing or logprobs differ with the other adapter
@@ -262,3 +269,51 @@ def test_the_loop_compiles_the_decode_step_when_auto_finds_it_pays(warm_model, t
     assert steps
     rows = [r for r in metric_rows(tmp_path / "run") if "loss" in r]
     assert len(rows) == 5 and all(r["mismatch_k3_r3"] < 1e-6 for r in rows)  # fp32: compiled within 1e-5 of eager
+
+
+def test_the_pools_the_compiled_step_writes_reach_the_graph_static():
+    """cudagraph trees skip a graph whose mutated inputs are neither static nor recorded (so CUDA graphs would never
+    run): the KV pools the step writes reach the graph marked static, as a backend that keeps the graph's inputs
+    sees them. Negative control: the same engine's pools unmarked arrive unmarked."""
+    seen = []
+
+    def keep(gm, example_inputs):
+        seen.extend(example_inputs)
+        return gm.forward
+
+    def pool_marks(mark: bool) -> list:
+        seen.clear()
+        model = init_model("qwen3_moe", "tiny", overrides={"num_hidden_layers": 2}, dtype=torch.float32)
+        engine = LLMEngine(model, EngineConfig(max_num_seqs=4, max_model_len=64, compile_decode=True))
+        if not mark:
+            for pool in engine.cache.pools():
+                del pool._dynamo_static_input_type
+        torch._dynamo.reset()
+        engine.compiled._graph = torch.compile(engine.compiled._forward, dynamic=True, backend=keep)
+        engine.generate(_requests(2))
+        shape = engine.cache.pools()[0].shape
+        pools = [t for t in seen if isinstance(t, torch.Tensor) and tuple(t.shape) == tuple(shape)]
+        return [getattr(t, "_dynamo_static_input_type", None) for t in pools]
+
+    assert pool_marks(True) == ["unguarded"] * 4  # 2 layers' keys and values
+    assert pool_marks(False) == [None] * 4
+
+
+def test_the_grouped_gemm_enters_a_cuda_graph_only_where_it_has_its_kernel(monkeypatch):
+    """Experts too large for the dense path take the grouped op into the compiled step on CUDA in bf16 on sm90
+    (its kernel reads no offsets on the host), and the dense path in fp32 or on an sm80 GPU (torch's per-group
+    fallback reads them on the host, which no CUDA graph can capture)."""
+    import simdevice
+    from simdevice import SimCuda
+
+    big = {"num_hidden_layers": 1, "moe_intermediate_size": 256}  # 1.6 MFLOP a token over every expert
+    chosen = {}
+    for dtype, capability in ((torch.bfloat16, (9, 0)), (torch.float32, (9, 0)), (torch.bfloat16, (8, 0))):
+        monkeypatch.setattr(simdevice, "CAPABILITY", capability)
+        with SimCuda():
+            model = init_model("qwen3_moe", "tiny", overrides=big, dtype=dtype).to("cuda")
+            engine = LLMEngine(model, EngineConfig(max_num_seqs=4, max_model_len=64, compile_decode=True))
+            chosen[(dtype, capability)] = engine.model.layers[0].mlp.experts.dense_in_graph
+    assert chosen == {(torch.bfloat16, (9, 0)): False, (torch.float32, (9, 0)): True, (torch.bfloat16, (8, 0)): True}
+    cpu = LLMEngine(init_model("qwen3_moe", "tiny", overrides=big), EngineConfig(max_model_len=64, compile_decode=True))
+    assert not cpu.model.layers[0].mlp.experts.dense_in_graph  # the CPU's grouped GEMM has no such limit

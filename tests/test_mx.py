@@ -109,6 +109,48 @@ def test_mx_grouped_gemm_gradients_close_to_bf16():
     assert _rel(mx_gx, x.grad.float()) < 0.08 and _rel(mx_gw, w.grad.float()) < 0.08
 
 
+@pytest.mark.parametrize("sizes", [[303, 32, 0, 265], [13, 32, 0, 3]], ids=["grouped", "padded"])
+def test_the_mx_weight_gradient_quantizes_each_groups_tokens_in_its_own_blocks(sizes):
+    """The experts' weight gradient reduces over each group's tokens, quantized along them in blocks of 32 that
+    start at the group's first row (a group's last block zero-padded), as a per-group float64 loop computes it;
+    within 1e-5 of each group's largest entry (fp32 GEMMs of the same quantized operands). The layout is sized from
+    the shapes, with no host read of the counts. Negative control: blocks of 32 over the sorted rows as they lie
+    (blocks straddling two groups)."""
+    g = torch.Generator().manual_seed(2)
+    experts, k, n, rows = 4, 32, 48, sum(sizes)  # a group without rows, one of exactly a block
+    keys = torch.arange(experts).repeat_interleave(torch.tensor(sizes))
+    # each group's rows at their own magnitude: a block that straddled two groups would take the larger one's scale
+    scale = torch.tensor([1.0, 300.0, 1.0, 0.01]).repeat_interleave(torch.tensor(sizes))[:, None]
+    x = (torch.randn(rows, k, generator=g) * scale).requires_grad_()
+    w = torch.randn(experts, k, n, generator=g)
+    r = torch.randn(rows, n, generator=g)
+    w.requires_grad_()
+    (mx_group_mm(x, w, Groups(keys, experts), "rceil") * r).sum().backward()
+
+    def reference(aligned: bool) -> torch.Tensor:
+        def blocks(t, rows_of_group):  # zero-padded to whole blocks per group, or the whole sorted buffer at once
+            t = t.detach()
+            if not aligned:
+                t = mx_fake_quant(torch.cat([t, t.new_zeros(-t.shape[0] % 32, t.shape[1])]), 0, "rceil")[: t.shape[0]]
+                return [t[m] for m in rows_of_group]
+            out = []
+            for m in rows_of_group:
+                part = t[m]
+                part = torch.cat([part, part.new_zeros(-part.shape[0] % 32, part.shape[1])])
+                out.append(mx_fake_quant(part, 0, "rceil") if part.shape[0] else part)
+            return out
+
+        masks = [keys == e for e in range(experts)]
+        xs, rs = blocks(x, masks), blocks(r, masks)
+        return torch.stack([a.double().T @ b.double() for a, b in zip(xs, rs, strict=True)])
+
+    got = w.grad.double()
+    for aligned in (True, False):
+        want = reference(aligned)
+        err = float(((got - want).abs() / want.abs().amax((1, 2), keepdim=True).clamp(min=1e-30)).max())
+        assert (err < 1e-5) if aligned else (err > 1e-3), err
+
+
 def test_mxfp8_training_loss_falls_and_keeps_router_embeddings_unquantized(hf_checkpoints):
     from test_trainer import make_batch
 

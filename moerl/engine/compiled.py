@@ -4,18 +4,20 @@ A decode step runs hundreds of small ops whose per-op cost, not arithmetic, deci
 (CPU) and whose launches dominate on a GPU. Here the batch is padded to a bucket size (``BUCKETS``, at least 2: a
 size-1 dimension would be specialised into a graph of its own) and the block tables to a power of two, so few
 shapes reach the graph; its shapes are symbolic (``dynamic=True``), so one compilation covers every bucket on the
-CPU. On CUDA it asks for CUDA graphs (``mode="reduce-overhead"``, one per bucket); not run on a GPU yet, and the
-KV cache pools the graph writes are inputs, which inductor may take as a reason to skip the graphs. Padding rows
-decode token 0 at position 0 into the cache's scratch block, never into a sequence's. Prefill stays eager, and so
-does any batch larger than ``max_num_seqs`` (which the scheduler never forms).
+CPU. On CUDA it asks for CUDA graphs (``mode="reduce-overhead"``, one per bucket): the KV cache pools the graph writes
+are marked static (mutated inputs that are not make cudagraph trees skip the graph), and nothing in the graph reads
+the device on the host (the grouped GEMM's offsets come from a search on the device). Padding rows decode token 0
+at position 0 into the cache's scratch block, never into a sequence's. Prefill stays eager, and so does any batch
+larger than ``max_num_seqs`` (which the scheduler never forms).
 
 Inside the graph the routed experts take the dense path (every expert on every token, ``Experts._dense``) where
-that is cheap, else the grouped GEMM as one opaque op. MXFP8 engines' experts quantize their operands on either
-path, as eager; the weights come quantized from outside the graph, kept between steps and refreshed after a sync
-(``moerl.model.mx.weight_quant``), so a step quantizes only its activations. LoRA slots: each row's slot is a
-tensor in the graph; every projection computes every slot's shrink in one GEMM and keeps the row's own by a mask
-(``LinearLora``, and ``LoraExperts``' deltas on the dense expert path), so adapted experts always take the dense
-path (their grouped path sorts rows by slot, which a graph cannot). Padding rows use no adapter.
+that is cheap, and on CUDA where the grouped GEMM has no kernel for the dtype (torch's fallback reads offsets on the
+host); else the grouped GEMM as one opaque op. MXFP8 engines' experts quantize their operands on either path, as
+eager; the weights come quantized from outside the graph, kept between steps and refreshed after a sync
+(``moerl.model.mx.weight_quant``), so a step quantizes only its activations. LoRA slots: each row's slot is a tensor
+in the graph; every projection computes every slot's shrink in one GEMM and keeps the row's own by a mask
+(``LinearLora``, ``LoraExperts``' deltas on the dense path); on the grouped path adapted experts group their rows by
+(slot, expert), rows without an adapter weighted 0. Padding rows use no adapter.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from moerl.engine.kv_cache import KVCache, StepView
-from moerl.model.lora import LoraExperts
+from moerl.model.grouped import device_kernel
 from moerl.model.mx import refresh_kept
 from moerl.model.transformer import MoEModel
 
@@ -67,11 +69,18 @@ class CompiledDecode:
     def __init__(self, model: MoEModel, cache: KVCache, capture: bool):
         if cache.scratch_block is None:
             raise ValueError("CompiledDecode needs a KVCache built with scratch=True")
+        device, dtype = model.embed_tokens.weight.device, model.dtype
+        # on CUDA the grouped GEMM goes into the graph only where it has its kernel (no host read): bf16 on sm90 /
+        # sm100; elsewhere the dense path, which reads every expert as the grouped GEMMs of a decode batch nearly do
+        dense = dense_experts_pay(model) or (device.type == "cuda" and not device_kernel(dtype, device))
         for i in model.moe_layer_ids:
-            experts = model.layers[i].mlp.experts
-            experts.dense_in_graph = dense_experts_pay(model) or isinstance(experts, LoraExperts)
+            model.layers[i].mlp.experts.dense_in_graph = dense
         self.model, self.cache, self.capture = model, cache, capture
-        cuda = model.embed_tokens.weight.is_cuda
+        # the pools the graph writes keep their addresses (release_cache is refused with compile_decode): marked
+        # static, CUDA graphs write them in place; an unmarked mutated input makes cudagraph trees skip the graph
+        for pool in cache.pools():
+            torch._dynamo.mark_static_address(pool)
+        cuda = device.type == "cuda"
         self._graph = torch.compile(self._forward, dynamic=True, mode="reduce-overhead" if cuda else None)
 
     def _forward(self, ids, positions, view: StepView, adapters) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -14,6 +14,7 @@ import torch
 from tqdm import tqdm
 
 from moerl.allocator import reuse_freed_memory
+from moerl.device import to_device
 from moerl.engine.adapters import AdapterSlots
 from moerl.engine.compiled import CompiledDecode
 from moerl.engine.config import EngineConfig, SamplingParams, int_or_none
@@ -331,12 +332,20 @@ class LLMEngine:
         lengths = torch.tensor([n for _, n in batch])
         write_rows = torch.tensor([r * c + i for r, (_, n) in enumerate(batch) for i in range(n)])
         state_slots = torch.tensor([s.state_slot for s, _ in batch])
-        ids, positions, tables, lengths, write_rows, state_slots = (
-            t.to(device) for t in (ids, positions, tables, lengths, write_rows, state_slots)
-        )
+        inputs = [ids, positions, tables, lengths, write_rows, state_slots]
         adapters = None
         if self.adapters is not None:
-            adapters = torch.tensor([s.group.adapter_slot for s, _ in batch], device=device)
+            slots = [s.group.adapter_slot for s, _ in batch]
+            # one slot for the whole batch goes as a number (the single-slot GEMMs), a mix as a tensor; the compiled
+            # step takes a tensor always (one graph for every mix)
+            if len(set(slots)) == 1 and self.compiled is None:
+                adapters = slots[0] if slots[0] >= 0 else None
+            else:
+                adapters = torch.tensor(slots)
+                inputs.append(adapters)
+        # the step's inputs in one copy (from pinned memory on CUDA, not waiting for the stream)
+        ids, positions, tables, lengths, write_rows, state_slots, *rest = to_device(inputs, device)
+        adapters = rest[0] if rest else adapters
         t0 = time.perf_counter()
         if kind == "decode" and self.compiled is not None:
             all_logits, routed = self.compiled.step(ids, positions, tables, adapters)
@@ -370,7 +379,10 @@ class LLMEngine:
         if not to_sample:
             return 0
         seqs = [s for s, _ in to_sample]
-        logits = all_logits[[r for _, r in to_sample]]  # sampled where they are: only tokens come to the host
+        rows = [r for _, r in to_sample]  # sampled where they are: only tokens come to the host
+        if rows != list(range(len(all_logits))):
+            all_logits = all_logits[to_device([torch.tensor(rows)], device)[0]]
+        logits = all_logits
         finite = logits.isfinite().all(-1).cpu()  # one vectorised check per step, on the rows being sampled only
         if not bool(finite.all()):
             seqs, logits = self._fail_non_finite(seqs, logits, finite)

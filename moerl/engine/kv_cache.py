@@ -117,7 +117,8 @@ class KVCache:
         self.attention = [i for i, t in enumerate(cfg.layer_types) if t != "linear"]
         self.released = False
 
-    def _pools(self) -> list[torch.Tensor]:
+    def pools(self) -> list[torch.Tensor]:
+        """Every attention layer's key and value pool."""
         return [pool for i in self.attention for pool in (self.k[i], self.v[i])]
 
     def release(self) -> None:
@@ -140,12 +141,12 @@ class KVCache:
             return
         bs = self.block_size
         slots = (torch.tensor(blocks)[:, None] * bs + torch.arange(bs)).flatten().to(self.device)
-        for pool in self._pools():
+        for pool in self.pools():
             pool.index_fill_(1, slots, 0)
 
     def copy_block(self, src: int, dst: int) -> None:
         bs = self.block_size
-        for pool in self._pools():
+        for pool in self.pools():
             pool[:, dst * bs : (dst + 1) * bs].copy_(pool[:, src * bs : (src + 1) * bs])
 
 

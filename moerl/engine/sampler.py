@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from moerl.device import to_device
 from moerl.engine.config import SamplingParams
 
 
@@ -25,27 +26,11 @@ def sample(
     """Next tokens [M] and their logprobs [M] (fp32, log-softmax of logits / temperature) for logits [M, V], on the
     logits' device. The seeded generators are the host's: one uniform per sampled row comes from them."""
     logits, device = logits.float(), logits.device
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
-    z = logits / temps[:, None]
-    logp = z.log_softmax(-1)
-    masked = z
-    for i, p in enumerate(params):  # min_tokens: no stop token yet
-        if num_generated[i] < p.min_tokens:
-            stops = list(p.stop_token_ids) + ([] if p.ignore_eos or eos_id is None else [eos_id])
-            if stops:
-                masked = masked.clone() if masked is z else masked
-                masked[i, stops] = float("-inf")
-    if any(p.top_k > 0 or p.top_p < 1 for p in params):
-        top_k = torch.tensor([p.top_k for p in params], device=device)
-        top_p = torch.tensor([p.top_p for p in params], device=device)
-        ordered, order = masked.sort(dim=-1, descending=True)
-        rank = torch.arange(ordered.shape[1], device=device)[None, :]
-        drop = (top_k[:, None] > 0) & (rank >= top_k[:, None])
-        probs = ordered.softmax(-1)
-        drop |= (probs.cumsum(-1) - probs) >= top_p[:, None]  # keep the smallest prefix reaching top_p
-        masked = torch.full_like(masked, float("-inf")).scatter(1, order, ordered.masked_fill(drop, float("-inf")))
-    probs = masked.softmax(-1)
-    tokens = masked.argmax(-1)  # temperature 0: greedy
+    # every host-made input first, so they reach the device in one copy: temperatures, top-k / top-p, the uniforms
+    host = [torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])]
+    top = any(p.top_k > 0 or p.top_p < 1 for p in params)
+    if top:
+        host += [torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params])]
     drawn = [i for i, p in enumerate(params) if p.temperature > 0]
     if drawn:
         # inverse-CDF sampling with one uniform per row from the row's own generator (or the engine's): one
@@ -59,11 +44,34 @@ def sample(
                 shared.append(j)
         if shared:
             u[shared] = torch.rand(len(shared), generator=fallback, dtype=torch.float64)
-        u = u.to(device)
-        cdf = probs[drawn].double().cumsum(-1)
+        host += ([] if len(drawn) == len(params) else [torch.tensor(drawn)]) + [u]
+    on_device = to_device(host, device)
+    temps = on_device[0]
+    z = logits / temps[:, None]
+    logp = z.log_softmax(-1)
+    masked = z
+    for i, p in enumerate(params):  # min_tokens: no stop token yet
+        if num_generated[i] < p.min_tokens:
+            stops = list(p.stop_token_ids) + ([] if p.ignore_eos or eos_id is None else [eos_id])
+            if stops:
+                masked = masked.clone() if masked is z else masked
+                masked[i, stops] = float("-inf")
+    if top:
+        top_k, top_p = on_device[1:3]
+        ordered, order = masked.sort(dim=-1, descending=True)
+        rank = torch.arange(ordered.shape[1], device=device)[None, :]
+        drop = (top_k[:, None] > 0) & (rank >= top_k[:, None])
+        probs = ordered.softmax(-1)
+        drop |= (probs.cumsum(-1) - probs) >= top_p[:, None]  # keep the smallest prefix reaching top_p
+        masked = torch.full_like(masked, float("-inf")).scatter(1, order, ordered.masked_fill(drop, float("-inf")))
+    probs = masked.softmax(-1)
+    tokens = masked.argmax(-1)  # temperature 0: greedy
+    if drawn:
+        u, rows = on_device[-1], slice(None) if len(drawn) == len(params) else on_device[-2]
+        cdf = probs[rows].double().cumsum(-1)
         total = cdf[:, -1]
         # u < 1, so the point lies below the total mass (nextafter: never equal to it after rounding): the first
         # token whose cumulative mass exceeds it has a nonzero probability
         point = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-        tokens[drawn] = torch.searchsorted(cdf, point[:, None], right=True).squeeze(1)
+        tokens[rows] = torch.searchsorted(cdf, point[:, None], right=True).squeeze(1)
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moerl.model.grouped import Groups, group_mm
+from moerl.model.grouped import Groups, device_kernel, group_mm
 from moerl.model.linear import Linear
 from moerl.model.moe import Experts, Route
 from moerl.model.swap import replace_module, swapped
@@ -32,50 +32,41 @@ LAYOUTS = ("per_expert", "shared_outer")
 
 
 class LoraContext:
-    """The adapter slot of every token in the current forward, shared by all LoRA weights of one model."""
+    """The adapter slot of every token in the current forward, shared by all LoRA weights of one model.
+
+    One slot for every token (``single``) takes each projection's plain GEMMs. A mix of slots (``token_slots`` [N], -1
+    = none) is applied without reading the slots on the host, so no projection syncs with a GPU and a compiled graph
+    holds it: a linear layer runs every slot's shrink in one GEMM and keeps each token's own by a mask; the experts'
+    grouped GEMMs group the rows by (slot, expert), rows without an adapter weighted 0."""
 
     def __init__(self):
         self.enabled = True
         self.single: int | None = None  # every token uses this slot
         self.token_slots: torch.Tensor | None = None  # [N] slot per flattened token, -1 = no adapter
-        # inside a compiled graph: [N] slot per flattened token (-1 = none), applied by masking every slot's delta
-        self.graph_slots: torch.Tensor | None = None
 
     def set(self, adapters: int | torch.Tensor | None, batch: int, seq: int) -> None:
         """``adapters``: None (no LoRA), a slot for all tokens, a slot per sequence [B] or per token [B, T] (-1 =
-        none)."""
-        self.single, self.token_slots, self.graph_slots = None, None, None
-        if isinstance(adapters, torch.Tensor) and torch.compiler.is_compiling():  # no data-dependent branch
-            self.graph_slots = (adapters if adapters.ndim == 2 else adapters[:, None].expand(batch, seq)).flatten()
-            return
+        none). Slots held on the CPU are read (no sync there): one slot for all takes the single-slot path."""
+        self.single, self.token_slots = None, None
         if adapters is None or isinstance(adapters, int):
             self.single = adapters
             return
         adapters = adapters.long()
-        first = int(adapters.flatten()[0])
-        if bool((adapters == first).all()):
-            self.single = first if first >= 0 else None
-            return
-        self.token_slots = adapters.flatten() if adapters.ndim == 2 else adapters.repeat_interleave(seq)
+        if not adapters.is_cuda and not torch.compiler.is_compiling():
+            first = int(adapters.flatten()[0])
+            if bool((adapters == first).all()):
+                self.single = first if first >= 0 else None
+                return
+        self.token_slots = (adapters if adapters.ndim == 2 else adapters[:, None].expand(batch, seq)).flatten()
 
     @property
     def active(self) -> bool:
-        return self.enabled and (
-            self.single is not None or self.token_slots is not None or self.graph_slots is not None
-        )
+        return self.enabled and (self.single is not None or self.token_slots is not None)
 
     def pick(self, slots: int, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """[N, slots]: each token's adapter scale at its slot, 0 elsewhere (and everywhere for -1) (graph path)."""
-        s = self.graph_slots
+        """[N, slots]: each token's adapter scale at its slot, 0 elsewhere (and everywhere for -1)."""
+        s = self.token_slots
         return F.one_hot(s.clamp(min=0), slots).to(dtype) * ((s >= 0).to(dtype)[:, None] * scale.to(dtype))
-
-    def slot_rows(self, n: int) -> list[tuple[int, torch.Tensor | None]]:
-        """(slot, token rows or None for all rows) for each slot present among ``n`` flattened tokens."""
-        if self.single is not None:
-            return [(self.single, None)]
-        slots = self.token_slots
-        assert slots.numel() == n, "token slots do not match the tokens of this forward"
-        return [(int(s), (slots == s).nonzero().squeeze(1)) for s in slots.unique().tolist() if s >= 0]
 
 
 @dataclass(slots=True)
@@ -124,22 +115,16 @@ class LinearLora(nn.Module):
         """``y`` (the base layer's output for ``x``) plus this layer's LoRA delta."""
         x2 = self.dropout(x.reshape(-1, x.shape[-1]).to(self.lora_A.dtype))
         y2 = y.reshape(-1, y.shape[-1])
-        if self.ctx.graph_slots is not None:  # every slot's shrink in one GEMM, masked, then one expand
+        if self.ctx.token_slots is not None:  # every slot's shrink in one GEMM, masked, then one expand
             slots, rank = self.lora_A.shape[:2]
             xa = (x2 @ self.lora_A.flatten(0, 1).T).view(-1, slots, rank)
             xa = xa * self.ctx.pick(slots, self.scale, xa.dtype)[:, :, None]
             return y + (xa.flatten(1) @ self.lora_B.transpose(1, 2).flatten(0, 1)).to(y.dtype).view_as(y)
-        rows = self.ctx.slot_rows(x2.shape[0])
-        if len(rows) == 1 and rows[0][1] is None:
-            s = rows[0][0]
-            xa = F.linear(x2, self.lora_A[s]) * self.scale[s]
-            if xa.dtype == y.dtype:  # expand and add in one GEMM
-                return torch.addmm(y2, xa, self.lora_B[s].T).view_as(y)
-            return y + F.linear(xa, self.lora_B[s]).to(y.dtype).view_as(y)
-        delta = x2.new_zeros(x2.shape[0], self.lora_B.shape[1])
-        for s, idx in rows:
-            delta = delta.index_add(0, idx, F.linear(F.linear(x2[idx], self.lora_A[s]) * self.scale[s], self.lora_B[s]))
-        return y + delta.to(y.dtype).view_as(y)
+        s = self.ctx.single
+        xa = F.linear(x2, self.lora_A[s]) * self.scale[s]
+        if xa.dtype == y.dtype:  # expand and add in one GEMM
+            return torch.addmm(y2, xa, self.lora_B[s].T).view_as(y)
+        return y + F.linear(xa, self.lora_B[s]).to(y.dtype).view_as(y)
 
     def delta_weight(self, slot: int) -> torch.Tensor:
         """scale * B @ A for merging: [out, in]."""
@@ -192,49 +177,63 @@ class ExpertLora(nn.Module):
         """Group the expert-sorted rows by (slot, expert) for the LoRA GEMMs.
 
         Returns (perm, groups, slot): ``perm`` None when every row uses one slot ``slot`` (the rows are already
-        grouped by expert); else the rows with an adapter ordered by (slot, expert), with ``slot`` None.
+        grouped by expert); else every row ordered by (slot, expert), with ``slot`` None. A row without an adapter
+        sits in slot 0's groups and gets scale 0 (``_row_scale``): its delta is 0, and no host read drops it.
         """
         if self.ctx.single is not None:
             return None, by_expert, self.ctx.single
-        row_slot = self.ctx.token_slots[token]
-        keep = (row_slot >= 0).nonzero().squeeze(1)
-        key = row_slot[keep] * self.num_experts + expert[keep]
+        key = self.ctx.token_slots[token].clamp(min=0) * self.num_experts + expert
         order = key.argsort(stable=True)
-        return keep[order], Groups(key[order], self.gate_up_B.shape[0] * self.num_experts), None
+        return order, Groups(key[order], self.gate_up_B.shape[0] * self.num_experts), None
 
-    def _stack(self, t: torch.Tensor, slot: int | None, per_expert: bool) -> torch.Tensor:
+    def compute_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """The dtype the adapters' GEMMs run in: the factors' own; on CUDA the activations' where only that one has
+        the grouped kernel (the trainer's fp32 factors would take torch's per-group fallback, a host sync per
+        GEMM): the fp32 factors stay the optimizer's, cast on the way in."""
+        own = self.gate_up_B.dtype
+        if own != x.dtype and device_kernel(x.dtype, x.device) and not device_kernel(own, x.device):
+            return x.dtype
+        return own
+
+    def _stack(self, t: torch.Tensor, slot: int | None, per_expert: bool, dtype: torch.dtype) -> torch.Tensor:
         """Weights for grouped_mm: [groups, in, out] over experts of one slot or over (slot, expert) pairs."""
         if slot is not None:
             t = t[slot]
         elif per_expert:
             t = t.flatten(0, 1)
-        return t.transpose(-1, -2)
+        return t.to(dtype).transpose(-1, -2)
 
-    def _row_scale(self, token: torch.Tensor, perm, slot) -> torch.Tensor:
-        """The adapter scale of each row: a 0-d tensor for one slot, else ``[rows, 1]`` in the adapters' dtype (the
-        fp32 buffer would promote bf16 rows to fp32; one slot's 0-d scale does not)."""
+    def _row_scale(self, token: torch.Tensor, perm, slot, dtype: torch.dtype) -> torch.Tensor:
+        """The adapter scale of each row: a 0-d tensor for one slot (it does not promote bf16 rows), else ``[rows,
+        1]`` in ``dtype``, 0 for a row without an adapter."""
         if slot is not None:
             return self.scale[slot]
-        return self.scale[self.ctx.token_slots[token[perm]]].unsqueeze(1).to(self.gate_up_B.dtype)
+        row_slot = self.ctx.token_slots[token[perm]]
+        scale = torch.where(row_slot >= 0, self.scale[row_slot.clamp(min=0)], 0.0)
+        return scale.unsqueeze(1).to(dtype)
+
+    def _slot_rows(self, t: torch.Tensor, w: torch.Tensor, slot: int | None) -> torch.Tensor:
+        """Per token of ``t`` [N, d]: ``t @ w[s].T`` for its slot s (one slot, or each token's own, -1 as slot 0 with
+        every slot's product in one GEMM), ``w`` [S, out, d] -> [N, out]."""
+        if slot is not None:
+            return t @ w[slot].T
+        n, (slots, out, _) = t.shape[0], w.shape
+        every = (t @ w.flatten(0, 1).T).view(n, slots, out)
+        own = self.ctx.token_slots.clamp(min=0)[:, None, None].expand(n, 1, out)
+        return every.gather(1, own).squeeze(1)
 
     def gate_up_delta(self, x, xs, token, groups) -> tuple[torch.Tensor, torch.Tensor | None]:
         """LoRA delta of gate_up for the expert-sorted rows: (delta, perm) to add at rows ``perm`` (or all)."""
         perm, groups, slot = groups
-        dt = self.gate_up_B.dtype
+        dt = self.compute_dtype(x)
         if self.layout == "shared_outer":  # shrink once per token, then gather the rows
             tok = token if perm is None else token[perm]
-            if slot is not None:
-                xa = (x.to(dt) @ self.gate_up_A[slot].T)[tok]
-            else:
-                xa_tok = x.new_zeros(x.shape[0], self.gate_up_A.shape[1], dtype=dt)
-                for s, idx in self.ctx.slot_rows(x.shape[0]):
-                    xa_tok = xa_tok.index_copy(0, idx, x[idx].to(dt) @ self.gate_up_A[s].T)
-                xa = xa_tok[tok]
+            xa = self._slot_rows(x.to(dt), self.gate_up_A.to(dt), slot)[tok]
         else:
             rows = xs if perm is None else xs[perm]
-            xa = group_mm(rows.to(dt), self._stack(self.gate_up_A, slot, True), groups)
-        xa = xa * self._row_scale(token, perm, slot)
-        return group_mm(xa, self._stack(self.gate_up_B, slot, True), groups), perm
+            xa = group_mm(rows.to(dt), self._stack(self.gate_up_A, slot, True, dt), groups)
+        xa = xa * self._row_scale(token, perm, slot, dt)
+        return group_mm(xa, self._stack(self.gate_up_B, slot, True, dt), groups), perm
 
     def down_delta(self, hs, token, n_tokens, groups):
         """LoRA delta of down for the (gate-weighted) expert-sorted activations ``hs``.
@@ -243,20 +242,15 @@ class ExpertLora(nn.Module):
         shared_outer: (delta [N, H] per token, None): the shrinks are summed per token, then expanded once.
         """
         perm, groups, slot = groups
-        dt = self.down_A.dtype
+        dt = self.compute_dtype(hs)
         rows = hs if perm is None else hs[perm]
-        ha = group_mm(rows.to(dt), self._stack(self.down_A, slot, True), groups)
-        ha = ha * self._row_scale(token, perm, slot)
+        ha = group_mm(rows.to(dt), self._stack(self.down_A, slot, True, dt), groups)
+        ha = ha * self._row_scale(token, perm, slot, dt)
         if self.layout == "per_expert":
-            return group_mm(ha, self._stack(self.down_B, slot, True), groups), perm
+            return group_mm(ha, self._stack(self.down_B, slot, True, dt), groups), perm
         tok = token if perm is None else token[perm]
         u = ha.new_zeros(n_tokens, ha.shape[1]).index_add_(0, tok, ha)  # routed sum in rank space
-        if slot is not None:
-            return u @ self.down_B[slot].T, None
-        out = u.new_zeros(n_tokens, self.down_B.shape[1])
-        for s, idx in self.ctx.slot_rows(n_tokens):
-            out = out.index_copy(0, idx, u[idx] @ self.down_B[s].T)
-        return out, None
+        return self._slot_rows(u, self.down_B.to(dt), slot), None
 
 
 class LoraExperts(Experts):
@@ -284,7 +278,7 @@ class LoraExperts(Experts):
     # slot kept by a mask (no sort, gather or data-dependent branch)
     def _dense_gate_up_delta(self, x: torch.Tensor) -> torch.Tensor | float:
         lora = self.lora
-        if lora.ctx.graph_slots is None:
+        if lora.ctx.token_slots is None:
             return 0.0
         pick = lora.ctx.pick(lora.gate_up_B.shape[0], lora.scale, lora.gate_up_B.dtype)  # [N, S]
         xd = x.to(lora.gate_up_B.dtype)
@@ -296,7 +290,7 @@ class LoraExperts(Experts):
 
     def _dense_down_delta(self, h: torch.Tensor) -> torch.Tensor | float:
         lora = self.lora
-        if lora.ctx.graph_slots is None:
+        if lora.ctx.token_slots is None:
             return 0.0
         pick = lora.ctx.pick(lora.down_A.shape[0], lora.scale, lora.down_A.dtype)
         ha = torch.einsum("nei,seri->nser", h.to(lora.down_A.dtype), lora.down_A) * pick[:, :, None, None]

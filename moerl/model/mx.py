@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moerl.model.grouped import group_mm
+from moerl.model.grouped import Groups, group_mm, group_mm_wgrad
 from moerl.model.linear import Linear
 from moerl.model.moe import Experts
 from moerl.model.swap import replace_module, swapped
@@ -93,16 +93,21 @@ def mx_linear(
     return y if bias is None else y + bias
 
 
-def _pad_groups(rows: torch.Tensor, offs: torch.Tensor, n_groups: int) -> torch.Tensor:
-    """Rows sorted by group -> [groups, cap, D] with each group's rows first, then zeros; cap % 32 == 0."""
-    ends = offs.long()
+def _pad_groups(rows: torch.Tensor, groups: Groups) -> tuple[torch.Tensor, Groups]:
+    """Rows sorted by group [M, D] -> each group's rows from a multiple of 32 on, zeros up to the next one, in a
+    buffer sized from the shapes alone ([M + 31 G rounded up to 32, D]: no host read of the counts), and that
+    buffer's groups (its rows past the last group's are zeros, counted in the last group)."""
+    n_groups, m = groups.n_groups, rows.shape[0]
+    ends = groups.offs.long()
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    cap = max(BLOCK, -(-int(counts.max()) // BLOCK) * BLOCK) if rows.shape[0] else BLOCK
-    group = torch.repeat_interleave(torch.arange(n_groups, device=rows.device), counts)
-    pos = torch.arange(rows.shape[0], device=rows.device) - (ends - counts)[group]
-    buf = rows.new_zeros(n_groups, cap, rows.shape[1])
-    buf[group, pos] = rows
-    return buf
+    padded = (counts + BLOCK - 1) // BLOCK * BLOCK
+    padded_ends = padded.cumsum(0)
+    size = -(-(m + (BLOCK - 1) * n_groups) // BLOCK) * BLOCK
+    row = torch.arange(m, device=rows.device)
+    buf = rows.new_zeros(size, rows.shape[1])
+    buf[(padded_ends - padded)[groups.keys] + row - (ends - counts)[groups.keys]] = rows
+    keys = torch.searchsorted(padded_ends, torch.arange(size, device=rows.device), right=True)
+    return buf, Groups(keys.clamp(max=n_groups - 1), n_groups)
 
 
 class _MXGroupedMM(torch.autograd.Function):
@@ -117,9 +122,10 @@ class _MXGroupedMM(torch.autograd.Function):
         x, w = ctx.saved_tensors
         m, groups = ctx.mode, ctx.groups
         gx = group_mm(mx_fake_quant(g.contiguous(), -1, m), mx_fake_quant(w, 2, m).transpose(1, 2), groups)
-        xp = mx_fake_quant(_pad_groups(x, groups.offs, w.shape[0]), 1, m)  # along each group's tokens
-        gp = mx_fake_quant(_pad_groups(g, groups.offs, w.shape[0]), 1, m)
-        gw = torch.bmm(xp.transpose(1, 2), gp)  # [G, K, N]
+        # the weight gradient reduces over each group's tokens: quantized along them, a group's blocks its own
+        xp, padded = _pad_groups(x, groups)
+        gp, _ = _pad_groups(g, groups)
+        gw = group_mm_wgrad(mx_fake_quant(xp, 0, m), mx_fake_quant(gp, 0, m), padded)  # [G, K, N]
         return gx, gw, None, None
 
 

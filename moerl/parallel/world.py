@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moerl.child import proc_alive, proc_children, proc_stopped
+from moerl.device import resolve_device
 from moerl.errors import ConfigError, TrainingStopped
 
 
@@ -127,25 +128,51 @@ def _launch(moerl_argv: list[str], nprocs: int) -> None:
         ) from None
 
 
-def init_world(dp: int = 1, ep: int = 1, pp: int = 1, timeout_s: float = 1800.0, **pipeline) -> World:
+def mesh_device(name: str, ranks_here: int) -> str:
+    """The device type of the trainer's mesh for ``policy.device`` ``name`` with ``ranks_here`` ranks on this node:
+    ``cpu`` where the policy is on the CPU (a CUDA host included: gloo only, no GPU touched), else ``cuda``, one GPU
+    per rank. A layout the node's GPUs cannot hold is refused before any group forms (NCCL fails two ranks on one GPU
+    at their first collective, "duplicate GPU")."""
+    device = resolve_device(name, key="policy.device")
+    if device.type == "cpu":
+        return "cpu"
+    count = torch.cuda.device_count()
+    if name != "auto" and torch.device(name).index is not None and ranks_here > 1:
+        raise ConfigError(
+            f"policy.device={name!r} with {ranks_here} trainer ranks on this node: every rank would take that one GPU; "
+            "use policy.device=auto (or cuda): each rank takes the GPU of its LOCAL_RANK"
+        )
+    if ranks_here > count:
+        raise ConfigError(
+            f"parallel.dp x parallel.ep x parallel.pp: {ranks_here} trainer ranks on this node, which has {count} CUDA "
+            f"device(s); a rank takes a GPU of its own: at most {count} ranks per node (or policy.device=cpu)"
+        )
+    return "cuda"
+
+
+def init_world(
+    dp: int = 1, ep: int = 1, pp: int = 1, timeout_s: float = 1800.0, device: str = "auto", **pipeline
+) -> World:
     """Join the process group of this launch (a no-op for one rank outside a launcher); checks its size and builds
-    the ``(pp, dp, ep)`` mesh. ``timeout_s``: how long a collective waits for the other ranks before it fails
-    (``stalled`` names the rank that stopped). ``pipeline``: World's schedule, microbatches and stages."""
+    the ``(pp, dp, ep)`` mesh on ``device``'s kind (``policy.device``: ``mesh_device``). ``timeout_s``: how long a
+    collective waits for the other ranks before it fails (``stalled`` names the rank that stopped). ``pipeline``:
+    World's schedule, microbatches and stages."""
     size = dp * ep * pp
     if size == 1 and not under_launcher():
         return World()
+    kind = mesh_device(device, int(os.environ.get("LOCAL_WORLD_SIZE", size)))
     # a rank that the C++ side aborts (std::terminate, SIGSEGV) prints every thread's Python stack, so the log
     # says where (an interleaved-1F1B LoRA rank once died with SIGABRT on an AMX host, no Python traceback)
     faulthandler.enable()
     _die_with_the_launcher()
     if os.environ.get(QUIET_CTRL_C):  # Ctrl-C reaches every rank and the launcher: the launcher speaks for all
         signal.signal(signal.SIGINT, lambda *_: os._exit(130))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":  # one process per GPU: this rank's, before any CUDA tensor or NCCL communicator
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    if kind == "cuda":  # this rank's GPU before any CUDA work or communicator: cuda:N as named, else its LOCAL_RANK's
+        named = resolve_device(device, key="policy.device")
+        torch.cuda.set_device(named if named.index is not None else int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
         # CPU tensors (the announced batches, JSON headers, metric sums) over gloo, CUDA tensors over NCCL
-        backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+        backend = "cpu:gloo,cuda:nccl" if kind == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     if dist.get_world_size() != size:
         raise ConfigError(
@@ -153,7 +180,7 @@ def init_world(dp: int = 1, ep: int = 1, pp: int = 1, timeout_s: float = 1800.0,
             f"{dist.get_world_size()}; start it with --nproc-per-node={size} (or let moerl start the ranks: run it "
             "without torchrun)"
         )
-    mesh = init_device_mesh(device, (pp, dp, ep), mesh_dim_names=("pp", "dp", "ep"))
+    mesh = init_device_mesh(kind, (pp, dp, ep), mesh_dim_names=("pp", "dp", "ep"))
     data = mesh["dp", "ep"]._flatten("data")
     return World(dist.get_rank(), size, dp, ep, pp, mesh=mesh, data_mesh=data, **pipeline)
 

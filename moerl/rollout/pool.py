@@ -15,6 +15,7 @@ from functools import partial
 
 import torch
 
+from moerl.device import gpu_id
 from moerl.engine import Request, RequestOutput
 from moerl.errors import ConfigError, EngineDied, EngineError
 from moerl.rollout.local import LocalEngine
@@ -53,6 +54,20 @@ def _gather(calls: list) -> list:
     if first is not None:
         raise first
     return results
+
+
+def one_rank_per_gpu(members: list[tuple[str, str | None]]) -> None:
+    """Refuse a broadcast group whose members (name, GPU id) share a GPU: NCCL holds one rank per GPU (it fails its
+    communicator with "duplicate GPU"), so an engine on the trainer's GPU takes its weights another way."""
+    seen: dict[str, str] = {}
+    for who, gpu in members:
+        if gpu is not None and gpu in seen:
+            raise ConfigError(
+                f"rollout.weight_transport=broadcast: {seen[gpu]} and {who} are on one GPU ({gpu}), and an NCCL group "
+                "holds one rank per GPU; there use rollout.weight_transport=cuda_ipc (or auto), or "
+                "rollout.placement=inprocess"
+            )
+        seen[gpu] = who
 
 
 class EnginePool:
@@ -114,6 +129,8 @@ class EnginePool:
         """The broadcast group of this process (rank 0) and the engines: NCCL when all of them are on GPUs."""
         nccl = torch.cuda.is_available() and all(e.device.startswith("cuda") for e in self.engines)
         device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        if nccl:
+            one_rank_per_gpu([("the trainer", gpu_id(device))] + [(e.name, e.gpu) for e in self.engines])
         host = "127.0.0.1"
         if not all(e.same_node for e in self.engines):  # engines on other nodes reach this one by its address
             import ray

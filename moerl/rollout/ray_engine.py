@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from moerl.device import gpu_id
 from moerl.engine import Request, RequestOutput
 from moerl.errors import ConfigError, EngineDied, EngineError
 from moerl.rollout.server import EngineServer
@@ -54,7 +55,13 @@ class EngineActor:
         node = ray.get_runtime_context().get_node_id()
         engine = self.server.engine
         dense = getattr(engine, "dense_weights", None)
-        return {"node": node, "pid": os.getpid(), "device": str(engine.device), "dense": dense}
+        return {
+            "node": node,
+            "pid": os.getpid(),
+            "device": str(engine.device),
+            "gpu": gpu_id(engine.device),
+            "dense": dense,
+        }
 
 
 class RayEngine:
@@ -74,7 +81,7 @@ class RayEngine:
         self.outputs = BufferCache(unlink_on_open=True)
         self.weight_version, self.tokenizer, self.pending = 0, None, None
         where = ray.get(actor.where.remote(), timeout=self.START_TIMEOUT_S)
-        self.pid, self.device = where["pid"], where["device"]
+        self.pid, self.device, self.gpu = where["pid"], where["device"], where["gpu"]
         self.dense_weights = where["dense"]  # a vLLM engine's dtype: it takes LoRA merged, MX values
 
     @property

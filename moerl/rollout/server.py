@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from moerl.device import gpu_id
 from moerl.engine import LLMEngine
 from moerl.rollout.shm import BufferCache, ShmWriter
 from moerl.rollout.spec import EngineSpec, build
@@ -77,6 +78,7 @@ class EngineServer:
             "pid": os.getpid(),
             "kv_cache_bytes": getattr(self.engine, "kv_cache_bytes", 0),
             "device": str(self.engine.device),
+            "gpu": gpu_id(self.engine.device),  # the pool's broadcast group holds one rank per GPU
             "dense_weights": getattr(self.engine, "dense_weights", None),  # vLLM: LoRA merged, MX values
         }
 

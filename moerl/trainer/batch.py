@@ -6,6 +6,8 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from moerl.device import to_device
+
 
 @dataclass(slots=True)
 class Batch:
@@ -44,17 +46,17 @@ class Batch:
 
     def to(self, device: torch.device) -> Batch:
         """This batch with every tensor on ``device`` (the batch itself when they are there already)."""
+        device = torch.device(device)
         if self.input_ids.device == device:
             return self
-        replay = self.replay.to(device) if self.replay is not None else None
-        return replace(
-            self,
-            input_ids=self.input_ids.to(device),
-            attention_mask=self.attention_mask.to(device),
-            loss_mask=self.loss_mask.to(device),
-            replay=replay,
-            extras={k: v.to(device) for k, v in self.extras.items()},
-        )
+        names = ["input_ids", "attention_mask", "loss_mask"] + ["replay"] * (self.replay is not None)
+        tensors = [getattr(self, n) for n in names] + list(self.extras.values())
+        if device.type == "cuda" and all(t.device.type == "cpu" for t in tensors):  # one pinned copy, not five
+            moved = to_device(tensors, device)
+        else:
+            moved = [t.to(device) for t in tensors]
+        named = dict(zip(names, moved, strict=False))
+        return replace(self, **named, extras=dict(zip(self.extras, moved[len(names) :], strict=True)))
 
     def split(self, micro_batch_size: int) -> list[Batch]:
         return [self.rows(slice(i, i + micro_batch_size)) for i in range(0, len(self), micro_batch_size)]
