@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: demo test gpu-check lint bench peers clean
+.PHONY: demo test gpu-check gpu-stack-check lint bench peers clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -35,6 +35,20 @@ test: $(TEST_STAMP)
 gpu-check:
 	PYTHONPATH=. DEV=$${DEV:-cuda} $${PYTHON:-python3} benchmarks/gpu_check.py
 
+# the GPU check's dry run on the GPU machine's own stack, on any CPU host: torch 2.11 (the only 2.11 wheel served is
+# the CUDA one; it runs on a CPU), transformers 5.17 and peft, no torchao (as there). Not part of `make test`: the
+# CUDA wheel and its libraries are a download of several GB
+GPU_STACK := .venv-gpu-stack
+gpu-stack-check: $(GPU_STACK)/.installed
+	PYTHONPATH=. DEV=cpu $(GPU_STACK)/bin/python benchmarks/gpu_check.py
+
+$(GPU_STACK)/.installed:
+	python3 -m venv $(GPU_STACK)
+	$(GPU_STACK)/bin/python -m pip install -q torch==2.11.0 transformers==5.17.0 peft==0.21.2 safetensors tokenizers \
+		numpy pyyaml tqdm
+	! $(GPU_STACK)/bin/python -c "import torchao" 2>/dev/null  # the GPU machine has none: mxfp8 is refused by name
+	touch $@
+
 bench: $(STAMP)
 	$(PY) benchmarks/forward.py
 
@@ -54,4 +68,4 @@ peers: .venv-trl/.installed .venv-vllm/.installed
 	touch $@
 
 clean:
-	rm -rf $(VENV) .venv-trl .venv-vllm runs .pytest_cache
+	rm -rf $(VENV) .venv-trl .venv-vllm $(GPU_STACK) runs .pytest_cache
