@@ -40,7 +40,9 @@ def _compare(a, b, tol: float = 1e-5) -> float:
 
 def test_compiled_decode_matches_eager_and_sees_weight_updates():
     """One compiled engine (one compilation, ~50 s on 2 cores from a cold cache) covers both expert paths in the
-    graph: layer 0 dense, layer 1 the grouped GEMM as one opaque op."""
+    graph: layer 0 dense, layer 1 the grouped GEMM as one opaque op; one graph for every bucket and table width."""
+    from torch._dynamo.utils import counters
+
     model = init_model("gpt_oss", "tiny", overrides=TWO_LAYERS, dtype=torch.float32)
     cfg = {"max_num_seqs": 16, "max_model_len": 64}
     eager = LLMEngine(model, EngineConfig(**cfg), dtype=torch.float32)
@@ -52,7 +54,9 @@ def test_compiled_decode_matches_eager_and_sees_weight_updates():
     assert fast.compiled is None and fast.compile_decode() and fast.compiled is not None
     assert model.moe_layer_ids == [0, 1] and model.layers[0].mlp.experts.dense_in_graph  # small experts: dense
     model.layers[1].mlp.experts.dense_in_graph = False  # before the first decode step compiles the graph
+    graphs = counters["stats"]["unique_graphs"]
     _compare(reference, fast.generate(_requests()))
+    assert counters["stats"]["unique_graphs"] - graphs == 1
 
     # new weights reach the graph (they are its inputs, not constants): one expert matrix and the head change
     updates = {
@@ -167,11 +171,14 @@ def test_the_mxfp8_dense_path_quantizes_as_the_grouped_one():
         assert (moe.experts._dense(x, idx, weights) - grouped).abs().max() > 1e-3
 
 
+LORA_LAYERS = {"num_hidden_layers": 2}  # one layer per expert path in the graph: half the compile of four
+
+
 def _lora_engine_model(layout: str):
-    """The tiny Qwen3-MoE with two random adapters (every projection and the experts) in slots 0 and 1."""
+    """The tiny Qwen3-MoE (two layers) with two random adapters (every projection and the experts) in slots 0, 1."""
     from moerl.model.lora import LoraConfig, attach_lora, lora_modules
 
-    model = init_model("qwen3_moe", "tiny", dtype=torch.float32)
+    model = init_model("qwen3_moe", "tiny", overrides=LORA_LAYERS, dtype=torch.float32)
     attach_lora(model, LoraConfig(rank=4, alpha=8, layout=layout, slots=2), dtype=torch.float32)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -212,8 +219,11 @@ def test_the_paths_of_mixed_adapter_slots_equal_the_reference_loop(layout):
 def test_compiled_lora_decode_matches_the_eager_lora_engine():
     """A LoRA engine (two adapters in slots, requests asking for either or none) decodes through one graph as eager,
     its adapted experts on the dense path in half the layers and as the grouped op, rows grouped by (slot, expert),
-    in the others: same tokens and routing, fp32 logprobs within 1e-5; negative control: the compiled engine with
-    the requests' adapters swapped (a <-> b) fails the same comparison."""
+    in the others: same tokens and routing, fp32 logprobs within 1e-5; one graph for the buckets 16 down to 2 (the
+    bucket of 16 rows once shared a symbol with the cache's 16-token blocks and was compiled again for 8);
+    negative control: the compiled engine with the requests' adapters swapped (a <-> b) fails the same comparison."""
+    from torch._dynamo.utils import counters
+
     from moerl.model.lora import slot_tensors
 
     donor = _lora_engine_model("per_expert")
@@ -225,15 +235,17 @@ def test_compiled_lora_decode_matches_the_eager_lora_engine():
     outs = []
     for compiled in (False, True):  # each engine its own copy of the base (seeded: the same weights)
         engine = LLMEngine(
-            init_model("qwen3_moe", "tiny", dtype=torch.float32),
+            init_model("qwen3_moe", "tiny", overrides=LORA_LAYERS, dtype=torch.float32),
             EngineConfig(**cfg, compile_decode=compiled),
             dtype=torch.float32,
         )
         engine.add_adapter("a", slot_tensors(donor, 0))
         engine.add_adapter("b", slot_tensors(donor, 1))
-        for i in engine.model.moe_layer_ids[1::2]:  # half the layers' adapted experts as the grouped op
+        for i in engine.model.moe_layer_ids[1::2]:  # layer 1's adapted experts as the grouped op
             engine.model.layers[i].mlp.experts.dense_in_graph = False
+        graphs = counters["stats"]["unique_graphs"]
         outs.append(engine.generate(requests()))
+    assert counters["stats"]["unique_graphs"] - graphs == 1
     assert _compare(*outs) < 1e-5
     with pytest.raises(AssertionError):  # tokens, routing or logprobs differ with the other adapter
         _compare(outs[0], engine.generate(requests(("b", "a", None))))

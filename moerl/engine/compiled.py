@@ -3,8 +3,9 @@
 A decode step runs hundreds of small ops whose per-op cost, not arithmetic, decides its speed on a small model
 (CPU) and whose launches dominate on a GPU. Here the batch is padded to a bucket size (``BUCKETS``, at least 2: a
 size-1 dimension would be specialised into a graph of its own) and the block tables to a power of two, so few
-shapes reach the graph; its shapes are symbolic (``dynamic=True``), so one compilation covers every bucket on the
-CPU. On CUDA it asks for CUDA graphs (``mode="reduce-overhead"``, one per bucket): the KV cache pools the graph writes
+shapes reach the graph; its shapes are symbolic (``dynamic=True``, traced without duck sizing: a bucket of 16 rows
+once shared a symbol with the cache's 16-token blocks and was compiled again for the next bucket; the pools' and the
+kept MX weights' shapes static), so one compilation covers every bucket on the CPU. On CUDA it asks for CUDA graphs (``mode="reduce-overhead"``, one per bucket): the KV cache pools the graph writes
 are marked static (mutated inputs that are not make cudagraph trees skip the graph), and nothing in the graph reads
 the device on the host (the grouped GEMM's offsets come from a search on the device). Padding rows decode token 0
 at position 0 into the cache's scratch block, never into a sequence's. Prefill stays eager, and so does any batch
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from moerl.dynamo import unducked
 from moerl.engine.kv_cache import KVCache, StepView
 from moerl.model.grouped import device_kernel
 from moerl.model.mx import refresh_kept
@@ -76,12 +78,14 @@ class CompiledDecode:
         for i in model.moe_layer_ids:
             model.layers[i].mlp.experts.dense_in_graph = dense
         self.model, self.cache, self.capture = model, cache, capture
-        # the pools the graph writes keep their addresses (release_cache is refused with compile_decode): marked
-        # static, CUDA graphs write them in place; an unmarked mutated input makes cudagraph trees skip the graph
+        # the pools the graph writes keep their shapes and addresses (release_cache is refused with compile_decode):
+        # marked static, CUDA graphs write them in place (an unmarked mutated input makes cudagraph trees skip the
+        # graph), and no pool's size becomes a symbol of its own
         for pool in cache.pools():
+            torch._dynamo.mark_static(pool)
             torch._dynamo.mark_static_address(pool)
         cuda = device.type == "cuda"
-        self._graph = torch.compile(self._forward, dynamic=True, mode="reduce-overhead" if cuda else None)
+        self._graph = unducked(torch.compile(self._forward, dynamic=True, mode="reduce-overhead" if cuda else None))
 
     def _forward(self, ids, positions, view: StepView, adapters) -> tuple[torch.Tensor, torch.Tensor | None]:
         out = self.model(ids, positions=positions, capture=self.capture, cache=view, adapters=adapters)

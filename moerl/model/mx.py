@@ -159,6 +159,9 @@ def kept_quant(owner: torch.nn.Module, w: torch.Tensor, dim: int, mode: str) -> 
     q = mx_fake_quant(w, dim, mode)
     if hit is not None:  # into the same tensor: a compiled graph reading it (weight_quant) sees the new values
         q = hit[1].copy_(q)
+    else:  # a compiled graph takes it as it takes a parameter: its shape fixed, its address kept (no CUDA graph copy)
+        torch._dynamo.mark_static(q)
+        torch._dynamo.mark_static_address(q)
     kept[key] = (stamp, q)
     owner.__dict__.setdefault("_mx_graph", {})[key] = q  # never replaced: the graph's guards stay true
     return q

@@ -15,8 +15,8 @@ after and goes back to eager where they are not faster.
 from __future__ import annotations
 
 import torch
-from torch.fx.experimental import _config as fx_config
 
+from moerl.dynamo import unducked
 from moerl.errors import ConfigError
 
 # measured (BENCHMARKS.md, "Compiled training"): the share of a training step the compiled blocks save on the small
@@ -31,21 +31,9 @@ def compile_blocks(model: torch.nn.Module) -> int:
     n = 0
     for layer in model.layers:
         if layer.compiled is None and model.config.layer_types[layer.self_attn.layer] != "linear":
-            layer.compiled = _unducked(torch.compile(layer.block, dynamic=True))
+            layer.compiled = unducked(torch.compile(layer.block, dynamic=True))
             n += 1
     return n
-
-
-def _unducked(compiled):
-    """``compiled`` traced without duck sizing: by default dynamo gives equal sizes one symbol, so a packed length
-    that happens to equal the hidden size (128 rows of a 128-wide model) would pin the length and compile again at
-    the next one."""
-
-    def call(*args):
-        with fx_config.patch(use_duck_shape=False):
-            return compiled(*args)
-
-    return call
 
 
 def uncompile_blocks(model: torch.nn.Module) -> None:
