@@ -4,12 +4,13 @@ A decode step runs hundreds of small ops whose per-op cost, not arithmetic, deci
 (CPU) and whose launches dominate on a GPU. Here the batch is padded to a bucket size (``BUCKETS``, at least 2: a
 size-1 dimension would be specialised into a graph of its own) and the block tables to a power of two, so few
 shapes reach the graph; its shapes are symbolic (``dynamic=True``, traced without duck sizing: a bucket of 16 rows
-once shared a symbol with the cache's 16-token blocks and was compiled again for the next bucket; the pools' and the
-kept MX weights' shapes static), so one compilation covers every bucket on the CPU. On CUDA it asks for CUDA graphs (``mode="reduce-overhead"``, one per bucket): the KV cache pools the graph writes
-are marked static (mutated inputs that are not make cudagraph trees skip the graph), and nothing in the graph reads
-the device on the host (the grouped GEMM's offsets come from a search on the device). Padding rows decode token 0
-at position 0 into the cache's scratch block, never into a sequence's. Prefill stays eager, and so does any batch
-larger than ``max_num_seqs`` (which the scheduler never forms).
+once shared a symbol with the cache's 16-token blocks and was compiled again for the next bucket; the pools' and
+the kept MX weights' shapes static), so one compilation covers every bucket on the CPU. On CUDA it asks for CUDA
+graphs (``mode="reduce-overhead"``, one per bucket): the KV cache pools the graph writes are marked static (mutated
+inputs that are not make cudagraph trees skip the graph), and nothing in the graph reads the device on the host
+(the grouped GEMM's offsets come from a search on the device). Padding rows decode token 0 at position 0 into the
+cache's scratch block, never into a sequence's. Prefill stays eager, and so does any batch larger than
+``max_num_seqs`` (which the scheduler never forms).
 
 Inside the graph the routed experts take the dense path (every expert on every token, ``Experts._dense``) where
 that is cheap, and on CUDA where the grouped GEMM has no kernel for the dtype (torch's fallback reads offsets on the
