@@ -2,8 +2,10 @@
 
 The layers are split into stages (balanced by parameter count, or as ``parallel.stages`` says); each rank keeps its
 stages' layers (the others become placeholders, the embedding lives on the first stage, the norm and head on the
-last). Every rank of a pipeline holds the step's whole batch (rank 0 announces it), so what travels between stages
-with a micro-batch is its hidden states and its row indices: from the rows each stage reads its own inputs — the
+last). Every rank of a pipeline holds the step's whole batch (rank 0 announces it) and splits it into the same
+micro-batches, so what travels between stages with a micro-batch is its hidden states alone (each stage runs its
+forwards in micro-batch order, in every schedule, and takes the next micro-batch's rows itself): from the rows each
+stage reads its own inputs — the
 first stage the token ids, every stage the attention mask and R3's routed experts of *its* MoE layers only (the
 columns of the global MoE layer indices it holds; -1 rows still route themselves), the last stage the loss mask,
 advantages and the engine's logprobs. Old-logprob and training forwards replay; the reference forward never does.
@@ -161,16 +163,18 @@ class Step:
 
 
 class StageModule(nn.Module):
-    """One stage for ``PipelineStage``: (rows) or (hidden, rows) in; (hidden, rows) or the logprobs out."""
+    """One stage for ``PipelineStage``: (rows) or (hidden) in; (hidden) or the logprobs out. A stage after the first
+    takes its micro-batches' rows from ``queue`` (the call's micro-batches, in order)."""
 
     def __init__(self, view: MoEModel, columns: list[int], first: bool, last: bool, logprobs):
         super().__init__()
         self.view, self.columns, self.first, self.last = view, columns, first, last
         self.logprobs = logprobs  # (logits, micro-batch, temperature, entropy) -> (logprobs, entropy or None)
         self.step: Step | None = None
+        self.queue: list[torch.Tensor] = []
 
-    def forward(self, *inputs: torch.Tensor):
-        hidden, rows = (None, inputs[0]) if self.first else inputs
+    def forward(self, inputs: torch.Tensor):
+        hidden, rows = (None, inputs) if self.first else (inputs, self.queue.pop(0))
         step = self.step
         mb = step.rows(rows)
         replay = None
@@ -180,7 +184,7 @@ class StageModule(nn.Module):
             mb.input_ids, attention_mask=mb.attention_mask, replay=replay, adapters=step.adapters, hidden=hidden
         )
         if not self.last:
-            return out.hidden, rows
+            return out.hidden
         lp, ent = self.logprobs(out.logits, mb, step.temperature, step.entropy)
         return (lp, ent) if step.entropy else lp
 
@@ -223,7 +227,7 @@ class Pipeline:
         t = step.batch.input_ids.shape[1]
         hidden = self.modules[0].view.config.hidden_size
         for module in self.modules:
-            module.step = step
+            module.step, module.queue = step, list(padded.split(size))
         grad = loss_fn is not None  # static metadata: the float activations carry gradients when training
 
         def act(*shape, dtype=torch.float32):
@@ -231,12 +235,11 @@ class Pipeline:
 
         stages = []
         for module, s in zip(self.modules, self.plan.stages, strict=True):
-            mb_rows = padded.new_empty(size)
-            ins = (mb_rows,) if s == 0 else (act(size, t, hidden, dtype=hidden_dtype), mb_rows)
+            ins = (padded.new_empty(size),) if s == 0 else (act(size, t, hidden, dtype=hidden_dtype),)
             if s == self.last_stage:
                 outs = (act(size, t), act(size, t)) if step.entropy else act(size, t)
             else:
-                outs = (act(size, t, hidden, dtype=hidden_dtype), mb_rows)
+                outs = act(size, t, hidden, dtype=hidden_dtype)
             stages.append(PipelineStage(module, s, len(self.plan.ranges), self.device, ins, outs, group=self.group))
         cls = SCHEDULES[self.schedule]
         sched = cls(
@@ -302,16 +305,10 @@ class Pipeline:
             items = iter(own) if src == me else None
             while True:
                 item = next(items, None) if items is not None else None
-                head = None
-                if items is not None:
-                    head = (
-                        {"end": True}
-                        if item is None
-                        else {"name": item[0], "dtype": str(item[1].dtype)[6:], "shape": list(item[1].shape)}
-                    )
-                head = json.loads(
-                    broadcast_bytes(json.dumps(head).encode() if items is not None else None, root, self.group)
-                )
+                head = {"end": True}  # another stage's: its own replaces it (on a fake world it ends that stage's)
+                if item is not None:
+                    head = {"name": item[0], "dtype": str(item[1].dtype)[6:], "shape": list(item[1].shape)}
+                head = json.loads(broadcast_bytes(json.dumps(head).encode(), root, self.group))
                 if head.get("end"):
                     break
                 dtype = getattr(torch, head["dtype"])  # sent as bytes: gloo has no float8 (MXFP8's data and scales)

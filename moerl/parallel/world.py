@@ -180,9 +180,32 @@ def init_world(
             f"{dist.get_world_size()}; start it with --nproc-per-node={size} (or let moerl start the ranks: run it "
             "without torchrun)"
         )
+    return _on_mesh(dist.get_rank(), dp, ep, pp, kind, pipeline)
+
+
+def fake_world(dp: int = 1, ep: int = 1, pp: int = 1, rank: int = 0, **pipeline) -> World:
+    """Rank ``rank`` of a world of ``dp x ep x pp`` ranks inside this one process, on torch's ``fake`` process group
+    (every collective returns at once, with this rank's own data): the real layout code at any world size with no
+    rank started and no data crossing (``moerl.plan``). Replaces the process group this process had, if any; one
+    rank is ``World()``."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    size = dp * ep * pp
+    if size == 1:
+        return World(**pipeline)
+    if not 0 <= rank < size:
+        raise ConfigError(f"rank {rank} of a world of {size} ranks (dp {dp} x ep {ep} x pp {pp})")
+    dist.init_process_group("fake", rank=rank, world_size=size, store=dist.HashStore())
+    return _on_mesh(rank, dp, ep, pp, "cpu", pipeline)
+
+
+def _on_mesh(rank: int, dp: int, ep: int, pp: int, kind: str, pipeline: dict) -> World:
+    """World ``rank`` with its ``(pp, dp, ep)`` mesh on ``kind`` (the process group already formed)."""
     mesh = init_device_mesh(kind, (pp, dp, ep), mesh_dim_names=("pp", "dp", "ep"))
     data = mesh["dp", "ep"]._flatten("data")
-    return World(dist.get_rank(), size, dp, ep, pp, mesh=mesh, data_mesh=data, **pipeline)
+    return World(rank, dp * ep * pp, dp, ep, pp, mesh=mesh, data_mesh=data, **pipeline)
 
 
 def stalled(error: BaseException, timeout_s: float) -> TrainingStopped | None:
@@ -266,19 +289,21 @@ def like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
 
 def broadcast_bytes(data: bytes | None, src: int = 0, group=None) -> bytes:
-    """Rank ``src``'s ``data`` on every rank of ``group`` (the others pass None): a length, then the bytes."""
+    """Rank ``src``'s ``data`` on every rank of ``group``: a length, then the bytes. The others pass None, or their
+    own bytes of the same kind, which the source's replace (on a fake world, where a collective returns this rank's
+    own data, they are what this rank gets: ``moerl.plan``)."""
     n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
     dist.broadcast(n, src, group=group)
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(n), dtype=torch.uint8)
+    own = data is not None and 0 < len(data) == int(n)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if own else torch.empty(int(n), dtype=torch.uint8)
     if int(n):
         dist.broadcast(buf, src, group=group)
     return bytes(buf.numpy())
 
 
 def broadcast_json(value=None, src: int = 0, group=None):
-    """Rank ``src``'s JSON-able ``value`` on every rank of ``group`` (the others' ``value`` is ignored)."""
-    data = json.dumps(value).encode() if dist.get_rank() == src else None
-    return json.loads(broadcast_bytes(data, src, group))
+    """Rank ``src``'s JSON-able ``value`` on every rank of ``group`` (the others' ``value`` is replaced by it)."""
+    return json.loads(broadcast_bytes(json.dumps(value).encode(), src, group))
 
 
 def agreed_min(world: World, value: int) -> int:
