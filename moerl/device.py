@@ -6,6 +6,7 @@ else the CPU. A name the host cannot serve is refused with what it has."""
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import torch
 
@@ -46,6 +47,36 @@ def resolve_device(name: str | torch.device, key: str = "device") -> torch.devic
         if device.index is not None and device.index >= count:
             raise ConfigError(f"{key}={name!r}: this host has {count} CUDA device(s): cuda:0 .. cuda:{count - 1}")
     return device
+
+
+# a GPU's compute capability while ``gpu_paths`` holds: moerl's code takes the paths it takes on such a GPU
+_PLANNED_GPU: tuple[int, int] | None = None
+
+
+@contextmanager
+def gpu_paths(capability: tuple[int, int] = (9, 0)):
+    """Inside the block moerl's code takes the paths it takes on a CUDA GPU of ``capability`` (an H100 / H200 by
+    default) whatever device its tensors are on: a plan of a GPU run traces them on the CPU (``moerl.plan``). Where
+    the paths differ: the grouped GEMM's (``moerl.model.grouped``), the dtype of the expert adapters' GEMMs, reading
+    adapter slots on the host (``moerl.model.lora``)."""
+    global _PLANNED_GPU
+    before, _PLANNED_GPU = _PLANNED_GPU, capability
+    try:
+        yield
+    finally:
+        _PLANNED_GPU = before
+
+
+def on_gpu(t: torch.Tensor) -> bool:
+    """Whether work on ``t`` takes moerl's CUDA paths: ``t`` is on CUDA, or a plan traces them (``gpu_paths``)."""
+    return t.is_cuda or _PLANNED_GPU is not None
+
+
+def capability(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability of CUDA ``device`` (or of the GPU a plan traces for, ``gpu_paths``); None off CUDA."""
+    if _PLANNED_GPU is not None:
+        return _PLANNED_GPU
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
 
 def gpu_id(device: str | torch.device) -> str | None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moerl.device import capability, on_gpu
+
 
 class Groups:
     """Rows sorted by group (an expert, or a (slot, expert) pair) and how a grouped GEMM runs over them.
@@ -34,7 +36,7 @@ class Groups:
         ends = torch.searchsorted(keys, torch.arange(n_groups, device=keys.device, dtype=keys.dtype), right=True)
         self.offs = ends.to(torch.int32)
         self.cap, self.padded, rows = 0, False, keys.numel()
-        if not keys.is_cuda and rows:  # the CPU's choice reads the largest group: no sync on a CPU
+        if not on_gpu(keys) and rows:  # the CPU's choice reads the largest group: no sync on a CPU
             counts = torch.diff(ends, prepend=ends.new_zeros(1))
             self.cap = int(counts.max())
             self.padded = rows <= 64 * n_groups and n_groups * self.cap <= 4 * rows
@@ -75,10 +77,8 @@ def device_kernel(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether CUDA's grouped GEMM has its kernel for ``dtype`` on ``device``: bf16 on sm90 / sm100 (no host read, so
     a CUDA graph can hold it). Elsewhere on CUDA ``torch._grouped_mm`` falls back to one GEMM per group over
     ``offs.cpu()``: right, but a host sync per call, which no CUDA graph can capture."""
-    device = torch.device(device)
-    if device.type != "cuda" or dtype != torch.bfloat16:
-        return False
-    return torch.cuda.get_device_capability(device)[0] in (9, 10)
+    cc = capability(torch.device(device))
+    return dtype == torch.bfloat16 and cc is not None and cc[0] in (9, 10)
 
 
 def _aligned_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moerl.device import on_gpu
 from moerl.model.grouped import Groups, device_kernel, group_mm
 from moerl.model.linear import Linear
 from moerl.model.moe import Experts, Route
@@ -52,7 +53,7 @@ class LoraContext:
             self.single = adapters
             return
         adapters = adapters.long()
-        if not adapters.is_cuda and not torch.compiler.is_compiling():
+        if not on_gpu(adapters) and not torch.compiler.is_compiling():
             first = int(adapters.flatten()[0])
             if bool((adapters == first).all()):
                 self.single = first if first >= 0 else None
@@ -371,16 +372,16 @@ def attach_lora(
             )
         if isinstance(mod, Linear):
             new = swapped(mod, LoraLinear)
-            new.lora = LinearLora(ctx, cfg.slots, cfg.rank, mod.in_features, mod.out_features, cfg.dropout, dtype)
-            new.lora.to(mod.weight.device)
+            with torch.device(mod.weight.device):  # made in place, not moved (a plan's fake tensors cannot move)
+                new.lora = LinearLora(ctx, cfg.slots, cfg.rank, mod.in_features, mod.out_features, cfg.dropout, dtype)
             new.lora.scale.fill_(cfg.scale(cfg.rank))
             with torch.no_grad():
                 _init_A(new.lora.lora_A, generator)
         else:
             e, i2, h = mod.gate_up_proj.shape
             new = swapped(mod, LoraExperts)
-            new.lora = ExpertLora(ctx, cfg.slots, expert_rank, e, h, i2 // 2, cfg.layout, dtype)
-            new.lora.to(mod.gate_up_proj.device)
+            with torch.device(mod.gate_up_proj.device):
+                new.lora = ExpertLora(ctx, cfg.slots, expert_rank, e, h, i2 // 2, cfg.layout, dtype)
             new.lora.scale.fill_(cfg.scale(expert_rank))
             with torch.no_grad():
                 _init_A(new.lora.gate_up_A, generator)
