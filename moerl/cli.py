@@ -288,6 +288,34 @@ def cmd_train(args) -> None:
     print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
 
 
+def _bytes(text: str, key: str) -> int:
+    """``80GB``, ``141GB``, ``96GiB`` (or a plain number of bytes) as bytes."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9.]+)\s*(|B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)\s*", str(text))
+    if m is None:
+        raise ConfigError(f"{key} {text!r}: a size such as 80GB, 141GB or 96GiB")
+    scale = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
+    scale |= {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+    return int(float(m.group(1)) * scale[m.group(2)])
+
+
+def cmd_plan(args) -> None:
+    """Memory per trainer rank, weight-sync traffic and the smallest layout that fits (``moerl.plan``)."""
+    from moerl.config import load_config
+    from moerl.plan.plan import Machine, plan, render
+    from moerl.run_config import RunConfig
+
+    overrides = list(args.overrides)
+    if args.config is not None and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
+        overrides.insert(0, args.config)
+        args.config = None
+    cfg = load_config(RunConfig, args.config, overrides)
+    link = _bytes(args.link.removesuffix("/s"), "--link")
+    machine = Machine(args.gpus, _bytes(args.gpu_memory, "--gpu-memory"), args.nodes, args.usable, link)
+    print(render(plan(cfg, machine, colocated=args.colocated, propose=not args.no_proposal)))
+
+
 def cmd_config(args) -> None:
     """Every config key of ``moerl train`` with its default and what it does."""
     from moerl.config_doc import markdown_table, text_table
@@ -403,6 +431,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--overwrite", action="store_true", help="start over in a run_dir that holds a run")
     s.set_defaults(func=cmd_train)
 
+    s = sub.add_parser(
+        "plan",
+        help="memory per trainer rank, weight-sync traffic and the smallest layout that fits, before a run starts",
+        description="Trace a run's trainer ranks at the model's real size on a fake world of the layout's size "
+        "(nothing allocated): each rank's memory at its training step's and weight sync's peak, by what holds it, "
+        "whether it fits, what a sync sends per mode, and the smallest layout of the given GPUs that fits. "
+        "model.path: a checkpoint directory or a shipped config (" + ", ".join(_shipped()) + ").",
+    )
+    s.add_argument("config", nargs="?", help="YAML file (optional: defaults plus overrides also work)")
+    s.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.path=qwen3-30b-a3b parallel.ep=8")
+    s.add_argument("--gpus", type=int, required=True, help="GPUs in all")
+    s.add_argument("--gpu-memory", default="80GB", help="memory per GPU, e.g. 80GB (H100), 141GB (H200)")
+    s.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are on")
+    s.add_argument("--usable", type=float, default=0.9, help="share of a GPU's memory tensors may take")
+    s.add_argument("--link", default="50GB/s", help="bandwidth a weight sync crosses, e.g. 50GB/s")
+    s.add_argument("--colocated", action="store_true", help="the rollout engine shares each trainer's GPU")
+    s.add_argument("--no-proposal", action="store_true", help="do not search for a layout that fits")
+    s.set_defaults(func=cmd_plan)
+
     s = sub.add_parser("config", help="list every config key of moerl train with its default and what it does")
     s.add_argument("--markdown", action="store_true", help="as a markdown table (README's Reference)")
     s.set_defaults(func=cmd_config)
@@ -419,7 +466,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     (``moerl train CFG --resume train.steps=200``)."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and getattr(args, "func", None) is cmd_train and all("=" in a and not a.startswith("-") for a in extra):
+    takes_overrides = getattr(args, "func", None) in (cmd_train, cmd_plan)
+    if extra and takes_overrides and all("=" in a and not a.startswith("-") for a in extra):
         args.overrides = [*args.overrides, *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -439,6 +487,12 @@ def main(argv: list[str] | None = None) -> int:
         print("moerl: interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+def _shipped() -> list[str]:
+    from moerl.plan.plan import shipped
+
+    return shipped()
 
 
 def _tell_launcher(e: Exception) -> None:

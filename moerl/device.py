@@ -67,6 +67,11 @@ def gpu_paths(capability: tuple[int, int] = (9, 0)):
         _PLANNED_GPU = before
 
 
+def gpu_planned() -> bool:
+    """Whether a plan traces moerl's CUDA paths on the CPU (inside ``gpu_paths``)."""
+    return _PLANNED_GPU is not None
+
+
 def on_gpu(t: torch.Tensor) -> bool:
     """Whether work on ``t`` takes moerl's CUDA paths: ``t`` is on CUDA, or a plan traces them (``gpu_paths``)."""
     return t.is_cuda or _PLANNED_GPU is not None

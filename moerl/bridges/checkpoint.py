@@ -337,18 +337,46 @@ def moerl_rules(bridge: Bridge, name: str) -> list[tuple[Rule, dict]]:
     return own
 
 
-def to_hf(bridge: Bridge, name: str, tensor: torch.Tensor, cfg: ModelConfig):
-    """(hf_name, tensor) pairs that hold moerl parameter ``name`` (``cfg``: the model's config, for transforms)."""
+def to_hf(bridge: Bridge, name: str, tensor: torch.Tensor, cfg: ModelConfig, experts: range | None = None):
+    """(hf_name, tensor) pairs that hold moerl parameter ``name`` (``cfg``: the model's config, for transforms).
+    ``experts``: the experts ``tensor``'s first dim holds (an expert-parallel slice), default all of them."""
     for rule, groups in moerl_rules(bridge, name):
-        experts = range(tensor.shape[0]) if "{e}" in rule.hf else [None]
-        for e in experts:
-            t = tensor if e is None else tensor[e]
+        ids = list(enumerate(experts or range(tensor.shape[0]))) if "{e}" in rule.hf else [(None, None)]
+        for i, e in ids:
+            t = tensor if e is None else tensor[i]
             if rule.part:
                 half = t.shape[-2] // 2
                 t = t[..., :half, :] if rule.part == "gate" else t[..., half:, :]
             if rule.save is not None:
                 t = rule.save(t, cfg)
             yield rule.hf.format(**groups, **({} if e is None else {"e": e})), t
+
+
+def names_held(
+    bridge: Bridge, cfg: ModelConfig, params: dict[str, torch.Tensor], experts: dict[str, range] | None = None
+) -> list[str]:
+    """The checkpoint's tensor names that hold ``params`` (moerl name -> this rank's part; meta tensors are enough):
+    what a rank holding them opens of a sharded checkpoint, e.g. one pipeline stage's layers, and of a name in
+    ``experts`` (an expert-parallel slice) only those experts' tensors. Adapters are not in a base checkpoint."""
+    out: dict[str, None] = {}
+    for name, t in params.items():
+        if ".lora." not in name:
+            out |= dict.fromkeys(hf for hf, _ in to_hf(bridge, name, t, cfg, (experts or {}).get(name)))
+    return list(out)
+
+
+def files_held(directory: str | os.PathLike, names: list[str]) -> list[str]:
+    """The files of checkpoint ``directory`` that hold tensors ``names`` (a sharded checkpoint's index read;
+    a single-file checkpoint is that file). A name the checkpoint lacks is a CheckpointError naming it."""
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if not index.is_file():
+        return ["model.safetensors"]
+    weight_map = _read_json(index).get("weight_map", {})
+    missing = [n for n in names if n not in weight_map]
+    if missing:
+        raise CheckpointError(f"{index}: no tensor {missing[0]!r} (and {len(missing) - 1} more) in its weight_map")
+    return sorted({weight_map[n] for n in names})
 
 
 def export_model(

@@ -98,9 +98,10 @@ class ExpertDispatch:
         return torch.zeros_like(x).index_add_(0, token, back)
 
 
-def _sliced_tensors(experts: Experts) -> list[tuple[nn.Module, str, int]]:
-    """(module, attribute, expert dim) of every per-expert tensor of ``experts`` and its adapters."""
-    out = [(experts, n, 0) for n in EXPERT_WEIGHTS if getattr(experts, n) is not None]
+def _sliced_tensors(experts: Experts, base: bool = True) -> list[tuple[nn.Module, str, int]]:
+    """(module, attribute, expert dim) of every per-expert tensor of ``experts`` and its adapters (``base``: the
+    expert weights too)."""
+    out = [(experts, n, 0) for n in EXPERT_WEIGHTS if base and getattr(experts, n) is not None]
     lora = getattr(experts, "lora", None)
     if lora is not None:
         per_expert = lora.layout == "per_expert"
@@ -138,28 +139,30 @@ def gather_experts(world: World, t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 @contextmanager
-def whole_experts(model: nn.Module, world: World):
+def whole_experts(model: nn.Module, world: World, base: bool = True):
     """Inside the block every expert tensor of ``model`` is whole (gathered over the ep group; a collective), e.g.
-    to export the adapters; the slices are back after it."""
+    to export the adapters; the slices are back after it. ``base=False``: the adapters' only (the frozen expert
+    weights stay sliced: a whole copy of every layer's experts on every rank is the model's size)."""
     kept, layers = [], [model.layers[i].mlp.experts for i in model.moe_layer_ids]
     layers = [e for e in layers if getattr(e, "ep", None) is not None]
     for experts in layers:
-        for module, attr, dim in _sliced_tensors(experts):
+        for module, attr, dim in _sliced_tensors(experts, base):
             p = getattr(module, attr)
             kept.append((module, attr, p))
             setattr(module, attr, nn.Parameter(gather_experts(world, p.detach(), dim), requires_grad=False))
-        _count(experts, experts.ep.total)
+        _count(experts, experts.ep.total, base)
     try:
         yield model
     finally:
         for module, attr, p in kept:
             setattr(module, attr, p)
         for experts in layers:
-            _count(experts, experts.ep.local)
+            _count(experts, experts.ep.local, base)
 
 
-def _count(experts: Experts, n: int) -> None:
-    experts.num_experts = n
+def _count(experts: Experts, n: int, base: bool = True) -> None:
+    if base:
+        experts.num_experts = n
     lora = getattr(experts, "lora", None)
     if lora is not None:
         lora.num_experts = n

@@ -118,6 +118,15 @@ class Layout:
         """A whole tensor ``value`` of weight ``name`` (or of its optimizer state) as this rank holds ``param``."""
         return self.own_part(name, like(self.global_view(name, param), value))
 
+    def experts_held(self) -> dict[str, range]:
+        """The experts this rank holds of each expert-parallel slice, by parameter name (e.g. to open only their
+        tensors of a checkpoint: ``moerl.bridges.checkpoint.names_held``)."""
+        out = {}
+        for name in self.sliced:
+            module = self.model.get_submodule(name.rsplit(".", 1)[0].removesuffix(".lora"))
+            out[name] = range(module.ep.first, module.ep.first + module.ep.local)
+        return out
+
     def whole_shape(self, name: str, param: torch.Tensor) -> torch.Size:
         """The shape of weight ``name`` whole (``param`` is this rank's part)."""
         return self.global_view(name, param).shape
@@ -133,9 +142,10 @@ class Layout:
         on every rank of the pipeline (a collective); one stage: ``own``."""
         return iter(own) if self.pipeline is None else self.pipeline.stream(own)
 
-    def gathered_here(self):
-        """A context in which this rank's parameters are whole: FSDP shards and expert slices gathered."""
-        return _both(gathered(*self.roots), whole_experts(self.model, self.world))
+    def gathered_here(self, base: bool = True):
+        """A context in which this rank's parameters are whole: FSDP shards and expert slices gathered (``base=False``:
+        the expert adapters' slices only, the frozen expert weights stay sliced)."""
+        return _both(gathered(*self.roots), whole_experts(self.model, self.world, base))
 
     @contextmanager
     def gathered(self, trained: dict[str, torch.Tensor], build: Callable[[], torch.nn.Module]):

@@ -192,6 +192,7 @@ def fake_world(dp: int = 1, ep: int = 1, pp: int = 1, rank: int = 0, **pipeline)
 
     if dist.is_initialized():
         dist.destroy_process_group()
+    _forget_meshes()
     size = dp * ep * pp
     if size == 1:
         return World(**pipeline)
@@ -199,6 +200,18 @@ def fake_world(dp: int = 1, ep: int = 1, pp: int = 1, rank: int = 0, **pipeline)
         raise ConfigError(f"rank {rank} of a world of {size} ranks (dp {dp} x ep {ep} x pp {pp})")
     dist.init_process_group("fake", rank=rank, world_size=size, store=dist.HashStore())
     return _on_mesh(rank, dp, ep, pp, "cpu", pipeline)
+
+
+def _forget_meshes() -> None:
+    """DTensor caches its sharding decisions by mesh shape, and keeps the meshes (with their process groups) of
+    the decisions it cached: a new world of the same shape would reach a destroyed group through them."""
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's own cache
 
 
 def _on_mesh(rank: int, dp: int, ep: int, pp: int, kind: str, pipeline: dict) -> World:

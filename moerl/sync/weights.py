@@ -59,8 +59,8 @@ def policy_tensors(policy, dense: str | None = None) -> Iterator[tuple[str, torc
 def _own_tensors(policy, dense: str | None) -> Iterator[tuple[str, torch.Tensor]]:
     """This rank's part of ``policy_tensors`` (each tensor whole over the data and expert groups)."""
     layout = policy.layout
-    if policy.cfg.mode == "lora":  # small: the adapters, gathered together
-        with layout.gathered_here():
+    if policy.cfg.mode == "lora":  # small: the adapters, gathered together (the base experts only to merge)
+        with layout.gathered_here(base=bool(dense)):
             if dense:  # the touched weights, merged: one module's at a time
                 merged = merged_weights(policy.model, 0, getattr(torch, dense))
                 yield from ((n, layout.whole(n, t)) for n, t in merged)

@@ -7,6 +7,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -148,14 +149,23 @@ class Policy:
     the policy is the mode, the masters, the optimizer, the schedule and the step on top of it.
     """
 
-    def __init__(self, checkpoint: str | os.PathLike, cfg: PolicyConfig | None = None, world: World | None = None):
+    def __init__(
+        self,
+        checkpoint: str | os.PathLike,
+        cfg: PolicyConfig | None = None,
+        world: World | None = None,
+        build: Callable[..., torch.nn.Module] | None = None,
+    ):
+        """``build(dtype=, device=)``: makes the model instead of loading ``checkpoint`` (a plan's model of fake
+        tensors, ``moerl.plan``)."""
         self.cfg = cfg = cfg or PolicyConfig()
         reuse_freed_memory()  # CPU: each step frees and allocates the same activations (moerl.allocator)
         self.checkpoint = Path(checkpoint)
         world = world or World()
         self.device = resolve_device(cfg.device, key="policy.device")
         self.dtype = dtype = compute_dtype(cfg.dtype, self.device)
-        self.model = load_model(checkpoint, dtype=storage_dtype(world, cfg.mode, dtype), device=self.device).eval()
+        build = build or partial(load_model, checkpoint)
+        self.model = build(dtype=storage_dtype(world, cfg.mode, dtype), device=self.device).eval()
         self.ref_model = None
         self.master: MasterWeights | None = None
         if cfg.mode == "lora":

@@ -1,0 +1,111 @@
+"""What ``moerl plan`` says beyond a figure: parts of a layout that moerl does not build (tensor, context and expert
+tensor parallelism), and the smallest layout of the given GPUs that fits."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+
+from moerl.errors import ConfigError
+from moerl.model.config import ModelConfig
+from moerl.run_config import RunConfig
+
+TRACED_CANDIDATES = 4  # layouts traced at most while looking for one that fits (each is a full trace)
+
+
+def check_limits(cfg: ModelConfig, run: RunConfig, machine, engine) -> list[str]:
+    """The named limits a run meets on ``machine``: a native engine that cannot hold the model on one GPU, a layer
+    whose weights alone exceed a GPU (tensor parallel), one expert that does (expert tensor parallel)."""
+    out = []
+    budget = machine.budget
+    if engine is not None and engine.weights > budget:
+        out.append(
+            f"the native engine holds the whole model on one GPU ({engine.weights / 2**30:.0f} GiB of weights > "
+            f"{budget / 2**30:.0f} GiB): serve it with vLLM split over GPUs (rollout.engine=vllm, "
+            "rollout.vllm_args.tensor_parallel_size=N); moerl drives vLLM engines, tested on CPU builds only"
+        )
+    layer, expert = _largest_layer(cfg)
+    if layer > budget:
+        out.append(
+            f"one decoder layer's non-expert weights are {layer / 2**30:.0f} GiB in bf16, more than a GPU holds: "
+            "FSDP gathers a layer whole, so this needs tensor parallelism, which moerl does not build"
+        )
+    if expert > budget:
+        out.append(
+            f"one expert's weights are {expert / 2**30:.0f} GiB in bf16, more than a GPU holds even at one expert per "
+            "rank: this needs expert tensor parallelism (each expert split over ranks), which moerl does not build"
+        )
+    return out
+
+
+def _largest_layer(cfg: ModelConfig) -> tuple[int, int]:
+    """(the largest decoder layer's bytes without its routed experts, one routed expert's bytes), bf16."""
+    from moerl.model.transformer import MoEModel
+
+    with torch.device("meta"):
+        model = MoEModel(cfg, torch.bfloat16)
+    layer = expert = 0
+    for block in model.layers:
+        experts = getattr(block.mlp, "experts", None)
+        inside = {id(p) for p in experts.parameters()} if experts is not None else set()
+        layer = max(layer, sum(p.numel() * 2 for p in block.parameters() if id(p) not in inside))
+        if experts is not None:
+            expert = max(expert, sum(p.numel() * 2 for p in experts.parameters()) // cfg.num_experts)
+    return layer, expert
+
+
+def candidates(cfg: ModelConfig, run: RunConfig, gpus: int) -> list[tuple[int, int, int]]:
+    """Every (dp, ep, pp) of at most ``gpus`` ranks the model can take, fewest GPUs first, then the most experts
+    split, then the fewest stages."""
+    per_rank = 2 if run.parallel.schedule == "interleaved_1f1b" else 1
+    out = []
+    for n in range(1, gpus + 1):
+        for ep in range(1, n + 1):
+            if n % ep or cfg.num_experts % ep:
+                continue
+            for pp in range(1, n // ep + 1):
+                if (n // ep) % pp or pp * per_rank > cfg.num_layers:
+                    continue
+                out.append((n // ep // pp, ep, pp))
+    return sorted(out, key=lambda lay: (math.prod(lay), -lay[1], lay[2]))
+
+
+def at_rest_floor(cfg: ModelConfig, run: RunConfig, layout: tuple[int, int, int]) -> int:
+    """A floor under any rank's bytes at rest in ``layout``: the trained state split perfectly over its ranks, a
+    frozen base (lora) over its stages and expert slices. A layout whose floor exceeds the budget cannot fit."""
+    from moerl.model.transformer import MoEModel
+
+    dp, ep, pp = layout
+    with torch.device("meta"):
+        model = MoEModel(cfg, torch.bfloat16)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    rest = sum(p.numel() for p in model.parameters()) - experts
+    if run.policy.mode == "lora":  # bf16 base: experts split by ep, the rest whole on its stage
+        return 2 * (experts // ep + rest) // pp
+    return 16 * (experts + rest) // (dp * ep * pp)  # fp32 masters, gradients and two moments
+
+
+def propose_layout(cfg: ModelConfig, run: RunConfig, machine, hf: dict, colocated: bool) -> tuple[int, int, int] | None:
+    """The first of ``candidates`` whose every rank fits when traced (layouts below the at-rest floor skipped), or
+    None (then the limits say why)."""
+    from moerl.plan.plan import plan
+
+    traced = 0
+    for layout in candidates(cfg, run, machine.gpus):
+        if layout == (run.parallel.dp, run.parallel.ep, run.parallel.pp):
+            continue
+        if at_rest_floor(cfg, run, layout) > machine.budget:
+            continue
+        dp, ep, pp = layout
+        trial = replace(run, parallel=replace(run.parallel, dp=dp, ep=ep, pp=pp, stages=[]))
+        try:
+            if plan(trial, machine, colocated, propose=False).fits:
+                return layout
+        except ConfigError:
+            continue
+        traced += 1
+        if traced >= TRACED_CANDIDATES:
+            break
+    return None

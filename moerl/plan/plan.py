@@ -1,0 +1,235 @@
+"""``moerl plan``: whether a run's layout fits its GPUs, where each rank's memory goes, what a weight sync sends, and
+the smallest layout of the given GPUs that fits, answered before anything starts.
+
+Each distinct trainer rank (a pipeline stage; every expert slice of a stage is alike under balanced routing) is
+traced (``moerl.plan.rank``): its training step's peak and its weight sync's, split by what holds the memory. A rollout
+engine on the same GPU (``--colocated``) adds its weights, KV cache and the weights a sync stages, from the sizes the
+engine allocates. A rank fits when that total is within ``--usable`` of the GPU's memory (the rest: the CUDA context,
+the allocator's fragmentation, NCCL's buffers).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from moerl.errors import ConfigError
+from moerl.model.config import ModelConfig
+from moerl.plan.memory import CATEGORIES
+from moerl.plan.rank import RankTrace, trace_rank
+from moerl.run_config import RunConfig
+
+MODELS = Path(__file__).parent / "models"  # real configs shipped with moerl (config.json only, no weights)
+GiB = 2**30
+
+
+def shipped() -> list[str]:
+    """The names of the real model configs shipped for planning (``model.path=NAME``)."""
+    return sorted(p.name for p in MODELS.iterdir() if (p / "config.json").is_file())
+
+
+def resolve_model(run: RunConfig) -> tuple[str, dict, ModelConfig]:
+    """(name, config.json fields, ModelConfig) of the run's model: a checkpoint directory, a shipped config's name, or
+    the random preset (``model.arch`` / ``model.preset``)."""
+    from moerl.bridges import HFConfig, get_bridge, read_config
+    from moerl.presets import preset_config
+
+    path = run.model.path
+    if path is None:
+        hf, cfg = preset_config(run.model.arch, run.model.preset)
+        return f"{run.model.arch} {run.model.preset}", hf, cfg
+    directory = Path(path)
+    if not directory.is_dir() and (MODELS / path.lower()).is_dir():
+        directory = MODELS / path.lower()
+    elif not directory.is_dir():
+        raise ConfigError(
+            f"model.path={path!r}: no such checkpoint directory and no shipped config of that name "
+            f"(shipped: {', '.join(shipped())})"
+        )
+    hf = read_config(directory)
+    source = str(directory / "config.json")
+    return directory.name, hf, get_bridge(hf, source=source).config_from_hf(HFConfig(hf, source))
+
+
+@dataclass(slots=True)
+class Machine:
+    """The GPUs a run is planned for: ``gpus`` in all on ``nodes`` nodes, ``memory`` bytes each, of which ``usable``
+    may hold tensors; weight syncs cross a link of ``link`` bytes/s."""
+
+    gpus: int
+    memory: int = 80 * 10**9
+    nodes: int = 1
+    usable: float = 0.9
+    link: float = 50e9
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1 or self.nodes < 1 or self.gpus % self.nodes:
+            raise ConfigError(f"--gpus {self.gpus} on --nodes {self.nodes}: needs whole GPUs per node (gpus >= 1)")
+        if not 0 < self.usable <= 1:
+            raise ConfigError(f"--usable {self.usable}: must lie in (0, 1]")
+
+    @property
+    def budget(self) -> int:
+        return int(self.memory * self.usable)
+
+
+@dataclass(slots=True)
+class Role:
+    """One traced rank with its colocated engine's bytes and its verdict."""
+
+    trace: RankTrace
+    engine: int
+    need: int
+    fits: bool
+
+    @property
+    def largest(self) -> str:
+        parts = dict(self.trace.peak.bytes) | {"engine": self.engine}
+        return max(parts, key=parts.get)
+
+
+@dataclass(slots=True)
+class Plan:
+    """A run's plan: its model, layout, each rank role's memory, the sync per mode, limits met, a proposed layout."""
+
+    name: str
+    params: int
+    run: RunConfig
+    machine: Machine
+    colocated: bool
+    roles: list[Role] = field(default_factory=list)
+    sync_bytes: dict[str, int] = field(default_factory=dict)
+    limits: list[str] = field(default_factory=list)
+    proposal: tuple[int, int, int] | None = None
+    seconds: float = 0.0
+
+    @property
+    def fits(self) -> bool:
+        return bool(self.roles) and all(r.fits for r in self.roles)
+
+
+def layout_of(run: RunConfig) -> tuple[int, int, int]:
+    return run.parallel.dp, run.parallel.ep, run.parallel.pp
+
+
+def roles(run: RunConfig) -> list[int]:
+    """A representative rank of each pipeline stage (data rank 0, expert slice 0): the others of a stage are alike."""
+    dp, ep, _ = layout_of(run)
+    return [stage * dp * ep for stage in range(run.parallel.pp)]
+
+
+def plan_dtype(run: RunConfig) -> RunConfig:
+    """The run as a GPU runs it: ``auto`` dtypes are bf16 there (moerl.precision)."""
+    policy = run.policy
+    if policy.dtype == "auto":
+        run = replace(run, policy=replace(policy, dtype="bfloat16"))
+    return run
+
+
+def plan(run: RunConfig, machine: Machine, colocated: bool = False, propose: bool = True) -> Plan:
+    """Plan ``run`` on ``machine`` (see the module docstring)."""
+    from moerl.parallel.plan import check_layout
+    from moerl.plan.limits import check_limits, propose_layout
+    from moerl.plan.sync import engine_bytes, sync_bytes
+
+    start = time.perf_counter()
+    run = plan_dtype(run)
+    name, hf, cfg = resolve_model(run)
+    params = _count_params(cfg)
+    out = Plan(name, params, run, machine, colocated)
+    check_layout(run.parallel.dp, run.parallel.ep, run.parallel.pp, cfg, run.parallel.schedule, run.parallel.stages)
+    out.sync_bytes = sync_bytes(cfg, run)
+    engine = engine_bytes(cfg, run, out.sync_bytes) if run.rollout.engine == "native" else None
+    out.limits = check_limits(cfg, run, machine, engine)
+    size = math.prod(layout_of(run))
+    if size > machine.gpus:
+        out.limits.append(
+            f"the layout dp {run.parallel.dp} x ep {run.parallel.ep} x pp {run.parallel.pp} takes {size} GPUs; "
+            f"{machine.gpus} are given"
+        )
+    else:
+        for rank in roles(run):
+            trace = trace_rank(cfg, run, rank, hf)
+            if colocated and engine is not None:  # the engine's weights always; its cache while it generates (the
+                # trainer at rest then, its gradients kept), its staged weights during a sync
+                extra = engine.weights
+                need = extra + max(trace.peak.total, trace.sync.total + engine.staging, trace.end.total + engine.kv)
+            else:
+                extra, need = 0, max(trace.peak.total, trace.sync.total)
+            out.roles.append(Role(trace, need - max(trace.peak.total, trace.sync.total) if extra else 0, need,
+                                  need <= machine.budget))
+    if propose and not out.fits:
+        out.proposal = propose_layout(cfg, run, machine, hf, colocated)
+    out.seconds = time.perf_counter() - start
+    return out
+
+
+def _count_params(cfg: ModelConfig) -> int:
+    from moerl.model.transformer import MoEModel
+
+    with torch.device("meta"):
+        model = MoEModel(cfg, torch.bfloat16)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.1f}"
+
+
+def render(p: Plan) -> str:
+    """The plan as the table ``moerl plan`` prints."""
+    run, m = p.run, p.machine
+    dp, ep, pp = layout_of(run)
+    lines = [
+        f"moerl plan: {p.name} ({p.params / 1e9:.1f} B parameters), mode {run.policy.mode}, {run.policy.dtype}; "
+        f"layout dp {dp} x ep {ep} x pp {pp} ({run.parallel.schedule if pp > 1 else 'no pipeline'}) on "
+        f"{m.gpus} GPUs x {m.memory / 1e9:.0f} GB ({m.nodes} node{'s' * (m.nodes > 1)}); usable {m.usable:.0%} = "
+        f"{_gib(m.budget)} GiB",
+        f"step: micro-batch {run.policy.micro_batch_size} x {run.rollout.max_model_len} tokens (every sequence at "
+        f"rollout.max_model_len), packing {'on' if run.policy.packing else 'off'}, R3 {'on' if run.algo.r3 else 'off'}"
+        f"; engine {'on the same GPU' if p.colocated else 'on GPUs of its own'}",
+    ]
+    if p.roles:
+        head = ["rank", "stages", *CATEGORIES, "sync", "engine", "total", "fits", "largest"]
+        rows = [head]
+        for r in p.roles:
+            t = r.trace
+            rows.append(
+                [
+                    str(t.rank),
+                    ",".join(map(str, t.stages)),
+                    *(_gib(t.peak.bytes[c]) for c in CATEGORIES),
+                    _gib(t.sync.total),
+                    _gib(r.engine),
+                    _gib(r.need),
+                    "yes" if r.fits else "NO",
+                    r.largest,
+                ]
+            )
+        widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+        lines.append("GiB per rank at the step's peak (sync: the trainer's peak during a weight sync):")
+        lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+        traced = p.roles[0].trace
+        lines.append(
+            f"  traced: {len(p.roles)} rank(s) in {sum(r.trace.seconds for r in p.roles):.1f} s; "
+            f"router choices assumed balanced {traced.assumed}x, float reads answered 0: {traced.float_reads}"
+        )
+    sends = ", ".join(
+        f"{mode} {_gib(n)} GiB = {n / m.link:.2f} s" for mode, n in p.sync_bytes.items() if n is not None
+    )
+    lines.append(f"weight sync per step at {m.link / 1e9:.0f} GB/s: {sends}")
+    verdict = "fits" if p.fits else "does not fit"
+    lines.append(f"verdict: {verdict}")
+    if p.proposal is not None:
+        pdp, pep, ppp = p.proposal
+        lines.append(f"smallest layout that fits: parallel.dp={pdp} parallel.ep={pep} parallel.pp={ppp} "
+                     f"({pdp * pep * ppp} GPUs)")
+    lines += [f"limit: {text}" for text in p.limits]
+    lines.append(f"planned in {p.seconds:.1f} s")
+    return "\n".join(lines)
+
+

@@ -1,0 +1,213 @@
+"""One trainer rank of a run, traced: the real Policy on the real layout of a fake world, one training step of a
+worst-case batch on fake tensors, its memory counted (``moerl.plan.memory``).
+
+The batch is the run's own kind at its longest: every sequence ``rollout.max_model_len`` tokens (packing saves
+nothing then), a completion of ``rollout.max_tokens`` of them in the loss, the engine's routing replayed (R3) and
+balanced over the experts. A rank runs two micro-batches (the second holds the first's gradients), or as many as its
+pipeline schedule keeps in flight. The optimizer's state is made first, as after a first step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, replace
+
+import torch
+
+from moerl.device import gpu_paths
+from moerl.model.config import ModelConfig
+from moerl.parallel.world import World, fake_world
+from moerl.plan.fake import Shapes
+from moerl.plan.memory import Breakdown, Memory
+from moerl.run_config import RunConfig
+
+
+@dataclass(slots=True)
+class RankTrace:
+    """What one rank holds at the peak of a training step (``peak``), at its end (``end``) and at the peak of the weight
+    sync after it (``sync``: ``activations`` there are the gathered tensors and the bucket in flight), with the
+    trace's own figures: the rank traced, its pipeline stages and expert slice, the bytes it sent, seconds, float
+    reads answered 0, router choices assumed balanced."""
+
+    rank: int
+    stages: list[int]
+    ep_rank: int
+    peak: Breakdown
+    end: Breakdown
+    sync: Breakdown
+    sent: int
+    seconds: float
+    float_reads: int
+    assumed: int
+
+
+class Elsewhere:
+    """The rollout engine as a trainer rank sees it when the engine has GPUs of its own: what a sync sends leaves
+    this rank (the sync's stream of buckets is traced against it; nothing is kept)."""
+
+    dense_weights = None
+    weight_version = 0
+
+    def __init__(self):
+        self.sent = 0
+
+    def _take(self, tensors: dict) -> None:
+        self.sent += sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def set_adapter(self, name: str, tensors: dict, version: int) -> None:
+        self._take(tensors)
+
+    def stage_weights(self, tensors: dict) -> None:
+        self._take(tensors)
+
+    def discard_staged(self) -> None:
+        pass
+
+    def commit_weights(self, version: int) -> None:
+        pass
+
+
+def plan_model(cfg: ModelConfig, hf: dict | None = None):
+    """``build(dtype=, device=)`` for ``Policy``: the model of ``cfg``, made on the meta device and given fake
+    storage on ``device`` (inside ``Shapes``)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from moerl.model.transformer import MoEModel
+
+    def build(dtype: torch.dtype, device) -> MoEModel:
+        with _disable_current_modes(), torch.device("meta"):  # built plain, then given fake storage
+            model = MoEModel(cfg, dtype)
+        model.to_empty(device=device)
+        model.init_rope()
+        model.hf_config = hf or {}
+        return model
+
+    return build
+
+
+def step_rows(run: RunConfig) -> int:
+    """Rows of one optimizer step: the step's samples over its mini-batches."""
+    return math.ceil(run.rollout.prompts_per_step * run.rollout.group_size / run.algo.mini_batches)
+
+
+def traced_rows(run: RunConfig, world: World) -> int:
+    """Rows the trace runs: two micro-batches per data rank (or the pipeline's micro-batches in flight), at most the
+    step's."""
+    in_flight = world.pp * (2 if world.schedule == "interleaved_1f1b" else 1)
+    per_rank = run.policy.micro_batch_size * max(2, run.parallel.microbatches, in_flight)
+    return min(step_rows(run), per_rank * world.data_size)
+
+
+def worst_batch(cfg: ModelConfig, run: RunConfig, rows: int, length: int | None = None):
+    """``rows`` sequences of the run at their longest (real CPU tensors: their values are known to the trace)."""
+    from moerl.rollout.episode import Episode, to_batch
+
+    t = length or run.rollout.max_model_len
+    new = min(run.rollout.max_tokens, t - 1)
+    n_moe, k, e = len(cfg.moe_layers), cfg.top_k, cfg.num_experts
+    routed = None
+    if run.algo.r3 and n_moe:
+        token = torch.arange(t - 1)[:, None, None]
+        routed = ((token * k + torch.arange(k)) % e).expand(t - 1, n_moe, k).to(torch.int16)
+    tokens = (torch.arange(t) % cfg.vocab_size).tolist()
+    episodes = [
+        Episode(i, tokens, t - new, [0] * (t - new) + [1] * new, [0.0] * t, routed, 0.0, "stop", None)
+        for i in range(rows)
+    ]
+    batch = to_batch(episodes, run.algo.r3, overlong_filter=False)
+    batch.extras["advantages"] = torch.ones(rows)
+    loss = run.algo.loss
+    if loss.kl_coef > 0:
+        batch.extras["ref_logprobs"] = torch.zeros(rows, t)
+    if not (run.algo.ppo_epochs == 1 and run.algo.mini_batches == 1 and not (loss.kl_coef > 0 and loss.kl_in_reward)):
+        batch.extras["old_logprobs"] = torch.zeros(rows, t)
+    return batch
+
+
+def held(policy) -> dict[str, list[torch.Tensor]]:
+    """What ``policy`` holds at rest, by category: its models' parameters and buffers, separate fp32 masters, the
+    optimizer's state."""
+    models = [m for m in (policy.model, policy.ref_model) if m is not None]
+    weights = [t for m in models for t in (*m.parameters(), *m.buffers())]
+    ids = {id(t) for t in weights}
+    masters = [] if policy.master is None else [p for p in policy.master.parameters() if id(p) not in ids]
+    state = [v for st in policy.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return {"weights": weights, "masters": masters, "optimizer": state}
+
+
+def gradients(policy) -> list[torch.Tensor | None]:
+    return [p.grad for p in (*policy.trained.values(), *policy.trainable.values())]
+
+
+def make_state(policy) -> None:
+    """The state as after a first step: FSDP's units set up (their shards re-made as their first forward does) and
+    the optimizer's moments made; the weights unchanged in shape."""
+    from moerl.parallel.fsdp import gathered
+
+    with gathered(*policy.layout.roots):
+        pass
+    trained = list(policy.trained.values())
+    for p in trained:
+        p.grad = torch.zeros_like(p)
+    policy.optimizer.step()
+    for p in trained:
+        p.grad = None
+
+
+@contextmanager
+def peers_vote_alike():
+    """torch's pipeline schedules agree on how their stages learn each other's shapes by a vote passed from stage to
+    stage; on a fake world no vote arrives. Inside this block every stage takes the vote its own rank casts (the
+    plan's peers are alike: a real moerl pipeline, whose stages give complete static shapes, votes static)."""
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    original = schedules._PipelineSchedule._warmup_p2p
+
+    def vote(self, stages, has_backward, p2p_done):
+        for stage in stages:
+            dynamic = InferenceMode.needs_dynamic(stage._user_meta, has_backward)
+            stage._inference_mode = InferenceMode.DYNAMIC if dynamic else InferenceMode.STATIC
+
+    schedules._PipelineSchedule._warmup_p2p = vote
+    try:
+        yield
+    finally:
+        schedules._PipelineSchedule._warmup_p2p = original
+
+
+def trace_rank(cfg: ModelConfig, run: RunConfig, rank: int = 0, hf: dict | None = None, gpu: bool = True) -> RankTrace:
+    """Trace trainer rank ``rank`` of ``run`` (its ``parallel.*`` on a fake world of that size) training a step of
+    its worst-case batch; the memory it holds (see the module docstring). ``gpu``: through the code paths moerl
+    takes on an sm90 GPU (``moerl.device.gpu_paths``), else the CPU's."""
+    from moerl.sync.weights import buckets
+    from moerl.trainer.losses import make_policy_loss
+    from moerl.trainer.policy import Policy
+
+    p = run.parallel
+    stages = p.stages or None
+    world = fake_world(p.dp, p.ep, p.pp, rank, schedule=p.schedule, microbatches=p.microbatches, stages=stages)
+    policy_cfg = replace(run.policy, compile=False, device="cpu")
+    start = time.perf_counter()
+    try:
+        batch = worst_batch(cfg, run, traced_rows(run, world))
+        with Shapes() as shapes, peers_vote_alike(), gpu_paths() if gpu else nullcontext():
+            policy = Policy(".", policy_cfg, world, build=plan_model(cfg, hf))
+            make_state(policy)
+            with Memory(held(policy)) as memory:
+                policy.train_step(batch, make_policy_loss(run.algo.loss), replay=run.algo.r3, entropy=True)
+                memory.regard(gradients(policy), "gradients")
+            engine = Elsewhere()
+            grads = [g for g in gradients(policy) if g is not None]
+            with Memory(held(policy) | {"gradients": grads}) as sync:  # sync_policy's stream, its values unchecked
+                for bucket in buckets(policy.sync_tensors(), run.rollout.sync_bucket_mb * 2**20):
+                    engine.stage_weights(bucket)
+            stages = list(policy.layout.pipeline.plan.stages) if policy.layout.pipeline is not None else [0]
+    finally:
+        world.close()
+    return RankTrace(
+        rank, stages, world.ep_rank, memory.peak.copy(), memory.now.copy(), sync.peak.copy(), engine.sent,
+        time.perf_counter() - start, shapes.float_reads, shapes.assumed,
+    )

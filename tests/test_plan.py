@@ -1,0 +1,364 @@
+"""``moerl plan`` against what runs: the plan of a tiny or small run (1, 2 and 4 gloo ranks, every mode, packing on and
+off) holds each memory category of the real step within 10% (counted on real tensors by the same dispatch-mode count,
+``tests/plan_measure.py``), and a wrong plan (a micro-batch doubled, FSDP dropped) is caught; the parallel code at
+real sizes on fake worlds (meta weights, nothing allocated): every tensor tiled once over the ranks that split it,
+stages balanced, uneven expert splits refused, stages without MoE layers, R3 columns, the checkpoint files a rank
+opens; the command's table."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moerl.config import load_config
+from moerl.errors import ConfigError
+from moerl.plan.memory import CATEGORIES
+from moerl.run_config import RunConfig
+
+MEASURE = Path(__file__).parent / "plan_measure.py"
+ENV = os.environ | {"GLOO_SOCKET_IFNAME": "lo"}
+TOLERANCE = 0.10  # the issue's bound, per category
+FLOOR = 64 * 2**10  # bytes: categories below it (a few gradients) compare in absolute terms
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from moerl.presets import init_model
+
+    path = tmp_path_factory.mktemp("plan") / "tiny"
+    init_model("qwen3_moe", "tiny", path, seed=0)
+    return path
+
+
+def _run(layout: str, case: str) -> RunConfig:
+    dp, ep, pp = layout.split(",")
+    over = [f"parallel.dp={dp}", f"parallel.ep={ep}", f"parallel.pp={pp}", *case.split()]
+    return load_config(RunConfig, None, over)
+
+
+def _planned(layout: str, case: str, rank: int, preset: str = "tiny") -> dict[str, int]:
+    from moerl.plan.rank import trace_rank
+    from moerl.presets import preset_config
+
+    hf, cfg = preset_config("qwen3_moe", preset)
+    return dict(trace_rank(cfg, _run(layout, case), rank, hf, gpu=False).peak.bytes)
+
+
+def _off(planned: dict[str, int], measured: dict[str, int]) -> list[str]:
+    """The categories where the plan misses the measured bytes by more than TOLERANCE."""
+    return [
+        f"{c}: planned {planned[c]}, measured {measured[c]}"
+        for c in CATEGORIES
+        if abs(planned[c] - measured[c]) > max(TOLERANCE * measured[c], FLOOR)
+    ]
+
+
+ONE_PROCESS = [
+    ("tiny", "policy.mode=lora policy.dtype=bfloat16"),
+    ("tiny", "policy.mode=full policy.dtype=bfloat16"),
+    ("tiny", "policy.mode=mxfp8 policy.dtype=bfloat16"),
+    ("tiny", "policy.mode=lora policy.dtype=float32 policy.packing=false rollout.max_model_len=96"),
+    ("small", "policy.mode=lora policy.dtype=bfloat16 policy.micro_batch_size=4"),
+]
+
+
+@pytest.mark.parametrize("preset, case", ONE_PROCESS)
+def test_the_plan_of_one_process_holds_the_measured_step(tmp_path, preset, case):
+    from plan_measure import measure
+
+    from moerl.presets import init_model
+
+    ckpt = tmp_path / preset
+    init_model("qwen3_moe", preset, ckpt, seed=0)
+    run = _run("1,1,1", case)
+    from moerl.parallel.world import World
+
+    measured = measure(str(ckpt), run, World())
+    planned = _planned("1,1,1", case, 0, preset)
+    assert not _off(planned, measured), _off(planned, measured)
+    assert measured["activations"] > 0 and measured["weights"] > 0
+
+
+BF16 = "policy.dtype=bfloat16"
+RANKS = [  # one launch per layout, its cases in turn
+    ("2,1,1", [f"policy.mode=full {BF16}", f"policy.mode=lora {BF16} policy.packing=false"]),
+    ("1,2,2", ["policy.mode=lora policy.dtype=bfloat16", "policy.mode=mxfp8 policy.dtype=bfloat16"]),
+]
+
+
+@pytest.fixture(scope="module")
+def measured_ranks(tiny, tmp_path_factory):
+    """Each layout's cases measured once on a torchrun launch: {(layout, case): [per-rank bytes]}."""
+    out, where = {}, tmp_path_factory.mktemp("measured")
+    for layout, cases in RANKS:
+        ranks = math.prod(int(n) for n in layout.split(","))
+        prefix = where / layout.replace(",", "_")
+        args = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(MEASURE)]
+        done = subprocess.run(
+            [sys.executable, *args, str(tiny), str(prefix), layout, *cases],
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr[-4000:]
+        for i, case in enumerate(cases):
+            out[layout, case] = [json.loads(Path(f"{prefix}.case{i}.rank{r}.json").read_text()) for r in range(ranks)]
+    return out
+
+
+@pytest.mark.parametrize("layout, case", [(lay, c) for lay, cases in RANKS for c in cases])
+def test_the_plan_of_every_rank_holds_the_measured_step(measured_ranks, layout, case):
+    for rank, measured in enumerate(measured_ranks[layout, case]):
+        planned = _planned(layout, case, rank)
+        assert not _off(planned, measured), (rank, _off(planned, measured))
+
+
+def test_a_wrong_plan_is_caught(measured_ranks):
+    """Negative controls: the plan of a doubled micro-batch, or of dp=1 (no FSDP) for a dp=2 run, misses the
+    measured step by more than the tolerance, in the categories it should."""
+    layout, case = RANKS[0][0], RANKS[0][1][0]
+    measured = measured_ranks[layout, case][0]
+    doubled = _planned(layout, case + " policy.micro_batch_size=16", 0)
+    assert any(c.startswith("activations") for c in _off(doubled, measured))
+    assert doubled["activations"] > 1.5 * measured["activations"]
+    unsharded = _planned("1,1,1", case, 0)
+    off = {c.split(":")[0] for c in _off(unsharded, measured)}
+    assert {"weights", "optimizer"} <= off or {"masters", "optimizer"} <= off, off
+    assert unsharded["optimizer"] > 1.8 * measured["optimizer"]
+
+
+# -- the parallel code at real sizes, on fake worlds ----------------------------------------------------------------
+
+REAL = [  # (shipped model, mode, dp, ep, pp, schedule)
+    ("qwen3-30b-a3b", "full", 1, 8, 1, "1f1b"),
+    ("qwen3-30b-a3b", "lora", 4, 8, 2, "1f1b"),
+    ("deepseek-v3", "full", 1, 8, 8, "interleaved_1f1b"),
+    ("deepseek-v3", "full", 4, 16, 4, "1f1b"),
+    ("deepseek-v3", "lora", 1, 64, 4, "1f1b"),
+]
+
+
+def _model_config(name: str):
+    from moerl.parallel.plan import model_config
+    from moerl.plan.plan import MODELS
+
+    return model_config(str(MODELS / name), "", "")
+
+
+def _split(cfg, mode: str, dp: int, ep: int, pp: int, schedule: str, rank: int, stages=None):
+    """Rank ``rank``'s layout of a meta model of ``cfg`` on a fake world (trainable flags as the Policy sets them)."""
+    from moerl.model.lora import LoraConfig, attach_lora
+    from moerl.model.transformer import MoEModel
+    from moerl.parallel.layout import LayoutConfig, parallelize
+    from moerl.parallel.world import fake_world
+    from moerl.trainer.policy import token_logprobs
+
+    world = fake_world(dp, ep, pp, rank, schedule=schedule, stages=stages)
+    with torch.device("meta"):
+        model = MoEModel(cfg, torch.float32 if mode != "lora" or dp * ep == 1 else torch.bfloat16)
+        if mode == "lora":
+            model.requires_grad_(False)
+            attach_lora(model, LoraConfig(), dtype=torch.float32)
+            for n, p in model.named_parameters():
+                p.requires_grad_(".lora." in n)
+    return world, model, parallelize(model, world, LayoutConfig(mode, torch.bfloat16, 8, token_logprobs))
+
+
+def _boxes(layout, world) -> dict[str, list[tuple[tuple, tuple]]]:
+    """Every rank of this rank's stage's (offset, shape) of each tensor, from the placements the layout gave its
+    parts (FSDP's shards over the data group, expert slices over the ep group; anything else whole)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    out = {}
+    for name, p in layout.model.named_parameters():
+        g = layout.global_view(name, p)
+        if name in layout.copies:
+            continue
+        if not isinstance(g, DTensor):
+            out[name] = [((0,) * p.ndim, tuple(p.shape))] * world.data_size
+            continue
+        mesh = g.device_mesh
+        parts = []
+        for coord in torch.cartesian_prod(*(torch.arange(n) for n in mesh.shape)).reshape(-1, mesh.ndim).tolist():
+            shape, offset = _compute_local_shape_and_global_offset(g.shape, mesh.shape, coord, g.placements)
+            parts.append((tuple(offset), tuple(shape)))
+        out[name] = parts * (world.data_size // math.prod(mesh.shape))
+    return out
+
+
+def _tiled_once(parts: list[tuple[tuple, tuple]], shape: tuple) -> str | None:
+    """None if the distinct non-empty parts tile ``shape`` exactly once along the one dim they split, each held by
+    the same number of ranks; else what is wrong."""
+    held = {}
+    for part in parts:
+        if math.prod(part[1]):
+            held[part] = held.get(part, 0) + 1
+    if len(set(held.values())) != 1:
+        return f"parts held unevenly: {held}"
+    split = [d for d in range(len(shape)) if any(s[d] != shape[d] for _, s in held)]
+    if len(split) > 1:
+        return f"split along dims {split}"
+    d = split[0] if split else 0
+    ends = 0
+    for offset, size in sorted(held, key=lambda p: p[0][d]):
+        if offset[d] != ends or any(size[i] != shape[i] for i in range(len(shape)) if i != d):
+            return f"a gap or an overlap at {offset} ({size})"
+        ends += size[d]
+    return None if ends == shape[d] else f"covers {ends} of {shape[d]}"
+
+
+@pytest.mark.parametrize("name, mode, dp, ep, pp, schedule", REAL)
+def test_every_tensor_is_tiled_once_by_the_ranks_that_split_it(name, mode, dp, ep, pp, schedule):
+    """Each stage's ranks hold each of its tensors' parts once (FSDP shards over dp x ep, expert slices over ep,
+    replicated over dp); every tensor lives on exactly one stage; each rank's expert slice starts where its ep index
+    says; the stages' R3 columns are their MoE layers' places in the model's MoE order."""
+    from moerl.model.transformer import MoEModel
+
+    cfg = _model_config(name)
+    with torch.device("meta"):
+        whole = dict(MoEModel(cfg, torch.float32).named_parameters())
+    owner, moe = {}, sorted(cfg.moe_layers)
+    for stage_rank in range(pp):
+        for ep_rank in sorted({0, ep - 1}):
+            rank = stage_rank * dp * ep + ep_rank
+            world, model, layout = _split(cfg, mode, dp, ep, pp, schedule, rank)
+            for i in model.moe_layer_ids:
+                assert model.layers[i].mlp.experts.ep is None or model.layers[i].mlp.experts.ep.first == (
+                    ep_rank * cfg.num_experts // ep
+                )
+            if ep_rank:
+                world.close()
+                continue
+            for name_, parts in _boxes(layout, world).items():
+                base = name_.replace(".lora", "")
+                shape = tuple(whole[name_].shape) if name_ in whole else None
+                if shape is not None:
+                    assert owner.setdefault(name_, stage_rank) == stage_rank, f"{name_} on two stages"
+                    assert _tiled_once(parts, shape) is None, (name_, _tiled_once(parts, shape))
+                else:
+                    assert ".lora." in name_ and base
+            if layout.pipeline is not None:
+                for module in layout.pipeline.modules:
+                    assert module.columns == [moe.index(i) for i in module.view.moe_layer_ids]
+            world.close()
+    assert set(owner) == set(whole) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+
+
+@pytest.mark.parametrize("name", ["qwen3-235b-a22b", "deepseek-v3"])
+@pytest.mark.parametrize("stages", [2, 4, 8, 16])
+def test_pipeline_stages_balance_parameters(name, stages):
+    """DESIGN's rule: the split whose largest stage holds the fewest parameters (embedding on the first stage, norm and
+    head on the last). Checked against a binary search over the largest stage with a greedy fill."""
+    from moerl.model.transformer import MoEModel
+    from moerl.parallel.pipeline import split_layers
+
+    with torch.device("meta"):
+        model = MoEModel(_model_config(name), torch.bfloat16)
+    cost = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
+    cost[0] += model.embed_tokens.weight.numel()
+    cost[-1] += sum(p.numel() for m in (model.norm, model.lm_head) for p in m.parameters())
+    ranges = split_layers(model, stages)
+    assert [r.start for r in ranges] == [0, *(r.stop for r in ranges[:-1])] and ranges[-1].stop == len(cost)
+    got = max(sum(cost[i] for i in r) for r in ranges)
+
+    def fits(cap: int) -> bool:
+        used, load = 1, 0
+        for c in cost:
+            if c > cap:
+                return False
+            used, load = (used + 1, c) if load + c > cap else (used, load + c)
+        return used <= stages
+
+    lo, hi = max(cost), sum(cost)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+    assert got == lo
+
+
+@pytest.mark.parametrize("name, ep", [("qwen3-30b-a3b", 48), ("gpt-oss-120b", 3), ("deepseek-v3", 96)])
+def test_an_uneven_expert_split_is_refused_by_name(name, ep):
+    from moerl.plan.plan import Machine, plan
+
+    run = load_config(RunConfig, None, [f"model.path={name}", f"parallel.ep={ep}"])
+    with pytest.raises(ConfigError, match=rf"parallel.ep={ep} must divide the model's \d+ experts"):
+        plan(run, Machine(ep))
+
+
+def test_a_stage_without_moe_layers_holds_no_expert_slice_and_no_r3_column():
+    """DeepSeek-V3's first three layers are dense: a first stage of just them (parallel.stages=[3, 58]) holds no MoE
+    layer, no expert slice and no R3 column; the next stage's columns are MoE layers 0 .. 57."""
+    cfg = _model_config("deepseek-v3")
+    world, model, layout = _split(cfg, "full", 1, 8, 2, "1f1b", 0, stages=[3, 58])
+    assert not layout.sliced and layout.pipeline.modules[0].columns == [] and model.moe_layer_ids == []
+    world.close()
+    world, model, layout = _split(cfg, "full", 1, 8, 2, "1f1b", 8, stages=[3, 58])  # stage 1, ep rank 0
+    assert layout.pipeline.modules[0].columns == list(range(58)) and len(layout.sliced) == 2 * 58
+    world.close()
+
+
+def test_a_rank_opens_only_the_checkpoint_files_of_what_it_holds(tmp_path):
+    """A DeepSeek-V3 checkpoint index of its real tensor names (163 files): each rank of a dp 1 x ep 8 x pp 2 world
+    names only tensors of its stage's layers and its experts; together the ranks name every tensor; a rank opens
+    about half of the files (its stage's)."""
+    from moerl.bridges import get_bridge
+    from moerl.bridges.checkpoint import files_held, names_held, to_hf
+    from moerl.model.transformer import MoEModel
+    from moerl.plan.plan import MODELS
+
+    hf = json.loads((MODELS / "deepseek-v3" / "config.json").read_text())
+    cfg, bridge = _model_config("deepseek-v3"), get_bridge(hf)
+    with torch.device("meta"):
+        whole = MoEModel(cfg, torch.bfloat16)
+    names = [hf_name for n, t in whole.named_parameters() for hf_name, _ in to_hf(bridge, n, t, cfg)]
+    per_file = math.ceil(len(names) / 163)
+    weight_map = {n: f"model-{i // per_file + 1:05d}-of-00163.safetensors" for i, n in enumerate(names)}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    seen: dict[str, int] = {}
+    for stage in range(2):
+        for ep_rank in range(8):
+            world, model, layout = _split(cfg, "full", 1, 8, 2, "1f1b", stage * 8 + ep_rank)
+            params = {n: p for n, p in model.named_parameters() if n not in layout.copies}
+            held = names_held(bridge, cfg, params, layout.experts_held())
+            layers = {int(n.split(".")[2]) for n in held if n.startswith("model.layers.")}
+            assert layers <= set(layout.pipeline.plan.layers)
+            experts = {int(n.split(".experts.")[1].split(".")[0]) for n in held if ".experts." in n}
+            assert experts <= set(range(ep_rank * 32, ep_rank * 32 + 32)), sorted(experts)[:5]
+            files = files_held(tmp_path, held)
+            assert len(files) < 0.6 * 163, len(files)
+            for n in held:
+                seen[n] = seen.get(n, 0) + 1
+            world.close()
+    assert set(seen) == set(names)
+    with pytest.raises(Exception, match="no tensor 'model.layers.99"):
+        files_held(tmp_path, ["model.layers.99.mlp.gate.weight"])
+
+
+# -- the command ----------------------------------------------------------------------------------------------------
+
+
+def test_moerl_plan_prints_each_rank_and_a_verdict(capsys):
+    from moerl.cli import main
+
+    rc = main(["plan", "parallel.ep=2", "parallel.pp=2", "--gpus", "4", "--gpu-memory", "80GB", "--no-proposal"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "qwen3_moe tiny (0.0 B parameters)" in out and "layout dp 1 x ep 2 x pp 2" in out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit() and "yes" in line]
+    assert [r[0] for r in rows] == ["0", "2"], out  # one row per pipeline stage
+    assert "weight sync per step" in out and "lora" in out and "verdict: fits" in out
+
+
+def test_an_unknown_model_is_named_with_the_shipped_ones():
+    from moerl.plan.plan import Machine, plan
+
+    run = load_config(RunConfig, None, ["model.path=qwen9-1t"])
+    with pytest.raises(ConfigError, match="qwen9-1t.*shipped: deepseek-v3, gpt-oss-120b"):
+        plan(run, Machine(8))
