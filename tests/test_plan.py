@@ -133,6 +133,32 @@ def test_a_wrong_plan_is_caught(measured_ranks):
     assert unsharded["optimizer"] > 1.8 * measured["optimizer"]
 
 
+@pytest.mark.parametrize(
+    "arch, layout, rank, case",
+    [
+        ("qwen3_moe", "1,2,1", 1, "policy.mode=full policy.dtype=bfloat16"),
+        ("qwen3_5_moe", "1,1,2", 1, "policy.mode=lora policy.dtype=bfloat16"),  # linear and full attention layers
+        ("deepseek_v3", "1,1,2", 0, "policy.mode=full policy.dtype=bfloat16"),  # dense and MoE layers
+    ],
+)
+def test_a_deep_rank_extrapolated_from_a_layer_of_each_kind_is_its_whole_trace(arch, layout, rank, case):
+    """moerl.plan.depth: ten layers traced as one layer of each kind plus one more of each, against every layer
+    traced (the peak, the step's end and the sync's peak, per category, 0.5%)."""
+    from moerl.plan.rank import trace_rank
+    from moerl.presets import preset_config
+
+    hf = preset_config(arch, "tiny")[0]
+    more = {"num_hidden_layers": 10}
+    if "layer_types" in hf:  # the hybrid's pattern, continued
+        more["layer_types"] = [hf["layer_types"][i % len(hf["layer_types"])] for i in range(10)]
+    hf, cfg = preset_config(arch, "tiny", more)
+    run = _run(layout, case)
+    deep, whole = (trace_rank(cfg, run, rank, hf, gpu=False, exact=e) for e in (False, True))
+    for a, b in ((deep.peak, whole.peak), (deep.end, whole.end), (deep.sync, whole.sync)):
+        assert all(abs(a.bytes[c] - b.bytes[c]) <= 0.005 * b.bytes[c] + 4096 for c in CATEGORIES), (a, b)
+    assert deep.sent == whole.sent
+
+
 # -- the parallel code at real sizes, on fake worlds ----------------------------------------------------------------
 
 REAL = [  # (shipped model, mode, dp, ep, pp, schedule)
@@ -140,7 +166,7 @@ REAL = [  # (shipped model, mode, dp, ep, pp, schedule)
     ("qwen3-30b-a3b", "lora", 4, 8, 2, "1f1b"),
     ("deepseek-v3", "full", 1, 8, 8, "interleaved_1f1b"),
     ("deepseek-v3", "full", 4, 16, 4, "1f1b"),
-    ("deepseek-v3", "lora", 1, 64, 4, "1f1b"),
+    ("deepseek-v3", "full", 1, 64, 4, "1f1b"),
 ]
 
 

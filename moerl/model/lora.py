@@ -328,6 +328,8 @@ def _add(y: torch.Tensor, delta: torch.Tensor, rows: torch.Tensor | None) -> tor
 
 def _init_A(t: torch.Tensor, generator: torch.Generator | None) -> None:
     # PEFT's default: kaiming-uniform(a=sqrt(5)) on A, i.e. U(-1/sqrt(fan_in), 1/sqrt(fan_in)); B stays zero
+    if t.is_meta:  # shapes only (a plan's): no values to draw
+        return
     bound = 1 / math.sqrt(t.shape[-1])
     t.copy_(torch.rand(t.shape, generator=generator) * 2 * bound - bound)
 

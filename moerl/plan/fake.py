@@ -22,11 +22,16 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+)
 from torch.overrides import TorchFunctionMode
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import arg_tree_leaves, tree_flatten, tree_map, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from moerl.device import gpu_planned
@@ -44,6 +49,7 @@ DATA_SHAPED = {
     aten.repeat_interleave.Tensor,
 }
 METADATA = {torch.ops.prim.device.default, aten.sym_size.default, aten.sym_stride.default, aten.sym_numel.default}
+MASK_INDEXED = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
 SCALAR_READS = {aten._local_scalar_dense.default, aten.item.default}
 MAX_VALUE_NUMEL = 2**25  # elements of an op's outputs the trace computes for real (larger ones: fake only)
 MADE_FROM_HOST = {"frombuffer", "from_numpy"}  # tensors over host memory: real, not fake
@@ -74,21 +80,25 @@ class _Known(TorchDispatchMode):
         if func in METADATA or not _faking():  # torch itself may lift the fake mode (a device mesh's own tensors)
             return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
-        flat, spec = tree_flatten((args, kwargs))
+        flat = arg_tree_leaves(*args, **kwargs)
         tensors = [a for a in flat if isinstance(a, torch.Tensor)]
-        values = [self.shapes.value(a) if isinstance(a, torch.Tensor) else a for a in flat]
         if func in SCALAR_READS:
-            return self.shapes.read(func, args[0], values[0])
+            return self.shapes.read(func, args[0], self.shapes.value(args[0]))
+        if func in MASK_INDEXED and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]):
+            args = (args[0], self._positions(args[1]), *args[2:])  # the mask's known places, as integer indices
+            return self.__torch_dispatch__(func, types, args, kwargs)
         if any(isinstance(a, torch.UntypedStorage) for a in flat):  # a storage of its own (set_): no values
             known = False
         elif tensors:
-            known = all(v is not None for v, a in zip(values, flat, strict=True) if isinstance(a, torch.Tensor))
+            known = all(self.shapes.value(t) is not None for t in tensors)
         else:  # a factory: known when it makes integers (arange, zeros of indices), never for floats
             dtype = kwargs.get("dtype")
             if dtype is None and func.overloadpacket is aten.arange:  # arange's dtype follows its arguments
                 dtype = torch.int64 if all(isinstance(a, int) for a in args) else None
             known = isinstance(dtype, torch.dtype) and not (dtype.is_floating_point or dtype.is_complex)
         if known and torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
+            flat, spec = tree_flatten((args, kwargs))
+            values = [self.shapes.value(a) if isinstance(a, torch.Tensor) else a for a in flat]
             return self._run_both(func, args, kwargs, values, spec)
         if func in DATA_SHAPED:
             raise PlanError(f"{func}: its output's shape is data the plan does not know")
@@ -105,9 +115,28 @@ class _Known(TorchDispatchMode):
                 self.shapes.forget(t)
         return out
 
+    def _positions(self, indices: list) -> list:
+        """``indices`` with each known boolean mask as the integer indices of its true places (one per dim)."""
+        out = []
+        for i in indices:
+            value = self.shapes.value(i) if isinstance(i, torch.Tensor) and i.dtype == torch.bool else None
+            if value is None:
+                out.append(i)
+                continue
+            with no_dispatch():
+                places = value.nonzero().unbind(1)
+            out += [self.shapes.lift(p, i.device) for p in places]
+        return out
+
     def _run_both(self, func, args, kwargs, values, spec):
         """The op on the fakes and, where its output is small enough to hold, on the values too."""
-        if func in DATA_SHAPED:  # the fake takes the real output's shape
+        out = data_shaped = object()
+        if func not in DATA_SHAPED:
+            try:
+                out = func(*args, **kwargs)
+            except (DynamicOutputShapeException, DataDependentOutputException):  # e.g. a boolean index
+                pass
+        if out is data_shaped:  # the fake takes the real output's shape
             real = self._real(func, values, spec)
             device = next(t.device for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor))
             out = tree_map(
@@ -117,7 +146,6 @@ class _Known(TorchDispatchMode):
                 real,
             )
         else:
-            out = func(*args, **kwargs)
             made = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
             if not made:  # a scalar, a shape: the value itself
                 return self._real(func, values, spec)
@@ -235,6 +263,14 @@ class Shapes:
     def __exit__(self, *exc) -> None:
         for mode in reversed(self._modes):
             mode.__exit__(*exc)
+
+    def lift(self, real: torch.Tensor, device) -> torch.Tensor:
+        """A fake tensor on ``device`` whose value is ``real`` (a CPU tensor)."""
+        with _disable_current_modes():
+            meta = torch.empty_strided(real.shape, real.stride(), dtype=real.dtype, device="meta")
+        fake = FakeTensor(self.fake, meta, device=device)
+        self.values[fake] = real
+        return fake
 
     def value(self, t: torch.Tensor) -> torch.Tensor | None:
         """The CPU value of ``t``: a fake tensor's known one (else None), a plain real tensor itself."""

@@ -12,7 +12,7 @@ from moerl.errors import ConfigError
 from moerl.model.config import ModelConfig
 from moerl.run_config import RunConfig
 
-TRACED_CANDIDATES = 4  # layouts traced at most while looking for one that fits (each is a full trace)
+TRACED_CANDIDATES = 2  # layouts traced at most while looking for one that fits (each is a plan of its own)
 
 
 def check_limits(cfg: ModelConfig, run: RunConfig, machine, engine) -> list[str]:
@@ -109,3 +109,26 @@ def propose_layout(cfg: ModelConfig, run: RunConfig, machine, hf: dict, colocate
         if traced >= TRACED_CANDIDATES:
             break
     return None
+
+
+def why_none_fits(cfg: ModelConfig, run: RunConfig, machine, roles: list) -> list[str]:
+    """Why no layout of ``machine``'s GPUs fits: the trained state's floor (how many such GPUs it needs at least),
+    and activations that no split of the layers brings down (a micro-batch's sequence itself too long)."""
+    out = []
+    for n in (2**k for k in range(0, 17)):
+        floors = [at_rest_floor(cfg, run, lay) for lay in candidates(cfg, run, n) if math.prod(lay) == n]
+        if floors and min(floors) <= machine.budget:
+            if n > machine.gpus:
+                out.append(f"the weights, masters and optimizer state alone need at least {n} GPUs of this size")
+            break
+    acts = max((r.trace.peak.bytes["activations"] for r in roles), default=0)
+    if acts > machine.budget:
+        b, t = run.policy.micro_batch_size, run.rollout.max_model_len
+        out.append(
+            f"one micro-batch of {b} x {t} tokens holds {acts / 2**30:.0f} GiB of activations on a rank: lower "
+            "policy.micro_batch_size or rollout.max_model_len, or split the sequence over ranks (context "
+            "parallelism) or recompute activations in the backward (activation checkpointing): moerl builds "
+            "neither yet"
+        )
+    return out
+

@@ -82,7 +82,11 @@ class Memory(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not isinstance(out, torch.Tensor | tuple | list):  # a device, a scalar: no storage
+        if isinstance(out, torch.Tensor):
+            if storage(out) not in self._of:
+                self._add(storage(out), "activations")
+            return out
+        if not isinstance(out, tuple | list):  # a device, a scalar: no storage
             return out
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):

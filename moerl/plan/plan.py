@@ -133,7 +133,7 @@ def plan_dtype(run: RunConfig) -> RunConfig:
 def plan(run: RunConfig, machine: Machine, colocated: bool = False, propose: bool = True) -> Plan:
     """Plan ``run`` on ``machine`` (see the module docstring)."""
     from moerl.parallel.plan import check_layout
-    from moerl.plan.limits import check_limits, propose_layout
+    from moerl.plan.limits import check_limits, propose_layout, why_none_fits
     from moerl.plan.sync import engine_bytes, sync_bytes
 
     start = time.perf_counter()
@@ -163,7 +163,13 @@ def plan(run: RunConfig, machine: Machine, colocated: bool = False, propose: boo
             out.roles.append(Role(trace, need - max(trace.peak.total, trace.sync.total) if extra else 0, need,
                                   need <= machine.budget))
     if propose and not out.fits:
-        out.proposal = propose_layout(cfg, run, machine, hf, colocated)
+        # activations beyond a GPU on their own: no layout helps (a 1F1B first stage holds pp micro-batches of
+        # 1 / pp of the layers: as many layers' activations as one rank of no pipeline)
+        acts = max((r.trace.peak.bytes["activations"] for r in out.roles), default=0)
+        if acts <= machine.budget:
+            out.proposal = propose_layout(cfg, run, machine, hf, colocated)
+        if out.proposal is None:
+            out.limits += why_none_fits(cfg, run, machine, out.roles)
     out.seconds = time.perf_counter() - start
     return out
 
@@ -226,8 +232,11 @@ def render(p: Plan) -> str:
     lines.append(f"verdict: {verdict}")
     if p.proposal is not None:
         pdp, pep, ppp = p.proposal
-        lines.append(f"smallest layout that fits: parallel.dp={pdp} parallel.ep={pep} parallel.pp={ppp} "
-                     f"({pdp * pep * ppp} GPUs)")
+        lines.append(
+            f"smallest layout that fits: parallel.dp={pdp} parallel.ep={pep} parallel.pp={ppp} ({pdp * pep * ppp} GPUs)"
+        )
+    elif not p.fits:
+        lines.append(f"no layout of these {m.gpus} GPUs was found to fit")
     lines += [f"limit: {text}" for text in p.limits]
     lines.append(f"planned in {p.seconds:.1f} s")
     return "\n".join(lines)

@@ -178,10 +178,55 @@ def peers_vote_alike():
         schedules._PipelineSchedule._warmup_p2p = original
 
 
-def trace_rank(cfg: ModelConfig, run: RunConfig, rank: int = 0, hf: dict | None = None, gpu: bool = True) -> RankTrace:
+EXACT_LAYERS = 6  # a rank holding at most this many layers is traced whole; deeper ones by depth (moerl.plan.depth)
+
+
+def trace_rank(
+    cfg: ModelConfig,
+    run: RunConfig,
+    rank: int = 0,
+    hf: dict | None = None,
+    gpu: bool = True,
+    exact: bool | None = None,
+) -> RankTrace:
     """Trace trainer rank ``rank`` of ``run`` (its ``parallel.*`` on a fake world of that size) training a step of
     its worst-case batch; the memory it holds (see the module docstring). ``gpu``: through the code paths moerl
-    takes on an sm90 GPU (``moerl.device.gpu_paths``), else the CPU's."""
+    takes on an sm90 GPU (``moerl.device.gpu_paths``), else the CPU's. ``exact``: trace every layer (default: when
+    the rank holds at most ``EXACT_LAYERS``, or two interleaved stages), else a layer of each kind and extrapolate
+    (``moerl.plan.depth``)."""
+    from moerl.plan import depth
+
+    ranges = depth.stage_ranges(cfg, run)
+    held_kinds = depth.counts(cfg, ranges, depth.my_stages(run, rank, len(ranges)))
+    if exact is None:  # two stages on a rank (interleaved) peak where their schedules overlap: not linear in depth
+        exact = len(held_kinds) > 1 or sum(n for c in held_kinds.values() for n in c.values()) <= EXACT_LAYERS
+    if exact:
+        return _trace(cfg, run, rank, hf, gpu)
+    one = {s: dict.fromkeys(c, 1) for s, c in held_kinds.items()}
+    base = _trace(*depth.cut(cfg, run, ranges, one), rank, hf, gpu)
+    steps = []
+    for s, c in held_kinds.items():
+        for k, n in c.items():
+            if n > 1:
+                two = {t: dict(v) for t, v in one.items()}
+                two[s][k] = 2
+                steps.append((_trace(*depth.cut(cfg, run, ranges, two), rank, hf, gpu), n - 1))
+    return RankTrace(
+        rank,
+        base.stages,
+        base.ep_rank,
+        depth.combine(base.peak, [(t.peak, n) for t, n in steps]),
+        depth.combine(base.end, [(t.end, n) for t, n in steps]),
+        depth.combine(base.sync, [(t.sync, n) for t, n in steps]),
+        base.sent + sum(n * (t.sent - base.sent) for t, n in steps),
+        base.seconds + sum(t.seconds for t, _ in steps),
+        base.float_reads,
+        base.assumed,
+    )
+
+
+def _trace(cfg: ModelConfig, run: RunConfig, rank: int, hf: dict | None, gpu: bool) -> RankTrace:
+    """``trace_rank`` of every layer."""
     from moerl.sync.weights import buckets
     from moerl.trainer.losses import make_policy_loss
     from moerl.trainer.policy import Policy

@@ -1,0 +1,86 @@
+"""A deep stage's memory from shallow traces: a rank's layers of one kind (attention type, MoE or dense MLP, rotary
+or not) hold the same bytes each, so its memory is linear in how many of each kind it holds.
+
+The rank is traced on a model whose stages are cut down: this rank's stages keep one layer of each kind they hold
+(``base``), and once more with one kind doubled (one trace per kind); the other stages keep one layer. Each category
+of the peak, of the step's end and of the sync's peak is then ``base + sum over kinds of (n - 1) x (doubled -
+base)``. A shallow rank (few layers), or one holding two interleaved stages (their peaks overlap as the schedule
+runs, not linearly in depth), is traced whole. ``tests/test_plan.py`` checks the extrapolation against whole traces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from moerl.model.config import ModelConfig
+from moerl.plan.memory import Breakdown
+from moerl.run_config import RunConfig
+
+Kind = tuple[str, bool, bool]  # (layer type, MoE, rotates nothing)
+
+
+def kind(cfg: ModelConfig, i: int) -> Kind:
+    return cfg.layer_types[i], i in set(cfg.moe_layers), i in set(cfg.nope_layers)
+
+
+def stage_ranges(cfg: ModelConfig, run: RunConfig) -> list[range]:
+    """Every pipeline stage's layers of ``run``'s model (``parallel.stages``, else the balanced split)."""
+    import torch
+
+    from moerl.model.transformer import MoEModel
+    from moerl.parallel.pipeline import split_layers, stages_per_rank
+
+    n = run.parallel.pp * stages_per_rank(run.parallel.schedule)
+    if n == 1:
+        return [range(cfg.num_layers)]
+    with torch.device("meta"):
+        model = MoEModel(cfg, torch.bfloat16)
+    return split_layers(model, n, run.parallel.stages or None)
+
+
+def my_stages(run: RunConfig, rank: int, n_stages: int) -> list[int]:
+    """The stages rank ``rank`` holds (interleaved schedules: two)."""
+    p = run.parallel
+    stage = rank // (p.dp * p.ep)
+    return [s for s in range(stage, n_stages, p.pp)]
+
+
+def counts(cfg: ModelConfig, ranges: list[range], mine: list[int]) -> dict[int, dict[Kind, int]]:
+    """How many layers of each kind each of ``mine`` holds, kinds in order of first appearance."""
+    out = {}
+    for s in mine:
+        c: dict[Kind, int] = {}
+        for i in ranges[s]:
+            c[kind(cfg, i)] = c.get(kind(cfg, i), 0) + 1
+        out[s] = c
+    return out
+
+
+def cut(cfg: ModelConfig, run: RunConfig, ranges: list[range], layers: dict[int, dict[Kind, int]]):
+    """(config, run) of the model whose stage s holds ``layers[s]`` (kind -> count), the other stages one layer of
+    their first kind."""
+    kinds: list[Kind] = []
+    sizes = []
+    for s, r in enumerate(ranges):
+        mine = layers.get(s) or {kind(cfg, r.start): 1}
+        for k, n in mine.items():
+            kinds += [k] * n
+        sizes.append(sum(mine.values()))
+    small = replace(
+        cfg,
+        num_layers=len(kinds),
+        layer_types=[k[0] for k in kinds],
+        moe_layers=[i for i, k in enumerate(kinds) if k[1]],
+        nope_layers=[i for i, k in enumerate(kinds) if k[2]],
+    )
+    stages = sizes if len(ranges) > 1 else []
+    return small, replace(run, parallel=replace(run.parallel, stages=stages))
+
+
+def combine(base: Breakdown, steps: list[tuple[Breakdown, int]]) -> Breakdown:
+    """``base`` plus, for each (doubled trace, extra layers), extra x (doubled - base), per category."""
+    out = base.copy()
+    for doubled, extra in steps:
+        for c in out.bytes:
+            out.bytes[c] += extra * (doubled.bytes[c] - base.bytes[c])
+    return out
