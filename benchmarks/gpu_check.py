@@ -221,6 +221,48 @@ def train_steps(ckpt: Path, mode: str, packing: bool) -> tuple[bool | None, str]
     return ok, f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, {(time.perf_counter() - start) * 1e3:.0f} ms/step"
 
 
+def plan_vs_step(mode: str) -> tuple[bool, str]:
+    """moerl plan's peak for one training step of the small preset against the device's own: on CUDA
+    ``torch.cuda.max_memory_allocated`` during the second step (the plan traced through the CUDA paths); in the CPU
+    dry run the plan's dispatch count on the real tensors. Within 10% (issue 39 part 2)."""
+    from dataclasses import replace
+
+    from moerl.config import load_config
+    from moerl.parallel.world import World
+    from moerl.plan.memory import Memory
+    from moerl.plan.rank import held, trace_rank, traced_rows, worst_batch
+    from moerl.presets import preset_config
+    from moerl.run_config import RunConfig
+    from moerl.trainer.losses import make_policy_loss
+
+    over = [f"policy.mode={mode}", f"policy.dtype={str(DT).removeprefix('torch.')}", "rollout.max_model_len=512"]
+    run = load_config(RunConfig, None, [*over, "policy.micro_batch_size=4"])
+    hf, cfg = preset_config("qwen3_moe", "small")
+    planned = trace_rank(cfg, run, 0, hf, gpu=CUDA).peak.total
+    with tempfile.TemporaryDirectory() as tmp:
+        init_model("qwen3_moe", "small", Path(tmp) / "small")
+        try:
+            pol = Policy(Path(tmp) / "small", replace(run.policy, compile=False, device=DEV))
+        except ConfigError as e:
+            if mode == "mxfp8" and "torchao" in str(e):
+                return None, f"refused by name: {str(e)[:100]}"
+            raise
+        batch, loss = worst_batch(cfg, run, traced_rows(run, World())), make_policy_loss(run.algo.loss)
+        pol.train_step(batch, loss)
+        if CUDA:
+            sync()
+            torch.cuda.reset_peak_memory_stats()
+            pol.train_step(batch, loss)
+            sync()
+            measured, what = torch.cuda.max_memory_allocated(), "max_memory_allocated"
+        else:
+            with Memory(held(pol)) as memory:
+                pol.train_step(batch, loss)
+            measured, what = memory.peak.total, "live tensors"
+    off = abs(planned - measured) / measured
+    return off <= 0.10, f"planned {planned / 2**20:.0f} MiB, {what} {measured / 2**20:.0f} MiB ({off:.1%} apart)"
+
+
 def engine_lora_slots(ckpt: Path) -> tuple[bool, str]:
     """An engine batch mixing the trained adapter and no adapter, against the trainer with and without it."""
     pol = Policy(ckpt, PolicyConfig(mode="lora", dtype=str(DT).removeprefix("torch."), device=DEV))
@@ -516,6 +558,8 @@ def main() -> int:
         check("compiled decode, grouped experts, CUDA graphs", compiled_decode)
         check("weight sync to an engine process over CUDA IPC", ipc_sync, ckpt, state)
         check("LoRA decode, Qwen3-30B-A3B shapes", lora_decode, 32 if CUDA else 4, 64 if CUDA else 4)
+        for mode in ("lora", "full"):
+            check(f"moerl plan vs a {mode} step's peak", plan_vs_step, mode)
     print(f"{'FAIL' if FAILED else 'PASS'} gpu-check on {DEV}: {len(FAILED)} failed {FAILED}", flush=True)
     return 1 if FAILED else 0
 

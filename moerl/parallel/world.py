@@ -211,7 +211,9 @@ def _forget_meshes() -> None:
     propagator.propagate_op_sharding.cache_clear()
     propagator._propagate_tensor_meta_cached.cache_clear()
     _redistribute._gen_transform_infos.cache_clear()
-    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's own cache
+    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's (torch 2.12+)
+    if clear is not None:
+        clear()
 
 
 def _on_mesh(rank: int, dp: int, ep: int, pp: int, kind: str, pipeline: dict) -> World:

@@ -26,6 +26,13 @@ def check_limits(cfg: ModelConfig, run: RunConfig, machine, engine) -> list[str]
             f"{budget / 2**30:.0f} GiB): serve it with vLLM split over GPUs (rollout.engine=vllm, "
             "rollout.vllm_args.tensor_parallel_size=N); moerl drives vLLM engines, tested on CPU builds only"
         )
+    whole = _bf16_bytes(cfg)
+    if whole > budget:
+        out.append(
+            f"each trainer rank loads the whole checkpoint ({whole / 2**30:.0f} GiB in bf16) before the layout splits "
+            "it: that much host memory per rank (loading only a rank's tensors, moerl.bridges.checkpoint.names_held, "
+            "is not wired into Policy yet)"
+        )
     layer, expert = _largest_layer(cfg)
     if layer > budget:
         out.append(
@@ -38,6 +45,13 @@ def check_limits(cfg: ModelConfig, run: RunConfig, machine, engine) -> list[str]
             "rank: this needs expert tensor parallelism (each expert split over ranks), which moerl does not build"
         )
     return out
+
+
+def _bf16_bytes(cfg: ModelConfig) -> int:
+    from moerl.model.transformer import MoEModel
+
+    with torch.device("meta"):
+        return sum(p.numel() * 2 for p in MoEModel(cfg, torch.bfloat16).parameters())
 
 
 def _largest_layer(cfg: ModelConfig) -> tuple[int, int]:
