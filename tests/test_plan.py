@@ -387,3 +387,21 @@ def test_an_unknown_model_is_named_with_the_shipped_ones():
     run = load_config(RunConfig, None, ["model.path=qwen9-1t"])
     with pytest.raises(ConfigError, match="qwen9-1t.*shipped: deepseek-v3, gpt-oss-120b"):
         plan(run, Machine(8))
+
+
+def test_an_engine_on_the_trainers_gpu_adds_its_weights_cache_and_staging():
+    """--colocated: the rank's need is the engine's weights plus the busiest of the step, the sync with the engine's
+    staged weights, and the trainer at rest with the engine's KV cache; apart, the trainer's alone."""
+    from moerl.plan.plan import Machine, plan
+    from moerl.plan.sync import engine_bytes, sync_bytes
+    from moerl.presets import preset_config
+
+    run = load_config(RunConfig, None, ["policy.mode=full", "rollout.max_model_len=256", "rollout.max_num_seqs=32"])
+    apart, together = (plan(run, Machine(1), colocated=c, propose=False).roles[0] for c in (False, True))
+    assert apart.engine == 0 and apart.need == max(apart.trace.peak.total, apart.trace.sync.total)
+    cfg = preset_config("qwen3_moe", "tiny")[1]
+    e = engine_bytes(cfg, plan(run, Machine(1), propose=False).run, sync_bytes(cfg, run))
+    assert e.weights > 0 and e.kv > 0 and e.staging > 0
+    t = together.trace
+    assert together.need == e.weights + max(t.peak.total, t.sync.total + e.staging, t.end.total + e.kv)
+    assert together.need > apart.need and together.engine == together.need - apart.need

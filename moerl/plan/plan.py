@@ -154,14 +154,13 @@ def plan(run: RunConfig, machine: Machine, colocated: bool = False, propose: boo
     else:
         for rank in roles(run):
             trace = trace_rank(cfg, run, rank, hf)
+            trainer = max(trace.peak.total, trace.sync.total)
+            need = trainer
             if colocated and engine is not None:  # the engine's weights always; its cache while it generates (the
                 # trainer at rest then, its gradients kept), its staged weights during a sync
-                extra = engine.weights
-                need = extra + max(trace.peak.total, trace.sync.total + engine.staging, trace.end.total + engine.kv)
-            else:
-                extra, need = 0, max(trace.peak.total, trace.sync.total)
-            out.roles.append(Role(trace, need - max(trace.peak.total, trace.sync.total) if extra else 0, need,
-                                  need <= machine.budget))
+                busiest = max(trace.peak.total, trace.sync.total + engine.staging, trace.end.total + engine.kv)
+                need = engine.weights + busiest
+            out.roles.append(Role(trace, need - trainer, need, need <= machine.budget))
     if propose and not out.fits:
         # activations beyond a GPU on their own: no layout helps (a 1F1B first stage holds pp micro-batches of
         # 1 / pp of the layers: as many layers' activations as one rank of no pipeline)
