@@ -47,26 +47,11 @@ class Elsewhere:
     """The rollout engine as a trainer rank sees it when the engine has GPUs of its own: what a sync sends leaves
     this rank (the sync's stream of buckets is traced against it; nothing is kept)."""
 
-    dense_weights = None
-    weight_version = 0
-
     def __init__(self):
         self.sent = 0
 
-    def _take(self, tensors: dict) -> None:
-        self.sent += sum(t.numel() * t.element_size() for t in tensors.values())
-
-    def set_adapter(self, name: str, tensors: dict, version: int) -> None:
-        self._take(tensors)
-
     def stage_weights(self, tensors: dict) -> None:
-        self._take(tensors)
-
-    def discard_staged(self) -> None:
-        pass
-
-    def commit_weights(self, version: int) -> None:
-        pass
+        self.sent += sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def plan_model(cfg: ModelConfig, hf: dict | None = None):
