@@ -74,7 +74,7 @@ def gpu_planned() -> bool:
 
 def on_gpu(t: torch.Tensor) -> bool:
     """Whether work on ``t`` takes moerl's CUDA paths: ``t`` is on CUDA, or a plan traces them (``gpu_paths``)."""
-    return t.is_cuda or _PLANNED_GPU is not None
+    return t.is_cuda or gpu_planned()
 
 
 def capability(device: torch.device) -> tuple[int, int] | None:

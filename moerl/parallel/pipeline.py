@@ -1,14 +1,13 @@
 """Pipeline parallelism with R3, on ``torch.distributed.pipelining``, applied from outside the model.
 
 The layers are split into stages (balanced by parameter count, or as ``parallel.stages`` says); each rank keeps its
-stages' layers (the others become placeholders, the embedding lives on the first stage, the norm and head on the
-last). Every rank of a pipeline holds the step's whole batch (rank 0 announces it) and splits it into the same
-micro-batches, so what travels between stages with a micro-batch is its hidden states alone (each stage runs its
-forwards in micro-batch order, in every schedule, and takes the next micro-batch's rows itself): from the rows each
-stage reads its own inputs — the
-first stage the token ids, every stage the attention mask and R3's routed experts of *its* MoE layers only (the
-columns of the global MoE layer indices it holds; -1 rows still route themselves), the last stage the loss mask,
-advantages and the engine's logprobs. Old-logprob and training forwards replay; the reference forward never does.
+stages' layers (the others become placeholders, the embedding lives on the first stage, the norm and head on the last).
+Every rank of a pipeline holds the step's whole batch (rank 0 announces it) and splits it into the same micro-batches,
+so what travels between stages with a micro-batch is its hidden states alone (each stage runs its forwards in
+micro-batch order, in every schedule, and takes the next micro-batch's rows itself): from the rows each stage reads its
+own inputs — the first stage the token ids, every stage the attention mask and R3's routed experts of *its* MoE layers
+only (the columns of the global MoE layer indices it holds; -1 rows still route themselves), the last stage the loss
+mask, advantages and the engine's logprobs. Old-logprob and training forwards replay; the reference forward never does.
 
 With dp / ep > 1 there is one pipeline per data rank: each takes its share of the batch's rows, and every pipeline
 runs as many micro-batches of the same size (FSDP's gathers and the expert exchange pair up across the stage's data

@@ -53,7 +53,7 @@ class Memory(TorchDispatchMode):
         super().__init__()
         self._serial = 0
         self._of: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> serial
-        self._entries: dict[int, list] = {}  # serial -> [weakref to the storage, bytes, category]
+        self._entries: dict[int, list] = {}  # serial -> [weakref to the storage, bytes, category, made at]
         self.now, self.peak = Breakdown(), Breakdown()
         self._peak_serial = 0
         self._resize = None
@@ -111,7 +111,7 @@ class Memory(TorchDispatchMode):
             entry[2] = category
             self.now.bytes[was] -= nbytes
             self.now.bytes[category] += nbytes
-            if serial <= self._peak_serial:
+            if entry[3] <= self._peak_serial:  # alive, at this size, at the peak
                 self.peak.bytes[was] -= nbytes
                 self.peak.bytes[category] += nbytes
 
@@ -121,7 +121,7 @@ class Memory(TorchDispatchMode):
         self._serial += 1
         serial = self._serial
         self._of[st] = serial
-        self._entries[serial] = [weakref.ref(st, partial(self._freed, serial)), st.nbytes(), category]
+        self._entries[serial] = [weakref.ref(st, partial(self._freed, serial)), st.nbytes(), category, serial]
         self.now.bytes[category] += st.nbytes()
         if self.now.total > self.peak.total:
             self._at_peak()
@@ -141,7 +141,8 @@ class Memory(TorchDispatchMode):
         entry[1] += after - before
         self.now.bytes[entry[2]] += after - before
         if after > before:
-            self._serial += 1  # a regrown storage counts as made now (for ``regard``'s peak test)
+            self._serial += 1
+            entry[3] = self._serial  # a regrown storage counts as made now (``regard``'s peak test)
             if self.now.total > self.peak.total:
                 self._at_peak()
 

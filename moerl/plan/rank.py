@@ -220,8 +220,8 @@ def _trace(cfg: ModelConfig, run: RunConfig, rank: int, hf: dict | None, gpu: bo
     from moerl.trainer.policy import Policy
 
     p = run.parallel
-    stages = p.stages or None
-    world = fake_world(p.dp, p.ep, p.pp, rank, schedule=p.schedule, microbatches=p.microbatches, stages=stages)
+    pipeline = {"schedule": p.schedule, "microbatches": p.microbatches, "stages": p.stages or None}
+    world = fake_world(p.dp, p.ep, p.pp, rank, **pipeline)
     policy_cfg = replace(run.policy, compile=False, device="cpu")
     start = time.perf_counter()
     try:
