@@ -41,14 +41,16 @@ def delta_rule_chunked(q, k, v, g, beta, state=None, chunk: int = CHUNK) -> tupl
     """
     b, t, h, dk = k.shape
     dv = v.shape[-1]
-    q, k, v, g, beta = (x.float().transpose(1, 2) for x in (q, k, v, g, beta))  # [B, H, T, ...]
     pad = -t % chunk
-    if pad:  # zero tokens at the end: no decay (g = 0), no write (beta = 0), read by nobody
-        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
     n = (t + pad) // chunk
-    q, k, v = (x.reshape(b, h, n, chunk, -1) for x in (q, k, v))
-    g, beta = g.reshape(b, h, n, chunk), beta.reshape(b, h, n, chunk)
+
+    # Laid out [chunk, B*H, token in chunk, ...] once: the recurrence over chunks is sequential, and each of its
+    # steps is then a few whole-tensor ops (fused bmm's), few kernel launches per chunk.
+    def chunks(x):  # [B, T, H, ...] -> [n, B*H, chunk, ...]; padding: no decay (g = 0), no write (beta = 0)
+        x = F.pad(x.float(), (0, 0) * (x.dim() - 2) + (0, pad))
+        return x.reshape(b, n, chunk, h, -1).permute(1, 0, 3, 2, 4).reshape(n, b * h, chunk, *x.shape[3:])
+
+    q, k, v, g, beta = map(chunks, (q, k, v, g, beta))
     cum = g.cumsum(-1)  # G within each chunk
     lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")).exp()  # exp(G_i - G_j), j<=i
@@ -58,14 +60,17 @@ def delta_rule_chunked(q, k, v, g, beta, state=None, chunk: int = CHUNK) -> tupl
     w_v, w_k = solved.split([dv, dk], dim=-1)  # U = w_v - w_k S0
     scores = (q @ k.transpose(-1, -2)) * decay
     q_decayed = q * cum.exp()[..., None]
-    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
-    s = torch.zeros(b, h, dk, dv, device=q.device) if state is None else state.float()
-    out = torch.empty(b, h, n, chunk, dv, device=q.device)
-    for c in range(n):
-        u = w_v[:, :, c] - w_k[:, :, c] @ s
-        out[:, :, c] = q_decayed[:, :, c] @ s + scores[:, :, c] @ u
-        s = s * cum[:, :, c, -1:, None].exp() + k_to_end[:, :, c].transpose(-1, -2) @ u
-    return out.reshape(b, h, n * chunk, dv)[:, :, :t].transpose(1, 2), s
+    k_to_end = (k * (cum[..., -1:] - cum).exp()[..., None]).transpose(-1, -2)
+    chunk_decay = cum[..., -1:, None].exp()
+    s = torch.zeros(b * h, dk, dv, device=q.device) if state is None else state.float().reshape(b * h, dk, dv)
+    out = []  # unbind, not x[c]: one backward (a stack) per operand, not a zero-filled whole per chunk
+    operands = (x.unbind(0) for x in (w_v, w_k, q_decayed, scores, chunk_decay, k_to_end))
+    for w_v_c, w_k_c, q_c, scores_c, decay_c, k_c in zip(*operands, strict=True):
+        u = torch.baddbmm(w_v_c, w_k_c, s, alpha=-1)
+        out.append(torch.baddbmm(torch.bmm(q_c, s), scores_c, u))
+        s = torch.baddbmm(s * decay_c, k_c, u)
+    out = torch.stack(out).view(n, b, h, chunk, dv).permute(1, 0, 3, 2, 4).reshape(b, n * chunk, h, dv)
+    return out[:, :t], s.view(b, h, dk, dv)
 
 
 def delta_rule_step(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tensor]:
