@@ -303,7 +303,7 @@ def _bytes(text: str, key: str) -> int:
 def cmd_plan(args) -> None:
     """Memory per trainer rank, weight-sync traffic and the smallest layout that fits (``moerl.plan``)."""
     from moerl.config import load_config
-    from moerl.plan.plan import Machine, plan, render
+    from moerl.plan.plan import Machine, cores, plan, render
     from moerl.run_config import RunConfig
 
     overrides = list(args.overrides)
@@ -313,7 +313,10 @@ def cmd_plan(args) -> None:
     cfg = load_config(RunConfig, args.config, overrides)
     link = _bytes(args.link.removesuffix("/s"), "--link")
     machine = Machine(args.gpus, _bytes(args.gpu_memory, "--gpu-memory"), args.nodes, args.usable, link)
-    print(render(plan(cfg, machine, colocated=args.colocated, propose=not args.no_proposal)))
+    if args.workers < 0:
+        raise ConfigError(f"--workers {args.workers}: must be >= 0 (0: one per core)")
+    workers = args.workers or cores()
+    print(render(plan(cfg, machine, colocated=args.colocated, propose=not args.no_proposal, workers=workers)))
 
 
 def cmd_config(args) -> None:
@@ -448,6 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--link", default="50GB/s", help="bandwidth a weight sync crosses, e.g. 50GB/s")
     s.add_argument("--colocated", action="store_true", help="the rollout engine shares each trainer's GPU")
     s.add_argument("--no-proposal", action="store_true", help="do not search for a layout that fits")
+    s.add_argument("--workers", type=int, default=0, help="ranks traced at once, one process each (0: every core)")
     s.set_defaults(func=cmd_plan)
 
     s = sub.add_parser("config", help="list every config key of moerl train with its default and what it does")

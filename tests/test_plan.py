@@ -372,13 +372,31 @@ def test_a_rank_opens_only_the_checkpoint_files_of_what_it_holds(tmp_path):
 def test_moerl_plan_prints_each_rank_and_a_verdict(capsys):
     from moerl.cli import main
 
-    rc = main(["plan", "parallel.ep=2", "parallel.pp=2", "--gpus", "4", "--gpu-memory", "80GB", "--no-proposal"])
+    argv = ["plan", "parallel.ep=2", "parallel.pp=2", "--gpus", "4", "--gpu-memory", "80GB", "--no-proposal"]
+    rc = main([*argv, "--workers", "1"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "qwen3_moe tiny (0.0 B parameters)" in out and "layout dp 1 x ep 2 x pp 2" in out
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit() and "yes" in line]
     assert [r[0] for r in rows] == ["0", "2"], out  # one row per pipeline stage
     assert "weight sync per step" in out and "lora" in out and "verdict: fits" in out
+
+
+def test_ranks_traced_in_worker_processes_give_one_processs_plan(capsys):
+    """``workers=2`` (the CLI's default on two cores: ranks traced in spawned processes) gives the same bytes, rank by
+    rank, as tracing them here; ``--workers -1`` is refused by name."""
+    from moerl.cli import main
+    from moerl.plan.plan import Machine, plan
+
+    run = load_config(RunConfig, None, ["parallel.ep=2", "parallel.pp=2"])
+    here, pooled = (plan(run, Machine(4), propose=False, workers=w) for w in (1, 2))
+
+    def figures(p):
+        return [(r.trace.rank, r.trace.peak.bytes, r.trace.end.bytes, r.trace.sync.bytes, r.need) for r in p.roles]
+
+    assert len(here.roles) == 2 and figures(pooled) == figures(here)
+    assert main(["plan", "--gpus", "4", "--workers", "-1"]) == 2
+    assert "--workers -1: must be >= 0" in capsys.readouterr().err
 
 
 def test_an_unknown_model_is_named_with_the_shipped_ones():

@@ -101,10 +101,12 @@ def at_rest_floor(cfg: ModelConfig, run: RunConfig, layout: tuple[int, int, int]
     return 16 * (experts + rest) // (dp * ep * pp)  # fp32 masters, gradients and two moments
 
 
-def propose_layout(cfg: ModelConfig, run: RunConfig, machine, hf: dict, colocated: bool) -> tuple[int, int, int] | None:
-    """The first of ``candidates`` whose every rank fits when traced (layouts below the at-rest floor skipped), or
-    None (then the limits say why)."""
-    from moerl.plan.plan import plan
+def propose_layout(
+    cfg: ModelConfig, run: RunConfig, machine, hf: dict, colocated: bool, tracer
+) -> tuple[int, int, int] | None:
+    """The first of ``candidates`` whose every rank fits when traced by ``tracer`` (``moerl.plan.plan.Tracer``;
+    layouts below the at-rest floor skipped), or None (then the limits say why)."""
+    from moerl.plan.plan import plan_with
 
     traced = 0
     for layout in candidates(cfg, run, machine.gpus):
@@ -115,7 +117,7 @@ def propose_layout(cfg: ModelConfig, run: RunConfig, machine, hf: dict, colocate
         dp, ep, pp = layout
         trial = replace(run, parallel=replace(run.parallel, dp=dp, ep=ep, pp=pp, stages=[]))
         try:
-            if plan(trial, machine, colocated, propose=False).fits:
+            if plan_with(trial, machine, colocated, False, tracer).fits:
                 return layout
         except ConfigError:
             continue
@@ -145,4 +147,3 @@ def why_none_fits(cfg: ModelConfig, run: RunConfig, machine, roles: list) -> lis
             "neither yet"
         )
     return out
-

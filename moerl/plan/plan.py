@@ -11,7 +11,12 @@ the allocator's fragmentation, NCCL's buffers).
 from __future__ import annotations
 
 import math
+import multiprocessing
+import os
 import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -130,8 +135,41 @@ def plan_dtype(run: RunConfig) -> RunConfig:
     return run
 
 
-def plan(run: RunConfig, machine: Machine, colocated: bool = False, propose: bool = True) -> Plan:
-    """Plan ``run`` on ``machine`` (see the module docstring)."""
+Tracer = Callable[[ModelConfig, RunConfig, list[int], dict], list[RankTrace]]
+
+
+def plan(run: RunConfig, machine: Machine, colocated: bool = False, propose: bool = True, workers: int = 1) -> Plan:
+    """Plan ``run`` on ``machine`` (see the module docstring). ``workers`` > 1: the ranks are traced that many at a
+    time, each in a process of its own (a trace is single-threaded Python: one per core)."""
+    with (
+        ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), _one_thread)
+        if workers > 1
+        else (nullcontext()) as pool
+    ):
+
+        def trace(cfg: ModelConfig, run: RunConfig, ranks: list[int], hf: dict) -> list[RankTrace]:
+            if pool is None or len(ranks) == 1:
+                return [trace_rank(cfg, run, rank, hf) for rank in ranks]
+            return list(pool.map(_trace_rank, *zip(*((cfg, run, rank, hf) for rank in ranks), strict=True)))
+
+        return plan_with(run, machine, colocated, propose, trace)
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _one_thread() -> None:
+    torch.set_num_threads(1)  # the workers share the cores: no OpenMP pool each
+
+
+def _trace_rank(cfg: ModelConfig, run: RunConfig, rank: int, hf: dict) -> RankTrace:
+    return trace_rank(cfg, run, rank, hf)
+
+
+def plan_with(run: RunConfig, machine: Machine, colocated: bool, propose: bool, tracer: Tracer) -> Plan:
+    """``plan``, its ranks traced by ``tracer`` (in this process or a pool's)."""
     from moerl.parallel.plan import check_layout
     from moerl.plan.limits import check_limits, propose_layout, why_none_fits
     from moerl.plan.sync import engine_bytes, sync_bytes
@@ -152,8 +190,7 @@ def plan(run: RunConfig, machine: Machine, colocated: bool = False, propose: boo
             f"{machine.gpus} are given"
         )
     else:
-        for rank in roles(run):
-            trace = trace_rank(cfg, run, rank, hf)
+        for trace in tracer(cfg, run, roles(run), hf):
             trainer = max(trace.peak.total, trace.sync.total)
             need = trainer
             if colocated and engine is not None:  # the engine's weights always; its cache while it generates (the
@@ -166,7 +203,7 @@ def plan(run: RunConfig, machine: Machine, colocated: bool = False, propose: boo
         # 1 / pp of the layers: as many layers' activations as one rank of no pipeline)
         acts = max((r.trace.peak.bytes["activations"] for r in out.roles), default=0)
         if acts <= machine.budget:
-            out.proposal = propose_layout(cfg, run, machine, hf, colocated)
+            out.proposal = propose_layout(cfg, run, machine, hf, colocated, tracer)
         if out.proposal is None:
             out.limits += why_none_fits(cfg, run, machine, out.roles)
     out.seconds = time.perf_counter() - start
@@ -220,12 +257,10 @@ def render(p: Plan) -> str:
         lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
         traced = p.roles[0].trace
         lines.append(
-            f"  traced: {len(p.roles)} rank(s) in {sum(r.trace.seconds for r in p.roles):.1f} s; "
+            f"  traced: {len(p.roles)} rank(s), {sum(r.trace.seconds for r in p.roles):.1f} s of tracing in all; "
             f"router choices assumed balanced {traced.assumed}x, float reads answered 0: {traced.float_reads}"
         )
-    sends = ", ".join(
-        f"{mode} {_gib(n)} GiB = {n / m.link:.2f} s" for mode, n in p.sync_bytes.items() if n is not None
-    )
+    sends = ", ".join(f"{mode} {_gib(n)} GiB = {n / m.link:.2f} s" for mode, n in p.sync_bytes.items() if n is not None)
     lines.append(f"weight sync per step at {m.link / 1e9:.0f} GB/s: {sends}")
     verdict = "fits" if p.fits else "does not fit"
     lines.append(f"verdict: {verdict}")
@@ -239,5 +274,3 @@ def render(p: Plan) -> str:
     lines += [f"limit: {text}" for text in p.limits]
     lines.append(f"planned in {p.seconds:.1f} s")
     return "\n".join(lines)
-
-
