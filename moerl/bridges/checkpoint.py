@@ -20,6 +20,7 @@ from moerl.bridges.registry import get_bridge
 from moerl.errors import CheckpointError
 from moerl.model.config import ModelConfig
 from moerl.model.size import check_buildable, check_fits
+from moerl.model.swap import state_of
 from moerl.model.transformer import MoEModel
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -397,7 +398,7 @@ def export_model(
     bridge = get_bridge(model.hf_config, source="model.hf_config")
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    state = model.state_dict() if state_dict is None else state_dict
+    state = state_of(model) if state_dict is None else state_dict
     tensors = {
         hf_name: t
         for name, tensor in state.items()

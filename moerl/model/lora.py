@@ -27,7 +27,7 @@ from moerl.device import on_gpu
 from moerl.model.grouped import Groups, device_kernel, group_mm
 from moerl.model.linear import Linear
 from moerl.model.moe import Experts, Route
-from moerl.model.swap import replace_module, swapped
+from moerl.model.swap import replace_module, state_of, swapped
 
 LAYOUTS = ("per_expert", "shared_outer")
 
@@ -410,7 +410,7 @@ def lora_modules(model: nn.Module) -> dict[str, LinearLora | ExpertLora]:
 def merged_weights(model: nn.Module, slot: int = 0, dtype: torch.dtype | None = None):
     """The weights adapter ``slot`` touches, merged (W + scale * B @ A, summed in fp32), one module at a time, as
     ``(name, tensor)`` in ``dtype`` (default: the base weight's)."""
-    state = model.state_dict()
+    state = state_of(model)
     for path, lora in lora_modules(model).items():
         if isinstance(lora, LinearLora):
             deltas = [("weight", lora.delta_weight(slot))]
@@ -423,7 +423,7 @@ def merged_weights(model: nn.Module, slot: int = 0, dtype: torch.dtype | None = 
 
 def merged_state_dict(model: nn.Module, slot: int = 0) -> dict[str, torch.Tensor]:
     """The base state dict with adapter ``slot`` merged into the weights (W + scale * B @ A), no LoRA keys."""
-    state = {k: v for k, v in model.state_dict().items() if ".lora." not in k}
+    state = {k: v for k, v in state_of(model).items() if ".lora." not in k}
     return state | dict(merged_weights(model, slot))
 
 

@@ -1,11 +1,13 @@
 """Module swaps: how a mode (LoRA, MXFP8) replaces a plain module of the model from outside, as gpt-fast swaps
 ``nn.Linear`` for its quantized linear. The new module takes over the old one's parameters, buffers, submodules and
-settings as they are (shared, not copied), so names, values and devices stay."""
+settings as they are (shared, not copied), so names, values and devices stay. And ``state_of``: a module's state as it
+is now, where ``state_dict()`` would change it."""
 
 from __future__ import annotations
 
 from typing import TypeVar
 
+import torch
 from torch import nn
 
 M = TypeVar("M", bound=nn.Module)
@@ -24,3 +26,17 @@ def replace_module(model: nn.Module, path: str, new: nn.Module) -> None:
     """Put ``new`` at ``path`` (a dotted module name) of ``model``."""
     parent, _, name = path.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, name, new)
+
+
+def state_of(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict()``'s names and tensors (parameters, persistent buffers) without its hooks: FSDP2's
+    pre-hook puts the sharded parameters back, which inside ``moerl.parallel.fsdp.gathered`` would make the whole
+    weights sharded again on one rank (and every op on them a collective the other ranks never join)."""
+    out = {}
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        out |= {f"{dot}{n}": p for n, p in m._parameters.items() if p is not None}
+        out |= {
+            f"{dot}{n}": b for n, b in m._buffers.items() if b is not None and n not in m._non_persistent_buffers_set
+        }
+    return out
