@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 import torch
 
-from moerl.errors import ConfigError, MoerlError
+from moerl.errors import ConfigError, MoerlError, Preempted
 from moerl.precision import DTYPE_NAMES, compute_dtype
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -484,9 +485,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.func(args)
     except MoerlError as e:
-        print(f"moerl: error: {e}", file=sys.stderr)
+        if not isinstance(e, Preempted):
+            print(f"moerl: error: {e}", file=sys.stderr)
+        elif not (os.environ.get("MOERL_QUIET_CTRL_C") and "LOCAL_RANK" in os.environ):  # a rank of moerl's own
+            # launch (QUIET_CTRL_C): the launcher says it, once
+            print(f"moerl: stopped: {e}", file=sys.stderr)
         _tell_launcher(e)
-        return 2
+        return getattr(e, "exit_code", 2)
     except KeyboardInterrupt:
         print("moerl: interrupted", file=sys.stderr)
         return 130

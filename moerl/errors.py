@@ -36,6 +36,17 @@ class TrainingStopped(MoerlError, RuntimeError):
     """Training cannot go on (non-finite loss, logprobs or weights); the last good checkpoint is on disk."""
 
 
+class OutOfMemory(MoerlError, MemoryError):
+    """A trainer rank ran out of memory in a step; the message names the rank, the stage and the batch, and what to
+    lower."""
+
+
+class Preempted(MoerlError):
+    """A scheduler's signal (SIGTERM, SIGUSR1) stopped the run after its last complete step was saved."""
+
+    exit_code = 143
+
+
 class EngineError(MoerlError, RuntimeError):
     """A rollout engine process failed: it died, did not start, or raised something unexpected."""
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import shlex
 import sys
 import time
 from contextlib import contextmanager
@@ -24,10 +25,11 @@ from moerl.engine import EngineConfig
 from moerl.engine.compiled import COMPILE_SECONDS as DECODE_COMPILE_SECONDS
 from moerl.engine.compiled import pays as pays_decode
 from moerl.envs import make_env
-from moerl.errors import EngineError, TrainingStopped
+from moerl.errors import EngineError, Preempted, TrainingStopped
 from moerl.logs import library_logs
 from moerl.metrics import MetricsLogger, plot_run, read_metrics
 from moerl.parallel.world import World, broadcast_json, init_world, stalled
+from moerl.preempt import Preemption, Quiet
 from moerl.rollout import make_engine
 from moerl.rollout.ahead import RolloutsAhead
 from moerl.rollout.episode import Episode, drop_stale, to_batch
@@ -86,7 +88,8 @@ def _run(cfg: RunConfig, resume: bool, overwrite: bool, engines) -> dict | None:
     )
     try:
         if not world.driver:  # a trainer rank: it trains on its shard of what rank 0 announces
-            _serve(cfg, world)
+            with Quiet():  # rank 0 answers a scheduler's signal for the run
+                _serve(cfg, world)
             world.close()
             return None
         run = RunDir.open(cfg, resume=resume, overwrite=overwrite)
@@ -95,6 +98,9 @@ def _run(cfg: RunConfig, resume: bool, overwrite: bool, engines) -> dict | None:
                 summary = _train(cfg, run, world, engines)
         finally:
             run.close()
+    except Preempted:  # saved; the other ranks were told to stop: leave the group with them
+        world.close()
+        raise
     except RuntimeError as e:
         fault = stalled(e, par.timeout_s) if world.size > 1 else None
         if fault is None:
@@ -127,12 +133,15 @@ def _train(cfg: RunConfig, run: RunDir, world: World, engines) -> dict:
         broadcast_json(str(model_path))
         policy = DistributedPolicy(model_path, cfg.policy, world)
     try:
-        return _train_policy(cfg, run, env, model_path, policy, engines)
+        with Preemption(cfg.train.preempt_grace_s) as preempt:
+            return _train_policy(cfg, run, env, model_path, policy, engines, preempt)
     finally:
         policy.close()
 
 
-def _train_policy(cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Policy, engines) -> dict:
+def _train_policy(
+    cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Policy, engines, preempt: Preemption
+) -> dict:
     engine = build_engine(cfg, model_path, engines)
     gen = build_generator(cfg, env, engine)
     metrics = ahead = None
@@ -205,8 +214,15 @@ def _train_policy(cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Po
                 if not tty:
                     done = step + 1 - start
                     say(progress_line(step + 1, cfg.train.steps, row, (time.perf_counter() - t_start) / done))
-                if last or (cfg.train.checkpoint_every and (step + 1) % cfg.train.checkpoint_every == 0):
+                every = cfg.train.checkpoint_every
+                if last or (every and (step + 1) % every == 0) or preempt.signal_name:
                     save_checkpoint(ckpt_dir, policy, state={"step": step + 1})
+                if preempt.signal_name and not last:  # a scheduler's signal: saved, stop (the last step just ends)
+                    preempt.saved()
+                    raise Preempted(
+                        f"{preempt.signal_name} after step {step + 1} of {cfg.train.steps}; its state is saved in "
+                        f"{ckpt_dir}. Continue with: {resume_command()}"
+                    )
                 t_prev = time.perf_counter()
         except EngineError as e:  # an engine process died: stop with the trained state saved
             raise TrainingStopped(f"{e}{policy.save_stop_checkpoint()}") from e
@@ -239,6 +255,12 @@ def _train_policy(cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Po
             summary[f"accuracy_{when}{key}"] = row.get(f"eval_accuracy{key}", math.nan)
         summary[f"accuracy_sampled_{when}"] = row.get("eval_accuracy_sampled", math.nan)
     return summary | finish(cfg, run.path, policy)
+
+
+def resume_command() -> str:
+    """This process's ``moerl`` command line with ``--resume`` (and without ``--overwrite``)."""
+    args = [a for a in sys.argv[1:] if a not in ("--overwrite", "--resume")]
+    return shlex.join(["moerl", *args, "--resume"])
 
 
 def progress_line(step: int, total: int, row: dict, seconds_per_step: float) -> str:

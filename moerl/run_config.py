@@ -205,6 +205,9 @@ class TrainSection:
     checkpoint_every: int = 10  # save the state every N steps (0: at the end only); --resume goes on from it
     eval_every: int = 0  # 0: evaluate before and after only
     export_adapter: bool = True  # lora: write a PEFT adapter at the end
+    # SIGTERM / SIGUSR1 (a scheduler's preemption): save after the step in progress, then exit 143; if the save is
+    # not done this many seconds after the signal, stop anyway (the last complete checkpoint is kept)
+    preempt_grace_s: float = 90.0
     # deterministic algorithms (torch.use_deterministic_algorithms; cuBLAS's fixed workspace): what bit-exact
     # reruns and resumes on CUDA need (its index_add_ and some reductions use atomics); the CPU ones are already
     deterministic: bool = False
@@ -217,6 +220,12 @@ class TrainSection:
                 ("deterministic", self.deterministic, isinstance(self.deterministic, bool), "must be true or false"),
                 ("checkpoint_every", self.checkpoint_every, self.checkpoint_every >= 0, "must be >= 0 (0: at the end)"),
                 ("eval_every", self.eval_every, self.eval_every >= 0, "must be >= 0 (0: before and after only)"),
+                (
+                    "preempt_grace_s",
+                    self.preempt_grace_s,
+                    _finite(self.preempt_grace_s) and self.preempt_grace_s > 0,
+                    "must be > 0 (seconds)",
+                ),
             ),
         )
 
@@ -355,6 +364,7 @@ MUTABLE = (
     "train.checkpoint_every",
     "train.eval_every",
     "train.export_adapter",
+    "train.preempt_grace_s",
     "policy.optim.lr",
     "policy.optim.weight_decay",
     "policy.optim.grad_clip",

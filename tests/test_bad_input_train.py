@@ -26,6 +26,8 @@ BAD_CONFIGS = [
     ("policy.mx_scale_mode=ceil", r"PolicyConfig.mx_scale_mode='ceil': allowed: floor, rceil"),
     ("train.steps=0", r"'train.steps'=0: must be >= 1"),
     ("train.checkpoint_every=-1", r"'train.checkpoint_every'=-1: must be >= 0"),
+    ("train.preempt_grace_s=0", r"'train.preempt_grace_s'=0.0: must be > 0 \(seconds\)"),
+    ("train.preempt_grace_s=.inf", r"'train.preempt_grace_s'=inf: must be > 0 \(seconds\)"),
     ("rollout.prompts_per_step=0", r"'rollout.prompts_per_step'=0: must be >= 1"),
     ("rollout.temperature=-1", r"'rollout.temperature'=-1.0: must be >= 0"),
     ("rollout.top_p=0", r"'rollout.top_p'=0.0: must lie in \(0, 1\]"),

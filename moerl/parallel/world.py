@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moerl.child import proc_alive, proc_children, proc_stopped
 from moerl.device import resolve_device
-from moerl.errors import ConfigError, TrainingStopped
+from moerl.errors import ConfigError, Preempted, TrainingStopped
 
 
 @dataclass(slots=True)
@@ -106,10 +106,15 @@ def _launch(moerl_argv: list[str], nprocs: int) -> None:
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: the ranks talk over loopback only
     os.environ[QUIET_CTRL_C] = "1"  # the ranks end quietly on Ctrl-C: this process says it once
+    # a scheduler's SIGTERM / SIGUSR1 is not the launcher's to act on (it would stop the ranks): it passes it on to
+    # them (Kubernetes signals the main process only) and rank 0 saves the run and ends it (moerl.preempt)
+    handled = "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT"
     args = get_args_parser().parse_args(
-        ["--standalone", f"--nproc-per-node={nprocs}", "--monitor-interval=0.5", "--module", "moerl.cli", *moerl_argv]
+        ["--standalone", f"--nproc-per-node={nprocs}", "--monitor-interval=0.5", handled, "--module", "moerl.cli"]
+        + moerl_argv
     )
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)  # its shutdown notes: ours is one line
+    before = {s: signal.signal(s, _pass_on) for s in (signal.SIGTERM, signal.SIGUSR1)}
     try:
         run(args)
     except SignalException as e:  # Ctrl-C (or a kill) of the launcher: it has stopped the ranks
@@ -122,10 +127,30 @@ def _launch(moerl_argv: list[str], nprocs: int) -> None:
         said = [(r, f) for r, f in e.failures.items() if os.path.isfile(f.error_file)]
         rank, failure = min(said, key=lambda rf: rf[1].timestamp) if said else e.get_first_failure()
         message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
+        if failure.exitcode == Preempted.exit_code:  # rank 0 saved the run at a scheduler's signal
+            raise Preempted(_said(message)) from None
         raise TrainingStopped(
             f"trainer rank {rank} of {nprocs} failed (exit code {failure.exitcode}): {message.strip() or 'see above'}; "
             "the launcher stopped the other ranks"
         ) from None
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def _pass_on(signum: int, frame) -> None:
+    """The launcher's share of a scheduler's signal: pass it on to the ranks (its child processes)."""
+    for pid in proc_children(os.getpid()):
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def _said(message: str) -> str:
+    """A rank's recorded error message without its exception class and traceback (what the rank printed)."""
+    first = message.strip().splitlines()[0] if message.strip() else "see above"
+    return first.split(": ", 1)[1] if first.startswith("Preempted: ") else first
 
 
 def mesh_device(name: str, ranks_here: int) -> str:

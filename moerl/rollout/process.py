@@ -47,7 +47,9 @@ def serve(fd: int, parent: int) -> None:
     """The engine process: build the engine from the first message, then answer commands until told to stop; while
     a command runs, a thread sends heartbeats carrying the engine's progress (``EngineServer.progress``)."""
     _die_with_parent(parent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent stops us
+    # Ctrl-C and a scheduler's SIGTERM / SIGUSR1 reach the whole process group: the parent stops us
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
     conn = Connection(fd)
     server = EngineServer()
     lock, busy = threading.Lock(), threading.Event()  # a reply is sent after the command's last heartbeat
