@@ -99,3 +99,174 @@ def test_a_run_on_several_ranks_ends_cleanly_with_its_results_loadable(arch, lay
         assert len(files) == 2 and all(f.is_file() for f in files)
         tensors = [t for f in files for t in load_file(f).values()]
         assert tensors and all(torch.isfinite(t).all() for t in tensors if t.is_floating_point())
+
+
+# -- preemption: a scheduler's SIGTERM ------------------------------------------------------------------------------
+
+STEPS = 6
+
+
+def _preempt_args(run_dir, model, *over) -> list[str]:
+    from run_helpers import EASY
+
+    args = [f"run_dir={run_dir}", f"model.path={model}", "policy.mode=full", "policy.dtype=float32"]
+    args += ["env.name=arithmetic", f"env.kwargs={json.dumps(EASY)}", "env.eval_problems=0", "rollout.max_tokens=3"]
+    args += ["rollout.max_model_len=32", "rollout.group_size=4", "rollout.prompts_per_step=4", "policy.optim.lr=1e-3"]
+    return [*args, "policy.micro_batch_size=16", f"train.steps={STEPS}", *over]
+
+
+def _moerl(args: list[str]) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "moerl.cli", "train", *args]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=BOUND_S, env=os.environ | {"GLOO_SOCKET_IFNAME": "lo"}
+    )
+
+
+def _signalled(args: list[str], after: str, log: Path, wait: float = 0.0) -> tuple[int, str]:
+    """``moerl train args`` in a session of its own, sent SIGTERM (to the whole session: a scheduler's way) ``wait``
+    seconds after its console shows ``after``; its exit code and console."""
+    import signal
+    import time
+
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "moerl.cli", "train", *args],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            start_new_session=True,
+            env=os.environ | {"GLOO_SOCKET_IFNAME": "lo"},
+        )
+        deadline = time.monotonic() + BOUND_S
+        while after not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(wait)
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=BOUND_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            pytest.fail(f"the signalled run did not end within {BOUND_S} s:\n{log.read_text()[-3000:]}")
+    return proc.returncode, log.read_text()
+
+
+@pytest.mark.parametrize("layout", [[], ["parallel.dp=2"], ["parallel.pp=2"]], ids=["one-rank", "dp2", "pp2"])
+def test_sigterm_saves_the_last_complete_step_and_resume_gives_the_uninterrupted_numbers(layout, warm_model, tmp_path):
+    """fp32, the same seed: a run sent SIGTERM after its first step saves the step it was in, exits 143 naming the
+    resume command, and ``--resume`` gives the uninterrupted run's loss, gradient norm, reward and lr for every step
+    after it, exactly."""
+    from run_helpers import metric_rows
+
+    straight = _moerl(_preempt_args(tmp_path / "a", warm_model, *layout))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    args = _preempt_args(tmp_path / "b", warm_model, "train.checkpoint_every=0", *layout)
+    code, console = _signalled(args, f"step 1/{STEPS}", tmp_path / "b.log")
+    assert code == 143, console[-3000:]
+    saved = json.loads((tmp_path / "b" / "checkpoint" / "checkpoint.json").read_text())["state"]["step"]
+    assert 1 <= saved < STEPS and f"SIGTERM after step {saved} of {STEPS}" in console
+    assert "Continue with: moerl train" in console and console.count("SIGTERM after step") == 1
+    resumed = _moerl([*args, "--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    want = {r["step"]: r for r in metric_rows(tmp_path / "a") if "loss" in r}
+    got = {r["step"]: r for r in metric_rows(tmp_path / "b") if "loss" in r}
+    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
+    assert any(want[s]["loss"] != 0 for s in range(saved + 1, STEPS + 1))  # steps that learn, not zero advantages
+    for step in range(saved + 1, STEPS + 1):
+        for key in ("loss", "grad_norm", "reward_mean", "lr"):
+            assert got[step][key] == want[step][key], (step, key)
+
+
+def test_the_grace_running_out_stops_the_run_and_keeps_the_last_checkpoint(warm_model, tmp_path):
+    """A grace far shorter than a step (a step of 32 x 4 samples, the signal 0.1 s into it): the run stops before its
+    save, exit 143, and the last periodic checkpoint is complete where it was."""
+    from moerl.trainer.checkpoint import recover_checkpoint
+
+    run = tmp_path / "run"
+    over = ["train.checkpoint_every=1", "train.steps=400", "train.preempt_grace_s=0.01", "rollout.prompts_per_step=32"]
+    code, console = _signalled(_preempt_args(run, warm_model, *over), "step 2/400", tmp_path / "log", wait=0.1)
+    assert code == 143, console[-3000:]
+    assert "train.preempt_grace_s=0.01 s passed before the save was done: stopping now" in console, console[-2000:]
+    found, _ = recover_checkpoint(run / "checkpoint", dry_run=True)
+    assert found == run / "checkpoint"
+    assert json.loads((found / "checkpoint.json").read_text())["state"]["step"] >= 2
+
+
+def test_copies_of_one_signal_count_once_and_a_later_one_stops_at_once(monkeypatch):
+    """In one process: SIGTERM is noted, not fatal; its copy within SAME_EVENT_S is the same event; a signal after
+    that stops at once; after ``saved()`` the grace timer stops nothing."""
+    import signal
+    import time
+
+    from moerl import preempt
+
+    stops = []
+    monkeypatch.setattr(preempt, "_stop_now", stops.append)
+    with preempt.Preemption(grace_s=0.3) as p:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)  # the handler runs between bytecodes of this thread
+        assert p.signal_name == "SIGTERM" and stops == []
+        os.kill(os.getpid(), signal.SIGTERM)  # the launcher's forward of the same event
+        time.sleep(0.05)
+        assert stops == []
+        monkeypatch.setattr(preempt, "SAME_EVENT_S", 0.0)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)
+        assert stops == ["a second SIGUSR1"]
+        time.sleep(0.4)
+        assert stops[1:] == ["train.preempt_grace_s=0.3 s passed before the save was done"]
+    with preempt.Preemption(grace_s=0.2) as p:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        p.saved()
+        time.sleep(0.3)
+    assert len(stops) == 2
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
+
+
+# -- one rank out of memory -----------------------------------------------------------------------------------------
+
+OOM = Path(__file__).parent / "oom_check.py"
+
+
+def test_a_rank_out_of_memory_is_named_with_what_to_lower(tmp_path):
+    """A rank's address space capped (RLIMIT_AS) before a 16 x 4096-token batch: one process names the stage and the
+    batch, says what to lower and saves the weights before the step (equal to them); at dp=2, rank 1 capped, the
+    error names rank 1 and its place, and the launcher stops rank 0 (no hang: within the bound)."""
+    from moerl.presets import init_model
+
+    model = tmp_path / "model"
+    init_model("qwen3_moe", "tiny", model, seed=0)
+    env = os.environ | {"GLOO_SOCKET_IFNAME": "lo"}
+    one = tmp_path / "one"
+    one.mkdir()
+    done = subprocess.run(
+        [sys.executable, str(OOM), str(model), str(one), "1", "0"], capture_output=True, text=True, timeout=BOUND_S
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    said = (one / "oom.txt").read_text()
+    assert said.startswith("the trainer ran out of memory in the forward and backward of a training step of a batch "
+                           "of 16 rows x 4096 tokens (65536 real), micro-batches of 16 rows (")  # fmt: skip
+    assert "can't allocate memory" in said and "lower policy.micro_batch_size (now 16) or the lengths" in said
+    assert said.endswith(f"checkpoint of the last good state saved to {one / 'stop'}")
+    saved, before = load_file(one / "stop" / "checkpoint.safetensors"), load_file(one / "before.safetensors")
+    assert before and all(torch.equal(saved[f"weights/{n}"], t) for n, t in before.items())
+
+    two = tmp_path / "two"
+    two.mkdir()
+    run = [
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(OOM),
+        str(model),
+        str(two),
+        "2",
+        "1",
+    ]
+    done = subprocess.run([sys.executable, *run], capture_output=True, text=True, timeout=BOUND_S, env=env)
+    assert done.returncode != 0
+    said = (two / "oom.txt").read_text()
+    assert said.startswith("trainer rank 1 of 2 (pipeline rank 0, expert slice 0, data-parallel rank 1) ran out of "
+                           "memory in the forward and backward of a training step")  # fmt: skip
+    assert said.endswith("nothing saved (last good checkpoint: none yet)")
+    assert "exitcode  : -15" in done.stderr  # rank 0, inside the step's collectives, stopped by the launcher

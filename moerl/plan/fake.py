@@ -140,9 +140,11 @@ class _Known(TorchDispatchMode):
             real = self._real(func, values, spec)
             device = next(t.device for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor))
             out = tree_map(
-                lambda r: torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device=device)
-                if isinstance(r, torch.Tensor)
-                else r,
+                lambda r: (
+                    torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device=device)
+                    if isinstance(r, torch.Tensor)
+                    else r
+                ),
                 real,
             )
         else:
@@ -229,9 +231,9 @@ class _Reads(TorchFunctionMode):
             self.shapes.assume(out, True)  # a composite of several ops: assumed here, where it is one call
         return out
 
-
     def _scalar_indices(self, index):
         """An index with its known 0-d integer tensors as the ints they hold."""
+
         def one(i):
             if isinstance(i, FakeTensor) and i.ndim == 0 and not i.is_floating_point():
                 value = self.shapes.value(i)

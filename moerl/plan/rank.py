@@ -241,6 +241,14 @@ def _trace(cfg: ModelConfig, run: RunConfig, rank: int, hf: dict | None, gpu: bo
     finally:
         world.close()
     return RankTrace(
-        rank, stages, world.ep_rank, memory.peak.copy(), memory.now.copy(), sync.peak.copy(), engine.sent,
-        time.perf_counter() - start, shapes.float_reads, shapes.assumed,
+        rank,
+        stages,
+        world.ep_rank,
+        memory.peak.copy(),
+        memory.now.copy(),
+        sync.peak.copy(),
+        engine.sent,
+        time.perf_counter() - start,
+        shapes.float_reads,
+        shapes.assumed,
     )

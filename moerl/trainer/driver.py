@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moerl.errors import TrainingStopped
+from moerl.errors import OutOfMemory, TrainingStopped
 from moerl.parallel.world import broadcast_bytes
 from moerl.rpc import Dispatcher
 from moerl.trainer.batch import Batch
@@ -72,6 +72,7 @@ class DistributedPolicy(Policy):
 
     def __init__(self, *args, **kwargs):
         self._busy = False
+        self._left_inside = False  # a call failed here alone: the other ranks are still inside it
         super().__init__(*args, **kwargs)
 
     @contextmanager
@@ -83,6 +84,9 @@ class DistributedPolicy(Policy):
         self._busy = True
         try:
             yield
+        except OutOfMemory:  # this rank's own failure (a TrainingStopped the ranks raise alike, and return)
+            self._left_inside = True
+            raise
         finally:
             self._busy = False
 
@@ -137,8 +141,10 @@ class DistributedPolicy(Policy):
             _send("reshard", {})
 
     def close(self) -> None:
-        """Let the other ranks go (they return from ``serve``)."""
-        _send("stop", {})
+        """Let the other ranks go (they return from ``serve``); not when they are inside a call this rank left (a
+        broadcast would wait for them forever): this rank exits and the launcher stops them."""
+        if not self._left_inside:
+            _send("stop", {})
 
 
 class RankServer:

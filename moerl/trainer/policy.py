@@ -5,7 +5,9 @@ from __future__ import annotations
 import copy
 import math
 import os
+import traceback
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -17,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from moerl.allocator import reuse_freed_memory
 from moerl.bridges import load_model
 from moerl.device import device_name, resolve_device
-from moerl.errors import ConfigError, TrainingStopped
+from moerl.errors import ConfigError, OutOfMemory, TrainingStopped
 from moerl.finite import first_nonfinite
 from moerl.model.lora import LoraConfig, attach_lora
 from moerl.model.mx import SCALE_MODES
@@ -276,7 +278,8 @@ class Policy:
                 model = self.ref_model
         step = Step(batch, replay, adapters, temperature, entropy)
         # the frozen reference copy is whole on every rank: it runs outside the pipeline stages
-        lp, ent = self.layout.forward(step, self._forward(model, step), stages=model is self.model)
+        with self._memory_named("forward (logprobs)", batch):
+            lp, ent = self.layout.forward(step, self._forward(model, step), stages=model is self.model)
         return lp.to(home), (ent.to(home) if ent is not None else None)
 
     def logprobs_with_reference(
@@ -313,7 +316,8 @@ class Policy:
         self.model.train()
         step = Step(batch.to(self.device), replay, self.adapters, temperature, entropy)
         try:
-            total, metrics = self.layout.backward(step, self._forward(self.model, step), loss_fn)
+            with self._memory_named("forward and backward of a training step", batch, before_step=True):
+                total, metrics = self.layout.backward(step, self._forward(self.model, step), loss_fn)
         finally:
             self.model.eval()
         if self.master is not None:
@@ -325,7 +329,8 @@ class Policy:
         if not (math.isfinite(total) and math.isfinite(grad_norm)):
             self._skip(done)
             return {**done, "skipped": 1.0, "nan_skipped": float(self.nan_skipped), **metrics}
-        self.optimizer.step()
+        with self._memory_named("optimizer step", batch):
+            self.optimizer.step()
         self._check_weights(done)
         self.scheduler.step()
         if self.master is not None:
@@ -333,6 +338,38 @@ class Policy:
         self.nan_streak = 0
         self.step += 1
         return {**done, "skipped": 0.0, "nan_skipped": float(self.nan_skipped), **metrics}
+
+    @contextmanager
+    def _memory_named(self, stage: str, batch: Batch, before_step: bool = False):
+        """Out of memory inside: raise ``OutOfMemory`` naming this rank, ``stage`` and ``batch``'s size, and what to
+        lower. ``before_step``: the weights are still those before the step; one process saves them (several ranks
+        cannot: the others are inside the step's collectives, and the launcher stops them)."""
+        try:
+            yield
+        except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
+            if not out_of_memory(e):
+                raise
+            traceback.clear_frames(e.__traceback__)  # the failed step's tensors, held by its frames' locals
+            for p in [*self.trained.values(), *self.trainable.values()]:
+                p.grad = None
+            w = self.layout.world
+            where = f"trainer rank {w.rank} of {w.size}" if w.size > 1 else "the trainer"
+            if w.size > 1:
+                where += f" (pipeline rank {w.stage}, expert slice {w.ep_rank}, data-parallel rank {w.dp_rank})"
+            rows, cols = batch.input_ids.shape
+            mb = self.cfg.micro_batch_size
+            saved = ""
+            if before_step and w.size == 1:
+                saved = self.save_stop_checkpoint()
+            elif self.stop_checkpoint_dir is not None:  # the others are inside the step: no save; the last is kept
+                kept = self.stop_checkpoint_dir if self.stop_checkpoint_dir.exists() else "none yet"
+                saved = f"; nothing saved (last good checkpoint: {kept})"
+            raise OutOfMemory(
+                f"{where} ran out of memory in the {stage} of a batch of {rows} rows x {cols} tokens "
+                f"({int(batch.attention_mask.bool().sum())} real), micro-batches of {mb} rows ({_first_line(e)}); "
+                f"lower policy.micro_batch_size (now {mb}) or the lengths (rollout.max_tokens, "
+                f"rollout.max_model_len){saved}"
+            ) from None
 
     def _skip(self, done: dict[str, float]) -> None:
         """A non-finite loss or gradient: drop the gradients; stop after ``max_nan_steps`` in a row."""
@@ -446,3 +483,18 @@ class Policy:
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """What a checkpoint stores as weights: the adapters (lora) or the fp32 masters (full / mxfp8)."""
         return {n: p.detach() for n, p in self.trained.items()}
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` says an allocation failed: CUDA's OutOfMemoryError, a CPU allocator's refusal, Python's."""
+    text = str(e)
+    return (
+        isinstance(e, torch.OutOfMemoryError | MemoryError)
+        or "can't allocate memory" in text
+        or ("out of memory" in text.lower())
+    )
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0][:200] if lines else type(e).__name__
