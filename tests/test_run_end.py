@@ -1,7 +1,8 @@
 """How runs end: ``moerl train`` on several ranks exits 0 within a bound after its last step, its exported results
 load where they are meant to (transformers, PEFT, moerl), and nothing is left behind: no process of the run's
 session, no new /dev/shm segment. One case per path: a hybrid family (fused projections: merged weights instead of a
-PEFT adapter) at ep=2, a Qwen3-MoE LoRA run at pp=2 with engine processes, an MLA family's full run at dp=2."""
+PEFT adapter) at ep=2, a Qwen3-MoE LoRA run at pp=2 with engine processes, an MLA family's full run at dp=2 with
+vLLM rollouts."""
 
 import json
 import os
@@ -26,8 +27,9 @@ SMALL = [
 CASES = [
     ("qwen3_next", ["parallel.ep=2"], "merged"),
     ("qwen3_moe", ["parallel.pp=2", "rollout.placement=process", "rollout.num_engines=2"], "adapter"),
-    ("deepseek_v3", ["parallel.dp=2", "policy.mode=full"], "checkpoint"),
+    ("deepseek_v3", ["parallel.dp=2", "policy.mode=full", "rollout.engine=vllm"], "checkpoint"),
 ]
+MLA_FOR_VLLM = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "head_dim": 64}  # the latent vLLM's CPU kernel takes
 
 
 def _session_processes(sid: int) -> list[str]:
@@ -54,7 +56,7 @@ def test_a_run_on_several_ranks_ends_cleanly_with_its_results_loadable(arch, lay
     from moerl.presets import init_model
 
     model = tmp_path / "model"
-    init_model(arch, "tiny", model, seed=0)
+    init_model(arch, "tiny", model, seed=0, overrides=MLA_FOR_VLLM if "rollout.engine=vllm" in layout else None)
     run_dir = tmp_path / "run"
     args = [str(EXAMPLE), f"model.path={model}", f"run_dir={run_dir}", *SMALL, *layout]
     shm_before = _shm()

