@@ -13,13 +13,16 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import sys
 import tempfile
+import time
 from dataclasses import dataclass
 
 import torch
 
 from moerl import errors
 from moerl.errors import ConfigError, TrainingStopped
+from moerl.parallel.ends import END_S
 
 PLACEMENT_TIMEOUT_S = 60.0
 CONNECT_TIMEOUT_S = 10.0  # an address that does not answer within this is refused by name
@@ -172,22 +175,7 @@ def _run_on_ray(cfg, resume: bool, overwrite: bool) -> dict:
             ranks[r].run.remote(cfg_dict, resume, overwrite, r, len(ranks), master, where if r == 0 else None): r
             for r in range(len(ranks))
         }
-        summary, pending = None, list(runs)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            r = runs[done[0]]
-            try:
-                out = ray.get(done[0])
-            except ray.exceptions.RayTaskError as e:
-                raise _rank_error(r, e) from None
-            except ray.exceptions.RayActorError as e:
-                raise TrainingStopped(
-                    f"trainer rank {r} (Ray actor, pid {found[r]['pid']}) died: {type(e).__name__}; the other ranks "
-                    f"were stopped; the run's last checkpoint is in {cfg.run_dir}/checkpoint: continue with --resume"
-                ) from None
-            if r == 0:
-                summary = out
-        return summary
+        return await_ranks(runs, [f["pid"] for f in found], cfg.run_dir)
     finally:
         for a in ranks:  # the engines die with rank 0, their owner
             ray.kill(a, no_restart=True)
@@ -240,6 +228,42 @@ def _resolve(address: str) -> str:
             f"{recorded}); start one (ray start --head) or leave cluster.address empty for a local cluster of the "
             "run's own"
         ) from None
+
+
+def await_ranks(runs: dict, pids: list[int], run_dir: str, end_s: float = END_S):
+    """Rank 0's return value once every rank's ``run`` (``runs``: Ray object ref -> rank) has returned; the first
+    rank's error, named, when one fails. Every rank returns after the run's final barrier: once one has, the others
+    have ``end_s`` seconds (then they are left to the caller, which kills the actors)."""
+    import ray
+
+    summary, pending, first = None, list(runs), None
+    while pending:
+        left = None if first is None else max(first[1] + end_s - time.monotonic(), 0.0)
+        done, pending = ray.wait(pending, num_returns=1, timeout=left)
+        if not done:
+            late = ", ".join(str(r) for r in sorted(runs[p] for p in pending))
+            print(f"moerl: trainer rank(s) {late} still running {end_s:g} s after rank {first[0]} returned; "
+                  "stopping them", file=sys.stderr, flush=True)  # fmt: skip
+            break
+        r = runs[done[0]]
+        first = first or (r, time.monotonic())
+        try:
+            out = ray.get(done[0])
+        except ray.exceptions.RayTaskError as e:
+            raise _rank_error(r, e) from None
+        except ray.exceptions.RayActorError as e:
+            raise TrainingStopped(
+                f"trainer rank {r} (Ray actor, pid {pids[r]}) died: {type(e).__name__}; the other ranks were "
+                f"stopped; the run's last checkpoint is in {run_dir}/checkpoint: continue with --resume"
+            ) from None
+        if r == 0:
+            summary = out
+    if summary is None:  # rank 0 past the final barrier but not returned: its results were written, not said
+        raise TrainingStopped(
+            f"trainer rank 0 did not return within {end_s:g} s of rank {first[0]}; the run passed its final barrier: "
+            f"its results and checkpoint are in {run_dir}"
+        )
+    return summary
 
 
 def _rank_error(rank: int, e) -> Exception:

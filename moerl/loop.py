@@ -241,8 +241,10 @@ def _train_policy(
             raise
     finally:
         cores.restore()
-        if ahead is not None:
-            ahead.close()
+        if ahead is not None and not ahead.close(cfg.rollout.engine_timeout_s):
+            print(f"moerl: rollouts ahead of the trainer were still being generated rollout.engine_timeout_s="
+                  f"{cfg.rollout.engine_timeout_s:g} s after the loop ended; the engine is closed under them",
+                  file=sys.stderr, flush=True)  # fmt: skip
         if metrics is not None:
             metrics.close()
         engine.close()

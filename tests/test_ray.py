@@ -333,3 +333,34 @@ def test_colocated_data_parallel_ranks_on_ray_train_as_one_process(
     for k in ("loss", "grad_norm"):
         assert abs(local[k] - remote[k]) <= 1e-5 * max(1.0, abs(local[k])), (k, local[k], remote[k])
     assert [r["step"] for r in metric_rows(tmp_path / "ray")] == [0, 1, 2]
+
+
+def test_ranks_that_do_not_return_long_after_another_are_left_and_named(cluster, capfd):
+    """``await_ranks`` on real Ray tasks: rank 0 returns its summary, rank 1 runs on; 2 s later rank 0's summary is
+    returned and rank 1 is named. Rank 0 the late one: the run's end is named, pointing at its results."""
+    import ray
+
+    from moerl.cluster import await_ranks
+
+    @ray.remote(num_cpus=0.5)
+    def rank_run(seconds, out):
+        time.sleep(seconds)
+        return out
+
+    ray.init(address=cluster, logging_level="warning")
+    try:
+        late = rank_run.remote(600, None)
+        runs = {rank_run.remote(0.0, {"reward": 1.0}): 0, late: 1}
+        t0 = time.monotonic()
+        assert await_ranks(runs, [10, 11], "runs/x", end_s=2.0) == {"reward": 1.0}
+        assert time.monotonic() - t0 < 60
+        assert "trainer rank(s) 1 still running 2 s after rank 0 returned; stopping them" in capfd.readouterr().err
+        ray.cancel(late, force=True)
+
+        late = rank_run.remote(600, {"reward": 1.0})
+        runs = {late: 0, rank_run.remote(0.0, None): 1}
+        with pytest.raises(TrainingStopped, match=r"trainer rank 0 did not return within 2 s of rank 1; .* runs/x"):
+            await_ranks(runs, [10, 11], "runs/x", end_s=2.0)
+        ray.cancel(late, force=True)
+    finally:
+        ray.shutdown()

@@ -272,3 +272,65 @@ def test_a_rank_out_of_memory_is_named_with_what_to_lower(tmp_path):
                            "memory in the forward and backward of a training step")  # fmt: skip
     assert said.endswith("nothing saved (last good checkpoint: none yet)")
     assert "exitcode  : -15" in done.stderr  # rank 0, inside the step's collectives, stopped by the launcher
+
+
+# -- every wait at a run's end has a deadline -----------------------------------------------------------------------
+
+
+def _rank_process(rank: int, seconds: float) -> subprocess.Popen:
+    """A child of this process that torchrun could have started as ``rank``: it sleeps ``seconds`` and ends."""
+    code = f"import time; time.sleep({seconds})"
+    return subprocess.Popen([sys.executable, "-c", code], env=os.environ | {"RANK": str(rank)})
+
+
+def test_the_launcher_stops_a_rank_still_running_long_after_another_ended(capfd):
+    """Rank 0 ends after 0.5 s, rank 1 would run 10 minutes: 1 s after rank 0's end the watch kills rank 1 and says so.
+    Controls: ranks that all end in time, and ranks that all run on (no rank ended: no deadline), are left alone."""
+    import time
+
+    from moerl.parallel.ends import EndWatch
+
+    ranks = [_rank_process(0, 0.5), _rank_process(1, 600)]
+    with EndWatch(2, end_s=1.0, poll_s=0.1) as watch:
+        ranks[0].wait()  # reaped at its end, as torchrun does: the rank is gone from the process table
+        assert ranks[1].wait(timeout=30) == -9
+    assert watch.stopped == [1] and watch.first_end == 0
+    assert "trainer rank(s) 1 still running 1 s after rank 0 ended; stopping them" in capfd.readouterr().err
+
+    ranks = [_rank_process(0, 0.5), _rank_process(1, 0.9)]  # the later one ends 0.4 s after: within the deadline
+    with EndWatch(2, end_s=1.0, poll_s=0.1) as watch:
+        assert [p.wait(timeout=30) for p in ranks] == [0, 0]
+        time.sleep(1.5)
+    assert watch.stopped == [] and watch.first_end == 0
+
+    ranks = [_rank_process(0, 2.5), _rank_process(1, 2.5)]  # both run past end_s: nothing ended, nothing is late
+    with EndWatch(2, end_s=1.0, poll_s=0.1) as watch:
+        assert [p.wait(timeout=30) for p in ranks] == [0, 0]
+    assert watch.stopped == []
+
+
+def test_closing_the_rollouts_ahead_waits_for_the_call_in_flight_at_most_its_deadline():
+    """The generator thread blocked in its engine call: ``close`` returns False after its deadline instead of
+    waiting; once the call ends, ``close`` returns True."""
+    import threading
+    import time
+
+    from moerl.rollout.ahead import RolloutsAhead
+
+    class Blocked:  # an engine call that does not return until released
+        def __init__(self):
+            self.release, self.started = threading.Event(), threading.Event()
+
+        def collect(self, step):
+            self.started.set()
+            self.release.wait()
+            return f"rollouts of step {step}"
+
+    gen = Blocked()
+    ahead = RolloutsAhead(gen, 0, 3, max_staleness=1)
+    assert gen.started.wait(10)
+    t0 = time.monotonic()
+    assert ahead.close(0.3) is False
+    assert 0.25 < time.monotonic() - t0 < 5
+    gen.release.set()
+    assert ahead.close(10) is True

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from moerl.child import proc_alive, proc_children, proc_stopped
 from moerl.device import resolve_device
 from moerl.errors import ConfigError, Preempted, TrainingStopped
+from moerl.parallel.ends import EndWatch
 
 
 @dataclass(slots=True)
@@ -115,13 +116,18 @@ def _launch(moerl_argv: list[str], nprocs: int) -> None:
     )
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)  # its shutdown notes: ours is one line
     before = {s: signal.signal(s, _pass_on) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    watch = EndWatch(nprocs)
     try:
-        run(args)
+        with watch:
+            run(args)
     except SignalException as e:  # Ctrl-C (or a kill) of the launcher: it has stopped the ranks
         if e.sigval == signal.SIGINT:
             raise KeyboardInterrupt from None
         raise TrainingStopped(f"the launcher got {e.sigval.name}; it stopped the {nprocs} trainer ranks") from None
     except ChildFailedError as e:
+        if watch.stopped and set(e.failures) <= set(watch.stopped):  # the others ended well: the run is complete
+            print("moerl: every rank passed the run's final barrier: its results stand", file=sys.stderr, flush=True)
+            return
         # the first rank that said why (its error file), else the first to fail: a rank that names a stopped peer
         # ends it, and the launcher may see that peer's death first
         said = [(r, f) for r, f in e.failures.items() if os.path.isfile(f.error_file)]

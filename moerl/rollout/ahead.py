@@ -65,9 +65,12 @@ class RolloutsAhead:
             self._version = version
             self._cond.notify_all()
 
-    def close(self) -> None:
-        """Stop generating: the call in flight finishes (the engine is left between requests); idempotent."""
+    def close(self, timeout_s: float) -> bool:
+        """Stop generating: the call in flight finishes (the engine is left between requests), waited for up to
+        ``timeout_s`` seconds; False when it is still running then (the thread is left to end with the process: the
+        engine's close ends what it waits on). Idempotent."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._thread.join()
+        self._thread.join(timeout=timeout_s)
+        return not self._thread.is_alive()
