@@ -38,13 +38,13 @@ def child(args) -> None:
     from moerl.engine import EngineConfig
     from moerl.model.lora import LoraConfig
     from moerl.rollout import make_engine
-    from moerl.sync import policy_tensors, sync_policy
+    from moerl.sync import sync_policy
     from moerl.trainer import Policy, PolicyConfig
 
     lora = LoraConfig(rank=16, alpha=32, layout="shared_outer")
     policy = Policy(args.ckpt, PolicyConfig(mode=args.mode, dtype="bfloat16", lora=lora))
     dense = "bfloat16" if args.child in VLLM else None  # what a vLLM engine is sent: LoRA merged, MX values
-    nbytes = sum(t.numel() * t.element_size() for _, t in policy_tensors(policy, dense))
+    nbytes = sum(t.numel() * t.element_size() for _, t in policy.sync_tensors(dense))
     times = []
     if args.child == "memcpy":
         src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)

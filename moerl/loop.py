@@ -28,6 +28,7 @@ from moerl.envs import make_env
 from moerl.errors import EngineError, Preempted, TrainingStopped
 from moerl.logs import library_logs
 from moerl.metrics import MetricsLogger, plot_run, read_metrics
+from moerl.modes import mode_of
 from moerl.parallel.world import World, broadcast_json, init_world, stalled
 from moerl.preempt import Preemption, Quiet
 from moerl.rollout import make_engine
@@ -549,7 +550,7 @@ def ensure_model(cfg: RunConfig, run_dir: Path, fresh: bool) -> Path:
 
 def build_generator(cfg: RunConfig, env, engine) -> Generator:
     """The run's Generator: ``env``'s problems on ``engine``, given the run's config sections it reads."""
-    seed, held_out, lora = cfg.train.seed, cfg.env.eval_problems, cfg.policy.mode == "lora"
+    seed, held_out, lora = cfg.train.seed, cfg.env.eval_problems, mode_of(cfg.policy.mode).adapter_slot is not None
     return Generator(env, engine, cfg.rollout, cfg.algo, seed=seed, eval_problems=held_out, lora=lora)
 
 
@@ -566,12 +567,11 @@ def shares_the_trainers_gpu(cfg: RunConfig) -> bool:
 def build_engine(cfg: RunConfig, model_path: Path, engines=None):
     """The rollout engines (``rollout.num_engines``, placed per ``rollout.placement``, or as Ray actors where
     ``engines`` says) on their own copy of the base weights, set up for the policy's mode."""
-    lora = cfg.policy.mode == "lora"
-    lcfg, r = cfg.policy.lora, cfg.rollout
+    mode, lcfg, r = mode_of(cfg.policy.mode), cfg.policy.lora, cfg.rollout
     ecfg = EngineConfig(
         max_num_seqs=r.max_num_seqs,
         max_model_len=r.max_model_len,
-        max_loras=1 if lora else 0,
+        max_loras=0 if mode.adapter_slot is None else 1,
         max_lora_rank=lcfg.rank,
         lora_layout=lcfg.layout,
         lora_targets=lcfg.targets,
@@ -579,7 +579,7 @@ def build_engine(cfg: RunConfig, model_path: Path, engines=None):
         seed=cfg.train.seed,
         release_cache=shares_the_trainers_gpu(cfg),
     )
-    mx = cfg.policy.mx_scale_mode if cfg.policy.mode == "mxfp8" else None
+    mx = mode.engine_mx(cfg.policy)
     if engines is not None:
         from moerl.rollout.pool import EnginePool
         from moerl.rollout.ray_engine import start_engines
@@ -609,20 +609,6 @@ def build_engine(cfg: RunConfig, model_path: Path, engines=None):
 
 def finish(cfg: RunConfig, run_dir: Path, policy: Policy) -> dict:
     """Export what the run made (PEFT adapter or merged weights) and the picture of its curves."""
-    out = {}
-    if cfg.policy.mode == "lora" and cfg.train.export_adapter:
-        from moerl.bridges.peft import write_peft_adapter
-        from moerl.errors import CheckpointError
-
-        with policy.gathered() as model:  # a sharded policy's adapters, whole
-            try:
-                write_peft_adapter(model, run_dir / "adapter", base=str(policy.checkpoint.resolve()))
-                out["adapter"] = str(run_dir / "adapter")
-            except CheckpointError as e:  # adapters PEFT cannot express: merged weights instead
-                from moerl.bridges import export_model
-                from moerl.model.lora import merged_state_dict
-
-                export_model(model, run_dir / "merged", state_dict=merged_state_dict(model))
-                out["merged"], out["adapter_note"] = str(run_dir / "merged"), str(e)
+    out = policy.mode.export(policy, run_dir) if cfg.train.export_adapter else {}
     out["plot"] = str(plot_run(run_dir))
     return out

@@ -11,6 +11,7 @@ from moerl.config import config_key
 from moerl.device import device_name
 from moerl.envs import check_env_kwargs
 from moerl.errors import ConfigError
+from moerl.modes import mode_of
 from moerl.precision import DTYPE_NAMES
 from moerl.trainer import PolicyConfig
 from moerl.trainer.advantages import ESTIMATORS
@@ -326,12 +327,9 @@ class RunConfig:
                 f"rollout.placement={r.placement!r} with cluster.backend: ray: the engines are Ray actors "
                 "(cluster.placement says where)"
             )
-        check_compile(self.policy.compile, self.parallel.size, self.policy.mode)
-        if r.engine == "vllm" and self.policy.mode == "lora" and self.parallel.size > 1:
-            raise ConfigError(
-                f"rollout.engine=vllm with policy.mode=lora on {self.parallel.size} trainer ranks: not built (the "
-                "merged-weight sync runs in one trainer process); use rollout.engine=native or parallel sizes of 1"
-            )
+        mode = mode_of(self.policy.mode)
+        check_compile(self.policy.compile, self.parallel.size, mode)
+        mode.check_run(r.engine, self.parallel.size)
         if r.weight_transport != "auto" and r.placement == "inprocess" and self.cluster.backend == "local":
             raise ConfigError(
                 f"config key 'rollout.weight_transport'={r.weight_transport!r} with rollout.placement=inprocess: "

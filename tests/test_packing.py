@@ -10,9 +10,9 @@ from tolerances import logprobs_agree
 from moerl.errors import ReplayError
 from moerl.model.lora import LoraConfig
 from moerl.trainer import Batch, OptimConfig, Policy, PolicyConfig
+from moerl.trainer.logprobs import next_token_logprobs
 from moerl.trainer.losses import sft_loss
 from moerl.trainer.packing import plan_packing
-from moerl.trainer.policy import next_token_logprobs
 
 
 def ragged_batch(b=10, t=20, seed=0, vocab=100, replay_of=None):

@@ -181,9 +181,10 @@ def _split(cfg, mode: str, dp: int, ep: int, pp: int, schedule: str, rank: int, 
     """Rank ``rank``'s layout of a meta model of ``cfg`` on a fake world (trainable flags as the Policy sets them)."""
     from moerl.model.lora import LoraConfig, attach_lora
     from moerl.model.transformer import MoEModel
+    from moerl.modes import mode_of
     from moerl.parallel.layout import LayoutConfig, parallelize
     from moerl.parallel.world import fake_world
-    from moerl.trainer.policy import token_logprobs
+    from moerl.trainer.logprobs import token_logprobs
 
     world = fake_world(dp, ep, pp, rank, schedule=schedule, stages=stages)
     with torch.device("meta"):
@@ -193,7 +194,8 @@ def _split(cfg, mode: str, dp: int, ep: int, pp: int, schedule: str, rank: int, 
             attach_lora(model, LoraConfig(), dtype=torch.float32)
             for n, p in model.named_parameters():
                 p.requires_grad_(".lora." in n)
-    return world, model, parallelize(model, world, LayoutConfig(mode, torch.bfloat16, 8, token_logprobs))
+    split = LayoutConfig(mode_of(mode).masters, torch.bfloat16, 8, token_logprobs)
+    return world, model, parallelize(model, world, split)
 
 
 def _boxes(layout, world) -> dict[str, list[tuple[tuple, tuple]]]:

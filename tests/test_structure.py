@@ -100,3 +100,34 @@ def test_the_plain_model_knows_neither_lora_nor_mx_and_model_has_no_import_circl
 def test_the_circle_check_finds_a_circle():
     graph = model_graph(ROOT)
     assert cycle({**graph, "moe": graph["moe"] | {"lora"}}) is not None  # moe -> lora -> moe, as it was
+
+
+def mode_names_compared(root: Path) -> list[str]:
+    """Places outside ``moerl/modes`` that compare something to a training mode's name (``x.mode == "lora"``,
+    ``mode in ("full", "mxfp8")``): what a mode decides belongs to its handler."""
+    from moerl.modes import MODES
+
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.parent.name == "modes":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            named = [getattr(x, "id", getattr(x, "attr", "")) for x in sides]
+            if not any(n.endswith("mode") for n in named):  # ``qk_norm == "full"``: not a training mode
+                continue
+            items = [e for x in sides for e in (x.elts if isinstance(x, ast.Tuple | ast.List | ast.Set) else [x])]
+            if {e.value for e in items if isinstance(e, ast.Constant)} & set(MODES):
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+    return found
+
+
+def test_only_the_mode_handlers_ask_which_mode_it_is(tmp_path, monkeypatch):
+    assert mode_names_compared(ROOT) == []
+    # negative control: a copy of the loop asking for a mode by name is found
+    copy = tmp_path / "moerl"
+    copy.mkdir()
+    (copy / "loop.py").write_text((ROOT / "loop.py").read_text() + '\n\ndef _f(cfg):\n    return cfg.mode != "full"\n')
+    assert mode_names_compared(copy) == [f"loop.py:{len((copy / 'loop.py').read_text().splitlines())}"]

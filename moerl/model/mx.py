@@ -248,3 +248,10 @@ def apply_mxfp8(model: torch.nn.Module, mode: str = "rceil") -> None:
         swaps.append((path, new))
     for path, new in swaps:
         replace_module(model, path, new)
+
+
+def quantized_weight(name: str, model: torch.nn.Module) -> bool:
+    """Whether parameter ``name`` of ``model`` is a weight whose GEMMs MXFP8 quantizes (of an MX linear layer or
+    MX experts): a weight sync sends it quantized."""
+    module = model.get_submodule(name.rsplit(".", 1)[0])
+    return isinstance(module, MXLinear | MXExperts) and name.endswith(("weight", "gate_up_proj", "down_proj"))

@@ -27,26 +27,27 @@ from moerl.parallel.world import World
 def shard_model(
     model: torch.nn.Module,
     compute_dtype: torch.dtype,
-    mode: str,
+    masters: bool,
     mesh: DeviceMesh | None = None,
     keep=frozenset(),
     root: torch.nn.Module | None = None,
 ) -> None:
     """Shard ``model`` in place over ``mesh`` (default: every rank): one FSDP unit per block, the routers, the root
-    (``root``: a module that runs ``model``, e.g. a pipeline stage). Parameters in ``keep`` (expert-parallel slices)
-    stay this rank's plain tensors."""
+    (``root``: a module that runs ``model``, e.g. a pipeline stage). ``masters``: the parameters are fp32 masters,
+    gathered in ``compute_dtype`` (the routers in fp32, units of their own); else they are sharded as they are.
+    Parameters in ``keep`` (expert-parallel slices) stay this rank's plain tensors."""
     root = root if root is not None else model
     frozen = {p for p in model.parameters() if not p.requires_grad} | set(keep)
-    if mode == "lora":
-        mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
-    else:
+    if masters:  # the parameters are the fp32 masters: gathered in the compute dtype
         mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    else:  # what trains (adapters) is sharded as it is
+        mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     for block in model.layers:
         if next(block.parameters(), None) is None:  # another pipeline stage's layer
             continue
         router = getattr(block.mlp, "router", None)
-        if router is not None and mode != "lora":
+        if router is not None and masters:
             fully_shard(router, mesh=mesh, mp_policy=fp32)
         fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=(frozen & set(block.parameters())) or None)
     fully_shard(root, mesh=mesh, mp_policy=mp, ignored_params=frozen or None)

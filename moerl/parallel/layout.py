@@ -31,20 +31,21 @@ Loss = Callable[..., tuple[torch.Tensor, dict[str, float]]]  # (logprobs, micro-
 
 @dataclass(slots=True)
 class LayoutConfig:
-    """What the split needs to know of the training: the mode (lora shards only what trains; full / mxfp8 shard the
-    fp32 masters and gather them in ``dtype``), the compute dtype, the micro-batch size, and the pipeline's last-stage
-    head ``(logits, micro-batch, temperature, entropy) -> (logprobs, entropy or None)``."""
+    """What the split needs to know of the training: whether the model's own weights train through fp32 masters
+    (``masters``: they are sharded and gathered in ``dtype``; else only what trains is sharded, e.g. adapters), the
+    compute dtype, the micro-batch size, and the pipeline's last-stage head ``(logits, micro-batch, temperature,
+    entropy) -> (logprobs, entropy or None)``."""
 
-    mode: str
+    masters: bool
     dtype: torch.dtype
     micro_batch_size: int
     head: Callable
 
 
-def storage_dtype(world: World, mode: str, dtype: torch.dtype) -> torch.dtype:
-    """The dtype to load the model in: a sharded full / mxfp8 model holds its fp32 masters as its own parameters
-    (FSDP gathers them in the compute dtype); otherwise the compute dtype."""
-    return torch.float32 if world.data_size > 1 and mode != "lora" else dtype
+def storage_dtype(world: World, masters: bool, dtype: torch.dtype) -> torch.dtype:
+    """The dtype to load the model in: a sharded model whose weights train through ``masters`` holds the fp32
+    masters as its own parameters (FSDP gathers them in the compute dtype); otherwise the compute dtype."""
+    return torch.float32 if world.data_size > 1 and masters else dtype
 
 
 def parallelize(model: torch.nn.Module, world: World, cfg: LayoutConfig) -> Layout:
@@ -63,13 +64,13 @@ def parallelize(model: torch.nn.Module, world: World, cfg: LayoutConfig) -> Layo
         params = dict(model.named_parameters())
         for name in layout.sliced:  # plain tensors in the compute dtype, fp32 masters (as in one process)
             p = params[name]
-            if p.requires_grad and p.dtype != cfg.dtype and cfg.mode != "lora":
+            if p.requires_grad and p.dtype != cfg.dtype and cfg.masters:
                 layout.initial[name] = p.detach()
                 p.data = p.data.to(cfg.dtype)
     keep = {dict(model.named_parameters())[n] for n in layout.sliced}
     for root in layout.roots:  # the model, or each pipeline stage as its own FSDP root
         view = root.view if layout.pipeline is not None else root
-        shard_model(view, cfg.dtype, cfg.mode, world.data_mesh, keep, root=root)
+        shard_model(view, cfg.dtype, cfg.masters, world.data_mesh, keep, root=root)
     return layout
 
 

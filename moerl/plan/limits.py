@@ -10,6 +10,7 @@ import torch
 
 from moerl.errors import ConfigError
 from moerl.model.config import ModelConfig
+from moerl.modes import mode_of
 from moerl.run_config import RunConfig
 
 TRACED_CANDIDATES = 2  # layouts traced at most while looking for one that fits (each is a plan of its own)
@@ -96,7 +97,7 @@ def at_rest_floor(cfg: ModelConfig, run: RunConfig, layout: tuple[int, int, int]
         model = MoEModel(cfg, torch.bfloat16)
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     rest = sum(p.numel() for p in model.parameters()) - experts
-    if run.policy.mode == "lora":  # bf16 base: experts split by ep, the rest whole on its stage
+    if not mode_of(run.policy.mode).masters:  # lora: a bf16 base, experts split by ep, the rest whole on its stage
         return 2 * (experts // ep + rest) // pp
     return 16 * (experts + rest) // (dp * ep * pp)  # fp32 masters, gradients and two moments
 

@@ -9,9 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from moerl.model.config import ModelConfig
+from moerl.modes import mode_of
 from moerl.run_config import RunConfig
-
-MODES = ("full", "lora", "mxfp8")
 
 
 def _meta_model(cfg: ModelConfig, dtype: torch.dtype):
@@ -46,8 +45,7 @@ def sync_bytes(cfg: ModelConfig, run: RunConfig) -> dict[str, int | None]:
 
 def _mx_bytes(cfg: ModelConfig, dtype: torch.dtype, dense: dict[str, int], buffers: int) -> int | None:
     try:
-        from moerl.model.mx import BLOCK, apply_mxfp8
-        from moerl.sync.weights import _mx_weight
+        from moerl.model.mx import BLOCK, apply_mxfp8, quantized_weight
 
         model = _meta_model(cfg, dtype)
         apply_mxfp8(model)
@@ -55,7 +53,7 @@ def _mx_bytes(cfg: ModelConfig, dtype: torch.dtype, dense: dict[str, int], buffe
         return None
     total = buffers
     for name, t in model.named_parameters():
-        if _mx_weight(name, model) and t.shape[-1] % BLOCK == 0:
+        if quantized_weight(name, model) and t.shape[-1] % BLOCK == 0:
             total += t.numel() + t.numel() // BLOCK  # one E4M3 byte per value, one E8M0 scale per block
         else:
             total += dense[name]
@@ -76,20 +74,20 @@ def engine_bytes(cfg: ModelConfig, run: RunConfig, sent: dict[str, int | None]) 
     """What a native engine of ``run`` holds (``sent``: ``sync_bytes``): the whole model in its dtype (routers fp32)
     and one adapter slot in lora mode; ``rollout.max_num_seqs`` sequences of ``rollout.max_model_len`` tokens of KV
     cache; a sync's staged tensors (mxfp8: dequantized to fp32 for the engine's bf16 weights)."""
-    mode, r = run.policy.mode, run.rollout
+    mode, r = mode_of(run.policy.mode), run.rollout
     dtype = torch.bfloat16 if r.dtype == "auto" else getattr(torch, r.dtype)
     model = _meta_model(cfg, dtype)
     params = dict(model.named_parameters())
     weights = sum(_nbytes(t.shape, 4 if ".router." in n else dtype.itemsize) for n, t in params.items())
     weights += sum(_nbytes(t.shape, t.element_size()) for t in model.buffers())
     kv = _kv_bytes(cfg, r.max_num_seqs, r.max_model_len, dtype)
-    if mode == "lora":
-        weights += sent["lora"]
-        staging = sent["lora"]
-    elif mode == "mxfp8":
+    if mode.adapter_slot is not None:  # the base, and one adapter slot
+        weights += sent[mode.name]
+        staging = sent[mode.name]
+    elif mode.engine_mx(run.policy) is not None:
         staging = sum(_nbytes(t.shape, 4) for t in params.values())  # dequantized in fp32 as the buckets arrive
     else:
-        staging = sent["full"]
+        staging = sent[mode.name]
     return EngineBytes(weights, kv, staging)
 
 

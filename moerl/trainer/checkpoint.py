@@ -87,7 +87,7 @@ def _save(path: Path, policy, state: dict | None) -> Path:
     if policy.layout.ranks > 1:  # every rank writes its part (DCP); rank 0 the rest
         policy.save_shards(shards_of_save(path))
         _crash_point("shards written")
-        tensors, groups = {}, policy.optimizer.state_dict()["param_groups"]
+        tensors = {}
         files = sorted((tmp / SHARDS).iterdir())
         for f in files:
             _fsync(f)
@@ -96,7 +96,7 @@ def _save(path: Path, policy, state: dict | None) -> Path:
     else:
         weights, opt = policy.full_state()
         tensors = {f"weights/{n}": t.contiguous() for n, t in weights.items()}
-        names, groups = list(weights), opt["param_groups"]
+        names = list(weights)
         for idx, st in opt["state"].items():
             for key, value in st.items():
                 tensors[f"optim/{names[idx]}/{key}"] = value.contiguous()
@@ -108,12 +108,7 @@ def _save(path: Path, policy, state: dict | None) -> Path:
     _fsync(tmp / TENSORS)
     _crash_point("tensors written")
     meta = {
-        "mode": policy.cfg.mode,
-        "step": policy.step,
-        "nan_skipped": policy.nan_skipped,
-        "nan_streak": policy.nan_streak,
-        "param_groups": groups,
-        "scheduler": {k: v for k, v in policy.scheduler.state_dict().items() if k != "lr_lambdas"},
+        **policy.state_dict(),
         "python_random": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
         "numpy_random": [np_state[0], np_state[1].tolist(), *np_state[2:]],
         "state": state or {},
@@ -269,24 +264,7 @@ def load_checkpoint(path: str | os.PathLike, policy) -> dict:
             tensors |= load_whole(shards, list(wanted))
         parts = {k: layout.laid_out(n, own[n], tensors[k]) for k, n in wanted.items()}
     _check_finite(policy, path, parts, sorted(whole))
-    state = {}
-    for idx, name in enumerate(names):
-        keys = sorted(k.rsplit("/", 1)[1] for k in wanted if k.startswith(f"optim/{name}/"))
-        if keys:  # laid out as the parameter (this rank's part when the policy is sharded)
-            state[idx] = {k: parts[f"optim/{name}/{k}"] for k in keys}
-    for name, p in own.items():
-        p.copy_(parts[f"weights/{name}"])
-    if policy.master is not None:
-        policy.master.master_to_model()
-    groups = [{**g, "params": list(range(len(names)))} for g in meta["param_groups"]]  # this rank's parameters
-    policy.optimizer.load_state_dict({"state": state, "param_groups": groups})
-    policy.scheduler.load_state_dict({**meta["scheduler"], "lr_lambdas": [None]})  # the lambdas come from config
-    o = policy.cfg.optim
-    policy.scheduler.base_lrs = [o.lr] * len(policy.optimizer.param_groups)
-    for group, factor in zip(policy.optimizer.param_groups, policy.scheduler.lr_lambdas, strict=True):
-        group.update(initial_lr=o.lr, lr=o.lr * factor(policy.scheduler.last_epoch), weight_decay=o.weight_decay)
-        group.update(betas=(o.beta1, o.beta2), eps=o.eps)
-    policy.scheduler._last_lr = [g["lr"] for g in policy.optimizer.param_groups]
+    policy.load_state_dict(meta, parts)
     torch.set_rng_state(tensors["rng/torch"])
     cuda_keys = sorted((k for k in tensors if k.startswith("rng/cuda/")), key=lambda k: int(k.rsplit("/", 1)[1]))
     cuda = [tensors[k] for k in cuda_keys]
@@ -296,5 +274,4 @@ def load_checkpoint(path: str | os.PathLike, policy) -> dict:
     random.setstate((py[0], tuple(py[1]), py[2]))
     npr = meta["numpy_random"]
     np.random.set_state((npr[0], np.array(npr[1], dtype=np.uint32), *npr[2:]))
-    policy.step, policy.nan_skipped, policy.nan_streak = meta["step"], meta["nan_skipped"], meta["nan_streak"]
     return meta["state"]

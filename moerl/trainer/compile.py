@@ -94,15 +94,15 @@ def pays(steps_left: int, seconds_train: float) -> bool:
     return steps_left * GAIN * seconds_train >= COMPILE_SECONDS
 
 
-def check(setting, ranks: int, mode: str, key: str = "policy.compile") -> None:
-    """Refuse a ``policy.compile`` value that is not auto / true / false, and ``true`` on a parallel layout or in
-    mode mxfp8."""
+def check(setting, ranks: int, mode, key: str = "policy.compile") -> None:
+    """Refuse a ``policy.compile`` value that is not auto / true / false, and ``true`` on a parallel layout or in a
+    mode (``moerl.modes.Mode``) whose training forward does not trace."""
     if not (isinstance(setting, bool) or setting == "auto"):  # not ``in``: 1 and 0 compare equal to True / False
         raise ConfigError(f"{key}={setting!r}: allowed: auto, true, false")
-    if setting is True and mode == "mxfp8":
+    if setting is True and mode.untraced:
         raise ConfigError(
-            f"{key}=true with policy.mode=mxfp8: the MXFP8 projections' autograd functions (torchao's to_mx inside "
-            "them) do not trace, so mxfp8 trains eager; set it to auto or false"
+            f"{key}=true with policy.mode={mode.name}: {mode.untraced}, so {mode.name} trains eager; set it to auto "
+            "or false"
         )
     if setting is True and ranks > 1:
         raise ConfigError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from moerl.errors import ConfigError
 
@@ -25,6 +26,21 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: 
         return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
+
+
+def adamw(params: list[torch.nn.Parameter], o) -> torch.optim.AdamW:
+    """AdamW over ``params`` with ``policy.optim`` ``o``'s hyperparameters: the fused kernel (one pass per tensor;
+    ~8x the per-op loop on a CPU) where every parameter is a plain tensor; FSDP's DTensors keep the default path."""
+    fused = {"fused": True} if not any(isinstance(p, DTensor) for p in params) else {}
+    return torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, **fused)
+
+
+def lr_schedule(optimizer: torch.optim.Optimizer, o, at: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """``policy.optim`` ``o``'s learning-rate schedule over ``optimizer``, at its step ``at`` (the rates set)."""
+    for group in optimizer.param_groups:
+        group["initial_lr"] = o.lr
+    fn = lr_lambda(o.schedule, o.warmup_steps, o.total_steps, o.min_lr_ratio)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn, last_epoch=at - 1)
 
 
 class MasterWeights:

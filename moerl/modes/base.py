@@ -1,0 +1,69 @@
+"""``Mode``: what a training mode decides, and the defaults (a model whose own weights train through fp32 masters)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+class Mode:
+    """One training mode. Its facts (class attributes) and decisions (methods) are all the rest of moerl knows of it;
+    ``policy`` arguments are a ``moerl.trainer.Policy``."""
+
+    name = ""
+    masters = True  # the model's own weights train, through fp32 masters (sharded, and gathered in the compute dtype)
+    adapter_slot: int | None = None  # the engine adapter slot the policy's forwards use; None: no adapters
+    untraced: str | None = None  # why torch.compile cannot trace the training forward, if it cannot
+
+    def prepare(self, model: torch.nn.Module, cfg) -> None:
+        """Make ``model`` (just loaded) this mode's: its modules, and which parameters train (``cfg``: PolicyConfig)."""
+
+    def trained_modules(self, model: torch.nn.Module, cfg) -> None:
+        """Give a fresh whole ``model`` the modules the trained state names (to copy that state into)."""
+
+    def reference(self, model: torch.nn.Module, cfg, dtype: torch.dtype) -> torch.nn.Module | None:
+        """The frozen model reference logprobs come from (``policy.reference``), in the compute dtype; None where
+        the mode needs none or the run asked for none."""
+        return copy.deepcopy(model).to(dtype).requires_grad_(False) if cfg.reference else None
+
+    def engine_mx(self, cfg) -> str | None:
+        """The MX scale mode an engine quantizes its weights with (None: plain weights)."""
+        return None
+
+    def check_run(self, engine: str, ranks: int) -> None:
+        """Refuse a run this mode cannot make: rollouts from ``engine`` (native | vllm) with ``ranks`` trainer ranks."""
+
+    def sends_adapter(self, dense: str | None) -> bool:
+        """Whether a weight sync sends an adapter slot (``set_adapter``) rather than staged weight buckets."""
+        return False
+
+    def own_tensors(self, policy, dense: str | None) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's part of what a weight sync sends (``moerl.sync``), each tensor whole over the data and expert
+        groups: the weights in the compute dtype, routers in fp32 bit for bit, then the buffers. ``dense``: the
+        dtype name of an engine that takes plain weights only (vLLM)."""
+        layout = policy.layout
+        for name, master in policy.master.master.items():
+            if name in layout.copies:  # sent by the stage that holds the original
+                continue
+            t = layout.whole(name, master.detach())
+            if ".router." in name:
+                yield name, t.float()
+            else:
+                yield from self.weight_form(policy, name, t, dense)
+        for name, buf in policy.model.named_buffers():  # e.g. the selection-only router bias
+            yield name, buf.detach().clone()
+
+    def weight_form(self, policy, name: str, master: torch.Tensor, dense: str | None):
+        """The sync's tensors for weight ``name`` from its whole fp32 ``master``: the compute dtype."""
+        own = policy.master.model_params[name]  # in one process the model holds round(master) already
+        whole = not isinstance(own, DTensor) and own.dtype == policy.dtype and own.shape == master.shape
+        yield name, own.detach() if whole else master.to(policy.dtype)
+
+    def export(self, policy, run_dir: Path) -> dict[str, str]:
+        """Write what the run made beside its checkpoint; returns what was written by kind. Nothing by default:
+        the checkpoint is the trained model."""
+        return {}
