@@ -212,7 +212,8 @@ def cmd_check_arch(args) -> None:
 
     from moerl.bridges.base import HFConfig
     from moerl.bridges.checkpoint import check_shapes, read_config
-    from moerl.bridges.derived import bridge_source, derive, prove
+    from moerl.bridges.derive import derive
+    from moerl.bridges.prove import bridge_source, prove
     from moerl.errors import ConfigError
     from moerl.model.size import check_buildable, check_fits
     from moerl.model.transformer import MoEModel
@@ -347,7 +348,24 @@ def _env_arguments(s: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moerl", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
+    for add in (
+        _init_model_parser,
+        _generate_parser,
+        _eval_parser,
+        _sft_parser,
+        _archs_parser,
+        _check_arch_parser,
+        _demo_parser,
+        _train_parser,
+        _plan_parser,
+        _config_parser,
+        _plot_parser,
+    ):
+        add(sub)
+    return p
 
+
+def _init_model_parser(sub) -> None:
     s = sub.add_parser("init-model", help="write a random HF checkpoint of a supported architecture")
     s.add_argument("--arch", required=True, help="HF architecture or model_type, e.g. qwen3_moe")
     s.add_argument("--preset", default="tiny", choices=["tiny", "small"])
@@ -357,6 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("out_dir")
     s.set_defaults(func=cmd_init_model)
 
+
+def _generate_parser(sub) -> None:
     s = sub.add_parser("generate", help="sample continuations of prompts from a checkpoint with the rollout engine")
     s.add_argument("model_dir")
     s.add_argument("--prompt", action="append", required=True, help="a text prompt (repeat for several)")
@@ -378,6 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     s.set_defaults(func=cmd_generate)
 
+
+def _eval_parser(sub) -> None:
     s = sub.add_parser(
         "eval", help="held-out accuracy of a checkpoint (and adapter) on an environment, with its 95%% CI"
     )
@@ -393,6 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-model-len", type=int, default=None, help="context window (default: what the problems need)")
     s.set_defaults(func=cmd_eval)
 
+
+def _sft_parser(sub) -> None:
     s = sub.add_parser(
         "sft", help="warm a model up on an environment's worked examples (supervised), for RL to start from"
     )
@@ -406,15 +430,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--overwrite", action="store_true", help="write into a non-empty directory")
     s.set_defaults(func=cmd_sft)
 
+
+def _archs_parser(sub) -> None:
     s = sub.add_parser("archs", help="list the supported HF architectures")
     s.set_defaults(func=cmd_archs)
 
+
+def _check_arch_parser(sub) -> None:
     s = sub.add_parser(
         "check-arch", help="derive a bridge for a checkpoint without one, prove it against transformers, print it"
     )
     s.add_argument("dir", help="a HF checkpoint directory")
     s.set_defaults(func=cmd_check_arch)
 
+
+def _demo_parser(sub) -> None:
     s = sub.add_parser("demo", help="the main job: a tiny MoE learns arithmetic (warm-up, then GRPO + LoRA + R3)")
     s.add_argument("--run-dir", default="runs/demo")
     s.add_argument("--arch", default="qwen3_moe", help="the tiny preset's architecture (qwen3_5_moe: the hybrid)")
@@ -423,6 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--overwrite", action="store_true", help="start over in a run directory holding a previous demo")
     s.set_defaults(func=cmd_demo)
 
+
+def _train_parser(sub) -> None:
     s = sub.add_parser(
         "train",
         help="run the RL loop from a YAML config with key.sub=value overrides",
@@ -435,6 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--overwrite", action="store_true", help="start over in a run_dir that holds a run")
     s.set_defaults(func=cmd_train)
 
+
+def _plan_parser(sub) -> None:
     s = sub.add_parser(
         "plan",
         help="memory per trainer rank, weight-sync traffic and the smallest layout that fits, before a run starts",
@@ -455,15 +489,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--workers", type=int, default=0, help="ranks traced at once, one process each (0: every core)")
     s.set_defaults(func=cmd_plan)
 
+
+def _config_parser(sub) -> None:
     s = sub.add_parser("config", help="list every config key of moerl train with its default and what it does")
     s.add_argument("--markdown", action="store_true", help="as a markdown table (README's Reference)")
     s.set_defaults(func=cmd_config)
 
+
+def _plot_parser(sub) -> None:
     s = sub.add_parser("plot", help="write a PNG of a run's reward and mismatch curves")
     s.add_argument("run_dir")
     s.add_argument("--out", default=None)
     s.set_defaults(func=cmd_plot)
-    return p
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from moerl.bridges.derived import hf_forward
+from moerl.bridges.prove import hf_forward
 
 VOCAB = 128
 
@@ -286,7 +286,7 @@ HYBRID_CONFIGS["Qwen3NextForCausalLM"] = HYBRID_CONFIGS["Qwen3_5MoeForCausalLM"]
 HYBRID_ARCHS = list(HYBRID_CONFIGS)
 CONFIGS |= HYBRID_CONFIGS
 
-# 2026 families with no bridge file: the derived path (moerl.bridges.derived) loads them from their config and
+# 2026 families with no bridge file: the derived path (moerl.bridges.derive, prove) loads them from their config and
 # tensor names alone. Each switches on knobs moerl has under that family's own names.
 DERIVED_CONFIGS = {
     # GLM-4.5: DeepSeek-V3 routing (sigmoid, selection bias as a buffer, groups, scaling), per-head q/k norms behind

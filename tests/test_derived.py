@@ -3,14 +3,14 @@ against transformers loads the checkpoint to the hand-written bridge's logits; f
 decoder lacks are refused by name (config fields, tensors) or by the proof (the first layer that differs).
 ``moerl check-arch`` prints the derived bridge as a file that loads the checkpoint once registered."""
 
-import importlib.util
 import json
 
 import pytest
 import torch
 from hf_models import DERIVED_ARCHS, VOCAB, build_hf_model, hf_router_choices
 
-from moerl.bridges import derived, load_model
+from moerl.bridges import load_model
+from moerl.bridges import prove as derived
 from moerl.bridges import registry as bridge_registry
 from moerl.errors import UnknownArchitectureError
 
@@ -30,10 +30,10 @@ DERIVABLE = [
 def without_bridge(monkeypatch):
     """Switch a family's bridge file off for one test (and forget derived bridges proven before)."""
     derived._proven.cache_clear()
-    bridge_registry._load_families()
 
     def off(arch: str):
-        monkeypatch.delitem(bridge_registry._BRIDGES, arch)
+        monkeypatch.delitem(bridge_registry.FAMILIES, arch)
+        monkeypatch.delitem(bridge_registry._BRIDGES, arch, raising=False)
 
     yield off
     derived._proven.cache_clear()
@@ -87,7 +87,7 @@ def test_the_proof_refuses_what_names_cannot_tell(without_bridge):
         derived.prove(phimoe)
 
 
-def test_check_arch_prints_a_bridge_file_that_loads_the_checkpoint(without_bridge, tmp_path, capsys):
+def test_check_arch_prints_a_bridge_file_that_loads_the_checkpoint(without_bridge, tmp_path, capsys, monkeypatch):
     from moerl.cli import main
 
     arch = "MixtralForCausalLM"
@@ -96,11 +96,13 @@ def test_check_arch_prints_a_bridge_file_that_loads_the_checkpoint(without_bridg
     without_bridge(arch)
     assert main(["check-arch", str(tmp_path / "ckpt")]) in (None, 0)
     source = capsys.readouterr().out
-    assert "topk_before_softmax': True" in source and "register(derive(" in source
-    (tmp_path / "mixtral_derived.py").write_text(source)
-    spec = importlib.util.spec_from_file_location("mixtral_derived", tmp_path / "mixtral_derived.py")
-    spec.loader.exec_module(importlib.util.module_from_spec(spec))  # registers the bridge, as a bridge file does
-    assert arch in bridge_registry._BRIDGES
+    assert "topk_before_softmax': True" in source and "BRIDGE = derive(" in source
+    (tmp_path / "families").mkdir()
+    (tmp_path / "families" / "__init__.py").write_text("")
+    (tmp_path / "families" / "mixtral_derived.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))  # the file and its line in the table, as for a bridge file
+    monkeypatch.setitem(bridge_registry.FAMILIES, arch, "families.mixtral_derived")
+    assert bridge_registry.bridge_file(arch) is not None
     ids = _ids()
     with torch.no_grad():
         assert (load_model(tmp_path / "ckpt", torch.float32)(ids).logits - hf(ids).logits).abs().max() <= 1e-4

@@ -318,7 +318,7 @@ def test_the_hybrid_model_trains_in_every_mode(mode, tmp_path):
 def test_qwen3_next_fused_projections_split_by_key_head_and_join_back():
     """The fused in_proj_qkvz / in_proj_ba: split then joined is the tensor bit for bit; the split regroups per key
     head (a plain cut of the rows is another tensor: the layout matters, and the parity test sees it)."""
-    from moerl.bridges.qwen3_next import join_ba, join_qkvz, split_ba, split_qkvz
+    from moerl.bridges.shared import join_ba, join_qkvz, split_ba, split_qkvz
     from moerl.presets import preset_config
 
     _, cfg = preset_config("qwen3_next", "tiny")
@@ -392,7 +392,7 @@ def test_the_derived_bridge_knows_linear_attention_layers(arch, tmp_path):
     1 + w norms by proof (the norm_offset variant), and proves the bridge at fp32 parity (``moerl check-arch``)."""
     import json
 
-    from moerl.bridges.derived import prove
+    from moerl.bridges.prove import prove
 
     build_hf_model(arch).save_pretrained(tmp_path)
     hf = json.loads((tmp_path / "config.json").read_text())

@@ -338,7 +338,7 @@ def test_vllm_rows_survive_preemption(model):
         outs = engine.generate(reqs)
         (preempted,) = [m.value for m in engine.llm.llm_engine.get_metrics() if m.name == "vllm:num_preemptions"]
         assert preempted > 0  # measured: 9
-        from moerl.bridges.checkpoint import load_model
+        from moerl.bridges import load_model
 
         _assert_rows_are_moerls(load_model(model, dtype=torch.bfloat16), outs)
     finally:

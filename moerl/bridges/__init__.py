@@ -1,8 +1,9 @@
 """Bridges: HF architectures onto the generic MoE model (config mapping + weight names), load and export."""
 
 from moerl.bridges.base import Bridge, Fused, HFConfig, Preset, Rule
-from moerl.bridges.checkpoint import export_model, load_model, read_config
-from moerl.bridges.registry import bridge_for_arch, get_bridge, register, supported
+from moerl.bridges.checkpoint import read_config
+from moerl.bridges.find import export_model, get_bridge, load_model
+from moerl.bridges.registry import bridge_for_arch, supported
 
 __all__ = [
     "Bridge",
@@ -15,6 +16,5 @@ __all__ = [
     "get_bridge",
     "load_model",
     "read_config",
-    "register",
     "supported",
 ]

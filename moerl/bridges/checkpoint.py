@@ -16,7 +16,6 @@ from safetensors.torch import save_file
 from moerl.bridges.base import Bridge, HFConfig, Rule, match
 from moerl.bridges.multimodal import is_multimodal, text_config, text_name
 from moerl.bridges.quantized import dequantize, pairs, quantization
-from moerl.bridges.registry import get_bridge
 from moerl.errors import CheckpointError
 from moerl.model.config import ModelConfig
 from moerl.model.size import check_buildable, check_fits
@@ -264,23 +263,22 @@ def _dequantized(q: dict, name: str, data, scales) -> torch.Tensor:
     return dequantize(q, name, data(), scales())
 
 
-def load_model(
+def read_model(
     path: str | os.PathLike,
+    bridge: Bridge,
     dtype: torch.dtype = torch.bfloat16,
     device: str | torch.device = "cpu",
-    bridge: Bridge | None = None,
 ) -> MoEModel:
-    """Load a HF checkpoint directory (single or sharded safetensors) into a MoEModel.
+    """Read a HF checkpoint directory (single or sharded safetensors) into a MoEModel through ``bridge`` (which
+    bridge a checkpoint takes: ``moerl.bridges.find``).
 
     The model is allocated once, empty, and each checkpoint tensor is copied into its place as it is read
     (per-expert tensors into their slice of the 3D experts), so no second full copy is held. Quantized checkpoints
     (FP8 blocks, MXFP4 experts: ``moerl.bridges.quantized``) are dequantized tensor by tensor on the way.
-    ``bridge``: use this one instead of the registry's (a derived bridge being proven).
     """
     path = Path(path)
     hf = read_config(path)
     q = quantization(hf, str(path / "config.json"))
-    bridge = bridge or get_bridge(hf, source=str(path / "config.json"))
     cfg = bridge.config_from_hf(HFConfig(hf, str(path / "config.json")))
     check_buildable(cfg)
     with torch.device("meta"):
@@ -380,22 +378,21 @@ def files_held(directory: str | os.PathLike, names: list[str]) -> list[str]:
     return sorted({weight_map[n] for n in names})
 
 
-def export_model(
+def write_model(
     model: MoEModel,
+    bridge: Bridge,
     out_dir: str | os.PathLike,
     tokenizer_dir: str | os.PathLike | None = None,
     max_shard_bytes: int = 4 * 1024**3,
     state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write ``model`` as a HF checkpoint directory: config.json, (sharded) safetensors, tokenizer files.
+    """Write ``model`` as a HF checkpoint directory through ``bridge``: config.json, (sharded) safetensors, tokenizer
+    files.
 
     ``state_dict`` replaces the model's own weights (e.g. with LoRA merged in); LoRA tensors are never written.
     """
-    if model.hf_config is None:
-        raise CheckpointError("the model has no hf_config: load it with load_model or build it with init_model")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    bridge = get_bridge(model.hf_config, source="model.hf_config")
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     state = state_of(model) if state_dict is None else state_dict

@@ -2,8 +2,7 @@
 top-k (a group scores its best expert), routed scaling without renormalisation, shared experts, first-k dense."""
 
 from moerl.bridges.base import Bridge, HFConfig, Preset, Rule, common_fields, common_preset, expert_rules
-from moerl.bridges.deepseek_v3 import mla_fields, mla_preset
-from moerl.bridges.registry import register
+from moerl.bridges.shared import mla_fields, mla_preset
 from moerl.errors import ConfigError
 from moerl.model.config import ModelConfig
 
@@ -57,15 +56,13 @@ def preset_config(p: Preset, bos: int, eos: int, pad: int) -> dict:
     return cfg | mla_preset(p)
 
 
-BRIDGE = register(
-    Bridge(
-        architectures=(ARCH,),
-        model_type="deepseek_v2",
-        config_from_hf=config_from_hf,
-        preset_config=preset_config,
-        rules=(
-            Rule("model.layers.{i}.mlp.gate.weight", "layers.{i}.mlp.router.weight"),
-            *expert_rules("mlp", "gate_proj", "up_proj", "down_proj"),
-        ),
-    )
+BRIDGE = Bridge(
+    architectures=(ARCH,),
+    model_type="deepseek_v2",
+    config_from_hf=config_from_hf,
+    preset_config=preset_config,
+    rules=(
+        Rule("model.layers.{i}.mlp.gate.weight", "layers.{i}.mlp.router.weight"),
+        *expert_rules("mlp", "gate_proj", "up_proj", "down_proj"),
+    ),
 )

@@ -12,10 +12,9 @@ from moerl.bridges.base import (
     mtp_layer,
     sparse_layers,
 )
-from moerl.bridges.registry import register
+from moerl.bridges.shared import mla_fields, mla_preset
 from moerl.errors import ConfigError
 from moerl.model.config import ModelConfig
-from moerl.model.rope import yarn_softmax_mscale
 
 ARCH = "DeepseekV3ForCausalLM"
 
@@ -49,38 +48,6 @@ def config_from_hf(c: HFConfig) -> ModelConfig:
     )
 
 
-def mla_fields(c: HFConfig, rope, rope_interleave: bool) -> dict:
-    """The multi-head latent attention fields DeepSeek-V2 and V3 share (and their YaRN softmax scale)."""
-    nope, rope_dim = c.req("qk_nope_head_dim", int), c.req("qk_rope_head_dim", int)
-    bias = c.opt("attention_bias", bool, False)
-    return dict(
-        attention="mla",
-        qkv_bias=bias,
-        o_bias=bias,
-        q_lora_rank=c.opt("q_lora_rank", int),
-        kv_lora_rank=c.req("kv_lora_rank", int),
-        qk_nope_head_dim=nope,
-        qk_rope_head_dim=rope_dim,
-        v_head_dim=c.req("v_head_dim", int),
-        rope_interleave=rope_interleave,
-        attn_scale=(nope + rope_dim) ** -0.5 * yarn_softmax_mscale(rope),
-    )
-
-
-def mla_preset(p: Preset) -> dict:
-    """The latent-attention fields of a DeepSeek preset config.json (V2 and V3 alike)."""
-    return {
-        "q_lora_rank": p.hidden_size // 2,
-        "kv_lora_rank": p.hidden_size // 4,
-        "qk_nope_head_dim": p.head_dim,
-        "qk_rope_head_dim": p.head_dim // 2,
-        "v_head_dim": p.head_dim,
-        "head_dim": p.head_dim // 2,  # transformers reads the rotary dim from head_dim
-        "num_key_value_heads": p.num_heads,  # MLA: every head has its own k/v from the latent
-        "attention_bias": False,
-    }
-
-
 def preset_config(p: Preset, bos: int, eos: int, pad: int) -> dict:
     cfg = common_preset(p, ARCH, "deepseek_v3", bos, eos, pad) | {
         "n_routed_experts": p.num_experts,
@@ -100,17 +67,15 @@ def preset_config(p: Preset, bos: int, eos: int, pad: int) -> dict:
     return cfg | mla_preset(p)
 
 
-BRIDGE = register(
-    Bridge(
-        architectures=(ARCH,),
-        model_type="deepseek_v3",
-        config_from_hf=config_from_hf,
-        preset_config=preset_config,
-        rules=(
-            Rule("model.layers.{i}.mlp.gate.weight", "layers.{i}.mlp.router.weight"),
-            Rule("model.layers.{i}.mlp.gate.e_score_correction_bias", "layers.{i}.mlp.router.e_score_correction_bias"),
-            *expert_rules("mlp", "gate_proj", "up_proj", "down_proj"),
-        ),
-        ignore=mtp_layer,
-    )
+BRIDGE = Bridge(
+    architectures=(ARCH,),
+    model_type="deepseek_v3",
+    config_from_hf=config_from_hf,
+    preset_config=preset_config,
+    rules=(
+        Rule("model.layers.{i}.mlp.gate.weight", "layers.{i}.mlp.router.weight"),
+        Rule("model.layers.{i}.mlp.gate.e_score_correction_bias", "layers.{i}.mlp.router.e_score_correction_bias"),
+        *expert_rules("mlp", "gate_proj", "up_proj", "down_proj"),
+    ),
+    ignore=mtp_layer,
 )

@@ -3,7 +3,6 @@ selection adds a correction bias and whose weights are normalised with a floor, 
 interval pattern, shared experts."""
 
 from moerl.bridges.base import Bridge, HFConfig, Preset, Rule, common_fields, common_preset, expert_rules
-from moerl.bridges.registry import register
 from moerl.errors import ConfigError
 from moerl.model.config import ModelConfig
 
@@ -60,21 +59,19 @@ def preset_config(p: Preset, bos: int, eos: int, pad: int) -> dict:
     }
 
 
-BRIDGE = register(
-    Bridge(
-        architectures=(ARCH,),
-        model_type="ernie4_5_moe",
-        config_from_hf=config_from_hf,
-        preset_config=preset_config,
-        rules=(
-            Rule("model.layers.{i}.mlp.gate.weight", "layers.{i}.mlp.router.weight"),
-            Rule(  # stored [1, E]
-                "model.layers.{i}.mlp.moe_statics.e_score_correction_bias",
-                "layers.{i}.mlp.router.e_score_correction_bias",
-                load=lambda t, cfg: t.reshape(-1),
-                save=lambda t, cfg: t.reshape(1, -1),
-            ),
-            *expert_rules("mlp", "gate_proj", "up_proj", "down_proj"),
+BRIDGE = Bridge(
+    architectures=(ARCH,),
+    model_type="ernie4_5_moe",
+    config_from_hf=config_from_hf,
+    preset_config=preset_config,
+    rules=(
+        Rule("model.layers.{i}.mlp.gate.weight", "layers.{i}.mlp.router.weight"),
+        Rule(  # stored [1, E]
+            "model.layers.{i}.mlp.moe_statics.e_score_correction_bias",
+            "layers.{i}.mlp.router.e_score_correction_bias",
+            load=lambda t, cfg: t.reshape(-1),
+            save=lambda t, cfg: t.reshape(1, -1),
         ),
-    )
+        *expert_rules("mlp", "gate_proj", "up_proj", "down_proj"),
+    ),
 )

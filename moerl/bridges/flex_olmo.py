@@ -5,7 +5,6 @@ import dataclasses
 
 from moerl.bridges import olmoe
 from moerl.bridges.base import Bridge, HFConfig, Preset, common_preset
-from moerl.bridges.registry import register
 from moerl.model.config import ModelConfig
 
 ARCH = "FlexOlmoForCausalLM"
@@ -28,12 +27,10 @@ def preset_config(p: Preset, bos: int, eos: int, pad: int) -> dict:
     return cfg
 
 
-BRIDGE = register(
-    Bridge(
-        architectures=(ARCH,),
-        model_type="flex_olmo",
-        config_from_hf=config_from_hf,
-        preset_config=preset_config,
-        rules=olmoe.BRIDGE.rules,
-    )
+BRIDGE = Bridge(
+    architectures=(ARCH,),
+    model_type="flex_olmo",
+    config_from_hf=config_from_hf,
+    preset_config=preset_config,
+    rules=olmoe.BRIDGE.rules,
 )

@@ -4,7 +4,6 @@ bias, clamped SwiGLU experts stored 3D as [E, H, 2I] with gate/up columns interl
 import torch
 
 from moerl.bridges.base import Bridge, HFConfig, Preset, Rule, common_fields, common_preset, layer_types
-from moerl.bridges.registry import register
 from moerl.model.config import ModelConfig
 
 ARCH = "GptOssForCausalLM"
@@ -66,36 +65,34 @@ def _interleave(t: torch.Tensor) -> torch.Tensor:
     return torch.stack([gate, up], dim=-1).flatten(-2)
 
 
-BRIDGE = register(
-    Bridge(
-        architectures=(ARCH,),
-        model_type="gpt_oss",
-        config_from_hf=config_from_hf,
-        preset_config=preset_config,
-        rules=(
-            Rule(
-                "model.layers.{i}.mlp.experts.gate_up_proj",
-                "layers.{i}.mlp.experts.gate_up_proj",
-                load=lambda t, cfg: _deinterleave(t).transpose(1, 2),
-                save=lambda t, cfg: _interleave(t.transpose(1, 2)),
-                # LoRA B [..., 2I, r]: the same gate / up de-interleave, on the rows
-                rows=lambda b, cfg: _deinterleave(b.transpose(-1, -2)).transpose(-1, -2),
-                rows_save=lambda b, cfg: _interleave(b.transpose(-1, -2)).transpose(-1, -2),
-            ),
-            Rule(
-                "model.layers.{i}.mlp.experts.gate_up_proj_bias",
-                "layers.{i}.mlp.experts.gate_up_proj_bias",
-                load=lambda t, cfg: _deinterleave(t),
-                save=lambda t, cfg: _interleave(t),
-            ),
-            Rule(
-                "model.layers.{i}.mlp.experts.down_proj",
-                "layers.{i}.mlp.experts.down_proj",
-                load=lambda t, cfg: t.transpose(1, 2),
-                save=lambda t, cfg: t.transpose(1, 2),
-                rows=lambda b, cfg: b,  # a transpose of the layout: the rows of [E, H, I] keep their order
-                rows_save=lambda b, cfg: b,
-            ),
+BRIDGE = Bridge(
+    architectures=(ARCH,),
+    model_type="gpt_oss",
+    config_from_hf=config_from_hf,
+    preset_config=preset_config,
+    rules=(
+        Rule(
+            "model.layers.{i}.mlp.experts.gate_up_proj",
+            "layers.{i}.mlp.experts.gate_up_proj",
+            load=lambda t, cfg: _deinterleave(t).transpose(1, 2),
+            save=lambda t, cfg: _interleave(t.transpose(1, 2)),
+            # LoRA B [..., 2I, r]: the same gate / up de-interleave, on the rows
+            rows=lambda b, cfg: _deinterleave(b.transpose(-1, -2)).transpose(-1, -2),
+            rows_save=lambda b, cfg: _interleave(b.transpose(-1, -2)).transpose(-1, -2),
         ),
-    )
+        Rule(
+            "model.layers.{i}.mlp.experts.gate_up_proj_bias",
+            "layers.{i}.mlp.experts.gate_up_proj_bias",
+            load=lambda t, cfg: _deinterleave(t),
+            save=lambda t, cfg: _interleave(t),
+        ),
+        Rule(
+            "model.layers.{i}.mlp.experts.down_proj",
+            "layers.{i}.mlp.experts.down_proj",
+            load=lambda t, cfg: t.transpose(1, 2),
+            save=lambda t, cfg: t.transpose(1, 2),
+            rows=lambda b, cfg: b,  # a transpose of the layout: the rows of [E, H, I] keep their order
+            rows_save=lambda b, cfg: b,
+        ),
+    ),
 )

@@ -3,7 +3,6 @@ a scaling, a top-k-then-softmax router, experts stored fused as ``input_linear``
 ``output_linear`` [E, H, I]."""
 
 from moerl.bridges.base import Bridge, HFConfig, Preset, Rule, common_fields, common_preset
-from moerl.bridges.registry import register
 from moerl.model.config import ModelConfig
 
 ARCH = "GraniteMoeForCausalLM"
@@ -42,17 +41,15 @@ def preset_config(p: Preset, bos: int, eos: int, pad: int) -> dict:
     }
 
 
-BRIDGE = register(
-    Bridge(
-        architectures=(ARCH,),
-        model_type="granitemoe",
-        config_from_hf=config_from_hf,
-        preset_config=preset_config,
-        peft_experts="model.layers.{i}.block_sparse_moe.experts",
-        rules=(
-            Rule("model.layers.{i}.block_sparse_moe.router.layer.weight", "layers.{i}.mlp.router.weight"),
-            Rule("model.layers.{i}.block_sparse_moe.input_linear.weight", "layers.{i}.mlp.experts.gate_up_proj"),
-            Rule("model.layers.{i}.block_sparse_moe.output_linear.weight", "layers.{i}.mlp.experts.down_proj"),
-        ),
-    )
+BRIDGE = Bridge(
+    architectures=(ARCH,),
+    model_type="granitemoe",
+    config_from_hf=config_from_hf,
+    preset_config=preset_config,
+    peft_experts="model.layers.{i}.block_sparse_moe.experts",
+    rules=(
+        Rule("model.layers.{i}.block_sparse_moe.router.layer.weight", "layers.{i}.mlp.router.weight"),
+        Rule("model.layers.{i}.block_sparse_moe.input_linear.weight", "layers.{i}.mlp.experts.gate_up_proj"),
+        Rule("model.layers.{i}.block_sparse_moe.output_linear.weight", "layers.{i}.mlp.experts.down_proj"),
+    ),
 )

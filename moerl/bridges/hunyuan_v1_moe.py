@@ -2,7 +2,6 @@
 ``gate.wg``, an always-on shared MLP (``shared_mlp``), every layer MoE."""
 
 from moerl.bridges.base import Bridge, HFConfig, Preset, Rule, common_fields, common_preset, expert_rules
-from moerl.bridges.registry import register
 from moerl.errors import ConfigError
 from moerl.model.config import ModelConfig
 
@@ -42,18 +41,16 @@ def preset_config(p: Preset, bos: int, eos: int, pad: int) -> dict:
     }
 
 
-BRIDGE = register(
-    Bridge(
-        architectures=(ARCH,),
-        model_type="hunyuan_v1_moe",
-        config_from_hf=config_from_hf,
-        preset_config=preset_config,
-        rules=(
-            Rule("model.layers.{i}.mlp.gate.wg.weight", "layers.{i}.mlp.router.weight"),
-            Rule("model.layers.{i}.mlp.shared_mlp.{x}", "layers.{i}.mlp.shared_experts.{x}"),
-            Rule("model.layers.{i}.self_attn.query_layernorm.weight", "layers.{i}.self_attn.q_norm.weight"),
-            Rule("model.layers.{i}.self_attn.key_layernorm.weight", "layers.{i}.self_attn.k_norm.weight"),
-            *expert_rules("mlp", "gate_proj", "up_proj", "down_proj"),
-        ),
-    )
+BRIDGE = Bridge(
+    architectures=(ARCH,),
+    model_type="hunyuan_v1_moe",
+    config_from_hf=config_from_hf,
+    preset_config=preset_config,
+    rules=(
+        Rule("model.layers.{i}.mlp.gate.wg.weight", "layers.{i}.mlp.router.weight"),
+        Rule("model.layers.{i}.mlp.shared_mlp.{x}", "layers.{i}.mlp.shared_experts.{x}"),
+        Rule("model.layers.{i}.self_attn.query_layernorm.weight", "layers.{i}.self_attn.q_norm.weight"),
+        Rule("model.layers.{i}.self_attn.key_layernorm.weight", "layers.{i}.self_attn.k_norm.weight"),
+        *expert_rules("mlp", "gate_proj", "up_proj", "down_proj"),
+    ),
 )

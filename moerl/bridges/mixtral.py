@@ -1,7 +1,6 @@
 """Mixtral: softmax over the top-k logits (renormalised), experts w1/w3/w2 under block_sparse_moe."""
 
 from moerl.bridges.base import Bridge, HFConfig, Preset, Rule, common_fields, common_preset, expert_rules, layer_types
-from moerl.bridges.registry import register
 from moerl.model.config import ModelConfig
 
 ARCH = "MixtralForCausalLM"
@@ -33,15 +32,13 @@ def preset_config(p: Preset, bos: int, eos: int, pad: int) -> dict:
     }
 
 
-BRIDGE = register(
-    Bridge(
-        architectures=(ARCH,),
-        model_type="mixtral",
-        config_from_hf=config_from_hf,
-        preset_config=preset_config,
-        rules=(
-            Rule("model.layers.{i}.block_sparse_moe.gate.weight", "layers.{i}.mlp.router.weight"),
-            *expert_rules("block_sparse_moe", "w1", "w3", "w2"),
-        ),
-    )
+BRIDGE = Bridge(
+    architectures=(ARCH,),
+    model_type="mixtral",
+    config_from_hf=config_from_hf,
+    preset_config=preset_config,
+    rules=(
+        Rule("model.layers.{i}.block_sparse_moe.gate.weight", "layers.{i}.mlp.router.weight"),
+        *expert_rules("block_sparse_moe", "w1", "w3", "w2"),
+    ),
 )

@@ -1,7 +1,6 @@
 """OLMoE: q/k RMSNorm over the whole projection (not per head), optional q/k/v clipping, every layer MoE."""
 
 from moerl.bridges.base import Bridge, HFConfig, Preset, Rule, common_fields, common_preset, expert_rules
-from moerl.bridges.registry import register
 from moerl.model.config import ModelConfig
 
 ARCH = "OlmoeForCausalLM"
@@ -39,15 +38,13 @@ def preset_config(p: Preset, bos: int, eos: int, pad: int) -> dict:
     return cfg
 
 
-BRIDGE = register(
-    Bridge(
-        architectures=(ARCH,),
-        model_type="olmoe",
-        config_from_hf=config_from_hf,
-        preset_config=preset_config,
-        rules=(
-            Rule("model.layers.{i}.mlp.gate.weight", "layers.{i}.mlp.router.weight"),
-            *expert_rules("mlp", "gate_proj", "up_proj", "down_proj"),
-        ),
-    )
+BRIDGE = Bridge(
+    architectures=(ARCH,),
+    model_type="olmoe",
+    config_from_hf=config_from_hf,
+    preset_config=preset_config,
+    rules=(
+        Rule("model.layers.{i}.mlp.gate.weight", "layers.{i}.mlp.router.weight"),
+        *expert_rules("mlp", "gate_proj", "up_proj", "down_proj"),
+    ),
 )

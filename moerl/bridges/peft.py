@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from moerl.bridges.base import Bridge, _compile, match
 from moerl.bridges.checkpoint import moerl_rules, resolve
-from moerl.bridges.registry import get_bridge
+from moerl.bridges.find import get_bridge
 from moerl.errors import CheckpointError
 
 PREFIX = "base_model.model."

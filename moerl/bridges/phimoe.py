@@ -3,7 +3,6 @@ layer, and sparsemixer routing (top-2) in its deterministic eval form; R3 replay
 same weight rule around them (``Router._sparsemixer_weights``)."""
 
 from moerl.bridges.base import Bridge, HFConfig, Preset, Rule, common_fields, common_preset, expert_rules, layer_types
-from moerl.bridges.registry import register
 from moerl.model.config import ModelConfig
 
 ARCH = "PhimoeForCausalLM"
@@ -45,15 +44,13 @@ def preset_config(p: Preset, bos: int, eos: int, pad: int) -> dict:
     }
 
 
-BRIDGE = register(
-    Bridge(
-        architectures=(ARCH,),
-        model_type="phimoe",
-        config_from_hf=config_from_hf,
-        preset_config=preset_config,
-        rules=(
-            Rule("model.layers.{i}.block_sparse_moe.gate.weight", "layers.{i}.mlp.router.weight"),
-            *expert_rules("block_sparse_moe", "w1", "w3", "w2"),
-        ),
-    )
+BRIDGE = Bridge(
+    architectures=(ARCH,),
+    model_type="phimoe",
+    config_from_hf=config_from_hf,
+    preset_config=preset_config,
+    rules=(
+        Rule("model.layers.{i}.block_sparse_moe.gate.weight", "layers.{i}.mlp.router.weight"),
+        *expert_rules("block_sparse_moe", "w1", "w3", "w2"),
+    ),
 )

@@ -11,7 +11,6 @@ from moerl.bridges.base import (
     layer_types,
     sparse_layers,
 )
-from moerl.bridges.registry import register
 from moerl.model.config import ModelConfig
 
 ARCH = "Qwen3MoeForCausalLM"
@@ -51,15 +50,13 @@ def preset_config(p: Preset, bos: int, eos: int, pad: int) -> dict:
     }
 
 
-BRIDGE = register(
-    Bridge(
-        architectures=(ARCH,),
-        model_type="qwen3_moe",
-        config_from_hf=config_from_hf,
-        preset_config=preset_config,
-        rules=(
-            Rule("model.layers.{i}.mlp.gate.weight", "layers.{i}.mlp.router.weight"),
-            *expert_rules("mlp", "gate_proj", "up_proj", "down_proj"),
-        ),
-    )
+BRIDGE = Bridge(
+    architectures=(ARCH,),
+    model_type="qwen3_moe",
+    config_from_hf=config_from_hf,
+    preset_config=preset_config,
+    rules=(
+        Rule("model.layers.{i}.mlp.gate.weight", "layers.{i}.mlp.router.weight"),
+        *expert_rules("mlp", "gate_proj", "up_proj", "down_proj"),
+    ),
 )

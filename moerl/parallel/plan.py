@@ -19,7 +19,7 @@ def model_config(path: str | None, arch: str, preset: str) -> ModelConfig | None
         return None
     from moerl.bridges.base import HFConfig
     from moerl.bridges.checkpoint import read_config
-    from moerl.bridges.registry import get_bridge
+    from moerl.bridges.find import get_bridge
 
     source = str(Path(path) / "config.json")
     hf = read_config(path)

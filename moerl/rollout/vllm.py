@@ -23,7 +23,7 @@ import torch
 from moerl.engine import Request, RequestOutput
 from moerl.engine.sequence import Completion
 from moerl.errors import ConfigError, EngineError
-from moerl.rollout.pool import _gather, split
+from moerl.rollout.fanout import gather, split
 from moerl.rollout.shm import ShmWriter
 from moerl.rollout.spec import EngineSpec
 from moerl.rollout.vllm_watch import VLLMWatch, release_shm, shm_segments
@@ -145,33 +145,14 @@ class VLLMEngine:
 
         if num_engines < 1:
             raise ConfigError(f"rollout.num_engines={num_engines}: must be >= 1")
-        from moerl.bridges.checkpoint import read_config
-        from moerl.rollout.vllm_plugin import MODELS
-
-        hf_config = read_config(spec.model)
-        if hf_config.get("quantization_config") is not None:  # weight sync sends dequantized tensors
-            raise ConfigError(
-                f"rollout.engine=vllm with a quantized checkpoint ({spec.model}): weight sync writes full-precision "
-                "tensors into vLLM's quantized layers; export a dequantized copy (moerl's load_model + export_model)"
-            )
-        arch = (hf_config.get("architectures") or ["?"])[0]
-        if arch not in MODELS:  # vLLM's own class would route with bf16 gates: the fp32-router contract broken
-            raise ConfigError(
-                f"rollout.engine=vllm with {arch}: moerl has no fp32-router vLLM model for it (vLLM engines serve "
-                f"{', '.join(MODELS)}); use rollout.engine=native"
-            )
-        vllm = _import_vllm()
-        latent = (hf_config.get("kv_lora_rank"), hf_config.get("qk_rope_head_dim"))
-        if latent[0] is not None and latent != (512, 64) and _cpu_build():
-            raise ConfigError(  # its engine would die at the first decode, its reason in its own process's log
-                f"rollout.engine=vllm with {arch} of kv_lora_rank {latent[0]} and qk_rope_head_dim {latent[1]} "
-                f"({spec.model}): vLLM's CPU MLA kernel serves only kv_lora_rank 512 with qk_rope_head_dim 64 "
-                "(DeepSeek-V3's own); use rollout.engine=native, or a GPU build of vLLM"
-            )
         from moerl.bridges.base import HFConfig
         from moerl.bridges.checkpoint import load_tokenizer, read_config
-        from moerl.bridges.registry import get_bridge
+        from moerl.bridges.find import get_bridge
         from moerl.rollout.vllm_plugin import ENV
+
+        vllm = _import_vllm()
+        hf_config = read_config(spec.model)
+        _refuse(spec, hf_config)
 
         args = _llm_args(vllm, spec)
         # LoRA merged, MXFP8 as MX-rounded values, in this dtype: full-mode updates (moerl.sync.weights)
@@ -197,20 +178,7 @@ class VLLMEngine:
         self.weight_version = 0
         before = shm_segments()
         try:
-            for bind in _cpu_binds(num_engines, spec.threads):
-                if bind is not None:  # read by the engine's worker process when vLLM starts it, just below
-                    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
-                try:
-                    self.llms.append(vllm.LLM(**args))
-                    self.watches.append(VLLMWatch(self.llms[-1], len(self.llms) - 1, timeout_s))
-                except Exception as e:  # vLLM's own check of its arguments and of what this machine has
-                    raise EngineError(
-                        f"vLLM engine {len(self.llms)} did not start (rollout.vllm_args={spec.vllm_args}): "
-                        f"{type(e).__name__}: {_first_lines(e)}"
-                    ) from None
-                finally:
-                    if bind is not None:
-                        del os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+            self._start(vllm, args, spec, num_engines, timeout_s)
         except BaseException:
             self.shm = shm_segments() - before
             self.close()
@@ -223,11 +191,28 @@ class VLLMEngine:
         if self.capture:
             self._each(lambda llm: llm.collective_rpc("moerl_record_routes"))
         self.tokenizer = load_tokenizer(spec.model)
-        hf_config = read_config(spec.model)
         self.bridge = get_bridge(hf_config, source=spec.model)
         self.model_config = self.bridge.config_from_hf(HFConfig(hf_config, spec.model))  # for the rules' transforms
         self._sampling = vllm.SamplingParams
         self._tokens_prompt = vllm.inputs.TokensPrompt
+
+    def _start(self, vllm, args: dict, spec: EngineSpec, num_engines: int, timeout_s: float) -> None:
+        """Start ``num_engines`` vLLM engines of ``args``, each watched (its processes named when one dies or
+        stalls for ``timeout_s``), each bound to its own cores on a CPU."""
+        for bind in _cpu_binds(num_engines, spec.threads):
+            if bind is not None:  # read by the engine's worker process when vLLM starts it, just below
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+            try:
+                self.llms.append(vllm.LLM(**args))
+                self.watches.append(VLLMWatch(self.llms[-1], len(self.llms) - 1, timeout_s))
+            except Exception as e:  # vLLM's own check of its arguments and of what this machine has
+                raise EngineError(
+                    f"vLLM engine {len(self.llms)} did not start (rollout.vllm_args={spec.vllm_args}): "
+                    f"{type(e).__name__}: {_first_lines(e)}"
+                ) from None
+            finally:
+                if bind is not None:
+                    del os.environ["VLLM_CPU_OMP_THREADS_BIND"]
 
     @property
     def steps(self) -> int:
@@ -255,7 +240,7 @@ class VLLMEngine:
 
         with ThreadPoolExecutor(len(calls)) as ex:
             futures = [ex.submit(self._watched, fn, *args) for args in calls]
-        return _gather([f.result for f in futures])
+        return gather([f.result for f in futures])
 
     def _watched(self, fn, llm, *args):
         """``fn(llm, *args)``; when it fails because one of the engine's processes died, an EngineError naming it."""
@@ -395,6 +380,31 @@ class VLLMEngine:
         gc.collect()
         self.weights.close()
         release_shm(getattr(self, "shm", set()))  # what vLLM's processes could not unlink if they died
+
+
+def _refuse(spec: EngineSpec, hf_config: dict) -> None:
+    """Refuse by name a model vLLM would serve wrongly or die on: a quantized checkpoint (syncs write full-precision
+    tensors), an architecture without moerl's fp32-router model class, an MLA latent vLLM's CPU kernel lacks."""
+    from moerl.rollout.vllm_plugin import MODELS
+
+    if hf_config.get("quantization_config") is not None:  # weight sync sends dequantized tensors
+        raise ConfigError(
+            f"rollout.engine=vllm with a quantized checkpoint ({spec.model}): weight sync writes full-precision "
+            "tensors into vLLM's quantized layers; export a dequantized copy (moerl's load_model + export_model)"
+        )
+    arch = (hf_config.get("architectures") or ["?"])[0]
+    if arch not in MODELS:  # vLLM's own class would route with bf16 gates: the fp32-router contract broken
+        raise ConfigError(
+            f"rollout.engine=vllm with {arch}: moerl has no fp32-router vLLM model for it (vLLM engines serve "
+            f"{', '.join(MODELS)}); use rollout.engine=native"
+        )
+    latent = (hf_config.get("kv_lora_rank"), hf_config.get("qk_rope_head_dim"))
+    if latent[0] is not None and latent != (512, 64) and _cpu_build():
+        raise ConfigError(  # its engine would die at the first decode, its reason in its own process's log
+            f"rollout.engine=vllm with {arch} of kv_lora_rank {latent[0]} and qk_rope_head_dim {latent[1]} "
+            f"({spec.model}): vLLM's CPU MLA kernel serves only kv_lora_rank 512 with qk_rope_head_dim 64 "
+            "(DeepSeek-V3's own); use rollout.engine=native, or a GPU build of vLLM"
+        )
 
 
 def _rows(routes: dict, key: str, length: int, what: str) -> torch.Tensor:

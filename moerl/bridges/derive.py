@@ -1,30 +1,21 @@
-"""Zero-code bridges: a checkpoint whose architecture has no bridge file gets one derived from its config, then
-proven against transformers before it is used.
+"""Zero-code bridges, derived: a checkpoint whose architecture has no bridge file gets one derived from its config
+(``moerl.bridges.prove`` proves it against transformers before it is used).
 
-Deriving: config fields from the synonyms Llama-style MoE families use (``SYNONYMS``); everything else that shapes
-the model from the tensor names of a tiny random instance of the same config built with transformers (router under
+Config fields come from the synonyms Llama-style MoE families use (``SYNONYMS``); everything else that shapes the
+model from the tensor names of a tiny random instance of the same config built with transformers (router under
 ``gate`` / ``router``, per-expert or fused experts, shared experts and their gate, q/k norms per head or per
 projection, biases, LayerNorm, post-sublayer norms, which layers are MoE). A config field the derivation neither
-reads nor knows to be inert (``INERT``) is refused by name, as is any tensor no rule places.
-
-Proving: the tiny instance and the derived moerl model run the same tokens; the bridge is accepted at fp32 parity
-(``TOL``) with equal router choices. Behaviour names cannot show (renormalised top-k or not, softmax before or after
-the top-k, q/k norms before or after the rotation, ...) is tried in ``variants`` order: the first that passes
-wins.
-Otherwise the refusal names the first layer and quantity that differ. ``moerl check-arch DIR`` runs this and prints
-the derived bridge as a file to commit.
+reads nor knows to be inert (``INERT``) is refused by name, as is any tensor no rule places. Behaviour names cannot
+show is a ``variant`` the proof tries in order.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import math
 import re
-import tempfile
-from functools import lru_cache
-from pathlib import Path
+from functools import partial
 
 import torch
 
@@ -45,6 +36,7 @@ from moerl.bridges.base import (
     plus_one,
     sparse_layers,
 )
+from moerl.bridges.shared import FUSED, mla_fields
 from moerl.errors import ConfigError, UnknownArchitectureError
 from moerl.model.config import ModelConfig
 
@@ -186,7 +178,7 @@ def _typed(hf: dict) -> None:
         raise ConfigError(f"config.json: field 'mlp_layer_types' must list 'dense' / 'sparse' per layer, got {kinds!r}")
 
 
-def _known(hf: dict) -> None:
+def check_known(hf: dict) -> None:
     _typed(hf)
     synonyms = {name for names in SYNONYMS.values() for name in names}
     unknown = sorted(set(hf) - READ - INERT - synonyms)
@@ -194,19 +186,19 @@ def _known(hf: dict) -> None:
     if features:
         named = [k for k in unknown if k in FEATURES]
         raise UnknownArchitectureError(
-            f"cannot derive a bridge for {_arch(hf)}: it has {'; '.join(features)} (config field(s) "
+            f"cannot derive a bridge for {arch_name(hf)}: it has {'; '.join(features)} (config field(s) "
             f"{', '.join(map(repr, named))}), which moerl's decoder does not compute"
         )
     if unknown:
         raise UnknownArchitectureError(
-            f"cannot derive a bridge for {_arch(hf)}: config field(s) {', '.join(map(repr, unknown))} are not "
+            f"cannot derive a bridge for {arch_name(hf)}: config field(s) {', '.join(map(repr, unknown))} are not "
             "understood (a bridge file can map them; see moerl/bridges/README.md)"
         )
     if hf.get("hidden_act", "silu") != "silu":
-        raise UnknownArchitectureError(f"cannot derive a bridge for {_arch(hf)}: hidden_act={hf['hidden_act']!r}")
+        raise UnknownArchitectureError(f"cannot derive a bridge for {arch_name(hf)}: hidden_act={hf['hidden_act']!r}")
 
 
-def _arch(hf: dict) -> str:
+def arch_name(hf: dict) -> str:
     return (hf.get("architectures") or ["?"])[0]
 
 
@@ -272,6 +264,42 @@ def read_layout(shapes: dict[str, tuple[int, ...]]) -> Layout:
         shared = "shared_mlp"
     bias_re = rf"model\.layers\.\{{i\}}\.{block}\.(?:{re.escape(router)}\.)?(?:e_score_correction_bias|expert_bias)"
     correction_bias = next((p for p in sorted(patterns) if re.fullmatch(bias_re, p)), None)
+    linear = next(
+        (
+            kind
+            for kind, proj in (("split", "in_proj_qkv"), ("fused", "in_proj_qkvz"))
+            if any(f"linear_attn.{proj}." in p for p in patterns)
+        ),
+        None,
+    )
+    return Layout(
+        **_attention_layout(patterns, shapes),
+        block=block,
+        router=router,
+        experts=experts,
+        shared=shared,
+        shared_gate=any(p.endswith(f"{block}.shared_expert_gate.weight") for p in patterns),
+        moe_layers=tuple(moe),
+        router_bias=any(p.endswith(f"{block}.{router}.bias") for p in patterns),
+        layer_norm=any(
+            p.endswith("input_layernorm.bias") or p.endswith("post_attention_layernorm.bias") for p in patterns
+        ),
+        post_norm=any("post_feedforward_layernorm" in p for p in patterns)
+        and not any("input_layernorm" in p for p in patterns),
+        tied="lm_head.weight" not in shapes,
+        lm_head_bias="lm_head.bias" in shapes,
+        linear=linear,
+        correction_bias=correction_bias,
+        fused_experts="linear" if any(p.endswith(f"{block}.input_linear.weight") for p in patterns) else "experts",
+        shared_at_layer=shared_at_layer,
+        sinks=any(p.endswith("self_attn.sinks") for p in patterns),
+        shared_fused=shared is not None and any(".shared_mlp.input_linear." in p for p in patterns),
+    )
+
+
+def _attention_layout(patterns: set[str], shapes: dict[str, tuple[int, ...]]) -> dict:
+    """The attention fields of a Layout from the tensor names: latent or grouped-query attention, q/k norms (their
+    names, per head or over the projection), an output gate folded into q_proj, biases."""
     mla = any(".self_attn.kv_a_proj_with_mqa." in p for p in patterns)
     names = next(
         (
@@ -290,42 +318,14 @@ def read_layout(shapes: dict[str, tuple[int, ...]]) -> Layout:
     o_proj = next((shape for n, shape in shapes.items() if n.endswith("self_attn.o_proj.weight")), None)
     output_gate = not mla and o_proj is not None and q_proj[0] == 2 * o_proj[1]
     qk_norm = "none" if q_norm is None else ("full" if q_norm[0] * (2 if output_gate else 1) == q_proj[0] else "head")
-    linear = next(
-        (
-            kind
-            for kind, proj in (("split", "in_proj_qkv"), ("fused", "in_proj_qkvz"))
-            if any(f"linear_attn.{proj}." in p for p in patterns)
-        ),
-        None,
-    )
-    return Layout(
-        block=block,
-        router=router,
-        experts=experts,
-        shared=shared,
-        shared_gate=any(p.endswith(f"{block}.shared_expert_gate.weight") for p in patterns),
-        moe_layers=tuple(moe),
-        qk_norm=qk_norm,
-        qk_norm_names=names,
-        qkv_bias=any(p.endswith("self_attn.q_proj.bias") for p in patterns),
-        o_bias=any(p.endswith("self_attn.o_proj.bias") for p in patterns),
-        router_bias=any(p.endswith(f"{block}.{router}.bias") for p in patterns),
-        layer_norm=any(
-            p.endswith("input_layernorm.bias") or p.endswith("post_attention_layernorm.bias") for p in patterns
-        ),
-        post_norm=any("post_feedforward_layernorm" in p for p in patterns)
-        and not any("input_layernorm" in p for p in patterns),
-        tied="lm_head.weight" not in shapes,
-        lm_head_bias="lm_head.bias" in shapes,
-        linear=linear,
-        output_gate=output_gate,
-        attention="mla" if mla else "gqa",
-        correction_bias=correction_bias,
-        fused_experts="linear" if any(p.endswith(f"{block}.input_linear.weight") for p in patterns) else "experts",
-        shared_at_layer=shared_at_layer,
-        sinks=any(p.endswith("self_attn.sinks") for p in patterns),
-        shared_fused=shared is not None and any(".shared_mlp.input_linear." in p for p in patterns),
-    )
+    return {
+        "qk_norm": qk_norm,
+        "qk_norm_names": names,
+        "qkv_bias": any(p.endswith("self_attn.q_proj.bias") for p in patterns),
+        "o_bias": any(p.endswith("self_attn.o_proj.bias") for p in patterns),
+        "output_gate": output_gate,
+        "attention": "mla" if mla else "gqa",
+    }
 
 
 def moe_layers(c: HFConfig, n: int) -> list[int]:
@@ -403,8 +403,6 @@ def _attention(c: HFConfig, f: dict, layout: Layout, variant: dict, types: list[
     """Grouped-query attention's knobs (q/k norms, output gate, partial or no RoPE), or latent attention's sizes."""
     mla = [k for k in MLA if c.data.get(k) is not None]
     if layout.attention == "mla":
-        from moerl.bridges.deepseek_v3 import mla_fields
-
         return mla_fields(c, f["rope"], rope_interleave=c.opt("rope_interleave", bool, False))
     if mla and mla != ["qk_head_dim"]:
         raise UnknownArchitectureError(
@@ -434,51 +432,67 @@ def _attention(c: HFConfig, f: dict, layout: Layout, variant: dict, types: list[
 def derive(hf: dict, layout: Layout, variant: dict) -> Bridge:
     """The bridge for a family with tensors laid out as ``layout``, in behaviour ``variant`` (``hf``: its config,
     for the names)."""
+    rules, fused = _rules(layout, variant)
+    return Bridge(
+        architectures=(arch_name(hf),),
+        model_type=str(hf.get("model_type", "?")),
+        config_from_hf=partial(_config, layout=layout, variant=variant),
+        preset_config=_no_preset,
+        rules=tuple(rules),
+        fused=fused,
+        ignore=mtp_layer,
+    )
 
-    def config_from_hf(c: HFConfig) -> ModelConfig:
-        _known(c.data)
-        n = c.req("num_hidden_layers", int)
-        use = c.opt("use_sliding_window", bool)
-        if use and not c.opt("layer_types", list):
-            raise UnknownArchitectureError(f"{c.source}: use_sliding_window without layer_types: not derivable")
-        if "sliding_window_pattern" in c.data and not c.opt("layer_types", list):
-            raise UnknownArchitectureError(f"{c.source}: sliding_window_pattern without layer_types: not derivable")
-        # a window with neither switch nor layer types slides on every layer (Mixtral's convention)
-        types, window = layer_types(c, n, all_sliding=use is None, linear=layout.linear is not None)
-        c = _one_rope(c, types)
-        f = common_fields(c)
-        f["tie_word_embeddings"] = layout.tied
-        moe_size = c.first(SYNONYMS["moe_intermediate_size"] + ("intermediate_size",), int)
-        shared = 0
-        if layout.shared is not None:  # its own size, else n shared experts' worth, else one expert's
-            count = next((c.req(k, int) for k in SYNONYMS["n_shared_experts"] if c.data.get(k) is not None), 1)
-            own = next((c.req(k, int) for k in SYNONYMS["shared_size"] if c.data.get(k)), 0)
-            shared = own or moe_size * count
-        moe = moe_layers(c, n)
-        hidden = f["hidden_size"]
-        return ModelConfig(
-            **f,
-            intermediate_size=c.opt("intermediate_size", int, 0) if len(moe) < n else 0,
-            num_experts=c.first(SYNONYMS["num_experts"], int),
-            top_k=c.first(SYNONYMS["top_k"], int),
-            moe_intermediate_size=moe_size,
-            moe_layers=moe,
-            layer_types=types,
-            sliding_window=window,
-            norm="layer" if layout.layer_norm else "rms",
-            norm_placement="post" if layout.post_norm else "pre",
-            lm_head_bias=layout.lm_head_bias,
-            router_bias=layout.router_bias,
-            shared_expert_size=shared,
-            shared_expert_gate=layout.shared_gate,
-            embedding_multiplier=hidden**0.5 if c.opt("mup_enabled", bool) else c.opt(MUP[1], float, 1.0),
-            residual_multiplier=c.opt("residual_multiplier", float, 1.0),
-            logits_scaling=c.opt("logits_scaling", float, 1.0),
-            **_attention(c, f, layout, variant, types),
-            **_routing(c, layout, variant),
-            **(linear_attention_fields(c) if layout.linear is not None else {}),
-        )
 
+def _config(c: HFConfig, layout: Layout, variant: dict) -> ModelConfig:
+    """The ModelConfig of config ``c`` for tensors laid out as ``layout``, in behaviour ``variant``."""
+    check_known(c.data)
+    n = c.req("num_hidden_layers", int)
+    use = c.opt("use_sliding_window", bool)
+    if use and not c.opt("layer_types", list):
+        raise UnknownArchitectureError(f"{c.source}: use_sliding_window without layer_types: not derivable")
+    if "sliding_window_pattern" in c.data and not c.opt("layer_types", list):
+        raise UnknownArchitectureError(f"{c.source}: sliding_window_pattern without layer_types: not derivable")
+    # a window with neither switch nor layer types slides on every layer (Mixtral's convention)
+    types, window = layer_types(c, n, all_sliding=use is None, linear=layout.linear is not None)
+    c = _one_rope(c, types)
+    f = common_fields(c)
+    f["tie_word_embeddings"] = layout.tied
+    moe_size = c.first(SYNONYMS["moe_intermediate_size"] + ("intermediate_size",), int)
+    shared = 0
+    if layout.shared is not None:  # its own size, else n shared experts' worth, else one expert's
+        count = next((c.req(k, int) for k in SYNONYMS["n_shared_experts"] if c.data.get(k) is not None), 1)
+        own = next((c.req(k, int) for k in SYNONYMS["shared_size"] if c.data.get(k)), 0)
+        shared = own or moe_size * count
+    moe = moe_layers(c, n)
+    hidden = f["hidden_size"]
+    return ModelConfig(
+        **f,
+        intermediate_size=c.opt("intermediate_size", int, 0) if len(moe) < n else 0,
+        num_experts=c.first(SYNONYMS["num_experts"], int),
+        top_k=c.first(SYNONYMS["top_k"], int),
+        moe_intermediate_size=moe_size,
+        moe_layers=moe,
+        layer_types=types,
+        sliding_window=window,
+        norm="layer" if layout.layer_norm else "rms",
+        norm_placement="post" if layout.post_norm else "pre",
+        lm_head_bias=layout.lm_head_bias,
+        router_bias=layout.router_bias,
+        shared_expert_size=shared,
+        shared_expert_gate=layout.shared_gate,
+        embedding_multiplier=hidden**0.5 if c.opt("mup_enabled", bool) else c.opt(MUP[1], float, 1.0),
+        residual_multiplier=c.opt("residual_multiplier", float, 1.0),
+        logits_scaling=c.opt("logits_scaling", float, 1.0),
+        **_attention(c, f, layout, variant, types),
+        **_routing(c, layout, variant),
+        **(linear_attention_fields(c) if layout.linear is not None else {}),
+    )
+
+
+def _rules(layout: Layout, variant: dict) -> tuple[list[Rule], tuple[Fused, ...]]:
+    """The tensor rules (and fused tensors) of ``layout`` in ``variant``: router, experts, shared experts, q/k and
+    offset norms, linear attention."""
     hf_block = f"model.layers.{{i}}.{layout.block}"
     rules = [Rule(f"{hf_block}.{layout.router}.weight", "layers.{i}.mlp.router.weight")]
     if layout.router_bias:
@@ -526,255 +540,12 @@ def derive(hf: dict, layout: Layout, variant: dict) -> Bridge:
             rules.append(Rule(f"model.layers.{{i}}.{norm}.weight", f"layers.{{i}}.{norm}.weight", **offset))
         rules.append(Rule("model.norm.weight", "norm.weight", **offset))
     if layout.linear is not None:
-        from moerl.bridges.qwen3_next import FUSED
-
         rules += LINEAR_ATTENTION_RULES
         fused += FUSED if layout.linear == "fused" else ()
     if layout.shared_gate:
         rules.append(Rule(f"{hf_block}.shared_expert_gate.weight", "layers.{i}.mlp.shared_experts_gate.weight"))
-    return Bridge(
-        architectures=(_arch(hf),),
-        model_type=str(hf.get("model_type", "?")),
-        config_from_hf=config_from_hf,
-        preset_config=_no_preset,
-        rules=tuple(rules),
-        fused=fused,
-        ignore=mtp_layer,
-    )
+    return rules, fused
 
 
 def _no_preset(p: Preset, bos: int, eos: int, pad: int) -> dict:
     raise UnknownArchitectureError("a derived bridge writes no preset configs (init-model needs a bridge file)")
-
-
-SHRINK = {
-    "hidden_size": 64, "num_attention_heads": 4, "head_dim": 16, "intermediate_size": 64, "vocab_size": 128,
-    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "max_position_embeddings": 256,
-}  # fmt: skip
-
-
-def tiny_config(hf: dict) -> dict:
-    """``hf`` at test size: the same switches, small dimensions, 8 experts (top-2 at most), up to 4 layers."""
-    small = dict(hf)
-    for key, value in SHRINK.items():
-        if key in small and small[key] is not None:
-            small[key] = min(small[key], value) if key != "head_dim" else value
-    heads, kv = hf.get("num_attention_heads", 4), hf.get("num_key_value_heads") or hf.get("num_attention_heads", 4)
-    small["num_key_value_heads"] = 4 if kv == heads else 2
-    for key in SYNONYMS["num_experts"]:
-        if key in small:
-            small[key] = 8
-    for key in SYNONYMS["top_k"]:
-        if key in small:
-            small[key] = min(small[key], 2)
-    n = hf.get("num_hidden_layers", 2)
-    keep = max([2, hf.get("first_k_dense_replace", 0) + 1, *[i + 1 for i in hf.get("mlp_only_layers") or []]])
-    kinds = []
-    for key in ("layer_types", "mlp_layer_types"):
-        listed = hf.get(key) if isinstance(hf.get(key), list) else []
-        keep = max([keep, *(listed.index(k) + 1 for k in set(listed))])  # a layer of every kind
-        kinds += listed
-    small["num_hidden_layers"] = min(n, max(keep, 2), max(4, keep if kinds else 4))
-    for key in ("layer_types", "mlp_layer_types", "layer_rope_theta"):
-        if isinstance(small.get(key), list):
-            small[key] = small[key][: small["num_hidden_layers"]]
-    if small.get("sliding_window"):
-        small["sliding_window"] = min(small["sliding_window"], 8)
-    # linear-attention layers: 2 key heads, twice as many value heads if it has more
-    if "linear_num_key_heads" in small:
-        more = (hf.get("linear_num_value_heads") or 0) > (hf.get("linear_num_key_heads") or 0)
-        small |= {"linear_num_key_heads": 2, "linear_num_value_heads": 4 if more else 2}
-        small |= {"linear_key_head_dim": 16, "linear_value_head_dim": 16}
-    if (small.get("n_group") or 1) > 1:  # group-limited routing: 4 groups of 2 of the 8 experts, 2 groups chosen
-        small |= {"n_group": 4, "topk_group": 2}
-    if small.get("kv_lora_rank"):  # latent attention: small ranks, the rotary part transformers reads as head_dim
-        small |= {"kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16}
-        small |= {"head_dim": 8} | ({"qk_head_dim": 24} if "qk_head_dim" in small else {})
-        if small.get("q_lora_rank"):
-            small["q_lora_rank"] = 32
-    for key, default in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
-        if isinstance(small.get(key), int) and small[key] >= small.get("vocab_size", 128):
-            small[key] = default
-    return small
-
-
-def hf_forward(model: torch.nn.Module, ids: torch.Tensor, **kwargs) -> tuple[torch.Tensor, list[torch.Tensor], tuple]:
-    """A transformers model's logits, each MoE layer's chosen experts [N, k] (read off its routers, modules whose
-    class name ends in Router or Gate, as the one integer tensor of their output) and its per-layer hidden states."""
-    choices, hooks = [], []
-
-    def record(module, args, out):
-        ints = [t for t in out if isinstance(t, torch.Tensor) and not t.is_floating_point()]
-        if len(ints) != 1:
-            raise UnknownArchitectureError(f"{type(module).__name__} returned {len(ints)} integer tensors, not 1")
-        choices.append(ints[0].detach())
-
-    for module in model.modules():
-        name = type(module).__name__.lower()
-        if name.endswith("router") or name.endswith("gate"):
-            hooks.append(module.register_forward_hook(record))
-    if not hooks:
-        raise UnknownArchitectureError(f"no router found in {type(model).__name__} (no module class *Router or *Gate)")
-    try:
-        with torch.no_grad():
-            out = model(ids, output_hidden_states=True, **kwargs)
-    finally:
-        for h in hooks:
-            h.remove()
-    return out.logits, choices, out.hidden_states
-
-
-def _close(ours: torch.Tensor, ref: torch.Tensor) -> bool:
-    """A layer's output within TOL of transformers', relative to the output's magnitude when that exceeds 1."""
-    return float((ours - ref).abs().max()) <= TOL * max(1.0, float(ref.abs().max()))
-
-
-def _first_difference(model, bridge_hidden, ref_hidden, ours_routed, ref_choices) -> str:
-    for i, (a, b) in enumerate(zip(bridge_hidden, ref_hidden[1:], strict=False)):
-        if not _close(a, b):
-            return f"layer {i} output differs by {float((a - b).abs().max()):.2e}"
-    for j, ref in enumerate(ref_choices):
-        ours = ours_routed[:, :, j].reshape(-1, ours_routed.shape[-1])
-        if not torch.equal(ours.sort(-1).values, ref.sort(-1).values):
-            return f"MoE layer {j} (model layer {model.moe_layer_ids[j]}) chose other experts"
-    return "the logits differ"
-
-
-SHARP = ("q_proj.weight", "k_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight")
-
-
-def prove(hf: dict) -> tuple[Bridge, dict, Layout]:
-    """Derive the bridge for config ``hf`` and prove it on a tiny transformers instance; returns (bridge, variant,
-    layout) or raises UnknownArchitectureError naming what could not be derived or where the proof failed."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from moerl.bridges.checkpoint import load_model
-
-    _known(hf)
-    small = tiny_config(hf)
-    fields = {k: v for k, v in small.items() if k not in ("architectures", "model_type", "transformers_version")}
-    try:
-        config = AutoConfig.for_model(small.get("model_type"), **fields)
-    except (ValueError, KeyError) as e:
-        raise UnknownArchitectureError(
-            f"cannot derive a bridge for {_arch(hf)}: transformers does not know it ({e})"
-        ) from None
-    except Exception as e:  # noqa: BLE001 - transformers' own check of a value moerl does not read itself
-        first = " ".join(str(e).split())[:300]
-        raise ConfigError(f"config.json: transformers refuses it for {_arch(hf)}: {first}") from None
-    config.architectures = [_arch(hf)]
-    torch.manual_seed(0)
-    try:
-        ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    except Exception as e:  # noqa: BLE001 - a value transformers' model cannot be built with
-        first = " ".join(str(e).split())[:300]
-        raise ConfigError(
-            f"config.json: transformers cannot build {_arch(hf)} from it: {type(e).__name__}: {first}"
-        ) from None
-    if type(ref).__name__ != _arch(hf):
-        raise UnknownArchitectureError(
-            f"cannot derive a bridge for {_arch(hf)}: model_type {small.get('model_type')!r} builds "
-            f"{type(ref).__name__} in transformers, not the architecture config.json names"
-        )
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            # q and k sharper than the rest: attention far from uniform, so where RoPE goes (or not) shows
-            scale = (0.16 if name.endswith(SHARP) else 0.02) if p.ndim >= 2 else 0.1
-            p.copy_(torch.randn(p.shape, generator=gen) * scale + (1.0 if "norm" in name else 0.0))
-        saved = set(ref.state_dict())  # every buffer the checkpoint holds (a selection bias): make it matter too
-        for name, b in ref.named_buffers():
-            if name in saved and b.is_floating_point():
-                b.copy_(torch.randn(b.shape, generator=gen) * 0.05 + (1.0 if "norm" in name else 0.0))
-    ids = torch.randint(0, small.get("vocab_size", 128), (2, 16), generator=gen)
-    try:
-        logits, choices, hidden = hf_forward(ref, ids)
-    except UnknownArchitectureError:
-        raise
-    except Exception as e:  # noqa: BLE001 - transformers' own model fails on this config at test size
-        first = " ".join(str(e).split())[:300]
-        raise UnknownArchitectureError(
-            f"cannot derive a bridge for {_arch(hf)}: transformers' model fails on its tiny instance: "
-            f"{type(e).__name__}: {first}"
-        ) from None
-    failures = []
-    with tempfile.TemporaryDirectory() as tmp:
-        ref.save_pretrained(tmp)
-        saved = json.loads((Path(tmp) / "config.json").read_text())
-        from safetensors import safe_open
-
-        shapes = {}
-        for f in Path(tmp).glob("*.safetensors"):
-            with safe_open(f, "pt") as handle:
-                shapes |= {n: tuple(handle.get_slice(n).get_shape()) for n in handle.keys()}
-        features = {f for n in shapes for key, f in TENSOR_FEATURES.items() if f".{key}." in n}
-        if features:
-            raise UnknownArchitectureError(
-                f"cannot derive a bridge for {_arch(hf)}: its tensors show {'; '.join(sorted(features))}, which "
-                "moerl's decoder does not compute"
-            )
-        try:
-            layout = read_layout(shapes)
-        except UnknownArchitectureError as e:
-            raise UnknownArchitectureError(f"cannot derive a bridge for {_arch(hf)}: {e}") from None
-        by_config = moe_layers(HFConfig(saved, "the tiny config"), saved["num_hidden_layers"])
-        if tuple(by_config) != layout.moe_layers:
-            raise UnknownArchitectureError(
-                f"cannot derive a bridge for {_arch(hf)}: its config's layer pattern gives MoE layers {by_config}, "
-                f"its tensors show {list(layout.moe_layers)}"
-            )
-        for variant in variants(saved, layout):
-            bridge = derive(saved, layout, variant)
-            try:
-                model = load_model(tmp, torch.float32, bridge=bridge)
-            except Exception as e:  # noqa: BLE001 - a tensor it cannot place, a knob it cannot build: the reason
-                why = str(e).removeprefix(f"cannot derive a bridge for {_arch(hf)}: ")
-                raise UnknownArchitectureError(f"cannot derive a bridge for {_arch(hf)}: {why}") from None
-            ours_hidden = []
-            hooks = [
-                layer.register_forward_hook(lambda m, a, out: ours_hidden.append(out[0])) for layer in model.layers
-            ]
-            with torch.no_grad():
-                out = model(ids, capture=True)
-            for h in hooks:
-                h.remove()
-            routed_ok = len(choices) == len(model.moe_layer_ids) and all(
-                torch.equal(out.routed[:, :, j].reshape(-1, model.config.top_k).sort(-1).values, c.sort(-1).values)
-                for j, c in enumerate(choices)
-            )
-            # every layer but the last (transformers hands that one back normed) within TOL of its own scale:
-            # logits alone can hide a wrong variant (GraniteMoe's logits_scaling shrinks them below TOL)
-            layers_ok = all(_close(a, b) for a, b in zip(ours_hidden[:-1], hidden[1:-1], strict=False))
-            if float((out.logits - logits).abs().max()) <= TOL and routed_ok and layers_ok:
-                return derive(hf, layout, variant), variant, layout
-            failures.append(_first_difference(model, ours_hidden, hidden, out.routed, choices))
-    raise UnknownArchitectureError(
-        f"cannot derive a bridge for {_arch(hf)}: no variant matches transformers at fp32 {TOL} "
-        f"(first difference: {failures[0]})"
-    )
-
-
-@lru_cache(maxsize=16)
-def _proven(key: str) -> Bridge:
-    return prove(json.loads(key))[0]
-
-
-def derived_bridge(hf: dict) -> Bridge:
-    """The proven derived bridge for config ``hf`` (once per process and config)."""
-    return _proven(json.dumps(hf, sort_keys=True))
-
-
-def bridge_source(hf: dict, variant: dict, layout: Layout) -> str:
-    """The derived bridge as a Python file that registers it (what ``moerl check-arch`` prints)."""
-    arch = _arch(hf)
-    return f'''"""{arch}: derived by `moerl check-arch` and proven against transformers at fp32 {TOL}."""
-
-from moerl.bridges.derived import Layout, derive
-from moerl.bridges.registry import register
-
-LAYOUT = {layout!r}
-VARIANT = {variant!r}
-CONFIG = {json.dumps({k: v for k, v in hf.items() if k in ("architectures", "model_type")})}
-
-BRIDGE = register(derive(CONFIG, LAYOUT, VARIANT))
-'''
