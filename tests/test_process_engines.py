@@ -14,7 +14,7 @@ import torch
 from moerl.engine import EngineConfig, Request, SamplingParams
 from moerl.errors import EngineError, RequestError
 from moerl.rollout import make_engine
-from moerl.rollout.pool import split
+from moerl.rollout.fanout import split
 from moerl.rollout.shm import BufferCache, SharedBuffer
 from moerl.sync import sync_policy
 from moerl.trainer import Batch, OptimConfig, Policy, PolicyConfig

@@ -5,6 +5,8 @@ import ast
 import sys
 from pathlib import Path
 
+import pytest
+
 import moerl
 
 ROOT = Path(moerl.__file__).parent
@@ -131,3 +133,38 @@ def test_only_the_mode_handlers_ask_which_mode_it_is(tmp_path, monkeypatch):
     copy.mkdir()
     (copy / "loop.py").write_text((ROOT / "loop.py").read_text() + '\n\ndef _f(cfg):\n    return cfg.mode != "full"\n')
     assert mode_names_compared(copy) == [f"loop.py:{len((copy / 'loop.py').read_text().splitlines())}"]
+
+
+def package_graph(root: Path, package: str) -> dict[str, set[str]]:
+    """The modules of ``moerl/<package>`` and which of them each imports (``from moerl.pkg import module`` and lazy
+    imports included)."""
+    files = {p.stem: p for p in (root / package).glob("*.py") if p.stem != "__init__"}
+    graph = {}
+    for name, path in files.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == f"moerl.{package}":
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(f"moerl.{package}."):
+                found.add(node.module.split(".")[2])
+            elif isinstance(node, ast.Import):
+                found |= {a.name.split(".")[2] for a in node.names if a.name.startswith(f"moerl.{package}.")}
+        graph[name] = found & set(files)
+    return graph
+
+
+@pytest.mark.parametrize("package", ["bridges", "model", "modes", "trainer", "parallel", "engine", "plan", "rollout"])
+def test_no_import_circle_inside_a_package(package):
+    assert cycle(package_graph(ROOT, package)) is None
+
+
+def test_the_package_circle_check_sees_a_from_import_of_a_module(tmp_path):
+    # negative control: a family file importing the registry through ``from moerl.bridges import registry`` while
+    # the registry imports the family closes a circle the check finds
+    copy = tmp_path / "moerl" / "bridges"
+    copy.mkdir(parents=True)
+    for path in (ROOT / "bridges").glob("*.py"):
+        (copy / path.name).write_text(path.read_text())
+    (copy / "olmoe.py").write_text((copy / "olmoe.py").read_text() + "\nfrom moerl.bridges import registry\n")
+    (copy / "registry.py").write_text((copy / "registry.py").read_text() + "\nfrom moerl.bridges import olmoe\n")
+    assert cycle(package_graph(tmp_path / "moerl", "bridges")) is not None

@@ -65,23 +65,8 @@ class LLMEngine:
                 f"EngineConfig.max_model_len={cfg.max_model_len}: exceeds the model's max_position_embeddings="
                 f"{mcfg.max_position_embeddings}"
             )
-        per_block = max(1, bytes_per_block(mcfg, cfg.block_size, model.dtype))
-        per_seq = ceil(cfg.max_model_len / cfg.block_size)
-        num_blocks = cfg.max_num_seqs * per_seq
         device = model.embed_tokens.weight.device
-        budget, source = cfg.kv_cache_bytes, f"EngineConfig.kv_cache_bytes={cfg.kv_cache_bytes}"
-        if budget is None and device.type == "cuda":  # what the device has left once the model is on it
-            free = torch.cuda.mem_get_info(device)[0]
-            budget = int(free * cfg.kv_cache_memory)
-            source = f"EngineConfig.kv_cache_memory={cfg.kv_cache_memory} of {free / 2**30:.2f} GiB free on {device}"
-        if budget is not None:
-            num_blocks = min(num_blocks, budget // per_block)
-            if num_blocks < per_seq:
-                raise ConfigError(
-                    f"{source}: one sequence of max_model_len={cfg.max_model_len} tokens needs "
-                    f"{per_seq * per_block} bytes of KV cache ({per_block} bytes per {cfg.block_size}-token block); "
-                    "raise the budget or lower max_model_len"
-                )
+        num_blocks = cache_blocks(cfg, mcfg, model.dtype, device)
         # "auto" may compile later (``compile_decode()``): the padding rows' scratch block is there from the start
         can = cfg.compile_decode is True or (
             cfg.compile_decode == "auto" and "linear" not in mcfg.layer_types and not cfg.release_cache
@@ -316,11 +301,19 @@ class LLMEngine:
             torch.cuda.empty_cache()
 
     def _step(self, hook: Callable[[Sequence, int, str | None], None] | None = None) -> int:
+        """One scheduled batch through the model: its inputs, the forward, the routing and cache positions recorded,
+        the next tokens sampled for the sequences that have one due; returns how many were sampled."""
         kind, batch = self.scheduler.next_batch()
-        bs = self.cache.block_size
+        inputs, adapters = self._prepare(batch)
+        logits, routed = self._run(kind, inputs, adapters)
+        to_sample = self._record(kind, batch, routed)
+        return self._sample(to_sample, logits, hook) if to_sample else 0
+
+    def _prepare(self, batch: list[tuple[Sequence, int]]) -> tuple[list[torch.Tensor], torch.Tensor | int | None]:
+        """The step's inputs on the device (token ids, positions, block tables, lengths, cache rows to write, state
+        slots) in one copy (from pinned memory on CUDA, not waiting for the stream), and its adapter slots."""
         c = max(n for _, n in batch)
-        nb = max(ceil((s.num_cached + n) / bs) for s, n in batch)
-        device = self.device
+        nb = max(ceil((s.num_cached + n) / self.cache.block_size) for s, n in batch)
         ids = torch.tensor([s.tokens[s.num_cached : s.num_cached + n] + [0] * (c - n) for s, n in batch])
         starts = torch.tensor([s.num_cached for s, _ in batch])
         positions = starts[:, None] + torch.arange(c)[None, :]
@@ -341,14 +334,17 @@ class LLMEngine:
             if len(set(slots)) == 1 and self.compiled is None:
                 adapters = slots[0] if slots[0] >= 0 else None
             else:
-                adapters = torch.tensor(slots)
-                inputs.append(adapters)
-        # the step's inputs in one copy (from pinned memory on CUDA, not waiting for the stream)
-        ids, positions, tables, lengths, write_rows, state_slots, *rest = to_device(inputs, device)
-        adapters = rest[0] if rest else adapters
+                inputs.append(torch.tensor(slots))
+        inputs = to_device(inputs, self.device)
+        return inputs[:6], (inputs[6] if len(inputs) > 6 else adapters)
+
+    def _run(self, kind: str, inputs: list[torch.Tensor], adapters) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward of a ``prefill`` or ``decode`` step (a decode through the compiled step where it is on): the
+        logits of each row's last place, and the experts its tokens were routed to (on the host) when captured."""
+        ids, positions, tables, lengths, write_rows, state_slots = inputs
         t0 = time.perf_counter()
         if kind == "decode" and self.compiled is not None:
-            all_logits, routed = self.compiled.step(ids, positions, tables, adapters)
+            logits, routed = self.compiled.step(ids, positions, tables, adapters)
         else:
             out = self.model(
                 ids,
@@ -358,11 +354,16 @@ class LLMEngine:
                 cache=StepView(self.cache, tables, positions, lengths, write_rows, state_slots),
                 logits_index=lengths - 1,
             )
-            all_logits, routed = out.logits, out.routed
+            logits, routed = out.logits, out.routed
         if routed is not None:
             routed = routed.to(torch.uint8 if self.model.config.num_experts <= 256 else torch.int16).cpu()
         if kind == "decode":  # on a GPU the copy above waits for the forward (without R3 capture: its launch only)
             self.decode_seconds += time.perf_counter() - t0
+        return logits, routed
+
+    def _record(self, kind: str, batch: list[tuple[Sequence, int]], routed) -> list[tuple[Sequence, int]]:
+        """Advance each sequence past the tokens the step cached and keep their routing; returns the sequences to
+        sample a token for, with their row: every decoding one, and the samples of a prompt now fully cached."""
         to_sample: list[tuple[Sequence, int]] = []
         for r, (s, n) in enumerate(batch):
             s.num_cached += n
@@ -376,13 +377,15 @@ class LLMEngine:
                 if routed is not None:
                     s.routed.append(routed[r, 0])
                 to_sample.append((s, r))
-        if not to_sample:
-            return 0
+        return to_sample
+
+    def _sample(self, to_sample: list[tuple[Sequence, int]], logits: torch.Tensor, hook) -> int:
+        """A token (and its logprob) for each of ``to_sample`` from its row of ``logits``, sampled on the device (only
+        tokens come to the host); a non-finite row fails its request. Finished sequences leave the scheduler."""
         seqs = [s for s, _ in to_sample]
-        rows = [r for _, r in to_sample]  # sampled where they are: only tokens come to the host
-        if rows != list(range(len(all_logits))):
-            all_logits = all_logits[to_device([torch.tensor(rows)], device)[0]]
-        logits = all_logits
+        rows = [r for _, r in to_sample]
+        if rows != list(range(len(logits))):
+            logits = logits[to_device([torch.tensor(rows)], self.device)[0]]
         finite = logits.isfinite().all(-1).cpu()  # one vectorised check per step, on the rows being sampled only
         if not bool(finite.all()):
             seqs, logits = self._fail_non_finite(seqs, logits, finite)
@@ -460,3 +463,27 @@ class LLMEngine:
             logprobs = torch.tensor(s.logprobs, dtype=torch.float32) if g.params.logprobs else None
             outs.append(Completion(s.index, generated, text, logprobs, s.finish_reason, routed))
         return RequestOutput(g.request_id, g.prompt, outs, g.weight_version, error=g.error, error_kind=g.error_kind)
+
+
+def cache_blocks(cfg: EngineConfig, mcfg, dtype: torch.dtype, device: torch.device) -> int:
+    """How many KV-cache blocks an engine of ``cfg`` allocates for model config ``mcfg``: enough for
+    ``max_num_seqs`` sequences of ``max_model_len`` tokens, within ``kv_cache_bytes`` (or, on CUDA, the
+    ``kv_cache_memory`` share of what the device has free once the model is on it); a budget that cannot hold one
+    sequence is refused by name."""
+    per_block = max(1, bytes_per_block(mcfg, cfg.block_size, dtype))
+    per_seq = ceil(cfg.max_model_len / cfg.block_size)
+    num_blocks = cfg.max_num_seqs * per_seq
+    budget, source = cfg.kv_cache_bytes, f"EngineConfig.kv_cache_bytes={cfg.kv_cache_bytes}"
+    if budget is None and device.type == "cuda":  # what the device has left once the model is on it
+        free = torch.cuda.mem_get_info(device)[0]
+        budget = int(free * cfg.kv_cache_memory)
+        source = f"EngineConfig.kv_cache_memory={cfg.kv_cache_memory} of {free / 2**30:.2f} GiB free on {device}"
+    if budget is not None:
+        num_blocks = min(num_blocks, budget // per_block)
+        if num_blocks < per_seq:
+            raise ConfigError(
+                f"{source}: one sequence of max_model_len={cfg.max_model_len} tokens needs "
+                f"{per_seq * per_block} bytes of KV cache ({per_block} bytes per {cfg.block_size}-token block); "
+                "raise the budget or lower max_model_len"
+            )
+    return num_blocks

@@ -4,6 +4,7 @@ tensor parallelism), and the smallest layout of the given GPUs that fits."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -102,13 +103,9 @@ def at_rest_floor(cfg: ModelConfig, run: RunConfig, layout: tuple[int, int, int]
     return 16 * (experts + rest) // (dp * ep * pp)  # fp32 masters, gradients and two moments
 
 
-def propose_layout(
-    cfg: ModelConfig, run: RunConfig, machine, hf: dict, colocated: bool, tracer
-) -> tuple[int, int, int] | None:
-    """The first of ``candidates`` whose every rank fits when traced by ``tracer`` (``moerl.plan.plan.Tracer``;
-    layouts below the at-rest floor skipped), or None (then the limits say why)."""
-    from moerl.plan.plan import plan_with
-
+def propose_layout(cfg: ModelConfig, run: RunConfig, machine, fits: Callable[[RunConfig], bool]):
+    """The first of ``candidates`` (a ``(dp, ep, pp)``) for which ``fits(run with that layout)`` (its plan: every
+    rank fits; layouts below the at-rest floor skipped), or None (then the limits say why)."""
     traced = 0
     for layout in candidates(cfg, run, machine.gpus):
         if layout == (run.parallel.dp, run.parallel.ep, run.parallel.pp):
@@ -118,7 +115,7 @@ def propose_layout(
         dp, ep, pp = layout
         trial = replace(run, parallel=replace(run.parallel, dp=dp, ep=ep, pp=pp, stages=[]))
         try:
-            if plan_with(trial, machine, colocated, False, tracer).fits:
+            if fits(trial):
                 return layout
         except ConfigError:
             continue

@@ -203,7 +203,11 @@ def plan_with(run: RunConfig, machine: Machine, colocated: bool, propose: bool, 
         # 1 / pp of the layers: as many layers' activations as one rank of no pipeline)
         acts = max((r.trace.peak.bytes["activations"] for r in out.roles), default=0)
         if acts <= machine.budget:
-            out.proposal = propose_layout(cfg, run, machine, hf, colocated, tracer)
+
+            def fits(trial: RunConfig) -> bool:
+                return plan_with(trial, machine, colocated, False, tracer).fits
+
+            out.proposal = propose_layout(cfg, run, machine, fits)
         if out.proposal is None:
             out.limits += why_none_fits(cfg, run, machine, out.roles)
     out.seconds = time.perf_counter() - start

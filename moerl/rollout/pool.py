@@ -18,6 +18,7 @@ import torch
 from moerl.device import gpu_id
 from moerl.engine import Request, RequestOutput
 from moerl.errors import ConfigError, EngineDied, EngineError
+from moerl.rollout.fanout import gather, split
 from moerl.rollout.local import LocalEngine
 from moerl.rollout.process import EngineProcess
 from moerl.rollout.shm import SharedBuffer, ShmWriter
@@ -27,33 +28,6 @@ from moerl.rollout.wire import pack_inline
 from moerl.run_config import PLACEMENTS, TRANSPORTS
 
 _live: weakref.WeakSet[EnginePool] = weakref.WeakSet()
-
-
-def split(requests: list[Request], n: int) -> list[slice]:
-    """``n`` contiguous slices of ``requests`` with about equal numbers of samples (some may be empty)."""
-    weights = [r.params.n for r in requests]
-    total, bounds, acc, k = sum(weights), [0], 0, 1
-    for i, w in enumerate(weights):
-        acc += w
-        while k < n and acc >= total * k / n:
-            bounds.append(i + 1)
-            k += 1
-    bounds += [len(requests)] * (n + 1 - len(bounds))
-    return [slice(bounds[j], bounds[j + 1]) for j in range(n)]
-
-
-def _gather(calls: list) -> list:
-    """Every call's result, in order; the first exception is raised once all have answered, so no engine is left
-    with an unread reply."""
-    results, first = [], None
-    for call in calls:
-        try:
-            results.append(call())
-        except Exception as e:  # noqa: BLE001 - re-raised below
-            first = first or e
-    if first is not None:
-        raise first
-    return results
 
 
 def one_rank_per_gpu(members: list[tuple[str, str | None]]) -> None:
@@ -140,7 +114,7 @@ class EnginePool:
         for rank, e in enumerate(self.engines, 1):
             e.send({"op": "join", **self.group.join_fields(rank)})
         self.group.connect()
-        _gather([partial(e.reply, "join") for e in self.engines])
+        gather([partial(e.reply, "join") for e in self.engines])
 
     @property
     def dense_weights(self) -> str | None:
@@ -156,7 +130,7 @@ class EnginePool:
         busy = [(e, s) for e, s in zip(self.engines, parts, strict=True) if requests[s]]
         for e, s in busy:  # engines in other processes generate side by side; in this process they take turns
             e.generate_async(requests[s])
-        return [o for outs in _gather([partial(self._wait, e, requests[s]) for e, s in busy]) for o in outs]
+        return [o for outs in gather([partial(self._wait, e, requests[s]) for e, s in busy]) for o in outs]
 
     def _wait(self, engine, requests: list[Request]) -> list[RequestOutput]:
         """``engine``'s outputs for ``requests``; one that died and came back gets them again (none were returned)."""
@@ -255,7 +229,7 @@ class EnginePool:
             except EngineDied:
                 self._revive(e)  # the replay ends with this command
 
-        _gather([partial(answer, e) for e in self.engines])
+        gather([partial(answer, e) for e in self.engines])
         if sent is not None:
             raise sent
         if "shm" in payloads:
@@ -273,7 +247,7 @@ class EnginePool:
                 except EngineDied:
                     self._revive(e)
 
-        return _gather([partial(ask, e) for e in self.engines])
+        return gather([partial(ask, e) for e in self.engines])
 
     def decode_seconds(self) -> float:
         """Seconds the engines spent in decode forwards so far: their sum where they take turns in this process,

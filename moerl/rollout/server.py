@@ -14,7 +14,7 @@ import torch
 from moerl.device import gpu_id
 from moerl.engine import LLMEngine
 from moerl.rollout.shm import BufferCache, ShmWriter
-from moerl.rollout.spec import EngineSpec, build
+from moerl.rollout.spec import EngineSpec, build_native
 from moerl.rollout.transport import IpcReader, SyncMember
 from moerl.rollout.wire import outputs_to_json, pack_inline, request_from_json, tensors_of
 from moerl.rpc import Dispatcher
@@ -118,3 +118,12 @@ class EngineServer:
             params = dict(self.engine.model.named_parameters()) | dict(self.engine.model.named_buffers())
             tensors = {n: params[n].detach() for n in msg["names"]}
         return self._tensors_out(tensors, msg.get("inline_out", False))
+
+
+def build(spec: EngineSpec, timeout_s: float = 300.0):
+    """The engine ``spec`` describes: native, or one vLLM engine (its own processes, started from here)."""
+    if spec.kind == "vllm":
+        from moerl.rollout.vllm import VLLMEngine
+
+        return VLLMEngine(spec, lora=spec.config.max_loras > 0, timeout_s=timeout_s)
+    return build_native(spec)

@@ -31,15 +31,6 @@ class EngineSpec:
         return cls(**{**data, "config": EngineConfig(**data["config"])})
 
 
-def build(spec: EngineSpec, timeout_s: float = 300.0):
-    """The engine ``spec`` describes: native, or one vLLM engine (its own processes, started from here)."""
-    if spec.kind == "vllm":
-        from moerl.rollout.vllm import VLLMEngine
-
-        return VLLMEngine(spec, lora=spec.config.max_loras > 0, timeout_s=timeout_s)
-    return build_native(spec)
-
-
 def build_native(spec: EngineSpec) -> LLMEngine:
     """The native engine ``spec`` describes (the same function builds it in process and in an engine process)."""
     device = resolve_device(spec.device, key="rollout.device")
