@@ -186,8 +186,8 @@ def cmd_eval(args) -> None:
     interval: the problems a run with ``train.seed`` = ``--seed`` evaluates on and never trains on."""
     import json
 
+    from moerl.console import held_out_text
     from moerl.envs.base import held_out
-    from moerl.loop import held_out_text
     from moerl.rollout.generator import Generator
     from moerl.run_config import AlgoSection, RolloutSection
 

@@ -7,8 +7,9 @@ import json
 import time
 from pathlib import Path
 
+from moerl.console import held_out_text
 from moerl.errors import RunDirError
-from moerl.loop import held_out_text, train
+from moerl.loop import train
 from moerl.metrics import read_metrics
 from moerl.model.lora import LoraConfig
 from moerl.run_config import AlgoSection, EnvSection, ModelSection, RolloutSection, RunConfig, TrainSection

@@ -57,8 +57,8 @@ def test_a_weight_sync_goes_between_engine_calls_never_inside_one(warm_model, tm
 
     import torch
 
+    from moerl.build import build_engine, build_generator
     from moerl.envs import make_env
-    from moerl.loop import build_engine, build_generator
 
     cfg = run_cfg(tmp_path, warm_model, "full", **{"rollout.max_tokens": 8})
     env = make_env(cfg.env.name, **cfg.env.kwargs)

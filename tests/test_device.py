@@ -387,7 +387,7 @@ def test_an_engine_that_releases_its_cache_between_calls_generates_the_same(tiny
 
 
 def test_an_engine_on_the_trainers_gpu_releases_its_cache_while_the_trainer_steps():
-    from moerl.loop import shares_the_trainers_gpu
+    from moerl.build import shares_the_trainers_gpu
 
     def cfg(*over):
         return load_config(RunConfig, None, ["policy.device=cuda", "rollout.device=cuda", *over])

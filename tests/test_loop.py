@@ -307,7 +307,7 @@ def test_a_second_ctrl_c_stops_the_save_and_the_last_checkpoint_stays(warm_model
 def test_a_run_that_learns_nothing_for_three_steps_says_why(tmp_path, capsys):
     """A random model on two-digit sums gets every sample wrong: after three such steps the run warns, naming the
     cause (every sample wrong) and the fix (a warmed model); the warm model's run, whose groups differ, does not."""
-    from moerl.loop import FLAT_STEPS, flat_warning
+    from moerl.console import FLAT_STEPS, flat_warning
 
     hard = json.dumps({"max_operand": 99, "ops": "+"})
     cfg = run_cfg(tmp_path / "run", None, "full", steps=FLAT_STEPS, **{"env.kwargs": hard, "model.path": "null"})

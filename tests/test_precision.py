@@ -4,9 +4,9 @@ engines the loop builds; explicit dtypes are kept; what reaches the engine is th
 import pytest
 import torch
 
+from moerl.build import build_engine
 from moerl.config import load_config
 from moerl.errors import ConfigError
-from moerl.loop import build_engine
 from moerl.precision import AUTO_ENV, compute_dtype, dtype_name, host_summary, native_bf16
 from moerl.run_config import RunConfig
 from moerl.trainer import Policy, PolicyConfig

@@ -7,7 +7,7 @@ from moerl.errors import ConfigError, EngineError
 from moerl.rollout.server import EngineServer
 from moerl.rollout.spec import EngineSpec
 from moerl.rpc import Dispatcher, check_reply
-from moerl.trainer.driver import RankServer
+from moerl.trainer.driver import ANNOUNCED
 
 
 def test_only_allowlisted_methods_are_called_and_errors_become_replies(tmp_path):
@@ -34,8 +34,8 @@ def test_only_allowlisted_methods_are_called_and_errors_become_replies(tmp_path)
 
 
 def test_a_trainer_rank_refuses_a_call_it_does_not_serve():
-    calls = Dispatcher(RankServer(None, None), RankServer.CALLS, "trainer rank 1")
-    with pytest.raises(ValueError, match=r"trainer rank 1: unknown call '_stop_dir'; allowed: forward_logprobs"):
-        calls.call("_stop_dir", None, path=None)
+    calls = Dispatcher(None, ANNOUNCED, "trainer rank 1")
+    with pytest.raises(ValueError, match=r"trainer rank 1: unknown call '_announced'; allowed: forward_logprobs"):
+        calls.call("_announced", None, path=None)
     reply = calls.reply("policy", None)  # an attribute, not a call it serves
     assert reply["ok"] is False and reply["type"] == "ValueError" and "unknown call 'policy'" in reply["message"]

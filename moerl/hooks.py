@@ -1,0 +1,118 @@
+"""What the loop does around its steps: held-out evaluations, checkpoints (on a cadence, at a scheduler's signal, at
+Ctrl-C), compiling where the first steps' timings say it pays, and the run's results at its end."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+from moerl.console import resume_command
+from moerl.engine.compiled import COMPILE_SECONDS as DECODE_COMPILE_SECONDS
+from moerl.engine.compiled import pays as pays_decode
+from moerl.errors import Preempted
+from moerl.metrics import plot_run, read_metrics
+from moerl.preempt import Preemption
+from moerl.run_config import RunConfig
+from moerl.trainer import Policy
+from moerl.trainer.checkpoint import recover_checkpoint, save_checkpoint
+from moerl.trainer.compile import AutoCompile
+
+
+class Evaluations:
+    """Held-out accuracy: greedy and sampled before training and after the last step, greedy every
+    ``train.eval_every`` steps (``gen``: the run's Generator)."""
+
+    def __init__(self, gen, every: int, total: int):
+        self.gen, self.every, self.total = gen, every, total
+
+    def first(self) -> dict:
+        return self.gen.evaluate().metrics() | self.gen.evaluate(sampled=True).metrics("eval_accuracy_sampled")
+
+    def after(self, step: int) -> dict:
+        """The evaluations due after step ``step`` (none: {})."""
+        last = step + 1 == self.total
+        row = {}
+        if last or (self.every and (step + 1) % self.every == 0):
+            row |= self.gen.evaluate().metrics()
+        if last:
+            row |= self.gen.evaluate(sampled=True).metrics("eval_accuracy_sampled")
+        return row
+
+
+class Saves:
+    """The run's checkpoint in ``directory``: after the last step, every ``train.checkpoint_every`` steps, and at a
+    scheduler's signal (then the run stops: Preempted); at Ctrl-C, the last complete step (one process)."""
+
+    def __init__(self, policy: Policy, directory: Path, every: int, total: int, preempt: Preemption):
+        self.policy, self.directory, self.every, self.total, self.preempt = policy, directory, every, total, preempt
+
+    def after(self, step: int) -> None:
+        last, signal_name = step + 1 == self.total, self.preempt.signal_name
+        if last or (self.every and (step + 1) % self.every == 0) or signal_name:
+            save_checkpoint(self.directory, self.policy, state={"step": step + 1})
+        if signal_name and not last:  # a scheduler's signal: saved, stop (the last step just ends)
+            self.preempt.saved()
+            raise Preempted(
+                f"{signal_name} after step {step + 1} of {self.total}; its state is saved in {self.directory}. "
+                f"Continue with: {resume_command()}"
+            )
+
+    def interrupted(self) -> None:
+        """Ctrl-C: save the last complete step (a second Ctrl-C stops the save and keeps the last checkpoint). A run
+        on several ranks does not: each rank would need the others."""
+        if self.policy.layout.ranks > 1:
+            return
+        print(f"moerl: interrupted after step {self.policy.stop_state['step']}; saving it (Ctrl-C again: stop the "
+              "save, keep the last checkpoint)", file=sys.stderr, flush=True)  # fmt: skip
+        try:
+            saved = self.policy.save_stop_checkpoint().removeprefix("; ")
+        except KeyboardInterrupt:  # the save writes aside and renames: the last complete one is intact
+            found, _ = recover_checkpoint(self.directory)
+            kept = f"the last checkpoint ({self.directory}) is kept" if found else "there is no earlier checkpoint"
+            print(f"moerl: save stopped by a second Ctrl-C; {kept}", file=sys.stderr, flush=True)
+            raise
+        print(f"moerl: {saved}; continue with --resume", file=sys.stderr, flush=True)
+
+
+class AutoTune:
+    """``policy.compile`` and ``rollout.compile_decode`` set to auto: compile where the first steps' timings say it
+    pays. Not where reruns must be bit for bit (``train.deterministic``); the decode only in synchronous runs of
+    the native engine (asynchronous ones generate while the loop decides)."""
+
+    def __init__(self, cfg: RunConfig, engine, start: int, asynchronous: bool):
+        r, exact = cfg.rollout, cfg.train.deterministic
+        self.engine, self.start, self.total = engine, start, cfg.train.steps
+        self.training = None if exact else AutoCompile(cfg.train.steps)
+        auto = r.compile_decode == "auto" and r.engine == "native" and not asynchronous and not exact
+        self.decoding: list[float] | None = [] if auto else None
+
+    def after(self, policy: Policy, step: int, row: dict) -> list[str | None]:
+        """Act on step ``step``'s ``row``; returns what to tell the user."""
+        said = [self.training.after(policy, step, row) if self.training is not None else None]
+        if self.decoding is not None and step in (self.start + 1, self.start + 2):
+            self.decoding.append(self.engine.decode_seconds())
+            if len(self.decoding) == 2:  # the decode seconds of one warm step (its evaluation included)
+                said.append(self._decode(self.total - step - 1, self.decoding[1] - self.decoding[0]))
+        return said
+
+    def _decode(self, steps_left: int, decode_seconds: float) -> str | None:
+        if not (pays_decode(steps_left, decode_seconds) and self.engine.compile_decode()):
+            return None
+        return (
+            f"moerl: compiling the engine's decode step (rollout.compile_decode: auto; {steps_left} steps left at "
+            f"{decode_seconds:.2f} s of decoding each repay the ~{DECODE_COMPILE_SECONDS:.0f} s it takes)"
+        )
+
+
+def results(cfg: RunConfig, run_dir: Path, policy: Policy) -> dict:
+    """The run's summary (held-out accuracy before / after, with intervals) and what it made: the mode's export
+    (``train.export_adapter``) and the picture of its curves."""
+    rows = read_metrics(run_dir)
+    summary = {"eval_problems": rows[-1].get("eval_problems", 0)}  # distinct held-out problems, never trained on
+    for when, row in (("before", rows[0]), ("after", rows[-1])):
+        for key in ("", "_low", "_high"):  # the greedy accuracy and its 95% interval
+            summary[f"accuracy_{when}{key}"] = row.get(f"eval_accuracy{key}", math.nan)
+        summary[f"accuracy_sampled_{when}"] = row.get("eval_accuracy_sampled", math.nan)
+    exported = policy.mode.export(policy, run_dir) if cfg.train.export_adapter else {}
+    return summary | exported | {"plot": str(plot_run(run_dir))}
