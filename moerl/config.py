@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import difflib
 import keyword
+import math
 import os
 import types
 import typing
@@ -18,6 +19,20 @@ from pathlib import Path
 import yaml
 
 from moerl.errors import ConfigError
+
+
+def require(key: str, rules) -> None:
+    """The one way a config checks its values, in its ``__post_init__``: ``rules`` are ``(field, value, ok, rule)``;
+    the first whose ``ok`` is false raises a ConfigError naming the field as the user writes it (``key`` with ``{}``
+    for the field: ``optim.{}``, ``EngineConfig.{}``, ``config key 'rollout.{}'``), its value and the rule."""
+    for name, value, ok, rule in rules:
+        if not ok:
+            raise ConfigError(f"{key.format(name)}={value!r}: {rule}")
+
+
+def finite(x) -> bool:
+    """A finite real number (not a bool's stand-in for one: bools are ints, and pass)."""
+    return isinstance(x, int | float) and math.isfinite(x)
 
 
 def _type_name(t) -> str:

@@ -4,10 +4,9 @@ bad value is refused before any rollout), and which fields a ``--resume`` may ch
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 
-from moerl.config import config_key
+from moerl.config import config_key, finite, require
 from moerl.device import device_name
 from moerl.envs import check_env_kwargs
 from moerl.errors import ConfigError
@@ -21,20 +20,9 @@ from moerl.trainer.losses import PolicyLossConfig
 ENGINES = ("native", "vllm")
 
 
-def _require(section: str, rules) -> None:
-    """Raise ConfigError for the first ``(field, value, ok, rule)`` whose ``ok`` is false, naming the dotted key."""
-    for name, value, ok, rule in rules:
-        if not ok:
-            raise ConfigError(f"config key '{section}.{name}'={value!r}: {rule}")
-
-
 def _count(x) -> bool:
     """A resource amount: a finite number >= 0."""
-    return _finite(x) and x >= 0
-
-
-def _finite(x) -> bool:
-    return isinstance(x, int | float) and math.isfinite(x)
+    return finite(x) and x >= 0
 
 
 @dataclass(slots=True)
@@ -49,8 +37,8 @@ class ModelSection:
     base_cache: str = "runs/bases"  # where warmed-up random models are kept (model.sft_steps)
 
     def __post_init__(self) -> None:
-        _require(
-            "model",
+        require(
+            "config key 'model.{}'",
             (
                 ("sft_steps", self.sft_steps, isinstance(self.sft_steps, int) and self.sft_steps >= 0, "must be >= 0"),
                 (
@@ -94,8 +82,8 @@ class RolloutSection:
     compile_decode: bool | str = "auto"
 
     def __post_init__(self) -> None:
-        _require(
-            "rollout",
+        require(
+            "config key 'rollout.{}'",
             (
                 ("engine", self.engine, self.engine in ENGINES, f"allowed: {', '.join(ENGINES)}"),
                 ("placement", self.placement, self.placement in PLACEMENTS, f"allowed: {', '.join(PLACEMENTS)}"),
@@ -105,7 +93,7 @@ class RolloutSection:
                 (
                     "engine_timeout_s",
                     self.engine_timeout_s,
-                    _finite(self.engine_timeout_s) and self.engine_timeout_s > 0,
+                    finite(self.engine_timeout_s) and self.engine_timeout_s > 0,
                     "must be > 0 (seconds)",
                 ),
                 (
@@ -143,8 +131,8 @@ class RolloutSection:
                 ("prompts_per_step", self.prompts_per_step, self.prompts_per_step >= 1, "must be >= 1"),
                 ("group_size", self.group_size, self.group_size >= 1, "must be >= 1"),
                 ("max_tokens", self.max_tokens, self.max_tokens >= 1, "must be >= 1"),
-                ("temperature", self.temperature, _finite(self.temperature) and self.temperature >= 0, "must be >= 0"),
-                ("top_p", self.top_p, _finite(self.top_p) and 0 < self.top_p <= 1, "must lie in (0, 1]"),
+                ("temperature", self.temperature, finite(self.temperature) and self.temperature >= 0, "must be >= 0"),
+                ("top_p", self.top_p, finite(self.top_p) and 0 < self.top_p <= 1, "must lie in (0, 1]"),
                 ("max_model_len", self.max_model_len, self.max_model_len >= 2, "must be >= 2"),
                 ("max_num_seqs", self.max_num_seqs, self.max_num_seqs >= 1, "must be >= 1"),
             ),
@@ -169,14 +157,14 @@ class AlgoSection:
 
     def __post_init__(self) -> None:
         t = self.reward_timeout_s
-        _require(
-            "algo",
+        require(
+            "config key 'algo.{}'",
             (
                 ("advantage", self.advantage, self.advantage in ESTIMATORS, f"allowed: {', '.join(ESTIMATORS)}"),
                 ("ppo_epochs", self.ppo_epochs, self.ppo_epochs >= 1, "must be >= 1"),
                 ("mini_batches", self.mini_batches, self.mini_batches >= 1, "must be >= 1"),
                 ("max_refills", self.max_refills, self.max_refills >= 0, "must be >= 0"),
-                ("reward_timeout_s", t, _finite(t) and t > 0, "must be a positive number of seconds"),
+                ("reward_timeout_s", t, finite(t) and t > 0, "must be a positive number of seconds"),
                 ("max_staleness", self.max_staleness, self.max_staleness >= 1, "must be >= 1 (versions behind)"),
                 (
                     "mismatch_metric_every",
@@ -196,7 +184,9 @@ class EnvSection:
 
     def __post_init__(self) -> None:
         self.kwargs = check_env_kwargs(self.name, self.kwargs)
-        _require("env", (("eval_problems", self.eval_problems, self.eval_problems >= 0, "must be >= 0"),))
+        require(
+            "config key 'env.{}'", (("eval_problems", self.eval_problems, self.eval_problems >= 0, "must be >= 0"),)
+        )
 
 
 @dataclass(slots=True)
@@ -214,8 +204,8 @@ class TrainSection:
     deterministic: bool = False
 
     def __post_init__(self) -> None:
-        _require(
-            "train",
+        require(
+            "config key 'train.{}'",
             (
                 ("steps", self.steps, self.steps >= 1, "must be >= 1"),
                 ("deterministic", self.deterministic, isinstance(self.deterministic, bool), "must be true or false"),
@@ -224,7 +214,7 @@ class TrainSection:
                 (
                     "preempt_grace_s",
                     self.preempt_grace_s,
-                    _finite(self.preempt_grace_s) and self.preempt_grace_s > 0,
+                    finite(self.preempt_grace_s) and self.preempt_grace_s > 0,
                     "must be > 0 (seconds)",
                 ),
             ),
@@ -253,8 +243,8 @@ class ParallelSection:
         return self.dp * self.ep * self.pp
 
     def __post_init__(self) -> None:
-        _require(
-            "parallel",
+        require(
+            "config key 'parallel.{}'",
             (
                 ("dp", self.dp, isinstance(self.dp, int) and self.dp >= 1, "must be >= 1"),
                 # not built yet: refused rather than ignored
@@ -262,7 +252,7 @@ class ParallelSection:
                 ("pp", self.pp, isinstance(self.pp, int) and self.pp >= 1, "must be >= 1"),
                 ("microbatches", self.microbatches, self.microbatches >= 0, "must be >= 0 (0: one per stage)"),
                 ("schedule", self.schedule, self.schedule in SCHEDULES, f"allowed: {', '.join(SCHEDULES)}"),
-                ("timeout_s", self.timeout_s, _finite(self.timeout_s) and self.timeout_s > 0, "must be > 0 (seconds)"),
+                ("timeout_s", self.timeout_s, finite(self.timeout_s) and self.timeout_s > 0, "must be > 0 (seconds)"),
             ),
         )
 
@@ -288,8 +278,8 @@ class ClusterSection:
     runtime_env: dict = field(default_factory=dict)  # ray: Ray's runtime_env for the run (env_vars, py_modules, ...)
 
     def __post_init__(self) -> None:
-        _require(
-            "cluster",
+        require(
+            "config key 'cluster.{}'",
             (
                 ("backend", self.backend, self.backend in BACKENDS, f"allowed: {', '.join(BACKENDS)}"),
                 ("placement", self.placement, self.placement in CLUSTER_PLACEMENTS,

@@ -7,6 +7,7 @@ import numbers
 import operator
 from dataclasses import dataclass, field
 
+from moerl.config import require
 from moerl.errors import ConfigError
 
 
@@ -123,21 +124,24 @@ class EngineConfig:
     progress: bool | None = None  # tokens/s bar; None: on for long generations when stderr is a terminal
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_model_len", "block_size", "max_num_batched_tokens", "max_lora_rank"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"EngineConfig.{name}={getattr(self, name)!r}: must be >= 1")
-        if self.max_loras < 0:
-            raise ConfigError(f"EngineConfig.max_loras={self.max_loras!r}: must be >= 0")
-        if not (isinstance(self.compile_decode, bool) or self.compile_decode == "auto"):
-            raise ConfigError(f"EngineConfig.compile_decode={self.compile_decode!r}: allowed: True, False, 'auto'")
-        if not (isinstance(self.kv_cache_memory, int | float) and 0 < self.kv_cache_memory <= 1):
-            raise ConfigError(f"EngineConfig.kv_cache_memory={self.kv_cache_memory!r}: must lie in (0, 1]")
-        if not isinstance(self.release_cache, bool):
-            raise ConfigError(f"EngineConfig.release_cache={self.release_cache!r}: must be True or False")
+        sizes = ("max_num_seqs", "max_model_len", "block_size", "max_num_batched_tokens", "max_lora_rank")
+        compiled, memory, cache = self.compile_decode, self.kv_cache_memory, self.kv_cache_bytes
+        rules = (
+            *((name, getattr(self, name), getattr(self, name) >= 1, "must be >= 1") for name in sizes),
+            ("max_loras", self.max_loras, self.max_loras >= 0, "must be >= 0"),
+            (
+                "compile_decode",
+                compiled,
+                isinstance(compiled, bool) or compiled == "auto",
+                "allowed: True, False, 'auto'",
+            ),
+            ("kv_cache_memory", memory, isinstance(memory, int | float) and 0 < memory <= 1, "must lie in (0, 1]"),
+            ("release_cache", self.release_cache, isinstance(self.release_cache, bool), "must be True or False"),
+            ("kv_cache_bytes", cache, cache is None or cache >= 1, "must be >= 1"),
+        )
+        require("EngineConfig.{}", rules)
         if self.release_cache and self.compile_decode is True:
             raise ConfigError(
                 "EngineConfig.release_cache=True with compile_decode=True: not built (a captured decode graph holds "
                 "the cache's addresses); set one of them False"
             )
-        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
-            raise ConfigError(f"EngineConfig.kv_cache_bytes={self.kv_cache_bytes!r}: must be >= 1")

@@ -84,18 +84,16 @@ class LoraConfig:
     slots: int = 1  # adapters the model holds at once (engines: one per adapter served)
 
     def __post_init__(self) -> None:
-        from moerl.errors import ConfigError
+        from moerl.config import require
 
         rules = (
-            ("rank", self.rank >= 1, "must be >= 1"),
-            ("alpha", math.isfinite(self.alpha) and self.alpha > 0, "must be finite and > 0"),
-            ("layout", self.layout in LAYOUTS, f"allowed: {', '.join(LAYOUTS)}"),
-            ("dropout", 0 <= self.dropout < 1, "must lie in [0, 1)"),
-            ("slots", self.slots >= 1, "must be >= 1"),
+            ("rank", self.rank, self.rank >= 1, "must be >= 1"),
+            ("alpha", self.alpha, math.isfinite(self.alpha) and self.alpha > 0, "must be finite and > 0"),
+            ("layout", self.layout, self.layout in LAYOUTS, f"allowed: {', '.join(LAYOUTS)}"),
+            ("dropout", self.dropout, 0 <= self.dropout < 1, "must lie in [0, 1)"),
+            ("slots", self.slots, self.slots >= 1, "must be >= 1"),
         )
-        for name, ok, rule in rules:
-            if not ok:
-                raise ConfigError(f"lora.{name}={getattr(self, name)!r}: {rule}")
+        require("lora.{}", rules)
 
     def scale(self, rank: int) -> float:
         return self.alpha / math.sqrt(rank) if self.rslora else self.alpha / rank

@@ -1,8 +1,9 @@
 """An engine in this process behind the handle engine processes and Ray engine actors have (``send`` / ``reply``,
 ``generate_async`` / ``wait``, ``read_weights``, ``close``), so the pool drives every placement the same way.
 
-A command's tensors are handed over as they are (no shared memory, no copy); the command runs when it is sent and
-its error is raised by ``reply``, as a remote engine's would be.
+The commands are the engine server's own (``moerl.rollout.server``: one body each, wherever the engine runs); a
+command's tensors are handed over as they are (no shared memory, no copy); it runs when it is sent and its error is
+raised by ``reply``, as a remote engine's would be.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from moerl.engine import LLMEngine, Request, RequestOutput
+from moerl.rollout.server import EngineServer
 from moerl.rpc import Dispatcher
 
 COMMANDS = ("stage", "commit", "discard", "set_adapter", "add_adapter", "compile_decode", "decode_seconds")
@@ -24,7 +26,7 @@ class LocalEngine:
     def __init__(self, engine: LLMEngine, index: int = 0):
         self.engine, self.index = engine, index
         self.tokenizer = engine.tokenizer
-        self.calls = Dispatcher(self, COMMANDS, self.name)
+        self.calls = Dispatcher(EngineServer(engine), COMMANDS, self.name)
         self.pending: tuple[str, object] | None = None
 
     @property
@@ -66,25 +68,3 @@ class LocalEngine:
 
     def close(self) -> None:
         pass
-
-    # -- the commands ----------------------------------------------------------------------------------------
-    def stage(self, msg: dict, tensors) -> None:
-        self.engine.stage_weights(tensors)
-
-    def commit(self, msg: dict, tensors) -> None:
-        self.engine.commit_weights(msg["version"])
-
-    def discard(self, msg: dict, tensors) -> None:
-        self.engine.discard_staged()
-
-    def set_adapter(self, msg: dict, tensors) -> None:
-        self.engine.set_adapter(msg["name"], tensors, msg["version"])
-
-    def add_adapter(self, msg: dict, tensors) -> None:
-        self.engine.add_adapter(msg["name"], tensors if tensors is not None else msg["path"])
-
-    def compile_decode(self, msg: dict, tensors) -> dict:
-        return {"on": self.engine.compile_decode()}
-
-    def decode_seconds(self, msg: dict, tensors) -> dict:
-        return {"seconds": self.engine.decode_seconds}

@@ -37,13 +37,15 @@ COMMANDS = (
 class EngineServer:
     """One engine (native, or vLLM in a Ray actor) behind the command protocol; ``handle`` answers one command."""
 
-    def __init__(self):
+    def __init__(self, engine: LLMEngine | None = None):
+        """``engine``: one already built (an engine in this process, ``moerl.rollout.local``); else ``init``."""
         self.reader, self.writer = BufferCache(), ShmWriter("moerl-out")
-        self.engine: LLMEngine | None = None
+        self.engine = engine
         self.ipc, self.member = IpcReader(), None  # cuda_ipc buffers; the pool's broadcast group once joined
         self.dispatch = Dispatcher(self, COMMANDS, "engine")
 
     def handle(self, msg: dict) -> dict:
+        """Answer command ``msg`` (its tensors read where it says they are); an error is the reply."""
         reply = self.dispatch.reply(msg["op"], msg)
         return reply | {"version": self.engine.weight_version if self.engine else 0} if reply["ok"] else reply
 
@@ -59,7 +61,11 @@ class EngineServer:
     def _tensors_out(self, tensors: dict[str, torch.Tensor], inline: bool) -> dict:
         return pack_inline(tensors) if inline else self.writer.put(tensors)
 
-    def _tensors_in(self, msg: dict) -> dict[str, torch.Tensor]:
+    def _tensors_in(self, msg: dict, given: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+        """The command's tensors: ``given`` as they are (an engine in this process), else read where ``msg`` says
+        (None: it carries none)."""
+        if given is not None or "tensors" not in msg:
+            return given
         # views, no copy: the parent writes each bucket of an update to its own place in the buffer (a broadcast
         # bucket gets a buffer of its own), so the staged views stay valid until the commit copies them
         if "broadcast" in msg:
@@ -68,8 +74,8 @@ class EngineServer:
             return self.ipc.get(msg).read(msg["tensors"], copy=False)
         return tensors_of(msg, self.reader, copy=False)
 
-    # -- the commands: each takes the message and returns the reply's fields ------------------------------------
-    def init(self, msg: dict) -> dict:
+    # -- the commands: each takes the message (and tensors given as they are) and returns the reply's fields ------
+    def init(self, msg: dict, tensors=None) -> dict:
         spec = EngineSpec.from_json(msg["spec"])
         if spec.threads:
             torch.set_num_threads(spec.threads)
@@ -82,36 +88,37 @@ class EngineServer:
             "dense_weights": getattr(self.engine, "dense_weights", None),  # vLLM: LoRA merged, MX values
         }
 
-    def join(self, msg: dict) -> None:
+    def join(self, msg: dict, tensors=None) -> None:
         """Become rank ``msg["rank"]`` of the pool's broadcast group (``transport.SyncGroup``)."""
         self.member = SyncMember(msg, self.engine.device)
 
-    def generate(self, msg: dict) -> dict:
+    def generate(self, msg: dict, tensors=None) -> dict:
         rows, tensors = outputs_to_json(self.engine.generate([request_from_json(r) for r in msg["requests"]]))
         return {"outputs": rows, **self._tensors_out(tensors, msg.get("inline_out", False))}
 
-    def stage(self, msg: dict) -> None:
-        self.engine.stage_weights(self._tensors_in(msg))
+    def stage(self, msg: dict, tensors=None) -> None:
+        self.engine.stage_weights(self._tensors_in(msg, tensors))
 
-    def commit(self, msg: dict) -> None:
+    def commit(self, msg: dict, tensors=None) -> None:
         self.engine.commit_weights(msg["version"])
 
-    def discard(self, msg: dict) -> None:
+    def discard(self, msg: dict, tensors=None) -> None:
         self.engine.discard_staged()
 
-    def set_adapter(self, msg: dict) -> None:
-        self.engine.set_adapter(msg["name"], self._tensors_in(msg), msg["version"])
+    def set_adapter(self, msg: dict, tensors=None) -> None:
+        self.engine.set_adapter(msg["name"], self._tensors_in(msg, tensors), msg["version"])
 
-    def add_adapter(self, msg: dict) -> None:
-        self.engine.add_adapter(msg["name"], self._tensors_in(msg) if "tensors" in msg else msg["path"])
+    def add_adapter(self, msg: dict, tensors=None) -> None:
+        tensors = self._tensors_in(msg, tensors)
+        self.engine.add_adapter(msg["name"], tensors if tensors is not None else msg["path"])
 
-    def compile_decode(self, msg: dict) -> dict:
+    def compile_decode(self, msg: dict, tensors=None) -> dict:
         return {"on": self.engine.compile_decode()}
 
-    def decode_seconds(self, msg: dict) -> dict:
+    def decode_seconds(self, msg: dict, tensors=None) -> dict:
         return {"seconds": self.engine.decode_seconds}
 
-    def read_weights(self, msg: dict) -> dict:
+    def read_weights(self, msg: dict, tensors=None) -> dict:
         if getattr(self.engine, "dense_weights", None) is not None:  # vLLM: its own tensors by its names
             tensors = self.engine.read_weights(msg["names"])[0]
         else:

@@ -3,11 +3,10 @@ micro-batch, dtype and device; every value checked here, once."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
+from moerl.config import finite, require
 from moerl.device import device_name
-from moerl.errors import ConfigError
 from moerl.model.lora import LoraConfig
 from moerl.model.mx import SCALE_MODES
 from moerl.modes import mode_of
@@ -30,25 +29,23 @@ class OptimConfig:
     min_lr_ratio: float = 0.0  # cosine: the final learning rate as a fraction of lr
 
     def __post_init__(self) -> None:
-        def finite(x) -> bool:
-            return isinstance(x, int | float) and math.isfinite(x)
-
+        lr, wd, b1, b2, eps, clip, floor = (
+            self.lr, self.weight_decay, self.beta1, self.beta2, self.eps, self.grad_clip, self.min_lr_ratio
+        )  # fmt: skip
         rules = (
             # AdamW moves each weight by about lr per step: above 1 it is never meant, and large values overflow
-            ("lr", finite(self.lr) and 0 < self.lr <= 1, "must lie in (0, 1]"),
-            ("weight_decay", finite(self.weight_decay) and self.weight_decay >= 0, "must be finite and >= 0"),
-            ("beta1", finite(self.beta1) and 0 <= self.beta1 < 1, "must lie in [0, 1)"),
-            ("beta2", finite(self.beta2) and 0 <= self.beta2 < 1, "must lie in [0, 1)"),
-            ("eps", finite(self.eps) and self.eps > 0, "must be finite and > 0"),
-            ("grad_clip", finite(self.grad_clip) and self.grad_clip >= 0, "must be finite and >= 0 (0 = off)"),
-            ("schedule", self.schedule in SCHEDULES, f"allowed: {', '.join(SCHEDULES)}"),
-            ("warmup_steps", self.warmup_steps >= 0, "must be >= 0"),
-            ("total_steps", self.total_steps >= 1, "must be >= 1"),
-            ("min_lr_ratio", finite(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1, "must lie in [0, 1]"),
+            ("lr", lr, finite(lr) and 0 < lr <= 1, "must lie in (0, 1]"),
+            ("weight_decay", wd, finite(wd) and wd >= 0, "must be finite and >= 0"),
+            ("beta1", b1, finite(b1) and 0 <= b1 < 1, "must lie in [0, 1)"),
+            ("beta2", b2, finite(b2) and 0 <= b2 < 1, "must lie in [0, 1)"),
+            ("eps", eps, finite(eps) and eps > 0, "must be finite and > 0"),
+            ("grad_clip", clip, finite(clip) and clip >= 0, "must be finite and >= 0 (0 = off)"),
+            ("schedule", self.schedule, self.schedule in SCHEDULES, f"allowed: {', '.join(SCHEDULES)}"),
+            ("warmup_steps", self.warmup_steps, self.warmup_steps >= 0, "must be >= 0"),
+            ("total_steps", self.total_steps, self.total_steps >= 1, "must be >= 1"),
+            ("min_lr_ratio", floor, finite(floor) and 0 <= floor <= 1, "must lie in [0, 1]"),
         )
-        for name, ok, rule in rules:
-            if not ok:
-                raise ConfigError(f"optim.{name}={getattr(self, name)!r}: {rule}")
+        require("optim.{}", rules)
 
 
 @dataclass(slots=True)
@@ -71,10 +68,15 @@ class PolicyConfig:
         mode = mode_of(self.mode, key="PolicyConfig.mode")
         dtype_name(self.dtype, key="PolicyConfig.dtype")  # auto: bf16 where native, else fp32 (moerl.precision)
         device_name(self.device, key="policy.device")  # what this host lacks is refused where the policy is built
-        if self.micro_batch_size < 1:
-            raise ConfigError(f"PolicyConfig.micro_batch_size={self.micro_batch_size}: must be >= 1")
-        if self.max_nan_steps < 1:
-            raise ConfigError(f"PolicyConfig.max_nan_steps={self.max_nan_steps}: must be >= 1")
-        if self.mx_scale_mode not in SCALE_MODES:
-            raise ConfigError(f"PolicyConfig.mx_scale_mode={self.mx_scale_mode!r}: allowed: {', '.join(SCALE_MODES)}")
+        rules = (
+            ("micro_batch_size", self.micro_batch_size, self.micro_batch_size >= 1, "must be >= 1"),
+            ("max_nan_steps", self.max_nan_steps, self.max_nan_steps >= 1, "must be >= 1"),
+            (
+                "mx_scale_mode",
+                self.mx_scale_mode,
+                self.mx_scale_mode in SCALE_MODES,
+                f"allowed: {', '.join(SCALE_MODES)}",
+            ),
+        )
+        require("PolicyConfig.{}", rules)
         check_compile(self.compile, ranks=1, mode=mode)

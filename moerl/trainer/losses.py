@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moerl.config import require
 from moerl.errors import ConfigError
 from moerl.trainer.batch import Batch
 from moerl.trainer.mismatch import KINDS as MISMATCH_KINDS
@@ -61,24 +62,33 @@ class PolicyLossConfig:
             ("mismatch", MISMATCH_KINDS),
             ("mismatch_level", MISMATCH_LEVELS),
         )
-        for name, allowed in choices:
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"PolicyLossConfig.{name}={getattr(self, name)!r}: allowed: {', '.join(allowed)}")
         rules = (
-            ("clip_low", 0 <= self.clip_low < 1, "must be in [0, 1)"),
-            ("clip_high", self.clip_high >= 0, "must be >= 0"),
-            ("dual_clip", self.dual_clip is None or self.dual_clip > 1, "must be None or > 1"),
-            ("dual_clip", self.dual_clip is None or self.kind != "cispo", "applies to kind ppo or gspo only"),
-            ("kl_coef", 0 <= self.kl_coef < math.inf, "must be finite and >= 0"),
-            ("entropy_coef", 0 <= self.entropy_coef < math.inf, "must be finite and >= 0"),
-            ("mismatch_level", self.mismatch != "icepop" or self.mismatch_level == "token", "icepop allows: token"),
-            ("mismatch_cap", self.mismatch_cap >= 1, "must be >= 1"),
-            ("mismatch_low", 0 <= self.mismatch_low <= 1, "must be in [0, 1]"),
-            ("mismatch_high", self.mismatch_high >= 1, "must be >= 1"),
+            *(
+                (n, getattr(self, n), getattr(self, n) in allowed, f"allowed: {', '.join(allowed)}")
+                for n, allowed in choices
+            ),
+            ("clip_low", self.clip_low, 0 <= self.clip_low < 1, "must be in [0, 1)"),
+            ("clip_high", self.clip_high, self.clip_high >= 0, "must be >= 0"),
+            ("dual_clip", self.dual_clip, self.dual_clip is None or self.dual_clip > 1, "must be None or > 1"),
+            (
+                "dual_clip",
+                self.dual_clip,
+                self.dual_clip is None or self.kind != "cispo",
+                "applies to kind ppo or gspo only",
+            ),
+            ("kl_coef", self.kl_coef, 0 <= self.kl_coef < math.inf, "must be finite and >= 0"),
+            ("entropy_coef", self.entropy_coef, 0 <= self.entropy_coef < math.inf, "must be finite and >= 0"),
+            (
+                "mismatch_level",
+                self.mismatch_level,
+                self.mismatch != "icepop" or self.mismatch_level == "token",
+                "icepop allows: token",
+            ),
+            ("mismatch_cap", self.mismatch_cap, self.mismatch_cap >= 1, "must be >= 1"),
+            ("mismatch_low", self.mismatch_low, 0 <= self.mismatch_low <= 1, "must be in [0, 1]"),
+            ("mismatch_high", self.mismatch_high, self.mismatch_high >= 1, "must be >= 1"),
         )
-        for name, ok, rule in rules:
-            if not ok:
-                raise ConfigError(f"PolicyLossConfig.{name}={getattr(self, name)!r}: {rule}")
+        require("PolicyLossConfig.{}", rules)
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
