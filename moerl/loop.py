@@ -222,8 +222,8 @@ def rl_step(cfg: RunConfig, gen: Generator, policy: Policy, loss_fn, step: int, 
         "samples": float(len(episodes)),
         "reward_generated": got.reward_generated,  # every sample's, dropped groups' too
         "informative_groups": float(got.informative_groups),
-        "engine_restarts": float(getattr(gen.engine, "restarts", 0)),  # Ray engine actors brought back, in all
-        "requeued_requests": float(getattr(gen.engine, "requeued", 0)),
+        "engine_restarts": float(gen.engine.restarts),  # Ray engine actors brought back, in all
+        "requeued_requests": float(gen.engine.requeued),
     }
     if not episodes:  # every group was uninformative (or too old): nothing to learn from this step
         return row | {"skipped": 1.0}

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from moerl.bridges import export_model, load_model, supported
 from moerl.engine import EngineConfig, LLMEngine
 from moerl.errors import ConfigError
-from moerl.rollout.engine import make_engine
+from moerl.rollout import make_engine
 
 FP32_TOL = 1e-4
 

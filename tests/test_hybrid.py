@@ -379,7 +379,7 @@ def test_vllm_engines_refuse_hybrid_families_by_name(arch, checkpoints):
     would run in bf16), so a vLLM engine is refused before vLLM starts."""
     from moerl.engine import EngineConfig
     from moerl.errors import ConfigError
-    from moerl.rollout.engine import make_engine
+    from moerl.rollout import make_engine
 
     with pytest.raises(ConfigError, match=rf"rollout.engine=vllm with {arch}: moerl has no fp32-router vLLM model"):
         make_engine("vllm", checkpoints[arch][0], EngineConfig())

@@ -164,6 +164,24 @@ def test_errors_keep_their_type_and_a_dead_engine_is_named(model):
     assert all(e.proc.poll() is not None for e in pool.engines)
 
 
+def test_pools_in_and_out_of_process_speak_the_whole_inference_engine_protocol(model):
+    """What the loop, the generator and the weight sync ask of an engine is declared once (``InferenceEngine``) and
+    a pool has every member of it, wherever its engines run; a bare ``LLMEngine`` does not (no restarts, no
+    ``close``): the check fails where a member is missing."""
+    from moerl.engine import LLMEngine
+    from moerl.rollout import InferenceEngine
+
+    cfg = EngineConfig(max_num_seqs=4, max_model_len=32)
+    for placement in ("inprocess", "process"):
+        pool = make_engine("native", model, cfg, placement=placement, num_engines=1, threads=THREADS)
+        try:
+            assert isinstance(pool, InferenceEngine), placement
+            assert pool.dense_weights is None and pool.restarts == pool.requeued == 0
+        finally:
+            pool.close()
+    assert not isinstance(LLMEngine(model, cfg, dtype=torch.float32), InferenceEngine)
+
+
 def test_engine_processes_report_their_decode_seconds_and_compile_when_told(model):
     """``compile_decode: auto`` across processes: each engine process answers ``decode_seconds`` (0 before a
     generate, more after) and ``compile_decode`` (its compiled step is built; True for the pool); engines built

@@ -159,7 +159,7 @@ def test_bad_quantized_checkpoints_are_refused_by_name(fp8_checkpoint, tmp_path)
         load_model(bad)
 
     from moerl.engine import EngineConfig
-    from moerl.rollout.engine import make_engine
+    from moerl.rollout import make_engine
 
     with pytest.raises(ConfigError, match=r"rollout.engine=vllm with a quantized checkpoint"):
         make_engine("vllm", fp8_checkpoint, EngineConfig())

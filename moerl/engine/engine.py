@@ -33,6 +33,8 @@ class LLMEngine:
     experts each token was routed to and the weight version they were produced under.
     """
 
+    dense_weights = None  # it takes adapters and MX weights as they are (``InferenceEngine``)
+
     def __init__(
         self,
         model: MoEModel | str | os.PathLike,

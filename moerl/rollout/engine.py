@@ -1,5 +1,6 @@
-"""The InferenceEngine protocol: generate, push weights, load adapters. The native engine implements it as is; the
-pool of native engines (in process or in engine processes) implements it for the loop."""
+"""The InferenceEngine protocol: what the loop, the generator and the weight sync ask of a rollout engine. The pool of
+native engines (``moerl.rollout.pool``, in this process, in engine processes or Ray actors) and the vLLM engine
+(``moerl.rollout.vllm``) implement all of it; a native ``LLMEngine`` its generation and weight part."""
 
 from __future__ import annotations
 
@@ -8,15 +9,18 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from moerl.engine import EngineConfig, Request, RequestOutput
-from moerl.errors import ConfigError
+from moerl.engine import Request, RequestOutput
 
 
 @runtime_checkable
 class InferenceEngine(Protocol):
     """A rollout backend. Outputs carry sampled-token logprobs, routed experts and the weight version."""
 
-    weight_version: int
+    weight_version: int  # the version its outputs are produced under (the oldest of its engines')
+    dense_weights: str | None  # None: it takes adapters and MX weights; else the dtype of the plain weights it takes
+    restarts: int  # engines brought back after they died (Ray actors), in all
+    requeued: int  # requests sent again to an engine brought back
+    tokenizer: object  # the checkpoint's tokenizer (None: token ids only)
 
     def generate(self, requests: list[Request]) -> list[RequestOutput]: ...
 
@@ -32,29 +36,8 @@ class InferenceEngine(Protocol):
 
     def add_adapter(self, name: str, source: str | os.PathLike | dict[str, torch.Tensor]) -> None: ...
 
+    def decode_seconds(self) -> float: ...
 
-def make_engine(
-    kind: str,
-    model,
-    config: EngineConfig | None = None,
-    placement: str = "inprocess",
-    num_engines: int = 1,
-    weight_transport: str = "auto",
-    timeout_s: float = 300.0,
-    **spec,
-):
-    """Rollout engines by name, ``num_engines`` of them behind one InferenceEngine: ``native`` (moerl's own), in this
-    process or each in its own process (``placement``; weights reach those by ``weight_transport``, see
-    ``moerl.rollout.transport``; one that makes no progress for ``timeout_s`` is named as hung); or ``vllm``
-    (always in vLLM's own processes). ``spec``: the rest of :class:`EngineSpec`."""
-    from moerl.rollout.pool import EnginePool
-    from moerl.rollout.spec import EngineSpec
+    def compile_decode(self) -> bool: ...
 
-    spec = EngineSpec(str(model), config or EngineConfig(), **spec)
-    if kind == "vllm":
-        from moerl.rollout.vllm import VLLMEngine
-
-        return VLLMEngine(spec, lora=spec.config.max_loras > 0, num_engines=num_engines, timeout_s=timeout_s)
-    if kind != "native":
-        raise ConfigError(f"rollout engine {kind!r}: allowed: native, vllm")
-    return EnginePool(spec, placement, num_engines, transport=weight_transport, timeout_s=timeout_s)
+    def close(self) -> None: ...

@@ -25,7 +25,7 @@ class LocalEngine:
 
     def __init__(self, engine: LLMEngine, index: int = 0):
         self.engine, self.index = engine, index
-        self.tokenizer = engine.tokenizer
+        self.tokenizer, self.dense_weights = engine.tokenizer, engine.dense_weights
         self.calls = Dispatcher(EngineServer(engine), COMMANDS, self.name)
         self.pending: tuple[str, object] | None = None
 

@@ -119,7 +119,7 @@ class EnginePool:
     @property
     def dense_weights(self) -> str | None:
         """The dtype of the dense form the engines take (vLLM engines as Ray actors), else None (``sync_policy``)."""
-        return getattr(self.engines[0], "dense_weights", None)
+        return self.engines[0].dense_weights
 
     @property
     def weight_version(self) -> int:

@@ -101,7 +101,7 @@ class EngineProcess:
         self.tokenizer = None
         reply = self._call({"op": "init", "spec": spec.to_json()}, timeout=self.START_TIMEOUT_S)
         self.pid, self.kv_cache_bytes, self.device = reply["pid"], reply["kv_cache_bytes"], reply["device"]
-        self.gpu = reply["gpu"]
+        self.gpu, self.dense_weights = reply["gpu"], reply["dense_weights"]
 
     @property
     def name(self) -> str:

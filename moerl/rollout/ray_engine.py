@@ -54,7 +54,7 @@ class EngineActor:
 
         node = ray.get_runtime_context().get_node_id()
         engine = self.server.engine
-        dense = getattr(engine, "dense_weights", None)
+        dense = engine.dense_weights
         return {
             "node": node,
             "pid": os.getpid(),

@@ -85,7 +85,7 @@ class EngineServer:
             "kv_cache_bytes": getattr(self.engine, "kv_cache_bytes", 0),
             "device": str(self.engine.device),
             "gpu": gpu_id(self.engine.device),  # the pool's broadcast group holds one rank per GPU
-            "dense_weights": getattr(self.engine, "dense_weights", None),  # vLLM: LoRA merged, MX values
+            "dense_weights": self.engine.dense_weights,  # vLLM: LoRA merged, MX values
         }
 
     def join(self, msg: dict, tensors=None) -> None:
@@ -119,7 +119,7 @@ class EngineServer:
         return {"seconds": self.engine.decode_seconds}
 
     def read_weights(self, msg: dict, tensors=None) -> dict:
-        if getattr(self.engine, "dense_weights", None) is not None:  # vLLM: its own tensors by its names
+        if self.engine.dense_weights is not None:  # vLLM: its own tensors by its names
             tensors = self.engine.read_weights(msg["names"])[0]
         else:
             params = dict(self.engine.model.named_parameters()) | dict(self.engine.model.named_buffers())

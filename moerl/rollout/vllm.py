@@ -173,6 +173,7 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on a CPU; vLLM's default is 4
         os.environ[ENV] = "1"  # moerl's plugin gives vLLM's MoE models fp32 routers, in all of vLLM's processes
         self.max_model_len = spec.config.max_model_len
+        self.restarts = self.requeued = 0  # vLLM's engines are not brought back: one that dies stops the run
         self.llms, self.watches = [], []
         self.weights = ShmWriter("moerl-vllm")  # one shared buffer per bucket, read by every engine
         self.weight_version = 0
@@ -358,6 +359,14 @@ class VLLMEngine:
 
     def add_adapter(self, name: str, source) -> None:
         raise ConfigError("a vLLM engine loads no adapters: merge them (moerl export) or sync a LoRA policy")
+
+    def decode_seconds(self) -> float:
+        """Not measured: vLLM compiles and captures its own decode (``rollout.compile_decode`` is the native
+        engine's)."""
+        return 0.0
+
+    def compile_decode(self) -> bool:
+        return False
 
     def read_weights(self, names: list[str]) -> list[dict[str, torch.Tensor]]:
         """Each engine's own tensors by vLLM name (``model.layers.0.mlp.gate.weight``), read from its worker."""

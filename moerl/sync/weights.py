@@ -46,7 +46,7 @@ def sync_policy(policy, engine, version: int, bucket_bytes: int = 64 * 2**20) ->
     """Push ``policy``'s weights to ``engine`` and tag them ``version``; applied atomically. Each bucket is checked
     for non-finite values before it is staged; a bad one discards what was staged, so the engine keeps its weights."""
     start = time.perf_counter()
-    dense = getattr(engine, "dense_weights", None)
+    dense = engine.dense_weights
     stream = policy.sync_tensors(dense)
     count = nbytes = n_buckets = 0
     try:
