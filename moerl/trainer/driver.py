@@ -152,6 +152,7 @@ class DistributedPolicy(Policy):
 
 
 ANNOUNCED = tuple(n for n, v in vars(DistributedPolicy).items() if getattr(v, "announced", False))
+WITH_LOSS = frozenset(n for n in ANNOUNCED if "loss_fn" in inspect.signature(getattr(Policy, n)).parameters)
 
 
 def serve(policy: Policy, loss_fn) -> None:
@@ -168,7 +169,7 @@ def serve(policy: Policy, loss_fn) -> None:
             continue
         stop = args.pop("stop_checkpoint_dir")  # a call that stops saves there: this rank writes its part
         policy.stop_checkpoint_dir = Path(stop) if stop is not None else None
-        if op in ANNOUNCED and "loss_fn" in inspect.signature(getattr(Policy, op)).parameters:
+        if op in WITH_LOSS:
             args["loss_fn"] = loss_fn
         try:
             made = calls.call(op, **args)
