@@ -62,7 +62,7 @@ def child(args) -> None:
             if args.child == "vllm-reload":  # vLLM's worker imports the extension class by name: from this folder
                 import os
 
-                import moerl.rollout.vllm as moerl_vllm
+                import moerl.rollout.vllm_args as moerl_vllm
 
                 here = str(Path(__file__).resolve().parent)
                 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))

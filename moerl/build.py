@@ -75,7 +75,7 @@ def build_engine(cfg: RunConfig, model_path: Path, engines=None):
         spec = EngineSpec(str(model_path), ecfg, r.dtype, r.device, mx_scale_mode=mx, threads=engines.engine_threads)
         spec.kind, spec.vllm_args = r.engine, r.vllm_args
         remote = start_engines(spec, r.num_engines, engines, r.weight_transport, c.engine_restarts, r.engine_timeout_s)
-        return EnginePool(spec, "ray", r.num_engines, remote=remote, transport=r.weight_transport)
+        return EnginePool(spec, "ray", r.num_engines, handles=remote, transport=r.weight_transport)
     threads = r.engine_threads or max(1, torch.get_num_threads() // r.num_engines)
     return make_engine(
         r.engine,

@@ -138,6 +138,19 @@ class RolloutSection:
             ),
         )
 
+    def check_placement(self, backend: str) -> None:
+        """Where the engines run against how they take their weights, for ``cluster.backend`` ``backend``."""
+        if backend == "ray" and self.placement != "inprocess":
+            raise ConfigError(
+                f"rollout.placement={self.placement!r} with cluster.backend: ray: the engines are Ray actors "
+                "(cluster.placement says where)"
+            )
+        if self.weight_transport != "auto" and self.placement == "inprocess" and backend == "local":
+            raise ConfigError(
+                f"config key 'rollout.weight_transport'={self.weight_transport!r} with rollout.placement=inprocess: "
+                "engines in the trainer's process take its tensors as they are (leave it auto)"
+            )
+
 
 @dataclass(slots=True)
 class AlgoSection:
@@ -312,19 +325,10 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         r, a = self.rollout, self.algo
-        if self.cluster.backend == "ray" and r.placement != "inprocess":
-            raise ConfigError(
-                f"rollout.placement={r.placement!r} with cluster.backend: ray: the engines are Ray actors "
-                "(cluster.placement says where)"
-            )
+        r.check_placement(self.cluster.backend)
         mode = mode_of(self.policy.mode)
         check_compile(self.policy.compile, self.parallel.size, mode)
         mode.check_run(r.engine, self.parallel.size)
-        if r.weight_transport != "auto" and r.placement == "inprocess" and self.cluster.backend == "local":
-            raise ConfigError(
-                f"config key 'rollout.weight_transport'={r.weight_transport!r} with rollout.placement=inprocess: "
-                "engines in the trainer's process take its tensors as they are (leave it auto)"
-            )
         if r.weight_transport == "broadcast" and self.cluster.backend == "ray" and self.cluster.engine_restarts:
             raise ConfigError(
                 "config key 'rollout.weight_transport'='broadcast' with cluster.engine_restarts="

@@ -302,7 +302,7 @@ def test_an_engine_actor_out_of_restarts_is_an_engine_error_named(cluster, warm_
         ray.get(group.ready(), timeout=60)
         spec = EngineSpec(str(warm_model), EngineConfig(max_num_seqs=8, max_model_len=32))
         engines = start_engines(spec, 1, EnginePlacement(group, [0], 1.0, 1), "auto", restarts=0)
-        pool = EnginePool(spec, "ray", 1, remote=engines)
+        pool = EnginePool(spec, "ray", 1, handles=engines)
         requests = [Request("1+2=", SamplingParams(max_tokens=3, seed=0))]
         assert pool.generate(requests)[0].outputs[0].token_ids
         os.kill(engines[0].pid, signal.SIGKILL)

@@ -78,6 +78,11 @@ def test_a_full_sync_gives_exactly_a_fresh_vllm_engines_rollouts(model, engine, 
     assert _flat(before) != _flat(expected)  # negative control: the sync is what made them equal
 
 
+def _vllm(pool, i: int = 0):
+    """Engine ``i`` of a pool of vLLM engines (``moerl.rollout.vllm.VLLMEngine``: its ``llm``, ``watch``, ``shm``)."""
+    return pool.engines[i].engine
+
+
 def _effective(llm, name, hidden=None) -> tuple[str, torch.Tensor]:
     """Linear module ``name`` of one vLLM engine as it computes: (dtype, effective weight or logits for ``hidden``)."""
     dtype, shape, values = llm.collective_rpc("moerl_gate", args=(name, hidden))[0]
@@ -96,7 +101,7 @@ def _routers(policy, engine):
     masters, out = policy.master.master, []
     for name, master in masters.items():
         if name.endswith("router.weight"):
-            ((hf, _),) = to_hf(engine.bridge, name, master, engine.model_config)
+            ((hf, _),) = to_hf(_vllm(engine).bridge, name, master, _vllm(engine).model_config)
             out.append((master, masters.get(name.replace(".weight", ".bias")), hf.removesuffix(".weight")))
     return out
 
@@ -165,7 +170,7 @@ def test_vllms_routers_are_the_trainers_fp32_routers_bit_for_bit(model, engine):
     through its own GEMM on the identity, exact in fp32) is the trainer's fp32 master, and its logits are fp32."""
     policy = _train_one_step(model)
     sync_policy(policy, engine, version=20)
-    _assert_fp32_routers(policy, engine, engine.llm)
+    _assert_fp32_routers(policy, engine, _vllm(engine).llm)
 
 
 # the other families, each as a tiny model vLLM's CPU build runs (its MLA kernel needs a 512 + 64 latent)
@@ -204,7 +209,7 @@ def test_every_family_syncs_into_vllm_with_the_trainers_fp32_router(arch, tmp_pa
         # negative control: the engine still holds the weights before the step, and the comparison sees it
         assert _logprob_disagreements(policy, engine, K3_TOLERANCE.get(arch, 2e-3))
         sync_policy(policy, engine, version=2)
-        _assert_fp32_routers(policy, engine, engine.llm)
+        _assert_fp32_routers(policy, engine, _vllm(engine).llm)
         _assert_logprobs_agree(policy, engine, K3_TOLERANCE.get(arch, 2e-3))
         # R3: the rows are what vLLM's own routing chose
         noisy = arch in ("DeepseekV3ForCausalLM", "GptOssForCausalLM")
@@ -264,18 +269,19 @@ def test_two_vllm_engines_split_the_requests_and_each_takes_every_sync(model, mo
         pool.generate(long)  # caches the long prompt's first block in each engine, under the base weights
         policy = _train_one_step(model)
         sync_policy(policy, pool, version=5)
-        for llm in pool.llms:
+        llms = [_vllm(pool, i).llm for i in range(2)]
+        for llm in llms:
             _assert_fp32_routers(policy, pool, llm)
         served = _flat(pool.generate(long))
-        for llm in pool.llms:
+        for llm in llms:
             llm.reset_prefix_cache()
         assert served == _flat(pool.generate(long))  # what an engine with no cache computes: nothing stale served
         outs = pool.generate(_requests())
         assert [o.prompt_token_ids for o in outs] == [pool.tokenizer(r.prompt)["input_ids"] for r in _requests()]
         assert all(o.weight_version == 5 for o in outs)
         alone = copy.copy(pool)
-        for llm in pool.llms:  # each engine alone gives the same samples for the same seeded requests
-            alone.llms = [llm]
+        for handle in pool.engines:  # each engine alone gives the same samples for the same seeded requests
+            alone.engines = [handle]
             ref = alone.generate(_requests())
             assert [c.token_ids for o in ref for c in o.outputs] == [c.token_ids for o in outs for c in o.outputs]
             # one engine alone batches the requests otherwise, so its bf16 GEMMs see other shapes: on AVX-512 / AMX
@@ -288,10 +294,10 @@ def test_two_vllm_engines_split_the_requests_and_each_takes_every_sync(model, mo
         ids = torch.randint(4, 100, (4, 10), generator=torch.Generator().manual_seed(2))
         policy.train_step(Batch(ids, torch.ones_like(ids), torch.ones_like(ids)), sft_loss)
         with monkeypatch.context() as m:
-            m.setattr(type(pool.llms[0]), "reset_prefix_cache", lambda self, *a, **k: True)
+            m.setattr(type(llms[0]), "reset_prefix_cache", lambda self, *a, **k: True)
             sync_policy(policy, pool, version=6)
             stale = _flat(pool.generate(long))
-        for llm in pool.llms:
+        for llm in llms:
             llm.reset_prefix_cache()
         assert stale != _flat(pool.generate(long))
     finally:
@@ -314,7 +320,7 @@ def test_vllm_records_the_experts_each_token_was_routed_to(model, engine):
         p = len(o.prompt_token_ids) - 1
         assert all(torch.equal(c.routed_experts[:p], o.outputs[0].routed_experts[:p]) for c in o.outputs)
     again = engine.generate(reqs[-1:])[0]
-    cached = engine.llm.generate([{"prompt_token_ids": again.prompt_token_ids}], use_tqdm=False)
+    cached = _vllm(engine).llm.generate([{"prompt_token_ids": again.prompt_token_ids}], use_tqdm=False)
     assert cached[0].num_cached_tokens == 32  # the prompt's first block is served from the cache
     for c, c0 in zip(again.outputs, first[-1].outputs, strict=True):
         assert c.token_ids == c0.token_ids and torch.equal(c.routed_experts, c0.routed_experts)
@@ -336,7 +342,7 @@ def test_vllm_rows_survive_preemption(model):
     ]
     try:
         outs = engine.generate(reqs)
-        (preempted,) = [m.value for m in engine.llm.llm_engine.get_metrics() if m.name == "vllm:num_preemptions"]
+        (preempted,) = [m.value for m in _vllm(engine).llm.llm_engine.get_metrics() if m.name == "vllm:num_preemptions"]
         assert preempted > 0  # measured: 9
         from moerl.bridges import load_model
 
@@ -431,8 +437,8 @@ def test_a_vllm_process_that_dies_is_named_and_its_shared_memory_released(model,
     before = shm_segments()
     engine = make_engine("vllm", model, CFG, vllm_args=EAGER, timeout_s=3)
     try:
-        watch = engine.watches[0]
-        assert engine.shm and not engine.shm & before  # the segments this engine's processes made
+        watch, made = _vllm(engine).watch, _vllm(engine).shm
+        assert made and not made & before  # the segments this engine's processes made
         pid, what = (watch.cores[0].pid, "EngineCore") if victim == "core" else (watch.workers[0][0], "worker")
         engine.generate(_requests())  # it serves
         os.kill(pid, getattr(signal, f"SIG{sig}"))
@@ -443,7 +449,7 @@ def test_a_vllm_process_that_dies_is_named_and_its_shared_memory_released(model,
         assert time.monotonic() - start < 60
     finally:
         engine.close()
-    assert not engine.shm & shm_segments()  # nothing of it left in /dev/shm
+    assert not made & shm_segments()  # nothing of it left in /dev/shm
     assert not [p for p in watch.pids if _alive(p)]
 
 
@@ -491,7 +497,8 @@ def test_mxfp8_weights_reach_vllm_as_the_trainers_mx_values_bit_for_bit(model, e
         q, k, v, o = (masters[f"layers.{i}.self_attn.{p}_proj.weight"].detach() for p in "qkvo")
         mx = [mx_fake_quant(t, -1, policy.cfg.mx_scale_mode).to(torch.bfloat16).float() for t in (q, k, v, o)]
         # read through each layer's own GEMM on the identity: exact, and the CPU build packs the parameter away
-        (_, qkv), (_, out) = (_effective(engine.llm, f"model.layers.{i}.self_attn.{p}") for p in ("qkv_proj", "o_proj"))
+        llm = _vllm(engine).llm
+        (_, qkv), (_, out) = (_effective(llm, f"model.layers.{i}.self_attn.{p}") for p in ("qkv_proj", "o_proj"))
         assert torch.equal(qkv, torch.cat(mx[:3])) and torch.equal(out, mx[3])
         assert not torch.equal(out, o.to(torch.bfloat16).float())
 

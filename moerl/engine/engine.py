@@ -170,6 +170,14 @@ class LLMEngine:
         self.add_adapter(name, tensors)
         self.weight_version = version
 
+    def read_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The model's own tensors (parameters or buffers) by moerl name, detached: views, not copies."""
+        params = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
+        return {n: params[n].detach() for n in names}
+
+    def close(self) -> None:
+        """Nothing to stop: an engine in this process holds only memory (a vLLM engine stops its processes)."""
+
     # -- generation ----------------------------------------------------------------------------------------
     def _token_ids(self, prompt, rid: str) -> list[int]:
         """The prompt as a list of ints: text through the tokenizer; a list, tuple, 1-D tensor or array of ints."""

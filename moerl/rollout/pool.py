@@ -25,7 +25,6 @@ from moerl.rollout.shm import SharedBuffer, ShmWriter
 from moerl.rollout.spec import EngineSpec, build_native
 from moerl.rollout.transport import IpcWriter, SyncGroup, choose, share
 from moerl.rollout.wire import pack_inline
-from moerl.run_config import PLACEMENTS, TRANSPORTS
 
 _live: weakref.WeakSet[EnginePool] = weakref.WeakSet()
 
@@ -45,32 +44,22 @@ def one_rank_per_gpu(members: list[tuple[str, str | None]]) -> None:
 
 
 class EnginePool:
-    """``num_engines`` native engines built from ``spec``, ``placement`` ``inprocess`` or ``process``; or the Ray
-    engine actors ``remote`` (placement ``ray``), which come back when they die: Ray restarts the actor, the pool
-    replays the last weight update into it and re-sends its unfinished requests (counted in ``restarts`` /
-    ``requeued``). Every engine is a handle of one kind (``LocalEngine``, ``EngineProcess``, ``RayEngine``): the
-    pool drives them the same way wherever they run."""
+    """``num_engines`` native engines built from ``spec``, ``placement`` ``inprocess`` or ``process``; or the engines
+    ``handles`` built elsewhere: vLLM engines (``moerl.rollout.make``) or Ray engine actors, which come back when they
+    die (Ray restarts the actor, the pool replays the last weight update into it and re-sends its unfinished
+    requests, counted in ``restarts`` / ``requeued``). Every engine is a handle of one kind (``LocalEngine``,
+    ``EngineProcess``, ``RayEngine``): the pool drives them the same way wherever they run. The values are the
+    rollout config's, checked there (``moerl.run_config.RolloutSection``)."""
 
     def __init__(
         self,
         spec: EngineSpec,
         placement: str = "inprocess",
         num_engines: int = 1,
-        remote=None,
+        handles=None,
         transport: str = "auto",
         timeout_s: float = 300.0,
     ):
-        if placement not in (*PLACEMENTS, "ray"):
-            raise ConfigError(f"rollout.placement={placement!r}: allowed: {', '.join(PLACEMENTS)}")
-        if num_engines < 1:
-            raise ConfigError(f"rollout.num_engines={num_engines}: must be >= 1")
-        if transport not in TRANSPORTS:
-            raise ConfigError(f"rollout.weight_transport={transport!r}: allowed: {', '.join(TRANSPORTS)}")
-        if transport != "auto" and placement == "inprocess":
-            raise ConfigError(
-                f"rollout.weight_transport={transport!r} with rollout.placement=inprocess: engines in the trainer's "
-                "process take its tensors as they are (leave it auto)"
-            )
         self.engines: list = []
         self.transport, self.kinds = transport, {}  # each engine's transport, chosen at its first update
         self.shm, self.ipc, self.group = ShmWriter("moerl-weights"), IpcWriter(), None
@@ -79,9 +68,9 @@ class EnginePool:
         self.compiled = False  # every engine told to decode compiled (compile_decode), an engine brought back too
         _live.add(self)
         try:
-            if remote is not None:
-                self.engines = list(remote)
-            for i in range(num_engines if remote is None else 0):
+            if handles is not None:
+                self.engines = list(handles)
+            for i in range(num_engines if handles is None else 0):
                 inproc = placement == "inprocess"
                 self.engines.append(LocalEngine(build_native(spec), i) if inproc else EngineProcess(spec, i, timeout_s))
             if transport == "cuda_ipc" and not all(e.device.startswith("cuda") for e in self.engines):
@@ -253,7 +242,7 @@ class EnginePool:
         """Seconds the engines spent in decode forwards so far: their sum where they take turns in this process,
         the busiest one's where they run side by side."""
         seconds = [r["seconds"] for r in self._ask("decode_seconds")]
-        return sum(seconds) if self.engines[0].local else max(seconds)
+        return max(seconds) if self.engines[0].side_by_side else sum(seconds)
 
     def compile_decode(self) -> bool:
         """Every engine decodes through its compiled step from its next decode on (``compile_decode: auto``, see

@@ -87,6 +87,7 @@ class EngineProcess:
     """One engine process. Calls are synchronous except ``generate_async`` / ``wait`` (engines run side by side)."""
 
     local = False  # tensors reach it by a transport (moerl.rollout.transport)
+    side_by_side = True  # it works in its own process while the others work
     same_node = True
 
     START_TIMEOUT_S = 600.0

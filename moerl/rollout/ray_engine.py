@@ -70,6 +70,7 @@ class RayEngine:
     in the replies (no shared memory)."""
 
     local = False  # tensors reach it by a transport (moerl.rollout.transport)
+    side_by_side = True  # it works in its own process while the others work
 
     START_TIMEOUT_S = 600.0
 

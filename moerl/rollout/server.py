@@ -54,6 +54,8 @@ class EngineServer:
         return self.engine.steps if self.engine is not None else 0
 
     def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
         self.writer.close()
         if self.member is not None:
             self.member.close()
@@ -119,18 +121,15 @@ class EngineServer:
         return {"seconds": self.engine.decode_seconds}
 
     def read_weights(self, msg: dict, tensors=None) -> dict:
-        if self.engine.dense_weights is not None:  # vLLM: its own tensors by its names
-            tensors = self.engine.read_weights(msg["names"])[0]
-        else:
-            params = dict(self.engine.model.named_parameters()) | dict(self.engine.model.named_buffers())
-            tensors = {n: params[n].detach() for n in msg["names"]}
-        return self._tensors_out(tensors, msg.get("inline_out", False))
+        """The engine's own tensors by name: moerl's for a native engine, vLLM's for a vLLM engine."""
+        return self._tensors_out(self.engine.read_weights(msg["names"]), msg.get("inline_out", False))
 
 
 def build(spec: EngineSpec, timeout_s: float = 300.0):
     """The engine ``spec`` describes: native, or one vLLM engine (its own processes, started from here)."""
     if spec.kind == "vllm":
-        from moerl.rollout.vllm import VLLMEngine
+        from moerl.rollout.vllm import VLLMEngine, say_what_it_serves
 
+        say_what_it_serves(spec, spec.config.max_loras > 0)
         return VLLMEngine(spec, lora=spec.config.max_loras > 0, timeout_s=timeout_s)
     return build_native(spec)
