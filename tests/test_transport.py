@@ -104,7 +104,7 @@ def test_a_broadcast_engine_that_died_is_named_not_waited_for(model):
 def test_transports_the_two_ends_cannot_use_are_refused_by_name(model):
     with pytest.raises(ConfigError, match=r"weight_transport=cuda_ipc: needs every engine on CUDA \(rollout engine 0 "):
         _pool(model, "cuda_ipc", n=1)
-    with pytest.raises(ConfigError, match=r"'rollout.weight_transport'='tcp': allowed: auto, shm, inline, cuda_ipc, broadcast"):
+    with pytest.raises(ConfigError, match=r"transport'='tcp': allowed: auto, shm, inline, cuda_ipc, broadcast"):
         _pool(model, "tcp", n=1)
     with pytest.raises(ConfigError, match=r"'broadcast' with rollout.placement=inprocess: engines in the trainer's"):
         make_engine("native", model, EngineConfig(max_num_seqs=4, max_model_len=32), weight_transport="broadcast")

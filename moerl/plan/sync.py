@@ -24,6 +24,12 @@ def _nbytes(shape, itemsize: int) -> int:
     return math.prod(shape) * itemsize
 
 
+def _weight_bytes(model: torch.nn.Module, dtype: torch.dtype) -> tuple[dict[str, int], int]:
+    """Each parameter's bytes in ``dtype`` (the routers in fp32, as every engine keeps them), and the buffers'."""
+    params = {n: _nbytes(t.shape, 4 if ".router." in n else dtype.itemsize) for n, t in model.named_parameters()}
+    return params, sum(_nbytes(t.shape, t.element_size()) for t in model.buffers())
+
+
 def sync_bytes(cfg: ModelConfig, run: RunConfig) -> dict[str, int | None]:
     """Bytes one weight sync sends, per mode: full the weights in the compute dtype with the routers in fp32; lora one
     adapter slot (fp32); mxfp8 the MX weights as E4M3 data and E8M0 scales (one per 32), the rest as full does
@@ -34,8 +40,7 @@ def sync_bytes(cfg: ModelConfig, run: RunConfig) -> dict[str, int | None]:
     dtype = getattr(torch, dtype_name(run.policy.dtype)) if run.policy.dtype != "auto" else torch.bfloat16
     out: dict[str, int | None] = {}
     model = _meta_model(cfg, dtype)
-    dense = {n: _nbytes(t.shape, 4 if ".router." in n else dtype.itemsize) for n, t in model.named_parameters()}
-    buffers = sum(_nbytes(t.shape, t.element_size()) for t in model.buffers())
+    dense, buffers = _weight_bytes(model, dtype)
     out["full"] = sum(dense.values()) + buffers
     attach_lora(model, run.policy.lora, dtype=torch.float32)
     out["lora"] = sum(_nbytes(t.shape, t.element_size()) for t in slot_tensors(model, 0).values())
@@ -77,15 +82,14 @@ def engine_bytes(cfg: ModelConfig, run: RunConfig, sent: dict[str, int | None]) 
     mode, r = mode_of(run.policy.mode), run.rollout
     dtype = torch.bfloat16 if r.dtype == "auto" else getattr(torch, r.dtype)
     model = _meta_model(cfg, dtype)
-    params = dict(model.named_parameters())
-    weights = sum(_nbytes(t.shape, 4 if ".router." in n else dtype.itemsize) for n, t in params.items())
-    weights += sum(_nbytes(t.shape, t.element_size()) for t in model.buffers())
+    dense, buffers = _weight_bytes(model, dtype)
+    weights = sum(dense.values()) + buffers
     kv = _kv_bytes(cfg, r.max_num_seqs, r.max_model_len, dtype)
     if mode.adapter_slot is not None:  # the base, and one adapter slot
         weights += sent[mode.name]
         staging = sent[mode.name]
     elif mode.engine_mx(run.policy) is not None:
-        staging = sum(_nbytes(t.shape, 4) for t in params.values())  # dequantized in fp32 as the buckets arrive
+        staging = sum(_nbytes(t.shape, 4) for t in model.parameters())  # dequantized in fp32 as the buckets arrive
     else:
         staging = sent[mode.name]
     return EngineBytes(weights, kv, staging)

@@ -7,15 +7,11 @@ import math
 import torch
 from torch.distributed.tensor import DTensor
 
-from moerl.errors import ConfigError
-
 SCHEDULES = ("constant", "cosine")
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float):
-    """Multiplier of the base learning rate at a step."""
-    if schedule not in SCHEDULES:
-        raise ConfigError(f"optim.schedule={schedule!r}: allowed: {', '.join(SCHEDULES)}")
+    """Multiplier of the base learning rate at a step (the values as ``OptimConfig`` checked them)."""
 
     def factor(step: int) -> float:
         if warmup_steps and step < warmup_steps:
