@@ -35,40 +35,72 @@ def finite(x) -> bool:
     return isinstance(x, int | float) and math.isfinite(x)
 
 
-def _type_name(t) -> str:
+def describe(t) -> str:
+    """What a config value of annotation ``t`` may be, in words: its type, or every value a choice allows."""
+    origin = typing.get_origin(t)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(describe(a) for a in typing.get_args(t))
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(t))
+    if t is type(None):
+        return "null"
+    if t is bool:
+        return "bool (true or false)"
+    if origin in (list, tuple):
+        return "a list"
+    if origin is dict or t is dict or dataclasses.is_dataclass(t):
+        return "a mapping"
     return getattr(t, "__name__", str(t))
 
 
+def quoted(value) -> str:
+    """For a rule's message: the value's type where a string stands for a boolean or a number (quoted in YAML)."""
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "yes", "no", "on", "off"):
+        return f" (got the string {value!r}: write it unquoted for the boolean)"
+    return f" (got {type(value).__name__} {value!r})" if not isinstance(value, str) else ""
+
+
+def _wrong_type(key: str, value, t) -> ConfigError:
+    """The one message of a value of the wrong type: the key, what it may be, the value and its type."""
+    return ConfigError(f"config key {key!r} must be {describe(t)}, got {type(value).__name__} {value!r}")
+
+
 def coerce(key: str, value, t):
-    """``value`` as type ``t`` (a dataclass, a builtin, a list/dict annotation, or an Optional/Union)."""
+    """``value`` as type ``t`` (a dataclass, a builtin, a list/dict annotation, a Literal choice, or a Union of
+    those). A value of another type is refused naming its type and what the key takes (every value of a choice); a
+    choice's value of the right type but not allowed is left to its section's rule, which names the allowed ones."""
     origin = typing.get_origin(t)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(t)
         if value is None and type(None) in args:
             return None
-        errors = []
         for a in args:
             if a is type(None):
                 continue
             try:
                 return coerce(key, value, a)
             except ConfigError as e:
-                errors.append(e)
-        raise errors[0]
+                if dataclasses.is_dataclass(a) and isinstance(value, dict):
+                    raise e  # the mapping's own key or value is wrong: that is the message
+        raise _wrong_type(key, value, t)
+    if origin is typing.Literal:
+        if any(type(value) is type(a) for a in typing.get_args(t)):
+            return value
+        raise _wrong_type(key, value, t)
     if dataclasses.is_dataclass(t):
         if isinstance(value, t):
             return value
         if not isinstance(value, dict):
-            raise ConfigError(f"config key {key!r} must be a mapping, got {type(value).__name__} {value!r}")
+            raise _wrong_type(key, value, t)
         return from_dict(t, value, prefix=key + ".")
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"config key {key!r} must be a list, got {type(value).__name__} {value!r}")
+            raise _wrong_type(key, value, t)
         (inner,) = typing.get_args(t)[:1] or (typing.Any,)
         return [v if inner is typing.Any else coerce(f"{key}[{i}]", v, inner) for i, v in enumerate(value)]
     if origin is dict or t is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"config key {key!r} must be a mapping, got {type(value).__name__} {value!r}")
+            raise _wrong_type(key, value, t)
         return dict(value)
     if t is typing.Any:
         return value
@@ -80,7 +112,7 @@ def coerce(key: str, value, t):
         except ValueError:
             pass
     if t in (int, float) and isinstance(value, bool) or not isinstance(value, t):
-        raise ConfigError(f"config key {key!r} must be {_type_name(t)}, got {type(value).__name__} {value!r}")
+        raise _wrong_type(key, value, t)
     return value
 
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Literal
 
-from moerl.config import config_key, finite, require
+from moerl.config import config_key, finite, quoted, require
 from moerl.device import device_name
-from moerl.envs import check_env_kwargs
+from moerl.envs import ENVS, check_env_kwargs
 from moerl.errors import ConfigError
 from moerl.modes import mode_of
 from moerl.precision import DTYPE_NAMES
+from moerl.presets import PRESETS
 from moerl.trainer import PolicyConfig
 from moerl.trainer.advantages import ESTIMATORS
 from moerl.trainer.compile import check as check_compile
@@ -29,7 +31,7 @@ def _count(x) -> bool:
 class ModelSection:
     path: str | None = None  # a HF checkpoint directory to train; null: a random model of arch / preset
     arch: str = "qwen3_moe"  # the random model's architecture (model.path unset)
-    preset: str = "tiny"  # the random model's size: tiny | small
+    preset: Literal[tuple(PRESETS)] = "tiny"  # the random model's size: tiny | small
     seed: int = 0  # the random model's initialisation seed
     # > 0 (model.path unset): first teach the random model the environment's worked examples for this many supervised
     # steps, so RL starts from a model that solves some problems; built once into base_cache, reused by later runs
@@ -40,6 +42,7 @@ class ModelSection:
         require(
             "config key 'model.{}'",
             (
+                ("preset", self.preset, self.preset in PRESETS, f"allowed: {', '.join(PRESETS)}"),
                 ("sft_steps", self.sft_steps, isinstance(self.sft_steps, int) and self.sft_steps >= 0, "must be >= 0"),
                 (
                     "sft_steps",
@@ -57,7 +60,7 @@ PLACEMENTS = ("inprocess", "process")  # what rollout.placement chooses; "ray": 
 
 @dataclass(slots=True)
 class RolloutSection:
-    engine: str = "native"  # native (moerl's engine) | vllm
+    engine: Literal[ENGINES] = "native"  # native (moerl's engine) | vllm
     prompts_per_step: int = 16  # problems per RL step (groups)
     group_size: int = 8  # samples per problem (the group a GRPO / RLOO baseline is taken over)
     max_tokens: int = 8  # tokens per completion (per turn in multi-turn environments)
@@ -65,21 +68,23 @@ class RolloutSection:
     top_p: float = 1.0  # nucleus sampling of the rollouts
     max_model_len: int = 128  # context window of a sequence: prompt and completion(s)
     max_num_seqs: int = 128  # sequences an engine decodes at once (sizes its KV cache)
-    placement: str = "inprocess"  # native engines: inprocess | process (vLLM ones always run in their own)
+    # native engines: inprocess | process (vLLM ones always run in their own)
+    placement: Literal[PLACEMENTS] = "inprocess"
     num_engines: int = 1  # the groups of a step are split across them
     engine_threads: int = 0  # torch threads per engine process (0: this process's threads / num_engines)
     sync_bucket_mb: int = 64  # weight sync goes in buckets of at most this many MiB
     # how weights reach engines in other processes: auto (CUDA IPC between GPUs of one node, else shared memory;
     # bytes through Ray between nodes) | shm | inline (in the message) | cuda_ipc | broadcast (NCCL / gloo group)
-    weight_transport: str = "auto"
+    weight_transport: Literal[TRANSPORTS] = "auto"
     engine_timeout_s: float = 300.0  # an engine in another process that makes no progress this long is named, the
     # run stops with its state saved (progress: a decode step or a reply; heartbeats show a busy engine lives)
     vllm_args: dict = field(default_factory=dict)  # more vllm.LLM arguments (engine=vllm), e.g. enforce_eager: true
-    dtype: str = "auto"  # engine compute dtype: auto (native engines: bf16 where native, else fp32; vLLM: bf16)
+    # engine compute dtype: auto (native engines: bf16 where native, else fp32; vLLM: bf16)
+    dtype: Literal[DTYPE_NAMES] = "auto"
     device: str = "auto"  # native engines: auto (CUDA where present) | cpu | cuda | cuda:N; vLLM picks its own
     # native engines: decode steps through one torch.compile graph (every mode); auto: compiled once the run's first
     # steps show the steps left repay the compilation (synchronous runs; moerl.engine.compiled.pays)
-    compile_decode: bool | str = "auto"
+    compile_decode: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         require(
@@ -120,7 +125,7 @@ class RolloutSection:
                     "compile_decode",
                     self.compile_decode,
                     isinstance(self.compile_decode, bool) or self.compile_decode == "auto",
-                    "allowed: auto, true, false",
+                    f"allowed: auto, true, false{quoted(self.compile_decode)}",
                 ),
                 (
                     "compile_decode",
@@ -154,7 +159,7 @@ class RolloutSection:
 
 @dataclass(slots=True)
 class AlgoSection:
-    advantage: str = "grpo"  # grpo | rloo | reinforce_pp
+    advantage: Literal[tuple(ESTIMATORS)] = "grpo"  # grpo | rloo | reinforce_pp
     std_normalize: bool = True  # grpo: divide by the group's reward std
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     ppo_epochs: int = 1  # passes over a step's samples
@@ -191,15 +196,19 @@ class AlgoSection:
 
 @dataclass(slots=True)
 class EnvSection:
-    name: str = "arithmetic"  # arithmetic | countdown | math | calculator (moerl.envs)
+    name: Literal[tuple(ENVS)] = "arithmetic"  # arithmetic | countdown | math | calculator (moerl.envs)
     kwargs: dict = field(default_factory=dict)  # the environment's arguments, e.g. {max_operand: 19, ops: "+"}
     eval_problems: int = 64  # distinct held-out problems evaluated greedily (0: no evaluation)
 
     def __post_init__(self) -> None:
-        self.kwargs = check_env_kwargs(self.name, self.kwargs)
         require(
-            "config key 'env.{}'", (("eval_problems", self.eval_problems, self.eval_problems >= 0, "must be >= 0"),)
+            "config key 'env.{}'",
+            (
+                ("name", self.name, self.name in ENVS, f"allowed: {', '.join(ENVS)}"),
+                ("eval_problems", self.eval_problems, self.eval_problems >= 0, "must be >= 0"),
+            ),
         )
+        self.kwargs = check_env_kwargs(self.name, self.kwargs)
 
 
 @dataclass(slots=True)
@@ -245,7 +254,7 @@ class ParallelSection:
     ep: int = 1  # expert-parallel ranks (the experts split across them)
     pp: int = 1  # pipeline stages
     microbatches: int = 0  # pipeline micro-batches per call (0: one per stage, more if policy.micro_batch_size needs)
-    schedule: str = "1f1b"  # pipeline schedule: 1f1b | gpipe | interleaved_1f1b (two stages per rank)
+    schedule: Literal[SCHEDULES] = "1f1b"  # pipeline schedule: 1f1b | gpipe | interleaved_1f1b (two stages per rank)
     stages: list[int] = field(default_factory=list)  # layers per pipeline stage ([]: balanced by parameter count)
     # how long a collective waits for the other ranks before the run stops naming the one that stopped answering;
     # ranks wait in one while rank 0 generates and evaluates, so it must exceed that phase
@@ -280,9 +289,10 @@ class ClusterSection:
     """Where the run's processes go: this machine (``local``: the trainer here or under torchrun, engines per
     ``rollout.placement``), or Ray actors in a placement group (``ray``)."""
 
-    backend: str = "local"  # local | ray
+    backend: Literal[BACKENDS] = "local"  # local | ray
     address: str = ""  # ray: "" starts a local Ray cluster for the run; "auto" or "host:port" joins a running one
-    placement: str = "disaggregated"  # ray: engines on CPUs of their own | colocated: each shares a trainer rank's
+    # ray: engines on CPUs of their own | colocated: each shares a trainer rank's CPUs and GPU
+    placement: Literal[CLUSTER_PLACEMENTS] = "disaggregated"
     cpus_per_trainer: int = 1  # ray: CPUs (and torch threads) of each trainer rank
     cpus_per_engine: int = 1  # ray, disaggregated: CPUs (and torch threads) of each engine
     gpus_per_trainer: float = 0  # ray: GPUs of each trainer rank (1: one process per GPU; colocated engines share it)

@@ -51,7 +51,7 @@ BAD_CONFIGS = [
     ("rollout.group_size=1", r"'rollout.group_size'=1 with algo.advantage='grpo': .*no learning signal"),
     ("env.kwargs={max_operand: many}", r"config key 'env.kwargs.max_operand' must be int, got str 'many'"),
     ("env.kwargs={max_operands: 5}", r"environment 'arithmetic' \(env.kwargs\): got an unexpected keyword"),
-    ("env.name=chess", r"unknown environment 'chess'; allowed: arithmetic, calculator, countdown, math"),
+    ("env.name=chess", r"'env.name'='chess': allowed: arithmetic, countdown, math, calculator"),
     ("env.eval_problems=-1", r"'env.eval_problems'=-1: must be >= 0"),
 ]
 

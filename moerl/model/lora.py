@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +78,7 @@ class LoraConfig:
     rank: int = 8  # adapter rank r
     alpha: float = 16.0  # scale: alpha / r (alpha / sqrt(r) with rslora)
     targets: list[str] | None = None  # None: every linear layer (not router / lm_head) and the routed experts
-    layout: str = "per_expert"  # per_expert | shared_outer
+    layout: Literal[LAYOUTS] = "per_expert"  # per_expert | shared_outer
     rslora: bool = False  # scale alpha / sqrt(r) instead of alpha / r
     dropout: float = 0.0  # dropout on the adapter's input while training
     expert_rank_norm: bool = False  # expert adapters get rank // top_k

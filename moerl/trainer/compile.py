@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from moerl.config import quoted
 from moerl.dynamo import unducked
 from moerl.errors import ConfigError
 
@@ -98,7 +99,7 @@ def check(setting, ranks: int, mode, key: str = "policy.compile") -> None:
     """Refuse a ``policy.compile`` value that is not auto / true / false, and ``true`` on a parallel layout or in a
     mode (``moerl.modes.Mode``) whose training forward does not trace."""
     if not (isinstance(setting, bool) or setting == "auto"):  # not ``in``: 1 and 0 compare equal to True / False
-        raise ConfigError(f"{key}={setting!r}: allowed: auto, true, false")
+        raise ConfigError(f"{key}={setting!r}: allowed: auto, true, false{quoted(setting)}")
     if setting is True and mode.untraced:
         raise ConfigError(
             f"{key}=true with policy.mode={mode.name}: {mode.untraced}, so {mode.name} trains eager; set it to auto "

@@ -4,13 +4,14 @@ micro-batch, dtype and device; every value checked here, once."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from moerl.config import finite, require
 from moerl.device import device_name
 from moerl.model.lora import LoraConfig
 from moerl.model.mx import SCALE_MODES
-from moerl.modes import mode_of
-from moerl.precision import dtype_name
+from moerl.modes import MODES, mode_of
+from moerl.precision import DTYPE_NAMES, dtype_name
 from moerl.trainer.compile import check as check_compile
 from moerl.trainer.optim import SCHEDULES
 
@@ -23,7 +24,7 @@ class OptimConfig:
     beta2: float = 0.999  # AdamW second-moment decay
     eps: float = 1e-8  # AdamW denominator epsilon
     grad_clip: float = 1.0  # max global grad norm; 0 = off
-    schedule: str = "constant"  # constant | cosine (after warmup_steps of linear warm-up)
+    schedule: Literal[SCHEDULES] = "constant"  # constant | cosine (after warmup_steps of linear warm-up)
     warmup_steps: int = 0  # optimizer steps of linear warm-up from 0 to lr
     total_steps: int = 1000  # cosine: the step where the learning rate reaches lr * min_lr_ratio
     min_lr_ratio: float = 0.0  # cosine: the final learning rate as a fraction of lr
@@ -50,19 +51,21 @@ class OptimConfig:
 
 @dataclass(slots=True)
 class PolicyConfig:
-    mode: str = "lora"  # what trains: lora (adapters, base frozen) | full (bf16 / fp32 compute) | mxfp8
+    # what trains: lora (adapters, base frozen) | full (bf16 / fp32 compute) | mxfp8
+    mode: Literal[tuple(MODES)] = "lora"
     lora: LoraConfig = field(default_factory=LoraConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     micro_batch_size: int = 8  # sequences per forward / backward (gradients accumulate over a mini-batch)
-    dtype: str = "auto"  # compute dtype (lora: the frozen base; full: the model copy): auto | bfloat16 | float32
+    # compute dtype (lora: the frozen base; full: the model copy): auto | bfloat16 | float32
+    dtype: Literal[DTYPE_NAMES] = "auto"
     device: str = "auto"  # auto (CUDA where present) | cpu | cuda | cuda:N (moerl.device)
     reference: bool = False  # full / mxfp8: keep a frozen copy for reference logprobs (lora: adapters off)
     max_nan_steps: int = 3  # consecutive non-finite steps that stop training
-    mx_scale_mode: str = "rceil"  # mxfp8: floor | rceil
+    mx_scale_mode: Literal[SCALE_MODES] = "rceil"  # mxfp8: floor | rceil
     packing: bool = True  # forwards run on the micro-batch's sequences packed into fewer rows (moerl.trainer.packing)
     # the training forward / backward compiled by decoder block (moerl.trainer.compile): auto (the loop decides from
     # its first steps' times, and keeps them where faster) | True | False
-    compile: bool | str = "auto"
+    compile: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         mode = mode_of(self.mode, key="PolicyConfig.mode")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -39,17 +40,19 @@ class PolicyLossConfig:
     ``mismatch_level`` (token | sequence | geometric), ``mismatch_cap`` (TIS cap), ``mismatch_low`` /
     ``mismatch_high`` (MIS / IcePop band): see ``moerl.trainer.mismatch``."""
 
-    kind: str = "ppo"  # ppo | gspo (sequence-level ratio) | cispo (clipped IS weight, gradient to every token)
+    # ppo | gspo (sequence-level ratio) | cispo (clipped IS weight, gradient to every token)
+    kind: Literal[LOSS_KINDS] = "ppo"
     clip_low: float = 0.2  # the ratio is clipped to [1 - clip_low, 1 + clip_high]
     clip_high: float = 0.2  # clip-higher when above clip_low (DAPO)
     dual_clip: float | None = None  # c > 1 (ppo / gspo): caps negative-advantage tokens' loss at -c * A
-    reduction: str = "token_mean"  # token_mean | seq_mean_token_sum | seq_mean_token_mean
+    reduction: Literal[REDUCTIONS] = "token_mean"  # token_mean | seq_mean_token_sum | seq_mean_token_mean
     kl_coef: float = 0.0  # weight of the KL to the reference policy (needs policy.reference or LoRA)
-    kl_estimator: str = "k3"  # k1 | k2 | k3
+    kl_estimator: Literal[KL_ESTIMATORS] = "k3"  # k1 | k2 | k3
     kl_in_reward: bool = False  # the KL shapes the rewards before the advantages instead of entering the loss
     entropy_coef: float = 0.0  # entropy bonus weight
-    mismatch: str = "none"  # engine / trainer mismatch correction: none | tis | mis | icepop (moerl.trainer.mismatch)
-    mismatch_level: str = "token"  # token | sequence | geometric
+    # engine / trainer mismatch correction: none | tis | mis | icepop (moerl.trainer.mismatch)
+    mismatch: Literal[MISMATCH_KINDS] = "none"
+    mismatch_level: Literal[MISMATCH_LEVELS] = "token"  # token | sequence | geometric
     mismatch_cap: float = 2.0  # tis: the importance weight's cap
     mismatch_low: float = 0.5  # mis / icepop: weights below this are masked
     mismatch_high: float = 2.0  # mis / icepop: weights above this are masked
