@@ -374,6 +374,7 @@ MUTABLE = (
     "policy.optim.min_lr_ratio",
     "policy.micro_batch_size",
     "policy.max_nan_steps",
+    "policy.compile",  # compiled and eager blocks compute the same step to fp32 rounding (tests/test_trainer_compile)
     "policy.device",  # a checkpoint's tensors are on no device: a run may move between CPU and GPU (dtype auto
     "rollout.device",  # follows the device)
     "rollout.max_num_seqs",

@@ -126,7 +126,8 @@ def test_resume_refuses_changes_to_fields_that_define_the_run(override, field, r
 
 def test_resume_applies_and_records_allowed_changes(run_copy, warm_model):
     original = (run_copy / "config.yaml").read_text()
-    train(_cfg(run_copy, warm_model, steps=3, **{"policy.optim.lr": 0.002, "train.eval_every": 1}), resume=True)
+    changes = {"policy.optim.lr": 0.002, "train.eval_every": 1, "policy.compile": False}
+    train(_cfg(run_copy, warm_model, steps=3, **changes), resume=True)
     rows = metric_rows(run_copy)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert rows[2]["lr"] != 0.002 and rows[3]["lr"] == 0.002  # applied for real from the resume on
@@ -139,11 +140,12 @@ def test_resume_applies_and_records_allowed_changes(run_copy, warm_model):
                 "train.steps": {"from": 2, "to": 3},
                 "train.eval_every": {"from": 0, "to": 1},
                 "policy.optim.lr": {"from": rows[2]["lr"], "to": 0.002},
+                "policy.compile": {"from": "auto", "to": False},
             },
         }
     ]
     # resuming the finished run with the same config changes nothing and records nothing
-    train(_cfg(run_copy, warm_model, steps=3, **{"policy.optim.lr": 0.002, "train.eval_every": 1}), resume=True)
+    train(_cfg(run_copy, warm_model, steps=3, **changes), resume=True)
     assert len((run_copy / "config_history.jsonl").read_text().splitlines()) == 1
     assert [r["step"] for r in metric_rows(run_copy)] == [0, 1, 2, 3]
 

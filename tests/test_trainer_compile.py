@@ -17,6 +17,7 @@ from moerl.model.grouped import group_mm_wgrad
 from moerl.model.lora import LoraConfig, attach_lora
 from moerl.presets import init_model
 from moerl.trainer import Batch, OptimConfig, Policy, PolicyConfig
+from moerl.trainer.checkpoint import load_checkpoint, save_checkpoint
 from moerl.trainer.compile import COMPILE_SECONDS, GAIN, AutoCompile, compile_blocks, pays
 from moerl.trainer.losses import sft_loss
 from moerl.trainer.packing import plan_packing
@@ -210,3 +211,31 @@ def test_the_loop_compiles_when_auto_finds_it_pays(warm_model, tmp_path, monkeyp
     )
     losses = [r["loss"] for r in metric_rows(tmp_path / "run") if "loss" in r]
     assert len(losses) >= 6 and all(abs(x) < 1e3 for x in losses)
+
+
+def test_a_compiled_policys_checkpoint_takes_its_next_step_eager_within_the_compiled_tolerance(tiny, tmp_path):
+    """``policy.compile`` may change on ``--resume`` (``run_config.MUTABLE``) because the numbers allow it: a policy
+    compiled (fp32, full) saves after two steps; an eager policy loads that checkpoint, and its third step leaves every
+    weight where the compiled policy's own third step does, within the compiled-vs-eager tolerance. Negative
+    control: the eager policy's third step on another batch misses it."""
+    cfg = {"mode": "full", "dtype": "float32", "optim": OptimConfig(lr=3e-3)}
+    batches = [_rows([12, 9, 16], seed=s) for s in range(4)]
+    compiled = Policy(tiny, PolicyConfig(compile=True, **cfg))
+    for b in batches[:2]:
+        compiled.train_step(b, sft_loss)
+    save_checkpoint(tmp_path / "ckpt", compiled)
+
+    def resumed_eager(batch: Batch) -> dict[str, torch.Tensor]:
+        eager = Policy(tiny, PolicyConfig(compile=False, **cfg))
+        load_checkpoint(tmp_path / "ckpt", eager)
+        eager.train_step(batch, sft_loss)
+        return {n: p.detach().clone() for n, p in eager.model.named_parameters()}
+
+    compiled.train_step(batches[2], sft_loss)
+    want = {n: p.detach() for n, p in compiled.model.named_parameters()}
+
+    def worst(got: dict[str, torch.Tensor]) -> float:
+        return max(float((got[n] - w).abs().max()) / max(1.0, float(w.abs().max())) for n, w in want.items())
+
+    assert worst(resumed_eager(batches[2])) <= TOL
+    assert worst(resumed_eager(batches[3])) > 10 * TOL
