@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import sys
+import time
+from contextlib import contextmanager
+
 from torch.fx.experimental import _config as fx_config
 
 
@@ -15,3 +19,17 @@ def unducked(compiled):
             return compiled(*args)
 
     return call
+
+
+@contextmanager
+def first_compile(what: str, key: str, value, on: bool = True):
+    """A line on stderr before and after the first call of ``what``'s compiled graph, which compiles it (tens of
+    seconds on a CPU): a long first step is said, not taken for a hang. ``key`` / ``value``: the setting that
+    compiles it; ``on``: whether this call is that first one (else nothing is said)."""
+    if not on:
+        yield
+        return
+    print(f"moerl: compiling {what} now, in the first call ({key}: {str(value).lower()})", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    yield
+    print(f"moerl: compiled {what}: the first call took {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)

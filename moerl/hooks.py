@@ -9,6 +9,7 @@ from pathlib import Path
 
 from moerl.console import resume_command
 from moerl.engine.compiled import COMPILE_SECONDS as DECODE_COMPILE_SECONDS
+from moerl.engine.compiled import STEP
 from moerl.engine.compiled import pays as pays_decode
 from moerl.errors import Preempted
 from moerl.metrics import plot_run, read_metrics
@@ -100,7 +101,7 @@ class AutoTune:
         if not (pays_decode(steps_left, decode_seconds) and self.engine.compile_decode()):
             return None
         return (
-            f"moerl: compiling the engine's decode step (rollout.compile_decode: auto; {steps_left} steps left at "
+            f"moerl: compiling {STEP} (rollout.compile_decode: auto; {steps_left} steps left at "
             f"{decode_seconds:.2f} s of decoding each repay the ~{DECODE_COMPILE_SECONDS:.0f} s it takes)"
         )
 

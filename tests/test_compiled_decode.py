@@ -3,6 +3,8 @@
 updates reach the compiled graph (negative control: the generation under the old weights fails the comparison).
 The dense expert path the graph takes is checked eagerly against the grouped one."""
 
+import re
+
 import pytest
 import torch
 
@@ -279,6 +281,12 @@ def test_the_loop_compiles_the_decode_step_when_auto_finds_it_pays(warm_model, t
     said = capfd.readouterr().err
     assert "moerl: compiling the engine's decode step (rollout.compile_decode: auto; 2 steps left" in said
     assert steps
+    # the step that compiles says so before and after, once: a long first compiled step is not taken for a hang
+    assert (
+        said.count("moerl: compiling the engine's decode step now, in the first call (rollout.compile_decode: auto)")
+        == 1
+    )
+    assert len(re.findall(r"moerl: compiled the engine's decode step: the first call took \d+\.\d s", said)) == 1
     rows = [r for r in metric_rows(tmp_path / "run") if "loss" in r]
     assert len(rows) == 5 and all(r["mismatch_k3_r3"] < 1e-6 for r in rows)  # fp32: compiled within 1e-5 of eager
 

@@ -213,7 +213,7 @@ def test_the_loop_compiles_when_auto_finds_it_pays(warm_model, tmp_path, monkeyp
     assert len(losses) >= 6 and all(abs(x) < 1e3 for x in losses)
 
 
-def test_a_compiled_policys_checkpoint_takes_its_next_step_eager_within_the_compiled_tolerance(tiny, tmp_path):
+def test_a_compiled_policys_checkpoint_takes_its_next_step_eager_within_the_compiled_tolerance(tiny, tmp_path, capfd):
     """``policy.compile`` may change on ``--resume`` (``run_config.MUTABLE``) because the numbers allow it: a policy
     compiled (fp32, full) saves after two steps; an eager policy loads that checkpoint, and its third step leaves every
     weight where the compiled policy's own third step does, within the compiled-vs-eager tolerance. Negative
@@ -221,8 +221,12 @@ def test_a_compiled_policys_checkpoint_takes_its_next_step_eager_within_the_comp
     cfg = {"mode": "full", "dtype": "float32", "optim": OptimConfig(lr=3e-3)}
     batches = [_rows([12, 9, 16], seed=s) for s in range(4)]
     compiled = Policy(tiny, PolicyConfig(compile=True, **cfg))
-    for b in batches[:2]:
-        compiled.train_step(b, sft_loss)
+    compiled.train_step(batches[0], sft_loss)
+    said = capfd.readouterr().err  # the step that compiles says so before and after it
+    assert "moerl: compiling the trainer's decoder blocks now, in the first call (policy.compile: true)" in said
+    assert re.search(r"moerl: compiled the trainer's decoder blocks: the first call took \d+\.\d s", said)
+    compiled.train_step(batches[1], sft_loss)
+    assert "compile" not in capfd.readouterr().err  # once
     save_checkpoint(tmp_path / "ckpt", compiled)
 
     def resumed_eager(batch: Batch) -> dict[str, torch.Tensor]:

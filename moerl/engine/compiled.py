@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from moerl.dynamo import unducked
+from moerl.dynamo import first_compile, unducked
 from moerl.engine.kv_cache import KVCache, StepView
 from moerl.model.grouped import device_kernel
 from moerl.model.mx import refresh_kept
@@ -42,6 +42,7 @@ DENSE_MAX_FLOPS_PER_TOKEN = 1e6
 # (the lowest, 0.12 saved, taken); 8-23 s to compile with inductor's cache warm, up to 40 s cold on 2 cores. In a
 # LoRA run on tiny (benchmarks/compile_decode_run.py) the step saved 15% for 18 s: it paid after 273 steps, where
 # this rule waits for 540 (a fresh machine compiles cold)
+STEP = "the engine's decode step"  # what the console calls it
 GAIN = 0.12
 COMPILE_SECONDS = 30.0
 
@@ -69,7 +70,7 @@ def dense_experts_pay(model: MoEModel) -> bool:
 class CompiledDecode:
     """Runs decode steps of ``model`` over ``cache`` through one compiled graph (see the module docstring)."""
 
-    def __init__(self, model: MoEModel, cache: KVCache, capture: bool):
+    def __init__(self, model: MoEModel, cache: KVCache, capture: bool, setting: bool | str = True):
         if cache.scratch_block is None:
             raise ValueError("CompiledDecode needs a KVCache built with scratch=True")
         device, dtype = model.embed_tokens.weight.device, model.dtype
@@ -87,6 +88,7 @@ class CompiledDecode:
             torch._dynamo.mark_static_address(pool)
         cuda = device.type == "cuda"
         self._graph = unducked(torch.compile(self._forward, dynamic=True, mode="reduce-overhead" if cuda else None))
+        self.first, self.setting = True, setting  # the first step compiles the graph (said on the console)
 
     def _forward(self, ids, positions, view: StepView, adapters) -> tuple[torch.Tensor, torch.Tensor | None]:
         out = self.model(ids, positions=positions, capture=self.capture, cache=view, adapters=adapters)
@@ -115,5 +117,7 @@ class CompiledDecode:
         # MXFP8 (applied to the engine's model after it is built): the quantized weights the graph reads, made before
         # it first compiles and quantized again (in place) after a sync, outside the graph
         refresh_kept(self.model)
-        logits, routed = self._graph(ids, positions, view, adapters)
+        compiling, self.first = self.first, False
+        with first_compile(STEP, "rollout.compile_decode", self.setting, on=compiling):
+            logits, routed = self._graph(ids, positions, view, adapters)
         return logits[:b], routed[:b] if routed is not None else None

@@ -104,7 +104,8 @@ class LLMEngine:
         engine whose config is False, or that cannot compile (linear-attention layers, ``release_cache``), stays
         eager."""
         if self.compiled is None and self.cache.scratch_block is not None:
-            self.compiled = CompiledDecode(self.model, self.cache, self.config.capture_routing)
+            cfg = self.config
+            self.compiled = CompiledDecode(self.model, self.cache, cfg.capture_routing, cfg.compile_decode)
         return self.compiled is not None
 
     # -- adapters and weights ------------------------------------------------------------------------------

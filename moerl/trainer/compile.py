@@ -25,6 +25,7 @@ from moerl.errors import ConfigError
 # catches) and the compilation's cost on 2 cores from a cold cache (22-27 s)
 GAIN = 0.15
 COMPILE_SECONDS = 30.0
+BLOCKS = "the trainer's decoder blocks"  # what the console calls them
 
 
 def compile_blocks(model: torch.nn.Module) -> int:
@@ -75,7 +76,7 @@ class AutoCompile:
             self.trying = policy.compile_if_it_pays(left, seconds)
             if self.trying:
                 return (
-                    f"moerl: compiling the trainer's decoder blocks (policy.compile: auto; {left} steps left at "
+                    f"moerl: compiling {BLOCKS} (policy.compile: auto; {left} steps left at "
                     f"{seconds:.2f} s of training each repay the ~{COMPILE_SECONDS:.0f} s it takes)"
                 )
         if self.trying and k in (5, 6):  # the 4th compiles

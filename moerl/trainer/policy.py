@@ -14,6 +14,7 @@ import torch
 from moerl.allocator import reuse_freed_memory
 from moerl.bridges import load_model
 from moerl.device import resolve_device
+from moerl.dynamo import first_compile
 from moerl.errors import ConfigError
 from moerl.finite import first_nonfinite
 from moerl.modes import MODES
@@ -22,8 +23,8 @@ from moerl.parallel.pipeline import Step
 from moerl.parallel.world import World, local
 from moerl.precision import compute_dtype
 from moerl.trainer.batch import Batch
+from moerl.trainer.compile import BLOCKS, compile_blocks, pays, uncompile_blocks
 from moerl.trainer.compile import check as check_compile
-from moerl.trainer.compile import compile_blocks, pays, uncompile_blocks
 from moerl.trainer.config import PolicyConfig
 from moerl.trainer.faults import check_weights, memory_named, skip_nonfinite
 from moerl.trainer.logprobs import packed_logprobs, token_logprobs
@@ -72,6 +73,7 @@ class Policy:
         self.trainable = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         check_compile(cfg.compile, self.layout.ranks, mode)
         self.compiled = cfg.compile is True and compile_blocks(self.model) > 0
+        self.compile_pending = self.compiled  # the next training step compiles them (said on the console)
         self.master = MasterWeights(self.trainable, self.layout.initial) if mode.masters else None
         self.optimizer = adamw(list(self.trained.values()), cfg.optim)
         self.scheduler = lr_schedule(self.optimizer, cfg.optim, 0)
@@ -120,7 +122,7 @@ class Policy:
             return False
         if not pays(steps_left, seconds_train):
             return False
-        self.compiled = compile_blocks(self.model) > 0
+        self.compiled = self.compile_pending = compile_blocks(self.model) > 0
         return self.compiled
 
     def drop_compiled(self) -> None:
@@ -219,9 +221,11 @@ class Policy:
             p.grad = None
         self.model.train()
         step = Step(batch.to(self.device), replay, self.adapters, temperature, entropy)
+        compiling, self.compile_pending = self.compile_pending, False
         try:
             with memory_named(self, "forward and backward of a training step", batch, before_step=True):
-                total, metrics = self.layout.backward(step, self._forward(self.model, step), loss_fn)
+                with first_compile(BLOCKS, "policy.compile", self.cfg.compile, on=compiling):
+                    total, metrics = self.layout.backward(step, self._forward(self.model, step), loss_fn)
         finally:
             self.model.eval()
         if self.master is not None:
