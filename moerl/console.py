@@ -8,6 +8,7 @@ import shlex
 import sys
 import time
 from functools import partial
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -94,6 +95,20 @@ def held_out_text(row: dict, prefix: str = "eval_accuracy") -> str:
 def say(line: str, bar=None) -> None:
     """A line on the console (stderr; above the bar on a terminal)."""
     (bar.write if bar is not None else partial(print, flush=True))(line, file=sys.stderr)
+
+
+def exported_line(exported: dict[str, str], checkpoint: Path, asked: bool) -> str:
+    """What the run wrote for the user, in words: a PEFT adapter, or merged weights and why, or where the trained
+    weights are when nothing else was written."""
+    if "adapter" in exported:
+        return f"moerl: wrote the trained LoRA adapter (PEFT: peft loads it onto the base) to {exported['adapter']}"
+    if "merged" in exported:
+        return (
+            f"moerl: wrote merged weights (the base with the adapters added in: a whole checkpoint, not a PEFT "
+            f"adapter) to {exported['merged']}; PEFT cannot hold these adapters: {exported['adapter_note']}"
+        )
+    why = "train.export_adapter is false" if not asked else "this mode writes no separate export"
+    return f"moerl: the trained weights are in the run's checkpoint {checkpoint} ({why})"
 
 
 def say_evaluation(step: int, row: dict, bar=None) -> None:

@@ -7,7 +7,7 @@ import math
 import sys
 from pathlib import Path
 
-from moerl.console import resume_command
+from moerl.console import exported_line, resume_command, say
 from moerl.engine.compiled import COMPILE_SECONDS as DECODE_COMPILE_SECONDS
 from moerl.engine.compiled import STEP
 from moerl.engine.compiled import pays as pays_decode
@@ -15,6 +15,7 @@ from moerl.errors import Preempted
 from moerl.metrics import plot_run, read_metrics
 from moerl.preempt import Preemption
 from moerl.run_config import RunConfig
+from moerl.rundir import CHECKPOINT
 from moerl.trainer import Policy
 from moerl.trainer.checkpoint import recover_checkpoint, save_checkpoint
 from moerl.trainer.compile import AutoCompile
@@ -116,4 +117,5 @@ def results(cfg: RunConfig, run_dir: Path, policy: Policy) -> dict:
             summary[f"accuracy_{when}{key}"] = row.get(f"eval_accuracy{key}", math.nan)
         summary[f"accuracy_sampled_{when}"] = row.get("eval_accuracy_sampled", math.nan)
     exported = policy.mode.export(policy, run_dir) if cfg.train.export_adapter else {}
+    say(exported_line(exported, run_dir / CHECKPOINT, cfg.train.export_adapter))
     return summary | exported | {"plot": str(plot_run(run_dir))}

@@ -81,6 +81,13 @@ def test_a_run_on_several_ranks_ends_cleanly_with_its_results_loadable(arch, lay
 
     saved = json.loads((run_dir / "checkpoint" / "checkpoint.json").read_text())
     assert saved["state"]["step"] == 2
+    said = {  # what the run wrote, on a line of its own in words
+        "merged": f"moerl: wrote merged weights (the base with the adapters added in: a whole checkpoint, not a PEFT "
+        f"adapter) to {run_dir / 'merged'}; PEFT cannot hold these adapters: ",
+        "adapter": f"moerl: wrote the trained LoRA adapter (PEFT: peft loads it onto the base) to {run_dir}/adapter",
+        "checkpoint": f"moerl: the trained weights are in the run's checkpoint {run_dir / 'checkpoint'} (this mode",
+    }
+    assert said[made] in err, err[-2000:]
     if made == "merged":  # transformers loads every tensor of the merged export, none missing or unexpected
         from transformers import AutoModelForCausalLM
 
