@@ -22,6 +22,7 @@ import torch
 from moerl.algo import learn
 from moerl.build import build_engine, build_generator, ensure_model
 from moerl.console import Console, FlatRewards, say_evaluation
+from moerl.console import say as console_say
 from moerl.cores import CoreShare
 from moerl.envs import make_env
 from moerl.errors import EngineError, Preempted, TrainingStopped
@@ -145,6 +146,8 @@ def _train_policy(
     local = cfg.cluster.backend == "local" and policy.layout.ranks == 1 and not cfg.train.deterministic
     cores = CoreShare(enabled=local)
     try:
+        if (room := gen.room()) is not None:  # refuses a context window no prompt fits; says what a short one cuts
+            console_say(room)
         if run.resume:
             policy.load(run.checkpoint)  # last: it restores the RNGs the steps go on with
         run.begin()  # everything that can refuse the run has passed: now its records are written
@@ -220,6 +223,8 @@ def rl_step(cfg: RunConfig, gen: Generator, policy: Policy, loss_fn, step: int, 
         "gen_tokens_per_s": got.gen_tokens / max(got.seconds, 1e-9),
         "seconds_generate": got.seconds,
         "samples": float(len(episodes)),
+        "cut_frac": got.cut / max(1, got.samples),  # completions cut at max_tokens or at the context window
+        "context_cut_frac": got.context_cut / max(1, got.samples),  # at the context window (rollout.max_model_len)
         "reward_generated": got.reward_generated,  # every sample's, dropped groups' too
         "informative_groups": float(got.informative_groups),
         "engine_restarts": float(gen.engine.restarts),  # Ray engine actors brought back, in all

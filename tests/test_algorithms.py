@@ -94,8 +94,8 @@ def test_compute_advantages_dispatches_and_names_the_allowed_methods():
 def test_dapo_dynamic_sampling_and_overlong_mask():
     r = torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [0.5, 0.5, 1.0]])
     assert dynamic_sampling_keep(r).tolist() == [True, False, False, True]
-    m = overlong_mask(["stop", "length", "error", "stop"])
-    assert m.dtype == torch.float32 and m.tolist() == [1.0, 0.0, 1.0, 1.0]
+    m = overlong_mask(["stop", "length", "error", "stop", "context"])
+    assert m.dtype == torch.float32 and m.tolist() == [1.0, 0.0, 1.0, 1.0, 0.0]
 
 
 # ---------------------------------------------------------------- policy losses

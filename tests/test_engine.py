@@ -147,6 +147,13 @@ def test_stops_min_tokens_and_lengths(tmp_path):
     prompt = "12+7="
     free = engine.generate([prompt], SamplingParams(max_tokens=20, seed=0, ignore_eos=True))[0].outputs[0]
     assert free.finish_reason == "length" and len(free.token_ids) == 20
+    # the context window cuts a completion before max_tokens: its finish reason says so ("context", not "length")
+    n = len(engine.tokenizer(prompt)["input_ids"])
+    small = LLMEngine(tmp_path, EngineConfig(max_num_seqs=8, max_model_len=n + 6))
+    window = small.generate([prompt], SamplingParams(max_tokens=20, seed=0, ignore_eos=True))[0].outputs[0]
+    assert window.finish_reason == "context" and window.token_ids == free.token_ids[:6]
+    fits = small.generate([prompt], SamplingParams(max_tokens=6, seed=0, ignore_eos=True))[0].outputs[0]
+    assert fits.finish_reason == "length" and fits.token_ids == free.token_ids[:6]  # max_tokens itself: length
     stop_tok = free.token_ids[4]
     cut = engine.generate([prompt], SamplingParams(max_tokens=20, seed=0, ignore_eos=True, stop_token_ids=[stop_tok]))[
         0

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from run_helpers import metric_rows, run_cfg
+from run_helpers import EASY, metric_rows, run_cfg
 
 from moerl.cli import main
 from moerl.config import load_config
@@ -97,6 +97,10 @@ def test_keep_informative_and_build_batch():
     assert batch.loss_mask.tolist() == [[0, 0, 1, 1], [0, 0, 0, 0]]
     assert batch.extras["rollout_logprobs"][0].tolist() == [0.0, 0.0, -0.5, -0.25]
     assert batch.replay.shape == (2, 3, 2, 2)
+    # a completion the context window cut is filtered as one max_tokens cut: the filter's control keeps both
+    window = [ro(1, 0.0), ro(1, 1.0, "context")]
+    assert to_batch(window, r3=True, overlong_filter=True).loss_mask.tolist() == [[0, 0, 1, 1], [0, 0, 0, 0]]
+    assert to_batch(window, r3=True, overlong_filter=False).loss_mask.tolist() == [[0, 0, 1, 1], [0, 0, 1, 1]]
     # asynchronous RL's bound: at trainer version 5 with max_staleness 2, a group with a sample of version 2 goes whole
     mixed = [ro(0, 1.0, version=3), ro(0, 0.0, version=2), ro(1, 1.0, version=4), ro(1, 0.0, version=3)]
     kept, dropped = drop_stale(mixed, version=5, max_staleness=2)
@@ -372,3 +376,32 @@ def test_held_library_lines_reach_the_run_directory_or_else_their_own_handlers(t
     with held_lines("moerl-test-library", tmp_path / "refused"):
         lib.warning("no directory")
     assert seen == ["no directory"] and not (tmp_path / "refused").exists() and isinstance(lib.handlers[0], Own)
+
+
+def test_a_context_window_too_short_for_max_tokens_is_said_once_and_its_cuts_counted(warm_model, tmp_path, capfd):
+    """rollout.max_model_len one token past a prompt of the task: the run says once, before it starts, how much room
+    the longest prompt it sampled leaves of rollout.max_tokens; each step's metrics count the completions cut, at the
+    context window too. A window no prompt fits is refused before the run writes anything."""
+    from moerl.bridges.checkpoint import load_tokenizer
+    from moerl.envs import make_env
+
+    prompt = make_env("arithmetic", **EASY).problems(1, seed=0)[0].prompt
+    length = len(load_tokenizer(warm_model)(prompt)["input_ids"])
+    over = {"rollout.max_model_len": length + 1, "algo.overlong_filter": "true", "env.eval_problems": 0}
+    train(run_cfg(tmp_path / "short", warm_model, "lora", steps=2, **over))
+    err = capfd.readouterr().err
+    said = re.findall(
+        r"moerl: rollout.max_model_len=(\d+) leaves the longest of \d+ prompts sampled \((\d+) tokens\) room for "
+        r"(\d+) of rollout.max_tokens=3: completions that reach it are cut at the context window",
+        err,
+    )
+    assert len(said) == 1, err[-2000:]
+    window, longest, room = map(int, said[0])
+    assert window == length + 1 and longest >= length and room == window - longest
+    rows = [r for r in metric_rows(tmp_path / "short") if "samples" in r]
+    assert rows and all(r["context_cut_frac"] > 0 and r["cut_frac"] >= r["context_cut_frac"] for r in rows)
+    assert all(r["context_cut_frac"] <= 1.0 for r in rows)
+    # the window the longest prompt fills leaves no room: refused before the run's records are written
+    with pytest.raises(ConfigError, match=rf"'rollout.max_model_len'={longest}: .* run to {longest} tokens"):
+        train(run_cfg(tmp_path / "none", warm_model, "lora", steps=2, **(over | {"rollout.max_model_len": longest})))
+    assert not (tmp_path / "none" / "metrics.jsonl").exists()

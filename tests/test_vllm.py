@@ -382,6 +382,21 @@ def test_vllm_logprobs_are_the_trainers_logprobs(model, engine):
     _assert_logprobs_agree(policy, engine)
 
 
+def test_a_completion_the_context_window_cuts_says_so_as_the_native_engines_do(model, engine):
+    """vLLM reports "length" for both limits; moerl tells the context window's cut ("context") from max_tokens'
+    ("length"), as the native engine does on the same request."""
+    from moerl.engine import LLMEngine
+
+    prompt = list(range(5, 5 + SHARED.max_model_len - 6))  # 6 tokens of room
+    native = LLMEngine(model, EngineConfig(max_num_seqs=4, max_model_len=SHARED.max_model_len))
+    for max_tokens, reason in ((20, "context"), (6, "length"), (4, "length")):
+        request = Request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=1))
+        (out,) = engine.generate([request])
+        (own,) = native.generate([request])
+        assert out.outputs[0].finish_reason == own.outputs[0].finish_reason == reason, max_tokens
+        assert len(out.outputs[0].token_ids) == min(max_tokens, 6)
+
+
 def test_prompts_longer_than_the_context_window_fail_alone(engine):
     outs = engine.generate([Request([5] * 100, SamplingParams(max_tokens=2)), Request("1+1=", SamplingParams())])
     assert outs[0].error_kind == "rejected" and "does not fit the context window" in outs[0].error

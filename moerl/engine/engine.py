@@ -455,8 +455,8 @@ class LLMEngine:
             if hits:
                 s.text = text[: min(hits)]
                 return "stop"
-        if s.num_generated >= s.group.max_tokens:
-            return "length"
+        if s.num_generated >= s.group.max_tokens:  # max_tokens, or less where the context window left less room
+            return "length" if s.num_generated >= p.max_tokens else "context"
         return None
 
     def _output(self, g: Group) -> RequestOutput:

@@ -27,7 +27,9 @@ class Completion:
     token_ids: list[int]
     text: str
     logprobs: torch.Tensor | None  # [G] fp32, sampled-token logprob after temperature
-    finish_reason: str  # stop | length | error (its request failed: RequestOutput.error)
+    # stop | length (max_tokens) | context (the context window, max_model_len, cut it before max_tokens) | error (its
+    # request failed: RequestOutput.error)
+    finish_reason: str
     routed_experts: torch.Tensor | None  # [T-1, L_moe, k] uint8 (int16 when E > 256), prompt rows included
 
 

@@ -9,7 +9,7 @@ import torch
 
 from moerl.errors import TrainingStopped
 from moerl.trainer import Batch
-from moerl.trainer.advantages import dynamic_sampling_keep
+from moerl.trainer.advantages import CUT, dynamic_sampling_keep
 
 
 @dataclass(slots=True)
@@ -24,7 +24,7 @@ class Episode:
     rollout_logprobs: list[float]  # over tokens: the engine's sampled-token logprobs (0 off the mask)
     routed: torch.Tensor | None  # [len(tokens) - 1, L_moe, k]: the engine's experts per token (R3), None: route
     reward: float
-    finish_reason: str  # stop | length | error
+    finish_reason: str  # stop | length | context (the context window) | error
     reward_error: str | None  # error | timeout: the reward (or an environment step) failed and scored 0
     version: int = 0  # the oldest weight version any of its tokens was generated under
 
@@ -92,7 +92,7 @@ def to_batch(episodes: list[Episode], r3: bool, overlong_filter: bool) -> Batch:
         rollout_lp[i, :n] = torch.tensor(e.rollout_logprobs)
         if replay is not None and e.routed is not None:
             replay[i, : n - 1] = e.routed.long()
-        if overlong_filter and e.finish_reason == "length":
+        if overlong_filter and e.finish_reason in CUT:
             loss_mask[i] = 0
     return Batch(
         ids,

@@ -20,6 +20,7 @@ from moerl.errors import ConfigError
 from moerl.rollout.episode import Episode, drop_failed_groups, groups, keep_informative
 from moerl.run_config import AlgoSection, RolloutSection
 from moerl.sync.weights import ADAPTER
+from moerl.trainer.advantages import CUT
 
 
 class EngineTurns:
@@ -78,6 +79,8 @@ class StepRollouts:
     seconds: float  # generation wall time
     reward_generated: float  # the mean reward of every sample generated (dropped groups included)
     informative_groups: int  # generated groups whose rewards differ: the only ones a group baseline learns from
+    cut: int = 0  # samples the engine cut (finish "length": at max_tokens, or "context": at the context window)
+    context_cut: int = 0  # of those, the ones the context window cut (rollout.max_model_len)
 
 
 class Generator:
@@ -204,7 +207,7 @@ class Generator:
         """Episode ``e`` after one turn's engine output ``out``: the model's tokens appended (trained on), then the
         environment's answer (not trained on). Returns whether the episode goes on, and the environment's state."""
         if out.error_kind == "rejected":  # the context filled up: the episode ends unfinished
-            e.reward, e.finish_reason = 0.0, "length"
+            e.reward, e.finish_reason = 0.0, "context"
             return False, state
         if out.error is not None:  # failed while running: its group is dropped and counted
             e.reward, e.finish_reason, e.reward_error = 0.0, "error", out.error
@@ -236,13 +239,41 @@ class Generator:
         e.reward_error = kind
         return None, 0.0, state
 
+    def room(self) -> str | None:
+        """Whether the environment's prompts leave ``rollout.max_tokens`` of room in the context window, read from
+        the first step's prompts and the held-out ones, tokenized as the engine does: a ConfigError where the
+        longest leaves none, a warning (returned, to be said once) naming the numbers where completions will be cut
+        at the context window, None where every one fits."""
+        tokenizer, r = self.engine.tokenizer, self.rollout
+        if tokenizer is None:
+            return None
+        problems = self.env.problems(r.prompts_per_step, seed=self.seed * 1_000_003 * 101, split="train")
+        if self.eval_problems > 0:
+            problems += held_out(self.env, self.eval_problems, seed=self.seed)
+        longest = max(len(tokenizer(p.prompt)["input_ids"]) for p in problems)
+        need = longest + r.max_tokens
+        if longest >= r.max_model_len:
+            raise ConfigError(
+                f"config key 'rollout.max_model_len'={r.max_model_len}: the environment's prompts run to {longest} "
+                f"tokens (the longest of {len(problems)} sampled), which leaves no room for a completion; raise it "
+                f"to at least {need} (prompt + rollout.max_tokens={r.max_tokens})"
+            )
+        if need <= r.max_model_len:
+            return None
+        return (
+            f"moerl: rollout.max_model_len={r.max_model_len} leaves the longest of {len(problems)} prompts sampled "
+            f"({longest} tokens) room for {r.max_model_len - longest} of rollout.max_tokens={r.max_tokens}: "
+            "completions that reach it are cut at the context window (finish reason 'context'; metrics cut_frac, "
+            f"context_cut_frac); {need} gives every completion its max_tokens"
+        )
+
     def collect(self, step: int) -> StepRollouts:
         """The rollouts of training step ``step`` (0-based): ``prompts_per_step`` groups of ``group_size`` samples;
         problems and sampling seeds are a function of the run's seed and ``step`` alone."""
         r, algo = self.rollout, self.algo
         t0 = time.perf_counter()
         episodes, samples, gen_tokens, dropped, refills, failed = [], 0, 0, 0, 0, 0
-        rewards, informative = [], 0
+        rewards, informative, cut, context_cut = [], 0, 0, 0
         seed = self.seed * 1_000_003 + step
         while len({e.group for e in episodes}) < r.prompts_per_step:
             want = r.prompts_per_step - len({e.group for e in episodes})
@@ -253,6 +284,8 @@ class Generator:
             new, n_failed = drop_failed_groups(new, step)
             failed += n_failed
             gen_tokens += sum(sum(e.loss_mask) for e in new)
+            cut += sum(e.finish_reason in CUT for e in new)
+            context_cut += sum(e.finish_reason == "context" for e in new)
             rewards += [e.reward for e in new]
             informative += sum(len({e.reward for e in g}) > 1 for g in groups(new).values())
             if algo.dynamic_sampling:
@@ -263,7 +296,9 @@ class Generator:
             if not algo.dynamic_sampling or refills > algo.max_refills:
                 break
         seconds, reward = time.perf_counter() - t0, sum(rewards) / len(rewards) if rewards else math.nan
-        return StepRollouts(step, episodes, samples, gen_tokens, dropped, failed, seconds, reward, informative)
+        return StepRollouts(
+            step, episodes, samples, gen_tokens, dropped, failed, seconds, reward, informative, cut, context_cut
+        )
 
     def evaluate(self, sampled: bool = False) -> Score:
         """Held-out accuracy on up to ``eval_problems`` distinct test-split problems: greedy answers, or

@@ -222,12 +222,12 @@ class VLLMEngine:
                 raise ConfigError(f"request {rid}: adapter {r.adapter!r}: this vLLM engine serves {serves}")
             prompts.append(self._tokens_prompt(prompt_token_ids=ids))
             params.append(self._params(r.params))
-            where.append((i, rid, ids))
+            where.append((i, rid, ids, r.params.max_tokens))
         if not prompts:
             return outs
         results, routes = self._watched(lambda: self._generate(prompts, params))
-        for (i, rid, ids), res in zip(where, results, strict=True):
-            outs[i] = RequestOutput(rid, ids, self._completions(res, routes, ids, rid), self.weight_version)
+        for (i, rid, ids, most), res in zip(where, results, strict=True):
+            outs[i] = RequestOutput(rid, ids, self._completions(res, routes, ids, rid, most), self.weight_version)
         return outs
 
     def _generate(self, prompts: list, params: list) -> tuple[list, dict | None]:
@@ -236,13 +236,14 @@ class VLLMEngine:
         return results, (self.llm.collective_rpc("moerl_take_routes")[0] if self.capture else None)
 
     @staticmethod
-    def _completions(res, routes: dict | None, ids: list[int], rid: str) -> list[Completion]:
+    def _completions(res, routes: dict | None, ids: list[int], rid: str, max_tokens: int) -> list[Completion]:
         comps = []
         for c in res.outputs:
             lp = None
             if c.logprobs is not None:
                 lp = torch.tensor([d[t].logprob for d, t in zip(c.logprobs, c.token_ids, strict=True)])
-            reason = "stop" if c.finish_reason == "stop" else "length"
+            # vLLM says "length" for both limits: fewer tokens than max_tokens means the context window cut it
+            reason = "stop" if c.finish_reason == "stop" else "length" if len(c.token_ids) >= max_tokens else "context"
             rows = None
             if routes is not None:
                 key = f"{c.index}_{res.request_id}" if len(res.outputs) > 1 else res.request_id

@@ -63,7 +63,11 @@ def dynamic_sampling_keep(rewards: torch.Tensor) -> torch.Tensor:
     return (rewards != rewards[:, :1]).any(1)
 
 
+CUT = ("length", "context")  # the finish reasons of a completion the engine cut: at max_tokens, at the context window
+
+
 def overlong_mask(finish_reasons: Sequence[str]) -> torch.Tensor:
-    """DAPO overlong filtering: float32 [N], 0 for sequences the engine cut at the length limit
-    (``finish_reason == "length"``), 1 otherwise. Multiply it into the loss mask (or the advantages)."""
-    return torch.tensor([0.0 if r == "length" else 1.0 for r in finish_reasons], dtype=torch.float32)
+    """DAPO overlong filtering: float32 [N], 0 for sequences the engine cut (``finish_reason`` "length": at
+    max_tokens, or "context": at the context window), 1 otherwise. Multiply it into the loss mask (or the
+    advantages)."""
+    return torch.tensor([0.0 if r in CUT else 1.0 for r in finish_reasons], dtype=torch.float32)
