@@ -10,6 +10,7 @@ import torch
 from moerl.device import resolve_device
 from moerl.engine import EngineConfig
 from moerl.envs import make_env
+from moerl.hub import checkpoint_dir
 from moerl.modes import mode_of
 from moerl.rollout import make_engine
 from moerl.rollout.generator import Generator
@@ -21,7 +22,7 @@ def ensure_model(cfg: RunConfig, run_dir: Path, fresh: bool) -> Path:
     warmed up for ``model.sft_steps`` (from ``model.base_cache``, built there on first use); or that random model
     itself in the run directory, written by a ``fresh`` run (a resume reuses it, or writes the same one again)."""
     if cfg.model.path is not None:
-        return Path(cfg.model.path)
+        return checkpoint_dir(cfg.model.path, cfg.model.revision)
     if cfg.model.sft_steps:  # a warmed-up random model, shared by the runs of this recipe
         from moerl.warmup import warmed_base
 

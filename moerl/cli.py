@@ -378,7 +378,7 @@ def _init_model_parser(sub) -> None:
 
 def _generate_parser(sub) -> None:
     s = sub.add_parser("generate", help="sample continuations of prompts from a checkpoint with the rollout engine")
-    s.add_argument("model_dir")
+    _checkpoint_argument(s, "model_dir")
     s.add_argument("--prompt", action="append", required=True, help="a text prompt (repeat for several)")
     s.add_argument("--max-tokens", type=int, default=32)
     s.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default); > 0 samples")
@@ -403,7 +403,7 @@ def _eval_parser(sub) -> None:
     s = sub.add_parser(
         "eval", help="held-out accuracy of a checkpoint (and adapter) on an environment, with its 95%% CI"
     )
-    s.add_argument("model_dir")
+    _checkpoint_argument(s, "model_dir")
     s.add_argument("--adapter", default=None, help="a LoRA adapter directory (PEFT, as moerl exports) to apply")
     _env_arguments(s)
     s.add_argument(
@@ -421,7 +421,7 @@ def _sft_parser(sub) -> None:
         "sft", help="warm a model up on an environment's worked examples (supervised), for RL to start from"
     )
     s.add_argument("out_dir")
-    s.add_argument("--model", default=None, help="a checkpoint to start from (default: a random --arch / --preset one)")
+    _checkpoint_argument(s, "--model", "a checkpoint to start from (default: a random --arch / --preset one)")
     s.add_argument("--arch", default="qwen3_moe", help="the random model's architecture")
     s.add_argument("--preset", default="tiny", choices=["tiny", "small"])
     s.add_argument("--seed", type=int, default=0, help="the random model's seed")
@@ -440,7 +440,7 @@ def _check_arch_parser(sub) -> None:
     s = sub.add_parser(
         "check-arch", help="derive a bridge for a checkpoint without one, prove it against transformers, print it"
     )
-    s.add_argument("dir", help="a HF checkpoint directory")
+    _checkpoint_argument(s, "dir")
     s.set_defaults(func=cmd_check_arch)
 
 
@@ -516,10 +516,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _checkpoint_argument(s, name: str, about: str = "a checkpoint directory or a Hugging Face hub id (owner/name)"):
+    """The command's checkpoint ``name`` (a directory or a hub id, from the HF cache offline first) and its
+    ``--revision``; resolved to a directory before the command runs (``_resolve_checkpoint``)."""
+    if name.startswith("--"):
+        s.add_argument(name, default=None, help=about)
+    else:
+        s.add_argument(name, help=about)
+    s.add_argument("--revision", default=None, help="with a hub id: its branch, tag or commit (default: main)")
+    s.set_defaults(checkpoint=name)
+
+
+def _resolve_checkpoint(args) -> None:
+    """The command's checkpoint argument as a local directory (``moerl.hub.checkpoint_dir``)."""
+    from moerl.hub import checkpoint_dir
+
+    name = getattr(args, "checkpoint", None)
+    field = name.lstrip("-").replace("-", "_") if name else None
+    if field is not None and getattr(args, field) is not None:
+        setattr(args, field, checkpoint_dir(getattr(args, field), args.revision, key=name))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        _resolve_checkpoint(args)
         args.func(args)
     except MoerlError as e:
         if not isinstance(e, Preempted):

@@ -29,7 +29,10 @@ def _count(x) -> bool:
 
 @dataclass(slots=True)
 class ModelSection:
-    path: str | None = None  # a HF checkpoint directory to train; null: a random model of arch / preset
+    # the checkpoint to train: a directory or a Hugging Face hub id (owner/name, from the HF cache, offline first);
+    # null: a random model of arch / preset
+    path: str | None = None
+    revision: str | None = None  # with a hub id in model.path: its branch, tag or commit (default: main)
     arch: str = "qwen3_moe"  # the random model's architecture (model.path unset)
     preset: Literal[tuple(PRESETS)] = "tiny"  # the random model's size: tiny | small
     seed: int = 0  # the random model's initialisation seed
