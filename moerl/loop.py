@@ -21,6 +21,7 @@ import torch
 
 from moerl.algo import learn
 from moerl.build import build_engine, build_generator, ensure_model
+from moerl.config import to_dict
 from moerl.console import Console, FlatRewards, say_evaluation
 from moerl.console import say as console_say
 from moerl.cores import CoreShare
@@ -28,7 +29,7 @@ from moerl.envs import make_env
 from moerl.errors import EngineError, Preempted, TrainingStopped
 from moerl.hooks import AutoTune, Evaluations, Saves, results
 from moerl.logs import library_logs
-from moerl.metrics import MetricsLogger
+from moerl.metrics import MetricsLogger, wandb_module
 from moerl.parallel.world import World, broadcast_json, init_world, stalled
 from moerl.preempt import Preemption, Quiet
 from moerl.rollout.ahead import RolloutsAhead
@@ -148,6 +149,7 @@ def _train_policy(
     try:
         if (room := gen.room()) is not None:  # refuses a context window no prompt fits; says what a short one cuts
             console_say(room)
+        wandb_module(cfg.metrics.wandb)  # asked for and missing: refused before the run's records are written
         if run.resume:
             policy.load(run.checkpoint)  # last: it restores the RNGs the steps go on with
         run.begin()  # everything that can refuse the run has passed: now its records are written
@@ -155,7 +157,8 @@ def _train_policy(
         saves = Saves(policy, run.path / CHECKPOINT, cfg.train.checkpoint_every, total, preempt)
         policy.stop_checkpoint_dir, policy.stop_state = saves.directory, {"step": start}
         loss_fn = make_policy_loss(cfg.algo.loss)
-        metrics = MetricsLogger(run.path, purge_step=start + 1 if run.resume else None)  # one row per step, 0 first
+        purge = start + 1 if run.resume else None  # one row per step, 0 first
+        metrics = MetricsLogger(run.path, purge_step=purge, wandb=cfg.metrics.wandb, config=to_dict(cfg))
         sync = partial(sync_policy, bucket_bytes=cfg.rollout.sync_bucket_mb << 20)
         evals = Evaluations(gen, cfg.train.eval_every, total)
         try:

@@ -1,4 +1,5 @@
-"""Per-step metrics: a jsonl file and TensorBoard scalars in the run directory; ``plot_run`` draws the curves."""
+"""Per-step metrics: a jsonl file and TensorBoard scalars in the run directory, and Weights & Biases where the run
+asks (``metrics.wandb``); ``plot_run`` draws the curves."""
 
 from __future__ import annotations
 
@@ -11,16 +12,27 @@ METRICS = "metrics.jsonl"
 
 
 class MetricsLogger:
-    """Appends one JSON line per step to ``run_dir/metrics.jsonl`` and writes TensorBoard scalars."""
+    """Appends one JSON line per step to ``run_dir/metrics.jsonl``, writes TensorBoard scalars and, with a
+    ``wandb`` project, logs the same numbers (and the run's ``config``) to Weights & Biases."""
 
-    def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True, purge_step: int | None = None):
-        """``purge_step``: a resumed run's first step; TensorBoard drops the events logged at and after it."""
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        tensorboard: bool = True,
+        purge_step: int | None = None,
+        wandb=None,
+        config: dict | None = None,
+    ):
+        """``purge_step``: a resumed run's first step; TensorBoard drops the events logged at and after it.
+        ``wandb``: the run config's ``metrics.wandb`` (off when its project is empty)."""
         self.path = Path(run_dir) / METRICS
-        self.tb = None
+        self.tb = self.wb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=purge_step)
+        if wandb is not None and wandb.project:
+            self.wb = _wandb_run(Path(run_dir), wandb, config or {})
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step} | {
@@ -33,10 +45,56 @@ class MetricsLogger:
                 if isinstance(v, (int, float)) and math.isfinite(v):
                     self.tb.add_scalar(k, v, step)
             self.tb.flush()
+        if self.wb is not None:
+            self.wb.log(
+                {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}, step=step
+            )
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+        if self.wb is not None:
+            self.wb.finish()
+            self.wb = None
+
+
+def wandb_module(section):
+    """The ``wandb`` module where ``metrics.wandb`` asks for it (None where it does not); a ConfigError saying how to
+    install it where it is missing (checked before the run writes anything)."""
+    if section is None or not section.project:
+        return None
+    from moerl.errors import ConfigError
+
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError(
+            f"config key 'metrics.wandb.project'={section.project!r}: Weights & Biases is not installed here; "
+            "pip install 'moerl[wandb]' (or set metrics.wandb.project to \"\" to log without it)"
+        ) from None
+    return wandb
+
+
+def _wandb_run(run_dir: Path, section, config: dict):
+    """The W&B run of ``run_dir``: one id per run directory (kept in ``run_dir/wandb_id``), so a resumed run goes on
+    logging to the same W&B run; its files under ``run_dir/wandb``; the console left to moerl."""
+    import uuid
+
+    wandb = wandb_module(section)
+    id_file = run_dir / "wandb_id"
+    if not id_file.exists():
+        id_file.write_text(uuid.uuid4().hex[:16])
+    return wandb.init(
+        project=section.project,
+        entity=section.entity,
+        mode=section.mode,
+        dir=str(run_dir),
+        id=id_file.read_text().strip(),
+        name=run_dir.name,
+        resume="allow",
+        config=config,
+        settings=wandb.Settings(console="off", silent=True),
+    )
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:

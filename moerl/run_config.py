@@ -287,6 +287,27 @@ BACKENDS = ("local", "ray")
 CLUSTER_PLACEMENTS = ("disaggregated", "colocated")
 
 
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+@dataclass(slots=True)
+class WandbSection:
+    project: str = ""  # Weights & Biases project to log the run's metrics and config to ("": off; needs moerl[wandb])
+    entity: str | None = None  # the W&B team or user (null: your default)
+    mode: Literal[WANDB_MODES] = "online"  # online | offline (files in run_dir/wandb, `wandb sync` later) | disabled
+
+    def __post_init__(self) -> None:
+        require(
+            "config key 'metrics.wandb.{}'",
+            (("mode", self.mode, self.mode in WANDB_MODES, f"allowed: {', '.join(WANDB_MODES)}"),),
+        )
+
+
+@dataclass(slots=True)
+class MetricsSection:
+    wandb: WandbSection = field(default_factory=WandbSection)
+
+
 @dataclass(slots=True)
 class ClusterSection:
     """Where the run's processes go: this machine (``local``: the trainer here or under torchrun, engines per
@@ -335,6 +356,7 @@ class RunConfig:
     train: TrainSection = field(default_factory=TrainSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     cluster: ClusterSection = field(default_factory=ClusterSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
 
     def __post_init__(self) -> None:
         r, a = self.rollout, self.algo
@@ -405,6 +427,9 @@ MUTABLE = (
     "cluster.cpus_per_engine",
     "cluster.engine_restarts",
     "cluster.runtime_env",
+    "metrics.wandb.project",  # where the metrics go does not change them
+    "metrics.wandb.entity",
+    "metrics.wandb.mode",
 )
 
 

@@ -27,7 +27,7 @@ CONFIG, HISTORY, LOCK, CHECKPOINT = "config.yaml", "config_history.jsonl", ".loc
 # a run's records: any of them means the directory holds a run; --overwrite removes them and the OUTPUTS
 RUN_FILES = (CONFIG, HISTORY, METRICS, CHECKPOINT, "checkpoint.tmp", "checkpoint.old")
 # base_model: a fresh run writes it anew; libraries.log: moerl.logs
-OUTPUTS = ("tensorboard", "curves.png", "adapter", "merged", "libraries.log")
+OUTPUTS = ("tensorboard", "curves.png", "adapter", "merged", "libraries.log", "wandb", "wandb_id")
 
 
 class RunLock:
