@@ -236,7 +236,7 @@ def test_prompt_longer_than_context_fails_alone(hf_checkpoints):
     assert "prompt of 16 tokens does not fit the context window (EngineConfig.max_model_len=16)" in outs[1].error
     assert outs[1].outputs == [] and len(outs[0].outputs[0].token_ids) == 4 and len(outs[3].outputs[0].token_ids) == 4
     clipped = engine.generate([[5] * 14], SamplingParams(max_tokens=10))[0].outputs[0]
-    assert len(clipped.token_ids) == 2 and clipped.finish_reason == "length"  # ran into the context window
+    assert len(clipped.token_ids) == 2 and clipped.finish_reason == "context"  # ran into the context window
 
 
 @pytest.mark.parametrize(

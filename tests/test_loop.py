@@ -240,7 +240,11 @@ def test_a_run_writes_a_progress_line_per_step_when_not_on_a_terminal(warm_model
     assert re.search(r"held-out accuracy \d+\.\d% \(95% CI \d+\.\d%-\d+\.\d%, \d+ problems\)", steps[2])
     assert lines[0].startswith("moerl: held-out accuracy before training: ")
     assert "moerl: final evaluation on the held-out problems" in lines
-    assert lines[-1] == "moerl: training done; exporting the results and drawing the curves"
+    assert lines[-2] == "moerl: training done; exporting the results and drawing the curves"
+    assert (
+        lines[-1]
+        == f"moerl: wrote the trained LoRA adapter (PEFT: peft loads it onto the base) to {tmp_path}/run/adapter"
+    )
 
 
 def test_ctrl_c_saves_the_last_complete_step_and_the_run_resumes_from_it(warm_model, tmp_path, capsys, monkeypatch):
