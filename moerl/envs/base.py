@@ -145,7 +145,10 @@ def wilson_interval(correct: int, total: int, z: float = 1.96) -> tuple[float, f
 def serve(fd: int) -> None:
     """Worker loop on socket ``fd``: unpickle (fn, args, as_reward), acknowledge, run, send ("ok", value) |
     ("error", reason). ``as_reward``: the value must be a finite int / float (sent as a float)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
+    # Ctrl-C and a scheduler's SIGTERM / SIGUSR1 reach the whole process group: the parent decides (it saves after
+    # the step in progress, which may still score rewards here) and stops this worker itself
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
     conn = Connection(fd)
     cache: dict[bytes, Callable] = {}
     while True:
