@@ -24,7 +24,7 @@ def checkpoint_dir(name: str | Path, revision: str | None = None, key: str = "mo
             raise ConfigError(f"{key}={str(name)!r} is a directory: a revision ({revision!r}) applies to hub ids only")
         return path
     text = str(name)
-    if path.exists() or not HUB_ID.match(text) or text.startswith((".", "/", "~")):
+    if path.exists() or not HUB_ID.match(text):  # an id starts with a letter or digit: no path prefix matches
         what = "is not a directory" if path.exists() else "does not exist"
         raise ConfigError(f"{key}={text!r} {what}: give a checkpoint directory or a Hugging Face hub id (owner/name)")
     return _snapshot(text, revision, key)
