@@ -12,7 +12,9 @@ host. vLLM runs from ``.venv-vllm`` (``make peers``) when it exists, else from t
         [--contenders NAME ...] [--vllm-python PYTHON]
 
 "moerl base compiled" is the engine with ``compile_decode``: its warm-up generate includes the compilation (column
-"first generate"; torch's compile cache on disk shortens it in later processes)."""
+"first generate"; torch's compile cache on disk shortens it in later processes). ``--baseline REF`` adds "moerl base
+@REF": the base engine of git revision REF (a worktree of it), interleaved with the others: a change's speed-up
+measured side by side."""
 
 from __future__ import annotations
 
@@ -156,7 +158,10 @@ def child(args) -> None:
         times.append(time.perf_counter() - start)
         assert produced == args.num_seqs * args.new_tokens, (args.child, produced)
     tps = args.num_seqs * args.new_tokens / statistics.median(times)
-    print(json.dumps({"tokens_per_s": tps, "peak_rss_mb": peak_rss_mb(), "kv_cache_bytes": kv, "first_s": first}))
+    import moerl
+
+    out = {"tokens_per_s": tps, "peak_rss_mb": peak_rss_mb(), "kv_cache_bytes": kv, "first_s": first}
+    print(json.dumps(out | {"moerl": str(Path(moerl.__file__).parent)}))
 
 
 def contender(name: str, ckpt: str, args, rnd: int, vllm_python: str | None, dtype: str) -> dict:
@@ -165,13 +170,20 @@ def contender(name: str, ckpt: str, args, rnd: int, vllm_python: str | None, dty
     if name == "vLLM":
         cmd = [vllm_python, str(HERE / "vllm_decode.py"), "--model", ckpt, "--rounds", str(args.reps), *common]
         return run_contender(cmd + ["--seed", str(rnd)])
+    tree = None
+    if " @" in name:  # the baseline: this script's child over the moerl of a worktree of that revision
+        name, tree = "moerl base", args.baseline_tree
     cmd = [sys.executable, __file__, "--child", name, "--ckpt", ckpt, "--reps", str(args.reps), *common]
-    return run_contender(cmd + ["--seed", str(1000 * (rnd + 1))])
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])} if tree else None
+    out = run_contender(cmd + ["--seed", str(1000 * (rnd + 1))], env=env)
+    assert tree is None or out["moerl"] == str(Path(tree) / "moerl"), f"the baseline imported {out['moerl']}"
+    return out
 
 
 def bench(preset: str, args, vllm_python: str | None, dtypes: list[str]) -> None:
     names = [n for n in CONTENDERS if (n != "vLLM" or vllm_python) and (n in args.contenders or n == "moerl base")]
     more = [f"moerl base [{arch}]" for arch in args.archs[1:]]  # the base engine on the other architectures
+    more += [f"moerl base @{args.baseline}"] if args.baseline else []
     names = [(n, dt) for n in names + more for dt in dtypes]
     runs: dict[tuple[str, str], list[dict]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as d:
@@ -180,7 +192,7 @@ def bench(preset: str, args, vllm_python: str | None, dtypes: list[str]) -> None
             init_model(arch, preset, ckpt, seed=0)
         for r in range(args.rounds):
             for n, dt in names[r % len(names) :] + names[: r % len(names)]:  # rotate who runs first
-                arch = n[n.index("[") + 1 : -1] if n in more else args.archs[0]
+                arch = n[n.index("[") + 1 : -1] if "[" in n else args.archs[0]
                 runs[(n, dt)].append(contender(n.split(" [")[0], ckpts[arch], args, r, vllm_python, dt))
     tps = {n: [x["tokens_per_s"] for x in v] for n, v in runs.items()}
     med = {n: statistics.median(v) for n, v in tps.items()}
@@ -213,6 +225,9 @@ def bench(preset: str, args, vllm_python: str | None, dtypes: list[str]) -> None
     for n in ("moerl base", "moerl base compiled"):
         if n in best and vllm:
             targets.append(f"{n.removeprefix('moerl ')} / vLLM = {best[n] / vllm:.2f}x (>= 2x)")
+    if args.baseline:
+        old = best[f"moerl base @{args.baseline}"]
+        targets.append(f"base / base @{args.baseline} = {best['moerl base'] / old:.2f}x")
     for variant, goal in (("shared_outer", 0.95), ("per_expert", 0.8)):
         if f"moerl LoRA {variant} fused" in best:
             ratio = best[f"moerl LoRA {variant} fused"] / best["moerl base"]
@@ -234,12 +249,27 @@ def main() -> None:
     p.add_argument(
         "--vllm-python", default=os.environ.get("MOERL_VLLM_PYTHON", str(own) if own.exists() else sys.executable)
     )
+    p.add_argument("--baseline", help="a git revision whose base engine runs beside (moerl base @REF)")
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--ckpt", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         return child(args)
+    if args.baseline:
+        with tempfile.TemporaryDirectory() as d:
+            args.baseline_tree = str(Path(d) / "baseline")
+            git = ["git", "-C", str(HERE.parent), "worktree"]
+            add = [*git, "add", "--detach", args.baseline_tree, args.baseline]
+            subprocess.run(add, check=True, capture_output=True)
+            try:
+                return run(args)
+            finally:
+                subprocess.run([*git, "remove", "--force", args.baseline_tree], check=True)
+    run(args)
+
+
+def run(args) -> None:
     dtypes = contender_dtypes(args)
     vllm_python = args.vllm_python if has_vllm(args.vllm_python) else None
     print(f"# {host_summary()}")

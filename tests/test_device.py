@@ -278,7 +278,7 @@ def test_a_cpu_index_in_the_engine_step_is_caught(tiny, monkeypatch):
 
     def on_the_cpu(self, *args, **kwargs):
         made(self, *args, **kwargs)
-        self.read_rows = torch.tensor(self.read_rows.tolist())
+        self.read = torch.tensor(self.read.tolist())
 
     monkeypatch.setattr(kv_cache.StepView, "__init__", on_the_cpu)
     with SimCuda(), pytest.raises(DeviceMixError, match=r"index_select"):

@@ -229,6 +229,46 @@ def test_update_weights_keeps_router_fp32_bit_for_bit_and_tags_version(hf_checkp
     assert engine.weight_version == 7
 
 
+def test_an_fp32_engine_keeps_large_experts_k_major_and_decodes_what_the_checkpoint_computes(tmp_path):
+    """Experts of over 256 KiB each in fp32 (streaming their weights bounds decode): the engine's own model stores
+    them K-major (``Experts.k_major``: shapes and values unchanged, each GEMM's weight operand contiguous) and takes
+    the unpadded per-expert GEMMs; its logprobs and experts are a full forward's of the checkpoint loaded in its own
+    layout (k3 <= 1e-6 fp32). A weight sync writes through the layout: one expert perturbed by update_weights moves
+    the logprobs past the tolerance (the control), and the original weights synced back restore parity."""
+    from moerl.bridges import load_model
+    from moerl.model.grouped import streams_weights
+
+    ckpt = tmp_path / "big_experts"
+    big = {"num_hidden_layers": 2, "hidden_size": 256, "moe_intermediate_size": 384}  # 768 / 384 KiB an expert
+    init_model("qwen3_moe", "tiny", ckpt, overrides=big)
+    engine = LLMEngine(ckpt, EngineConfig(max_num_seqs=4, max_model_len=64), dtype=torch.float32)
+    experts = engine.model.layers[0].mlp.experts
+    assert streams_weights(experts.gate_up_proj) and streams_weights(experts.down_proj)
+    assert experts.gate_up_proj.transpose(1, 2).is_contiguous() and experts.down_proj.transpose(1, 2).is_contiguous()
+    reference = load_model(ckpt, dtype=torch.float32)  # as the trainer holds it: [E, 2I, H] contiguous
+    assert reference.layers[0].mlp.experts.gate_up_proj.is_contiguous()
+    assert torch.equal(reference.layers[0].mlp.experts.gate_up_proj, experts.gate_up_proj)
+
+    def against_reference() -> tuple[float, bool]:
+        prompts = [torch.randint(4, 100, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 9, 14)]
+        outs = engine.generate(
+            [Request(p, SamplingParams(temperature=0.8, max_tokens=10, seed=i)) for i, p in enumerate(prompts)]
+        )
+        checks = [full_forward_check(reference, out, temperature=0.8) for out in outs]
+        return max(kl for kl, _ in checks), all(ok for _, ok in checks)
+
+    kl, routed_ok = against_reference()
+    assert kl <= 1e-6 and routed_ok, (kl, routed_ok)
+    name = "layers.1.mlp.experts.gate_up_proj"
+    original = reference.get_parameter(name).detach().clone()
+    engine.update_weights({name: original + 0.05 * torch.randn_like(original)}, version=1)
+    assert engine.model.get_parameter(name).transpose(1, 2).is_contiguous()  # copied into the layout, not around it
+    assert against_reference()[0] > 1e-6
+    engine.update_weights({name: original}, version=2)
+    kl, routed_ok = against_reference()
+    assert kl <= 1e-6 and routed_ok, (kl, routed_ok)
+
+
 def test_prompt_longer_than_context_fails_alone(hf_checkpoints):
     engine = LLMEngine(hf_checkpoints["Qwen3MoeForCausalLM"][0], EngineConfig(max_num_seqs=4, max_model_len=16))
     outs = engine.generate([[5] * 8, [6] * 16, [7] * 30, [8] * 4], SamplingParams(max_tokens=4))

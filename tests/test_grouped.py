@@ -96,3 +96,21 @@ def test_a_compiled_graph_reads_an_unaligned_grouped_gemm_as_eager_does():
     got = torch.compile(f, backend="inductor", fullgraph=True)(x, w, keys)
     assert torch.allclose(got, want, atol=1e-5, rtol=0)  # fp32: the same GEMM, elementwise ops after it
     assert not torch.allclose(got, want + 1e-3, atol=1e-5, rtol=0)  # the tolerance catches a small shift
+
+
+@pytest.mark.parametrize("n, padded", [(64, True), (1024, False)], ids=["small-weights", "streamed-weights"])
+def test_decode_sized_groups_pad_unless_each_fp32_weight_is_streamed(n, padded, monkeypatch):
+    """Groups of decode size may take the padded bmm; fp32 groups whose weight passes PAD_MAX_FP32_BYTES (1 MiB
+    here: K 256 x N 1024) take the per-group GEMMs instead, and both equal a loop over the groups."""
+    from moerl.model import grouped
+
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randint(0, 8, (24,), generator=gen).sort().values
+    x, w = torch.randn(24, 256, generator=gen), torch.randn(8, 256, n, generator=gen)
+    groups = Groups(keys, 8)
+    assert groups.padded and grouped.streams_weights(w) == (not padded)
+    used = []
+    monkeypatch.setattr(Groups, "pad", lambda self, rows, pad=Groups.pad: used.append(1) or pad(self, rows))
+    want = torch.cat([x[keys == g] @ w[g] for g in range(8)])
+    assert torch.allclose(group_mm(x, w, groups), want, atol=1e-4, rtol=1e-5)
+    assert bool(used) == padded

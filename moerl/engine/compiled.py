@@ -111,8 +111,9 @@ class CompiledDecode:
             tables = torch.cat([tables, tables.new_full((rows, tables.shape[1]), self.cache.scratch_block)])
             if adapters is not None:
                 adapters = torch.cat([adapters, adapters.new_full((rows,), -1)])
-        view = StepView(self.cache, tables, positions, torch.ones(b + rows, dtype=torch.long, device=device))
-        for t, dim in ((view._base, 3), (view._key_pos, 2), (view.read_rows, 0)):  # the key length is symbolic too
+        lengths = torch.ones(b + rows, dtype=torch.long, device=device)
+        view = StepView(self.cache, tables, positions, lengths, graph=True)
+        for t, dim in ((view._base, 3), (view._key_pos, 2), (view.read, 0)):  # the key length is symbolic too
             torch._dynamo.mark_dynamic(t, dim)
         # MXFP8 (applied to the engine's model after it is built): the quantized weights the graph reads, made before
         # it first compiles and quantized again (in place) after a sync, outside the graph

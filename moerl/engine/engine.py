@@ -55,6 +55,8 @@ class LLMEngine:
 
                 tokenizer = load_tokenizer(path)
             model = load_model(path, dtype=dtype, device=device)
+            if model.embed_tokens.weight.device.type == "cpu":  # a model of its own: laid out for its GEMMs
+                model.experts_k_major()
         self.model, self.tokenizer = model.eval(), tokenizer
         mcfg = model.config
         if "linear" in mcfg.layer_types and cfg.compile_decode is True:

@@ -116,6 +116,16 @@ class KVCache:
         self.heads, self.rows = heads, n  # every attention pool's [heads, rows, d]
         self.attention = [i for i, t in enumerate(cfg.layer_types) if t != "linear"]
         self.released = False
+        self._gathered: list[torch.Tensor | None] = [None, None]  # gather_buffer's key and value buffers
+
+    def gather_buffer(self, which: int, rows: int, blocks: torch.Tensor) -> torch.Tensor:
+        """A [rows, block width] buffer for a step's key (``which`` 0) or value (1) gather from ``blocks`` (a pool
+        seen as [H * blocks, block_size * d]), kept across layers and steps: an eager decode step reads what it
+        gathered before the next layer gathers again. Grows to the largest gather seen."""
+        buf, n = self._gathered[which], rows * blocks.shape[1]
+        if buf is None or buf.numel() < n or buf.dtype != blocks.dtype or buf.device != blocks.device:
+            buf = self._gathered[which] = blocks.new_empty(n)
+        return buf[:n].view(rows, -1)
 
     def pools(self) -> list[torch.Tensor]:
         """Every attention layer's key and value pool."""
@@ -125,6 +135,7 @@ class KVCache:
         """Give the pools' memory back until ``restore`` (they become empty tensors of the same kind)."""
         self.k = [pool.new_empty(0) for pool in self.k]
         self.v = [pool.new_empty(0) for pool in self.v]
+        self._gathered = [None, None]
         self.released = True
 
     def restore(self) -> None:
@@ -165,9 +176,11 @@ class StepView:
         lengths: torch.Tensor,
         write_rows: torch.Tensor | None = None,
         state_slots: torch.Tensor | None = None,
+        graph: bool = False,
     ):
         """``write_rows``: the flat [B * C] indices of the real new tokens, when the caller has them (else found
-        here: a host sync). ``state_slots`` [B]: each row's slot of the linear-attention states (LinearStates)."""
+        here: a host sync). ``state_slots`` [B]: each row's slot of the linear-attention states (LinearStates).
+        ``graph``: the view a compiled step traces (keys read one by one, see ``update``)."""
         self.cache, self.block_tables = cache, block_tables
         self.lengths, self.state_slots = lengths, state_slots
         b, c = positions.shape
@@ -181,12 +194,14 @@ class StepView:
         heads, n = cache.heads, cache.rows
         self.write_at = (torch.arange(heads, device=write_slots.device)[:, None] * n + write_slots[None, :]).reshape(-1)
         s = block_tables.shape[1] * bs
-        # row of every visible key position in the flattened [H * slots, d] pool, head-major: [H * B * S]
         dev = block_tables.device
-        key_slots = (block_tables[:, :, None] * bs + torch.arange(bs, device=dev)).reshape(-1)
-        heads, n = cache.heads, cache.rows
-        head_base = torch.arange(heads, device=dev)[:, None] * n
-        self.read_rows = (head_base + key_slots[None, :]).reshape(-1)
+        if graph:  # every visible key's row in the pool seen as [H * slots, d], head-major: [H * B * S]
+            key_slots = (block_tables[:, :, None] * bs + torch.arange(bs, device=dev)).reshape(-1)
+            self.read, self.width = (torch.arange(heads, device=dev)[:, None] * n + key_slots[None, :]).reshape(-1), 1
+        else:  # every block's row in the pool seen as [H * blocks, bs * d]: a few long copies, not one per key
+            # (16% of small's fp32 decode step). A graph would guard on the blocks per row (S = 16 nb): not there
+            head_base = torch.arange(heads, device=dev)[:, None] * (n // bs)
+            self.read, self.width = (head_base + block_tables.reshape(1, -1)).reshape(-1), bs
         self.b = b
         key_pos = torch.arange(s, device=dev)[None, None, :]
         q_pos = positions[:, :, None]
@@ -199,12 +214,17 @@ class StepView:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out = []
-        for pool, new in ((self.cache.k[layer], k), (self.cache.v[layer], v)):
+        for which, pool, new in ((0, self.cache.k[layer], k), (1, self.cache.v[layer], v)):
             h, _, d = pool.shape
             flat = pool.view(-1, d)  # dim-0 gathers and scatters are the fast ones
             rows = new.reshape(-1, h, d)[self.write_rows].transpose(0, 1).reshape(-1, d)  # [H * n, d]
             flat.index_copy_(0, self.write_at, rows)
-            gathered = flat.index_select(0, self.read_rows)  # [H * B * S, d]
+            src = pool.view(-1, self.width * d)
+            if torch.compiler.is_compiling():
+                gathered = src.index_select(0, self.read)
+            else:  # into the cache's buffer: the same pages every layer and step, none faulted in again
+                gathered = self.cache.gather_buffer(which, self.read.numel(), src)
+                torch.index_select(src, 0, self.read, out=gathered)
             out.append(gathered.view(h, self.b, -1, d).transpose(0, 1))  # [B, H, S, d], contiguous per head
         return out[0], out[1]
 

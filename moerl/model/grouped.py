@@ -18,8 +18,10 @@ class Groups:
     On CUDA: ``torch._grouped_mm`` with the group offsets (its kernel, for bf16 on sm90 / sm100: ``device_kernel``;
     elsewhere torch falls back to one GEMM per group over offsets it reads on the host). On the CPU
     ``torch._grouped_mm`` is one small GEMM per group, and per-call overhead dominates when groups are small (decode);
-    there a single bmm over a capacity-padded ``[groups, max rows, K]`` buffer is faster. It is used while groups
-    average <= 64 rows and padding at most quadruples the work; large groups (prefill) keep the per-group GEMMs.
+    there a single bmm over a capacity-padded ``[groups, max rows, K]`` buffer is faster. ``padded`` says it may be
+    used: groups average <= 64 rows and padding at most quadruples the work; large groups (prefill) keep the
+    per-group GEMMs. ``group_mm`` also keeps them for fp32 groups whose weight exceeds ``PAD_MAX_FP32_BYTES``: there
+    streaming the weight, not the call, is the cost, and the padded rows add to it (BENCHMARKS.md, issue 42 part 2).
 
     Inside a ``torch.compile`` graph the choice depends on the data, so there the grouped GEMM is one opaque op
     (``moerl::group_mm``) that makes it when it runs; its backward is two more such ops (``group_mm`` of the
@@ -51,11 +53,23 @@ class Groups:
         return buf
 
 
+# fp32 on the CPU: one group's weight past this and the per-group GEMMs beat the padded bmm (small's 1 MiB
+# experts in decode: 1.4x, 1.6x K-major; BENCHMARKS.md issue 42 part 2); bf16 keeps the padded bmm (4fe4c66)
+PAD_MAX_FP32_BYTES = 256 * 1024
+
+
+def streams_weights(w: torch.Tensor) -> bool:
+    """Whether a grouped GEMM over ``w`` [G, K, N] is bound by streaming each group's weight (fp32, a group's weight
+    past ``PAD_MAX_FP32_BYTES``): it runs per group, unpadded, and stores its weights K-major where it can
+    (``Experts.k_major``)."""
+    return w.dtype == torch.float32 and w.shape[-2] * w.shape[-1] * 4 > PAD_MAX_FP32_BYTES
+
+
 def group_mm(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
     """Row block g of ``x`` [M, K] (rows sorted by group) times ``w[g]`` [K, N] -> [M, N]."""
     if groups.opaque:
         return _group_mm_op(x, w, groups.keys, groups.n_groups)
-    if not groups.padded:
+    if not groups.padded or streams_weights(w):
         return _aligned_grouped_mm(x, w, groups.offs)
     return torch.bmm(groups.pad(x), w)[groups.group, groups.pos]
 

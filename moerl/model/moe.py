@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moerl.model.config import ModelConfig
-from moerl.model.grouped import Groups, group_mm
+from moerl.model.grouped import Groups, group_mm, streams_weights
 from moerl.model.linear import Linear
 
 
@@ -162,6 +162,17 @@ class Experts(nn.Module):
         self.down_proj_bias = nn.Parameter(torch.zeros(e, h)) if cfg.expert_bias else None
         self.grouped = True  # False: the per-expert loop, kept as the reference
         self.dense_in_graph = False  # inside a compiled graph: every expert on every token (see _dense)
+
+    @torch.no_grad()
+    def k_major(self) -> None:
+        """Store the weights the grouped GEMMs stream with their reduction dim outermost ([E, H, 2I] and [E, I, H] in
+        memory; shapes, names and values unchanged), so each expert's ``w.transpose(1, 2)`` is contiguous: the CPU
+        engine's decode layout where streaming the weights bounds the GEMM (``streams_weights``; measured 1.2x over
+        the per-group GEMMs of the [E, 2I, H] layout in small's fp32 decode, BENCHMARKS.md issue 42). A weight sync's
+        ``copy_`` writes through it."""
+        for p in (self.gate_up_proj, self.down_proj):
+            if streams_weights(p) and p.is_contiguous():
+                p.data = p.data.transpose(1, 2).contiguous().transpose(1, 2)
 
     def _gmm(self, x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
         """A grouped GEMM of the experts (what MXFP8 replaces)."""

@@ -327,6 +327,11 @@ class MoEModel(nn.Module):
             if layer.is_moe and layer.mlp.router.e_score_correction_bias is not None:
                 layer.mlp.router.e_score_correction_bias.zero_()
 
+    def experts_k_major(self) -> None:
+        """Every MoE layer's expert weights in the decode layout of ``Experts.k_major`` (the CPU engine's own model)."""
+        for i in self.moe_layer_ids:
+            self.layers[i].mlp.experts.k_major()
+
     def set_expert_path(self, grouped: bool) -> None:
         """Pick the grouped-GEMM expert path (default) or the per-expert reference loop."""
         for i in self.moe_layer_ids:
