@@ -4,8 +4,9 @@ put on a decode step and a training step.
 Measured, each kernel in a fresh process per round, rounds interleaved in a rotating order (median and spread over
 rounds; within a process the best of ``--reps``):
 
-- memory bandwidth at the thread count moerl uses: a streaming read (``sum`` of a 256 MiB fp32 tensor) and a copy
-  (``copy_`` of one: bytes read + bytes written);
+- memory bandwidth at the thread count moerl uses: a streaming read (the faster of ``sum`` of a 256 MiB fp32 tensor
+  and a GEMV over it as an [8192, n] matrix: on some hosts the reduction's own loop, not memory, bounds ``sum``) and
+  a copy (``copy_`` of one: bytes read + bytes written);
 - GEMM rates (GFLOP/s) in fp32 and bf16 at the shapes a decode step of 64 sequences and a training micro-batch of
   the preset run (the experts' gate-up and down projections with the rows an expert gets, the attention's qkv
   projection), and at a 2048^3 GEMM as the machine's peak.
@@ -51,7 +52,8 @@ def _best(fn, reps: int) -> float:
 def measure_bandwidth(reps: int) -> dict:
     n = BANDWIDTH_MIB * 2**20 // 4
     src, dst = torch.rand(n), torch.empty(n)
-    read = _best(lambda: src.sum(), reps)
+    matrix, vector = src.view(8192, -1), torch.rand(n // 8192)
+    read = min(_best(lambda: src.sum(), reps), _best(lambda: matrix @ vector, reps))
     copy = _best(lambda: dst.copy_(src), reps)
     nbytes = n * 4
     return {"read_gbs": nbytes / read / 1e9, "copy_gbs": 2 * nbytes / copy / 1e9}
