@@ -255,22 +255,29 @@ def cmd_demo(args) -> None:
     run_demo(args.run_dir, sft_steps=args.sft_steps, rl_steps=args.rl_steps, overwrite=args.overwrite, arch=args.arch)
 
 
-def cmd_train(args) -> None:
+def run_config(args):
+    """The RunConfig of ``moerl train`` / ``moerl plan``: the config file (optional) and the overrides; a first
+    word holding ``=`` and not naming a YAML file is an override (``moerl train train.steps=20``)."""
     from moerl.config import load_config
-    from moerl.loop import RunConfig, train
+    from moerl.run_config import RunConfig
+
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
+        config, overrides = None, [config, *overrides]  # no file given, only overrides
+    return load_config(RunConfig, config, overrides)
+
+
+def cmd_train(args) -> None:
+    from moerl.loop import train
     from moerl.parallel.plan import check_layout, model_config
     from moerl.parallel.world import launch, under_launcher
 
-    overrides = list(args.overrides)
-    if args.config is None and not overrides:  # a bare `moerl train` would start a 50-step run in runs/run
+    if args.config is None and not args.overrides:  # a bare `moerl train` would start a 50-step run in runs/run
         raise ConfigError(
             "moerl train needs a config file and/or key=value overrides, e.g. `moerl train "
             "examples/lora_arithmetic.yaml` or `moerl train train.steps=20 policy.mode=full`; nothing was started"
         )
-    if args.config is not None and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
-        overrides.insert(0, args.config)  # no file given, only overrides
-        args.config = None
-    cfg = load_config(RunConfig, args.config, overrides)
+    cfg = run_config(args)
     par, model = cfg.parallel, cfg.model
     if par.size > 1:  # a layout the model cannot take is refused before any rank starts
         mcfg = model_config(model.path, model.arch, model.preset)
@@ -304,15 +311,9 @@ def _bytes(text: str, key: str) -> int:
 
 def cmd_plan(args) -> None:
     """Memory per trainer rank, weight-sync traffic and the smallest layout that fits (``moerl.plan``)."""
-    from moerl.config import load_config
     from moerl.plan.plan import Machine, cores, plan, render
-    from moerl.run_config import RunConfig
 
-    overrides = list(args.overrides)
-    if args.config is not None and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
-        overrides.insert(0, args.config)
-        args.config = None
-    cfg = load_config(RunConfig, args.config, overrides)
+    cfg = run_config(args)
     link = _bytes(args.link.removesuffix("/s"), "--link")
     machine = Machine(args.gpus, _bytes(args.gpu_memory, "--gpu-memory"), args.nodes, args.usable, link)
     if args.workers < 0:
