@@ -22,12 +22,16 @@ $(TEST_STAMP): $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/moerl demo --overwrite
 
+# the tests in TEST_WORKERS processes (pytest-xdist), each file in one of them (its module fixtures: one vLLM engine, not
+# one per worker), each on one thread (tests/conftest.py); TEST_WORKERS=0 runs them in this process
+TEST_WORKERS ?= 2
+
 # first the host line: which CPU kernels this run gets (AVX2 / AVX-512 / AVX512-BF16 / AMX, threads) and what
 # dtype auto picks (MOERL_AUTO_DTYPE=bfloat16 or float32 runs the suite as the other kind of host would)
 test: $(TEST_STAMP)
 	$(PY) -m moerl.precision
 	$(PY) -m ruff check moerl tests benchmarks
-	$(PY) -m pytest -q --durations=15  # the slowest tests, to keep CI within its budget
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15  # the slowest tests, to keep CI within its budget
 	DEV=cpu $(PY) benchmarks/gpu_check.py  # the GPU check's dry run: it must work before device time is spent
 	$(MAKE) docs
 

@@ -9,6 +9,32 @@ sys.path.insert(0, str(Path(__file__).parent))
 # runs here are compared bit for bit: the thread count stays as set (moerl.cores adapts it to other processes' load;
 # tests/test_cores.py turns it on)
 os.environ.setdefault("MOERL_CORE_SHARE", "0")
+# under pytest-xdist (`make test` runs a worker per core): each worker, and every process it starts, computes on one
+# thread, so two workers never put more threads than cores on the machine (OpenMP threads that wait for a
+# descheduled one spin: a tiny model's run slows down many times over)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+# the files whose tests take longest (BENCHMARKS.md "The suite on this host"), first: workers take files in
+# collection order (`--dist loadfile --no-loadscope-reorder`), so the longest start early and no worker ends an hour
+# on one alone; the other files follow in their own order
+SLOW_FILES = [
+    "test_vllm.py",
+    "test_process_engines.py",
+    "test_ray.py",
+    "test_examples.py",
+    "test_run_end.py",
+    "test_parallel.py",
+    "test_compiled_decode.py",
+    "test_plan.py",
+]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES)))  # stable: each file's order is kept
+
 
 from hf_models import ARCHS, save_hf_model  # noqa: E402
 

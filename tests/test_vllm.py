@@ -52,30 +52,47 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(model):
-    eng = make_engine("vllm", model, SHARED, vllm_args=BLOCKS_OF_32)
-    yield eng
-    eng.close()
-
-
-def test_a_full_sync_gives_exactly_a_fresh_vllm_engines_rollouts(model, engine, tmp_path):
+def trained(model, tmp_path_factory):
+    """The tiny model after three bf16 training steps: (the policy, its export). The module's engine starts on it."""
     policy = Policy(model, PolicyConfig(mode="full", dtype="bfloat16", optim=OptimConfig(lr=3e-2)))
     ids = torch.randint(4, 100, (4, 10), generator=torch.Generator().manual_seed(0))
     for _ in range(3):
         policy.train_step(Batch(ids, torch.ones_like(ids), torch.ones_like(ids)), sft_loss)
-    export_model(policy.model, tmp_path / "trained", tokenizer_dir=model)
-    before = engine.generate(_requests())
+    path = tmp_path_factory.mktemp("vllm") / "trained"
+    export_model(policy.model, path, tokenizer_dir=model)
+    return policy, path
+
+
+@pytest.fixture(scope="module")
+def started(trained):
+    """The module's engine, started on the trained checkpoint, and the rollouts it gave fresh (before any sync)."""
+    eng = make_engine("vllm", trained[1], SHARED, vllm_args=BLOCKS_OF_32)
+    try:
+        yield eng, _flat(eng.generate(_requests()))
+    finally:
+        eng.close()
+
+
+@pytest.fixture(scope="module")
+def engine(started):
+    """The module's compiled engine: each test that uses it syncs its own weights first."""
+    return started[0]
+
+
+def test_a_full_sync_gives_exactly_a_fresh_vllm_engines_rollouts(model, trained, started):
+    """The engine, serving other weights (the untrained model's, synced in), takes the trained weights in a full sync
+    of several buckets: its rollouts are then those it gave fresh on the trained checkpoint, tokens and logprobs bit
+    for bit (one engine start fewer than a second, fresh engine would cost)."""
+    engine, fresh = started
+    policy, _ = trained
+    sync_policy(Policy(model, PolicyConfig(mode="full", dtype="bfloat16")), engine, version=2)
+    before = _flat(engine.generate(_requests()))
     stats = sync_policy(policy, engine, version=3, bucket_bytes=1 << 16)  # several buckets, one reload
     assert stats.buckets > 1 and engine.weight_version == 3
     after = engine.generate(_requests())
     assert all(o.weight_version == 3 for o in after)
-    fresh = make_engine("vllm", tmp_path / "trained", SHARED, vllm_args=BLOCKS_OF_32)
-    try:
-        expected = fresh.generate(_requests())
-    finally:
-        fresh.close()
-    assert _flat(after) == _flat(expected)  # tokens and logprobs, bit for bit
-    assert _flat(before) != _flat(expected)  # negative control: the sync is what made them equal
+    assert _flat(after) == fresh  # tokens and logprobs, bit for bit
+    assert before != fresh  # negative control: the sync is what made them equal
 
 
 def _vllm(pool, i: int = 0):
