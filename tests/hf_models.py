@@ -352,6 +352,17 @@ DERIVED_CONFIGS = {
         num_experts_per_tok=2, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.25,
         logits_scaling=6.0, sliding_window=4, layer_rope_theta=[0, 10000.0, 10000.0, 10000.0], vocab_size=VOCAB,
     ),
+    # DeepSeek-V3.2: latent attention (rotary pairs interleaved in code, no field says) narrowed by a lightning
+    # indexer (its keys rotated in halves) that keeps 4 keys a query, DeepSeek-V3 routing, a dense first layer
+    "DeepseekV32ForCausalLM": dict(
+        model_type="deepseek_v32", hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, index_topk=4, index_n_heads=16, index_head_dim=16, vocab_size=VOCAB,
+    ),
 }  # fmt: skip
+# GLM-5: DeepSeek-V3.2's layers with the indexer's rotary pairs interleaved, every layer's indexer its own
+DERIVED_CONFIGS["GlmMoeDsaForCausalLM"] = DERIVED_CONFIGS["DeepseekV32ForCausalLM"] | dict(model_type="glm_moe_dsa")
 DERIVED_ARCHS = list(DERIVED_CONFIGS)
 CONFIGS |= DERIVED_CONFIGS

@@ -27,6 +27,8 @@ GQA = dict(
 LINEAR = dict(linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=4, linear_value_head_dim=4)
 HYBRID = GQA | LINEAR | dict(layer_types=["linear", "full"], attn_output_gate=True, rope_dim=2)
 MLA = GQA | dict(attention="mla", head_dim=0, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4)
+# DeepSeek sparse attention: an indexer (2 heads of 4) keeping 3 keys a query, on latent attention with a low-rank query
+INDEXED = MLA | dict(q_lora_rank=8, index_topk=3, index_n_heads=2, index_head_dim=4)
 
 REFUSED = [
     # (base, overrides, field named, why)
@@ -80,6 +82,14 @@ REFUSED = [
     (GQA, dict(nope_layers=[1, 1]), "nope_layers", "each once"),
     (MLA, dict(nope_layers=[0]), "nope_layers", "not built for attention='mla'"),
     (HYBRID, dict(nope_layers=[0]), "nope_layers", "lists a linear-attention layer"),
+    (MLA, dict(index_topk=4, index_n_heads=2, index_head_dim=4), "index_topk", "low-rank query"),
+    (GQA, dict(index_topk=4, index_n_heads=2, index_head_dim=4), "index_topk", "needs latent attention"),
+    (INDEXED, dict(index_n_heads=0), "index_n_heads", "must be >= 1"),
+    (INDEXED, dict(index_head_dim=1), "index_head_dim", "must be >= qk_rope_head_dim=2"),
+    (INDEXED, dict(index_topk=-1), "index_topk", "must be >= 1"),
+    (MLA, dict(index_n_heads=2), "index_n_heads", "not built without an indexer"),
+    (MLA, dict(index_head_dim=4), "index_head_dim", "not built without an indexer"),
+    (MLA, dict(index_rope_interleave=True), "index_rope_interleave", "not built without an indexer"),
 ]
 
 
@@ -94,6 +104,7 @@ ACCEPTED = [
     GQA | dict(scoring="sparsemixer", norm="layer", norm_placement="post", mlp_bias=True, lm_head_bias=True),
     HYBRID | dict(linear_conv_kernel=3),
     GQA | dict(nope_layers=[1], rope_dim=2),  # a layer without RoPE beside a partially rotated one
+    INDEXED | dict(index_rope_interleave=True),
 ]
 
 

@@ -207,16 +207,19 @@ def common_fields(c: HFConfig) -> dict:
 
 
 def layer_types(
-    c: HFConfig, num_layers: int, all_sliding: bool = False, linear: bool = False
+    c: HFConfig, num_layers: int, all_sliding: bool = False, linear: bool = False, indexed: bool = False
 ) -> tuple[list[str], int | None]:
     """Per-layer attention kind from ``layer_types`` (v5) or, when ``all_sliding``, a window on every layer;
-    ``linear``: the family's ``linear_attention`` layers are Gated DeltaNet ones."""
+    ``linear``: the family's ``linear_attention`` layers are Gated DeltaNet ones; ``indexed``: its
+    ``indexed_attention`` layers are full attention narrowed by an indexer (DeepSeek sparse attention)."""
     window = c.opt("sliding_window", int)
     types = c.opt("layer_types", list)
     if types is not None:
         known = {"full_attention": "full", "sliding_attention": "sliding"}
         if linear:
             known["linear_attention"] = "linear"
+        if indexed:
+            known["indexed_attention"] = "full"
         unknown = [t for t in types if t not in known]
         if unknown:  # e.g. linear_attention (hybrid models): no such layer in the generic decoder
             raise ConfigError(

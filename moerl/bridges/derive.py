@@ -56,6 +56,7 @@ SYNONYMS = {
 }
 MUP = ("attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling")  # GraniteMoe's
 MLA = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "qk_head_dim")
+INDEX = ("index_topk", "index_n_heads", "index_head_dim")
 READ = {
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
     "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "rope_parameters", "rope_theta",
@@ -73,6 +74,8 @@ READ = {
     # the first layers dense (AFMoE), muP's embedding scale by sqrt(hidden_size) as a switch (AFMoE)
     "num_dense_layers", "mup_enabled", "layer_rope_theta",
     *MUP, *MLA, "rope_interleave",
+    # DeepSeek sparse attention (its indexer: moerl.model.indexer)
+    *INDEX, "indexer_types",
 }  # fmt: skip
 INERT = {  # fields that do not change the forward pass (ids, bookkeeping, training-only losses)
     "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
@@ -90,7 +93,6 @@ INERT = {  # fields that do not change the forward pass (ids, bookkeeping, train
 # config fields that say the family needs a feature moerl's decoder does not compute: the refusal names it
 FEATURES = {
     "zero_expert_num": "zero-computation experts",
-    **dict.fromkeys(("index_topk", "index_n_heads", "index_head_dim", "indexer_types"), "indexed sparse attention"),
     **dict.fromkeys(("linear_num_heads", "linear_head_dim"), "linear-attention layers other than Gated DeltaNet (KDA)"),
     **dict.fromkeys(("block_size", "linear_attn_alpha_factor"), "lightning linear-attention layers"),
     **dict.fromkeys(("conv_L_cache", "conv_bias"), "short-convolution layers"),
@@ -125,6 +127,10 @@ def variants(hf: dict, layout: Layout) -> list[dict]:
         nope_full=(False, True) if {"full_attention", "sliding_attention"} <= kinds else (False,),
         topk_before_softmax=(False, True) if softmax else (False,),
         qk_norm_after_rope=(False, True) if layout.qk_norm == "head" else (False,),
+        # latent attention's rotary pairs where no field says (DeepSeek-V3.2 interleaves them in code)
+        mla_interleave=(False, True) if layout.attention == "mla" and "rope_interleave" not in hf else (False,),
+        # the indexer's rotary pairs: split in halves (DeepSeek-V3.2) or interleaved (GLM-5)
+        index_interleave=(False, True) if layout.indexer else (False,),
     )
     out = [dict(zip(open_, values, strict=True)) for values in itertools.product(*open_.values())]
     return [v for v in out if not (v["topk_before_softmax"] and v["norm_topk"])]  # the k-softmax sums to 1 anyway
@@ -136,7 +142,8 @@ COUNTS = {  # ints >= 1 (null: absent)
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
     "max_position_embeddings", "intermediate_size", "sliding_window", "max_window_layers", "decoder_sparse_step",
     "moe_layer_freq", "moe_layer_interval", *(n for k, names in SYNONYMS.items() for n in names if k in COUNTED),
-    *LINEAR_FIELDS, "linear_conv_kernel_dim", "full_attention_interval", "n_group", "topk_group", *MLA, "rotary_dim",
+    *LINEAR_FIELDS, "linear_conv_kernel_dim", "full_attention_interval", "n_group", "topk_group", *MLA, *INDEX,
+    "rotary_dim",
     "sliding_window_pattern", "global_attn_every_n_layers",
 }  # fmt: skip
 NOT_NULL = {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", *SYNONYMS["top_k"]}
@@ -235,6 +242,7 @@ class Layout:
     shared_at_layer: bool = False  # the shared MLP sits beside the MoE block (model.layers.{i}.shared_mlp)
     shared_fused: bool = False  # the shared MLP as input_linear (gate rows, then up rows) and output_linear
     sinks: bool = False  # a learned sink logit per head (self_attn.sinks, GPT-OSS's)
+    indexer: bool = False  # DeepSeek sparse attention's indexer (self_attn.indexer.*) in the latent attention
 
 
 def read_layout(shapes: dict[str, tuple[int, ...]]) -> Layout:
@@ -325,6 +333,7 @@ def _attention_layout(patterns: set[str], shapes: dict[str, tuple[int, ...]]) ->
         "o_bias": any(p.endswith("self_attn.o_proj.bias") for p in patterns),
         "output_gate": output_gate,
         "attention": "mla" if mla else "gqa",
+        "indexer": any(".self_attn.indexer." in p for p in patterns),
     }
 
 
@@ -402,8 +411,11 @@ def _routing(c: HFConfig, layout: Layout, variant: dict) -> dict:
 def _attention(c: HFConfig, f: dict, layout: Layout, variant: dict, types: list[str]) -> dict:
     """Grouped-query attention's knobs (q/k norms, output gate, partial or no RoPE), or latent attention's sizes."""
     mla = [k for k in MLA if c.data.get(k) is not None]
+    indexer = _indexer(c, layout, variant, f["num_layers"])  # refuses indexer fields without an indexer
     if layout.attention == "mla":
-        return mla_fields(c, f["rope"], rope_interleave=c.opt("rope_interleave", bool, False))
+        interleave = c.opt("rope_interleave", bool, variant.get("mla_interleave", False))
+        fields = mla_fields(c, f["rope"], rope_interleave=interleave)
+        return fields | indexer
     if mla and mla != ["qk_head_dim"]:
         raise UnknownArchitectureError(
             f"{c.source}: latent-attention field(s) {', '.join(map(repr, mla))} without latent-attention tensors "
@@ -426,6 +438,32 @@ def _attention(c: HFConfig, f: dict, layout: Layout, variant: dict, types: list[
         nope_layers=sorted(nope),
         attention_sinks=layout.sinks,
         **({"attn_scale": c.req("attention_multiplier", float)} if "attention_multiplier" in c.data else {}),
+    )
+
+
+def _indexer(c: HFConfig, layout: Layout, variant: dict, n: int) -> dict:
+    """DeepSeek sparse attention's fields where the tensors hold an indexer: its heads, their size, the keys a
+    query keeps. An indexer that reuses an earlier layer's choice (GLM-5's ``shared`` layers) is refused by name."""
+    named = [k for k in INDEX if c.data.get(k) is not None]
+    if not layout.indexer:
+        if named:
+            raise UnknownArchitectureError(
+                f"{c.source}: indexer field(s) {', '.join(map(repr, named))} without indexer tensors "
+                "(self_attn.indexer.*)"
+            )
+        return {}
+    kinds = c.opt("indexer_types", list) or ["full"] * n
+    if set(kinds) - {"full"}:
+        i = next(i for i, k in enumerate(kinds) if k != "full")
+        raise UnknownArchitectureError(
+            f"{c.source}: field 'indexer_types' holds {kinds[i]!r} (layer {i}): an indexer layer that reuses an "
+            "earlier layer's choice of keys is not computed by moerl's decoder (only 'full')"
+        )
+    return dict(
+        index_topk=c.req("index_topk", int),
+        index_n_heads=c.req("index_n_heads", int),
+        index_head_dim=c.req("index_head_dim", int),
+        index_rope_interleave=variant.get("index_interleave", False),
     )
 
 
@@ -454,7 +492,7 @@ def _config(c: HFConfig, layout: Layout, variant: dict) -> ModelConfig:
     if "sliding_window_pattern" in c.data and not c.opt("layer_types", list):
         raise UnknownArchitectureError(f"{c.source}: sliding_window_pattern without layer_types: not derivable")
     # a window with neither switch nor layer types slides on every layer (Mixtral's convention)
-    types, window = layer_types(c, n, all_sliding=use is None, linear=layout.linear is not None)
+    types, window = layer_types(c, n, all_sliding=use is None, linear=layout.linear is not None, indexed=layout.indexer)
     c = _one_rope(c, types)
     f = common_fields(c)
     f["tie_word_embeddings"] = layout.tied

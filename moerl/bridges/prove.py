@@ -75,6 +75,10 @@ def tiny_config(hf: dict) -> dict:
         small |= {"head_dim": 8} | ({"qk_head_dim": 24} if "qk_head_dim" in small else {})
         if small.get("q_lora_rank"):
             small["q_lora_rank"] = 32
+    # an indexer keeping 4 of the proof's 16 keys: the selection shows; 16 heads, so that no two keys tie at a score of
+    # exactly 0 (every head's ReLU zero: 1 in 2^16), where transformers' top-k picks by its own layout
+    if small.get("index_topk"):
+        small |= {"index_topk": 4, "index_n_heads": 16, "index_head_dim": 16}
     for key, default in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
         if isinstance(small.get(key), int) and small[key] >= small.get("vocab_size", 128):
             small[key] = default
@@ -123,7 +127,7 @@ def _first_difference(model, bridge_hidden, ref_hidden, ours_routed, ref_choices
     return "the logits differ"
 
 
-SHARP = ("q_proj.weight", "k_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight")
+SHARP = ("q_proj.weight", "k_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight", "wq_b.weight", "wk.weight")
 
 
 def prove(hf: dict) -> tuple[Bridge, dict, Layout]:

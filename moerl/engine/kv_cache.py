@@ -17,7 +17,7 @@ def kv_shape(cfg: ModelConfig) -> tuple[int, int, int]:
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     heads, dk, dv = kv_shape(cfg)
     attention = sum(t != "linear" for t in cfg.layer_types)  # linear-attention layers keep a state, not keys
-    return attention * block_size * heads * (dk + dv) * dtype.itemsize
+    return attention * block_size * (heads * (dk + dv) + cfg.index_head_dim) * dtype.itemsize
 
 
 class LinearStates:
@@ -109,7 +109,11 @@ class KVCache:
             torch.zeros(heads, n if t != "linear" else 0, dv, dtype=dtype, device=device) for t in cfg.layer_types
         ]
         self.states: LinearStates | None = None  # set by the engine for a model with linear-attention layers
-        self.nbytes = sum(t.numel() * t.element_size() for t in self.k + self.v)
+        # DeepSeek sparse attention: one indexer key a token per layer ([1, rows, d]: a single head), paged as k / v
+        d = cfg.index_head_dim
+        self.index = [torch.zeros(1, n if d else 0, d, dtype=dtype, device=device) for _ in cfg.layer_types]
+        self._index_shapes = [t.shape for t in self.index]
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.k + self.v + self.index)
         self._k_shapes, self._v_shapes = [t.shape for t in self.k], [t.shape for t in self.v]
         self.dtype, self.device = dtype, device
         self.sliding_window = cfg.sliding_window
@@ -128,13 +132,15 @@ class KVCache:
         return buf[:n].view(rows, -1)
 
     def pools(self) -> list[torch.Tensor]:
-        """Every attention layer's key and value pool."""
-        return [pool for i in self.attention for pool in (self.k[i], self.v[i])]
+        """Every attention layer's key and value pool (and indexer key pool, where the model has indexers)."""
+        indexed = [self.index[i] for i in self.attention if self.index[i].shape[1]]
+        return [pool for i in self.attention for pool in (self.k[i], self.v[i])] + indexed
 
     def release(self) -> None:
         """Give the pools' memory back until ``restore`` (they become empty tensors of the same kind)."""
         self.k = [pool.new_empty(0) for pool in self.k]
         self.v = [pool.new_empty(0) for pool in self.v]
+        self.index = [pool.new_empty(0) for pool in self.index]
         self._gathered = [None, None]
         self.released = True
 
@@ -144,6 +150,7 @@ class KVCache:
             self.released = False
             self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for shape in self._k_shapes]
             self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for shape in self._v_shapes]
+            self.index = [torch.zeros(shape, dtype=self.dtype, device=self.device) for shape in self._index_shapes]
 
     def zero(self, blocks: list[int]) -> None:
         """Zero these blocks in every pool. Attention weighs the unused slots of a block by 0, and 0 * NaN = NaN:
@@ -211,6 +218,8 @@ class StepView:
         self._q_pos, self._key_pos, self._real = q_pos, key_pos, real
         self.real = real  # [B, C] which new tokens are real (linear-attention layers mask the rest out)
         self._sliding: torch.Tensor | None = None
+        self._write_slots, self._key_slots = write_slots, s  # update_index's single-head rows (see there)
+        self._index_read: torch.Tensor | None = None
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out = []
@@ -227,6 +236,19 @@ class StepView:
                 torch.index_select(src, 0, self.read, out=gathered)
             out.append(gathered.view(h, self.b, -1, d).transpose(0, 1))  # [B, H, S, d], contiguous per head
         return out[0], out[1]
+
+    def update_index(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
+        """Store this step's indexer keys [B, C, d] (DeepSeek sparse attention) in their single-head pool; return
+        every visible key [B, S, d], in the key order ``update`` returns (row = position)."""
+        pool = self.cache.index[layer]
+        d = pool.shape[2]
+        flat = pool.view(-1, d)
+        flat.index_copy_(0, self._write_slots, keys.reshape(-1, d)[self.write_rows])
+        if self._index_read is None:  # every visible key's slot, per row: the block tables' slots in order
+            bs = self.cache.block_size
+            dev = self.block_tables.device
+            self._index_read = (self.block_tables[:, :, None] * bs + torch.arange(bs, device=dev)).reshape(-1)
+        return flat.index_select(0, self._index_read).view(self.b, self._key_slots, d)
 
     def mask(self, sliding: bool) -> torch.Tensor:
         if not sliding or not self.cache.sliding_window:

@@ -84,6 +84,12 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # DeepSeek sparse attention (moerl.model.indexer): each latent-attention layer's indexer keeps a query's
+    # index_topk best keys; 0: dense attention
+    index_topk: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_rope_interleave: bool = False  # the indexer's rotary pairs interleaved (GLM-5) or split in halves (V3.2)
     # router
     scoring: str = "softmax"  # softmax | sigmoid | sparsemixer (PhiMoE, its deterministic eval form; top_k 2)
     sparsemixer_eps: float = 0.01  # sparsemixer: experts this far (relative) below the chosen one are masked
@@ -222,10 +228,27 @@ class ModelConfig:
                 ("nope_layers", []),
             )
             self._only_defaults("for attention='mla'", mla_defaults)
+        self._validate_indexer()
         if self.clip_qkv is not None and not self.clip_qkv > 0:
             raise self._bad("clip_qkv", "must be > 0 (or None)")
         if self.sliding_window is not None and "sliding" not in self.layer_types:
             raise self._bad("sliding_window", "set, but no layer is 'sliding' (layer_types): it would be ignored")
+
+    def _validate_indexer(self) -> None:
+        """DeepSeek sparse attention's fields: all unset, or an indexer a latent-attention layer with a low-rank query
+        can build (its rotated dims within its head)."""
+        if not self.index_topk:
+            defaults = (("index_n_heads", 0), ("index_head_dim", 0), ("index_rope_interleave", False))
+            self._only_defaults("without an indexer (index_topk 0)", defaults)
+            return
+        if self.index_topk < 0:
+            raise self._bad("index_topk", "must be >= 1 (or 0: dense attention)")
+        if self.attention != "mla" or not self.q_lora_rank:
+            raise self._bad("index_topk", "an indexer needs latent attention with a low-rank query (q_lora_rank)")
+        if not self.index_n_heads >= 1:
+            raise self._bad("index_n_heads", "must be >= 1")
+        if not self.index_head_dim >= self.qk_rope_head_dim:
+            raise self._bad("index_head_dim", f"must be >= qk_rope_head_dim={self.qk_rope_head_dim} (its rotated dims)")
 
     def _validate_router(self) -> None:
         """Router fields a scoring mode ignores (``topk_before_softmax``, sparsemixer) stay at their defaults."""

@@ -15,6 +15,7 @@ from torch import nn
 
 from moerl.errors import ReplayError
 from moerl.model.config import ModelConfig
+from moerl.model.indexer import Indexer
 from moerl.model.linear import Linear
 from moerl.model.moe import MLP, MoE
 from moerl.model.rope import apply_rope, inv_freq_and_scale, rope_cos_sin
@@ -29,6 +30,10 @@ class KVCacheView(Protocol):
 
     def mask(self, sliding: bool) -> torch.Tensor:
         """Boolean [B, 1, C, S]: which cached keys each new query may attend to."""
+        ...
+
+    def update_index(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
+        """Store this step's indexer keys [B, C, d] (DeepSeek sparse attention); return every visible one [B, S, d]."""
         ...
 
 
@@ -167,13 +172,16 @@ class MLAttention(nn.Module):
         self.sliding = cfg.layer_types[layer] == "sliding"
         self.mask_kind = cfg.layer_types[layer]
         self.layer = layer
+        # DeepSeek sparse attention: each query attends to the keys its indexer chooses (moerl.model.indexer)
+        self.indexer = Indexer(cfg) if cfg.index_topk else None
 
     def forward(self, x, cos, sin, mask, cache: KVCacheView | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         if hasattr(self, "q_proj"):
-            q = self.q_proj(x)
+            q = q_low = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_low = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_low)
         q = q.view(b, t, self.num_heads, self.nope + self.rope_dim)
         q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
@@ -188,6 +196,13 @@ class MLAttention(nn.Module):
             mask = cache.mask(self.sliding)
         else:
             k, v = k.transpose(1, 2), v.transpose(1, 2)
+        if self.indexer is not None:
+            keys = self.indexer.keys(x, cos, sin)
+            if cache is not None:
+                keys = cache.update_index(self.layer, keys)
+            elif mask is None:
+                mask = build_mask(None, 1, t, None, x.device)
+            mask = self.indexer.select(x, q_low, cos, sin, keys, mask)
         return self.o_proj(attend(q.transpose(1, 2), k, v, mask, self.scale))
 
 
