@@ -362,6 +362,15 @@ DERIVED_CONFIGS = {
         qk_rope_head_dim=8, v_head_dim=16, index_topk=4, index_n_heads=16, index_head_dim=16, vocab_size=VOCAB,
     ),
 }  # fmt: skip
+# Granite-4.0-H: Mamba-2 layers (2 groups of B / C, conv bias, the gated norm over all channels) beside attention
+# without RoPE, muP multipliers, a shared MLP beside fused experts
+DERIVED_CONFIGS["GraniteMoeHybridForCausalLM"] = dict(
+    model_type="granitemoehybrid", hidden_size=64, intermediate_size=32, shared_intermediate_size=48,
+    num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "mamba"], num_attention_heads=4,
+    num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, mamba_n_heads=4, mamba_n_groups=2,
+    mamba_d_state=16, mamba_expand=2, mamba_d_conv=4, mamba_chunk_size=8, embedding_multiplier=12.0,
+    residual_multiplier=0.22, attention_multiplier=0.015625, logits_scaling=6.0, vocab_size=VOCAB,
+)  # fmt: skip
 # GLM-5: DeepSeek-V3.2's layers with the indexer's rotary pairs interleaved, every layer's indexer its own
 DERIVED_CONFIGS["GlmMoeDsaForCausalLM"] = DERIVED_CONFIGS["DeepseekV32ForCausalLM"] | dict(model_type="glm_moe_dsa")
 DERIVED_ARCHS = list(DERIVED_CONFIGS)

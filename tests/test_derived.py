@@ -169,6 +169,7 @@ KNOBS = {
     "GraniteMoeSWAForCausalLM": ("nope_layers", []),  # layer_rope_theta 0: that layer rotates nothing
     "DeepseekV32ForCausalLM": ("index_rope_interleave", True),  # the indexer's rotary pairs
     "GlmMoeDsaForCausalLM": ("index_rope_interleave", False),
+    "GraniteMoeHybridForCausalLM": ("mamba_norm_groups", 2),  # the gated norm over all channels, not per B / C group
 }
 
 
@@ -236,6 +237,8 @@ REFUSED = [  # (model_type, config changes, the feature the refusal names)
     # GLM-5's indexer layers that reuse the layer before's choice of keys
     ("glm_moe_dsa", {"indexer_types": "FS"}, r"'indexer_types' holds 'shared' \(layer 1\): an indexer layer"),
     ("qwen3_moe", {"index_topk": 4}, "indexer field.*'index_topk'.* without indexer tensors"),
+    ("nemotron_h", {}, "Nemotron-H's layers of one block each"),
+    ("jamba", {}, "Mamba-1 layers"),
 ]
 
 

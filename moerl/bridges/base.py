@@ -207,11 +207,17 @@ def common_fields(c: HFConfig) -> dict:
 
 
 def layer_types(
-    c: HFConfig, num_layers: int, all_sliding: bool = False, linear: bool = False, indexed: bool = False
+    c: HFConfig,
+    num_layers: int,
+    all_sliding: bool = False,
+    linear: bool = False,
+    indexed: bool = False,
+    mamba: bool = False,
 ) -> tuple[list[str], int | None]:
     """Per-layer attention kind from ``layer_types`` (v5) or, when ``all_sliding``, a window on every layer;
     ``linear``: the family's ``linear_attention`` layers are Gated DeltaNet ones; ``indexed``: its
-    ``indexed_attention`` layers are full attention narrowed by an indexer (DeepSeek sparse attention)."""
+    ``indexed_attention`` layers are full attention narrowed by an indexer (DeepSeek sparse attention); ``mamba``:
+    its ``mamba`` / ``linear_attention`` layers are Mamba-2 ones."""
     window = c.opt("sliding_window", int)
     types = c.opt("layer_types", list)
     if types is not None:
@@ -220,6 +226,8 @@ def layer_types(
             known["linear_attention"] = "linear"
         if indexed:
             known["indexed_attention"] = "full"
+        if mamba:
+            known |= {"mamba": "mamba", "linear_attention": "mamba", "attention": "full"}
         unknown = [t for t in types if t not in known]
         if unknown:  # e.g. linear_attention (hybrid models): no such layer in the generic decoder
             raise ConfigError(
@@ -263,6 +271,37 @@ LINEAR_ATTENTION_RULES = (
     ),
     *(Rule(f"model.layers.{{i}}.linear_attn.{m}", f"layers.{{i}}.self_attn.{m}") for m in ("dt_bias", "A_log")),
 )
+
+
+MAMBA_RULES = (
+    *(
+        Rule(f"model.layers.{{i}}.mamba.{m}.{{x}}", f"layers.{{i}}.self_attn.{m}.{{x}}")
+        for m in ("in_proj", "conv1d", "norm", "out_proj")
+    ),
+    *(Rule(f"model.layers.{{i}}.mamba.{m}", f"layers.{{i}}.self_attn.{m}") for m in ("dt_bias", "A_log", "D")),
+)
+
+
+def mamba_fields(c: HFConfig, hidden: int, norm_groups: int) -> dict:
+    """ModelConfig's Mamba-2 fields from a family's ``mamba_*`` ones (Granite-4.0-H's spelling); ``norm_groups``:
+    the gated norm's groups (the names cannot tell: a variant of the proof)."""
+    heads = c.req("mamba_n_heads", int)
+    head_dim = c.data.get("mamba_d_head", "auto")
+    if head_dim == "auto":
+        head_dim = c.opt("mamba_expand", int, 2) * hidden // heads
+    low, high = c.opt("time_step_limit", list) or [0.0, float("inf")]
+    return dict(
+        mamba_num_heads=heads,
+        mamba_head_dim=c.req("mamba_d_head", int) if head_dim is None else int(head_dim),
+        mamba_state_size=c.req("mamba_d_state", int),
+        mamba_groups=c.opt("mamba_n_groups", int, 1),
+        mamba_conv_kernel=c.opt("mamba_d_conv", int, 4),
+        mamba_conv_bias=c.opt("mamba_conv_bias", bool, True),
+        mamba_proj_bias=c.opt("mamba_proj_bias", bool, False),
+        mamba_norm_groups=norm_groups,
+        mamba_dt_min=float(low),
+        mamba_dt_max=float(high),
+    )
 
 
 def mtp_layer(name: str, cfg: ModelConfig) -> bool:

@@ -28,6 +28,17 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 MAX_JSON_BYTES = 64 << 20  # a checkpoint's JSON files (config, index, tokenizer) are far smaller: read no more
 
 
+def _special_float(obj: dict):
+    """transformers writes inf / nan in config.json as ``{"__float__": "Infinity"}`` (Granite-4.0-H's time_step_limit):
+    the float again."""
+    return float(obj["__float__"]) if obj.keys() == {"__float__"} else obj
+
+
+def loads_config(text: str | bytes):
+    """JSON of a checkpoint's config as transformers wrote it (its special floats read back)."""
+    return json.loads(text, object_hook=_special_float)
+
+
 def _read_json(file: Path):
     """A checkpoint's JSON file, bounded: a file larger than any real one is refused before it is read, and one that
     is not a regular file (a link to ``/dev/zero``, a FIFO) is not read at all."""
@@ -41,7 +52,7 @@ def _read_json(file: Path):
             data = f.read(MAX_JSON_BYTES + 1)  # a file that grew after the check is still bounded
         if len(data) > MAX_JSON_BYTES:
             raise CheckpointError(f"{file} holds more than {MAX_JSON_BYTES} bytes; a checkpoint's JSON file does not")
-        return json.loads(data.decode())
+        return loads_config(data.decode())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{file} is not valid JSON: {e}") from None
 

@@ -22,6 +22,7 @@ import torch
 from moerl.bridges.base import (
     LINEAR_ATTENTION_RULES,
     LINEAR_FIELDS,
+    MAMBA_RULES,
     Bridge,
     Fused,
     HFConfig,
@@ -30,6 +31,7 @@ from moerl.bridges.base import (
     common_fields,
     layer_types,
     linear_attention_fields,
+    mamba_fields,
     minus_one,
     mtp_layer,
     partial_rope_dim,
@@ -57,6 +59,7 @@ SYNONYMS = {
 MUP = ("attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling")  # GraniteMoe's
 MLA = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "qk_head_dim")
 INDEX = ("index_topk", "index_n_heads", "index_head_dim")
+MAMBA = ("mamba_n_heads", "mamba_n_groups", "mamba_d_state", "mamba_d_conv", "mamba_expand", "mamba_chunk_size")
 READ = {
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
     "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "rope_parameters", "rope_theta",
@@ -76,6 +79,8 @@ READ = {
     *MUP, *MLA, "rope_interleave",
     # DeepSeek sparse attention (its indexer: moerl.model.indexer)
     *INDEX, "indexer_types",
+    # Mamba-2 layers (moerl.model.mamba) under Granite-4.0-H's names; attention without RoPE where it says so
+    *MAMBA, "mamba_d_head", "mamba_conv_bias", "mamba_proj_bias", "time_step_limit", "position_embedding_type",
 }  # fmt: skip
 INERT = {  # fields that do not change the forward pass (ids, bookkeeping, training-only losses)
     "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
@@ -97,7 +102,11 @@ FEATURES = {
     **dict.fromkeys(("block_size", "linear_attn_alpha_factor"), "lightning linear-attention layers"),
     **dict.fromkeys(("conv_L_cache", "conv_bias"), "short-convolution layers"),
     **dict.fromkeys(("hc_mult", "hc_eps", "hc_magnitude"), "hyper-connections (several residual streams)"),
-    **dict.fromkeys(("mamba_d_state", "mamba_n_heads", "ssm_state_size", "mamba_expand"), "Mamba layers"),
+    **dict.fromkeys(
+        ("ssm_state_size", "mamba_num_heads", "mamba_head_dim"),
+        "Nemotron-H's layers of one block each (Mamba, attention, MLP or MoE alone)",
+    ),
+    **dict.fromkeys(("mamba_dt_rank",), "Mamba-1 layers"),
     "attention_chunk_size": "chunked attention",
     "attn_temperature_tuning": "attention temperature tuning",
     **dict.fromkeys(("cca_time0", "cca_time1"), "compressed convolutional attention"),
@@ -131,6 +140,10 @@ def variants(hf: dict, layout: Layout) -> list[dict]:
         mla_interleave=(False, True) if layout.attention == "mla" and "rope_interleave" not in hf else (False,),
         # the indexer's rotary pairs: split in halves (DeepSeek-V3.2) or interleaved (GLM-5)
         index_interleave=(False, True) if layout.indexer else (False,),
+        # Mamba-2's gated norm over all channels (Granite-4.0-H) or per B/C group (Nemotron-H)
+        mamba_norm_groups=(1, hf.get("mamba_n_groups") or 1)
+        if layout.mamba and (hf.get("mamba_n_groups") or 1) > 1
+        else (1,),
     )
     out = [dict(zip(open_, values, strict=True)) for values in itertools.product(*open_.values())]
     return [v for v in out if not (v["topk_before_softmax"] and v["norm_topk"])]  # the k-softmax sums to 1 anyway
@@ -143,7 +156,7 @@ COUNTS = {  # ints >= 1 (null: absent)
     "max_position_embeddings", "intermediate_size", "sliding_window", "max_window_layers", "decoder_sparse_step",
     "moe_layer_freq", "moe_layer_interval", *(n for k, names in SYNONYMS.items() for n in names if k in COUNTED),
     *LINEAR_FIELDS, "linear_conv_kernel_dim", "full_attention_interval", "n_group", "topk_group", *MLA, *INDEX,
-    "rotary_dim",
+    "rotary_dim", *MAMBA,
     "sliding_window_pattern", "global_attn_every_n_layers",
 }  # fmt: skip
 NOT_NULL = {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", *SYNONYMS["top_k"]}
@@ -153,7 +166,7 @@ INDICES = {  # ints >= 0
 }  # fmt: skip
 SWITCHES = {
     "tie_word_embeddings", "norm_topk_prob", "attention_bias", "use_sliding_window", "qkv_bias", "mlp_bias",
-    "use_qk_norm", "rope_interleave", "enable_moe_fp32_combine", "mup_enabled",
+    "use_qk_norm", "rope_interleave", "enable_moe_fp32_combine", "mup_enabled", "mamba_conv_bias", "mamba_proj_bias",
 }  # fmt: skip
 POSITIVE = {  # numbers > 0
     "rms_norm_eps", "rope_theta", "clip_qkv", "partial_rotary_factor", *MUP, *SYNONYMS["routed_scaling_factor"],
@@ -243,6 +256,7 @@ class Layout:
     shared_fused: bool = False  # the shared MLP as input_linear (gate rows, then up rows) and output_linear
     sinks: bool = False  # a learned sink logit per head (self_attn.sinks, GPT-OSS's)
     indexer: bool = False  # DeepSeek sparse attention's indexer (self_attn.indexer.*) in the latent attention
+    mamba: bool = False  # Mamba-2 layers (model.layers.{i}.mamba.in_proj, ...)
 
 
 def read_layout(shapes: dict[str, tuple[int, ...]]) -> Layout:
@@ -297,6 +311,7 @@ def read_layout(shapes: dict[str, tuple[int, ...]]) -> Layout:
         tied="lm_head.weight" not in shapes,
         lm_head_bias="lm_head.bias" in shapes,
         linear=linear,
+        mamba=any(".mamba.in_proj." in p for p in patterns),
         correction_bias=correction_bias,
         fused_experts="linear" if any(p.endswith(f"{block}.input_linear.weight") for p in patterns) else "experts",
         shared_at_layer=shared_at_layer,
@@ -426,6 +441,8 @@ def _attention(c: HFConfig, f: dict, layout: Layout, variant: dict, types: list[
     both = {"full", "sliding"} <= set(types)
     nope = [i for i, t in enumerate(types) if t == "full"] if variant.get("nope_full") and both else []
     nope += [i for i, theta in enumerate(c.opt("layer_rope_theta", list, [])) if theta == 0 and i not in nope]
+    if "position_embedding_type" in c.data and c.data["position_embedding_type"] != "rope":  # Granite-4.0-H: NoPE
+        nope = [i for i, t in enumerate(types) if t in ("full", "sliding")]
     return dict(
         qkv_bias=layout.qkv_bias,
         o_bias=layout.o_bias,
@@ -479,6 +496,8 @@ def derive(hf: dict, layout: Layout, variant: dict) -> Bridge:
         rules=tuple(rules),
         fused=fused,
         ignore=mtp_layer,
+        # where PEFT finds the 3D experts in transformers' model (GraniteMoe's block_sparse_moe, ...)
+        peft_experts=f"model.layers.{{i}}.{layout.block}.experts",
     )
 
 
@@ -492,7 +511,9 @@ def _config(c: HFConfig, layout: Layout, variant: dict) -> ModelConfig:
     if "sliding_window_pattern" in c.data and not c.opt("layer_types", list):
         raise UnknownArchitectureError(f"{c.source}: sliding_window_pattern without layer_types: not derivable")
     # a window with neither switch nor layer types slides on every layer (Mixtral's convention)
-    types, window = layer_types(c, n, all_sliding=use is None, linear=layout.linear is not None, indexed=layout.indexer)
+    types, window = layer_types(
+        c, n, all_sliding=use is None, linear=layout.linear is not None, indexed=layout.indexer, mamba=layout.mamba
+    )
     c = _one_rope(c, types)
     f = common_fields(c)
     f["tie_word_embeddings"] = layout.tied
@@ -525,6 +546,7 @@ def _config(c: HFConfig, layout: Layout, variant: dict) -> ModelConfig:
         **_attention(c, f, layout, variant, types),
         **_routing(c, layout, variant),
         **(linear_attention_fields(c) if layout.linear is not None else {}),
+        **(mamba_fields(c, hidden, variant.get("mamba_norm_groups", 1)) if layout.mamba else {}),
     )
 
 
@@ -577,6 +599,8 @@ def _rules(layout: Layout, variant: dict) -> tuple[list[Rule], tuple[Fused, ...]
         for norm in ("input_layernorm", "post_attention_layernorm"):
             rules.append(Rule(f"model.layers.{{i}}.{norm}.weight", f"layers.{{i}}.{norm}.weight", **offset))
         rules.append(Rule("model.norm.weight", "norm.weight", **offset))
+    if layout.mamba:
+        rules += MAMBA_RULES
     if layout.linear is not None:
         rules += LINEAR_ATTENTION_RULES
         fused += FUSED if layout.linear == "fused" else ()

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from moerl.bridges.base import Bridge, HFConfig
+from moerl.bridges.checkpoint import loads_config
 from moerl.bridges.derive import (
     SYNONYMS,
     TENSOR_FEATURES,
@@ -77,6 +78,9 @@ def tiny_config(hf: dict) -> dict:
             small["q_lora_rank"] = 32
     # an indexer keeping 4 of the proof's 16 keys: the selection shows; 16 heads, so that no two keys tie at a score of
     # exactly 0 (every head's ReLU zero: 1 in 2^16), where transformers' top-k picks by its own layout
+    if small.get("mamba_n_heads"):  # 4 heads of 32 (expand 2 x 64), 16 states, chunks of 8: several per sequence
+        small |= {"mamba_n_heads": 4, "mamba_d_head": "auto", "mamba_d_state": 16, "mamba_chunk_size": 8}
+        small |= {"mamba_expand": 2, "mamba_n_groups": 2 if (hf.get("mamba_n_groups") or 1) > 1 else 1}
     if small.get("index_topk"):
         small |= {"index_topk": 4, "index_n_heads": 16, "index_head_dim": 16}
     for key, default in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
@@ -150,7 +154,7 @@ def prove(hf: dict) -> tuple[Bridge, dict, Layout]:
     failures = []
     with tempfile.TemporaryDirectory() as tmp:
         ref.save_pretrained(tmp)
-        saved = json.loads((Path(tmp) / "config.json").read_text())
+        saved = loads_config((Path(tmp) / "config.json").read_text())
         layout = _layout(hf, Path(tmp), saved)
         for variant in variants(saved, layout):
             failure = _differs(hf, tmp, derive(saved, layout, variant), ids, logits, choices, hidden)

@@ -23,6 +23,7 @@ from moerl.engine.sampler import sample, sequence_generator
 from moerl.engine.scheduler import Scheduler
 from moerl.engine.sequence import Completion, Group, Request, RequestOutput, Sequence
 from moerl.errors import CheckpointError, ConfigError, RequestError
+from moerl.model.mixers import recurrent_layers
 from moerl.model.transformer import MoEModel
 
 
@@ -59,9 +60,10 @@ class LLMEngine:
                 model.experts_k_major()
         self.model, self.tokenizer = model.eval(), tokenizer
         mcfg = model.config
-        if "linear" in mcfg.layer_types and cfg.compile_decode is True:
+        recurrent = bool(recurrent_layers(mcfg))
+        if recurrent and cfg.compile_decode is True:
             raise ConfigError(
-                "EngineConfig.compile_decode with linear-attention layers (Gated DeltaNet): not built (their decode "
+                "EngineConfig.compile_decode with recurrent layers (Gated DeltaNet, Mamba-2): not built (their decode "
                 "steps run eager)"
             )
         if cfg.max_model_len > mcfg.max_position_embeddings:
@@ -72,11 +74,9 @@ class LLMEngine:
         device = model.embed_tokens.weight.device
         num_blocks = cache_blocks(cfg, mcfg, model.dtype, device)
         # "auto" may compile later (``compile_decode()``): the padding rows' scratch block is there from the start
-        can = cfg.compile_decode is True or (
-            cfg.compile_decode == "auto" and "linear" not in mcfg.layer_types and not cfg.release_cache
-        )
+        can = cfg.compile_decode is True or (cfg.compile_decode == "auto" and not recurrent and not cfg.release_cache)
         self.cache = KVCache(mcfg, num_blocks, cfg.block_size, model.dtype, device, scratch=can)
-        if "linear" in mcfg.layer_types:  # a state slot per sequence beside the pages
+        if recurrent:  # a state slot per sequence beside the pages
             self.cache.states = LinearStates(mcfg, cfg.max_num_seqs, model.dtype, device)
         self.kv_cache_bytes = self.cache.nbytes + (self.cache.states.nbytes if self.cache.states else 0)
         if cfg.release_cache:

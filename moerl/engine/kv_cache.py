@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from moerl.model.config import ModelConfig
+from moerl.model.mixers import is_recurrent, recurrent_layers, state_shapes
 
 
 def kv_shape(cfg: ModelConfig) -> tuple[int, int, int]:
@@ -16,24 +17,20 @@ def kv_shape(cfg: ModelConfig) -> tuple[int, int, int]:
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     heads, dk, dv = kv_shape(cfg)
-    attention = sum(t != "linear" for t in cfg.layer_types)  # linear-attention layers keep a state, not keys
+    attention = sum(not is_recurrent(t) for t in cfg.layer_types)  # recurrent layers keep a state, not keys
     return attention * block_size * (heads * (dk + dv) + cfg.index_head_dim) * dtype.itemsize
 
 
 class LinearStates:
-    """Per-sequence slots of the linear-attention layers' states, beside the paged cache: per such layer the conv
-    input window [slots, C, K-1] (model dtype) and the recurrent state [slots, Hv, dk, dv] (fp32). A sequence takes
-    a slot when admitted (zeroed) and gives it back when it ends; the n samples of a prompt copy its slot."""
+    """Per-sequence slots of the recurrent layers' states (Gated DeltaNet, Mamba-2: ``moerl.model.mixers``), beside
+    the paged cache: per such layer the conv input window [slots, C, K-1] (model dtype) and the recurrent state
+    [slots, ...] (fp32), shaped by the layer's mixer. A sequence takes a slot when admitted (zeroed) and gives it back
+    when it ends; the n samples of a prompt copy its slot."""
 
     def __init__(self, cfg: ModelConfig, slots: int, dtype: torch.dtype, device):
-        conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
-        conv_dim += cfg.linear_num_value_heads * cfg.linear_value_head_dim
-        state = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
-        layers = [i for i, t in enumerate(cfg.layer_types) if t == "linear"]
-        self.conv = {
-            i: torch.zeros(slots, conv_dim, cfg.linear_conv_kernel - 1, dtype=dtype, device=device) for i in layers
-        }
-        self.state = {i: torch.zeros(slots, *state, device=device) for i in layers}
+        shapes = {i: state_shapes(cfg, i) for i in recurrent_layers(cfg)}
+        self.conv = {i: torch.zeros(slots, *conv, dtype=dtype, device=device) for i, (conv, _) in shapes.items()}
+        self.state = {i: torch.zeros(slots, *state, device=device) for i, (_, state) in shapes.items()}
         self.pools = [*self.conv.values(), *self.state.values()]
         self.free = list(range(slots - 1, -1, -1))
         self.nbytes = sum(t.numel() * t.element_size() for t in self.pools)
@@ -101,14 +98,11 @@ class KVCache:
         # ``scratch``: one more block, never allocated, that the padding rows of a compiled decode step write to
         self.scratch_block = num_blocks if scratch else None
         n = (num_blocks + scratch) * block_size
-        # linear-attention layers keep no keys: an empty pool holds their place (states: LinearStates)
-        self.k = [
-            torch.zeros(heads, n if t != "linear" else 0, dk, dtype=dtype, device=device) for t in cfg.layer_types
-        ]
-        self.v = [
-            torch.zeros(heads, n if t != "linear" else 0, dv, dtype=dtype, device=device) for t in cfg.layer_types
-        ]
-        self.states: LinearStates | None = None  # set by the engine for a model with linear-attention layers
+        # recurrent layers keep no keys: an empty pool holds their place (states: LinearStates)
+        rows = [0 if is_recurrent(t) else n for t in cfg.layer_types]
+        self.k = [torch.zeros(heads, r, dk, dtype=dtype, device=device) for r in rows]
+        self.v = [torch.zeros(heads, r, dv, dtype=dtype, device=device) for r in rows]
+        self.states: LinearStates | None = None  # set by the engine for a model with recurrent layers
         # DeepSeek sparse attention: one indexer key a token per layer ([1, rows, d]: a single head), paged as k / v
         d = cfg.index_head_dim
         self.index = [torch.zeros(1, n if d else 0, d, dtype=dtype, device=device) for _ in cfg.layer_types]
@@ -118,7 +112,7 @@ class KVCache:
         self.dtype, self.device = dtype, device
         self.sliding_window = cfg.sliding_window
         self.heads, self.rows = heads, n  # every attention pool's [heads, rows, d]
-        self.attention = [i for i, t in enumerate(cfg.layer_types) if t != "linear"]
+        self.attention = [i for i, t in enumerate(cfg.layer_types) if not is_recurrent(t)]
         self.released = False
         self._gathered: list[torch.Tensor | None] = [None, None]  # gather_buffer's key and value buffers
 

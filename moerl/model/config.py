@@ -74,6 +74,17 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel: int = 4
+    # Mamba-2 layers (moerl.model.mamba): heads x head_dim channels, a [head_dim, state] state per head
+    mamba_num_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_state_size: int = 0
+    mamba_groups: int = 1  # B / C groups, each shared by heads / groups heads
+    mamba_conv_kernel: int = 4
+    mamba_conv_bias: bool = False
+    mamba_proj_bias: bool = False
+    mamba_norm_groups: int = 1  # the gated norm's groups of channels (1: one norm over all of them)
+    mamba_dt_min: float = 0.0  # dt clamped to [min, max] after its softplus
+    mamba_dt_max: float = float("inf")
     rope: RopeConfig = field(default_factory=RopeConfig)
     rope_dim: int | None = None  # rotated dims per head (None: all of head_dim)
     rope_interleave: bool = False  # rotary pairs stored interleaved (DeepSeek, Ernie-4.5)
@@ -135,8 +146,9 @@ class ModelConfig:
             raise ConfigError(f"ModelConfig.rope.kind={self.rope.kind!r}: allowed: default, linear, yarn, llama3")
         if len(self.layer_types) != self.num_layers:
             raise self._bad("layer_types", f"needs {self.num_layers} entries (num_layers)")
-        if any(t not in ("full", "sliding", "linear") for t in self.layer_types):
-            raise self._bad("layer_types", "entries allowed: full, sliding, linear")
+        if any(t not in ("full", "sliding", "linear", "mamba") for t in self.layer_types):
+            raise self._bad("layer_types", "entries allowed: full, sliding, linear, mamba")
+        self._validate_mamba()
         if "linear" not in self.layer_types:  # the linear-attention fields would be ignored
             linear_defaults = tuple((f"linear_{n}", 0) for n in ("num_key_heads", "num_value_heads")) + (
                 ("linear_key_head_dim", 0),
@@ -156,8 +168,8 @@ class ModelConfig:
             self.nope_layers
         ):
             raise self._bad("nope_layers", f"indices must lie in [0, {self.num_layers}), each once")
-        if any(self.layer_types[i] == "linear" for i in self.nope_layers):
-            raise self._bad("nope_layers", "lists a linear-attention layer (it has no RoPE to drop)")
+        if any(self.layer_types[i] in ("linear", "mamba") for i in self.nope_layers):
+            raise self._bad("nope_layers", "lists a recurrent layer (it has no RoPE to drop)")
         if any(not 0 <= i < self.num_layers for i in self.moe_layers):
             raise self._bad("moe_layers", f"indices must lie in [0, {self.num_layers})")
         if self.moe_layers and not 1 <= self.top_k <= self.num_experts:
@@ -233,6 +245,31 @@ class ModelConfig:
             raise self._bad("clip_qkv", "must be > 0 (or None)")
         if self.sliding_window is not None and "sliding" not in self.layer_types:
             raise self._bad("sliding_window", "set, but no layer is 'sliding' (layer_types): it would be ignored")
+
+    def _validate_mamba(self) -> None:
+        """Mamba-2's fields: all at their defaults without a 'mamba' layer, else sizes a layer can be built with."""
+        if "mamba" not in self.layer_types:
+            defaults = tuple(
+                (f"mamba_{n}", v)
+                for n, v in (("num_heads", 0), ("head_dim", 0), ("state_size", 0), ("groups", 1), ("conv_kernel", 4))
+            ) + (
+                ("mamba_conv_bias", False),
+                ("mamba_proj_bias", False),
+                ("mamba_norm_groups", 1),
+                ("mamba_dt_min", 0.0),
+                ("mamba_dt_max", float("inf")),
+            )
+            self._only_defaults("without a 'mamba' layer (layer_types)", defaults)
+            return
+        for name in ("mamba_num_heads", "mamba_head_dim", "mamba_state_size", "mamba_groups", "mamba_conv_kernel"):
+            if not getattr(self, name) >= 1:
+                raise self._bad(name, "must be >= 1")
+        if self.mamba_num_heads % self.mamba_groups:
+            raise self._bad("mamba_groups", f"must divide mamba_num_heads={self.mamba_num_heads}")
+        if not self.mamba_norm_groups >= 1 or (self.mamba_num_heads * self.mamba_head_dim) % self.mamba_norm_groups:
+            raise self._bad("mamba_norm_groups", "must be >= 1 and divide the channels (heads x head_dim)")
+        if not 0.0 <= self.mamba_dt_min < self.mamba_dt_max:
+            raise self._bad("mamba_dt_min", f"needs 0 <= mamba_dt_min < mamba_dt_max={self.mamba_dt_max}")
 
     def _validate_indexer(self) -> None:
         """DeepSeek sparse attention's fields: all unset, or an indexer a latent-attention layer with a low-rank query

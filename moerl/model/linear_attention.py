@@ -84,16 +84,20 @@ def delta_rule_step(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tensor
 
 
 def causal_conv(
-    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None, lengths: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    state: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ):
-    """Depthwise causal conv1d then SiLU: x [B, T, C], weight [C, 1, K]; ``state`` [B, C, K-1] holds the previous
-    K-1 inputs (None: zeros). Returns (y [B, T, C], the last K-1 inputs as the next state: those up to each row's
-    ``lengths`` [B] real inputs, when given, so padding after them stays out)."""
+    """Depthwise causal conv1d (``bias`` [C] or None) then SiLU: x [B, T, C], weight [C, 1, K]; ``state`` [B, C, K-1]
+    holds the previous K-1 inputs (None: zeros). Returns (y [B, T, C], the last K-1 inputs as the next state: those up
+    to each row's ``lengths`` [B] real inputs, when given, so padding after them stays out)."""
     kk = weight.shape[-1]
     xt = x.transpose(1, 2)
     past = torch.zeros(*xt.shape[:2], kk - 1, dtype=xt.dtype, device=xt.device) if state is None else state
     full = torch.cat([past.to(xt.dtype), xt], dim=-1)
-    y = F.conv1d(full, weight.to(xt.dtype), groups=xt.shape[1])
+    y = F.conv1d(full, weight.to(xt.dtype), None if bias is None else bias.to(xt.dtype), groups=xt.shape[1])
     if lengths is None:
         return F.silu(y).transpose(1, 2), full[..., full.shape[-1] - (kk - 1) :]
     at = lengths[:, None] + torch.arange(kk - 1, device=x.device)[None, :]  # full's columns [len, len + K - 1)
@@ -154,6 +158,14 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = Linear(self.value_dim, h, bias=False)
         self.layer = layer
+
+    @staticmethod
+    def state_shapes(cfg: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """A sequence's slot: the conv window [q/k/v channels, K-1] and the delta-rule state [Hv, dk, dv]."""
+        conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
+        conv_dim += cfg.linear_num_value_heads * cfg.linear_value_head_dim
+        state = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+        return (conv_dim, cfg.linear_conv_kernel - 1), state
 
     def _heads(self, mixed: torch.Tensor, x: torch.Tensor):
         """q, k (normalised, q scaled, repeated to the value heads), v, g, beta from the conv output and x."""

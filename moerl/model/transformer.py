@@ -17,6 +17,7 @@ from moerl.errors import ReplayError
 from moerl.model.config import ModelConfig
 from moerl.model.indexer import Indexer
 from moerl.model.linear import Linear
+from moerl.model.mixers import build_recurrent, is_recurrent
 from moerl.model.moe import MLP, MoE
 from moerl.model.rope import apply_rope, inv_freq_and_scale, rope_cos_sin
 
@@ -215,10 +216,8 @@ class DecoderLayer(nn.Module):
         self.post_norm = cfg.norm_placement == "post"
         if not self.post_norm:
             self.input_layernorm = layer_norm(cfg, cfg.hidden_size)
-        if cfg.layer_types[layer] == "linear":
-            from moerl.model.linear_attention import GatedDeltaNet
-
-            self.self_attn = GatedDeltaNet(cfg, layer)
+        if is_recurrent(cfg.layer_types[layer]):  # Gated DeltaNet, Mamba-2 (moerl.model.mixers)
+            self.self_attn = build_recurrent(cfg, layer)
         else:
             self.self_attn = (MLAttention if cfg.attention == "mla" else Attention)(cfg, layer)
         self.post_attention_layernorm = layer_norm(cfg, cfg.hidden_size)

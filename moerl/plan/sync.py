@@ -99,7 +99,8 @@ def _kv_bytes(cfg: ModelConfig, seqs: int, length: int, dtype: torch.dtype, bloc
     """The KV cache (and linear-attention state slots) the engine allocates for ``seqs`` sequences of ``length``
     tokens: its own classes, on the meta device."""
     from moerl.engine.kv_cache import KVCache, LinearStates
+    from moerl.model.mixers import recurrent_layers
 
     cache = KVCache(cfg, seqs * math.ceil(length / block), block, dtype, device="meta")
-    states = LinearStates(cfg, seqs, dtype, "meta").nbytes if "linear" in cfg.layer_types else 0
+    states = LinearStates(cfg, seqs, dtype, "meta").nbytes if recurrent_layers(cfg) else 0
     return cache.nbytes + states

@@ -19,6 +19,7 @@ import torch
 from moerl.config import quoted
 from moerl.dynamo import unducked
 from moerl.errors import ConfigError
+from moerl.model.mixers import is_recurrent
 
 # measured (BENCHMARKS.md, "Compiled training"): the share of a training step the compiled blocks save on the small
 # preset in bf16 (18% full, 19% LoRA: 0.15 taken; a tiny model in fp32 loses, which the trial after compiling
@@ -32,7 +33,7 @@ def compile_blocks(model: torch.nn.Module) -> int:
     """Compile each of ``model``'s attention layers for training; returns how many."""
     n = 0
     for layer in model.layers:
-        if layer.compiled is None and model.config.layer_types[layer.self_attn.layer] != "linear":
+        if layer.compiled is None and not is_recurrent(model.config.layer_types[layer.self_attn.layer]):
             layer.compiled = unducked(torch.compile(layer.block, dynamic=True))
             n += 1
     return n

@@ -1,0 +1,38 @@
+"""The token mixers a decoder layer holds in its ``self_attn`` slot, by ``ModelConfig.layer_types`` kind.
+
+Attention kinds (``full``, ``sliding``) keep paged keys in the engine; recurrent kinds keep, per sequence, a conv
+window and a state in a slot (``moerl.engine.kv_cache.LinearStates``). A recurrent mixer is a module called as
+``mixer(x, cos, sin, mask, cache)`` (``mask``: the forward's ``attention_mask``, its packed sequences; ``cache``: the
+engine's step view) with a ``state_shapes(cfg)`` giving its slot's (conv window, state) shapes. Adding one is its
+file, a line in ``RECURRENT`` and its config fields (``moerl/bridges/README.md``).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from moerl.model.config import ModelConfig
+from moerl.model.linear_attention import GatedDeltaNet
+from moerl.model.mamba import Mamba2
+
+# layer kind -> the recurrent mixer class (Gated DeltaNet: Qwen3-Next / Qwen3.5; Mamba-2: Granite-4.0-H, Nemotron-H)
+RECURRENT: dict[str, type[nn.Module]] = {"linear": GatedDeltaNet, "mamba": Mamba2}
+
+
+def is_recurrent(kind: str) -> bool:
+    """Whether a layer of ``kind`` keeps a per-sequence state instead of paged keys."""
+    return kind in RECURRENT
+
+
+def recurrent_layers(cfg: ModelConfig) -> list[int]:
+    """The indices of ``cfg``'s recurrent layers."""
+    return [i for i, kind in enumerate(cfg.layer_types) if kind in RECURRENT]
+
+
+def build_recurrent(cfg: ModelConfig, layer: int) -> nn.Module:
+    return RECURRENT[cfg.layer_types[layer]](cfg, layer)
+
+
+def state_shapes(cfg: ModelConfig, layer: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Layer ``layer``'s slot: its conv window's shape [C, K-1] (model dtype) and its state's (fp32)."""
+    return RECURRENT[cfg.layer_types[layer]].state_shapes(cfg)

@@ -1,0 +1,253 @@
+"""Mamba-2 layers (Granite-4.0-H): the chunked and recurrent forms against transformers' reference kernels, the
+family derived with no bridge file at fp32 parity with a control per knob, packed sequences, the engine's state
+slots (chunked prefill, n samples copying the prompt's state) against full forwards, every training mode, PEFT."""
+
+import dataclasses
+
+import pytest
+import torch
+from hf_models import VOCAB, build_hf_model, hf_router_choices
+
+from moerl.bridges import load_model
+from moerl.model.mamba import ssd_chunked, ssd_step
+from moerl.model.transformer import MoEModel
+
+ARCH = "GraniteMoeHybridForCausalLM"
+FP32_TOL = 1e-4  # logits against transformers in fp32 (as the other families' parity tests)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """The tiny Granite-4.0-H with a conv, decays and steps that matter (the 0.02 init leaves the conv near zero: x,
+    B and C would hardly depend on the tokens)."""
+    root = tmp_path_factory.mktemp("mamba")
+    hf = build_hf_model(ARCH)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("conv1d.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            elif name.endswith("A_log"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            elif name.endswith("mamba.in_proj.weight"):
+                p.mul_(5)
+    hf.save_pretrained(root / ARCH)
+    return root / ARCH, hf
+
+
+def _ids(b=2, t=40, seed=1):
+    return torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _mambas(model):
+    return [
+        layer.self_attn for layer, kind in zip(model.layers, model.config.layer_types, strict=True) if kind == "mamba"
+    ]
+
+
+def _random_ssm(b=2, t=21, h=4, p=8, n=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, t, h, p, generator=g)
+    dt = torch.nn.functional.softplus(torch.randn(b, t, h, generator=g))
+    a = -torch.rand(h, generator=g) - 0.1
+    bb, cc = torch.randn(b, t, h, n, generator=g), torch.randn(b, t, h, n, generator=g)
+    state = torch.randn(b, h, p, n, generator=g)
+    return x, dt, a, bb, cc, state
+
+
+def test_the_chunked_and_recurrent_forms_are_transformers_reference_kernels():
+    """moerl's chunked form (chunks of 4, 8 and one 64 over 21 tokens, from a nonzero state) against transformers'
+    pure-PyTorch ``mamba2_chunk_scan`` and, token by token, its ``mamba2_selective_state_update``: outputs and final
+    states within fp32 1e-5. Negative control: the decay's sign flipped misses."""
+    from transformers.models.granitemoehybrid import modeling_granitemoehybrid as ref
+
+    x, dt, a, bb, cc, state = _random_ssm()
+    b, t, h, p = x.shape
+    d = torch.zeros(h)
+    # transformers takes dt before its softplus and B / C per group (one group per head here)
+    raw = torch.log(torch.expm1(dt))
+    want_y, want_s = ref.mamba2_chunk_scan(
+        x, raw, a, bb, cc, chunk_size=8, D=d, dt_softplus=True, initial_states=state, return_final_states=True
+    )
+    for chunk in (4, 8, 64):
+        y, s = ssd_chunked(x, dt, a, bb, cc, state, chunk=chunk)
+        assert (y - want_y).abs().max() <= 1e-5 and (s - want_s).abs().max() <= 1e-5, chunk
+    s = state.clone()
+    for i in range(t):
+        s_ref = s.clone()  # transformers' step updates the state in place
+        a_ref, dt_ref = a[:, None, None].expand(-1, p, bb.shape[-1]), raw[:, i, :, None].expand(-1, -1, p)
+        want = ref.mamba2_selective_state_update(
+            s_ref, x[:, i], dt_ref, a_ref, bb[:, i], cc[:, i], D=d[:, None].expand(-1, p), dt_softplus=True
+        )
+        y, s = ssd_step(x[:, i], dt[:, i], a, bb[:, i], cc[:, i], s)
+        assert (y - want).abs().max() <= 1e-5 and (s - s_ref).abs().max() <= 1e-5, i
+    assert (s - want_s).abs().max() <= 1e-4  # the recurrence ends where the chunked form does
+    flipped, _ = ssd_chunked(x, dt, -a, bb, cc, state, chunk=8)
+    assert not torch.allclose(flipped, want_y, atol=1e-3)
+
+
+def test_the_chunked_forms_gradients_are_the_recurrences():
+    """Gradients through the chunked form (what training runs) equal those through the token-by-token recurrence
+    (fp32 1e-4), for every input and the starting state."""
+    inputs = [z.clone().requires_grad_() for z in _random_ssm(t=13)]
+    x, dt, a, bb, cc, state = inputs
+    y, s = ssd_chunked(x, dt, a, bb, cc, state, chunk=4)
+    (y.square().sum() + s.sum()).backward()
+    chunked = [z.grad.clone() for z in inputs]
+    for z in inputs:
+        z.grad = None
+    s, ys = state, []
+    for i in range(x.shape[1]):
+        yi, s = ssd_step(x[:, i], dt[:, i], a, bb[:, i], cc[:, i], s)
+        ys.append(yi)
+    (torch.stack(ys, 1).square().sum() + s.sum()).backward()
+    for got, z in zip(chunked, inputs, strict=True):
+        assert (got - z.grad).abs().max() <= 1e-4 * max(1.0, float(z.grad.abs().max()))
+
+
+def test_granite_4_h_matches_transformers_with_a_control_per_knob(checkpoint):
+    """40 tokens (several of transformers' chunks of 8): logits within fp32 1e-4 of transformers, the same experts
+    chosen; each knob moved misses: the decay, the step's bias, the skip D, the conv, the gated norm's gate and its
+    groups."""
+    path, hf = checkpoint
+    model = load_model(path, dtype=torch.float32)
+    assert model.config.layer_types == ["mamba", "full", "mamba", "mamba"] and model.config.mamba_groups == 2
+    ids = _ids()
+    want, choices = hf_router_choices(hf, ids)
+    with torch.no_grad():
+        out = model(ids, capture=True)
+    assert (out.logits - want).abs().max() <= FP32_TOL
+    for j, choice in enumerate(choices):
+        ours = out.routed[:, :, j].reshape(-1, model.config.top_k)
+        assert torch.equal(ours.sort(-1).values, choice.sort(-1).values), f"MoE layer {j} chose other experts"
+
+    def moved(change) -> float:
+        with torch.no_grad():
+            saved = {n: p.clone() for n, p in model.named_parameters()}
+            change()
+            off = model(ids).logits
+            for n, p in model.named_parameters():
+                p.copy_(saved[n])
+        return float((off - want).abs().max())
+
+    mambas = _mambas(model)
+    knobs = {
+        "decay": lambda: [m.A_log.add_(0.5) for m in mambas],
+        "dt bias": lambda: [m.dt_bias.add_(0.5) for m in mambas],
+        "skip": lambda: [m.D.mul_(0.5) for m in mambas],
+        "conv": lambda: [m.conv1d.weight.copy_(m.conv1d.weight.flip(-1)) for m in mambas],
+        "gate": lambda: [m.in_proj.weight[: m.inner].mul_(0.5) for m in mambas],
+    }
+    for knob, change in knobs.items():
+        assert moved(change) > FP32_TOL, f"negative control '{knob}' matched transformers"
+    off = MoEModel(dataclasses.replace(model.config, mamba_norm_groups=2), torch.float32)  # per B / C group
+    off.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert (off(ids).logits - want).abs().max() > FP32_TOL
+
+
+def test_packing_restarts_the_state_and_padding_stays_out(checkpoint):
+    """Two sequences packed in one row and a left-padded row give each sequence's own logits: the conv and the
+    state restart at each sequence start. Negative control: without sequence numbers one state runs through both."""
+    path, _ = checkpoint
+    model = load_model(path, dtype=torch.float32)
+    a, b = _ids(1, 23, seed=5), _ids(1, 14, seed=6)
+    with torch.no_grad():
+        alone = [model(x).logits[0] for x in (a, b)]
+        row = torch.cat([a, b, torch.zeros(1, 5, dtype=torch.long)], 1)
+        mask = torch.tensor([[1] * 23 + [2] * 14 + [0] * 5])
+        pos = torch.cat([torch.arange(23), torch.arange(14), torch.zeros(5, dtype=torch.long)])[None]
+        packed = model(row, positions=pos, attention_mask=mask).logits[0]
+        assert (packed[:23] - alone[0]).abs().max() <= FP32_TOL
+        assert (packed[23:37] - alone[1]).abs().max() <= FP32_TOL
+        left = torch.cat([torch.zeros(1, 9, dtype=torch.long), b], 1)
+        lmask = torch.tensor([[0] * 9 + [1] * 14])
+        lpos = torch.cat([torch.zeros(9, dtype=torch.long), torch.arange(14)])[None]
+        assert (model(left, positions=lpos, attention_mask=lmask).logits[0, 9:] - alone[1]).abs().max() <= FP32_TOL
+        joined = model(row[:, :37]).logits[0]
+        assert (joined[23:37] - alone[1]).abs().max() > FP32_TOL
+
+
+def test_the_engine_continues_each_sequence_from_its_state_as_a_full_forward(checkpoint, monkeypatch):
+    """fp32: chunked prefill (8 tokens a step), blocks of 4, n=2 samples sharing a prompt (the second copies the
+    prompt's conv window and state), prompts of several lengths: every sample's logprobs within k3 1e-6 of one full
+    forward of its tokens, its routed experts equal (R3's rows); every state slot comes back. Negative control:
+    samples that do not copy the prompt's state miss."""
+    from test_engine import full_forward_check
+
+    from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
+    from moerl.engine.kv_cache import LinearStates
+
+    cfg = EngineConfig(max_num_seqs=6, max_model_len=64, block_size=4, max_num_batched_tokens=8)
+    engine = LLMEngine(checkpoint[0], cfg, dtype=torch.float32)
+    assert sorted(engine.cache.states.state) == [0, 2, 3] and engine.cache.states.state[0].shape[1:] == (4, 32, 16)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 100, (n,), generator=gen).tolist() for n in (3, 9, 14, 5)]
+    requests = [Request(p, SamplingParams(temperature=0.8, max_tokens=12, n=2, seed=i)) for i, p in enumerate(prompts)]
+
+    def worst(outs) -> tuple[float, bool]:
+        checks = [
+            full_forward_check(engine.model, type(out)(out.request_id, out.prompt_token_ids, [c], 0), 0.8)
+            for out in outs
+            for c in out.outputs
+        ]
+        return max(kl for kl, _ in checks), all(ok for _, ok in checks)
+
+    kl, routed_ok = worst(engine.generate(requests))
+    assert kl <= 1e-6 and routed_ok, kl
+    assert len(engine.cache.states.free) == cfg.max_num_seqs
+    monkeypatch.setattr(LinearStates, "copy", lambda self, src, dst: None)
+    kl, routed_ok = worst(engine.generate(requests))
+    assert kl > 1e-6 or not routed_ok
+
+
+@pytest.mark.parametrize("mode", ["full", "lora", "mxfp8"])
+def test_the_mamba_hybrid_trains_in_every_mode(mode, checkpoint):
+    """Gradients flow through the chunked form, the conv and the gated norm: ten SFT steps on one batch lower the
+    loss in each mode, by 15% (LoRA: 0.1 nats; on the Mamba projections too; MXFP8 quantizes their GEMMs)."""
+    if mode == "mxfp8":
+        pytest.importorskip("torchao")
+    from moerl.trainer import Batch, OptimConfig, Policy, PolicyConfig
+    from moerl.trainer.losses import sft_loss
+
+    dtype = "bfloat16" if mode == "mxfp8" else "float32"
+    policy = Policy(checkpoint[0], PolicyConfig(mode=mode, dtype=dtype, optim=OptimConfig(lr=1e-2)))
+    ids = torch.randint(4, VOCAB, (4, 20), generator=torch.Generator().manual_seed(0))
+    batch = Batch(ids, torch.ones_like(ids), torch.ones_like(ids))
+    losses = [policy.train_step(batch, sft_loss)["loss"] for _ in range(10)]
+    # measured: full and mxfp8 4.62 -> 3.60; LoRA (rank 8, under muP's logit scaling) 4.62 -> 4.48
+    assert losses[-1] < (losses[0] - 0.1 if mode == "lora" else 0.85 * losses[0]), losses
+    if mode == "lora":
+        names = {n for n, _ in policy.model.named_parameters() if n.startswith("layers.0.self_attn.")}
+        assert {f"layers.0.self_attn.{p}.lora.lora_A" for p in ("in_proj", "out_proj")} <= names
+
+
+def test_a_peft_adapter_on_the_mamba_projections_reproduces_moerl_in_peft(checkpoint, tmp_path):
+    """Adapters on the Mamba projections, attention and the experts, written for PEFT: peft on the transformers model
+    gives moerl's logits (fp32 1e-4), far from the base model's."""
+    from peft import PeftModel
+    from test_export import IDS, _trained_policy
+    from transformers import AutoModelForCausalLM
+
+    from moerl.bridges.peft import write_peft_adapter
+
+    path, _ = checkpoint
+    pol = _trained_policy(path, "per_expert", ["in_proj", "out_proj", "o_proj", "experts"])
+    write_peft_adapter(pol.model, tmp_path / "adapter")
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        ours, theirs, plain = pol.model(IDS, adapters=0).logits, peft_model(IDS).logits, pol.model(IDS).logits
+    assert (ours - theirs).abs().max() <= 1e-4
+    assert (ours - plain).abs().max() > 1e-3
+
+
+def test_vllm_engines_and_compiled_decode_refuse_mamba_layers_by_name(checkpoint):
+    from moerl.engine import EngineConfig, LLMEngine
+    from moerl.errors import ConfigError
+    from moerl.rollout import make_engine
+
+    with pytest.raises(ConfigError, match=rf"rollout.engine=vllm with {ARCH}: moerl has no fp32-router vLLM model"):
+        make_engine("vllm", checkpoint[0], EngineConfig())
+    with pytest.raises(ConfigError, match=r"compile_decode with recurrent layers \(Gated DeltaNet, Mamba-2\)"):
+        LLMEngine(checkpoint[0], EngineConfig(max_num_seqs=2, max_model_len=32, compile_decode=True))
