@@ -13,6 +13,19 @@ from moerl.trainer import Policy, PolicyConfig
 IDS = torch.tensor([[5, 9, 14, 3, 22, 40, 41, 42, 43, 44, 45, 46], [7, 7, 8, 9, 10, 11, 60, 61, 62, 63, 64, 65]])
 
 
+def peft_logits(path, targets, out_dir):
+    """A policy trained with adapters on ``targets`` (per-expert layout), written for PEFT to ``out_dir`` and loaded
+    by peft onto transformers' model: (the policy, moerl's logits with the adapter, peft's, moerl's without it)."""
+    from peft import PeftModel
+
+    pol = _trained_policy(path, "per_expert", targets)
+    write_peft_adapter(pol.model, out_dir)
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, out_dir).eval()
+    with torch.no_grad():
+        return pol, pol.model(IDS, adapters=0).logits, peft_model(IDS).logits, pol.model(IDS).logits
+
+
 def _trained_policy(path, layout, targets, rank=4, expert_rank_norm=False):
     pol = Policy(
         path,

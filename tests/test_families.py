@@ -132,18 +132,12 @@ def test_the_router_helper_fails_saying_it_found_none():
 def test_new_family_peft_export_reproduces_moerl_in_peft(arch, checkpoints, tmp_path):
     """Adapters on o_proj and the experts, written for PEFT (GraniteMoe's experts live under block_sparse_moe in
     transformers): peft on the transformers model gives moerl's logits (fp32 1e-4), far from the base model's."""
-    from peft import PeftModel
-    from test_export import IDS, _trained_policy
+    from test_export import peft_logits
 
-    from moerl.bridges.peft import read_peft_adapter, write_peft_adapter
+    from moerl.bridges.peft import read_peft_adapter
 
     path, _ = checkpoints[arch]
-    pol = _trained_policy(path, "per_expert", ["o_proj", "experts"])
-    write_peft_adapter(pol.model, tmp_path / "adapter")
-    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    peft_model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
-    with torch.no_grad():
-        ours, theirs, plain = pol.model(IDS, adapters=0).logits, peft_model(IDS).logits, pol.model(IDS).logits
+    pol, ours, theirs, plain = peft_logits(path, ["o_proj", "experts"], tmp_path / "adapter")
     assert (ours - theirs).abs().max() <= 1e-4
     assert (ours - plain).abs().max() > 1e-3
     again = read_peft_adapter(tmp_path / "adapter", pol.model)

@@ -6,6 +6,7 @@ negative control per knob; packing restarts the state at every sequence start an
 import pytest
 import torch
 from hf_models import HYBRID_ARCHS, HYBRID_CONFIGS, VOCAB, build_hf_model, hf_router_choices
+from packing import assert_packed_sequences_stay_apart
 from transformers.models.qwen3_next import modeling_qwen3_next as ref
 
 from moerl.bridges import load_model
@@ -171,24 +172,7 @@ def test_hybrid_family_matches_transformers_with_a_control_per_knob(arch, checkp
 def test_packing_restarts_the_state_and_padding_stays_out(arch, checkpoints):
     """Two sequences packed in one row (attention_mask 1, 1, ..., 2, 2, ..., 0 padding) give each sequence's own
     logits, as do right- and left-padded rows: the conv and the recurrent state restart at each sequence start."""
-    path, _ = checkpoints[arch]
-    model = load_model(path, dtype=torch.float32)
-    a, b = _ids(1, 23, seed=5), _ids(1, 14, seed=6)
-    with torch.no_grad():
-        alone = [model(x).logits[0] for x in (a, b)]
-        row = torch.cat([a, b, torch.zeros(1, 5, dtype=torch.long)], 1)
-        mask = torch.tensor([[1] * 23 + [2] * 14 + [0] * 5])
-        pos = torch.cat([torch.arange(23), torch.arange(14), torch.zeros(5, dtype=torch.long)])[None]
-        packed = model(row, positions=pos, attention_mask=mask).logits[0]
-        assert (packed[:23] - alone[0]).abs().max() <= FP32_TOL
-        assert (packed[23:37] - alone[1]).abs().max() <= FP32_TOL
-        left = torch.cat([torch.zeros(1, 9, dtype=torch.long), b], 1)
-        lmask = torch.tensor([[0] * 9 + [1] * 14])
-        lpos = torch.cat([torch.zeros(9, dtype=torch.long), torch.arange(14)])[None]
-        assert (model(left, positions=lpos, attention_mask=lmask).logits[0, 9:] - alone[1]).abs().max() <= FP32_TOL
-        # negative control: the same row without sequence numbers runs one state through both
-        joined = model(row[:, :37]).logits[0]
-        assert (joined[23:37] - alone[1]).abs().max() > FP32_TOL
+    assert_packed_sequences_stay_apart(load_model(checkpoints[arch][0], dtype=torch.float32))
 
 
 @pytest.mark.parametrize("arch", HYBRID_ARCHS)
@@ -358,19 +342,10 @@ def test_a_lora_adapter_on_a_fused_projection_is_refused_for_peft_by_name(tmp_pa
 def test_qwen3_5_moe_peft_export_reproduces_moerl_in_peft(checkpoints, tmp_path):
     """Adapters on the linear-attention projections, o_proj and the experts, written for PEFT: peft on the
     transformers model gives moerl's logits (fp32 1e-4), far from the base model's."""
-    from peft import PeftModel
-    from test_export import IDS, _trained_policy
-    from transformers import AutoModelForCausalLM
+    from test_export import peft_logits
 
-    from moerl.bridges.peft import write_peft_adapter
-
-    path, _ = checkpoints["Qwen3_5MoeForCausalLM"]
-    pol = _trained_policy(path, "per_expert", ["in_proj_qkv", "in_proj_z", "out_proj", "o_proj", "experts"])
-    write_peft_adapter(pol.model, tmp_path / "adapter")
-    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    peft_model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
-    with torch.no_grad():
-        ours, theirs, plain = pol.model(IDS, adapters=0).logits, peft_model(IDS).logits, pol.model(IDS).logits
+    targets = ["in_proj_qkv", "in_proj_z", "out_proj", "o_proj", "experts"]
+    _, ours, theirs, plain = peft_logits(checkpoints["Qwen3_5MoeForCausalLM"][0], targets, tmp_path / "adapter")
     assert (ours - theirs).abs().max() <= 1e-4
     assert (ours - plain).abs().max() > 1e-3
 

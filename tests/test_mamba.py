@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 from hf_models import VOCAB, build_hf_model, hf_router_choices
+from packing import assert_packed_sequences_stay_apart
 
 from moerl.bridges import load_model
 from moerl.model.mamba import ssd_chunked, ssd_step
@@ -147,25 +148,9 @@ def test_granite_4_h_matches_transformers_with_a_control_per_knob(checkpoint):
 
 
 def test_packing_restarts_the_state_and_padding_stays_out(checkpoint):
-    """Two sequences packed in one row and a left-padded row give each sequence's own logits: the conv and the
-    state restart at each sequence start. Negative control: without sequence numbers one state runs through both."""
-    path, _ = checkpoint
-    model = load_model(path, dtype=torch.float32)
-    a, b = _ids(1, 23, seed=5), _ids(1, 14, seed=6)
-    with torch.no_grad():
-        alone = [model(x).logits[0] for x in (a, b)]
-        row = torch.cat([a, b, torch.zeros(1, 5, dtype=torch.long)], 1)
-        mask = torch.tensor([[1] * 23 + [2] * 14 + [0] * 5])
-        pos = torch.cat([torch.arange(23), torch.arange(14), torch.zeros(5, dtype=torch.long)])[None]
-        packed = model(row, positions=pos, attention_mask=mask).logits[0]
-        assert (packed[:23] - alone[0]).abs().max() <= FP32_TOL
-        assert (packed[23:37] - alone[1]).abs().max() <= FP32_TOL
-        left = torch.cat([torch.zeros(1, 9, dtype=torch.long), b], 1)
-        lmask = torch.tensor([[0] * 9 + [1] * 14])
-        lpos = torch.cat([torch.zeros(9, dtype=torch.long), torch.arange(14)])[None]
-        assert (model(left, positions=lpos, attention_mask=lmask).logits[0, 9:] - alone[1]).abs().max() <= FP32_TOL
-        joined = model(row[:, :37]).logits[0]
-        assert (joined[23:37] - alone[1]).abs().max() > FP32_TOL
+    """Packed sequences and a left-padded row give each sequence's own logits: the conv and the state restart at
+    each sequence start (control: one state through both)."""
+    assert_packed_sequences_stay_apart(load_model(checkpoint[0], dtype=torch.float32))
 
 
 def test_the_engine_continues_each_sequence_from_its_state_as_a_full_forward(checkpoint, monkeypatch):
@@ -225,19 +210,9 @@ def test_the_mamba_hybrid_trains_in_every_mode(mode, checkpoint):
 def test_a_peft_adapter_on_the_mamba_projections_reproduces_moerl_in_peft(checkpoint, tmp_path):
     """Adapters on the Mamba projections, attention and the experts, written for PEFT: peft on the transformers model
     gives moerl's logits (fp32 1e-4), far from the base model's."""
-    from peft import PeftModel
-    from test_export import IDS, _trained_policy
-    from transformers import AutoModelForCausalLM
+    from test_export import peft_logits
 
-    from moerl.bridges.peft import write_peft_adapter
-
-    path, _ = checkpoint
-    pol = _trained_policy(path, "per_expert", ["in_proj", "out_proj", "o_proj", "experts"])
-    write_peft_adapter(pol.model, tmp_path / "adapter")
-    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    peft_model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
-    with torch.no_grad():
-        ours, theirs, plain = pol.model(IDS, adapters=0).logits, peft_model(IDS).logits, pol.model(IDS).logits
+    _, ours, theirs, plain = peft_logits(checkpoint[0], ["in_proj", "out_proj", "o_proj", "experts"], tmp_path / "a")
     assert (ours - theirs).abs().max() <= 1e-4
     assert (ours - plain).abs().max() > 1e-3
 

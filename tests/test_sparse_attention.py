@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 from hf_models import VOCAB, build_hf_model, hf_router_choices
+from packing import assert_packed_sequences_stay_apart
 
 from moerl.bridges import load_model
 from moerl.bridges import prove as derived
@@ -85,26 +86,10 @@ def test_sparse_attention_matches_transformers_with_a_control_per_knob(arch, che
 
 @pytest.mark.parametrize("arch", DSA_ARCHS)
 def test_each_packed_sequence_chooses_among_its_own_keys(arch, checkpoints):
-    """Two sequences packed in one row and a left-padded row give each sequence's own logits: a query's top-k
-    is taken over the keys of its own sequence. Negative control: without sequence numbers the second sequence's
-    queries choose among the first's keys too."""
-    path, _ = checkpoints[arch]
-    model = load_model(path, dtype=torch.float32)
-    a, b = _ids(1, 19, seed=5), _ids(1, 13, seed=6)
-    with torch.no_grad():
-        alone = [model(x).logits[0] for x in (a, b)]
-        row = torch.cat([a, b, torch.zeros(1, 4, dtype=torch.long)], 1)
-        mask = torch.tensor([[1] * 19 + [2] * 13 + [0] * 4])
-        pos = torch.cat([torch.arange(19), torch.arange(13), torch.zeros(4, dtype=torch.long)])[None]
-        packed = model(row, positions=pos, attention_mask=mask).logits[0]
-        assert (packed[:19] - alone[0]).abs().max() <= FP32_TOL
-        assert (packed[19:32] - alone[1]).abs().max() <= FP32_TOL
-        left = torch.cat([torch.zeros(1, 7, dtype=torch.long), b], 1)
-        lmask = torch.tensor([[0] * 7 + [1] * 13])
-        lpos = torch.cat([torch.zeros(7, dtype=torch.long), torch.arange(13)])[None]
-        assert (model(left, positions=lpos, attention_mask=lmask).logits[0, 7:] - alone[1]).abs().max() <= FP32_TOL
-        joined = model(row[:, :32]).logits[0]
-        assert (joined[19:32] - alone[1]).abs().max() > FP32_TOL
+    """Packed sequences and a left-padded row give each sequence's own logits: a query's top-k is taken over the
+    keys of its own sequence (control: without sequence numbers it chooses among the first's keys too)."""
+    model = load_model(checkpoints[arch][0], dtype=torch.float32)
+    assert_packed_sequences_stay_apart(model, first=19, second=13, pad=4, left=7)
 
 
 @pytest.mark.parametrize("arch", DSA_ARCHS)

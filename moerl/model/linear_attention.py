@@ -134,6 +134,17 @@ def sequences(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return tokens[index], valid
 
 
+def per_sequence(forward, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A recurrent mixer's whole-sequence ``forward`` ([B, T, H] -> [B, T, H]) over packed rows: one row per
+    sequence of ``mask`` (the forward's ``attention_mask``), so states and convs restart at each start and padding
+    stays out; the outputs back in the rows' places (padding: 0)."""
+    b, t, hdim = x.shape
+    index, valid = sequences(mask)
+    y = torch.zeros_like(x).view(b * t, hdim)
+    y[index[valid]] = forward(x.reshape(b * t, hdim)[index] * valid[..., None])[valid]
+    return y.view(b, t, hdim)
+
+
 class GatedDeltaNet(nn.Module):
     """The linear-attention mixer of a ``linear`` layer (``ModelConfig.layer_types``)."""
 
@@ -189,12 +200,8 @@ class GatedDeltaNet(nn.Module):
         the engine's step (its rows continue their sequences from their state slots)."""
         if cache is not None:
             return self._step(x, cache)
-        b, t, hdim = x.shape
-        if mask is not None:  # one row per sequence: states and convs restart at each start, padding stays out
-            index, valid = sequences(mask)
-            y = torch.zeros_like(x).view(b * t, hdim)
-            y[index[valid]] = self.forward(x.reshape(b * t, hdim)[index] * valid[..., None])[valid]
-            return y.view(b, t, hdim)
+        if mask is not None:
+            return per_sequence(self.forward, x, mask)
         mixed, _ = causal_conv(self.in_proj_qkv(x), self.conv1d.weight)
         q, k, v, g, beta = self._heads(mixed, x)
         o, _ = delta_rule_chunked(q, k, v, g, beta)

@@ -18,7 +18,7 @@ from torch import nn
 
 from moerl.model.config import ModelConfig
 from moerl.model.linear import Linear
-from moerl.model.linear_attention import causal_conv, sequences
+from moerl.model.linear_attention import causal_conv, per_sequence
 
 CHUNK = 64
 
@@ -137,12 +137,8 @@ class Mamba2(nn.Module):
         the engine's step (its rows continue their sequences from their state slots)."""
         if cache is not None:
             return self._step(x, cache)
-        b, t, hdim = x.shape
-        if mask is not None:  # one row per sequence: states and convs restart at each start, padding stays out
-            index, valid = sequences(mask)
-            y = torch.zeros_like(x).view(b * t, hdim)
-            y[index[valid]] = self.forward(x.reshape(b * t, hdim)[index] * valid[..., None])[valid]
-            return y.view(b, t, hdim)
+        if mask is not None:
+            return per_sequence(self.forward, x, mask)
         z, conv_in, dt = self._parts(x)
         mixed, _ = causal_conv(conv_in, self.conv1d.weight, bias=self.conv1d.bias)
         xs, dt, bb, cc = self._ssm_inputs(mixed, dt)
