@@ -6,7 +6,7 @@ negative control per knob; packing restarts the state at every sequence start an
 import pytest
 import torch
 from hf_models import HYBRID_ARCHS, HYBRID_CONFIGS, VOCAB, build_hf_model, hf_router_choices
-from packing import assert_packed_sequences_stay_apart
+from mixer_checks import assert_packed_sequences_stay_apart, moved, worst_sample
 from transformers.models.qwen3_next import modeling_qwen3_next as ref
 
 from moerl.bridges import load_model
@@ -143,15 +143,6 @@ def test_hybrid_family_matches_transformers_with_a_control_per_knob(arch, checkp
     with torch.no_grad():
         assert (again(ids).logits - want).abs().max() <= FP32_TOL
 
-    def moved(change) -> float:
-        with torch.no_grad():
-            saved = {n: p.clone() for n, p in model.named_parameters()}
-            change()
-            off = model(ids).logits
-            for n, p in model.named_parameters():
-                p.copy_(saved[n])
-        return float((off - want).abs().max())
-
     linear = _linear_layers(model)
     knobs = {
         "decay": lambda: [m.A_log.add_(0.5) for m in linear],
@@ -165,7 +156,7 @@ def test_hybrid_family_matches_transformers_with_a_control_per_knob(arch, checkp
         ],
     }
     for knob, change in knobs.items():
-        assert moved(change) > FP32_TOL, f"negative control '{knob}' matched transformers"
+        assert moved(model, ids, want, change) > FP32_TOL, f"negative control '{knob}' matched transformers"
 
 
 @pytest.mark.parametrize("arch", HYBRID_ARCHS)
@@ -181,8 +172,6 @@ def test_the_engine_continues_each_sequence_from_its_state_as_a_full_forward(arc
     (the second copies the prompt's conv window and state), continuous batching of prompts of several lengths:
     every sample's logprobs within k3 1e-6 of one full forward of its tokens, its routed experts equal; every state
     slot comes back. Negative control: samples that do not copy the prompt's state miss the tolerance."""
-    from test_engine import full_forward_check
-
     from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
     from moerl.engine.kv_cache import LinearStates
 
@@ -191,24 +180,15 @@ def test_the_engine_continues_each_sequence_from_its_state_as_a_full_forward(arc
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, 100, (n,), generator=gen).tolist() for n in (3, 9, 14, 5)]
 
-    def worst(outs) -> tuple[float, bool]:
-        """The largest k3 of any sample against its full forward, and whether every sample's routing equals it."""
-        checks = [
-            full_forward_check(engine.model, type(out)(out.request_id, out.prompt_token_ids, [c], 0), 0.8)
-            for out in outs
-            for c in out.outputs
-        ]
-        return max(kl for kl, _ in checks), all(ok for _, ok in checks)
-
     requests = [Request(p, SamplingParams(temperature=0.8, max_tokens=12, n=2, seed=i)) for i, p in enumerate(prompts)]
-    kl, routed_ok = worst(engine.generate(requests))
+    kl, routed_ok = worst_sample(engine, engine.generate(requests))
     assert kl <= 1e-6 and routed_ok, kl
     assert (
         len(engine.cache.states.free) == cfg.max_num_seqs
         and engine.scheduler.blocks.num_free == engine.cache.num_blocks
     )
     monkeypatch.setattr(LinearStates, "copy", lambda self, src, dst: None)
-    kl, routed_ok = worst(engine.generate(requests))
+    kl, routed_ok = worst_sample(engine, engine.generate(requests))
     assert kl > 1e-6 or not routed_ok
 
 

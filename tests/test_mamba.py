@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 from hf_models import VOCAB, build_hf_model, hf_router_choices
-from packing import assert_packed_sequences_stay_apart
+from mixer_checks import assert_packed_sequences_stay_apart, moved, worst_sample
 
 from moerl.bridges import load_model
 from moerl.model.mamba import ssd_chunked, ssd_step
@@ -122,15 +122,6 @@ def test_granite_4_h_matches_transformers_with_a_control_per_knob(checkpoint):
         ours = out.routed[:, :, j].reshape(-1, model.config.top_k)
         assert torch.equal(ours.sort(-1).values, choice.sort(-1).values), f"MoE layer {j} chose other experts"
 
-    def moved(change) -> float:
-        with torch.no_grad():
-            saved = {n: p.clone() for n, p in model.named_parameters()}
-            change()
-            off = model(ids).logits
-            for n, p in model.named_parameters():
-                p.copy_(saved[n])
-        return float((off - want).abs().max())
-
     mambas = _mambas(model)
     knobs = {
         "decay": lambda: [m.A_log.add_(0.5) for m in mambas],
@@ -140,7 +131,7 @@ def test_granite_4_h_matches_transformers_with_a_control_per_knob(checkpoint):
         "gate": lambda: [m.in_proj.weight[: m.inner].mul_(0.5) for m in mambas],
     }
     for knob, change in knobs.items():
-        assert moved(change) > FP32_TOL, f"negative control '{knob}' matched transformers"
+        assert moved(model, ids, want, change) > FP32_TOL, f"negative control '{knob}' matched transformers"
     off = MoEModel(dataclasses.replace(model.config, mamba_norm_groups=2), torch.float32)  # per B / C group
     off.load_state_dict(model.state_dict())
     with torch.no_grad():
@@ -158,8 +149,6 @@ def test_the_engine_continues_each_sequence_from_its_state_as_a_full_forward(che
     prompt's conv window and state), prompts of several lengths: every sample's logprobs within k3 1e-6 of one full
     forward of its tokens, its routed experts equal (R3's rows); every state slot comes back. Negative control:
     samples that do not copy the prompt's state miss."""
-    from test_engine import full_forward_check
-
     from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
     from moerl.engine.kv_cache import LinearStates
 
@@ -170,19 +159,11 @@ def test_the_engine_continues_each_sequence_from_its_state_as_a_full_forward(che
     prompts = [torch.randint(4, 100, (n,), generator=gen).tolist() for n in (3, 9, 14, 5)]
     requests = [Request(p, SamplingParams(temperature=0.8, max_tokens=12, n=2, seed=i)) for i, p in enumerate(prompts)]
 
-    def worst(outs) -> tuple[float, bool]:
-        checks = [
-            full_forward_check(engine.model, type(out)(out.request_id, out.prompt_token_ids, [c], 0), 0.8)
-            for out in outs
-            for c in out.outputs
-        ]
-        return max(kl for kl, _ in checks), all(ok for _, ok in checks)
-
-    kl, routed_ok = worst(engine.generate(requests))
+    kl, routed_ok = worst_sample(engine, engine.generate(requests))
     assert kl <= 1e-6 and routed_ok, kl
     assert len(engine.cache.states.free) == cfg.max_num_seqs
     monkeypatch.setattr(LinearStates, "copy", lambda self, src, dst: None)
-    kl, routed_ok = worst(engine.generate(requests))
+    kl, routed_ok = worst_sample(engine, engine.generate(requests))
     assert kl > 1e-6 or not routed_ok
 
 

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 from hf_models import VOCAB, build_hf_model, hf_router_choices
-from packing import assert_packed_sequences_stay_apart
+from mixer_checks import assert_packed_sequences_stay_apart, moved, worst_sample
 
 from moerl.bridges import load_model
 from moerl.bridges import prove as derived
@@ -71,17 +71,8 @@ def test_sparse_attention_matches_transformers_with_a_control_per_knob(arch, che
     assert rebuilt(index_topk=64) > FP32_TOL  # every key kept: dense attention
     assert rebuilt(index_rope_interleave=not interleave) > FP32_TOL
 
-    def moved(change) -> float:
-        with torch.no_grad():
-            saved = {n: p.clone() for n, p in model.named_parameters()}
-            change()
-            off = model(ids).logits
-            for n, p in model.named_parameters():
-                p.copy_(saved[n])
-        return float((off - want).abs().max())
-
-    assert moved(lambda: [i.k_norm.bias.add_(0.5) for i in _indexers(model)]) > FP32_TOL
-    assert moved(lambda: [i.weights_proj.weight.mul_(-1) for i in _indexers(model)]) > FP32_TOL
+    assert moved(model, ids, want, lambda: [i.k_norm.bias.add_(0.5) for i in _indexers(model)]) > FP32_TOL
+    assert moved(model, ids, want, lambda: [i.weights_proj.weight.mul_(-1) for i in _indexers(model)]) > FP32_TOL
 
 
 @pytest.mark.parametrize("arch", DSA_ARCHS)
@@ -98,8 +89,6 @@ def test_the_engine_pages_the_indexer_keys_and_decodes_as_a_full_forward(arch, c
     sampled for 12 more (up to 26 keys, 4 kept): every sample's logprobs within k3 1e-6 of one full forward of its
     tokens, its routed experts equal. Negative control: an engine that does not store the indexer keys it computes
     (its pool stays zero) misses."""
-    from test_engine import full_forward_check
-
     from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
     from moerl.engine.kv_cache import StepView
 
@@ -110,15 +99,7 @@ def test_the_engine_pages_the_indexer_keys_and_decodes_as_a_full_forward(arch, c
     prompts = [torch.randint(4, 100, (n,), generator=gen).tolist() for n in (3, 9, 14, 5)]
     requests = [Request(p, SamplingParams(temperature=0.8, max_tokens=12, n=2, seed=i)) for i, p in enumerate(prompts)]
 
-    def worst(outs) -> tuple[float, bool]:
-        checks = [
-            full_forward_check(engine.model, type(out)(out.request_id, out.prompt_token_ids, [c], 0), 0.8)
-            for out in outs
-            for c in out.outputs
-        ]
-        return max(kl for kl, _ in checks), all(ok for _, ok in checks)
-
-    kl, routed_ok = worst(engine.generate(requests))
+    kl, routed_ok = worst_sample(engine, engine.generate(requests))
     assert kl <= 1e-6 and routed_ok, kl
     assert engine.scheduler.blocks.num_free == engine.cache.num_blocks
     real = StepView.update_index
@@ -128,7 +109,7 @@ def test_the_engine_pages_the_indexer_keys_and_decodes_as_a_full_forward(arch, c
         return real(self, layer, torch.zeros_like(keys))
 
     monkeypatch.setattr(StepView, "update_index", forgetful)
-    kl, routed_ok = worst(engine.generate(requests))
+    kl, routed_ok = worst_sample(engine, engine.generate(requests))
     assert kl > 1e-6 or not routed_ok
 
 

@@ -1,4 +1,5 @@
-"""Packed rows keep their sequences apart: a check shared by the mixers' tests (recurrent states, indexers)."""
+"""Checks the token mixers' tests share (recurrent states, indexers): packed rows keep their sequences apart, the
+engine's samples against full forwards, a knob moved off its loaded value."""
 
 import torch
 from hf_models import VOCAB
@@ -31,3 +32,28 @@ def assert_packed_sequences_stay_apart(model, first: int = 23, second: int = 14,
         assert (out - alone[1]).abs().max() <= FP32_TOL
         joined = model(row[:, :n]).logits[0]
         assert (joined[first:n] - alone[1]).abs().max() > FP32_TOL
+
+
+def worst_sample(engine, outs, temperature: float = 0.8) -> tuple[float, bool]:
+    """The largest k3 of any sample of ``outs`` against a full forward of its tokens, and whether every sample's
+    routed experts equal that forward's."""
+    from test_engine import full_forward_check
+
+    checks = [
+        full_forward_check(engine.model, type(out)(out.request_id, out.prompt_token_ids, [c], 0), temperature)
+        for out in outs
+        for c in out.outputs
+    ]
+    return max(kl for kl, _ in checks), all(ok for _, ok in checks)
+
+
+def moved(model, ids, want, change) -> float:
+    """How far ``model``'s logits for ``ids`` move from ``want`` with ``change()`` applied to its parameters (they
+    are restored after)."""
+    with torch.no_grad():
+        saved = {n: p.clone() for n, p in model.named_parameters()}
+        change()
+        off = model(ids).logits
+        for n, p in model.named_parameters():
+            p.copy_(saved[n])
+    return float((off - want).abs().max())
