@@ -409,7 +409,9 @@ def test_ctrl_c_of_a_dp2_run_ends_every_rank_with_one_message_and_rc_130(warm_mo
     assert not any(_alive(pid) for pid in ranks)
     # the launcher's own lines (torchrun's OMP_NUM_THREADS note, its shutdown) are in the run's libraries.log
     assert " torch.distributed." not in err and "OMP_NUM_THREADS" not in err, err[-3000:]
-    assert "torch.distributed.run WARNING" in (run / "libraries.log").read_text()
+    # (torchrun's OMP_NUM_THREADS note only where the variable is unset: under pytest-xdist it is set; its shutdown
+    # line always)
+    assert re.search(r" torch\.distributed\.\S+ WARNING ", (run / "libraries.log").read_text())
 
 
 def _alive(pid: int) -> bool:
