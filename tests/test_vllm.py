@@ -7,6 +7,7 @@ import math
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 
@@ -459,6 +460,36 @@ def test_vllm_refusing_its_arguments_at_start_is_a_named_error(model):
     with pytest.raises(EngineError, match=r"vLLM engine 0 did not start \(rollout.vllm_args=\{.*'tensor_parallel_size"):
         make_engine("vllm", model, CFG, vllm_args=EAGER | {"tensor_parallel_size": 4})
     assert shm_segments() <= before
+
+
+def test_closing_an_engine_leaves_the_segments_another_engine_maps():
+    """An engine releases the segments that appeared while it started, but not one a process outside this one's
+    tree maps: another engine started in the same seconds (two runs, or two test workers: a CI run lost a vLLM
+    engine to the other worker's close). Ours go whether mapped (our processes) or orphaned (they died)."""
+    from multiprocessing import resource_tracker, shared_memory
+
+    from moerl.rollout.vllm_watch import SHM, release_shm
+
+    tag = f"psm_moerl_test_{os.getpid()}"
+    holder = f"from multiprocessing import shared_memory; import time; m = shared_memory.SharedMemory(name='{tag}_theirs', create=True, size=4096); time.sleep(60)"  # noqa: E501
+    pid = int(subprocess.check_output(["sh", "-c", f'{sys.executable} -c "{holder}" >/dev/null 2>&1 & echo $!']))
+    mine = shared_memory.SharedMemory(name=f"{tag}_mine", create=True, size=4096)
+    orphan = shared_memory.SharedMemory(name=f"{tag}_orphan", create=True, size=4096)
+    orphan.close()  # still in /dev/shm, mapped by nobody
+    for seg in (mine, orphan):  # unlinked here, not by multiprocessing's tracker at exit
+        resource_tracker.unregister(seg._name, "shared_memory")
+    try:
+        deadline = time.monotonic() + 30
+        while not (SHM / f"{tag}_theirs").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        names = {f"{tag}_{who}" for who in ("theirs", "mine", "orphan")}
+        release_shm(names)
+        assert {p.name for p in SHM.glob(f"{tag}_*")} == {f"{tag}_theirs"}
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        mine.close()
+        for who in ("theirs", "mine", "orphan"):
+            (SHM / f"{tag}_{who}").unlink(missing_ok=True)
 
 
 @pytest.mark.parametrize(("victim", "sig"), [("core", "KILL"), ("worker", "KILL"), ("worker", "STOP")])

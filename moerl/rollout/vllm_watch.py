@@ -3,8 +3,8 @@
 vLLM's synchronous client waits on its output queue with no timeout, and when its EngineCore dies it shuts its
 reader down without waking that wait (a ``generate`` then hangs for ever); utility calls (``collective_rpc``) wait on
 futures nobody resolves. The watch polls the EngineCore processes vLLM started and the workers those started; once
-one is gone it wakes every waiter with the error that names it. ``shm_created`` / ``release_shm`` remove the shared
-memory segments (``psm_*``) of a vLLM engine whose processes died without unlinking them.
+one is gone it wakes every waiter with the error that names it. ``release_shm`` removes the shared memory segments
+(``psm_*``) of a vLLM engine whose processes died without unlinking them, and no other engine's.
 """
 
 from __future__ import annotations
@@ -96,7 +96,28 @@ def shm_segments() -> set[str]:
     return {p.name for p in SHM.glob("psm_*")} if SHM.is_dir() else set()
 
 
+def mapped_elsewhere() -> set[str]:
+    """The ``psm_*`` segments that live processes outside this process's tree map (read from their
+    ``/proc/<pid>/maps``): another engine's, started beside this one by another run or test."""
+    from moerl.cores import processes, tree
+
+    ours, out = tree(processes(), os.getpid()), set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) in ours:
+            continue
+        try:
+            maps = (entry / "maps").read_text()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        out |= {line.split("/dev/shm/", 1)[1].split()[0] for line in maps.splitlines() if "/dev/shm/psm_" in line}
+    return out
+
+
 def release_shm(names: set[str]) -> None:
-    """Unlink the segments ``names`` (the ones a vLLM engine created at start) that are still there."""
-    for name in names:
+    """Unlink the segments ``names`` (those that appeared while a vLLM engine started) that are still there, but for
+    those a process outside this one's tree maps: a segment that appeared in the same seconds may be another engine's
+    (two runs, or two test workers, starting vLLM at once), and unlinking it would take that engine down."""
+    if not names:
+        return
+    for name in names - mapped_elsewhere():
         (SHM / name).unlink(missing_ok=True)
