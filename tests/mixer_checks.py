@@ -34,6 +34,21 @@ def assert_packed_sequences_stay_apart(model, first: int = 23, second: int = 14,
         assert (joined[first:n] - alone[1]).abs().max() > FP32_TOL
 
 
+def assert_matches_transformers(model, hf, ids) -> torch.Tensor:
+    """moerl's logits for ``ids`` within fp32 1e-4 of transformers' model ``hf``, every MoE layer's experts equal
+    (R3's rows); returns transformers' logits."""
+    from hf_models import hf_router_choices
+
+    want, choices = hf_router_choices(hf, ids)
+    with torch.no_grad():
+        out = model(ids, capture=True)
+    assert (out.logits - want).abs().max() <= FP32_TOL
+    for j, choice in enumerate(choices):
+        ours = out.routed[:, :, j].reshape(-1, model.config.top_k)
+        assert torch.equal(ours.sort(-1).values, choice.sort(-1).values), f"MoE layer {j} chose other experts"
+    return want
+
+
 def worst_sample(engine, outs, temperature: float = 0.8) -> tuple[float, bool]:
     """The largest k3 of any sample of ``outs`` against a full forward of its tokens, and whether every sample's
     routed experts equal that forward's."""

@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 import torch
-from hf_models import VOCAB, build_hf_model, hf_router_choices
-from mixer_checks import assert_packed_sequences_stay_apart, moved, worst_sample
+from hf_models import VOCAB, build_hf_model
+from mixer_checks import assert_matches_transformers, assert_packed_sequences_stay_apart, moved, worst_sample
 
 from moerl.bridges import load_model
 from moerl.bridges import prove as derived
@@ -52,13 +52,7 @@ def test_sparse_attention_matches_transformers_with_a_control_per_knob(arch, che
     model = load_model(path, dtype=torch.float32)
     assert model.config.index_topk == 4 and all(i is not None for i in _indexers(model))
     ids = _ids()
-    want, choices = hf_router_choices(hf, ids)
-    with torch.no_grad():
-        out = model(ids, capture=True)
-    assert (out.logits - want).abs().max() <= FP32_TOL
-    for j, choice in enumerate(choices):
-        ours = out.routed[:, :, j].reshape(-1, model.config.top_k)
-        assert torch.equal(ours.sort(-1).values, choice.sort(-1).values), f"MoE layer {j} chose other experts"
+    want = assert_matches_transformers(model, hf, ids)
 
     def rebuilt(**change) -> float:
         off = MoEModel(dataclasses.replace(model.config, **change), torch.float32)
