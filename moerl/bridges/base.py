@@ -286,13 +286,12 @@ def mamba_fields(c: HFConfig, hidden: int, norm_groups: int) -> dict:
     """ModelConfig's Mamba-2 fields from a family's ``mamba_*`` ones (Granite-4.0-H's spelling); ``norm_groups``:
     the gated norm's groups (the names cannot tell: a variant of the proof)."""
     heads = c.req("mamba_n_heads", int)
-    head_dim = c.data.get("mamba_d_head", "auto")
-    if head_dim == "auto":
-        head_dim = c.opt("mamba_expand", int, 2) * hidden // heads
+    auto = c.data.get("mamba_d_head", "auto") == "auto"  # transformers' default: the expanded width over the heads
+    head_dim = c.opt("mamba_expand", int, 2) * hidden // heads if auto else c.req("mamba_d_head", int)
     low, high = c.opt("time_step_limit", list) or [0.0, float("inf")]
     return dict(
         mamba_num_heads=heads,
-        mamba_head_dim=c.req("mamba_d_head", int) if head_dim is None else int(head_dim),
+        mamba_head_dim=head_dim,
         mamba_state_size=c.req("mamba_d_state", int),
         mamba_groups=c.opt("mamba_n_groups", int, 1),
         mamba_conv_kernel=c.opt("mamba_d_conv", int, 4),

@@ -197,7 +197,7 @@ class StepView:
         s = block_tables.shape[1] * bs
         dev = block_tables.device
         if graph:  # every visible key's row in the pool seen as [H * slots, d], head-major: [H * B * S]
-            key_slots = (block_tables[:, :, None] * bs + torch.arange(bs, device=dev)).reshape(-1)
+            key_slots = self._visible_slots()
             self.read, self.width = (torch.arange(heads, device=dev)[:, None] * n + key_slots[None, :]).reshape(-1), 1
         else:  # every block's row in the pool seen as [H * blocks, bs * d]: a few long copies, not one per key
             # (16% of small's fp32 decode step). A graph would guard on the blocks per row (S = 16 nb): not there
@@ -231,6 +231,11 @@ class StepView:
             out.append(gathered.view(h, self.b, -1, d).transpose(0, 1))  # [B, H, S, d], contiguous per head
         return out[0], out[1]
 
+    def _visible_slots(self) -> torch.Tensor:
+        """Every visible key's slot, row by row: the block tables' slots in order [B * S]."""
+        bs = self.cache.block_size
+        return (self.block_tables[:, :, None] * bs + torch.arange(bs, device=self.block_tables.device)).reshape(-1)
+
     def update_index(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
         """Store this step's indexer keys [B, C, d] (DeepSeek sparse attention) in their single-head pool; return
         every visible key [B, S, d], in the key order ``update`` returns (row = position)."""
@@ -238,10 +243,8 @@ class StepView:
         d = pool.shape[2]
         flat = pool.view(-1, d)
         flat.index_copy_(0, self._write_slots, keys.reshape(-1, d)[self.write_rows])
-        if self._index_read is None:  # every visible key's slot, per row: the block tables' slots in order
-            bs = self.cache.block_size
-            dev = self.block_tables.device
-            self._index_read = (self.block_tables[:, :, None] * bs + torch.arange(bs, device=dev)).reshape(-1)
+        if self._index_read is None:
+            self._index_read = self._visible_slots()
         return flat.index_select(0, self._index_read).view(self.b, self._key_slots, d)
 
     def mask(self, sliding: bool) -> torch.Tensor:

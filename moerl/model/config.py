@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 
 from moerl.errors import ConfigError
 
+# layer kinds with a per-sequence state instead of paged keys (their mixers: moerl.model.mixers.RECURRENT)
+RECURRENT_KINDS = ("linear", "mamba")
+
 
 @dataclass(slots=True)
 class RopeConfig:
@@ -146,7 +149,7 @@ class ModelConfig:
             raise ConfigError(f"ModelConfig.rope.kind={self.rope.kind!r}: allowed: default, linear, yarn, llama3")
         if len(self.layer_types) != self.num_layers:
             raise self._bad("layer_types", f"needs {self.num_layers} entries (num_layers)")
-        if any(t not in ("full", "sliding", "linear", "mamba") for t in self.layer_types):
+        if any(t not in ("full", "sliding", *RECURRENT_KINDS) for t in self.layer_types):
             raise self._bad("layer_types", "entries allowed: full, sliding, linear, mamba")
         self._validate_mamba()
         if "linear" not in self.layer_types:  # the linear-attention fields would be ignored
@@ -168,7 +171,7 @@ class ModelConfig:
             self.nope_layers
         ):
             raise self._bad("nope_layers", f"indices must lie in [0, {self.num_layers}), each once")
-        if any(self.layer_types[i] in ("linear", "mamba") for i in self.nope_layers):
+        if any(self.layer_types[i] in RECURRENT_KINDS for i in self.nope_layers):
             raise self._bad("nope_layers", "lists a recurrent layer (it has no RoPE to drop)")
         if any(not 0 <= i < self.num_layers for i in self.moe_layers):
             raise self._bad("moe_layers", f"indices must lie in [0, {self.num_layers})")

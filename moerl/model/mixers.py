@@ -11,12 +11,15 @@ from __future__ import annotations
 
 from torch import nn
 
-from moerl.model.config import ModelConfig
+from moerl.model.config import RECURRENT_KINDS, ModelConfig
 from moerl.model.linear_attention import GatedDeltaNet
 from moerl.model.mamba import Mamba2
 
 # layer kind -> the recurrent mixer class (Gated DeltaNet: Qwen3-Next / Qwen3.5; Mamba-2: Granite-4.0-H, Nemotron-H)
 RECURRENT: dict[str, type[nn.Module]] = {"linear": GatedDeltaNet, "mamba": Mamba2}
+
+
+assert tuple(RECURRENT) == RECURRENT_KINDS  # the kinds ModelConfig accepts are the mixers built here
 
 
 def is_recurrent(kind: str) -> bool:
