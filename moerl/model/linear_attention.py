@@ -145,11 +145,26 @@ def per_sequence(forward, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return y.view(b, t, hdim)
 
 
-class GatedDeltaNet(nn.Module):
-    """The linear-attention mixer of a ``linear`` layer (``ModelConfig.layer_types``)."""
+class RecurrentMixer(nn.Module):
+    """What every recurrent mixer's call does (``moerl.model.mixers``): an engine step continues each row's sequence
+    from its state slot (``_step``); a training / prefill forward runs each sequence of the packed rows whole
+    (``_whole``), its state and conv starting fresh."""
 
-    mask_kind = "linear"
+    mask_kind = "linear"  # the forward's attention_mask: its sequences (see MoEModel.forward)
     sliding = False
+
+    def forward(self, x, cos=None, sin=None, mask=None, cache=None) -> torch.Tensor:
+        """x [B, T, H]; ``mask`` the forward's ``attention_mask`` (None: every row one whole sequence); ``cache``
+        the engine's step (its rows continue their sequences from their state slots)."""
+        if cache is not None:
+            return self._step(x, cache)
+        if mask is not None:
+            return per_sequence(self._whole, x, mask)
+        return self._whole(x)
+
+
+class GatedDeltaNet(RecurrentMixer):
+    """The linear-attention mixer of a ``linear`` layer (``ModelConfig.layer_types``)."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -195,13 +210,8 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).view(*o.shape[:-1], self.dv)
         return self.out_proj(self.norm(o.to(x.dtype), z).flatten(-2))
 
-    def forward(self, x, cos=None, sin=None, mask=None, cache=None) -> torch.Tensor:
-        """x [B, T, H]; ``mask`` the forward's ``attention_mask`` (None: every row one whole sequence); ``cache``
-        the engine's step (its rows continue their sequences from their state slots)."""
-        if cache is not None:
-            return self._step(x, cache)
-        if mask is not None:
-            return per_sequence(self.forward, x, mask)
+    def _whole(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row of x [B, T, H] one whole sequence."""
         mixed, _ = causal_conv(self.in_proj_qkv(x), self.conv1d.weight)
         q, k, v, g, beta = self._heads(mixed, x)
         o, _ = delta_rule_chunked(q, k, v, g, beta)

@@ -18,7 +18,7 @@ from torch import nn
 
 from moerl.model.config import ModelConfig
 from moerl.model.linear import Linear
-from moerl.model.linear_attention import causal_conv, per_sequence
+from moerl.model.linear_attention import RecurrentMixer, causal_conv
 
 CHUNK = 64
 
@@ -83,11 +83,8 @@ class GroupGatedRMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-class Mamba2(nn.Module):
+class Mamba2(RecurrentMixer):
     """The state-space mixer of a ``mamba`` layer (``ModelConfig.layer_types``)."""
-
-    mask_kind = "linear"  # the forward's attention_mask: its sequences (see MoEModel.forward)
-    sliding = False
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -132,13 +129,8 @@ class Mamba2(nn.Module):
         y = y + xs.float() * self.D.float()[:, None]
         return self.out_proj(self.norm(y.flatten(-2), z).to(z.dtype))
 
-    def forward(self, x, cos=None, sin=None, mask=None, cache=None) -> torch.Tensor:
-        """x [B, T, H]; ``mask`` the forward's ``attention_mask`` (None: every row one whole sequence); ``cache``
-        the engine's step (its rows continue their sequences from their state slots)."""
-        if cache is not None:
-            return self._step(x, cache)
-        if mask is not None:
-            return per_sequence(self.forward, x, mask)
+    def _whole(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row of x [B, T, H] one whole sequence."""
         z, conv_in, dt = self._parts(x)
         mixed, _ = causal_conv(conv_in, self.conv1d.weight, bias=self.conv1d.bias)
         xs, dt, bb, cc = self._ssm_inputs(mixed, dt)
