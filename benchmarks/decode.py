@@ -13,8 +13,8 @@ host. vLLM runs from ``.venv-vllm`` (``make peers``) when it exists, else from t
 
 "moerl base compiled" is the engine with ``compile_decode``: its warm-up generate includes the compilation (column
 "first generate"; torch's compile cache on disk shortens it in later processes). ``--baseline REF`` adds "moerl base
-@REF": the base engine of git revision REF (a worktree of it), interleaved with the others: a change's speed-up
-measured side by side."""
+@REF" (and "moerl base compiled @REF" when that contender runs): the engine of git revision REF (a worktree of it),
+interleaved with the others: a change's speed-up measured side by side."""
 
 from __future__ import annotations
 
@@ -172,7 +172,7 @@ def contender(name: str, ckpt: str, args, rnd: int, vllm_python: str | None, dty
         return run_contender(cmd + ["--seed", str(rnd)])
     tree = None
     if " @" in name:  # the baseline: this script's child over the moerl of a worktree of that revision
-        name, tree = "moerl base", args.baseline_tree
+        name, tree = name.split(" @")[0], args.baseline_tree
     cmd = [sys.executable, __file__, "--child", name, "--ckpt", ckpt, "--reps", str(args.reps), *common]
     env = os.environ | {"PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])} if tree else None
     out = run_contender(cmd + ["--seed", str(1000 * (rnd + 1))], env=env)
@@ -183,7 +183,8 @@ def contender(name: str, ckpt: str, args, rnd: int, vllm_python: str | None, dty
 def bench(preset: str, args, vllm_python: str | None, dtypes: list[str]) -> None:
     names = [n for n in CONTENDERS if (n != "vLLM" or vllm_python) and (n in args.contenders or n == "moerl base")]
     more = [f"moerl base [{arch}]" for arch in args.archs[1:]]  # the base engine on the other architectures
-    more += [f"moerl base @{args.baseline}"] if args.baseline else []
+    at = [n for n in ("moerl base", "moerl base compiled") if n == "moerl base" or n in args.contenders]
+    more += [f"{n} @{args.baseline}" for n in at] if args.baseline else []
     names = [(n, dt) for n in names + more for dt in dtypes]
     runs: dict[tuple[str, str], list[dict]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as d:
@@ -225,9 +226,10 @@ def bench(preset: str, args, vllm_python: str | None, dtypes: list[str]) -> None
     for n in ("moerl base", "moerl base compiled"):
         if n in best and vllm:
             targets.append(f"{n.removeprefix('moerl ')} / vLLM = {best[n] / vllm:.2f}x (>= 2x)")
-    if args.baseline:
-        old = best[f"moerl base @{args.baseline}"]
-        targets.append(f"base / base @{args.baseline} = {best['moerl base'] / old:.2f}x")
+    for n in ("moerl base", "moerl base compiled") if args.baseline else ():
+        if f"{n} @{args.baseline}" in best:
+            was = n.removeprefix("moerl ")
+            targets.append(f"{was} / {was} @{args.baseline} = {best[n] / best[f'{n} @{args.baseline}']:.2f}x")
     for variant, goal in (("shared_outer", 0.95), ("per_expert", 0.8)):
         if f"moerl LoRA {variant} fused" in best:
             ratio = best[f"moerl LoRA {variant} fused"] / best["moerl base"]

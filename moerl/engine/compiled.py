@@ -1,16 +1,17 @@
 """The compiled decode step (``EngineConfig.compile_decode``): one ``torch.compile`` graph for every decode batch.
 
-A decode step runs hundreds of small ops whose per-op cost, not arithmetic, decides its speed on a small model
-(CPU) and whose launches dominate on a GPU. Here the batch is padded to a bucket size (``BUCKETS``, at least 2: a
-size-1 dimension would be specialised into a graph of its own) and the block tables to a power of two, so few
+A decode step runs hundreds of small ops whose per-op cost, not arithmetic, decides its speed on a small model (CPU)
+and whose launches dominate on a GPU. Here the batch is padded to a bucket size (``BUCKETS``, at least 2: a size-1
+dimension would be specialised into a graph of its own) and, on CUDA, the block tables to a power of two (each shape
+a CUDA graph of its own; a CPU graph's key length is symbolic and the padding would only add keys to gather), so few
 shapes reach the graph; its shapes are symbolic (``dynamic=True``, traced without duck sizing: a bucket of 16 rows
-once shared a symbol with the cache's 16-token blocks and was compiled again for the next bucket; the pools' and
-the kept MX weights' shapes static), so one compilation covers every bucket on the CPU. On CUDA it asks for CUDA
-graphs (``mode="reduce-overhead"``, one per bucket): the KV cache pools the graph writes are marked static (mutated
-inputs that are not make cudagraph trees skip the graph), and nothing in the graph reads the device on the host
-(the grouped GEMM's offsets come from a search on the device). Padding rows decode token 0 at position 0 into the
-cache's scratch block, never into a sequence's. Prefill stays eager, and so does any batch larger than
-``max_num_seqs`` (which the scheduler never forms).
+once shared a symbol with the cache's 16-token blocks and was compiled again for the next bucket; the pools' and the
+kept MX weights' shapes static), so one compilation covers every bucket on the CPU. On CUDA it asks for CUDA graphs
+(``mode="reduce-overhead"``, one per bucket): the KV cache pools the graph writes are marked static (mutated inputs
+that are not make cudagraph trees skip the graph), and nothing in the graph reads the device on the host (the
+grouped GEMM's offsets come from a search on the device). Padding rows decode token 0 at position 0 into the cache's
+scratch block, never into a sequence's. Prefill stays eager, and so does any batch larger than ``max_num_seqs``
+(which the scheduler never forms).
 
 Inside the graph the routed experts take the dense path (every expert on every token, ``Experts._dense``) where
 that is cheap, and on CUDA where the grouped GEMM has no kernel for the dtype (torch's fallback reads offsets on the
@@ -101,8 +102,8 @@ class CompiledDecode:
         ``adapters`` [B], -1 = none): logits [B, V] and the chosen experts [B, 1, L_moe, k] (None without
         capture)."""
         b, nb = tables.shape
-        rows, cols = bucket(b) - b, (1 << (nb - 1).bit_length()) - nb
         device = ids.device
+        rows, cols = bucket(b) - b, (1 << (nb - 1).bit_length()) - nb if device.type == "cuda" else 0
         if cols:  # extra columns repeat each row's first block: masked, as the eager step pads short tables
             tables = torch.cat([tables, tables[:, :1].expand(b, cols)], dim=1)
         if rows:
