@@ -24,10 +24,12 @@ SMALL = [
     "rollout.group_size=4",
     "rollout.max_tokens=4",
 ]
+VLLM_EAGER = 'rollout.vllm_args={"enforce_eager": true}'
 CASES = [
     ("qwen3_next", ["parallel.ep=2"], "merged"),
     ("qwen3_moe", ["parallel.pp=2", "rollout.placement=process", "rollout.num_engines=2"], "adapter"),
-    ("deepseek_v3", ["parallel.dp=2", "policy.mode=full", "rollout.engine=vllm"], "checkpoint"),
+    # vLLM eager: compiling its graph adds ~40 s and nothing to how a run ends (test_vllm starts a compiled engine)
+    ("deepseek_v3", ["parallel.dp=2", "policy.mode=full", "rollout.engine=vllm", VLLM_EAGER], "checkpoint"),
 ]
 MLA_FOR_VLLM = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "head_dim": 64}  # the latent vLLM's CPU kernel takes
 
