@@ -28,29 +28,48 @@ class Groups:
     output's gradient by the transposed weights, ``moerl::group_mm_wgrad``), so a compiled training graph holds it.
     """
 
-    __slots__ = ("offs", "padded", "group", "pos", "cap", "keys", "n_groups", "opaque")
+    __slots__ = ("offs", "keys", "n_groups", "opaque", "_padding")
 
     def __init__(self, keys: torch.Tensor, n_groups: int):
         self.keys, self.n_groups = keys, n_groups
         self.opaque = torch.compiler.is_compiling()
+        self._padding: tuple[bool, int, torch.Tensor | None] | None = None
         if self.opaque:
             return
         ends = torch.searchsorted(keys, torch.arange(n_groups, device=keys.device, dtype=keys.dtype), right=True)
         self.offs = ends.to(torch.int32)
-        self.cap, self.padded, rows = 0, False, keys.numel()
-        if not on_gpu(keys) and rows:  # the CPU's choice reads the largest group: no sync on a CPU
-            counts = torch.diff(ends, prepend=ends.new_zeros(1))
-            self.cap = int(counts.max())
-            self.padded = rows <= 64 * n_groups and n_groups * self.cap <= 4 * rows
-            if self.padded:
-                self.group = keys
-                self.pos = torch.arange(rows, device=keys.device) - (ends - counts)[keys]
+
+    @property
+    def padded(self) -> bool:
+        """Whether the capacity-padded bmm may be used (see the class)."""
+        return self._plan()[0]
+
+    def _plan(self) -> tuple[bool, int, torch.Tensor | None]:
+        """(padded, the largest group's rows, each row's place in its group), made when first asked: the per-group
+        GEMMs of streamed weights never ask (each small op beside those GEMMs costs tens of us: their threads wake
+        again)."""
+        if self._padding is None:
+            padded, cap, pos, rows = False, 0, None, self.keys.numel()
+            if not on_gpu(self.keys) and rows:  # the CPU's choice reads the largest group: no sync on a CPU
+                ends = self.offs.to(self.keys.dtype)
+                counts = torch.diff(ends, prepend=ends.new_zeros(1))
+                cap = int(counts.max())
+                padded = rows <= 64 * self.n_groups and self.n_groups * cap <= 4 * rows
+                if padded:  # each row's place within its group
+                    pos = torch.arange(rows, device=self.keys.device) - (ends - counts)[self.keys]
+            self._padding = padded, cap, pos
+        return self._padding
 
     def pad(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows sorted by group [M, D] -> the capacity-padded buffer [groups, cap, D] (zeros past each group's rows)."""
-        buf = rows.new_zeros(self.n_groups, self.cap, rows.shape[1])
-        buf[self.group, self.pos] = rows
+        _, cap, pos = self._plan()
+        buf = rows.new_zeros(self.n_groups, cap, rows.shape[1])
+        buf[self.keys, pos] = rows
         return buf
+
+    def unpad(self, buf: torch.Tensor) -> torch.Tensor:
+        """The capacity-padded buffer [groups, cap, D] -> its rows sorted by group [M, D]."""
+        return buf[self.keys, self._plan()[2]]
 
 
 # fp32 on the CPU: one group's weight past this and the per-group GEMMs beat the padded bmm (small's 1 MiB
@@ -69,9 +88,9 @@ def group_mm(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
     """Row block g of ``x`` [M, K] (rows sorted by group) times ``w[g]`` [K, N] -> [M, N]."""
     if groups.opaque:
         return _group_mm_op(x, w, groups.keys, groups.n_groups)
-    if not groups.padded or streams_weights(w):
+    if streams_weights(w) or not groups.padded:
         return _aligned_grouped_mm(x, w, groups.offs)
-    return torch.bmm(groups.pad(x), w)[groups.group, groups.pos]
+    return groups.unpad(torch.bmm(groups.pad(x), w))
 
 
 def group_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, groups: Groups) -> torch.Tensor:
