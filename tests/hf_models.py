@@ -371,6 +371,14 @@ DERIVED_CONFIGS["GraniteMoeHybridForCausalLM"] = dict(
     mamba_d_state=16, mamba_expand=2, mamba_d_conv=4, mamba_chunk_size=8, embedding_multiplier=12.0,
     residual_multiplier=0.22, attention_multiplier=0.015625, logits_scaling=6.0, vocab_size=VOCAB,
 )  # fmt: skip
+# Jamba: Mamba-1 layers (a decay per channel and state dim, dt / B / C norms, the step's rank "auto") beside attention
+# without RoPE, by period fields (attention every 4th from 2, experts every 2nd from 1), one block name for MLPs and MoE
+DERIVED_CONFIGS["JambaForCausalLM"] = dict(
+    model_type="jamba", hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, attn_layer_period=4, attn_layer_offset=2,
+    expert_layer_period=2, expert_layer_offset=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+    vocab_size=VOCAB,
+)  # fmt: skip
 # GLM-5: DeepSeek-V3.2's layers with the indexer's rotary pairs interleaved, every layer's indexer its own
 DERIVED_CONFIGS["GlmMoeDsaForCausalLM"] = DERIVED_CONFIGS["DeepseekV32ForCausalLM"] | dict(model_type="glm_moe_dsa")
 DERIVED_ARCHS = list(DERIVED_CONFIGS)

@@ -72,3 +72,80 @@ def moved(model, ids, want, change) -> float:
         for n, p in model.named_parameters():
             p.copy_(saved[n])
     return float((off - want).abs().max())
+
+
+def assert_engine_states_follow_full_forwards(path, monkeypatch, layers: list[int], state_shape: tuple) -> None:
+    """fp32: chunked prefill (8 tokens a step), blocks of 4, n=2 samples sharing a prompt (the second copies the
+    prompt's conv window and state), prompts of several lengths: every sample's logprobs within k3 1e-6 of one full
+    forward of its tokens, its routed experts equal (R3's rows); every state slot comes back; the recurrent
+    ``layers`` hold slots of ``state_shape``. Negative control: samples that do not copy the prompt's state miss."""
+    from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
+    from moerl.engine.kv_cache import LinearStates
+
+    cfg = EngineConfig(max_num_seqs=6, max_model_len=64, block_size=4, max_num_batched_tokens=8)
+    engine = LLMEngine(path, cfg, dtype=torch.float32)
+    assert sorted(engine.cache.states.state) == layers and engine.cache.states.state[layers[0]].shape[1:] == state_shape
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 100, (n,), generator=gen).tolist() for n in (3, 9, 14, 5)]
+    requests = [Request(p, SamplingParams(temperature=0.8, max_tokens=12, n=2, seed=i)) for i, p in enumerate(prompts)]
+
+    kl, routed_ok = worst_sample(engine, engine.generate(requests))
+    assert kl <= 1e-6 and routed_ok, kl
+    assert len(engine.cache.states.free) == cfg.max_num_seqs
+    monkeypatch.setattr(LinearStates, "copy", lambda self, src, dst: None)
+    kl, routed_ok = worst_sample(engine, engine.generate(requests))
+    assert kl > 1e-6 or not routed_ok
+
+
+def sft_losses(path, mode: str, steps: int = 10):
+    """The losses of ``steps`` SFT steps on one batch of 4 x 20 tokens (lr 1e-2; MXFP8 in bf16, else fp32) and the
+    policy."""
+    from moerl.trainer import Batch, OptimConfig, Policy, PolicyConfig
+    from moerl.trainer.losses import sft_loss
+
+    dtype = "bfloat16" if mode == "mxfp8" else "float32"
+    policy = Policy(path, PolicyConfig(mode=mode, dtype=dtype, optim=OptimConfig(lr=1e-2)))
+    ids = torch.randint(4, VOCAB, (4, 20), generator=torch.Generator().manual_seed(0))
+    batch = Batch(ids, torch.ones_like(ids), torch.ones_like(ids))
+    return [policy.train_step(batch, sft_loss)["loss"] for _ in range(steps)], policy
+
+
+def assert_vllm_and_compiled_decode_refuse(path, arch: str) -> None:
+    """A vLLM engine and the compiled decode step refuse a model with recurrent layers, by name."""
+    import pytest
+
+    from moerl.engine import EngineConfig, LLMEngine
+    from moerl.errors import ConfigError
+    from moerl.rollout import make_engine
+
+    with pytest.raises(ConfigError, match=rf"rollout.engine=vllm with {arch}: moerl has no fp32-router vLLM model"):
+        make_engine("vllm", path, EngineConfig())
+    with pytest.raises(ConfigError, match=r"compile_decode with recurrent layers \(Gated DeltaNet, Mamba\)"):
+        LLMEngine(path, EngineConfig(max_num_seqs=2, max_model_len=32, compile_decode=True))
+
+
+def live_mamba_checkpoint(path, arch: str, sharpen: tuple[str, ...]):
+    """A tiny transformers ``arch`` saved to ``path`` with a conv and decays that matter (the 0.02 init leaves the
+    conv near zero: x, B and C would hardly depend on the tokens) and the weights named by ``sharpen`` x5; returns
+    (path, the transformers model)."""
+    from hf_models import build_hf_model
+
+    hf = build_hf_model(arch)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("conv1d.weight", "A_log")):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            elif name.endswith(sharpen):
+                p.mul_(5)
+    hf.save_pretrained(path)
+    return path, hf
+
+
+def mixers_of(model, kind: str) -> list:
+    """The mixers of ``model``'s layers of ``kind`` (``ModelConfig.layer_types``)."""
+    return [layer.self_attn for layer, k in zip(model.layers, model.config.layer_types, strict=True) if k == kind]
+
+
+def token_ids(b: int = 2, t: int = 40, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed))

@@ -170,6 +170,7 @@ KNOBS = {
     "DeepseekV32ForCausalLM": ("index_rope_interleave", True),  # the indexer's rotary pairs
     "GlmMoeDsaForCausalLM": ("index_rope_interleave", False),
     "GraniteMoeHybridForCausalLM": ("mamba_norm_groups", 2),  # the gated norm over all channels, not per B / C group
+    "JambaForCausalLM": ("nope_layers", []),  # its attention rotates nothing, and no field says so
 }
 
 
@@ -238,7 +239,6 @@ REFUSED = [  # (model_type, config changes, the feature the refusal names)
     ("glm_moe_dsa", {"indexer_types": "FS"}, r"'indexer_types' holds 'shared' \(layer 1\): an indexer layer"),
     ("qwen3_moe", {"index_topk": 4}, "indexer field.*'index_topk'.* without indexer tensors"),
     ("nemotron_h", {}, "Nemotron-H's layers of one block each"),
-    ("jamba", {}, "Mamba-1 layers"),
 ]
 
 

@@ -6,8 +6,17 @@ import dataclasses
 
 import pytest
 import torch
-from hf_models import VOCAB, build_hf_model
-from mixer_checks import assert_matches_transformers, assert_packed_sequences_stay_apart, moved, worst_sample
+from mixer_checks import (
+    assert_engine_states_follow_full_forwards,
+    assert_matches_transformers,
+    assert_packed_sequences_stay_apart,
+    assert_vllm_and_compiled_decode_refuse,
+    live_mamba_checkpoint,
+    mixers_of,
+    moved,
+    sft_losses,
+    token_ids,
+)
 
 from moerl.bridges import load_model
 from moerl.model.mamba import ssd_chunked, ssd_step
@@ -19,31 +28,8 @@ FP32_TOL = 1e-4  # logits against transformers in fp32 (as the other families' p
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """The tiny Granite-4.0-H with a conv, decays and steps that matter (the 0.02 init leaves the conv near zero: x,
-    B and C would hardly depend on the tokens)."""
-    root = tmp_path_factory.mktemp("mamba")
-    hf = build_hf_model(ARCH)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("conv1d.weight"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-            elif name.endswith("A_log"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-            elif name.endswith("mamba.in_proj.weight"):
-                p.mul_(5)
-    hf.save_pretrained(root / ARCH)
-    return root / ARCH, hf
-
-
-def _ids(b=2, t=40, seed=1):
-    return torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed))
-
-
-def _mambas(model):
-    return [
-        layer.self_attn for layer, kind in zip(model.layers, model.config.layer_types, strict=True) if kind == "mamba"
-    ]
+    """The tiny Granite-4.0-H with a conv and decays that matter."""
+    return live_mamba_checkpoint(tmp_path_factory.mktemp("mamba") / ARCH, ARCH, ("mamba.in_proj.weight",))
 
 
 def _random_ssm(b=2, t=21, h=4, p=8, n=6, seed=0):
@@ -113,10 +99,10 @@ def test_granite_4_h_matches_transformers_with_a_control_per_knob(checkpoint):
     path, hf = checkpoint
     model = load_model(path, dtype=torch.float32)
     assert model.config.layer_types == ["mamba", "full", "mamba", "mamba"] and model.config.mamba_groups == 2
-    ids = _ids()
+    ids = token_ids()
     want = assert_matches_transformers(model, hf, ids)
 
-    mambas = _mambas(model)
+    mambas = mixers_of(model, "mamba")
     knobs = {
         "decay": lambda: [m.A_log.add_(0.5) for m in mambas],
         "dt bias": lambda: [m.dt_bias.add_(0.5) for m in mambas],
@@ -139,26 +125,9 @@ def test_packing_restarts_the_state_and_padding_stays_out(checkpoint):
 
 
 def test_the_engine_continues_each_sequence_from_its_state_as_a_full_forward(checkpoint, monkeypatch):
-    """fp32: chunked prefill (8 tokens a step), blocks of 4, n=2 samples sharing a prompt (the second copies the
-    prompt's conv window and state), prompts of several lengths: every sample's logprobs within k3 1e-6 of one full
-    forward of its tokens, its routed experts equal (R3's rows); every state slot comes back. Negative control:
-    samples that do not copy the prompt's state miss."""
-    from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
-    from moerl.engine.kv_cache import LinearStates
-
-    cfg = EngineConfig(max_num_seqs=6, max_model_len=64, block_size=4, max_num_batched_tokens=8)
-    engine = LLMEngine(checkpoint[0], cfg, dtype=torch.float32)
-    assert sorted(engine.cache.states.state) == [0, 2, 3] and engine.cache.states.state[0].shape[1:] == (4, 32, 16)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(4, 100, (n,), generator=gen).tolist() for n in (3, 9, 14, 5)]
-    requests = [Request(p, SamplingParams(temperature=0.8, max_tokens=12, n=2, seed=i)) for i, p in enumerate(prompts)]
-
-    kl, routed_ok = worst_sample(engine, engine.generate(requests))
-    assert kl <= 1e-6 and routed_ok, kl
-    assert len(engine.cache.states.free) == cfg.max_num_seqs
-    monkeypatch.setattr(LinearStates, "copy", lambda self, src, dst: None)
-    kl, routed_ok = worst_sample(engine, engine.generate(requests))
-    assert kl > 1e-6 or not routed_ok
+    """The engine's state slots (chunked prefill, n samples copying the prompt's state) against full forwards
+    (k3 <= 1e-6 fp32, R3's rows equal), with its negative control: ``assert_engine_states_follow_full_forwards``."""
+    assert_engine_states_follow_full_forwards(checkpoint[0], monkeypatch, [0, 2, 3], (4, 32, 16))
 
 
 @pytest.mark.parametrize("mode", ["full", "lora", "mxfp8"])
@@ -167,14 +136,7 @@ def test_the_mamba_hybrid_trains_in_every_mode(mode, checkpoint):
     loss in each mode, by 15% (LoRA: 0.1 nats; on the Mamba projections too; MXFP8 quantizes their GEMMs)."""
     if mode == "mxfp8":
         pytest.importorskip("torchao")
-    from moerl.trainer import Batch, OptimConfig, Policy, PolicyConfig
-    from moerl.trainer.losses import sft_loss
-
-    dtype = "bfloat16" if mode == "mxfp8" else "float32"
-    policy = Policy(checkpoint[0], PolicyConfig(mode=mode, dtype=dtype, optim=OptimConfig(lr=1e-2)))
-    ids = torch.randint(4, VOCAB, (4, 20), generator=torch.Generator().manual_seed(0))
-    batch = Batch(ids, torch.ones_like(ids), torch.ones_like(ids))
-    losses = [policy.train_step(batch, sft_loss)["loss"] for _ in range(10)]
+    losses, policy = sft_losses(checkpoint[0], mode)
     # measured: full and mxfp8 4.62 -> 3.60; LoRA (rank 8, under muP's logit scaling) 4.62 -> 4.48
     assert losses[-1] < (losses[0] - 0.1 if mode == "lora" else 0.85 * losses[0]), losses
     if mode == "lora":
@@ -193,11 +155,4 @@ def test_a_peft_adapter_on_the_mamba_projections_reproduces_moerl_in_peft(checkp
 
 
 def test_vllm_engines_and_compiled_decode_refuse_mamba_layers_by_name(checkpoint):
-    from moerl.engine import EngineConfig, LLMEngine
-    from moerl.errors import ConfigError
-    from moerl.rollout import make_engine
-
-    with pytest.raises(ConfigError, match=rf"rollout.engine=vllm with {ARCH}: moerl has no fp32-router vLLM model"):
-        make_engine("vllm", checkpoint[0], EngineConfig())
-    with pytest.raises(ConfigError, match=r"compile_decode with recurrent layers \(Gated DeltaNet, Mamba-2\)"):
-        LLMEngine(checkpoint[0], EngineConfig(max_num_seqs=2, max_model_len=32, compile_decode=True))
+    assert_vllm_and_compiled_decode_refuse(checkpoint[0], ARCH)

@@ -28,6 +28,8 @@ LINEAR = dict(linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_
 HYBRID = GQA | LINEAR | dict(layer_types=["linear", "full"], attn_output_gate=True, rope_dim=2)
 # Mamba-2 beside attention (Granite-4.0-H): 2 heads of 4 channels, 8 states
 MAMBA = GQA | dict(layer_types=["mamba", "full"], mamba_num_heads=2, mamba_head_dim=4, mamba_state_size=8)
+# Mamba-1 beside attention (Jamba): 8 channels, 4 states, a rank-2 step
+MAMBA1 = GQA | dict(layer_types=["mamba1", "full"], mamba_inner_size=8, mamba_state_size=4, mamba_dt_rank=2)
 MLA = GQA | dict(attention="mla", head_dim=0, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4)
 # DeepSeek sparse attention: an indexer (2 heads of 4) keeping 3 keys a query, on latent attention with a low-rank query
 INDEXED = MLA | dict(q_lora_rank=8, index_topk=3, index_n_heads=2, index_head_dim=4)
@@ -79,18 +81,22 @@ REFUSED = [
         "a multiple of them as value heads",
     ),
     (HYBRID, dict(linear_conv_kernel=0), "linear_key_head_dim", "a conv kernel >= 1"),
-    (GQA, dict(layer_types=["ssm", "full"]), "layer_types", "entries allowed: full, sliding, linear, mamba"),
+    (GQA, dict(layer_types=["ssm", "full"]), "layer_types", "entries allowed: full, sliding, linear, mamba, mamba1"),
     (GQA, dict(mamba_num_heads=2), "mamba_num_heads", "without a 'mamba' layer"),
     (GQA, dict(mamba_head_dim=4), "mamba_head_dim", "without a 'mamba' layer"),
-    (GQA, dict(mamba_state_size=4), "mamba_state_size", "without a 'mamba' layer"),
+    (GQA, dict(mamba_state_size=4), "mamba_state_size", "without a 'mamba' or 'mamba1' layer"),
     (GQA, dict(mamba_groups=2), "mamba_groups", "without a 'mamba' layer"),
-    (GQA, dict(mamba_conv_kernel=3), "mamba_conv_kernel", "without a 'mamba' layer"),
-    (GQA, dict(mamba_conv_bias=True), "mamba_conv_bias", "without a 'mamba' layer"),
-    (GQA, dict(mamba_proj_bias=True), "mamba_proj_bias", "without a 'mamba' layer"),
+    (GQA, dict(mamba_conv_kernel=3), "mamba_conv_kernel", "without a 'mamba' or 'mamba1' layer"),
+    (GQA, dict(mamba_conv_bias=True), "mamba_conv_bias", "without a 'mamba' or 'mamba1' layer"),
+    (GQA, dict(mamba_proj_bias=True), "mamba_proj_bias", "without a 'mamba' or 'mamba1' layer"),
     (GQA, dict(mamba_norm_groups=2), "mamba_norm_groups", "without a 'mamba' layer"),
     (GQA, dict(mamba_dt_min=0.001), "mamba_dt_min", "without a 'mamba' layer"),
     (GQA, dict(mamba_dt_max=0.1), "mamba_dt_max", "without a 'mamba' layer"),
     (MAMBA, dict(mamba_state_size=0), "mamba_state_size", "must be >= 1"),
+    (GQA, dict(mamba_inner_size=8), "mamba_inner_size", "without a 'mamba1' layer"),
+    (MAMBA, dict(mamba_dt_rank=2), "mamba_dt_rank", "without a 'mamba1' layer"),
+    (MAMBA1, dict(mamba_dt_rank=0), "mamba_dt_rank", "must be >= 1"),
+    (MAMBA1, dict(mamba_num_heads=2), "mamba_num_heads", "without a 'mamba' layer"),
     (MAMBA, dict(mamba_groups=3), "mamba_groups", "must divide mamba_num_heads=2"),
     (MAMBA, dict(mamba_norm_groups=3), "mamba_norm_groups", "divide the channels"),
     (MAMBA, dict(mamba_dt_min=0.5, mamba_dt_max=0.1), "mamba_dt_min", "mamba_dt_min < mamba_dt_max"),
@@ -123,6 +129,9 @@ ACCEPTED = [
     GQA | dict(nope_layers=[1], rope_dim=2),  # a layer without RoPE beside a partially rotated one
     INDEXED | dict(index_rope_interleave=True),
     MAMBA | dict(mamba_groups=2, mamba_norm_groups=2, mamba_conv_bias=True, mamba_proj_bias=True, mamba_dt_max=0.5),
+    MAMBA1 | dict(mamba_conv_bias=True, mamba_conv_kernel=3, nope_layers=[1]),  # Jamba: attention without RoPE
+    # both kinds in one model share the state / conv fields
+    MAMBA | dict(num_layers=3, layer_types=["mamba", "mamba1", "full"], mamba_inner_size=8, mamba_dt_rank=2),
 ]
 
 

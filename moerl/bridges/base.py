@@ -212,14 +212,18 @@ def layer_types(
     all_sliding: bool = False,
     linear: bool = False,
     indexed: bool = False,
-    mamba: bool = False,
+    mamba: str | None = None,
 ) -> tuple[list[str], int | None]:
     """Per-layer attention kind from ``layer_types`` (v5) or, when ``all_sliding``, a window on every layer;
     ``linear``: the family's ``linear_attention`` layers are Gated DeltaNet ones; ``indexed``: its
     ``indexed_attention`` layers are full attention narrowed by an indexer (DeepSeek sparse attention); ``mamba``:
-    its ``mamba`` / ``linear_attention`` layers are Mamba-2 ones."""
+    the kind of its ``mamba`` / ``linear_attention`` layers ("mamba": Mamba-2, "mamba1"), which without
+    ``layer_types`` are the layers off Jamba's attention period (``attn_layer_period`` / ``_offset``)."""
     window = c.opt("sliding_window", int)
     types = c.opt("layer_types", list)
+    if types is None and mamba and "attn_layer_period" in c.data:
+        period, offset = c.req("attn_layer_period", int), c.opt("attn_layer_offset", int, 0)
+        types = ["attention" if i % period == offset else "mamba" for i in range(num_layers)]
     if types is not None:
         known = {"full_attention": "full", "sliding_attention": "sliding"}
         if linear:
@@ -227,7 +231,7 @@ def layer_types(
         if indexed:
             known["indexed_attention"] = "full"
         if mamba:
-            known |= {"mamba": "mamba", "linear_attention": "mamba", "attention": "full"}
+            known |= {"mamba": mamba, "linear_attention": mamba, "attention": "full"}
         unknown = [t for t in types if t not in known]
         if unknown:  # e.g. linear_attention (hybrid models): no such layer in the generic decoder
             raise ConfigError(
@@ -273,30 +277,44 @@ LINEAR_ATTENTION_RULES = (
 )
 
 
-MAMBA_RULES = (
-    *(
-        Rule(f"model.layers.{{i}}.mamba.{m}.{{x}}", f"layers.{{i}}.self_attn.{m}.{{x}}")
-        for m in ("in_proj", "conv1d", "norm", "out_proj")
+_MAMBA_TENSORS = {  # the mixer's modules and its bare parameters, by layer kind
+    "mamba": (("in_proj", "conv1d", "norm", "out_proj"), ("dt_bias", "A_log", "D")),
+    "mamba1": (
+        ("in_proj", "conv1d", "x_proj", "dt_proj", "out_proj", "dt_layernorm", "b_layernorm", "c_layernorm"),
+        ("A_log", "D"),
     ),
-    *(Rule(f"model.layers.{{i}}.mamba.{m}", f"layers.{{i}}.self_attn.{m}") for m in ("dt_bias", "A_log", "D")),
-)
+}
+MAMBA_RULES = {  # model.layers.{i}.mamba.* -> the layer's mixer
+    kind: (
+        *(Rule(f"model.layers.{{i}}.mamba.{m}.{{x}}", f"layers.{{i}}.self_attn.{m}.{{x}}") for m in modules),
+        *(Rule(f"model.layers.{{i}}.mamba.{m}", f"layers.{{i}}.self_attn.{m}") for m in bare),
+    )
+    for kind, (modules, bare) in _MAMBA_TENSORS.items()
+}
 
 
-def mamba_fields(c: HFConfig, hidden: int, norm_groups: int) -> dict:
-    """ModelConfig's Mamba-2 fields from a family's ``mamba_*`` ones (Granite-4.0-H's spelling); ``norm_groups``:
-    the gated norm's groups (the names cannot tell: a variant of the proof)."""
+def mamba_fields(c: HFConfig, hidden: int, norm_groups: int, kind: str = "mamba") -> dict:
+    """ModelConfig's Mamba fields from a family's ``mamba_*`` ones: Mamba-2's (``kind`` "mamba", Granite-4.0-H's
+    spelling; ``norm_groups``: the gated norm's groups, which the names cannot tell: a variant of the proof) or
+    Mamba-1's (``kind`` "mamba1", Jamba's: ``mamba_expand`` x hidden channels, a step of rank ``mamba_dt_rank``)."""
+    shared = dict(
+        mamba_state_size=c.req("mamba_d_state", int),
+        mamba_conv_kernel=c.opt("mamba_d_conv", int, 4),
+        mamba_conv_bias=c.opt("mamba_conv_bias", bool, True),
+        mamba_proj_bias=c.opt("mamba_proj_bias", bool, False),
+    )
+    if kind == "mamba1":
+        rank = c.data.get("mamba_dt_rank", "auto")  # transformers' "auto": hidden / 16, rounded up
+        rank = -(-hidden // 16) if rank == "auto" else c.req("mamba_dt_rank", int)
+        return shared | dict(mamba_inner_size=c.opt("mamba_expand", int, 2) * hidden, mamba_dt_rank=rank)
     heads = c.req("mamba_n_heads", int)
     auto = c.data.get("mamba_d_head", "auto") == "auto"  # transformers' default: the expanded width over the heads
     head_dim = c.opt("mamba_expand", int, 2) * hidden // heads if auto else c.req("mamba_d_head", int)
     low, high = c.opt("time_step_limit", list) or [0.0, float("inf")]
-    return dict(
+    return shared | dict(
         mamba_num_heads=heads,
         mamba_head_dim=head_dim,
-        mamba_state_size=c.req("mamba_d_state", int),
         mamba_groups=c.opt("mamba_n_groups", int, 1),
-        mamba_conv_kernel=c.opt("mamba_d_conv", int, 4),
-        mamba_conv_bias=c.opt("mamba_conv_bias", bool, True),
-        mamba_proj_bias=c.opt("mamba_proj_bias", bool, False),
         mamba_norm_groups=norm_groups,
         mamba_dt_min=float(low),
         mamba_dt_max=float(high),

@@ -59,6 +59,7 @@ SYNONYMS = {
 MUP = ("attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling")  # GraniteMoe's
 MLA = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "qk_head_dim")
 INDEX = ("index_topk", "index_n_heads", "index_head_dim")
+PERIODS = ("attn_layer_period", "attn_layer_offset", "expert_layer_period", "expert_layer_offset")  # Jamba's
 MAMBA = ("mamba_n_heads", "mamba_n_groups", "mamba_d_state", "mamba_d_conv", "mamba_expand", "mamba_chunk_size")
 READ = {
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -81,6 +82,8 @@ READ = {
     *INDEX, "indexer_types",
     # Mamba-2 layers (moerl.model.mamba) under Granite-4.0-H's names; attention without RoPE where it says so
     *MAMBA, "mamba_d_head", "mamba_conv_bias", "mamba_proj_bias", "time_step_limit", "position_embedding_type",
+    # Mamba-1 layers (moerl.model.mamba1) and the layer pattern under Jamba's names
+    "mamba_dt_rank", *PERIODS,
 }  # fmt: skip
 INERT = {  # fields that do not change the forward pass (ids, bookkeeping, training-only losses)
     "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
@@ -94,6 +97,8 @@ INERT = {  # fields that do not change the forward pass (ids, bookkeeping, train
     # HY-V3 sums routed and shared experts in fp32 when computing in bf16: a rounding detail, moerl sums in the
     # compute dtype
     "enable_moe_fp32_combine",
+    # which implementation of the same scan transformers runs (Jamba's kernels, mambapy, an associative scan)
+    "use_mamba_kernels", "use_mambapy", "use_associative_scan",
 }  # fmt: skip
 # config fields that say the family needs a feature moerl's decoder does not compute: the refusal names it
 FEATURES = {
@@ -106,7 +111,6 @@ FEATURES = {
         ("ssm_state_size", "mamba_num_heads", "mamba_head_dim"),
         "Nemotron-H's layers of one block each (Mamba, attention, MLP or MoE alone)",
     ),
-    **dict.fromkeys(("mamba_dt_rank",), "Mamba-1 layers"),
     "attention_chunk_size": "chunked attention",
     "attn_temperature_tuning": "attention temperature tuning",
     **dict.fromkeys(("cca_time0", "cca_time1"), "compressed convolutional attention"),
@@ -140,9 +144,11 @@ def variants(hf: dict, layout: Layout) -> list[dict]:
         mla_interleave=(False, True) if layout.attention == "mla" and "rope_interleave" not in hf else (False,),
         # the indexer's rotary pairs: split in halves (DeepSeek-V3.2) or interleaved (GLM-5)
         index_interleave=(False, True) if layout.indexer else (False,),
+        # a Mamba hybrid's attention without RoPE where no field says (Jamba's has none)
+        nope_attention=(False, True) if layout.mamba and "position_embedding_type" not in hf else (False,),
         # Mamba-2's gated norm over all channels (Granite-4.0-H) or per B/C group (Nemotron-H)
         mamba_norm_groups=(1, hf.get("mamba_n_groups") or 1)
-        if layout.mamba and (hf.get("mamba_n_groups") or 1) > 1
+        if layout.mamba == "mamba" and (hf.get("mamba_n_groups") or 1) > 1
         else (1,),
     )
     out = [dict(zip(open_, values, strict=True)) for values in itertools.product(*open_.values())]
@@ -156,13 +162,14 @@ COUNTS = {  # ints >= 1 (null: absent)
     "max_position_embeddings", "intermediate_size", "sliding_window", "max_window_layers", "decoder_sparse_step",
     "moe_layer_freq", "moe_layer_interval", *(n for k, names in SYNONYMS.items() for n in names if k in COUNTED),
     *LINEAR_FIELDS, "linear_conv_kernel_dim", "full_attention_interval", "n_group", "topk_group", *MLA, *INDEX,
-    "rotary_dim", *MAMBA,
+    "rotary_dim", *MAMBA, "attn_layer_period", "expert_layer_period",
     "sliding_window_pattern", "global_attn_every_n_layers",
 }  # fmt: skip
 NOT_NULL = {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", *SYNONYMS["top_k"]}
 INDICES = {  # ints >= 0
     "first_k_dense_replace", "moe_layer_start_index", "moe_layer_end_index", "num_nextn_predict_layers",
-    "num_dense_layers", *SYNONYMS["n_shared_experts"], *SYNONYMS["shared_size"],
+    "num_dense_layers", *SYNONYMS["n_shared_experts"], *SYNONYMS["shared_size"], "attn_layer_offset",
+    "expert_layer_offset",
 }  # fmt: skip
 SWITCHES = {
     "tie_word_embeddings", "norm_topk_prob", "attention_bias", "use_sliding_window", "qkv_bias", "mlp_bias",
@@ -196,6 +203,15 @@ def _typed(hf: dict) -> None:
     kinds = hf.get("mlp_layer_types")
     if kinds is not None and not (isinstance(kinds, list) and set(kinds) <= {"dense", "sparse"}):
         raise ConfigError(f"config.json: field 'mlp_layer_types' must list 'dense' / 'sparse' per layer, got {kinds!r}")
+    for what in ("attn", "expert"):  # Jamba's layer patterns: an offset within its period
+        period, offset = hf.get(f"{what}_layer_period"), hf.get(f"{what}_layer_offset")
+        if period is not None and offset is not None and offset >= period:
+            raise ConfigError(
+                f"config.json: field '{what}_layer_offset' ({offset}) must be below '{what}_layer_period' ({period})"
+            )
+    rank = hf.get("mamba_dt_rank")
+    if rank is not None and rank != "auto" and not (isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1):
+        raise ConfigError(f"config.json: field 'mamba_dt_rank' must be an int >= 1 or \"auto\", got {rank!r}")
 
 
 def check_known(hf: dict) -> None:
@@ -256,14 +272,21 @@ class Layout:
     shared_fused: bool = False  # the shared MLP as input_linear (gate rows, then up rows) and output_linear
     sinks: bool = False  # a learned sink logit per head (self_attn.sinks, GPT-OSS's)
     indexer: bool = False  # DeepSeek sparse attention's indexer (self_attn.indexer.*) in the latent attention
-    mamba: bool = False  # Mamba-2 layers (model.layers.{i}.mamba.in_proj, ...)
+    mamba: str | None = None  # the Mamba layers' kind: "mamba" (Mamba-2: mamba.in_proj, ...) | "mamba1" (mamba.x_proj)
+    norms: tuple[str, str, str] = ("input_layernorm", "post_attention_layernorm", "norm")  # Jamba: pre_ff_, final_
+
+
+MAMBA_KINDS = (("mamba1", ".mamba.x_proj."), ("mamba", ".mamba.in_proj."))  # a tensor each kind alone has, in order
 
 
 def read_layout(shapes: dict[str, tuple[int, ...]]) -> Layout:
     """The layout the tensor names ``shapes`` (name -> shape) show (names no rule then places are refused by the
     loader, by name)."""
     patterns = {_pattern(n) for n in shapes}
-    router_re = r"model\.layers\.(\d+|\{i\})\.(mlp|block_sparse_moe)\.((?:gate|router)(?:\.wg|\.layer|\.gate)?)\.weight"
+    router_re = (
+        r"model\.layers\.(\d+|\{i\})\.(mlp|block_sparse_moe|feed_forward)\."
+        r"((?:gate|router)(?:\.wg|\.layer|\.gate)?)\.weight"
+    )
     moe = sorted({int(m.group(1)) for n in shapes if (m := re.fullmatch(router_re, n))})
     found = [m for p in patterns if (m := re.fullmatch(router_re, p))]
     if not found:
@@ -311,7 +334,12 @@ def read_layout(shapes: dict[str, tuple[int, ...]]) -> Layout:
         tied="lm_head.weight" not in shapes,
         lm_head_bias="lm_head.bias" in shapes,
         linear=linear,
-        mamba=any(".mamba.in_proj." in p for p in patterns),
+        mamba=next((k for k, t in MAMBA_KINDS if any(t in p for p in patterns)), None),
+        norms=(
+            "input_layernorm",
+            "pre_ff_layernorm" if any(".pre_ff_layernorm." in p for p in patterns) else "post_attention_layernorm",
+            "final_layernorm" if "model.final_layernorm.weight" in shapes else "norm",
+        ),
         correction_bias=correction_bias,
         fused_experts="linear" if any(p.endswith(f"{block}.input_linear.weight") for p in patterns) else "experts",
         shared_at_layer=shared_at_layer,
@@ -360,6 +388,9 @@ def moe_layers(c: HFConfig, n: int) -> list[int]:
         if len(kinds) != n:
             raise ConfigError(f"{c.source}: field 'mlp_layer_types' lists {len(kinds)} layers, the model has {n}")
         return [i for i, kind in enumerate(kinds) if kind == "sparse"]
+    if "expert_layer_period" in d:  # Jamba's: every period-th layer from the offset
+        period, offset = c.req("expert_layer_period", int), c.opt("expert_layer_offset", int, 0)
+        return [i for i in range(n) if i % period == offset]
     if "num_dense_layers" in d:
         return sparse_layers(n, first_dense=c.opt("num_dense_layers", int, 0))
     if "decoder_sparse_step" in d or "mlp_only_layers" in d:
@@ -441,7 +472,7 @@ def _attention(c: HFConfig, f: dict, layout: Layout, variant: dict, types: list[
     both = {"full", "sliding"} <= set(types)
     nope = [i for i, t in enumerate(types) if t == "full"] if variant.get("nope_full") and both else []
     nope += [i for i, theta in enumerate(c.opt("layer_rope_theta", list, [])) if theta == 0 and i not in nope]
-    if "position_embedding_type" in c.data and c.data["position_embedding_type"] != "rope":  # Granite-4.0-H: NoPE
+    if variant.get("nope_attention") or c.data.get("position_embedding_type", "rope") != "rope":  # Granite-4.0-H
         nope = [i for i, t in enumerate(types) if t in ("full", "sliding")]
     return dict(
         qkv_bias=layout.qkv_bias,
@@ -546,7 +577,7 @@ def _config(c: HFConfig, layout: Layout, variant: dict) -> ModelConfig:
         **_attention(c, f, layout, variant, types),
         **_routing(c, layout, variant),
         **(linear_attention_fields(c) if layout.linear is not None else {}),
-        **(mamba_fields(c, hidden, variant.get("mamba_norm_groups", 1)) if layout.mamba else {}),
+        **(mamba_fields(c, hidden, variant.get("mamba_norm_groups", 1), layout.mamba) if layout.mamba else {}),
     )
 
 
@@ -595,12 +626,15 @@ def _rules(layout: Layout, variant: dict) -> tuple[list[Rule], tuple[Fused, ...]
             rules.append(
                 Rule(f"model.layers.{{i}}.self_attn.{theirs}.weight", f"layers.{{i}}.self_attn.{ours}.weight", **offset)
             )
-    if offset:
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            rules.append(Rule(f"model.layers.{{i}}.{norm}.weight", f"layers.{{i}}.{norm}.weight", **offset))
-        rules.append(Rule("model.norm.weight", "norm.weight", **offset))
+    theirs = layout.norms
+    if offset or theirs != Layout.norms:
+        for hf_norm, norm in zip(theirs[:2], ("input_layernorm", "post_attention_layernorm"), strict=True):
+            rules.append(Rule(f"model.layers.{{i}}.{hf_norm}.weight", f"layers.{{i}}.{norm}.weight", **offset))
+        rules.append(Rule(f"model.{theirs[2]}.weight", "norm.weight", **offset))
     if layout.mamba:
-        rules += MAMBA_RULES
+        rules += MAMBA_RULES[layout.mamba]
+    if layout.block == "feed_forward":  # Jamba: dense MLPs, routers and experts under one name
+        rules.append(Rule("model.layers.{i}.feed_forward.{x}", "layers.{i}.mlp.{x}"))
     if layout.linear is not None:
         rules += LINEAR_ATTENTION_RULES
         fused += FUSED if layout.linear == "fused" else ()

@@ -58,7 +58,10 @@ def tiny_config(hf: dict) -> dict:
         listed = hf.get(key) if isinstance(hf.get(key), list) else []
         keep = max([keep, *(listed.index(k) + 1 for k in set(listed))])  # a layer of every kind
         kinds += listed
-    small["num_hidden_layers"] = min(n, max(keep, 2), max(4, keep if kinds else 4))
+    # Jamba's period fields: up to the first attention layer and the first MoE layer
+    offsets = [hf[k] + 1 for k in ("attn_layer_offset", "expert_layer_offset") if isinstance(hf.get(k), int)]
+    keep = max([keep, *offsets])
+    small["num_hidden_layers"] = min(n, max(keep, 2), max(4, keep if kinds or offsets else 4))
     for key in ("layer_types", "mlp_layer_types", "layer_rope_theta"):
         if isinstance(small.get(key), list):
             small[key] = small[key][: small["num_hidden_layers"]]
@@ -90,22 +93,31 @@ def tiny_config(hf: dict) -> dict:
 
 
 def hf_forward(model: torch.nn.Module, ids: torch.Tensor, **kwargs) -> tuple[torch.Tensor, list[torch.Tensor], tuple]:
-    """A transformers model's logits, each MoE layer's chosen experts [N, k] (read off its routers, modules whose
-    class name ends in Router or Gate, as the one integer tensor of their output) and its per-layer hidden states."""
+    """A transformers model's logits, each MoE layer's chosen experts [N, k] and its per-layer hidden states.
+
+    The choices are read off the routers (modules whose class name ends in Router or Gate, as the one integer tensor
+    of their output) or, where the router is a bare linear layer (Jamba's), off the experts' input (modules whose
+    class name ends in Experts, as the one integer tensor among their arguments)."""
     choices, hooks = [], []
 
-    def record(module, args, out):
-        ints = [t for t in out if isinstance(t, torch.Tensor) and not t.is_floating_point()]
+    def one_int(module, tensors) -> None:
+        ints = [t for t in tensors if isinstance(t, torch.Tensor) and not t.is_floating_point()]
         if len(ints) != 1:
             raise UnknownArchitectureError(f"{type(module).__name__} returned {len(ints)} integer tensors, not 1")
         choices.append(ints[0].detach())
 
+    names = {type(m).__name__.lower() for m in model.modules()}
+    by_router = any(n.endswith(("router", "gate")) for n in names)
     for module in model.modules():
         name = type(module).__name__.lower()
-        if name.endswith("router") or name.endswith("gate"):
-            hooks.append(module.register_forward_hook(record))
+        if by_router and name.endswith(("router", "gate")):
+            hooks.append(module.register_forward_hook(lambda m, args, out: one_int(m, out)))
+        elif not by_router and name.endswith("experts"):
+            hooks.append(module.register_forward_pre_hook(lambda m, args: one_int(m, args)))
     if not hooks:
-        raise UnknownArchitectureError(f"no router found in {type(model).__name__} (no module class *Router or *Gate)")
+        raise UnknownArchitectureError(
+            f"no router found in {type(model).__name__} (no module class *Router or *Gate, nor *Experts)"
+        )
     try:
         with torch.no_grad():
             out = model(ids, output_hidden_states=True, **kwargs)

@@ -63,7 +63,7 @@ class LLMEngine:
         recurrent = bool(recurrent_layers(mcfg))
         if recurrent and cfg.compile_decode is True:
             raise ConfigError(
-                "EngineConfig.compile_decode with recurrent layers (Gated DeltaNet, Mamba-2): not built (their decode "
+                "EngineConfig.compile_decode with recurrent layers (Gated DeltaNet, Mamba): not built (their decode "
                 "steps run eager)"
             )
         if cfg.max_model_len > mcfg.max_position_embeddings:

@@ -22,8 +22,8 @@ def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> in
 
 
 class LinearStates:
-    """Per-sequence slots of the recurrent layers' states (Gated DeltaNet, Mamba-2: ``moerl.model.mixers``), beside
-    the paged cache: per such layer the conv input window [slots, C, K-1] (model dtype) and the recurrent state
+    """Per-sequence slots of the recurrent layers' states (Gated DeltaNet, Mamba: ``moerl.model.mixers``), beside the
+    paged cache: per such layer the conv input window [slots, C, K-1] (model dtype) and the recurrent state
     [slots, ...] (fp32), shaped by the layer's mixer. A sequence takes a slot when admitted (zeroed) and gives it back
     when it ends; the n samples of a prompt copy its slot."""
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from moerl.errors import ConfigError
 
 # layer kinds with a per-sequence state instead of paged keys (their mixers: moerl.model.mixers.RECURRENT)
-RECURRENT_KINDS = ("linear", "mamba")
+RECURRENT_KINDS = ("linear", "mamba", "mamba1")
 
 
 @dataclass(slots=True)
@@ -88,6 +88,10 @@ class ModelConfig:
     mamba_norm_groups: int = 1  # the gated norm's groups of channels (1: one norm over all of them)
     mamba_dt_min: float = 0.0  # dt clamped to [min, max] after its softplus
     mamba_dt_max: float = float("inf")
+    # Mamba-1 layers (moerl.model.mamba1, Jamba's): inner channels each with its own decay per state dim; the step
+    # from a rank-``mamba_dt_rank`` projection. They share mamba_state_size / conv_kernel / conv_bias / proj_bias
+    mamba_inner_size: int = 0
+    mamba_dt_rank: int = 0
     rope: RopeConfig = field(default_factory=RopeConfig)
     rope_dim: int | None = None  # rotated dims per head (None: all of head_dim)
     rope_interleave: bool = False  # rotary pairs stored interleaved (DeepSeek, Ernie-4.5)
@@ -150,7 +154,7 @@ class ModelConfig:
         if len(self.layer_types) != self.num_layers:
             raise self._bad("layer_types", f"needs {self.num_layers} entries (num_layers)")
         if any(t not in ("full", "sliding", *RECURRENT_KINDS) for t in self.layer_types):
-            raise self._bad("layer_types", "entries allowed: full, sliding, linear, mamba")
+            raise self._bad("layer_types", f"entries allowed: full, sliding, {', '.join(RECURRENT_KINDS)}")
         self._validate_mamba()
         if "linear" not in self.layer_types:  # the linear-attention fields would be ignored
             linear_defaults = tuple((f"linear_{n}", 0) for n in ("num_key_heads", "num_value_heads")) + (
@@ -250,23 +254,29 @@ class ModelConfig:
             raise self._bad("sliding_window", "set, but no layer is 'sliding' (layer_types): it would be ignored")
 
     def _validate_mamba(self) -> None:
-        """Mamba-2's fields: all at their defaults without a 'mamba' layer, else sizes a layer can be built with."""
-        if "mamba" not in self.layer_types:
-            defaults = tuple(
-                (f"mamba_{n}", v)
-                for n, v in (("num_heads", 0), ("head_dim", 0), ("state_size", 0), ("groups", 1), ("conv_kernel", 4))
-            ) + (
-                ("mamba_conv_bias", False),
-                ("mamba_proj_bias", False),
-                ("mamba_norm_groups", 1),
-                ("mamba_dt_min", 0.0),
-                ("mamba_dt_max", float("inf")),
-            )
+        """Mamba fields: those of Mamba-2 ('mamba' layers) and of Mamba-1 ('mamba1') at their defaults without such a
+        layer, the ones they share without either; else sizes a layer can be built with."""
+        kinds = set(self.layer_types)
+        if "mamba" not in kinds:
+            defaults = (("mamba_num_heads", 0), ("mamba_head_dim", 0), ("mamba_groups", 1), ("mamba_norm_groups", 1))
+            defaults += (("mamba_dt_min", 0.0), ("mamba_dt_max", float("inf")))
             self._only_defaults("without a 'mamba' layer (layer_types)", defaults)
+        if "mamba1" not in kinds:
+            mamba1 = (("mamba_inner_size", 0), ("mamba_dt_rank", 0))
+            self._only_defaults("without a 'mamba1' layer (layer_types)", mamba1)
+        if not kinds & {"mamba", "mamba1"}:
+            shared = (("mamba_state_size", 0), ("mamba_conv_kernel", 4))
+            shared += (("mamba_conv_bias", False), ("mamba_proj_bias", False))
+            self._only_defaults("without a 'mamba' or 'mamba1' layer (layer_types)", shared)
             return
-        for name in ("mamba_num_heads", "mamba_head_dim", "mamba_state_size", "mamba_groups", "mamba_conv_kernel"):
+        sizes = ["mamba_state_size", "mamba_conv_kernel"]
+        sizes += ["mamba_num_heads", "mamba_head_dim", "mamba_groups"] if "mamba" in kinds else []
+        sizes += ["mamba_inner_size", "mamba_dt_rank"] if "mamba1" in kinds else []
+        for name in sizes:
             if not getattr(self, name) >= 1:
                 raise self._bad(name, "must be >= 1")
+        if "mamba" not in kinds:
+            return
         if self.mamba_num_heads % self.mamba_groups:
             raise self._bad("mamba_groups", f"must divide mamba_num_heads={self.mamba_num_heads}")
         if not self.mamba_norm_groups >= 1 or (self.mamba_num_heads * self.mamba_head_dim) % self.mamba_norm_groups:

@@ -14,9 +14,11 @@ from torch import nn
 from moerl.model.config import RECURRENT_KINDS, ModelConfig
 from moerl.model.linear_attention import GatedDeltaNet
 from moerl.model.mamba import Mamba2
+from moerl.model.mamba1 import Mamba1
 
-# layer kind -> the recurrent mixer class (Gated DeltaNet: Qwen3-Next / Qwen3.5; Mamba-2: Granite-4.0-H, Nemotron-H)
-RECURRENT: dict[str, type[nn.Module]] = {"linear": GatedDeltaNet, "mamba": Mamba2}
+# layer kind -> the recurrent mixer class (Gated DeltaNet: Qwen3-Next / Qwen3.5; Mamba-2: Granite-4.0-H, Nemotron-H;
+# Mamba-1: Jamba)
+RECURRENT: dict[str, type[nn.Module]] = {"linear": GatedDeltaNet, "mamba": Mamba2, "mamba1": Mamba1}
 
 
 assert tuple(RECURRENT) == RECURRENT_KINDS  # the kinds ModelConfig accepts are the mixers built here

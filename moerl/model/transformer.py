@@ -216,7 +216,7 @@ class DecoderLayer(nn.Module):
         self.post_norm = cfg.norm_placement == "post"
         if not self.post_norm:
             self.input_layernorm = layer_norm(cfg, cfg.hidden_size)
-        if is_recurrent(cfg.layer_types[layer]):  # Gated DeltaNet, Mamba-2 (moerl.model.mixers)
+        if is_recurrent(cfg.layer_types[layer]):  # Gated DeltaNet, Mamba-1 and -2 (moerl.model.mixers)
             self.self_attn = build_recurrent(cfg, layer)
         else:
             self.self_attn = (MLAttention if cfg.attention == "mla" else Attention)(cfg, layer)
