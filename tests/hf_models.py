@@ -379,6 +379,15 @@ DERIVED_CONFIGS["JambaForCausalLM"] = dict(
     expert_layer_period=2, expert_layer_offset=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
     vocab_size=VOCAB,
 )  # fmt: skip
+# Nemotron-H: layers of one block each (Mamba-2 with 2 B / C groups and its norm per group, MoE, attention without
+# RoPE, a dense MLP), un-gated relu2 experts and MLPs, DeepSeek-V3 routing with a shared expert
+DERIVED_CONFIGS["NemotronHForCausalLM"] = dict(
+    model_type="nemotron_h", hidden_size=64, layers_block_type=["mamba", "moe", "attention", "mlp", "moe"],
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=48, mamba_num_heads=4,
+    mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=8, n_routed_experts=8, num_experts_per_tok=2,
+    moe_intermediate_size=32, moe_shared_expert_intermediate_size=40, n_group=2, topk_group=1,
+    routed_scaling_factor=2.5, vocab_size=VOCAB,
+)  # fmt: skip
 # GLM-5: DeepSeek-V3.2's layers with the indexer's rotary pairs interleaved, every layer's indexer its own
 DERIVED_CONFIGS["GlmMoeDsaForCausalLM"] = DERIVED_CONFIGS["DeepseekV32ForCausalLM"] | dict(model_type="glm_moe_dsa")
 DERIVED_ARCHS = list(DERIVED_CONFIGS)

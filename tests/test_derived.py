@@ -171,6 +171,7 @@ KNOBS = {
     "GlmMoeDsaForCausalLM": ("index_rope_interleave", False),
     "GraniteMoeHybridForCausalLM": ("mamba_norm_groups", 2),  # the gated norm over all channels, not per B / C group
     "JambaForCausalLM": ("nope_layers", []),  # its attention rotates nothing, and no field says so
+    "NemotronHForCausalLM": ("nope_layers", []),  # nor does Nemotron-H's
 }
 
 
@@ -238,7 +239,6 @@ REFUSED = [  # (model_type, config changes, the feature the refusal names)
     # GLM-5's indexer layers that reuse the layer before's choice of keys
     ("glm_moe_dsa", {"indexer_types": "FS"}, r"'indexer_types' holds 'shared' \(layer 1\): an indexer layer"),
     ("qwen3_moe", {"index_topk": 4}, "indexer field.*'index_topk'.* without indexer tensors"),
-    ("nemotron_h", {}, "Nemotron-H's layers of one block each"),
 ]
 
 

@@ -96,6 +96,12 @@ REFUSED = [
     (GQA, dict(mamba_inner_size=8), "mamba_inner_size", "without a 'mamba1' layer"),
     (MAMBA, dict(mamba_dt_rank=2), "mamba_dt_rank", "without a 'mamba1' layer"),
     (MAMBA1, dict(mamba_dt_rank=0), "mamba_dt_rank", "must be >= 1"),
+    (GQA, dict(mixer_only_layers=[1]), "mixer_only_layers", "lists an MoE layer"),
+    (GQA, dict(mixer_only_layers=[2]), "mixer_only_layers", r"indices must lie in \[0, 2\)"),
+    (GQA, dict(layer_types=["none", "full"], mixer_only_layers=[0]), "mixer_only_layers", "of type 'none'"),
+    (GQA, dict(layer_types=["none", "full"], norm_placement="post"), "norm_placement", "pre-norm only"),
+    (GQA, dict(layer_types=["none", "full"], nope_layers=[0]), "nope_layers", "one without a mixer"),
+    (GQA, dict(activation="gelu"), "activation", "allowed: silu, swiglu_clamped, relu2"),
     (MAMBA1, dict(mamba_num_heads=2), "mamba_num_heads", "without a 'mamba' layer"),
     (MAMBA, dict(mamba_groups=3), "mamba_groups", "must divide mamba_num_heads=2"),
     (MAMBA, dict(mamba_norm_groups=3), "mamba_norm_groups", "divide the channels"),
@@ -130,6 +136,10 @@ ACCEPTED = [
     INDEXED | dict(index_rope_interleave=True),
     MAMBA | dict(mamba_groups=2, mamba_norm_groups=2, mamba_conv_bias=True, mamba_proj_bias=True, mamba_dt_max=0.5),
     MAMBA1 | dict(mamba_conv_bias=True, mamba_conv_kernel=3, nope_layers=[1]),  # Jamba: attention without RoPE
+    # Nemotron-H: a Mamba layer alone, an MoE alone, un-gated relu2 experts and MLPs with a shared expert
+    MAMBA | dict(layer_types=["mamba", "none"], mixer_only_layers=[0], activation="relu2", shared_expert_size=8),
+    GQA | dict(num_layers=3, layer_types=["full", "none", "none"], moe_layers=[1], mixer_only_layers=[0]),
+    GQA | dict(activation="relu2"),
     # both kinds in one model share the state / conv fields
     MAMBA | dict(num_layers=3, layer_types=["mamba", "mamba1", "full"], mamba_inner_size=8, mamba_dt_rank=2),
 ]

@@ -24,6 +24,8 @@ class Rule:
     A LoRA adapter of the same module must follow the transform: ``rows(B, cfg)`` / ``rows_save(B, cfg)`` apply
     the reordering of the parameter's output rows that ``load`` / ``save`` make to LoRA B factors ``[..., out, r]``
     (PEFT import / export). A rule with ``load`` but no ``rows`` takes no adapters (refused by name).
+    ``write=False``: a name that loads but that export does not write (a second spelling of a tensor another rule
+    writes).
     """
 
     hf: str
@@ -33,6 +35,7 @@ class Rule:
     save: Callable[[torch.Tensor, ModelConfig], torch.Tensor] | None = None
     rows: Callable[[torch.Tensor, ModelConfig], torch.Tensor] | None = None
     rows_save: Callable[[torch.Tensor, ModelConfig], torch.Tensor] | None = None
+    write: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "_hf_re", _compile(self.hf))
@@ -293,10 +296,32 @@ MAMBA_RULES = {  # model.layers.{i}.mamba.* -> the layer's mixer
 }
 
 
+# Mamba fields as Granite-4.0-H / Jamba spell them, and as Nemotron-H does
+MAMBA_SYNONYMS = {
+    "mamba_n_heads": ("mamba_n_heads", "mamba_num_heads"),
+    "mamba_d_head": ("mamba_d_head", "mamba_head_dim"),
+    "mamba_d_state": ("mamba_d_state", "ssm_state_size"),
+    "mamba_n_groups": ("mamba_n_groups", "n_groups"),
+    "mamba_d_conv": ("mamba_d_conv", "conv_kernel"),
+    "mamba_expand": ("mamba_expand", "expand"),
+    "mamba_conv_bias": ("mamba_conv_bias", "use_conv_bias"),
+}
+
+
 def mamba_fields(c: HFConfig, hidden: int, norm_groups: int, kind: str = "mamba") -> dict:
     """ModelConfig's Mamba fields from a family's ``mamba_*`` ones: Mamba-2's (``kind`` "mamba", Granite-4.0-H's
-    spelling; ``norm_groups``: the gated norm's groups, which the names cannot tell: a variant of the proof) or
-    Mamba-1's (``kind`` "mamba1", Jamba's: ``mamba_expand`` x hidden channels, a step of rank ``mamba_dt_rank``)."""
+    or Nemotron-H's spelling; ``norm_groups``: the gated norm's groups, which the names cannot tell: a variant of the
+    proof) or Mamba-1's (``kind`` "mamba1", Jamba's: ``mamba_expand`` x hidden channels, a step of rank
+    ``mamba_dt_rank``). Nemotron-H's projections take their bias from ``use_bias`` and its step is clamped below at
+    ``time_step_min`` (its ``time_step_limit`` unread by its model)."""
+    data = dict(c.data)
+    for name, spellings in MAMBA_SYNONYMS.items():
+        data[name] = next((c.data[s] for s in spellings if c.data.get(s) is not None), None)
+    nemotron = "ssm_state_size" in c.data
+    if nemotron:
+        data["mamba_proj_bias"] = c.data.get("use_bias", False)
+        data["time_step_limit"] = [c.data.get("time_step_min", 0.0), float("inf")]
+    c = HFConfig(data, c.source)
     shared = dict(
         mamba_state_size=c.req("mamba_d_state", int),
         mamba_conv_kernel=c.opt("mamba_d_conv", int, 4),
@@ -308,7 +333,7 @@ def mamba_fields(c: HFConfig, hidden: int, norm_groups: int, kind: str = "mamba"
         rank = -(-hidden // 16) if rank == "auto" else c.req("mamba_dt_rank", int)
         return shared | dict(mamba_inner_size=c.opt("mamba_expand", int, 2) * hidden, mamba_dt_rank=rank)
     heads = c.req("mamba_n_heads", int)
-    auto = c.data.get("mamba_d_head", "auto") == "auto"  # transformers' default: the expanded width over the heads
+    auto = c.data.get("mamba_d_head") in (None, "auto")  # transformers' default: the expanded width over the heads
     head_dim = c.opt("mamba_expand", int, 2) * hidden // heads if auto else c.req("mamba_d_head", int)
     low, high = c.opt("time_step_limit", list) or [0.0, float("inf")]
     return shared | dict(

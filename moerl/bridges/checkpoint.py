@@ -340,7 +340,7 @@ def read_model(
 
 def moerl_rules(bridge: Bridge, name: str) -> list[tuple[Rule, dict]]:
     """The rules (and placeholder values) that write moerl parameter ``name``: the bridge's own, else the common."""
-    own = [(r, g) for r in bridge.rules if (g := match(r._moerl_re, name)) is not None]
+    own = [(r, g) for r in bridge.rules if r.write and (g := match(r._moerl_re, name)) is not None]
     if not own:
         common = bridge.all_rules[len(bridge.rules) :]
         own = [next((r, g) for r in common if (g := match(r._moerl_re, name)) is not None)]

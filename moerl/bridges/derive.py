@@ -48,7 +48,11 @@ SYNONYMS = {
     "top_k": ("num_experts_per_tok", "experts_per_token", "moe_k", "moe_topk"),
     "moe_intermediate_size": ("moe_intermediate_size",),
     "n_shared_experts": ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts"),
-    "shared_size": ("shared_expert_intermediate_size", "shared_intermediate_size"),
+    "shared_size": (
+        "shared_expert_intermediate_size",
+        "shared_intermediate_size",
+        "moe_shared_expert_intermediate_size",
+    ),
     "routed_scaling_factor": (
         "routed_scaling_factor",
         "router_scaling_factor",
@@ -59,6 +63,11 @@ SYNONYMS = {
 MUP = ("attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling")  # GraniteMoe's
 MLA = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "qk_head_dim")
 INDEX = ("index_topk", "index_n_heads", "index_head_dim")
+NEMOTRON = (
+    "layers_block_type", "hybrid_override_pattern", "ssm_state_size", "mamba_num_heads", "mamba_head_dim", "n_groups",
+    "conv_kernel", "expand", "use_conv_bias", "chunk_size", "layer_norm_epsilon", "mlp_hidden_act", "mamba_hidden_act",
+    "moe_latent_size", "residual_in_fp32", "mtp_layers_block_type", "time_step_min",
+)  # fmt: skip
 PERIODS = ("attn_layer_period", "attn_layer_offset", "expert_layer_period", "expert_layer_offset")  # Jamba's
 MAMBA = ("mamba_n_heads", "mamba_n_groups", "mamba_d_state", "mamba_d_conv", "mamba_expand", "mamba_chunk_size")
 READ = {
@@ -84,6 +93,8 @@ READ = {
     *MAMBA, "mamba_d_head", "mamba_conv_bias", "mamba_proj_bias", "time_step_limit", "position_embedding_type",
     # Mamba-1 layers (moerl.model.mamba1) and the layer pattern under Jamba's names
     "mamba_dt_rank", *PERIODS,
+    # Nemotron-H: layers of one block each (their kinds), Mamba-2 and its un-gated relu2 MLPs under its names
+    *NEMOTRON,
 }  # fmt: skip
 INERT = {  # fields that do not change the forward pass (ids, bookkeeping, training-only losses)
     "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
@@ -99,6 +110,11 @@ INERT = {  # fields that do not change the forward pass (ids, bookkeeping, train
     "enable_moe_fp32_combine",
     # which implementation of the same scan transformers runs (Jamba's kernels, mambapy, an associative scan)
     "use_mamba_kernels", "use_mambapy", "use_associative_scan",
+    # Nemotron-H: the step's initialisation (time_step_max / _floor), dropout and init rescaling in training, the
+    # shared experts overlapped with the routed ones (a schedule), the logits a generate keeps, the precision of
+    # transformers' state cache (moerl keeps states in fp32)
+    "time_step_max", "time_step_floor", "hidden_dropout", "rescale_prenorm_residual", "moe_shared_expert_overlap",
+    "num_logits_to_keep", "mamba_ssm_cache_dtype",
 }  # fmt: skip
 # config fields that say the family needs a feature moerl's decoder does not compute: the refusal names it
 FEATURES = {
@@ -107,10 +123,6 @@ FEATURES = {
     **dict.fromkeys(("block_size", "linear_attn_alpha_factor"), "lightning linear-attention layers"),
     **dict.fromkeys(("conv_L_cache", "conv_bias"), "short-convolution layers"),
     **dict.fromkeys(("hc_mult", "hc_eps", "hc_magnitude"), "hyper-connections (several residual streams)"),
-    **dict.fromkeys(
-        ("ssm_state_size", "mamba_num_heads", "mamba_head_dim"),
-        "Nemotron-H's layers of one block each (Mamba, attention, MLP or MoE alone)",
-    ),
     "attention_chunk_size": "chunked attention",
     "attn_temperature_tuning": "attention temperature tuning",
     **dict.fromkeys(("cca_time0", "cca_time1"), "compressed convolutional attention"),
@@ -133,6 +145,7 @@ TENSOR_FEATURES = {
 def variants(hf: dict, layout: Layout) -> list[dict]:
     """The behaviour variants worth trying for config ``hf`` with tensors laid out as ``layout``, in order."""
     softmax = layout.correction_bias is None and hf.get("scoring_func", "softmax") == "softmax"
+    groups = hf.get("mamba_n_groups") or hf.get("n_groups") or 1  # Mamba-2's B / C groups (Granite's, Nemotron's)
     kinds = set(hf.get("layer_types") or [])
     open_ = dict(
         norm_offset=(False, True),
@@ -147,9 +160,7 @@ def variants(hf: dict, layout: Layout) -> list[dict]:
         # a Mamba hybrid's attention without RoPE where no field says (Jamba's has none)
         nope_attention=(False, True) if layout.mamba and "position_embedding_type" not in hf else (False,),
         # Mamba-2's gated norm over all channels (Granite-4.0-H) or per B/C group (Nemotron-H)
-        mamba_norm_groups=(1, hf.get("mamba_n_groups") or 1)
-        if layout.mamba == "mamba" and (hf.get("mamba_n_groups") or 1) > 1
-        else (1,),
+        mamba_norm_groups=(1, groups) if layout.mamba == "mamba" and groups > 1 else (1,),
     )
     out = [dict(zip(open_, values, strict=True)) for values in itertools.product(*open_.values())]
     return [v for v in out if not (v["topk_before_softmax"] and v["norm_topk"])]  # the k-softmax sums to 1 anyway
@@ -162,7 +173,8 @@ COUNTS = {  # ints >= 1 (null: absent)
     "max_position_embeddings", "intermediate_size", "sliding_window", "max_window_layers", "decoder_sparse_step",
     "moe_layer_freq", "moe_layer_interval", *(n for k, names in SYNONYMS.items() for n in names if k in COUNTED),
     *LINEAR_FIELDS, "linear_conv_kernel_dim", "full_attention_interval", "n_group", "topk_group", *MLA, *INDEX,
-    "rotary_dim", *MAMBA, "attn_layer_period", "expert_layer_period",
+    "rotary_dim", *MAMBA, "attn_layer_period", "expert_layer_period", "ssm_state_size", "mamba_num_heads",
+    "mamba_head_dim", "n_groups", "conv_kernel", "expand", "chunk_size",
     "sliding_window_pattern", "global_attn_every_n_layers",
 }  # fmt: skip
 NOT_NULL = {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", *SYNONYMS["top_k"]}
@@ -174,9 +186,11 @@ INDICES = {  # ints >= 0
 SWITCHES = {
     "tie_word_embeddings", "norm_topk_prob", "attention_bias", "use_sliding_window", "qkv_bias", "mlp_bias",
     "use_qk_norm", "rope_interleave", "enable_moe_fp32_combine", "mup_enabled", "mamba_conv_bias", "mamba_proj_bias",
+    "use_conv_bias", "use_bias", "residual_in_fp32",
 }  # fmt: skip
 POSITIVE = {  # numbers > 0
-    "rms_norm_eps", "rope_theta", "clip_qkv", "partial_rotary_factor", *MUP, *SYNONYMS["routed_scaling_factor"],
+    "rms_norm_eps", "layer_norm_epsilon", "rope_theta", "clip_qkv", "partial_rotary_factor", *MUP,
+    *SYNONYMS["routed_scaling_factor"],
 }  # fmt: skip
 
 
@@ -232,6 +246,18 @@ def check_known(hf: dict) -> None:
         )
     if hf.get("hidden_act", "silu") != "silu":
         raise UnknownArchitectureError(f"cannot derive a bridge for {arch_name(hf)}: hidden_act={hf['hidden_act']!r}")
+    # Nemotron-H's switches with one value built: its MLPs un-gated relu2, its Mamba's conv SiLU
+    for key, built, feature in (
+        ("mlp_hidden_act", "relu2", "un-gated MLPs with another activation"),
+        ("mamba_hidden_act", "silu", "a Mamba conv activation other than SiLU"),
+        ("moe_latent_size", None, "latent expert projections (the experts in a smaller width)"),
+        ("residual_in_fp32", False, "a residual stream kept in fp32 whatever the compute dtype"),
+    ):
+        if hf.get(key, built) != built:
+            raise UnknownArchitectureError(
+                f"cannot derive a bridge for {arch_name(hf)}: it has {feature} ({key}={hf[key]!r}), which moerl's "
+                "decoder does not compute"
+            )
 
 
 def arch_name(hf: dict) -> str:
@@ -274,17 +300,20 @@ class Layout:
     indexer: bool = False  # DeepSeek sparse attention's indexer (self_attn.indexer.*) in the latent attention
     mamba: str | None = None  # the Mamba layers' kind: "mamba" (Mamba-2: mamba.in_proj, ...) | "mamba1" (mamba.x_proj)
     norms: tuple[str, str, str] = ("input_layernorm", "post_attention_layernorm", "norm")  # Jamba: pre_ff_, final_
+    one_block: bool = False  # Nemotron-H: a layer is one block under ``mixer`` (attention, Mamba, MLP or MoE), one norm
 
 
-MAMBA_KINDS = (("mamba1", ".mamba.x_proj."), ("mamba", ".mamba.in_proj."))  # a tensor each kind alone has, in order
+# a tensor each kind alone has, in order (Nemotron-H's Mamba-2 under ``mixer``)
+MAMBA_KINDS = (("mamba1", ".mamba.x_proj."), ("mamba", ".mamba.in_proj."), ("mamba", ".mixer.in_proj."))
 
 
 def read_layout(shapes: dict[str, tuple[int, ...]]) -> Layout:
     """The layout the tensor names ``shapes`` (name -> shape) show (names no rule then places are refused by the
-    loader, by name)."""
+    loader, by name). Nemotron-H's checkpoints keep the decoder under ``backbone.``: read as ``model.``."""
+    shapes = {re.sub(r"^backbone\.", "model.", n): s for n, s in shapes.items()}
     patterns = {_pattern(n) for n in shapes}
     router_re = (
-        r"model\.layers\.(\d+|\{i\})\.(mlp|block_sparse_moe|feed_forward)\."
+        r"model\.layers\.(\d+|\{i\})\.(mlp|block_sparse_moe|feed_forward|mixer)\."
         r"((?:gate|router)(?:\.wg|\.layer|\.gate)?)\.weight"
     )
     moe = sorted({int(m.group(1)) for n in shapes if (m := re.fullmatch(router_re, n))})
@@ -292,9 +321,12 @@ def read_layout(shapes: dict[str, tuple[int, ...]]) -> Layout:
     if not found:
         raise UnknownArchitectureError("no router tensor (model.layers.{i}.mlp.gate.weight, .router.weight, ...)")
     block, router = found[0].group(2), found[0].group(3)
+    one_block = block == "mixer"
     per_expert = {p.split(".experts.{e}.")[1].removesuffix(".weight") for p in patterns if ".experts.{e}." in p}
     experts = None
     if per_expert:
+        if one_block and per_expert == {"up_proj", "down_proj"}:  # un-gated experts (Nemotron-H's)
+            experts = ("", "up_proj", "down_proj")
         for names in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")):
             if per_expert == set(names):
                 experts = names
@@ -317,8 +349,14 @@ def read_layout(shapes: dict[str, tuple[int, ...]]) -> Layout:
         ),
         None,
     )
+    if one_block:  # the attention's tensors under ``mixer``: read as the other families' ``self_attn``
+        renamed = {n.replace(".mixer.", ".self_attn."): s for n, s in shapes.items()}
+        attention = _attention_layout({_pattern(n) for n in renamed}, renamed)
+    else:
+        attention = _attention_layout(patterns, shapes)
     return Layout(
-        **_attention_layout(patterns, shapes),
+        **attention,
+        one_block=one_block,
         block=block,
         router=router,
         experts=experts,
@@ -535,6 +573,10 @@ def derive(hf: dict, layout: Layout, variant: dict) -> Bridge:
 def _config(c: HFConfig, layout: Layout, variant: dict) -> ModelConfig:
     """The ModelConfig of config ``c`` for tensors laid out as ``layout``, in behaviour ``variant``."""
     check_known(c.data)
+    blocks = one_block_kinds(c) if layout.one_block else None
+    if blocks is not None:  # the layer count and the norms' epsilon as the other families spell them
+        eps = c.opt("layer_norm_epsilon", float, 1e-5)
+        c = HFConfig(c.data | {"num_hidden_layers": len(blocks), "rms_norm_eps": eps}, c.source)
     n = c.req("num_hidden_layers", int)
     use = c.opt("use_sliding_window", bool)
     if use and not c.opt("layer_types", list):
@@ -555,10 +597,19 @@ def _config(c: HFConfig, layout: Layout, variant: dict) -> ModelConfig:
         own = next((c.req(k, int) for k in SYNONYMS["shared_size"] if c.data.get(k)), 0)
         shared = own or moe_size * count
     moe = moe_layers(c, n)
+    one_block = {}
+    if blocks is not None:  # Nemotron-H: each layer one block, its kind from the config
+        kinds = {"mamba": layout.mamba, "attention": "full", "moe": "none", "mlp": "none"}
+        types = [kinds[b] for b in blocks]
+        moe = [i for i, b in enumerate(blocks) if b == "moe"]
+        only = [i for i, b in enumerate(blocks) if b in ("mamba", "attention")]
+        one_block = dict(mixer_only_layers=only, activation="relu2")
     hidden = f["hidden_size"]
+    dense = len(moe) + len(one_block.get("mixer_only_layers", [])) < n
     return ModelConfig(
         **f,
-        intermediate_size=c.opt("intermediate_size", int, 0) if len(moe) < n else 0,
+        **one_block,
+        intermediate_size=c.opt("intermediate_size", int, 0) if dense else 0,
         num_experts=c.first(SYNONYMS["num_experts"], int),
         top_k=c.first(SYNONYMS["top_k"], int),
         moe_intermediate_size=moe_size,
@@ -581,9 +632,63 @@ def _config(c: HFConfig, layout: Layout, variant: dict) -> ModelConfig:
     )
 
 
+def one_block_kinds(c: HFConfig) -> list[str]:
+    """Nemotron-H's layer kinds (mamba, attention, mlp, moe) from ``layers_block_type`` or, in older configs, the
+    ``hybrid_override_pattern`` string (M, *, -, E)."""
+    pattern = c.opt("hybrid_override_pattern", str)
+    names = {"linear_attention": "mamba", "mamba": "mamba", "full_attention": "attention", "attention": "attention"}
+    names |= {"mlp": "mlp", "moe": "moe"}
+    if pattern is not None and c.data.get("layers_block_type") is None:
+        letters = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+        bad = next((ch for ch in pattern if ch not in letters), None)
+        if bad is not None:
+            raise ConfigError(f"{c.source}: field 'hybrid_override_pattern' holds {bad!r}; allowed: M, *, -, E")
+        return [letters[ch] for ch in pattern]
+    blocks = c.req("layers_block_type", list)
+    bad = next((b for b in blocks if b not in names), None)
+    if bad is not None:
+        raise ConfigError(f"{c.source}: field 'layers_block_type' holds {bad!r}; allowed: {', '.join(names)}")
+    return [names[b] for b in blocks]
+
+
+def _one_block_rules(prefix: str, write: bool) -> tuple[Rule, ...]:
+    """Nemotron-H's tensors under ``prefix`` (its checkpoints' ``backbone``, transformers' ``model``): each layer's one
+    block under ``mixer``, its one norm ``norm``; per-expert or 3D un-gated experts (the up rows alone). ``write``:
+    export writes these names (the per-expert ones of the 3D experts)."""
+    layer = f"{prefix}.layers.{{i}}.mixer"
+    fused = (
+        Rule(f"{layer}.experts.up_proj", "layers.{i}.mlp.experts.gate_up_proj", write=False),
+        Rule(f"{layer}.experts.down_proj", "layers.{i}.mlp.experts.down_proj", write=False),
+    )
+    rules = (
+        Rule(f"{prefix}.embeddings.weight", "embed_tokens.weight"),
+        Rule(f"{prefix}.norm_f.weight", "norm.weight"),
+        Rule(f"{prefix}.layers.{{i}}.norm.weight", "layers.{i}.input_layernorm.weight"),
+        Rule(f"{layer}.gate.weight", "layers.{i}.mlp.router.weight"),
+        Rule(f"{layer}.gate.e_score_correction_bias", "layers.{i}.mlp.router.e_score_correction_bias"),
+        Rule(f"{layer}.experts.{{e}}.up_proj.weight", "layers.{i}.mlp.experts.gate_up_proj"),
+        Rule(f"{layer}.experts.{{e}}.down_proj.weight", "layers.{i}.mlp.experts.down_proj"),
+        Rule(f"{layer}.shared_experts.{{x}}", "layers.{i}.mlp.shared_experts.{x}"),
+        *(Rule(f"{layer}.{m}.{{x}}", f"layers.{{i}}.mlp.{m}.{{x}}") for m in ("up_proj", "down_proj")),
+        *(
+            Rule(f"{layer}.{m}.{{x}}", f"layers.{{i}}.self_attn.{m}.{{x}}")
+            for m in ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "conv1d", "norm", "out_proj")
+        ),
+        *(Rule(f"{layer}.{m}", f"layers.{{i}}.self_attn.{m}") for m in ("dt_bias", "A_log", "D")),
+    )
+    return fused + (rules if write else tuple(dataclasses.replace(r, write=False) for r in rules))
+
+
+# export writes the checkpoints' own names (``backbone.``, per-expert tensors, as transformers saves them); either
+# prefix, per-expert or 3D, loads
+ONE_BLOCK_RULES = _one_block_rules("backbone", True) + _one_block_rules("model", False)
+
+
 def _rules(layout: Layout, variant: dict) -> tuple[list[Rule], tuple[Fused, ...]]:
     """The tensor rules (and fused tensors) of ``layout`` in ``variant``: router, experts, shared experts, q/k and
     offset norms, linear attention."""
+    if layout.one_block:
+        return list(ONE_BLOCK_RULES), ()
     hf_block = f"model.layers.{{i}}.{layout.block}"
     rules = [Rule(f"{hf_block}.{layout.router}.weight", "layers.{i}.mlp.router.weight")]
     if layout.router_bias:

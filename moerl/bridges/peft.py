@@ -274,6 +274,10 @@ def _pad_untargeted(out: dict[str, torch.Tensor], mcfg) -> None:
 # -- writing ----------------------------------------------------------------------------------------------------
 
 
+# model types whose Mamba out_proj PEFT refuses to adapt (peft's own list: its fused CUDA kernels read the weight)
+PEFT_NO_MAMBA_OUT_PROJ = ("falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h")
+
+
 def write_peft_adapter(model, out_dir: str | os.PathLike, slot: int = 0, base: str | None = None) -> Path:
     """Write adapter ``slot`` of ``model`` as a PEFT directory that ``peft.PeftModel.from_pretrained`` loads onto
     the transformers model (and vLLM reads): linear layers by ``target_modules``, the 3D experts by
@@ -299,7 +303,9 @@ def write_peft_adapter(model, out_dir: str | os.PathLike, slot: int = 0, base: s
             rank, expert_tensors = _write_experts(model, bridge, path, lora, slot)
             tensors |= expert_tensors
             expert_ranks.add(rank)
-    config = _peft_config(bridge, target_modules, linear_ranks, expert_ranks) | {"base_model_name_or_path": base}
+    gate_up = "up_proj" if model.config.activation == "relu2" else "gate_up_proj"  # un-gated experts: the up rows
+    config = _peft_config(bridge, target_modules, linear_ranks, expert_ranks, gate_up)
+    config["base_model_name_or_path"] = base
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
@@ -313,6 +319,13 @@ def _write_linear(model, bridge: Bridge, path: str, lora, slot: int) -> tuple[st
     from moerl.bridges.checkpoint import to_hf
 
     s = lora.scale[slot].detach().float()
+    model_type = (model.hf_config or {}).get("model_type")
+    if path.rsplit(".", 1)[-1] == "out_proj" and model_type in PEFT_NO_MAMBA_OUT_PROJ:
+        raise CheckpointError(
+            f"adapter on {path!r} cannot be written for PEFT: PEFT refuses LoRA on a Mamba layer's out_proj for "
+            f"model_type {model_type!r}; export merged weights instead "
+            "(export_model(..., state_dict=merged_state_dict(model))) or leave out_proj out of lora.targets"
+        )
     if path.rsplit(".", 1)[-1] in ("gate_proj", "up_proj", "down_proj"):
         raise CheckpointError(
             f"adapter on {path!r} cannot be written for PEFT: on transformers v5 MoE models PEFT maps "
@@ -321,6 +334,8 @@ def _write_linear(model, bridge: Bridge, path: str, lora, slot: int) -> tuple[st
         )
     weight = model.get_parameter(f"{path}.weight")
     hf_name = next(iter(to_hf(bridge, f"{path}.weight", weight, model.config)))[0].removesuffix(".weight")
+    # the module's path in transformers' model: Nemotron-H's checkpoints name its ``model`` ``backbone``
+    hf_name = re.sub(r"^backbone\.", "model.", hf_name)
     for f in bridge.fused:
         if any(p.match(f"{hf_name}.weight") for p in f._parts_re):
             raise CheckpointError(
@@ -355,9 +370,11 @@ def _write_experts(model, bridge: Bridge, path: str, lora, slot: int) -> tuple[i
     return rank, tensors
 
 
-def _peft_config(bridge: Bridge, target_modules: set[str], linear_ranks: set[int], expert_ranks: set[int]) -> dict:
+def _peft_config(
+    bridge: Bridge, target_modules: set[str], linear_ranks: set[int], expert_ranks: set[int], gate_up: str
+) -> dict:
     """``adapter_config.json``: one rank (or one for linear layers and one for the experts, by ``rank_pattern``),
-    ``lora_alpha`` = r since the scales are folded into B."""
+    ``lora_alpha`` = r since the scales are folded into B; ``gate_up``: the experts' first parameter's name."""
     if len(linear_ranks) > 1 or len(expert_ranks) > 1:
         raise CheckpointError(f"adapter ranks differ between modules ({linear_ranks | expert_ranks}); cannot write")
     r = next(iter(linear_ranks or expert_ranks))
@@ -369,7 +386,7 @@ def _peft_config(bridge: Bridge, target_modules: set[str], linear_ranks: set[int
         "lora_dropout": 0.0,
         "bias": "none",
         "target_modules": sorted(target_modules),
-        "target_parameters": [f"{experts}.gate_up_proj", f"{experts}.down_proj"] if expert_ranks else None,
+        "target_parameters": [f"{experts}.{gate_up}", f"{experts}.down_proj"] if expert_ranks else None,
         "rank_pattern": {},
         "alpha_pattern": {},
         "use_rslora": False,

@@ -26,6 +26,7 @@ from moerl.bridges.derive import (
     check_known,
     derive,
     moe_layers,
+    one_block_kinds,
     read_layout,
     variants,
 )
@@ -34,6 +35,7 @@ from moerl.errors import ConfigError, UnknownArchitectureError
 SHRINK = {
     "hidden_size": 64, "num_attention_heads": 4, "head_dim": 16, "intermediate_size": 64, "vocab_size": 128,
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "max_position_embeddings": 256,
+    "moe_shared_expert_intermediate_size": 48,
 }  # fmt: skip
 
 
@@ -54,17 +56,24 @@ def tiny_config(hf: dict) -> dict:
     n = hf.get("num_hidden_layers", 2)
     keep = max([2, hf.get("first_k_dense_replace", 0) + 1, *[i + 1 for i in hf.get("mlp_only_layers") or []]])
     kinds = []
-    for key in ("layer_types", "mlp_layer_types"):
-        listed = hf.get(key) if isinstance(hf.get(key), list) else []
+    if isinstance(hf.get("hybrid_override_pattern"), str) and not hf.get("layers_block_type"):  # Nemotron-H's
+        small["layers_block_type"] = list(hf["hybrid_override_pattern"])  # its letters, one a layer
+        small.pop("hybrid_override_pattern")
+    if isinstance(small.get("layers_block_type"), list):  # Nemotron-H: the list is the layer count
+        n = len(small["layers_block_type"])
+    for key in ("layer_types", "mlp_layer_types", "layers_block_type"):
+        listed = small.get(key) if isinstance(small.get(key), list) else []
         keep = max([keep, *(listed.index(k) + 1 for k in set(listed))])  # a layer of every kind
         kinds += listed
     # Jamba's period fields: up to the first attention layer and the first MoE layer
     offsets = [hf[k] + 1 for k in ("attn_layer_offset", "expert_layer_offset") if isinstance(hf.get(k), int)]
     keep = max([keep, *offsets])
     small["num_hidden_layers"] = min(n, max(keep, 2), max(4, keep if kinds or offsets else 4))
-    for key in ("layer_types", "mlp_layer_types", "layer_rope_theta"):
+    for key in ("layer_types", "mlp_layer_types", "layer_rope_theta", "layers_block_type"):
         if isinstance(small.get(key), list):
             small[key] = small[key][: small["num_hidden_layers"]]
+    if isinstance(hf.get("hybrid_override_pattern"), str) and not hf.get("layers_block_type"):
+        small["hybrid_override_pattern"] = "".join(small.pop("layers_block_type"))
     if small.get("sliding_window"):
         small["sliding_window"] = min(small["sliding_window"], 8)
     # linear-attention layers: 2 key heads, twice as many value heads if it has more
@@ -84,6 +93,9 @@ def tiny_config(hf: dict) -> dict:
     if small.get("mamba_n_heads"):  # 4 heads of 32 (expand 2 x 64), 16 states, chunks of 8: several per sequence
         small |= {"mamba_n_heads": 4, "mamba_d_head": "auto", "mamba_d_state": 16, "mamba_chunk_size": 8}
         small |= {"mamba_expand": 2, "mamba_n_groups": 2 if (hf.get("mamba_n_groups") or 1) > 1 else 1}
+    if small.get("mamba_num_heads"):  # Nemotron-H's spelling: 4 heads of 32, 16 states, chunks of 8
+        small |= {"mamba_num_heads": 4, "mamba_head_dim": 32, "ssm_state_size": 16, "chunk_size": 8}
+        small["n_groups"] = 2 if (hf.get("n_groups") or 1) > 1 else 1
     if small.get("index_topk"):
         small |= {"index_topk": 4, "index_n_heads": 16, "index_head_dim": 16}
     for key, default in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
@@ -240,7 +252,11 @@ def _layout(hf: dict, directory: Path, saved: dict) -> Layout:
         layout = read_layout(shapes)
     except UnknownArchitectureError as e:
         raise UnknownArchitectureError(f"cannot derive a bridge for {arch_name(hf)}: {e}") from None
-    by_config = moe_layers(HFConfig(saved, "the tiny config"), saved["num_hidden_layers"])
+    tiny = HFConfig(saved, "the tiny config")
+    if layout.one_block:  # Nemotron-H: the MoE blocks of its layer kinds
+        by_config = [i for i, b in enumerate(one_block_kinds(tiny)) if b == "moe"]
+    else:
+        by_config = moe_layers(tiny, saved["num_hidden_layers"])
     if tuple(by_config) != layout.moe_layers:
         raise UnknownArchitectureError(
             f"cannot derive a bridge for {arch_name(hf)}: its config's layer pattern gives MoE layers {by_config}, "

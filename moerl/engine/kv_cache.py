@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from moerl.model.config import ModelConfig
-from moerl.model.mixers import is_recurrent, recurrent_layers, state_shapes
+from moerl.model.mixers import keeps_keys, recurrent_layers, state_shapes
 
 
 def kv_shape(cfg: ModelConfig) -> tuple[int, int, int]:
@@ -17,7 +17,7 @@ def kv_shape(cfg: ModelConfig) -> tuple[int, int, int]:
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     heads, dk, dv = kv_shape(cfg)
-    attention = sum(not is_recurrent(t) for t in cfg.layer_types)  # recurrent layers keep a state, not keys
+    attention = sum(keeps_keys(t) for t in cfg.layer_types)  # recurrent layers keep a state, not keys
     return attention * block_size * (heads * (dk + dv) + cfg.index_head_dim) * dtype.itemsize
 
 
@@ -98,21 +98,22 @@ class KVCache:
         # ``scratch``: one more block, never allocated, that the padding rows of a compiled decode step write to
         self.scratch_block = num_blocks if scratch else None
         n = (num_blocks + scratch) * block_size
-        # recurrent layers keep no keys: an empty pool holds their place (states: LinearStates)
-        rows = [0 if is_recurrent(t) else n for t in cfg.layer_types]
+        # recurrent layers and those without a mixer keep no keys: an empty pool holds their place (states:
+        # LinearStates)
+        rows = [n if keeps_keys(t) else 0 for t in cfg.layer_types]
         self.k = [torch.zeros(heads, r, dk, dtype=dtype, device=device) for r in rows]
         self.v = [torch.zeros(heads, r, dv, dtype=dtype, device=device) for r in rows]
         self.states: LinearStates | None = None  # set by the engine for a model with recurrent layers
         # DeepSeek sparse attention: one indexer key a token per layer ([1, rows, d]: a single head), paged as k / v
         d = cfg.index_head_dim
-        self.index = [torch.zeros(1, n if d else 0, d, dtype=dtype, device=device) for _ in cfg.layer_types]
+        self.index = [torch.zeros(1, r if d else 0, d, dtype=dtype, device=device) for r in rows]
         self._index_shapes = [t.shape for t in self.index]
         self.nbytes = sum(t.numel() * t.element_size() for t in self.k + self.v + self.index)
         self._k_shapes, self._v_shapes = [t.shape for t in self.k], [t.shape for t in self.v]
         self.dtype, self.device = dtype, device
         self.sliding_window = cfg.sliding_window
         self.heads, self.rows = heads, n  # every attention pool's [heads, rows, d]
-        self.attention = [i for i, t in enumerate(cfg.layer_types) if not is_recurrent(t)]
+        self.attention = [i for i, t in enumerate(cfg.layer_types) if keeps_keys(t)]
         self.released = False
         self._gathered: list[torch.Tensor | None] = [None, None]  # gather_buffer's key and value buffers
 

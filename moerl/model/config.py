@@ -47,7 +47,7 @@ class ModelConfig:
     num_experts: int
     top_k: int
     moe_intermediate_size: int
-    moe_layers: list[int]  # indices of MoE layers; the others are dense MLP layers
+    moe_layers: list[int]  # indices of MoE layers; the others are dense MLP layers (or mixer-only ones)
     max_position_embeddings: int = 4096
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
@@ -66,7 +66,10 @@ class ModelConfig:
     qk_norm: str = "none"  # none | head (per head, Qwen3) | full (whole projection, OLMoE)
     qk_norm_after_rope: bool = False  # per-head q/k norms after the rotation (HunYuan-MoE-V1)
     clip_qkv: float | None = None
-    layer_types: list[str] = field(default_factory=list)  # "full" | "sliding" | "linear" (Gated DeltaNet) per layer
+    # per layer: "full" | "sliding" | a recurrent kind ("linear": Gated DeltaNet, "mamba", "mamba1") | "none": no token
+    # mixer, the layer is its MLP / MoE alone (Nemotron-H's one-block layers)
+    layer_types: list[str] = field(default_factory=list)
+    mixer_only_layers: list[int] = field(default_factory=list)  # layers without an MLP / MoE (Nemotron-H's)
     sliding_window: int | None = None
     attention_sinks: bool = False
     attn_scale: float | None = None  # None: rotary-inclusive q/k head dim ** -0.5
@@ -122,7 +125,9 @@ class ModelConfig:
     group_score: str = "top2_sum"  # a group's score: top2_sum (DeepSeek-V3) | max (DeepSeek-V2)
     # experts
     expert_bias: bool = False
-    activation: str = "silu"  # silu | swiglu_clamped (GPT-OSS)
+    # silu | swiglu_clamped (GPT-OSS) | relu2: relu(x)^2 of un-gated experts and MLPs (Nemotron-H: gate_up_proj holds
+    # the up rows alone, [E, I, H]; the MLPs have no gate_proj)
+    activation: str = "silu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     shared_expert_size: int = 0  # intermediate size of the shared expert MLP; 0 = none
@@ -147,14 +152,15 @@ class ModelConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise self._bad(name, f"allowed: {', '.join(allowed)}")
-        if self.activation not in ("silu", "swiglu_clamped"):
-            raise self._bad("activation", "allowed: silu, swiglu_clamped")
+        if self.activation not in ("silu", "swiglu_clamped", "relu2"):
+            raise self._bad("activation", "allowed: silu, swiglu_clamped, relu2")
         if self.rope.kind not in ("default", "linear", "yarn", "llama3"):
             raise ConfigError(f"ModelConfig.rope.kind={self.rope.kind!r}: allowed: default, linear, yarn, llama3")
         if len(self.layer_types) != self.num_layers:
             raise self._bad("layer_types", f"needs {self.num_layers} entries (num_layers)")
-        if any(t not in ("full", "sliding", *RECURRENT_KINDS) for t in self.layer_types):
-            raise self._bad("layer_types", f"entries allowed: full, sliding, {', '.join(RECURRENT_KINDS)}")
+        if any(t not in ("full", "sliding", *RECURRENT_KINDS, "none") for t in self.layer_types):
+            raise self._bad("layer_types", f"entries allowed: full, sliding, {', '.join(RECURRENT_KINDS)}, none")
+        self._validate_one_block()
         self._validate_mamba()
         if "linear" not in self.layer_types:  # the linear-attention fields would be ignored
             linear_defaults = tuple((f"linear_{n}", 0) for n in ("num_key_heads", "num_value_heads")) + (
@@ -175,8 +181,8 @@ class ModelConfig:
             self.nope_layers
         ):
             raise self._bad("nope_layers", f"indices must lie in [0, {self.num_layers}), each once")
-        if any(self.layer_types[i] in RECURRENT_KINDS for i in self.nope_layers):
-            raise self._bad("nope_layers", "lists a recurrent layer (it has no RoPE to drop)")
+        if any(self.layer_types[i] in (*RECURRENT_KINDS, "none") for i in self.nope_layers):
+            raise self._bad("nope_layers", "lists a recurrent layer or one without a mixer (it has no RoPE to drop)")
         if any(not 0 <= i < self.num_layers for i in self.moe_layers):
             raise self._bad("moe_layers", f"indices must lie in [0, {self.num_layers})")
         if self.moe_layers and not 1 <= self.top_k <= self.num_experts:
@@ -212,7 +218,7 @@ class ModelConfig:
         positive += ["head_dim"] if self.attention == "gqa" else ["kv_lora_rank", "qk_rope_head_dim", "v_head_dim"]
         if self.moe_layers:
             positive += ["num_experts", "moe_intermediate_size"]
-        if len(self.moe_layers) < self.num_layers:
+        if len(self.moe_layers) + len(self.mixer_only_layers) < self.num_layers:
             positive.append("intermediate_size")  # the dense MLP layers
         for name in positive:
             if not getattr(self, name) >= 1:
@@ -284,6 +290,19 @@ class ModelConfig:
         if not 0.0 <= self.mamba_dt_min < self.mamba_dt_max:
             raise self._bad("mamba_dt_min", f"needs 0 <= mamba_dt_min < mamba_dt_max={self.mamba_dt_max}")
 
+    def _validate_one_block(self) -> None:
+        """Layers of one block (a mixer alone: ``mixer_only_layers``; an MLP / MoE alone: layer type "none") are
+        pre-norm layers that keep one of their halves."""
+        only = self.mixer_only_layers
+        if any(not 0 <= i < self.num_layers for i in only) or len(set(only)) != len(only):
+            raise self._bad("mixer_only_layers", f"indices must lie in [0, {self.num_layers}), each once")
+        if set(only) & set(self.moe_layers):
+            raise self._bad("mixer_only_layers", "lists an MoE layer (moe_layers): a layer without an MLP / MoE")
+        if any(self.layer_types[i] == "none" for i in only):
+            raise self._bad("mixer_only_layers", "lists a layer of type 'none': it would hold nothing")
+        if (only or "none" in self.layer_types) and self.norm_placement != "pre":
+            raise self._bad("norm_placement", "layers of one block (mixer_only_layers, type 'none') are pre-norm only")
+
     def _validate_indexer(self) -> None:
         """DeepSeek sparse attention's fields: all unset, or an indexer a latent-attention layer with a low-rank query
         can build (its rotated dims within its head)."""
@@ -340,7 +359,7 @@ class ModelConfig:
 
     def _validate_experts(self) -> None:
         """Clamped-SwiGLU constants only with that activation; a shared-expert gate only with a shared expert."""
-        if self.activation == "silu" and (self.swiglu_alpha, self.swiglu_limit) != (1.702, 7.0):
+        if self.activation != "swiglu_clamped" and (self.swiglu_alpha, self.swiglu_limit) != (1.702, 7.0):
             raise self._bad("activation", "swiglu_alpha / swiglu_limit set: only activation='swiglu_clamped' uses them")
         if self.shared_expert_gate and not self.shared_expert_size:
             raise self._bad(

@@ -150,7 +150,6 @@ class RecurrentMixer(nn.Module):
     from its state slot (``_step``); a training / prefill forward runs each sequence of the packed rows whole
     (``_whole``), its state and conv starting fresh."""
 
-    mask_kind = "linear"  # the forward's attention_mask: its sequences (see MoEModel.forward)
     sliding = False
 
     def forward(self, x, cos=None, sin=None, mask=None, cache=None) -> torch.Tensor:

@@ -142,14 +142,15 @@ class LoraLinear(Linear):
 
 
 class ExpertLora(nn.Module):
-    """Adapters on the 3D experts, both projections, in the ``per_expert`` or ``shared_outer`` layout."""
+    """Adapters on the 3D experts, both projections, in the ``per_expert`` or ``shared_outer`` layout (``rows``: the
+    gate_up projection's, 2I, or I for un-gated experts)."""
 
-    def __init__(self, ctx: LoraContext, slots: int, rank: int, e: int, h: int, i: int, layout: str, dtype):
+    def __init__(self, ctx: LoraContext, slots: int, rank: int, e: int, h: int, rows: int, i: int, layout: str, dtype):
         super().__init__()
         self.ctx, self.layout, self.num_experts = ctx, layout, e
         shared = layout == "shared_outer"
         self.gate_up_A = nn.Parameter(torch.zeros((slots, rank, h) if shared else (slots, e, rank, h), dtype=dtype))
-        self.gate_up_B = nn.Parameter(torch.zeros(slots, e, 2 * i, rank, dtype=dtype))
+        self.gate_up_B = nn.Parameter(torch.zeros(slots, e, rows, rank, dtype=dtype))
         self.down_A = nn.Parameter(torch.zeros(slots, e, rank, i, dtype=dtype))
         self.down_B = nn.Parameter(torch.zeros((slots, h, rank) if shared else (slots, e, h, rank), dtype=dtype))
         self.scale = nn.Buffer(torch.zeros(slots))
@@ -379,10 +380,12 @@ def attach_lora(
             with torch.no_grad():
                 _init_A(new.lora.lora_A, generator)
         else:
-            e, i2, h = mod.gate_up_proj.shape
+            e, rows, h = mod.gate_up_proj.shape
             new = swapped(mod, LoraExperts)
             with torch.device(mod.gate_up_proj.device):
-                new.lora = ExpertLora(ctx, cfg.slots, expert_rank, e, h, i2 // 2, cfg.layout, dtype)
+                new.lora = ExpertLora(
+                    ctx, cfg.slots, expert_rank, e, h, rows, mod.down_proj.shape[2], cfg.layout, dtype
+                )
             new.lora.scale.fill_(cfg.scale(expert_rank))
             with torch.no_grad():
                 _init_A(new.lora.gate_up_A, generator)

@@ -29,6 +29,11 @@ def is_recurrent(kind: str) -> bool:
     return kind in RECURRENT
 
 
+def keeps_keys(kind: str) -> bool:
+    """Whether a layer of ``kind`` keeps paged keys (attention: not a recurrent layer, not one without a mixer)."""
+    return kind in ("full", "sliding")
+
+
 def recurrent_layers(cfg: ModelConfig) -> list[int]:
     """The indices of ``cfg``'s recurrent layers."""
     return [i for i, kind in enumerate(cfg.layer_types) if kind in RECURRENT]

@@ -122,6 +122,8 @@ class Router(nn.Module):
 
 
 def _activate(gate_up: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
+    if activation == "relu2":  # un-gated: the rows are the up projection alone
+        return F.relu(gate_up).square()
     gate, up = gate_up.chunk(2, dim=-1)
     if activation == "silu":
         return F.silu(gate) * up
@@ -146,7 +148,8 @@ class Route:
 
 
 class Experts(nn.Module):
-    """E experts as 3D tensors: ``gate_up_proj`` [E, 2I, H] (gate rows first), ``down_proj`` [E, H, I].
+    """E experts as 3D tensors: ``gate_up_proj`` [E, 2I, H] (gate rows first; un-gated ``relu2`` experts: [E, I, H],
+    the up rows alone), ``down_proj`` [E, H, I].
 
     A mode's subclass replaces the GEMMs (``_gmm``, ``_linear``: MXFP8) or adds to the projections (``_grouped``
     around ``_hidden`` and ``_down_sum``, ``_project`` in the reference loop: LoRA)."""
@@ -156,9 +159,10 @@ class Experts(nn.Module):
         e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         self.num_experts = e
         self.activation, self.alpha, self.limit = cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        rows = i if cfg.activation == "relu2" else 2 * i
+        self.gate_up_proj = nn.Parameter(torch.empty(e, rows, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
-        self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * i)) if cfg.expert_bias else None
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, rows)) if cfg.expert_bias else None
         self.down_proj_bias = nn.Parameter(torch.zeros(e, h)) if cfg.expert_bias else None
         self.grouped = True  # False: the per-expert loop, kept as the reference
         self.dense_in_graph = False  # inside a compiled graph: every expert on every token (see _dense)
@@ -255,16 +259,27 @@ class Experts(nn.Module):
 
 
 class MLP(nn.Module):
-    """Dense SwiGLU MLP (also the shared expert)."""
+    """Dense SwiGLU MLP (also the shared expert); with ``activation`` "relu2" un-gated: ``down(relu(up(x))^2)``
+    (Nemotron-H's), no ``gate_proj``."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False, activation: str = "silu"):
         super().__init__()
-        self.gate_proj = Linear(hidden, intermediate, bias=bias)
+        self.gated = activation != "relu2"
+        if self.gated:
+            self.gate_proj = Linear(hidden, intermediate, bias=bias)
         self.up_proj = Linear(hidden, intermediate, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.gated:
+            return self.down_proj(F.relu(self.up_proj(x)).square())
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def mlp_activation(cfg: ModelConfig) -> str:
+    """The dense and shared MLPs' activation: un-gated relu2 with relu2 experts, else SwiGLU (GPT-OSS's clamped
+    SwiGLU is its experts' alone)."""
+    return "relu2" if cfg.activation == "relu2" else "silu"
 
 
 class MoE(nn.Module):
@@ -275,7 +290,9 @@ class MoE(nn.Module):
         self.router = Router(cfg)
         self.experts = Experts(cfg)
         self.shared_experts = (
-            MLP(cfg.hidden_size, cfg.shared_expert_size, cfg.mlp_bias) if cfg.shared_expert_size else None
+            MLP(cfg.hidden_size, cfg.shared_expert_size, cfg.mlp_bias, mlp_activation(cfg))
+            if cfg.shared_expert_size
+            else None
         )
         self.shared_experts_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if cfg.shared_expert_gate else None
 

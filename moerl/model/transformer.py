@@ -18,7 +18,7 @@ from moerl.model.config import ModelConfig
 from moerl.model.indexer import Indexer
 from moerl.model.linear import Linear
 from moerl.model.mixers import build_recurrent, is_recurrent
-from moerl.model.moe import MLP, MoE
+from moerl.model.moe import MLP, MoE, mlp_activation
 from moerl.model.rope import apply_rope, inv_freq_and_scale, rope_cos_sin
 
 
@@ -108,7 +108,6 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(nh)) if cfg.attention_sinks else None
         self.scale = cfg.attn_scale or d**-0.5
         self.sliding = cfg.layer_types[layer] == "sliding"
-        self.mask_kind = cfg.layer_types[layer]
         self.layer = layer
 
     def forward(self, x, cos, sin, mask, cache: KVCacheView | None = None) -> torch.Tensor:
@@ -171,7 +170,6 @@ class MLAttention(nn.Module):
         self.interleave = cfg.rope_interleave
         self.scale = cfg.attn_scale or qk_dim**-0.5
         self.sliding = cfg.layer_types[layer] == "sliding"
-        self.mask_kind = cfg.layer_types[layer]
         self.layer = layer
         # DeepSeek sparse attention: each query attends to the keys its indexer chooses (moerl.model.indexer)
         self.indexer = Indexer(cfg) if cfg.index_topk else None
@@ -209,34 +207,50 @@ class MLAttention(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Attention then MLP / MoE, each in a residual branch: ``x + m * f(norm(x))`` (pre-norm, the default) or
-    ``x + m * norm(f(x))`` (post-sublayer norms, OLMo-2 placement); ``m`` is the residual multiplier."""
+    ``x + m * norm(f(x))`` (post-sublayer norms, OLMo-2 placement); ``m`` is the residual multiplier.
+
+    A layer of one block (Nemotron-H's) keeps one half and one norm, ``input_layernorm``: a mixer alone (its index in
+    ``mixer_only_layers``) or an MLP / MoE alone (layer type "none": no ``self_attn``)."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.post_norm = cfg.norm_placement == "post"
+        kind = cfg.layer_types[layer]
+        self.mask_kind = None if kind == "none" else ("linear" if is_recurrent(kind) else kind)
+        self.has_mlp = layer not in cfg.mixer_only_layers
         if not self.post_norm:
             self.input_layernorm = layer_norm(cfg, cfg.hidden_size)
-        if is_recurrent(cfg.layer_types[layer]):  # Gated DeltaNet, Mamba-1 and -2 (moerl.model.mixers)
+        if is_recurrent(kind):  # Gated DeltaNet, Mamba-1 and -2 (moerl.model.mixers)
             self.self_attn = build_recurrent(cfg, layer)
-        else:
+        elif kind != "none":
             self.self_attn = (MLAttention if cfg.attention == "mla" else Attention)(cfg, layer)
-        self.post_attention_layernorm = layer_norm(cfg, cfg.hidden_size)
+        if self.has_mlp and self.mask_kind is not None:
+            self.post_attention_layernorm = layer_norm(cfg, cfg.hidden_size)
         if self.post_norm:
             self.post_feedforward_layernorm = layer_norm(cfg, cfg.hidden_size)
         self.residual_multiplier = cfg.residual_multiplier
         self.is_moe = layer in cfg.moe_layer_set
-        self.mlp = MoE(cfg) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        if self.is_moe:
+            self.mlp = MoE(cfg)
+        elif self.has_mlp:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, mlp_activation(cfg))
+        self.layer = layer
         # ``block`` compiled for training (moerl.trainer.compile); None: eager
         self.compiled: Callable | None = None
 
-    def mix(self, x, cos, sin, mask, cache=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The attention half of the layer: (the residual stream after attention, the MLP's input)."""
+    def mix(self, x, cos, sin, mask, cache=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The attention half of the layer: (the residual stream after attention, the MLP's input; None in a layer
+        without an MLP)."""
         m = self.residual_multiplier
+        if self.mask_kind is None:  # an MLP / MoE alone
+            return x, self.input_layernorm(x)
         if self.post_norm:
             a = self.post_attention_layernorm(self.self_attn(x, cos, sin, mask, cache))
         else:
             a = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         x = x + (a if m == 1.0 else m * a)  # no extra op per layer where there is no multiplier
+        if not self.has_mlp:
+            return x, None
         return x, (x if self.post_norm else self.post_attention_layernorm(x))
 
     def forward(self, x, cos, sin, mask, replay=None, cache=None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -251,6 +265,8 @@ class DecoderLayer(nn.Module):
         m = self.residual_multiplier
         x, h = self.mix(x, cos, sin, mask, cache)
         idx = None
+        if h is None:
+            return x, idx
         if self.is_moe:
             out, idx = self.mlp(h.flatten(0, 1), replay)
             out = out.view_as(x)
@@ -428,6 +444,7 @@ class MoEModel(nn.Module):
             "full": None if plain else build_mask(attention_mask, b, t, None, x.device),
             "sliding": None if plain and window is None else build_mask(attention_mask, b, t, window, x.device),
             "linear": attention_mask,  # the sequences themselves: states restart at each
+            None: None,  # a layer without a mixer
         }
         routed = []
         for layer in self.layers:
@@ -438,7 +455,7 @@ class MoEModel(nn.Module):
                 x,
                 cos,
                 sin,
-                masks[layer.self_attn.mask_kind],
+                masks[layer.mask_kind],
                 replay[:, col] if replay is not None and layer.is_moe else None,
                 cache,
             )

@@ -46,7 +46,7 @@ def shard_model(
     for block in model.layers:
         if next(block.parameters(), None) is None:  # another pipeline stage's layer
             continue
-        router = getattr(block.mlp, "router", None)
+        router = getattr(getattr(block, "mlp", None), "router", None)
         if router is not None and masters:
             fully_shard(router, mesh=mesh, mp_policy=fp32)
         fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=(frozen & set(block.parameters())) or None)

@@ -16,11 +16,11 @@ from moerl.model.config import ModelConfig
 from moerl.plan.memory import Breakdown
 from moerl.run_config import RunConfig
 
-Kind = tuple[str, bool, bool]  # (layer type, MoE, rotates nothing)
+Kind = tuple[str, bool, bool, bool]  # (layer type, MoE, rotates nothing, a mixer alone)
 
 
 def kind(cfg: ModelConfig, i: int) -> Kind:
-    return cfg.layer_types[i], i in set(cfg.moe_layers), i in set(cfg.nope_layers)
+    return cfg.layer_types[i], i in set(cfg.moe_layers), i in set(cfg.nope_layers), i in set(cfg.mixer_only_layers)
 
 
 def stage_ranges(cfg: ModelConfig, run: RunConfig) -> list[range]:
@@ -72,6 +72,7 @@ def cut(cfg: ModelConfig, run: RunConfig, ranges: list[range], layers: dict[int,
         layer_types=[k[0] for k in kinds],
         moe_layers=[i for i, k in enumerate(kinds) if k[1]],
         nope_layers=[i for i, k in enumerate(kinds) if k[2]],
+        mixer_only_layers=[i for i, k in enumerate(kinds) if k[3]],
     )
     stages = sizes if len(ranges) > 1 else []
     return small, replace(run, parallel=replace(run.parallel, stages=stages))

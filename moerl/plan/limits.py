@@ -64,7 +64,7 @@ def _largest_layer(cfg: ModelConfig) -> tuple[int, int]:
         model = MoEModel(cfg, torch.bfloat16)
     layer = expert = 0
     for block in model.layers:
-        experts = getattr(block.mlp, "experts", None)
+        experts = getattr(getattr(block, "mlp", None), "experts", None)
         inside = {id(p) for p in experts.parameters()} if experts is not None else set()
         layer = max(layer, sum(p.numel() * 2 for p in block.parameters() if id(p) not in inside))
         if experts is not None:

@@ -33,7 +33,7 @@ def compile_blocks(model: torch.nn.Module) -> int:
     """Compile each of ``model``'s attention layers for training; returns how many."""
     n = 0
     for layer in model.layers:
-        if layer.compiled is None and not is_recurrent(model.config.layer_types[layer.self_attn.layer]):
+        if layer.compiled is None and not is_recurrent(model.config.layer_types[layer.layer]):
             layer.compiled = unducked(torch.compile(layer.block, dynamic=True))
             n += 1
     return n
