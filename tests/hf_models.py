@@ -388,7 +388,10 @@ DERIVED_CONFIGS["NemotronHForCausalLM"] = dict(
     moe_intermediate_size=32, moe_shared_expert_intermediate_size=40, n_group=2, topk_group=1,
     routed_scaling_factor=2.5, vocab_size=VOCAB,
 )  # fmt: skip
-# GLM-5: DeepSeek-V3.2's layers with the indexer's rotary pairs interleaved, every layer's indexer its own
-DERIVED_CONFIGS["GlmMoeDsaForCausalLM"] = DERIVED_CONFIGS["DeepseekV32ForCausalLM"] | dict(model_type="glm_moe_dsa")
+# GLM-5: DeepSeek-V3.2's layers with the indexer's rotary pairs interleaved; its second layer has no indexer and keeps
+# the keys the first one chose ("shared")
+DERIVED_CONFIGS["GlmMoeDsaForCausalLM"] = DERIVED_CONFIGS["DeepseekV32ForCausalLM"] | dict(
+    model_type="glm_moe_dsa", indexer_types=["full", "shared", "full"]
+)
 DERIVED_ARCHS = list(DERIVED_CONFIGS)
 CONFIGS |= DERIVED_CONFIGS

@@ -236,8 +236,6 @@ REFUSED = [  # (model_type, config changes, the feature the refusal names)
     ("mimo_v2_flash", {}, "scaled attention values"),
     ("qwen3_moe", {"v_head_dim": 32}, "latent-attention field.* 'v_head_dim' without latent-attention tensors"),
     ("mellum", {"layer_types": ["sliding_attention", "full_attention"]}, "a RoPE per layer kind"),
-    # GLM-5's indexer layers that reuse the layer before's choice of keys
-    ("glm_moe_dsa", {"indexer_types": "FS"}, r"'indexer_types' holds 'shared' \(layer 1\): an indexer layer"),
     ("qwen3_moe", {"index_topk": 4}, "indexer field.*'index_topk'.* without indexer tensors"),
 ]
 
@@ -247,8 +245,6 @@ def test_a_family_needing_what_moerl_lacks_is_refused_naming_the_feature(model_t
     """Not "fields not understood": the refusal says which feature (zero-computation experts, another linear
     attention, an indexer, ...) the decoder does not compute, from the config or the tensor names."""
     hf = _default_config(model_type, **changes)
-    if hf.get("indexer_types") == "FS":  # every layer of the default config: the second one shares the first's keys
-        hf["indexer_types"] = ["full", "shared"] + ["full"] * (hf["num_hidden_layers"] - 2)
     if model_type == "qwen3_moe":
         hf |= {"num_experts": 8, "num_experts_per_tok": 2}
     with pytest.raises(UnknownArchitectureError, match=feature):

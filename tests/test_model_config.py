@@ -97,6 +97,8 @@ REFUSED = [
     (MAMBA, dict(mamba_dt_rank=2), "mamba_dt_rank", "without a 'mamba1' layer"),
     (MAMBA1, dict(mamba_dt_rank=0), "mamba_dt_rank", "must be >= 1"),
     (GQA, dict(mixer_only_layers=[1]), "mixer_only_layers", "lists an MoE layer"),
+    (INDEXED, dict(index_shared_layers=[0]), "index_shared_layers", r"must lie in \[1, 2\)"),
+    (MLA | dict(q_lora_rank=8), dict(index_shared_layers=[1]), "index_shared_layers", "without an indexer"),
     (GQA, dict(mixer_only_layers=[2]), "mixer_only_layers", r"indices must lie in \[0, 2\)"),
     (GQA, dict(layer_types=["none", "full"], mixer_only_layers=[0]), "mixer_only_layers", "of type 'none'"),
     (GQA, dict(layer_types=["none", "full"], norm_placement="post"), "norm_placement", "pre-norm only"),
@@ -134,6 +136,7 @@ ACCEPTED = [
     HYBRID | dict(linear_conv_kernel=3),
     GQA | dict(nope_layers=[1], rope_dim=2),  # a layer without RoPE beside a partially rotated one
     INDEXED | dict(index_rope_interleave=True),
+    INDEXED | dict(index_shared_layers=[1]),  # GLM-5: the second layer keeps the keys the first chose
     MAMBA | dict(mamba_groups=2, mamba_norm_groups=2, mamba_conv_bias=True, mamba_proj_bias=True, mamba_dt_max=0.5),
     MAMBA1 | dict(mamba_conv_bias=True, mamba_conv_kernel=3, nope_layers=[1]),  # Jamba: attention without RoPE
     # Nemotron-H: a Mamba layer alone, an MoE alone, un-gated relu2 experts and MLPs with a shared expert

@@ -40,17 +40,23 @@ def _ids(b=2, t=24, seed=1):
 
 
 def _indexers(model):
-    return [layer.self_attn.indexer for layer in model.layers]
+    return [layer.self_attn.indexer for layer in model.layers if layer.self_attn.indexer is not None]
+
+
+SHARED = {"DeepseekV32ForCausalLM": [], "GlmMoeDsaForCausalLM": [1]}  # layers keeping an earlier layer's choice
 
 
 @pytest.mark.parametrize("arch", DSA_ARCHS)
 def test_sparse_attention_matches_transformers_with_a_control_per_knob(arch, checkpoints):
     """24 tokens, 4 kept a query: logits within fp32 1e-4 of transformers, the same experts chosen (R3's rows
     unchanged by the indexer). Each knob set wrong misses: another top-k, dense attention, the indexer's rotary
-    pairs the other way, its key norm, its per-head weights."""
+    pairs the other way, its key norm, its per-head weights; GLM-5's shared layer (no indexer of its own) attending
+    to every key instead of the ones the layer before chose."""
     path, hf = checkpoints[arch]
     model = load_model(path, dtype=torch.float32)
-    assert model.config.index_topk == 4 and all(i is not None for i in _indexers(model))
+    shared = SHARED[arch]
+    assert model.config.index_topk == 4 and model.config.index_shared_layers == shared
+    assert len(_indexers(model)) == model.config.num_layers - len(shared)
     ids = _ids()
     want = assert_matches_transformers(model, hf, ids)
 
@@ -67,6 +73,12 @@ def test_sparse_attention_matches_transformers_with_a_control_per_knob(arch, che
 
     assert moved(model, ids, want, lambda: [i.k_norm.bias.add_(0.5) for i in _indexers(model)]) > FP32_TOL
     assert moved(model, ids, want, lambda: [i.weights_proj.weight.mul_(-1) for i in _indexers(model)]) > FP32_TOL
+    for i in shared:
+        attention = model.layers[i].self_attn
+        attention.reuses_keys = False  # dense: the mask every key passes
+        with torch.no_grad():
+            assert (model(ids).logits - want).abs().max() > FP32_TOL
+        attention.reuses_keys = True
 
 
 @pytest.mark.parametrize("arch", DSA_ARCHS)
@@ -88,7 +100,8 @@ def test_the_engine_pages_the_indexer_keys_and_decodes_as_a_full_forward(arch, c
 
     cfg = EngineConfig(max_num_seqs=6, max_model_len=64, block_size=4, max_num_batched_tokens=8)
     engine = LLMEngine(checkpoints[arch][0], cfg, dtype=torch.float32)
-    assert all(engine.cache.index[i].shape[1] for i in engine.cache.attention)  # a pool per layer
+    pools = [i for i in engine.cache.attention if engine.cache.index[i].shape[1]]  # a pool per indexer layer
+    assert pools == [i for i in engine.cache.attention if i not in SHARED[arch]]
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, 100, (n,), generator=gen).tolist() for n in (3, 9, 14, 5)]
     requests = [Request(p, SamplingParams(temperature=0.8, max_tokens=12, n=2, seed=i)) for i, p in enumerate(prompts)]
@@ -108,7 +121,8 @@ def test_the_engine_pages_the_indexer_keys_and_decodes_as_a_full_forward(arch, c
 
 
 @pytest.mark.parametrize("mode", ["full", "lora", "mxfp8"])
-def test_a_sparse_attention_model_trains_in_every_mode_with_its_indexer_as_loaded(mode, checkpoints):
+@pytest.mark.parametrize("arch", DSA_ARCHS)
+def test_a_sparse_attention_model_trains_in_every_mode_with_its_indexer_as_loaded(arch, mode, checkpoints):
     """SFT steps on one batch lower the loss by 15% in each mode (LoRA on the latent attention's projections and the
     experts, MXFP8 on their GEMMs); the indexer's weights, which no loss reaches, stay bit for bit as loaded and
     carry no adapter."""
@@ -117,7 +131,7 @@ def test_a_sparse_attention_model_trains_in_every_mode_with_its_indexer_as_loade
     from moerl.trainer import Batch, OptimConfig, Policy, PolicyConfig
     from moerl.trainer.losses import sft_loss
 
-    path, _ = checkpoints["DeepseekV32ForCausalLM"]
+    path, _ = checkpoints[arch]
     dtype = "bfloat16" if mode == "mxfp8" else "float32"
     policy = Policy(path, PolicyConfig(mode=mode, dtype=dtype, optim=OptimConfig(lr=1e-2)))
     before = {n: p.detach().clone() for n, p in policy.model.named_parameters() if ".indexer." in n}

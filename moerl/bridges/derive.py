@@ -529,7 +529,7 @@ def _attention(c: HFConfig, f: dict, layout: Layout, variant: dict, types: list[
 
 def _indexer(c: HFConfig, layout: Layout, variant: dict, n: int) -> dict:
     """DeepSeek sparse attention's fields where the tensors hold an indexer: its heads, their size, the keys a
-    query keeps. An indexer that reuses an earlier layer's choice (GLM-5's ``shared`` layers) is refused by name."""
+    query keeps, and the layers that keep an earlier indexer layer's choice (GLM-5's ``shared`` ones)."""
     named = [k for k in INDEX if c.data.get(k) is not None]
     if not layout.indexer:
         if named:
@@ -539,13 +539,14 @@ def _indexer(c: HFConfig, layout: Layout, variant: dict, n: int) -> dict:
             )
         return {}
     kinds = c.opt("indexer_types", list) or ["full"] * n
-    if set(kinds) - {"full"}:
-        i = next(i for i, k in enumerate(kinds) if k != "full")
-        raise UnknownArchitectureError(
-            f"{c.source}: field 'indexer_types' holds {kinds[i]!r} (layer {i}): an indexer layer that reuses an "
-            "earlier layer's choice of keys is not computed by moerl's decoder (only 'full')"
+    if set(kinds) - {"full", "shared"} or len(kinds) != n or kinds[0] != "full":
+        bad = next((f"{k!r} (layer {i})" for i, k in enumerate(kinds) if k not in ("full", "shared")), None)
+        raise ConfigError(
+            f"{c.source}: field 'indexer_types' must list 'full' / 'shared' for each of the {n} layers, the first "
+            f"'full' (a shared layer keeps the keys an earlier one chose); got {bad or kinds!r}"
         )
     return dict(
+        index_shared_layers=[i for i, k in enumerate(kinds) if k == "shared"],
         index_topk=c.req("index_topk", int),
         index_n_heads=c.req("index_n_heads", int),
         index_head_dim=c.req("index_head_dim", int),

@@ -61,7 +61,7 @@ def tiny_config(hf: dict) -> dict:
         small.pop("hybrid_override_pattern")
     if isinstance(small.get("layers_block_type"), list):  # Nemotron-H: the list is the layer count
         n = len(small["layers_block_type"])
-    for key in ("layer_types", "mlp_layer_types", "layers_block_type"):
+    for key in ("layer_types", "mlp_layer_types", "layers_block_type", "indexer_types"):
         listed = small.get(key) if isinstance(small.get(key), list) else []
         keep = max([keep, *(listed.index(k) + 1 for k in set(listed))])  # a layer of every kind
         kinds += listed
@@ -69,7 +69,7 @@ def tiny_config(hf: dict) -> dict:
     offsets = [hf[k] + 1 for k in ("attn_layer_offset", "expert_layer_offset") if isinstance(hf.get(k), int)]
     keep = max([keep, *offsets])
     small["num_hidden_layers"] = min(n, max(keep, 2), max(4, keep if kinds or offsets else 4))
-    for key in ("layer_types", "mlp_layer_types", "layer_rope_theta", "layers_block_type"):
+    for key in ("layer_types", "mlp_layer_types", "layer_rope_theta", "layers_block_type", "indexer_types"):
         if isinstance(small.get(key), list):
             small[key] = small[key][: small["num_hidden_layers"]]
     if isinstance(hf.get("hybrid_override_pattern"), str) and not hf.get("layers_block_type"):

@@ -18,7 +18,8 @@ def kv_shape(cfg: ModelConfig) -> tuple[int, int, int]:
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     heads, dk, dv = kv_shape(cfg)
     attention = sum(keeps_keys(t) for t in cfg.layer_types)  # recurrent layers keep a state, not keys
-    return attention * block_size * (heads * (dk + dv) + cfg.index_head_dim) * dtype.itemsize
+    indexed = attention - len(cfg.index_shared_layers) if cfg.index_head_dim else 0  # indexer keys, where an indexer
+    return block_size * (attention * heads * (dk + dv) + indexed * cfg.index_head_dim) * dtype.itemsize
 
 
 class LinearStates:
@@ -106,7 +107,10 @@ class KVCache:
         self.states: LinearStates | None = None  # set by the engine for a model with recurrent layers
         # DeepSeek sparse attention: one indexer key a token per layer ([1, rows, d]: a single head), paged as k / v
         d = cfg.index_head_dim
-        self.index = [torch.zeros(1, r if d else 0, d, dtype=dtype, device=device) for r in rows]
+        shared = set(cfg.index_shared_layers)  # layers that keep an earlier layer's choice: no indexer keys
+        self.index = [
+            torch.zeros(1, r if d and i not in shared else 0, d, dtype=dtype, device=device) for i, r in enumerate(rows)
+        ]
         self._index_shapes = [t.shape for t in self.index]
         self.nbytes = sum(t.numel() * t.element_size() for t in self.k + self.v + self.index)
         self._k_shapes, self._v_shapes = [t.shape for t in self.k], [t.shape for t in self.v]

@@ -111,6 +111,9 @@ class ModelConfig:
     index_n_heads: int = 0
     index_head_dim: int = 0
     index_rope_interleave: bool = False  # the indexer's rotary pairs interleaved (GLM-5) or split in halves (V3.2)
+    # layers without an indexer of their own that keep the keys the last indexer layer before them chose (GLM-5's
+    # "shared" indexer layers)
+    index_shared_layers: list[int] = field(default_factory=list)
     # router
     scoring: str = "softmax"  # softmax | sigmoid | sparsemixer (PhiMoE, its deterministic eval form; top_k 2)
     sparsemixer_eps: float = 0.01  # sparsemixer: experts this far (relative) below the chosen one are masked
@@ -308,8 +311,14 @@ class ModelConfig:
         can build (its rotated dims within its head)."""
         if not self.index_topk:
             defaults = (("index_n_heads", 0), ("index_head_dim", 0), ("index_rope_interleave", False))
-            self._only_defaults("without an indexer (index_topk 0)", defaults)
+            self._only_defaults("without an indexer (index_topk 0)", defaults + (("index_shared_layers", []),))
             return
+        shared = self.index_shared_layers
+        if any(not 1 <= i < self.num_layers for i in shared) or len(set(shared)) != len(shared):
+            raise self._bad(
+                "index_shared_layers",
+                f"indices must lie in [1, {self.num_layers}), each once (a layer before each keeps the keys it chose)",
+            )
         if self.index_topk < 0:
             raise self._bad("index_topk", "must be >= 1 (or 0: dense attention)")
         if self.attention != "mla" or not self.q_lora_rank:

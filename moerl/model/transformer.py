@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moerl.errors import ReplayError
+from moerl.errors import ConfigError, ReplayError
 from moerl.model.config import ModelConfig
 from moerl.model.indexer import Indexer
 from moerl.model.linear import Linear
@@ -171,10 +171,14 @@ class MLAttention(nn.Module):
         self.scale = cfg.attn_scale or qk_dim**-0.5
         self.sliding = cfg.layer_types[layer] == "sliding"
         self.layer = layer
-        # DeepSeek sparse attention: each query attends to the keys its indexer chooses (moerl.model.indexer)
-        self.indexer = Indexer(cfg) if cfg.index_topk else None
+        # DeepSeek sparse attention: each query attends to the keys its indexer chooses (moerl.model.indexer), or,
+        # in GLM-5's shared layers, the keys the last indexer layer before it chose
+        self.reuses_keys = layer in cfg.index_shared_layers
+        self.indexer = Indexer(cfg) if cfg.index_topk and not self.reuses_keys else None
 
-    def forward(self, x, cos, sin, mask, cache: KVCacheView | None = None) -> torch.Tensor:
+    def forward(self, x, cos, sin, mask, cache: KVCacheView | None = None, chosen: list | None = None) -> torch.Tensor:
+        """``chosen``: a model with shared indexer layers passes one list through a forward's layers; an indexer
+        layer leaves its narrowed mask there for the shared layers after it."""
         b, t, _ = x.shape
         if hasattr(self, "q_proj"):
             q = q_low = self.q_proj(x)
@@ -202,6 +206,15 @@ class MLAttention(nn.Module):
             elif mask is None:
                 mask = build_mask(None, 1, t, None, x.device)
             mask = self.indexer.select(x, q_low, cos, sin, keys, mask)
+            if chosen is not None:
+                chosen[:] = [mask]
+        elif self.reuses_keys:
+            if not chosen:
+                raise ConfigError(
+                    f"layer {self.layer} keeps the keys an earlier indexer layer chose (index_shared_layers), and "
+                    "none ran before it in this forward: a pipeline stage must start at a layer with an indexer"
+                )
+            mask = chosen[0]
         return self.o_proj(attend(q.transpose(1, 2), k, v, mask, self.scale))
 
 
@@ -238,32 +251,37 @@ class DecoderLayer(nn.Module):
         # ``block`` compiled for training (moerl.trainer.compile); None: eager
         self.compiled: Callable | None = None
 
-    def mix(self, x, cos, sin, mask, cache=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def mix(self, x, cos, sin, mask, cache=None, chosen=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The attention half of the layer: (the residual stream after attention, the MLP's input; None in a layer
-        without an MLP)."""
+        without an MLP). ``chosen``: the keys indexer layers chose, in a model with shared indexer layers."""
         m = self.residual_multiplier
         if self.mask_kind is None:  # an MLP / MoE alone
             return x, self.input_layernorm(x)
+        more = {} if chosen is None else {"chosen": chosen}
         if self.post_norm:
-            a = self.post_attention_layernorm(self.self_attn(x, cos, sin, mask, cache))
+            a = self.post_attention_layernorm(self.self_attn(x, cos, sin, mask, cache, **more))
         else:
-            a = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+            a = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, **more)
         x = x + (a if m == 1.0 else m * a)  # no extra op per layer where there is no multiplier
         if not self.has_mlp:
             return x, None
         return x, (x if self.post_norm else self.post_attention_layernorm(x))
 
-    def forward(self, x, cos, sin, mask, replay=None, cache=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, x, cos, sin, mask, replay=None, cache=None, chosen=None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # a training forward whose input carries a gradient: LoRA's first layer (frozen embeddings below it) runs
         # eager rather than compiling a second graph for an input without one
         if self.compiled is not None and cache is None and self.training and x.requires_grad:
-            return self.compiled(x, cos, sin, mask, replay)
-        return self.block(x, cos, sin, mask, replay, cache)
+            return self.compiled(x, cos, sin, mask, replay, None, chosen)
+        return self.block(x, cos, sin, mask, replay, cache, chosen)
 
-    def block(self, x, cos, sin, mask, replay=None, cache=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def block(
+        self, x, cos, sin, mask, replay=None, cache=None, chosen=None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer: (its output, the MoE's chosen experts [N, k] or None)."""
         m = self.residual_multiplier
-        x, h = self.mix(x, cos, sin, mask, cache)
+        x, h = self.mix(x, cos, sin, mask, cache, chosen)
         idx = None
         if h is None:
             return x, idx
@@ -447,6 +465,7 @@ class MoEModel(nn.Module):
             None: None,  # a layer without a mixer
         }
         routed = []
+        chosen = [] if self.config.index_shared_layers else None  # the keys indexer layers chose (GLM-5's sharing)
         for layer in self.layers:
             if not isinstance(layer, DecoderLayer):  # another pipeline stage's layer
                 continue
@@ -458,6 +477,7 @@ class MoEModel(nn.Module):
                 masks[layer.mask_kind],
                 replay[:, col] if replay is not None and layer.is_moe else None,
                 cache,
+                chosen,
             )
             if idx is not None:
                 routed.append(idx)
