@@ -537,6 +537,45 @@ def test_stages_are_split_to_the_smallest_largest_stage(arch, preset, stages):
     assert [list(r) for r in split_layers(m, 2, [1, n - 1])] == [[0], list(range(1, n))]
 
 
+def test_no_stage_starts_at_a_layer_keeping_an_earlier_layers_keys():
+    """GLM-5's shared indexer layers keep the keys the indexer layer before them chose, within a forward: the
+    balanced split never starts a stage at one (oracle: every contiguous split that does not), a given split that
+    would is refused naming the layer, and more stages than layers a stage can start at are refused."""
+    import itertools
+
+    from moerl.errors import ConfigError
+    from moerl.model.config import ModelConfig
+    from moerl.model.transformer import MoEModel
+    from moerl.parallel.pipeline import split_layers
+
+    n, shared = 6, [1, 2, 4]
+    cfg = ModelConfig(
+        vocab_size=64, hidden_size=32, num_layers=n, num_heads=2, num_kv_heads=2, head_dim=0, intermediate_size=32,
+        num_experts=4, top_k=2, moe_intermediate_size=16, moe_layers=list(range(1, n)), attention="mla",
+        q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, index_topk=2,
+        index_n_heads=2, index_head_dim=8, index_shared_layers=shared,
+    )  # fmt: skip
+    with torch.device("meta"):
+        m = MoEModel(cfg)
+    cost = [sum(p.numel() for p in layer.parameters()) for layer in m.layers]
+    cost[0] += m.embed_tokens.weight.numel()
+    cost[-1] += m.norm.weight.numel() + m.lm_head.weight.numel()
+
+    def worst(bounds):
+        return max(sum(cost[a:b]) for a, b in zip(bounds, bounds[1:], strict=False))
+
+    starts = [j for j in range(1, n) if j not in shared]
+    for stages in (2, 3):
+        ranges = split_layers(m, stages)
+        assert not {r.start for r in ranges} & set(shared)
+        best = min(worst([0, *cuts, n]) for cuts in itertools.combinations(starts, stages - 1))
+        assert worst([0, *[r.stop for r in ranges]]) == best
+    with pytest.raises(ConfigError, match=r"parallel.stages=\[1, 5\]: a stage starts at layer 1, which keeps"):
+        split_layers(m, 2, [1, 5])
+    with pytest.raises(ConfigError, match="4 pipeline stages: the model has fewer layers a stage can start at"):
+        split_layers(m, 4)
+
+
 @pytest.fixture(scope="module")
 def dp2_checkpoint(model, tmp_path_factory):
     """A checkpoint saved at dp=2 after one full-mode step (each rank's FSDP shards in its own file), and the

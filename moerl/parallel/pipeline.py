@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from moerl.errors import ConfigError
 from moerl.model.transformer import MoEModel
 from moerl.parallel.plan import check_layout
 from moerl.parallel.world import World, broadcast_bytes, broadcast_json, local
@@ -49,10 +50,18 @@ def stages_per_rank(schedule: str) -> int:
 
 def split_layers(model: MoEModel, n_stages: int, given: list[int] | None = None) -> list[range]:
     """Contiguous layer ranges of ``n_stages`` stages: ``given`` layer counts, or the split whose largest stage has
-    the fewest parameters (the embedding counted on the first stage, the norm and head on the last)."""
+    the fewest parameters (the embedding counted on the first stage, the norm and head on the last). No stage starts
+    at a layer that keeps an earlier layer's choice of keys (``index_shared_layers``: the choice stays in a stage)."""
     n = len(model.layers)
+    shared = set(model.config.index_shared_layers)
     if given:  # checked by check_layout
         bounds = [0, *torch.tensor(given).cumsum(0).tolist()]
+        starts = [b for b in bounds[1:-1] if b in shared]
+        if starts:
+            raise ConfigError(
+                f"parallel.stages={list(given)}: a stage starts at layer {starts[0]}, which keeps the keys the "
+                "indexer layer before it chose (index_shared_layers); start each stage at a layer with an indexer"
+            )
         return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
     cost = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
     cost[0] += model.embed_tokens.weight.numel()
@@ -67,9 +76,16 @@ def split_layers(model: MoEModel, n_stages: int, given: list[int] | None = None)
     for s in range(1, n_stages + 1):
         for i in range(s, n + 1):
             for j in range(s - 1, i):
+                if j in shared:
+                    continue
                 worst = max(best[s - 1][j], prefix[i] - prefix[j])
                 if worst < best[s][i]:
                     best[s][i], cut[s][i] = worst, j
+    if best[n_stages][n] == math.inf:
+        raise ConfigError(
+            f"{n_stages} pipeline stages: the model has fewer layers a stage can start at (layers with an indexer, "
+            "not in index_shared_layers)"
+        )
     ends, i = [], n
     for s in range(n_stages, 0, -1):
         ends.append(i)
