@@ -97,6 +97,8 @@ REFUSED = [
     (MAMBA, dict(mamba_dt_rank=2), "mamba_dt_rank", "without a 'mamba1' layer"),
     (MAMBA1, dict(mamba_dt_rank=0), "mamba_dt_rank", "must be >= 1"),
     (GQA, dict(mixer_only_layers=[1]), "mixer_only_layers", "lists an MoE layer"),
+    (GQA, dict(zero_experts=-1), "zero_experts", "must be >= 0"),
+    (GQA, dict(zero_experts=2, top_k=7), "top_k", r"must lie in \[1, num_experts \+ zero_experts=6\]"),
     (INDEXED, dict(index_shared_layers=[0]), "index_shared_layers", r"must lie in \[1, 2\)"),
     (MLA | dict(q_lora_rank=8), dict(index_shared_layers=[1]), "index_shared_layers", "without an indexer"),
     (GQA, dict(mixer_only_layers=[2]), "mixer_only_layers", r"indices must lie in \[0, 2\)"),
@@ -143,6 +145,7 @@ ACCEPTED = [
     MAMBA | dict(layer_types=["mamba", "none"], mixer_only_layers=[0], activation="relu2", shared_expert_size=8),
     GQA | dict(num_layers=3, layer_types=["full", "none", "none"], moe_layers=[1], mixer_only_layers=[0]),
     GQA | dict(activation="relu2"),
+    GQA | dict(zero_experts=4, top_k=3, score_correction_bias=True),  # LongCat-Flash's zero-computation experts
     # both kinds in one model share the state / conv fields
     MAMBA | dict(num_layers=3, layer_types=["mamba", "mamba1", "full"], mamba_inner_size=8, mamba_dt_rank=2),
 ]
@@ -159,7 +162,7 @@ def test_the_bases_are_accepted_and_build_a_model_that_runs(fields):
         out = model(torch.randint(0, cfg.vocab_size, (2, 5)), capture=True)
     assert out.logits.shape == (2, 5, cfg.vocab_size) and out.logits.isfinite().all()
     assert out.routed.shape == (2, 5, len(cfg.moe_layers), cfg.top_k)
-    assert ((out.routed >= 0) & (out.routed < cfg.num_experts)).all()
+    assert ((out.routed >= 0) & (out.routed < cfg.num_experts + cfg.zero_experts)).all()  # zero experts: past E
 
 
 @pytest.mark.parametrize(("base", "over", "name", "why"), REFUSED, ids=[f"{r[2]}-{i}" for i, r in enumerate(REFUSED)])

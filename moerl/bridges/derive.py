@@ -95,6 +95,7 @@ READ = {
     "mamba_dt_rank", *PERIODS,
     # Nemotron-H: layers of one block each (their kinds), Mamba-2 and its un-gated relu2 MLPs under its names
     *NEMOTRON,
+    "zero_expert_num",  # zero-computation experts (ModelConfig.zero_experts)
 }  # fmt: skip
 INERT = {  # fields that do not change the forward pass (ids, bookkeeping, training-only losses)
     "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
@@ -118,7 +119,11 @@ INERT = {  # fields that do not change the forward pass (ids, bookkeeping, train
 }  # fmt: skip
 # config fields that say the family needs a feature moerl's decoder does not compute: the refusal names it
 FEATURES = {
-    "zero_expert_num": "zero-computation experts",
+    # LongCat-Flash: its zero-computation experts moerl computes (ModelConfig.zero_experts), its layers not
+    **dict.fromkeys(
+        ("ffn_hidden_size", "expert_ffn_hidden_size"),
+        "LongCat-Flash's layers of two attention and two MLP sublayers with a shortcut MoE",
+    ),
     **dict.fromkeys(("linear_num_heads", "linear_head_dim"), "linear-attention layers other than Gated DeltaNet (KDA)"),
     **dict.fromkeys(("block_size", "linear_attn_alpha_factor"), "lightning linear-attention layers"),
     **dict.fromkeys(("conv_L_cache", "conv_bias"), "short-convolution layers"),
@@ -181,7 +186,7 @@ NOT_NULL = {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_hea
 INDICES = {  # ints >= 0
     "first_k_dense_replace", "moe_layer_start_index", "moe_layer_end_index", "num_nextn_predict_layers",
     "num_dense_layers", *SYNONYMS["n_shared_experts"], *SYNONYMS["shared_size"], "attn_layer_offset",
-    "expert_layer_offset",
+    "expert_layer_offset", "zero_expert_num",
 }  # fmt: skip
 SWITCHES = {
     "tie_word_embeddings", "norm_topk_prob", "attention_bias", "use_sliding_window", "qkv_bias", "mlp_bias",
@@ -623,6 +628,7 @@ def _config(c: HFConfig, layout: Layout, variant: dict) -> ModelConfig:
         router_bias=layout.router_bias,
         shared_expert_size=shared,
         shared_expert_gate=layout.shared_gate,
+        zero_experts=c.opt("zero_expert_num", int, 0),
         embedding_multiplier=hidden**0.5 if c.opt("mup_enabled", bool) else c.opt(MUP[1], float, 1.0),
         residual_multiplier=c.opt("residual_multiplier", float, 1.0),
         logits_scaling=c.opt("logits_scaling", float, 1.0),

@@ -135,6 +135,9 @@ class ModelConfig:
     swiglu_limit: float = 7.0
     shared_expert_size: int = 0  # intermediate size of the shared expert MLP; 0 = none
     shared_expert_gate: bool = False  # sigmoid(Linear(H, 1)) on the shared expert output
+    # zero-computation experts (LongCat-Flash): router slots [num_experts, num_experts + zero_experts) whose expert
+    # returns its input; a token routed to one gets its gate weight times itself, and no GEMM runs for it
+    zero_experts: int = 0
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -188,13 +191,17 @@ class ModelConfig:
             raise self._bad("nope_layers", "lists a recurrent layer or one without a mixer (it has no RoPE to drop)")
         if any(not 0 <= i < self.num_layers for i in self.moe_layers):
             raise self._bad("moe_layers", f"indices must lie in [0, {self.num_layers})")
-        if self.moe_layers and not 1 <= self.top_k <= self.num_experts:
-            raise self._bad("top_k", f"must lie in [1, num_experts={self.num_experts}]")
+        if not self.zero_experts >= 0:
+            raise self._bad("zero_experts", "must be >= 0")
+        if self.moe_layers and not 1 <= self.top_k <= self.num_experts + self.zero_experts:
+            raise self._bad(
+                "top_k", f"must lie in [1, num_experts + zero_experts={self.num_experts + self.zero_experts}]"
+            )
         self._validate_sizes()  # before the divisions below
         if self.num_heads % self.num_kv_heads:
             raise self._bad("num_kv_heads", f"must divide num_heads={self.num_heads}")
-        if self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
-            raise self._bad("n_group", f"must divide num_experts and be >= topk_group={self.topk_group}")
+        if (self.num_experts + self.zero_experts) % self.n_group or not 1 <= self.topk_group <= self.n_group:
+            raise self._bad("n_group", f"must divide the router's experts and be >= topk_group={self.topk_group}")
         self._validate_unused()
 
     def _bad(self, name: str, why: str) -> ConfigError:

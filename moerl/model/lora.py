@@ -263,7 +263,7 @@ class LoraExperts(Experts):
         lora = self.lora
         if not lora.ctx.active:
             return super()._grouped(x, idx, weights)
-        route = Route(idx, weights, self.num_experts, x.dtype)
+        route = Route(idx, weights, self.num_experts, x.dtype, self.zero)
         groups = lora.groups(route.token, route.expert, route.by_expert)
         xs = x.index_select(0, route.token)
         h = self._gmm(xs, self.gate_up_proj.transpose(1, 2), route.by_expert)

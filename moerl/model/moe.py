@@ -22,15 +22,16 @@ class Router(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
+        self.num_experts, self.top_k = cfg.num_experts + cfg.zero_experts, cfg.top_k  # the zero experts' slots too
         self.scoring, self.topk_before_softmax = cfg.scoring, cfg.topk_before_softmax
         self.norm_topk_prob, self.scale = cfg.norm_topk_prob, cfg.routed_scaling_factor
         self.norm_min, self.sparsemixer_eps = cfg.norm_topk_min, cfg.sparsemixer_eps
         self.n_group, self.topk_group, self.group_score = cfg.n_group, cfg.topk_group, cfg.group_score
-        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, dtype=torch.float32))
-        self.bias = nn.Parameter(torch.zeros(cfg.num_experts, dtype=torch.float32)) if cfg.router_bias else None
+        e = self.num_experts
+        self.weight = nn.Parameter(torch.empty(e, cfg.hidden_size, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.zeros(e, dtype=torch.float32)) if cfg.router_bias else None
         if cfg.score_correction_bias:
-            self.e_score_correction_bias = nn.Buffer(torch.zeros(cfg.num_experts, dtype=torch.float32))
+            self.e_score_correction_bias = nn.Buffer(torch.zeros(e, dtype=torch.float32))
         else:
             self.e_score_correction_bias = None
 
@@ -138,10 +139,14 @@ class Route:
 
     __slots__ = ("token", "expert", "by_expert", "gate")
 
-    def __init__(self, idx: torch.Tensor, weights: torch.Tensor, n_experts: int, dtype: torch.dtype):
+    def __init__(self, idx: torch.Tensor, weights: torch.Tensor, n_experts: int, dtype: torch.dtype, zero=False):
+        """``zero``: the model has zero-computation experts (ids >= ``n_experts``), whose pairs sort last and are left
+        out: no GEMM runs for them (``MoE`` adds their share)."""
         k = idx.shape[1]
         flat = idx.reshape(-1)
         order = flat.argsort(stable=True)
+        if zero:  # how many pairs go to real experts: a host read (free on a CPU; zero experts are LongCat's alone)
+            order = order[: int((flat < n_experts).sum())]
         self.token, self.expert = order // k, flat[order]
         self.by_expert = Groups(self.expert, n_experts)
         self.gate = weights.reshape(-1)[order, None].to(dtype)
@@ -157,7 +162,8 @@ class Experts(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        self.num_experts = e
+        self.num_experts, self.zero_slots = e, cfg.zero_experts
+        self.zero = self.zero_slots > 0
         self.activation, self.alpha, self.limit = cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit
         rows = i if cfg.activation == "relu2" else 2 * i
         self.gate_up_proj = nn.Parameter(torch.empty(e, rows, h))
@@ -195,7 +201,7 @@ class Experts(nn.Module):
         return self._loop(x, idx, weights)
 
     def _grouped(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        route = Route(idx, weights, self.num_experts, x.dtype)
+        route = Route(idx, weights, self.num_experts, x.dtype, self.zero)
         xs = x.index_select(0, route.token)
         h = self._hidden(self._gmm(xs, self.gate_up_proj.transpose(1, 2), route.by_expert), route)
         return self._down_sum(x, self._gmm(h, self.down_proj.transpose(1, 2), route.by_expert), route)
@@ -220,7 +226,8 @@ class Experts(nn.Module):
         passes ``_operand`` (MXFP8: quantized along its reduction dim, as the grouped path's); a mode adds its deltas
         through ``_dense_gate_up_delta`` / ``_dense_down_delta`` (LoRA)."""
         n, e, q = x.shape[0], self.num_experts, self._operand
-        gate = x.new_zeros(n, e).scatter_(1, idx, weights.to(x.dtype))  # [N, E]
+        # the zero experts' slots scattered too, then cut away: their share is MoE's
+        gate = x.new_zeros(n, e + self.zero_slots).scatter_(1, idx, weights.to(x.dtype))[:, :e]  # [N, E]
         bias = self.gate_up_proj_bias.flatten() if self.gate_up_proj_bias is not None else None
         h = F.linear(q(x, -1), q(self.gate_up_proj, 2).flatten(0, 1), bias).view(n, e, -1)
         h = _activate(h + self._dense_gate_up_delta(x), self.activation, self.alpha, self.limit) * gate[:, :, None]
@@ -300,6 +307,9 @@ class MoE(nn.Module):
         """x [N, H] -> (output [N, H], chosen experts [N, k])."""
         weights, idx = self.router(x, replay)
         out = self.experts(x, idx, weights)
+        if self.experts.zero:  # zero-computation experts return their input: each adds its gate weight times x
+            share = weights.masked_fill(idx < self.experts.num_experts, 0.0).sum(-1, keepdim=True)
+            out = out + share.to(x.dtype) * x
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
             if self.shared_experts_gate is not None:

@@ -388,7 +388,8 @@ class MoEModel(nn.Module):
     def check_replay(self, replay: torch.Tensor, b: int, t: int) -> torch.Tensor:
         """``replay`` for a forward of [B=b, T=t] tokens, checked (shape, expert range: ReplayError naming them) and
         given its last row (-1) when it has T-1: int64 [b, t, L_moe, k]."""
-        n_moe, k, e = len(self.moe_layer_ids), self.config.top_k, self.config.num_experts
+        n_moe, k = len(self.moe_layer_ids), self.config.top_k
+        e = self.config.num_experts + self.config.zero_experts  # a zero-computation expert is replayed as any other
         if (
             replay.ndim != 4
             or replay.shape[0] != b

@@ -115,6 +115,11 @@ def shard_experts(model: nn.Module, world: World) -> dict[str, int]:
     {parameter name: expert dim} of the sliced tensors (plain tensors, not FSDP's: the caller leaves them out of the
     data-parallel units)."""
     check_layout(world.dp, world.ep, world.pp, model.config)
+    if model.config.zero_experts:
+        raise ConfigError(
+            f"parallel.ep={world.ep} with zero-computation experts (ModelConfig.zero_experts="
+            f"{model.config.zero_experts}): not built (their pairs stay on the token's rank); use parallel.ep=1"
+        )
     total = model.config.num_experts
     n = total // world.ep
     first = world.ep_rank * n
