@@ -285,3 +285,47 @@ def test_the_proof_perturbs_the_buffers_a_checkpoint_holds(monkeypatch):
     monkeypatch.setattr(derived, "derive", without_bias)
     with pytest.raises(UnknownArchitectureError, match=r"no variant matches transformers .*first difference: layer"):
         derived.prove(hf)
+
+
+HYBRID_BAD = [  # (config fields, the error's words): the 2026 hybrids' own fields, named when wrong
+    ({"attn_layer_period": 8, "attn_layer_offset": 8}, r"'attn_layer_offset' \(8\) must be below 'attn_layer_period'"),
+    ({"expert_layer_period": 2, "expert_layer_offset": 3}, r"'expert_layer_offset' \(3\) must be below"),
+    ({"mamba_dt_rank": 0}, r"'mamba_dt_rank' must be an int >= 1 or \"auto\", got 0"),
+    ({"mamba_dt_rank": "big"}, r"'mamba_dt_rank' must be an int >= 1 or \"auto\", got 'big'"),
+    ({"ssm_state_size": -1}, r"'ssm_state_size' must be an int >= 1"),
+    ({"use_conv_bias": "no"}, r"'use_conv_bias' must be true or false"),
+]
+
+
+@pytest.mark.parametrize(("fields", "words"), HYBRID_BAD, ids=[next(iter(f)) for f, _ in HYBRID_BAD])
+def test_a_hybrids_fields_of_the_wrong_type_or_range_are_named(fields, words):
+    from moerl.bridges.derive import check_known
+    from moerl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=words):
+        check_known({"architectures": ["JambaForCausalLM"], "hidden_size": 64, **fields})
+
+
+def test_layer_kind_lists_naming_what_no_layer_is_are_refused():
+    """Nemotron-H's layer kinds (a list or the older letters) and GLM-5's indexer kinds: an entry that is no kind, or
+    a first indexer layer that would keep an earlier one's keys, is a ConfigError naming the field and the entry."""
+    from moerl.bridges.base import HFConfig
+    from moerl.bridges.derive import _indexer, one_block_kinds, read_layout
+    from moerl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"'layers_block_type' holds 'ssm'; allowed: linear_attention"):
+        one_block_kinds(HFConfig({"layers_block_type": ["mamba", "ssm"]}, "config.json"))
+    with pytest.raises(ConfigError, match=r"'hybrid_override_pattern' holds 'Q'; allowed: M, \*, -, E"):
+        one_block_kinds(HFConfig({"hybrid_override_pattern": "M-Q"}, "config.json"))
+    assert one_block_kinds(HFConfig({"hybrid_override_pattern": "M*-E"}, "c")) == ["mamba", "attention", "mlp", "moe"]
+    layout = read_layout(
+        {
+            "model.layers.0.mlp.gate.weight": (8, 64),
+            "model.layers.0.self_attn.kv_a_proj_with_mqa.weight": (40, 64),
+            "model.layers.0.self_attn.indexer.wk.weight": (16, 64),
+        }
+    )
+    fields = {"index_topk": 4, "index_n_heads": 2, "index_head_dim": 16}
+    for kinds in (["shared", "full"], ["full", "half"], ["full"]):
+        with pytest.raises(ConfigError, match="'indexer_types' must list 'full' / 'shared' for each of the 2 layers"):
+            _indexer(HFConfig(fields | {"indexer_types": kinds}, "config.json"), layout, {}, 2)

@@ -158,3 +158,17 @@ def test_vllm_engines_refuse_sparse_attention_families_by_name(checkpoints):
     for arch in DSA_ARCHS:
         with pytest.raises(ConfigError, match=rf"rollout.engine=vllm with {arch}: moerl has no fp32-router vLLM"):
             make_engine("vllm", checkpoints[arch][0], EngineConfig())
+
+
+def test_a_shared_indexer_layer_without_an_earlier_choice_is_refused_by_name(checkpoints):
+    """A forward that reaches GLM-5's shared layer with no indexer layer run before it (a pipeline stage starting
+    there, which the stage split already refuses) stops naming the layer instead of attending to every key."""
+    from moerl.errors import ConfigError
+
+    model = load_model(checkpoints["GlmMoeDsaForCausalLM"][0], dtype=torch.float32)
+    first = model.layers[0]
+    model.layers[0] = torch.nn.Identity()  # another stage's layer: skipped by the forward
+    x = torch.randn(1, 6, model.config.hidden_size)
+    with pytest.raises(ConfigError, match="layer 1 keeps the keys an earlier indexer layer chose"), torch.no_grad():
+        model(torch.zeros(1, 6, dtype=torch.long), hidden=x)
+    model.layers[0] = first

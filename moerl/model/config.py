@@ -195,7 +195,10 @@ class ModelConfig:
             raise self._bad("zero_experts", "must be >= 0")
         if self.moe_layers and not 1 <= self.top_k <= self.num_experts + self.zero_experts:
             raise self._bad(
-                "top_k", f"must lie in [1, num_experts + zero_experts={self.num_experts + self.zero_experts}]"
+                "top_k",
+                f"must lie in [1, num_experts + zero_experts={self.num_experts + self.zero_experts}]"
+                if self.zero_experts
+                else f"must lie in [1, num_experts={self.num_experts}]",
             )
         self._validate_sizes()  # before the divisions below
         if self.num_heads % self.num_kv_heads:
