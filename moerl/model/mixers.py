@@ -1,6 +1,7 @@
 """The token mixers a decoder layer holds in its ``self_attn`` slot, by ``ModelConfig.layer_types`` kind.
 
-Attention kinds (``full``, ``sliding``) keep paged keys in the engine; recurrent kinds keep, per sequence, a conv
+Attention kinds (``full``, ``sliding``: ``moerl.model.attention``, grouped-query or latent as ``ModelConfig.attention``
+says) keep paged keys in the engine; recurrent kinds keep, per sequence, a conv
 window and a state in a slot (``moerl.engine.kv_cache.LinearStates``). A recurrent mixer is a module called as
 ``mixer(x, cos, sin, mask, cache)`` (``mask``: the forward's ``attention_mask``, its packed sequences; ``cache``: the
 engine's step view) with a ``state_shapes(cfg)`` giving its slot's (conv window, state) shapes. Adding one is its
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from moerl.model.attention import Attention, MLAttention
 from moerl.model.config import RECURRENT_KINDS, ModelConfig
 from moerl.model.linear_attention import GatedDeltaNet
 from moerl.model.mamba import Mamba2
@@ -39,8 +41,13 @@ def recurrent_layers(cfg: ModelConfig) -> list[int]:
     return [i for i, kind in enumerate(cfg.layer_types) if kind in RECURRENT]
 
 
-def build_recurrent(cfg: ModelConfig, layer: int) -> nn.Module:
-    return RECURRENT[cfg.layer_types[layer]](cfg, layer)
+def build_mixer(cfg: ModelConfig, layer: int) -> nn.Module:
+    """Layer ``layer``'s token mixer, by its ``layer_types`` kind: attention (``full`` / ``sliding``: latent attention
+    where ``cfg.attention`` says ``mla``) or a recurrent mixer."""
+    kind = cfg.layer_types[layer]
+    if kind in RECURRENT:
+        return RECURRENT[kind](cfg, layer)
+    return (MLAttention if cfg.attention == "mla" else Attention)(cfg, layer)
 
 
 def state_shapes(cfg: ModelConfig, layer: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -1,4 +1,5 @@
-"""The generic MoE decoder: attention (GQA / MLA, qk-norm, sliding window, sinks), dense MLP and MoE layers.
+"""The generic MoE decoder: layers of a token mixer (``moerl.model.mixers``: attention, Gated DeltaNet, Mamba) and a
+dense MLP or MoE, each in a residual branch.
 
 Plain PyTorch, no parallelism inside: plans in ``moerl.parallel`` wrap it from outside.
 """
@@ -7,215 +8,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moerl.errors import ConfigError, ReplayError
+from moerl.errors import ReplayError
+from moerl.model.attention import KVCacheView, build_mask
 from moerl.model.config import ModelConfig
-from moerl.model.indexer import Indexer
-from moerl.model.linear import Linear
-from moerl.model.mixers import build_recurrent, is_recurrent
+from moerl.model.mixers import build_mixer, is_recurrent
 from moerl.model.moe import MLP, MoE, mlp_activation
-from moerl.model.rope import apply_rope, inv_freq_and_scale, rope_cos_sin
-
-
-class KVCacheView(Protocol):
-    """What attention needs from a KV cache for one forward (the rollout engine implements it)."""
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this step's k/v [B, C, Hkv, d]; return every visible key/value, head-major [B, Hkv, S, d]."""
-        ...
-
-    def mask(self, sliding: bool) -> torch.Tensor:
-        """Boolean [B, 1, C, S]: which cached keys each new query may attend to."""
-        ...
-
-    def update_index(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
-        """Store this step's indexer keys [B, C, d] (DeepSeek sparse attention); return every visible one [B, S, d]."""
-        ...
-
-
-def layer_norm(cfg: ModelConfig, dim: int) -> nn.Module:
-    """The norm of the decoder layers and the final norm: RMSNorm, or LayerNorm with a bias (``cfg.norm``)."""
-    return RMSNorm(dim, cfg.rms_norm_eps) if cfg.norm == "rms" else nn.LayerNorm(dim, eps=cfg.rms_norm_eps)
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm (fused kernel: statistics in fp32, one rounding to the input dtype after the weight)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-
-
-def attend(q, k, v, mask: torch.Tensor | None, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, Hq, T, d], k [B, Hkv, S, d], v [B, Hkv, S, dv], mask bool [B, 1, T, S] -> [B, T, Hq * dv].
-
-    ``mask`` None means plain causal (T == S). ``sinks`` [Hq]: a learned logit per head that joins the softmax
-    and is then dropped (GPT-OSS). Long queries use SDPA; short ones (decode) and sinks use explicit matmuls with
-    fp32 scores, which on CPU is several times faster than bf16 SDPA for one query row.
-    """
-    b, hq, t, _ = q.shape
-    if sinks is None and (mask is None or t > 8):
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
-        )
-        return out.transpose(1, 2).flatten(2)
-    if mask is None:
-        mask = build_mask(None, 1, t, None, q.device)
-    # head-first batches [Hkv, B, ...]: keys from the engine's head-major cache are contiguous that way
-    hkv, s, dv = k.shape[1], k.shape[2], v.shape[3]
-    g = hq // hkv
-    qh = q.reshape(b, hkv, g * t, -1).transpose(0, 1)
-    scores = (qh @ k.transpose(0, 1).transpose(-1, -2)).float().view(hkv, b, g, t, s) * scale
-    scores = scores.masked_fill(~mask.view(1, mask.shape[0], 1, t, s), float("-inf"))
-    if sinks is not None:
-        sink = sinks.float().view(hkv, 1, g, 1, 1).expand(hkv, b, g, t, 1)
-        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
-    else:
-        probs = scores.softmax(-1)
-    out = probs.to(v.dtype).view(hkv, b, g * t, s) @ v.transpose(0, 1)  # [Hkv, B, g*T, dv]
-    return out.view(hkv, b, g, t, dv).permute(1, 3, 0, 2, 4).reshape(b, t, hq * dv)
-
-
-class Attention(nn.Module):
-    """Grouped-query attention with RoPE and the per-architecture options of ModelConfig."""
-
-    def __init__(self, cfg: ModelConfig, layer: int):
-        super().__init__()
-        h, nh, nkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, d
-        self.rope_dim = 0 if layer in cfg.nope_layers else (cfg.rope_dim or d)  # 0: a layer without RoPE
-        self.output_gate = cfg.attn_output_gate  # q_proj yields [q | gate] per head
-        self.q_proj = Linear(h, nh * d * (2 if self.output_gate else 1), bias=cfg.qkv_bias)
-        self.k_proj = Linear(h, nkv * d, bias=cfg.qkv_bias)
-        self.v_proj = Linear(h, nkv * d, bias=cfg.qkv_bias)
-        self.o_proj = Linear(nh * d, h, bias=cfg.o_bias)
-        self.qk_norm, self.qk_norm_after_rope = cfg.qk_norm, cfg.qk_norm_after_rope
-        self.interleave = cfg.rope_interleave
-        if cfg.qk_norm != "none":
-            full = cfg.qk_norm == "full"
-            self.q_norm = RMSNorm(nh * d if full else d, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(nkv * d if full else d, cfg.rms_norm_eps)
-        self.clip_qkv = cfg.clip_qkv
-        self.sinks = nn.Parameter(torch.zeros(nh)) if cfg.attention_sinks else None
-        self.scale = cfg.attn_scale or d**-0.5
-        self.sliding = cfg.layer_types[layer] == "sliding"
-        self.layer = layer
-
-    def forward(self, x, cos, sin, mask, cache: KVCacheView | None = None) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        gate = None
-        if self.output_gate:
-            q, gate = q.view(b, t, self.num_heads, 2, self.head_dim).unbind(3)
-            q, gate = q.reshape(b, t, -1), gate.reshape(b, t, -1)
-        if self.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.clip_qkv is not None:
-            q, k, v = (z.clamp(-self.clip_qkv, self.clip_qkv) for z in (q, k, v))
-        q = q.view(b, t, self.num_heads, self.head_dim)
-        k = k.view(b, t, self.num_kv_heads, self.head_dim)
-        v = v.view(b, t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm == "head" and not self.qk_norm_after_rope:
-            q, k = self.q_norm(q), self.k_norm(k)
-        r = self.rope_dim
-        qk = torch.cat([q, k], dim=2)  # rotate q and k heads in one pass
-        # interleaved pairs come out in rotate-half order: q and k alike, so q . k is unchanged
-        if r == self.head_dim:
-            qk = apply_rope(qk, cos, sin, self.interleave)
-        elif r:  # partial rotary: only the first r dims of each head rotate
-            qk = torch.cat([apply_rope(qk[..., :r], cos, sin, self.interleave), qk[..., r:]], dim=-1)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=2)
-        if self.qk_norm_after_rope:  # HunYuan-MoE-V1 (refused with interleaved pairs: they come out reordered)
-            q, k = self.q_norm(q), self.k_norm(k)
-        if cache is not None:
-            k, v = cache.update(self.layer, k, v)
-            mask = cache.mask(self.sliding)
-        else:
-            k, v = k.transpose(1, 2), v.transpose(1, 2)
-        out = attend(q.transpose(1, 2), k, v, mask, self.scale, self.sinks)
-        return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
-
-
-MLA_NORM_EPS = 1e-6  # the latent norms' epsilon: fixed in DeepSeek's reference code, whatever rms_norm_eps says
-
-
-class MLAttention(nn.Module):
-    """Multi-head latent attention (DeepSeek-V3): low-rank q and a shared compressed kv latent."""
-
-    def __init__(self, cfg: ModelConfig, layer: int):
-        super().__init__()
-        h, nh = cfg.hidden_size, cfg.num_heads
-        self.num_heads, self.kv_lora_rank = nh, cfg.kv_lora_rank
-        self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-        qk_dim = self.nope + self.rope_dim
-        if cfg.q_lora_rank:
-            self.q_a_proj = Linear(h, cfg.q_lora_rank, bias=cfg.qkv_bias)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, MLA_NORM_EPS)
-            self.q_b_proj = Linear(cfg.q_lora_rank, nh * qk_dim, bias=False)
-        else:
-            self.q_proj = Linear(h, nh * qk_dim, bias=False)
-        self.kv_a_proj_with_mqa = Linear(h, cfg.kv_lora_rank + self.rope_dim, bias=cfg.qkv_bias)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, MLA_NORM_EPS)
-        self.kv_b_proj = Linear(cfg.kv_lora_rank, nh * (self.nope + self.v_dim), bias=False)
-        self.o_proj = Linear(nh * self.v_dim, h, bias=cfg.o_bias)
-        self.interleave = cfg.rope_interleave
-        self.scale = cfg.attn_scale or qk_dim**-0.5
-        self.sliding = cfg.layer_types[layer] == "sliding"
-        self.layer = layer
-        # DeepSeek sparse attention: each query attends to the keys its indexer chooses (moerl.model.indexer), or,
-        # in GLM-5's shared layers, the keys the last indexer layer before it chose
-        self.reuses_keys = layer in cfg.index_shared_layers
-        self.indexer = Indexer(cfg) if cfg.index_topk and not self.reuses_keys else None
-
-    def forward(self, x, cos, sin, mask, cache: KVCacheView | None = None, chosen: list | None = None) -> torch.Tensor:
-        """``chosen``: a model with shared indexer layers passes one list through a forward's layers; an indexer
-        layer leaves its narrowed mask there for the shared layers after it."""
-        b, t, _ = x.shape
-        if hasattr(self, "q_proj"):
-            q = q_low = self.q_proj(x)
-        else:
-            q_low = self.q_a_layernorm(self.q_a_proj(x))
-            q = self.q_b_proj(q_low)
-        q = q.view(b, t, self.num_heads, self.nope + self.rope_dim)
-        q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, t, self.num_heads, self.nope + self.v_dim)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        q_rope = apply_rope(q_rope, cos, sin, self.interleave)
-        k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, self.interleave).expand(-1, -1, self.num_heads, -1)
-        q = torch.cat([q_nope, q_rope], dim=-1)
-        k = torch.cat([k_nope, k_rope], dim=-1)
-        if cache is not None:  # the cache holds per-head k/v expanded from the latent
-            k, v = cache.update(self.layer, k, v)
-            mask = cache.mask(self.sliding)
-        else:
-            k, v = k.transpose(1, 2), v.transpose(1, 2)
-        if self.indexer is not None:
-            keys = self.indexer.keys(x, cos, sin)
-            if cache is not None:
-                keys = cache.update_index(self.layer, keys)
-            elif mask is None:
-                mask = build_mask(None, 1, t, None, x.device)
-            mask = self.indexer.select(x, q_low, cos, sin, keys, mask)
-            if chosen is not None:
-                chosen[:] = [mask]
-        elif self.reuses_keys:
-            if not chosen:
-                raise ConfigError(
-                    f"layer {self.layer} keeps the keys an earlier indexer layer chose (index_shared_layers), and "
-                    "none ran before it in this forward: a pipeline stage must start at a layer with an indexer"
-                )
-            mask = chosen[0]
-        return self.o_proj(attend(q.transpose(1, 2), k, v, mask, self.scale))
+from moerl.model.norms import layer_norm
+from moerl.model.rope import inv_freq_and_scale, rope_cos_sin
 
 
 class DecoderLayer(nn.Module):
@@ -233,10 +37,8 @@ class DecoderLayer(nn.Module):
         self.has_mlp = layer not in cfg.mixer_only_layers
         if not self.post_norm:
             self.input_layernorm = layer_norm(cfg, cfg.hidden_size)
-        if is_recurrent(kind):  # Gated DeltaNet, Mamba-1 and -2 (moerl.model.mixers)
-            self.self_attn = build_recurrent(cfg, layer)
-        elif kind != "none":
-            self.self_attn = (MLAttention if cfg.attention == "mla" else Attention)(cfg, layer)
+        if kind != "none":  # attention, Gated DeltaNet, Mamba-1 and -2 (moerl.model.mixers)
+            self.self_attn = build_mixer(cfg, layer)
         if self.has_mlp and self.mask_kind is not None:
             self.post_attention_layernorm = layer_norm(cfg, cfg.hidden_size)
         if self.post_norm:
@@ -300,25 +102,6 @@ class ModelOutput:
     logits: torch.Tensor | None  # [B, T, V] in the model dtype (None from a pipeline stage before the last)
     routed: torch.Tensor | None = None  # [B, T, L_moe, k] int64 chosen experts, when capture or replay
     hidden: torch.Tensor | None = None  # [B, T, H] a pipeline stage's output to the next
-
-
-def build_mask(attention_mask: torch.Tensor | None, b: int, t: int, window: int | None, device) -> torch.Tensor:
-    """Boolean [B, 1, T, T]: causal, padded keys hidden, optional sliding window (i - j < window).
-
-    ``attention_mask`` [B, T]: 0 = padding, else the token's sequence within a packed row (1, 2, ...): a token
-    sees only keys of its own sequence (0/1 masks: every real key). Every query sees itself, so fully padded rows
-    stay finite instead of becoming NaN.
-    """
-    i = torch.arange(t, device=device)
-    mask = i[None, :] <= i[:, None]
-    if window:
-        mask = mask & (i[:, None] - i[None, :] < window)
-    mask = mask.expand(b, 1, t, t)
-    if attention_mask is not None:
-        seg = attention_mask[:, None]
-        query, key = seg[..., :, None], seg[..., None, :]
-        mask = mask & (key != 0) & ((query == key) | (query == 0))
-    return mask | torch.eye(t, dtype=torch.bool, device=device)
 
 
 class MoEModel(nn.Module):
