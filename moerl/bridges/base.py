@@ -49,6 +49,12 @@ def _compile(template: str) -> re.Pattern:
     return re.compile(pattern + "$")
 
 
+def model_name(name: str) -> str:
+    """A checkpoint tensor's name as transformers' model names it: Nemotron-H's checkpoints keep the decoder under
+    ``backbone.``, its model under ``model.``."""
+    return re.sub(r"^backbone\.", "model.", name)
+
+
 def match(template_re: re.Pattern, name: str) -> dict | None:
     m = template_re.match(name)
     return m.groupdict() if m else None

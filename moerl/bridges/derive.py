@@ -33,6 +33,7 @@ from moerl.bridges.base import (
     linear_attention_fields,
     mamba_fields,
     minus_one,
+    model_name,
     mtp_layer,
     partial_rope_dim,
     plus_one,
@@ -315,7 +316,7 @@ MAMBA_KINDS = (("mamba1", ".mamba.x_proj."), ("mamba", ".mamba.in_proj."), ("mam
 def read_layout(shapes: dict[str, tuple[int, ...]]) -> Layout:
     """The layout the tensor names ``shapes`` (name -> shape) show (names no rule then places are refused by the
     loader, by name). Nemotron-H's checkpoints keep the decoder under ``backbone.``: read as ``model.``."""
-    shapes = {re.sub(r"^backbone\.", "model.", n): s for n, s in shapes.items()}
+    shapes = {model_name(n): s for n, s in shapes.items()}
     patterns = {_pattern(n) for n in shapes}
     router_re = (
         r"model\.layers\.(\d+|\{i\})\.(mlp|block_sparse_moe|feed_forward|mixer)\."

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from moerl.bridges.base import Bridge, _compile, match
+from moerl.bridges.base import Bridge, _compile, match, model_name
 from moerl.bridges.checkpoint import moerl_rules, resolve
 from moerl.bridges.find import get_bridge
 from moerl.errors import CheckpointError
@@ -334,8 +334,7 @@ def _write_linear(model, bridge: Bridge, path: str, lora, slot: int) -> tuple[st
         )
     weight = model.get_parameter(f"{path}.weight")
     hf_name = next(iter(to_hf(bridge, f"{path}.weight", weight, model.config)))[0].removesuffix(".weight")
-    # the module's path in transformers' model: Nemotron-H's checkpoints name its ``model`` ``backbone``
-    hf_name = re.sub(r"^backbone\.", "model.", hf_name)
+    hf_name = model_name(hf_name)  # the module's path in transformers' model
     for f in bridge.fused:
         if any(p.match(f"{hf_name}.weight") for p in f._parts_re):
             raise CheckpointError(

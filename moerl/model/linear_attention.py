@@ -150,8 +150,6 @@ class RecurrentMixer(nn.Module):
     from its state slot (``_step``); a training / prefill forward runs each sequence of the packed rows whole
     (``_whole``), its state and conv starting fresh."""
 
-    sliding = False
-
     def forward(self, x, cos=None, sin=None, mask=None, cache=None) -> torch.Tensor:
         """x [B, T, H]; ``mask`` the forward's ``attention_mask`` (None: every row one whole sequence); ``cache``
         the engine's step (its rows continue their sequences from their state slots)."""

@@ -163,7 +163,6 @@ class Experts(nn.Module):
         super().__init__()
         e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         self.num_experts, self.zero_slots = e, cfg.zero_experts
-        self.zero = self.zero_slots > 0
         self.activation, self.alpha, self.limit = cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit
         rows = i if cfg.activation == "relu2" else 2 * i
         self.gate_up_proj = nn.Parameter(torch.empty(e, rows, h))
@@ -172,6 +171,11 @@ class Experts(nn.Module):
         self.down_proj_bias = nn.Parameter(torch.zeros(e, h)) if cfg.expert_bias else None
         self.grouped = True  # False: the per-expert loop, kept as the reference
         self.dense_in_graph = False  # inside a compiled graph: every expert on every token (see _dense)
+
+    @property
+    def zero(self) -> bool:
+        """Whether the router also chooses zero-computation experts (slots past ``num_experts``)."""
+        return self.zero_slots > 0
 
     @torch.no_grad()
     def k_major(self) -> None:
