@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 from moerl.console import exported_line, resume_command, say
-from moerl.engine.compiled import COMPILE_SECONDS as DECODE_COMPILE_SECONDS
-from moerl.engine.compiled import STEP
+from moerl.engine.compiled import STEP, decode_price
 from moerl.engine.compiled import pays as pays_decode
 from moerl.errors import Preempted
 from moerl.metrics import plot_run, read_metrics
@@ -99,11 +98,12 @@ class AutoTune:
         return said
 
     def _decode(self, steps_left: int, decode_seconds: float) -> str | None:
-        if not (pays_decode(steps_left, decode_seconds) and self.engine.compile_decode()):
+        cost, priced = decode_price(self.engine.decode_compile_seconds())
+        if not (pays_decode(steps_left, decode_seconds, cost) and self.engine.compile_decode()):
             return None
         return (
             f"moerl: compiling {STEP} (rollout.compile_decode: auto; {steps_left} steps left at "
-            f"{decode_seconds:.2f} s of decoding each repay the ~{DECODE_COMPILE_SECONDS:.0f} s it takes)"
+            f"{decode_seconds:.2f} s of decoding each repay {priced})"
         )
 
 

@@ -44,6 +44,15 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _compile_ledger(tmp_path, monkeypatch):
+    """Each test prices compilations from an empty ledger of its own (moerl.dynamo): what an earlier test or run
+    compiled on this machine does not change what ``auto`` decides here."""
+    import moerl.dynamo
+
+    monkeypatch.setattr(moerl.dynamo, "ledger_path", lambda: tmp_path / moerl.dynamo.LEDGER)
+
+
 @pytest.fixture(scope="session")
 def hf_checkpoints(tmp_path_factory):
     """arch -> (checkpoint dir, transformers model): one saved tiny random model per architecture."""

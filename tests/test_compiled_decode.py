@@ -3,11 +3,13 @@
 updates reach the compiled graph (negative control: the generation under the old weights fails the comparison).
 The dense expert path the graph takes is checked eagerly against the grouped one."""
 
+import json
 import re
 
 import pytest
 import torch
 
+from moerl import dynamo
 from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
 from moerl.engine import compiled as compiled_decode
 from moerl.errors import ConfigError
@@ -289,6 +291,17 @@ def test_the_loop_compiles_the_decode_step_when_auto_finds_it_pays(warm_model, t
     assert len(re.findall(r"moerl: compiled the engine's decode step: the first call took \d+\.\d s", said)) == 1
     rows = [r for r in metric_rows(tmp_path / "run") if "loss" in r]
     assert len(rows) == 5 and all(r["mismatch_k3_r3"] < 1e-6 for r in rows)  # fp32: compiled within 1e-5 of eager
+
+    # the first call's seconds are remembered (one graph); a run priced at them (0 s here, where 30 s kept the first
+    # run eager) compiles, and says how it priced it
+    took = float(re.search(r"the first call took (\d+\.\d) s", said).group(1))
+    ((key, seconds),) = json.loads(dynamo.ledger_path().read_text()).items()
+    assert abs(seconds - took) <= 0.06
+    dynamo._remember(key, 0.0)
+    monkeypatch.setattr(compiled_decode, "COMPILE_SECONDS", 30.0)
+    train(run_cfg(tmp_path / "again", warm_model, "full", steps=4, **{"rollout.max_tokens": 6}))
+    said = capfd.readouterr().err
+    assert "each repay the 0.0 s it took when it last compiled here)" in said, said
 
 
 def test_the_pools_the_compiled_step_writes_reach_the_graph_static():

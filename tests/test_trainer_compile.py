@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from moerl.bridges import load_model
+from moerl.dynamo import _remember, remembered_seconds
 from moerl.errors import ConfigError
 from moerl.model import grouped
 from moerl.model.grouped import group_mm_wgrad
@@ -127,9 +128,12 @@ def test_a_compiled_policy_trains_as_the_eager_one(tiny):
     torch.manual_seed(0)
     fast = Policy(tiny, PolicyConfig(**cfg, compile=True))
     assert fast.compiled and not eager.compiled
+    assert remembered_seconds(fast.graph_key) is None
     for k, lengths in enumerate([[9, 17, 5, 12], [20, 3, 14, 8, 11], [6, 19, 10]]):
         batch = _rows(lengths, seed=k)
         a, b = eager.train_step(batch, sft_loss), fast.train_step(batch, sft_loss)
+        if k == 0:  # the first compiled step's seconds are remembered for the next run's auto (the ledger)
+            assert remembered_seconds(fast.graph_key) > 0 and fast.graph_key == eager.graph_key
         assert abs(a["loss"] - b["loss"]) <= TOL * max(1.0, abs(a["loss"]))
         assert abs(a["grad_norm"] - b["grad_norm"]) <= TOL * max(1.0, a["grad_norm"])
     # Adam divides by the gradients' own scale: where a gradient is ~0, rounding moves that element's update, so
@@ -144,7 +148,12 @@ def test_auto_compiles_only_when_the_steps_left_repay_it(tiny):
     policy = Policy(tiny, PolicyConfig(mode="lora", dtype="float32"))  # auto: eager until the loop asks
     assert not policy.compiled and all(layer.compiled is None for layer in policy.model.layers)
     assert not policy.compile_if_it_pays(10, 0.1)
-    assert policy.compile_if_it_pays(10_000, 0.1) and policy.compiled
+    assert not policy.compile_if_it_pays(10, 1.0)  # 10 x 0.15 x 1 s = 1.5 s < the ~30 s of a first compilation
+    assert policy.compile_price() == (COMPILE_SECONDS, f"the ~{COMPILE_SECONDS:.0f} s a first compilation takes")
+    _remember(policy.graph_key, 1.2)  # these blocks compiled here before, in 1.2 s (inductor's cache kept them)
+    assert policy.compile_price() == (1.2, "the 1.2 s it took when it last compiled here")
+    assert not policy.compile_if_it_pays(10, 0.5) and not policy.compiled  # 0.75 s < 1.2 s
+    assert policy.compile_if_it_pays(10, 1.0) and policy.compiled  # 1.5 s >= 1.2 s
     off = Policy(tiny, PolicyConfig(mode="lora", dtype="float32", compile=False))
     assert not off.compile_if_it_pays(10_000, 10.0) and not off.compiled
     mx = Policy(tiny, PolicyConfig(mode="mxfp8", dtype="float32"))  # mxfp8 trains eager (see the refusal)

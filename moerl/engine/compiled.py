@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from moerl.dynamo import first_compile, unducked
+from moerl.dynamo import first_compile, graph_key, price, unducked
 from moerl.engine.kv_cache import KVCache, StepView
 from moerl.model.grouped import device_kernel
 from moerl.model.mx import refresh_kept
@@ -56,10 +56,21 @@ def bucket(n: int) -> int:
     return -(-n // 64) * 64
 
 
-def pays(steps_left: int, decode_seconds_per_step: float) -> bool:
+def pays(steps_left: int, decode_seconds_per_step: float, cost: float = COMPILE_SECONDS) -> bool:
     """Whether compiling the decode step now saves more over ``steps_left`` steps, each spending
-    ``decode_seconds_per_step`` in decode forwards, than the compilation costs."""
-    return steps_left * GAIN * decode_seconds_per_step >= COMPILE_SECONDS
+    ``decode_seconds_per_step`` in decode forwards, than the compilation's ``cost`` (seconds)."""
+    return steps_left * GAIN * decode_seconds_per_step >= cost
+
+
+def decode_price(remembered: float | None) -> tuple[float, str]:
+    """(seconds, how known) compiling the decode step costs: ``remembered`` (an engine's ``compile_seconds``) where
+    known, else ``COMPILE_SECONDS``."""
+    return price(remembered, COMPILE_SECONDS)
+
+
+def decode_graph_key(model: MoEModel, capture: bool) -> str:
+    """The decode step's graph identity across runs (``moerl.dynamo.graph_key``)."""
+    return graph_key(STEP, model, capture)
 
 
 def dense_experts_pay(model: MoEModel) -> bool:
@@ -90,6 +101,7 @@ class CompiledDecode:
         cuda = device.type == "cuda"
         self._graph = unducked(torch.compile(self._forward, dynamic=True, mode="reduce-overhead" if cuda else None))
         self.first, self.setting = True, setting  # the first step compiles the graph (said on the console)
+        self.key = decode_graph_key(model, capture)  # what the first step takes is remembered under it
 
     def _forward(self, ids, positions, view: StepView, adapters) -> tuple[torch.Tensor, torch.Tensor | None]:
         out = self.model(ids, positions=positions, capture=self.capture, cache=view, adapters=adapters)
@@ -120,6 +132,6 @@ class CompiledDecode:
         # it first compiles and quantized again (in place) after a sync, outside the graph
         refresh_kept(self.model)
         compiling, self.first = self.first, False
-        with first_compile(STEP, "rollout.compile_decode", self.setting, on=compiling):
+        with first_compile(STEP, "rollout.compile_decode", self.setting, compiling, self.key):
             logits, routed = self._graph(ids, positions, view, adapters)
         return logits[:b], routed[:b] if routed is not None else None

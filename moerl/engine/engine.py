@@ -15,8 +15,9 @@ from tqdm import tqdm
 
 from moerl.allocator import reuse_freed_memory
 from moerl.device import to_device
+from moerl.dynamo import remembered_seconds
 from moerl.engine.adapters import AdapterSlots
-from moerl.engine.compiled import CompiledDecode
+from moerl.engine.compiled import CompiledDecode, decode_graph_key
 from moerl.engine.config import EngineConfig, SamplingParams, int_or_none
 from moerl.engine.kv_cache import KVCache, LinearStates, StepView, bytes_per_block
 from moerl.engine.sampler import sample, sequence_generator
@@ -109,6 +110,12 @@ class LLMEngine:
             cfg = self.config
             self.compiled = CompiledDecode(self.model, self.cache, cfg.capture_routing, cfg.compile_decode)
         return self.compiled is not None
+
+    @property
+    def compile_seconds(self) -> float | None:
+        """What the compiled decode step's first call took when this graph last compiled here (None: not known):
+        ``compile_decode: auto`` prices compiling it at that (``moerl.dynamo.compile_cost``)."""
+        return remembered_seconds(decode_graph_key(self.model, self.config.capture_routing))
 
     # -- adapters and weights ------------------------------------------------------------------------------
 

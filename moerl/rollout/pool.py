@@ -244,6 +244,12 @@ class EnginePool:
         seconds = [r["seconds"] for r in self._ask("decode_seconds")]
         return max(seconds) if self.engines[0].side_by_side else sum(seconds)
 
+    def decode_compile_seconds(self) -> float | None:
+        """What compiling the engines' decode step took when it last compiled here (the slowest engine's), or None
+        where an engine's is not known."""
+        known = [r.get("compile_seconds") for r in self._ask("decode_seconds")]
+        return None if None in known else max(known)
+
     def compile_decode(self) -> bool:
         """Every engine decodes through its compiled step from its next decode on (``compile_decode: auto``, see
         ``LLMEngine.compile_decode``); an engine brought back later is told again. True if every engine does."""

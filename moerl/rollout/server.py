@@ -118,7 +118,7 @@ class EngineServer:
         return {"on": self.engine.compile_decode()}
 
     def decode_seconds(self, msg: dict, tensors=None) -> dict:
-        return {"seconds": self.engine.decode_seconds}
+        return {"seconds": self.engine.decode_seconds, "compile_seconds": self.engine.compile_seconds}
 
     def read_weights(self, msg: dict, tensors=None) -> dict:
         """The engine's own tensors by name: moerl's for a native engine, vLLM's for a vLLM engine."""

@@ -93,6 +93,7 @@ class VLLMEngine:
 
     dense_weights: str  # LoRA merged, MXFP8 as MX-rounded values, in this dtype: full-mode updates (moerl.sync)
     decode_seconds = 0.0  # not measured: vLLM compiles and captures its own decode (compile_decode is native)
+    compile_seconds = None
 
     def __init__(
         self,
@@ -289,6 +290,9 @@ class VLLMEngine:
 
     def compile_decode(self) -> bool:
         return False
+
+    def decode_compile_seconds(self) -> float | None:
+        return None
 
     def read_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
         """The engine's own tensors by vLLM name (``model.layers.0.mlp.gate.weight``), read from its worker."""

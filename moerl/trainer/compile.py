@@ -8,8 +8,9 @@ packed-sequence split is data-dependent) stay eager, and so does mode mxfp8 (ref
 reference (``tests/test_trainer_compile.py``).
 
 ``auto`` (the default, ``AutoCompile``): the loop times its first training steps and compiles when the steps left
-repay the compilation, ``steps_left * GAIN * seconds_train >= COMPILE_SECONDS``; it times the compiled steps
-after and goes back to eager where they are not faster.
+repay the compilation, ``steps_left * GAIN * seconds_train >= cost``; it times the compiled steps after and goes
+back to eager where they are not faster. ``cost`` is what the same graph's first call took when it last compiled
+here (``moerl.dynamo.compile_cost``: inductor's cache makes it cheaper the second time), else ``COMPILE_SECONDS``.
 """
 
 from __future__ import annotations
@@ -74,11 +75,12 @@ class AutoCompile:
             self.eager.append(rate)
         if k == 3:
             left, seconds = self.steps - step - 1, row["seconds_train"]
+            _, priced = policy.compile_price()
             self.trying = policy.compile_if_it_pays(left, seconds)
             if self.trying:
                 return (
                     f"moerl: compiling {BLOCKS} (policy.compile: auto; {left} steps left at "
-                    f"{seconds:.2f} s of training each repay the ~{COMPILE_SECONDS:.0f} s it takes)"
+                    f"{seconds:.2f} s of training each repay {priced})"
                 )
         if self.trying and k in (5, 6):  # the 4th compiles
             self.compiled.append(rate)
@@ -92,9 +94,10 @@ class AutoCompile:
         return None
 
 
-def pays(steps_left: int, seconds_train: float) -> bool:
-    """Whether compiling now saves more time over ``steps_left`` steps of ``seconds_train`` each than it costs."""
-    return steps_left * GAIN * seconds_train >= COMPILE_SECONDS
+def pays(steps_left: int, seconds_train: float, cost: float = COMPILE_SECONDS) -> bool:
+    """Whether compiling now saves more time over ``steps_left`` steps of ``seconds_train`` each than its ``cost``
+    (seconds)."""
+    return steps_left * GAIN * seconds_train >= cost
 
 
 def check(setting, ranks: int, mode, key: str = "policy.compile") -> None:

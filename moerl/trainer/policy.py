@@ -14,7 +14,7 @@ import torch
 from moerl.allocator import reuse_freed_memory
 from moerl.bridges import load_model
 from moerl.device import resolve_device
-from moerl.dynamo import first_compile
+from moerl.dynamo import compile_cost, first_compile, graph_key
 from moerl.errors import ConfigError
 from moerl.finite import first_nonfinite
 from moerl.modes import MODES
@@ -22,6 +22,7 @@ from moerl.parallel.layout import LayoutConfig, parallelize, storage_dtype
 from moerl.parallel.pipeline import Step
 from moerl.parallel.world import World, local
 from moerl.precision import compute_dtype
+from moerl.trainer import compile as blocks_compile
 from moerl.trainer.batch import Batch
 from moerl.trainer.compile import BLOCKS, compile_blocks, pays, uncompile_blocks
 from moerl.trainer.compile import check as check_compile
@@ -74,6 +75,7 @@ class Policy:
         check_compile(cfg.compile, self.layout.ranks, mode)
         self.compiled = cfg.compile is True and compile_blocks(self.model) > 0
         self.compile_pending = self.compiled  # the next training step compiles them (said on the console)
+        self._graph_key: str | None = None
         self.master = MasterWeights(self.trainable, self.layout.initial) if mode.masters else None
         self.optimizer = adamw(list(self.trained.values()), cfg.optim)
         self.scheduler = lr_schedule(self.optimizer, cfg.optim, 0)
@@ -120,10 +122,22 @@ class Policy:
         call compiled them."""
         if self.compiled or self.cfg.compile != "auto" or self.layout.ranks > 1 or self.mode.untraced:
             return False
-        if not pays(steps_left, seconds_train):
+        if not pays(steps_left, seconds_train, self.compile_price()[0]):
             return False
         self.compiled = self.compile_pending = compile_blocks(self.model) > 0
         return self.compiled
+
+    def compile_price(self) -> tuple[float, str]:
+        """(seconds, how known) compiling the training blocks costs: what their first call took when this graph
+        last compiled here, else ``COMPILE_SECONDS`` (``moerl.dynamo.compile_cost``)."""
+        return compile_cost(self.graph_key, blocks_compile.COMPILE_SECONDS)
+
+    @property
+    def graph_key(self) -> str:
+        """The training blocks' graph identity across runs (``moerl.dynamo.graph_key``)."""
+        if self._graph_key is None:
+            self._graph_key = graph_key(BLOCKS, self.model, self.cfg.mode, self.cfg.packing)
+        return self._graph_key
 
     def drop_compiled(self) -> None:
         """Train eager again (``policy.compile: auto`` found the compiled blocks slower)."""
@@ -224,7 +238,9 @@ class Policy:
         compiling, self.compile_pending = self.compile_pending, False
         try:
             with memory_named(self, "forward and backward of a training step", batch, before_step=True):
-                with first_compile(BLOCKS, "policy.compile", self.cfg.compile, on=compiling):
+                with first_compile(
+                    BLOCKS, "policy.compile", self.cfg.compile, compiling, self.graph_key if compiling else None
+                ):
                     total, metrics = self.layout.backward(step, self._forward(self.model, step), loss_fn)
         finally:
             self.model.eval()
