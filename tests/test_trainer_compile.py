@@ -140,6 +140,9 @@ def test_a_compiled_policy_trains_as_the_eager_one(tiny):
     # the adapters are compared against the size of the updates (lr 1e-2 x 3 steps): within 1% of it
     for name, p in eager.trained.items():
         assert (p - fast.trained[name]).abs().max() <= 0.01 * 3e-2, name
+    key = eager.graph_key
+    eager.train_step(_rows([5, 7]), sft_loss, temperature=0.7)  # another temperature traces another graph
+    assert eager.graph_key != key
 
 
 def test_auto_compiles_only_when_the_steps_left_repay_it(tiny):

@@ -40,9 +40,11 @@ BUCKETS = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128)  # then multiples of 64
 DENSE_MAX_FLOPS_PER_TOKEN = 1e6
 # ``compile_decode: auto``: the share of decode time the compiled step saves and what compiling costs, measured
 # (BENCHMARKS.md, "Compiled decode"): 1.14-1.19x fp32 decode on tiny / small, 1.16x LoRA, 1.58x MXFP8, 1.66x bf16
-# (the lowest, 0.12 saved, taken); 8-23 s to compile with inductor's cache warm, up to 40 s cold on 2 cores. In a
-# LoRA run on tiny (benchmarks/compile_decode_run.py) the step saved 15% for 18 s: it paid after 273 steps, where
-# this rule waits for 540 (a fresh machine compiles cold)
+# (the lowest, 0.12 saved, taken); 8-23 s to compile with inductor's cache warm, up to 40 s cold on 2 cores (a
+# slower host: 20-29 s warm, 60-90 s cold, benchmarks/compile_cost.py). In a LoRA run on tiny
+# (benchmarks/compile_decode_run.py) the step saved 15% for 18 s: it paid after 273 steps, where this rule waits for
+# 540. COMPILE_SECONDS prices a graph never compiled here; one that was is priced at its last first call
+# (moerl.dynamo's ledger)
 STEP = "the engine's decode step"  # what the console calls it
 GAIN = 0.12
 COMPILE_SECONDS = 30.0
@@ -68,9 +70,10 @@ def decode_price(remembered: float | None) -> tuple[float, str]:
     return price(remembered, COMPILE_SECONDS)
 
 
-def decode_graph_key(model: MoEModel, capture: bool) -> str:
-    """The decode step's graph identity across runs (``moerl.dynamo.graph_key``)."""
-    return graph_key(STEP, model, capture)
+def decode_graph_key(model: MoEModel, cache: KVCache, capture: bool) -> str:
+    """The decode step's graph identity across runs (``moerl.dynamo.graph_key``): the model, the cache's pools (static
+    in the graph: another size is another graph) and whether it captures the routing."""
+    return graph_key(STEP, model, capture, [tuple(pool.shape) for pool in cache.pools()])
 
 
 def dense_experts_pay(model: MoEModel) -> bool:
@@ -101,7 +104,7 @@ class CompiledDecode:
         cuda = device.type == "cuda"
         self._graph = unducked(torch.compile(self._forward, dynamic=True, mode="reduce-overhead" if cuda else None))
         self.first, self.setting = True, setting  # the first step compiles the graph (said on the console)
-        self.key = decode_graph_key(model, capture)  # what the first step takes is remembered under it
+        self.key = decode_graph_key(model, cache, capture)  # what the first step takes is remembered under it
 
     def _forward(self, ids, positions, view: StepView, adapters) -> tuple[torch.Tensor, torch.Tensor | None]:
         out = self.model(ids, positions=positions, capture=self.capture, cache=view, adapters=adapters)

@@ -115,7 +115,9 @@ class LLMEngine:
     def compile_seconds(self) -> float | None:
         """What the compiled decode step's first call took when this graph last compiled here (None: not known):
         ``compile_decode: auto`` prices compiling it at that (``moerl.dynamo.compile_cost``)."""
-        return remembered_seconds(decode_graph_key(self.model, self.config.capture_routing))
+        if self.cache.scratch_block is None:  # an engine that cannot compile its decode step
+            return None
+        return remembered_seconds(decode_graph_key(self.model, self.cache, self.config.capture_routing))
 
     # -- adapters and weights ------------------------------------------------------------------------------
 

@@ -24,7 +24,9 @@ from moerl.model.mixers import is_recurrent
 
 # measured (BENCHMARKS.md, "Compiled training"): the share of a training step the compiled blocks save on the small
 # preset in bf16 (18% full, 19% LoRA: 0.15 taken; a tiny model in fp32 loses, which the trial after compiling
-# catches) and the compilation's cost on 2 cores from a cold cache (22-27 s)
+# catches) and the compilation's cost on 2 cores from a cold cache (22-27 s; 37-44 s on a slower host, 9-10 s warm:
+# benchmarks/compile_cost.py). COMPILE_SECONDS prices blocks never compiled here; those that were are priced at their
+# last first call (moerl.dynamo's ledger)
 GAIN = 0.15
 COMPILE_SECONDS = 30.0
 BLOCKS = "the trainer's decoder blocks"  # what the console calls them
@@ -75,12 +77,11 @@ class AutoCompile:
             self.eager.append(rate)
         if k == 3:
             left, seconds = self.steps - step - 1, row["seconds_train"]
-            _, priced = policy.compile_price()
             self.trying = policy.compile_if_it_pays(left, seconds)
-            if self.trying:
+            if self.trying:  # priced as it decided: the record changes only when the compiling step ends
                 return (
                     f"moerl: compiling {BLOCKS} (policy.compile: auto; {left} steps left at "
-                    f"{seconds:.2f} s of training each repay {priced})"
+                    f"{seconds:.2f} s of training each repay {policy.compile_price()[1]})"
                 )
         if self.trying and k in (5, 6):  # the 4th compiles
             self.compiled.append(rate)

@@ -75,7 +75,8 @@ class Policy:
         check_compile(cfg.compile, self.layout.ranks, mode)
         self.compiled = cfg.compile is True and compile_blocks(self.model) > 0
         self.compile_pending = self.compiled  # the next training step compiles them (said on the console)
-        self._graph_key: str | None = None
+        self._graph_key: tuple[tuple, str] | None = None  # (the call it is for, the key)
+        self._call: tuple = (False, False, 1.0)  # the last train_step's: replayed, entropy, temperature
         self.master = MasterWeights(self.trainable, self.layout.initial) if mode.masters else None
         self.optimizer = adamw(list(self.trained.values()), cfg.optim)
         self.scheduler = lr_schedule(self.optimizer, cfg.optim, 0)
@@ -134,10 +135,11 @@ class Policy:
 
     @property
     def graph_key(self) -> str:
-        """The training blocks' graph identity across runs (``moerl.dynamo.graph_key``)."""
-        if self._graph_key is None:
-            self._graph_key = graph_key(BLOCKS, self.model, self.cfg.mode, self.cfg.packing)
-        return self._graph_key
+        """The training blocks' graph identity across runs (``moerl.dynamo.graph_key``): the model, the mode and how
+        the last step called them (replay, entropy, temperature: each traces its own graph)."""
+        if self._graph_key is None or self._graph_key[0] != self._call:
+            self._graph_key = self._call, graph_key(BLOCKS, self.model, self.cfg.mode, self.cfg.packing, *self._call)
+        return self._graph_key[1]
 
     def drop_compiled(self) -> None:
         """Train eager again (``policy.compile: auto`` found the compiled blocks slower)."""
@@ -235,6 +237,7 @@ class Policy:
             p.grad = None
         self.model.train()
         step = Step(batch.to(self.device), replay, self.adapters, temperature, entropy)
+        self._call = (replay and batch.replay is not None, entropy, temperature)
         compiling, self.compile_pending = self.compile_pending, False
         try:
             with memory_named(self, "forward and backward of a training step", batch, before_step=True):
