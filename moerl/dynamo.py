@@ -107,12 +107,6 @@ def first_compile(what: str, key: str, value, on: bool = True, graph: str | None
     print(f"moerl: compiled {what}: the first call took {seconds:.1f} s", file=sys.stderr, flush=True)
 
 
-def compile_cost(key: str | None, default: float) -> tuple[float, str]:
-    """The seconds ``auto`` prices compiling graph ``key`` at and how it knows: what its first call took here last
-    time, else ``default`` (a first compilation's measured cost on 2 CPU cores)."""
-    return price(remembered_seconds(key), default)
-
-
 def price(remembered: float | None, default: float) -> tuple[float, str]:
     """(seconds, how known) of a compilation: ``remembered`` (``remembered_seconds``) where known, else
     ``default``."""

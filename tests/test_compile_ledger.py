@@ -42,7 +42,7 @@ def test_a_graph_key_names_the_model_and_the_settings_it_is_traced_with(tiny):
 
 def test_the_ledger_remembers_the_last_compilation_and_refuses_what_it_cannot_read(tmp_path, capsys):
     assert dynamo.remembered_seconds("a") is None and dynamo.remembered_seconds(None) is None
-    assert dynamo.compile_cost("a", 30.0) == (30.0, "the ~30 s a first compilation takes")
+    assert dynamo.price(dynamo.remembered_seconds("a"), 30.0) == (30.0, "the ~30 s a first compilation takes")
     with dynamo.first_compile("the step", "rollout.compile_decode", True, graph="a"):
         pass
     assert 0 <= dynamo.remembered_seconds("a") < 1
@@ -50,7 +50,10 @@ def test_the_ledger_remembers_the_last_compilation_and_refuses_what_it_cannot_re
     dynamo._remember("a", 12.345)
     dynamo._remember("b", 3.0)
     assert dynamo.remembered_seconds("a") == 12.35 and dynamo.remembered_seconds("b") == 3.0
-    assert dynamo.compile_cost("a", 30.0) == (12.35, "the 12.3 s it took when it last compiled here")
+    assert dynamo.price(dynamo.remembered_seconds("a"), 30.0) == (
+        12.35,
+        "the 12.3 s it took when it last compiled here",
+    )
     with dynamo.first_compile("the step", "x", True):  # no graph: nothing recorded
         pass
     assert set(json.loads(dynamo.ledger_path().read_text())) == {"a", "b"}

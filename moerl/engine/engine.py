@@ -114,7 +114,7 @@ class LLMEngine:
     @property
     def compile_seconds(self) -> float | None:
         """What the compiled decode step's first call took when this graph last compiled here (None: not known):
-        ``compile_decode: auto`` prices compiling it at that (``moerl.dynamo.compile_cost``)."""
+        ``compile_decode: auto`` prices compiling it at that (``moerl.dynamo.price``)."""
         if self.cache.scratch_block is None:  # an engine that cannot compile its decode step
             return None
         return remembered_seconds(decode_graph_key(self.model, self.cache, self.config.capture_routing))

@@ -10,7 +10,7 @@ reference (``tests/test_trainer_compile.py``).
 ``auto`` (the default, ``AutoCompile``): the loop times its first training steps and compiles when the steps left
 repay the compilation, ``steps_left * GAIN * seconds_train >= cost``; it times the compiled steps after and goes
 back to eager where they are not faster. ``cost`` is what the same graph's first call took when it last compiled
-here (``moerl.dynamo.compile_cost``: inductor's cache makes it cheaper the second time), else ``COMPILE_SECONDS``.
+here (``moerl.dynamo.price``: inductor's cache makes it cheaper the second time), else ``COMPILE_SECONDS``.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import torch
 from moerl.allocator import reuse_freed_memory
 from moerl.bridges import load_model
 from moerl.device import resolve_device
-from moerl.dynamo import compile_cost, first_compile, graph_key
+from moerl.dynamo import first_compile, graph_key, price, remembered_seconds
 from moerl.errors import ConfigError
 from moerl.finite import first_nonfinite
 from moerl.modes import MODES
@@ -130,8 +130,8 @@ class Policy:
 
     def compile_price(self) -> tuple[float, str]:
         """(seconds, how known) compiling the training blocks costs: what their first call took when this graph
-        last compiled here, else ``COMPILE_SECONDS`` (``moerl.dynamo.compile_cost``)."""
-        return compile_cost(self.graph_key, blocks_compile.COMPILE_SECONDS)
+        last compiled here, else ``COMPILE_SECONDS`` (``moerl.dynamo.price``)."""
+        return price(remembered_seconds(self.graph_key), blocks_compile.COMPILE_SECONDS)
 
     @property
     def graph_key(self) -> str:
