@@ -14,6 +14,7 @@ from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
 from moerl.engine import compiled as compiled_decode
 from moerl.errors import ConfigError
 from moerl.model.mx import apply_mxfp8
+from moerl.model.packed import graph_panels, kernel, packs
 from moerl.presets import init_model
 
 # GPT-OSS tiny, two layers: sinks, a sliding and a full layer, expert biases, clamped SwiGLU
@@ -44,7 +45,8 @@ def _compare(a, b, tol: float = 1e-5) -> float:
 
 def test_compiled_decode_matches_eager_and_sees_weight_updates():
     """One compiled engine (one compilation, ~50 s on 2 cores from a cold cache) covers both expert paths in the
-    graph: layer 0 dense, layer 1 the grouped GEMM as one opaque op; one graph for every bucket and table width."""
+    graph: layer 0 dense, layer 1 the grouped GEMM as one opaque op (the packed kernel's, where it builds); one graph
+    for every bucket and table width."""
     from torch._dynamo.utils import counters
 
     model = init_model("gpt_oss", "tiny", overrides=TWO_LAYERS, dtype=torch.float32)
@@ -57,10 +59,23 @@ def test_compiled_decode_matches_eager_and_sees_weight_updates():
     assert _compare(reference, fast.generate(_requests()), tol=1e-30) == 0 and fast.decode_seconds > 0
     assert fast.compiled is None and fast.compile_decode() and fast.compiled is not None
     assert model.moe_layer_ids == [0, 1] and model.layers[0].mlp.experts.dense_in_graph  # small experts: dense
-    model.layers[1].mlp.experts.dense_in_graph = False  # before the first decode step compiles the graph
+    grouped = model.layers[1].mlp.experts
+    grouped.dense_in_graph = False  # before the first decode step compiles the graph
+    # and packed, as an fp32 CPU engine's larger experts are (``Experts.k_major``): the kernel as an op in the graph
+    gate_up, down = grouped.gate_up_proj.transpose(1, 2), grouped.down_proj.transpose(1, 2)
+    grouped.packed = kernel() is not None and packs(gate_up, True) and packs(down, False)
     graphs = counters["stats"]["unique_graphs"]
     _compare(reference, fast.generate(_requests()))
     assert counters["stats"]["unique_graphs"] - graphs == 1
+    if grouped.packed:  # the graph reads the panels: spoiled (the weights unchanged), its generation differs
+        panels = graph_panels(grouped, "down")
+        kept = panels.clone()
+        with torch.inference_mode():  # made in the engine's step
+            panels.zero_()
+        with pytest.raises(AssertionError):
+            _compare(reference, fast.generate(_requests()))
+        with torch.inference_mode():
+            panels.copy_(kept)
 
     # new weights reach the graph (they are its inputs, not constants): one expert matrix and the head change
     updates = {

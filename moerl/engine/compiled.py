@@ -20,7 +20,9 @@ eager; the weights come quantized from outside the graph, kept between steps and
 (``moerl.model.mx.weight_quant``), so a step quantizes only its activations. LoRA slots: each row's slot is a tensor
 in the graph; every projection computes every slot's shrink in one GEMM and keeps the row's own by a mask
 (``LinearLora``, ``LoraExperts``' deltas on the dense path); on the grouped path adapted experts group their rows by
-(slot, expert), rows without an adapter weighted 0. Padding rows use no adapter.
+(slot, expert), rows without an adapter weighted 0. Padding rows use no adapter. An fp32 CPU engine's packed
+experts (``moerl.model.packed``) run their kernel as one opaque op in the graph, on panels made outside it before
+each step (in place after a sync), as the MX weights are.
 """
 
 from __future__ import annotations
@@ -134,6 +136,8 @@ class CompiledDecode:
         # MXFP8 (applied to the engine's model after it is built): the quantized weights the graph reads, made before
         # it first compiles and quantized again (in place) after a sync, outside the graph
         refresh_kept(self.model)
+        for i in self.model.moe_layer_ids:  # the packed experts' panels (fp32 CPU engines), likewise
+            self.model.layers[i].mlp.experts.refresh_packed()
         compiling, self.first = self.first, False
         with first_compile(STEP, "rollout.compile_decode", self.setting, compiling, self.key):
             logits, routed = self._graph(ids, positions, view, adapters)

@@ -266,10 +266,10 @@ class LoraExperts(Experts):
         route = Route(idx, weights, self.num_experts, x.dtype, self.zero)
         groups = lora.groups(route.token, route.expert, route.by_expert)
         xs = x.index_select(0, route.token)
-        h = self._gmm(xs, self.gate_up_proj.transpose(1, 2), route.by_expert)
+        h = self._expert_mm(xs, "gate_up", route.by_expert)
         delta, rows = lora.gate_up_delta(x, xs, route.token, groups)
         h = self._hidden(_add(h, delta, rows), route)
-        y = self._gmm(h, self.down_proj.transpose(1, 2), route.by_expert)
+        y = self._expert_mm(h, "down", route.by_expert)
         delta, rows = lora.down_delta(h, route.token, x.shape[0], groups)
         if lora.layout == "shared_outer":  # one expand per token, after the routed sum
             return self._down_sum(x, y, route) + delta.to(x.dtype)

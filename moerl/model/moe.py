@@ -12,6 +12,11 @@ from torch import nn
 from moerl.model.config import ModelConfig
 from moerl.model.grouped import Groups, group_mm, streams_weights
 from moerl.model.linear import Linear
+from moerl.model.packed import graph_panels, packed_group_mm, packed_group_mm_op, packed_weight, packs
+
+# the packed kernel's rows of a group sit in registers against each panel of its weight: past this many a group
+# (prefill), MKL's blocked GEMM over the K-major weight is the faster one (BENCHMARKS.md, issue 42 part 2)
+PACKED_MAX_ROWS = 32
 
 
 class Router(nn.Module):
@@ -156,8 +161,8 @@ class Experts(nn.Module):
     """E experts as 3D tensors: ``gate_up_proj`` [E, 2I, H] (gate rows first; un-gated ``relu2`` experts: [E, I, H],
     the up rows alone), ``down_proj`` [E, H, I].
 
-    A mode's subclass replaces the GEMMs (``_gmm``, ``_linear``: MXFP8) or adds to the projections (``_grouped``
-    around ``_hidden`` and ``_down_sum``, ``_project`` in the reference loop: LoRA)."""
+    A mode's subclass replaces the GEMMs (``_gmm``, ``_linear``, ``_packs``: MXFP8) or adds to the projections
+    (``_grouped`` around ``_hidden`` and ``_down_sum``, ``_project`` in the reference loop: LoRA)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -171,6 +176,7 @@ class Experts(nn.Module):
         self.down_proj_bias = nn.Parameter(torch.zeros(e, h)) if cfg.expert_bias else None
         self.grouped = True  # False: the per-expert loop, kept as the reference
         self.dense_in_graph = False  # inside a compiled graph: every expert on every token (see _dense)
+        self.packed = False  # an engine's decode: GEMMs from prepacked weights (``k_major``, ``moerl.model.packed``)
 
     @property
     def zero(self) -> bool:
@@ -179,18 +185,63 @@ class Experts(nn.Module):
 
     @torch.no_grad()
     def k_major(self) -> None:
-        """Store the weights the grouped GEMMs stream with their reduction dim outermost ([E, H, 2I] and [E, I, H] in
-        memory; shapes, names and values unchanged), so each expert's ``w.transpose(1, 2)`` is contiguous: the CPU
-        engine's decode layout where streaming the weights bounds the GEMM (``streams_weights``; measured 1.2x over
-        the per-group GEMMs of the [E, 2I, H] layout in small's fp32 decode, BENCHMARKS.md issue 42). A weight sync's
-        ``copy_`` writes through it."""
+        """The CPU engine's decode layout where streaming the weights bounds the GEMM (``streams_weights``). The
+        weights are stored with their reduction dim outermost ([E, H, 2I] and [E, I, H] in memory; shapes, names and
+        values unchanged), so each expert's ``w.transpose(1, 2)`` is contiguous for MKL's GEMM (prefill; 1.2x over
+        the [E, 2I, H] layout in small's fp32 decode, BENCHMARKS.md issue 42); and decode's GEMMs (a few rows a
+        group) run from prepacked panels of them (``moerl.model.packed``, where its kernel builds: a packed copy
+        beside each weight, made again after a sync). A weight sync's ``copy_`` writes through both."""
         for p in (self.gate_up_proj, self.down_proj):
             if streams_weights(p) and p.is_contiguous():
                 p.data = p.data.transpose(1, 2).contiguous().transpose(1, 2)
+        gate_up, down = self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)
+        self.packed = streams_weights(gate_up) and packs(gate_up, self.gated) and packs(down, False)
+
+    @property
+    def gated(self) -> bool:
+        """Whether gate_up_proj holds gate rows then up rows (every activation but the un-gated ``relu2``)."""
+        return self.activation != "relu2"
+
+    def _packs(self, rows: torch.Tensor) -> bool:
+        """Whether this GEMM runs from the packed weights: an engine's decode (no autograd, a few rows a group), eager
+        or in the compiled decode step (whose panels are made before it: ``refresh_packed``)."""
+        if not self.packed or torch.is_grad_enabled() or rows.device.type != "cpu":
+            return False
+        if rows.dtype != torch.float32 or self.down_proj.dtype != torch.float32:  # cast since: torch's GEMM
+            return False
+        if torch.compiler.is_compiling():  # decode batches only (max_num_seqs rows at most)
+            return graph_panels(self, "down") is not None
+        return rows.shape[0] <= PACKED_MAX_ROWS * self.num_experts
+
+    def _packed_mm(
+        self, x: torch.Tensor, name: str, groups: Groups, mode: int, scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``packed_group_mm`` of rows ``x`` by weight ``name`` (gate_up, down), eager or as a graph's op."""
+        if groups.opaque:
+            return packed_group_mm_op(x, graph_panels(self, name), groups.keys, groups.n_groups, mode, scale)
+        return packed_group_mm(x, self._panels(name), groups.offs, mode, scale)
+
+    def _panels(self, name: str) -> torch.Tensor:
+        """Weight ``name``'s packed panels, up to date with it (``moerl.model.packed.packed_weight``)."""
+        w = getattr(self, f"{name}_proj").transpose(1, 2)
+        return packed_weight(self, name, w, name == "gate_up" and self.gated)
+
+    def refresh_packed(self) -> None:
+        """Make (or pack again after a sync) the panels a compiled graph reads, outside it."""
+        if self.packed:
+            self._panels("gate_up")
+            self._panels("down")
 
     def _gmm(self, x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
         """A grouped GEMM of the experts (what MXFP8 replaces)."""
         return group_mm(x, w, groups)
+
+    def _expert_mm(self, x: torch.Tensor, name: str, groups: Groups) -> torch.Tensor:
+        """Rows ``x`` sorted by expert times their experts' weight ``name`` (gate_up, down): from the packed panels
+        where an engine's decode takes them (``_packs``), else ``_gmm``."""
+        if self._packs(x):
+            return self._packed_mm(x, name, groups, int(name == "gate_up" and self.gated))
+        return self._gmm(x, getattr(self, f"{name}_proj").transpose(1, 2), groups)
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """One expert's GEMM in the reference loop (what MXFP8 replaces)."""
@@ -207,8 +258,12 @@ class Experts(nn.Module):
     def _grouped(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         route = Route(idx, weights, self.num_experts, x.dtype, self.zero)
         xs = x.index_select(0, route.token)
-        h = self._hidden(self._gmm(xs, self.gate_up_proj.transpose(1, 2), route.by_expert), route)
-        return self._down_sum(x, self._gmm(h, self.down_proj.transpose(1, 2), route.by_expert), route)
+        if self._packs(xs) and self.activation == "silu" and self.gate_up_proj_bias is None:
+            # SiLU(gate) * up * the routing weight as each panel's result is stored (``packed``'s mode 2)
+            h = self._packed_mm(xs, "gate_up", route.by_expert, 2, route.gate.reshape(-1))
+        else:
+            h = self._hidden(self._expert_mm(xs, "gate_up", route.by_expert), route)
+        return self._down_sum(x, self._expert_mm(h, "down", route.by_expert), route)
 
     def _hidden(self, h: torch.Tensor, route: Route) -> torch.Tensor:
         """The gate_up rows ``h`` (expert-sorted) -> the gate-weighted activations that down_proj takes."""

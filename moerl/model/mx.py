@@ -214,6 +214,9 @@ class MXExperts(Experts):
     def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return mx_linear(x, w, bias, self.mode)
 
+    def _packs(self, rows: torch.Tensor) -> bool:
+        return False  # the packed kernel is fp32 GEMMs: MXFP8's take quantized operands
+
     def _operand(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         if t is self.gate_up_proj or t is self.down_proj:
             wq = weight_quant(self, t, dim, self.mode)

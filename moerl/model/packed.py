@@ -1,0 +1,236 @@
+"""Routed experts' fp32 decode GEMMs on a CPU from prepacked weights (issue 42 part 2).
+
+At decode's shapes (a few rows per expert, an expert's weight of a MiB) a grouped GEMM is bound by streaming the
+weights, and MKL's sgemm streams them at about half the rate a plain read does (BENCHMARKS.md, issue 42). The
+kernel here reads each expert's weight once per step, panel by panel, in the order it is stored: the weight
+[E, K, N] packed once into panels [E, N / NT, K, NT] (NT columns, two CPU vectors), the rows of a group kept in
+registers against each panel. For the gate-up projection each panel holds VW gate columns then the matching VW up
+columns, so the activation (SiLU(gate) * up) and the routing weight are applied as the panel's result is stored:
+the [rows, 2I] product never reaches memory.
+
+The kernel is C (GCC vector extensions: AVX-512, AVX2 or 128-bit vectors, whatever ``-march=native`` gives), built
+by the host's C compiler on first use into inductor's cache directory (which a compiled graph needs as well), and
+runs on torch's own OpenMP threads. Without a compiler, or on a machine where it does not build, ``kernel()`` is None
+and the experts keep torch's grouped GEMM. The packed copy is kept beside the parameter (``packed_weight``) and made
+again when the parameter changes (a weight sync's ``copy_`` bumps its version): an engine's experts take twice
+their memory for it, which is why only an engine's own model packs (``MoEModel.experts_k_major(pack=True)``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#if defined(__AVX512F__)
+#define VB 64
+#define MB 8
+#elif defined(__AVX__)
+#define VB 32
+#define MB 6
+#else
+#define VB 16
+#define MB 4
+#endif
+#define VW (VB / 4)
+#define NT (2 * VW)
+typedef float vf __attribute__((vector_size(VB)));
+typedef float vfu __attribute__((vector_size(VB), aligned(4)));
+
+int moerl_panel_vector(void) { return VW; }
+
+/* y[rows of group g] = x[rows of g] @ w[g], w packed [G][N / NT][K][NT], offs[g] the end row of group g.
+   mode 0: y [M, N] in w's column order. mode 1 (a gate-up weight, each panel VW gate then VW up columns of one
+   range): y [M, N], gate columns first, then up. mode 2 (the same weight): y [M, N / 2] = SiLU(gate) * up * scale. */
+void moerl_packed_group_mm(const float* x, const float* w, const int32_t* offs, const float* scale, int G, int K,
+                           int N, int mode, float* y, int threads) {
+  int tiles = N / NT, ldy = mode == 2 ? N / 2 : N;
+  #pragma omp parallel for schedule(static, 1) num_threads(threads)
+  for (int t = 0; t < G * tiles; t++) {
+    int g = t / tiles, tile = t % tiles, r0 = g ? offs[g - 1] : 0, r1 = offs[g];
+    const float* wt = w + ((int64_t)g * tiles + tile) * K * NT;
+    for (int m0 = r0; m0 < r1; m0 += MB) {
+      int mb = r1 - m0 < MB ? r1 - m0 : MB;
+      const float* xr[MB];
+      for (int m = 0; m < MB; m++) xr[m] = x + (int64_t)(m0 + (m < mb ? m : 0)) * K;
+      vf a0[MB], a1[MB];
+      for (int m = 0; m < MB; m++) { a0[m] = (vf){0}; a1[m] = (vf){0}; }
+      for (int k = 0; k < K; k++) {
+        const float* wk = wt + (int64_t)k * NT;
+        __builtin_prefetch(wk + 8 * NT);
+        vf w0 = *(const vfu*)wk, w1 = *(const vfu*)(wk + VW);
+        #pragma GCC unroll 16
+        for (int m = 0; m < MB; m++) {
+          float s = xr[m][k];
+          a0[m] += s * w0;
+          a1[m] += s * w1;
+        }
+      }
+      for (int m = 0; m < mb; m++) {
+        float* out = y + (int64_t)(m0 + m) * ldy;
+        if (mode == 0) {
+          *(vfu*)(out + tile * NT) = a0[m];
+          *(vfu*)(out + tile * NT + VW) = a1[m];
+        } else if (mode == 1) {
+          *(vfu*)(out + tile * VW) = a0[m];
+          *(vfu*)(out + N / 2 + tile * VW) = a1[m];
+        } else {
+          float gate[VW], up[VW], sc = scale[m0 + m];
+          memcpy(gate, &a0[m], sizeof gate);
+          memcpy(up, &a1[m], sizeof up);
+          for (int j = 0; j < VW; j++) out[tile * VW + j] = gate[j] / (1.0f + expf(-gate[j])) * up[j] * sc;
+        }
+      }
+    }
+  }
+}
+"""
+
+_lib: ctypes.CDLL | None | bool = False  # False: not built yet; None: it does not build here
+
+
+def kernel() -> ctypes.CDLL | None:
+    """The built kernel (built on first use, kept on disk by its source, compiler and CPU), or None where it does
+    not build (no C compiler, or not a CPU it compiles for)."""
+    global _lib
+    if _lib is False:
+        _lib = _build()
+    return _lib
+
+
+def _build() -> ctypes.CDLL | None:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    cc = os.environ.get("CC", "gcc")
+    if shutil.which(cc) is None or os.environ.get("MOERL_PACKED_EXPERTS") == "0":
+        return None
+    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+    cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    tag = hashlib.sha256("\0".join([SOURCE, cc, *flags, _cpu_flags(cpu)]).encode()).hexdigest()[:16]
+    lib = Path(cache_dir()) / "moerl_kernels" / f"packed_experts_{tag}.so"
+    if not lib.exists():
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=lib.parent) as d:
+            src, out = Path(d) / "packed.c", Path(d) / "packed.so"
+            src.write_text(SOURCE)
+            if subprocess.run([cc, *flags, str(src), "-o", str(out)], capture_output=True).returncode:
+                return None
+            os.replace(out, lib)  # whole or absent: another process may be building it too
+    # loaded after torch, so the kernel's OpenMP is torch's own runtime (one pool of threads, not two)
+    return ctypes.CDLL(str(lib))
+
+
+def _cpu_flags(cpuinfo: str) -> str:
+    """The CPU's feature flags (``-march=native`` builds for them: another CPU gets its own build)."""
+    for line in cpuinfo.splitlines():
+        if line.startswith(("flags", "Features")):
+            return line
+    return ""
+
+
+def vector_width() -> int:
+    """Floats in one of the kernel's vectors (VW): a panel is 2 VW columns."""
+    return kernel().moerl_panel_vector()
+
+
+def packs(w: torch.Tensor, gate_up: bool) -> bool:
+    """Whether weight ``w`` [E, K, N] (fp32, on the CPU) fits the kernel's panels: N a multiple of a panel, and for a
+    gate-up weight each half (gate, up) a multiple of a vector."""
+    if kernel() is None or w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 3:
+        return False
+    vw = vector_width()
+    return w.shape[2] % (2 * vw) == 0 and (not gate_up or (w.shape[2] // 2) % vw == 0)
+
+
+def pack(w: torch.Tensor, gate_up: bool) -> torch.Tensor:
+    """``w`` [E, K, N] -> its panels [E, N / NT, K, NT]; a gate-up weight's panels each hold VW gate columns then the
+    VW up columns of the same range."""
+    e, k, n = w.shape
+    vw = vector_width()
+    if gate_up:  # [E, K, tiles, 2, VW]: gate then up, range by range
+        gate, up = w[..., : n // 2], w[..., n // 2 :]
+        w = torch.stack([gate.reshape(e, k, -1, vw), up.reshape(e, k, -1, vw)], dim=3)
+    return w.reshape(e, k, -1, 2 * vw).permute(0, 2, 1, 3).contiguous()
+
+
+def packed_weight(owner: torch.nn.Module, name: str, w: torch.Tensor, gate_up: bool) -> torch.Tensor:
+    """``pack(w, gate_up)``, kept on ``owner`` under ``name`` while ``w`` is unchanged (an engine's weights change at
+    a sync only, by an in-place copy that bumps the tensor's version). Packed again into the same tensor: a compiled
+    graph reading it (``graph_panels``) keeps its address and sees the new values."""
+    kept = owner.__dict__.setdefault("_packed", {})
+    stamp = (w.data_ptr(), w._version, tuple(w.shape), w.stride(), gate_up)
+    hit = kept.get(name)
+    if hit is not None and hit[0] == stamp:
+        return hit[1]
+    panels = pack(w, gate_up)
+    if hit is not None and hit[1].shape == panels.shape:
+        with torch.inference_mode(hit[1].is_inference()):  # made in an engine's step, maybe refreshed outside one
+            panels = hit[1].copy_(panels)
+    else:  # a compiled graph takes it as it takes a parameter: its shape fixed, its address kept
+        torch._dynamo.mark_static(panels)
+        torch._dynamo.mark_static_address(panels)
+        owner.__dict__.setdefault("_packed_graph", {})[name] = panels  # never replaced: the graph's guards hold
+    kept[name] = (stamp, panels)
+    return panels
+
+
+def graph_panels(owner: torch.nn.Module, name: str) -> torch.Tensor | None:
+    """The panels ``packed_weight`` keeps for ``name``, as a compiled graph reads them (made and brought up to date
+    outside the graph, before each step: ``moerl.engine.compiled``), or None where none are made yet."""
+    return owner.__dict__.get("_packed_graph", {}).get(name)
+
+
+def packed_group_mm(
+    x: torch.Tensor, packed: torch.Tensor, offs: torch.Tensor, mode: int = 0, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Rows ``x`` [M, K] sorted by group (``offs`` [G] int32: each group's end row) times their group's packed weight
+    -> [M, N] (mode 0: ``packed`` from a plain weight; mode 1: from a gate-up weight, gate columns first), or for
+    mode 2 the gate-up weight's ``SiLU(gate) * up * scale`` [M, N / 2] (``scale`` [M]: each row's routing weight)."""
+    g, tiles, k, nt = packed.shape
+    n = tiles * nt
+    if x.shape[1] != k or offs.numel() != g:
+        raise ValueError(f"packed_group_mm: rows {tuple(x.shape)}, {offs.numel()} groups, weight [{g}, {k}, {n}]")
+    x, offs = x.contiguous(), offs.to(torch.int32).contiguous()
+    y = x.new_empty(x.shape[0], n // 2 if mode == 2 else n)
+    sc = scale.reshape(-1).to(torch.float32).contiguous() if scale is not None else None
+    if mode == 2 and (sc is None or sc.numel() != x.shape[0]):
+        raise ValueError("packed_group_mm: mode 2 needs a scale per row")
+    ptr = ctypes.c_void_p
+    kernel().moerl_packed_group_mm(
+        ptr(x.data_ptr()),
+        ptr(packed.data_ptr()),
+        ptr(offs.data_ptr()),
+        ptr(sc.data_ptr() if sc is not None else 0),
+        g,
+        k,
+        n,
+        mode,
+        ptr(y.data_ptr()),
+        torch.get_num_threads(),
+    )
+    return y
+
+
+@torch.library.custom_op("moerl::packed_group_mm", mutates_args=())
+def packed_group_mm_op(
+    x: torch.Tensor, panels: torch.Tensor, keys: torch.Tensor, n_groups: int, mode: int, scale: torch.Tensor | None
+) -> torch.Tensor:
+    """``packed_group_mm`` as one op a compiled graph calls, over rows grouped by the sorted ``keys`` [M]."""
+    ends = torch.searchsorted(keys, torch.arange(n_groups, dtype=keys.dtype), right=True)
+    return packed_group_mm(x, panels, ends.to(torch.int32), mode, scale)
+
+
+@packed_group_mm_op.register_fake
+def _(x, panels, keys, n_groups, mode, scale):
+    n = panels.shape[1] * panels.shape[3]
+    return x.new_empty(x.shape[0], n // 2 if mode == 2 else n)
