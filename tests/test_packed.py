@@ -159,3 +159,43 @@ def test_without_a_compiler_the_engine_keeps_torchs_gemm(tmp_path):
     env = os.environ | {"CC": "no-such-compiler", "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "4", done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_paged_decode_attention_reads_the_pools_as_the_gathered_path_does(arch):
+    """A decode step's attention from the pools in place (``StepView.attend``: rows at positions 0 to 45 over
+    shuffled blocks of 16) against the gather + matmul path (``update``, ``mask``, ``attend``), fp32 (1e-5): full
+    and sliding-window layers (a window of 8), GPT-OSS's sinks. The control: a sliding layer's keys read as a full
+    layer's differ by more."""
+    from moerl.engine.kv_cache import KVCache, StepView
+    from moerl.model.attention import attend
+
+    over = {"sliding_window": 8} if arch == "gpt_oss" else {}
+    cfg = preset_config(arch, "tiny", over)[1]
+    cache = KVCache(cfg, num_blocks=16, block_size=16, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    for pool in cache.k + cache.v:
+        pool.copy_(torch.randn(pool.shape, generator=gen))
+    positions = torch.tensor([[0], [7], [20], [45]])
+    tables = torch.randperm(16, generator=gen)[:12].view(4, 3)
+    hkv, _, d = cache.k[0].shape
+    hq = cfg.num_heads
+    q, k, v = (torch.randn(4, 1, h, d, generator=gen) for h in (hq, hkv, hkv))
+    sinks = torch.randn(hq, generator=gen) if arch == "gpt_oss" else None
+    for sliding in (False, True) if cache.sliding_window else (False,):
+        with torch.no_grad():
+            got = StepView(cache, tables, positions, torch.ones(4, dtype=torch.long)).attend(
+                0, q, k, v, sliding, 0.125, sinks
+            )
+            view = StepView(cache, tables, positions, torch.ones(4, dtype=torch.long))
+            keys, values = view.update(0, k, v)
+            want = attend(q.transpose(1, 2), keys, values, view.mask(sliding), 0.125, sinks)
+            full = attend(q.transpose(1, 2), keys, values, view.mask(False), 0.125, sinks)
+        assert got is not None and (got - want).abs().max() <= 1e-5, sliding
+        if sliding:
+            assert (got - full).abs().max() > 1e-3
+    with torch.enable_grad():  # a trainer's forward (autograd) takes the gathered path
+        assert (
+            StepView(cache, tables, positions, torch.ones(4, dtype=torch.long)).attend(0, q, k, v, False, 1, None)
+            is None
+        )

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from moerl.model.config import ModelConfig
 from moerl.model.mixers import keeps_keys, recurrent_layers, state_shapes
+from moerl.model.packed import kernel
 
 
 def kv_shape(cfg: ModelConfig) -> tuple[int, int, int]:
@@ -220,13 +223,18 @@ class StepView:
         self._write_slots, self._key_slots = write_slots, s  # update_index's single-head rows (see there)
         self._index_read: torch.Tensor | None = None
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = []
-        for which, pool, new in ((0, self.cache.k[layer], k), (1, self.cache.v[layer], v)):
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store this step's real k / v [B, C, H, d] at their slots of the layer's pools."""
+        for pool, new in ((self.cache.k[layer], k), (self.cache.v[layer], v)):
             h, _, d = pool.shape
-            flat = pool.view(-1, d)  # dim-0 gathers and scatters are the fast ones
             rows = new.reshape(-1, h, d)[self.write_rows].transpose(0, 1).reshape(-1, d)  # [H * n, d]
-            flat.index_copy_(0, self.write_at, rows)
+            pool.view(-1, d).index_copy_(0, self.write_at, rows)  # dim-0 gathers and scatters are the fast ones
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self._write(layer, k, v)
+        out = []
+        for which, pool in ((0, self.cache.k[layer]), (1, self.cache.v[layer])):
+            h, _, d = pool.shape
             src = pool.view(-1, self.width * d)
             if torch.compiler.is_compiling():
                 gathered = src.index_select(0, self.read)
@@ -235,6 +243,46 @@ class StepView:
                 torch.index_select(src, 0, self.read, out=gathered)
             out.append(gathered.view(h, self.b, -1, d).transpose(0, 1))  # [B, H, S, d], contiguous per head
         return out[0], out[1]
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding: bool, scale: float, sinks
+    ) -> torch.Tensor | None:
+        """An eager fp32 CPU decode step's attention read from the pools in place (``moerl.model.packed``'s paged
+        kernel: no gather of the keys and values, no score tensors): store k / v [B, 1, Hkv, d], return q [B, 1, Hq,
+        d]'s attention [B, 1, Hq * dv]. None where it does not apply (prefill, a compiled step, another dtype or
+        device, no kernel): the caller takes ``update`` and ``mask``."""
+        pool = self.cache.k[layer]
+        if q.shape[1] != 1 or self.width == 1 or torch.compiler.is_compiling() or torch.is_grad_enabled():
+            return None
+        if q.dtype != torch.float32 or pool.dtype != torch.float32 or pool.device.type != "cpu" or kernel() is None:
+            return None
+        self._write(layer, k, v)
+        b, _, hq, d = q.shape
+        vpool = self.cache.v[layer]
+        hkv, rows, dv = vpool.shape
+        nb, bs = self.block_tables.shape[1], self.cache.block_size
+        pos = torch.where(self._real[:, 0], self._q_pos[:, 0, 0], 0).to(torch.int64).contiguous()  # padded: key 0
+        tables = self.block_tables.to(torch.int64).contiguous()
+        window = self.cache.sliding_window if sliding and self.cache.sliding_window else 0
+        sink = sinks.float().contiguous() if sinks is not None else None
+        q, out = q.reshape(b, hq, d).contiguous(), q.new_empty(b, hq, dv)
+        threads = torch.get_num_threads()
+        scratch = q.new_empty(threads, nb * bs)
+        ptr = ctypes.c_void_p
+        kernel().moerl_paged_decode(
+            *(ptr(t.data_ptr()) for t in (q, pool, vpool, tables, pos)),
+            ptr(sink.data_ptr() if sink is not None else 0),
+            *(ctypes.c_int(n) for n in (b, hq, hkv, d, dv)),
+            ctypes.c_int64(rows),
+            ctypes.c_int(nb),
+            ctypes.c_int(bs),
+            ctypes.c_int64(window),
+            ctypes.c_float(scale),
+            ptr(out.data_ptr()),
+            ptr(scratch.data_ptr()),
+            ctypes.c_int(threads),
+        )
+        return out.view(b, 1, hq * dv)
 
     def _visible_slots(self) -> torch.Tensor:
         """Every visible key's slot, row by row: the block tables' slots in order [B * S]."""

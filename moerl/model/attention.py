@@ -29,6 +29,13 @@ class KVCacheView(Protocol):
         """Boolean [B, 1, C, S]: which cached keys each new query may attend to."""
         ...
 
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding: bool, scale: float, sinks
+    ) -> torch.Tensor | None:
+        """Store k / v and return q [B, C, Hq, d]'s attention [B, C, Hq * dv] read from the cache in place, or None
+        where the cache has no such path for this step (then ``update`` and ``mask``)."""
+        ...
+
     def update_index(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
         """Store this step's indexer keys [B, C, d] (DeepSeek sparse attention); return every visible one [B, S, d]."""
         ...
@@ -115,12 +122,16 @@ class Attention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=2)
         if self.qk_norm_after_rope:  # HunYuan-MoE-V1 (refused with interleaved pairs: they come out reordered)
             q, k = self.q_norm(q), self.k_norm(k)
-        if cache is not None:
+        out = None
+        if cache is not None:  # an eager CPU decode step reads the pools in place
+            out = cache.attend(self.layer, q, k, v, self.sliding, self.scale, self.sinks)
+        if out is None and cache is not None:
             k, v = cache.update(self.layer, k, v)
             mask = cache.mask(self.sliding)
-        else:
+        elif out is None:
             k, v = k.transpose(1, 2), v.transpose(1, 2)
-        out = attend(q.transpose(1, 2), k, v, mask, self.scale, self.sinks)
+        if out is None:
+            out = attend(q.transpose(1, 2), k, v, mask, self.scale, self.sinks)
         return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
 
 

@@ -32,6 +32,7 @@ SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
+#include <omp.h>
 #if defined(__AVX512F__)
 #define VB 64
 #define MB 8
@@ -91,6 +92,55 @@ void moerl_packed_group_mm(const float* x, const float* w, const int32_t* offs, 
           for (int j = 0; j < VW; j++) out[tile * VW + j] = gate[j] / (1.0f + expf(-gate[j])) * up[j] * sc;
         }
       }
+    }
+  }
+}
+
+/* Decode attention over the paged cache, read in place: q [B, Hq, D] -> out [B, Hq, Dv]. Pools head-major
+   [Hkv][rows][D] and [Hkv][rows][Dv]; tables [B][nb] block ids; pos [B]: the query's position (keys 0..pos visible;
+   window > 0: only the last `window` of them); sinks [Hq] (a logit that joins the softmax) or NULL; scratch:
+   threads x nb * bs floats for the scores. */
+static inline float dot(const float* a, const float* b, int n) {
+  vf acc = (vf){0};
+  int i = 0;
+  for (; i + VW <= n; i += VW) acc += *(const vfu*)(a + i) * *(const vfu*)(b + i);
+  float s = 0, lanes[VW];
+  memcpy(lanes, &acc, sizeof lanes);
+  for (int j = 0; j < VW; j++) s += lanes[j];
+  for (; i < n; i++) s += a[i] * b[i];
+  return s;
+}
+
+void moerl_paged_decode(const float* q, const float* kp, const float* vp, const int64_t* tables, const int64_t* pos,
+                        const float* sinks, int B, int Hq, int Hkv, int D, int Dv, int64_t rows, int nb, int bs,
+                        int64_t window, float scale, float* out, float* scratch, int threads) {
+  int g = Hq / Hkv;
+  #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int t = 0; t < B * Hq; t++) {
+    int b = t / Hq, h = t % Hq, kh = h / g;
+    int64_t p = pos[b], lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+    float* s = scratch + (int64_t)omp_get_thread_num() * nb * bs;
+    const float* qv = q + ((int64_t)b * Hq + h) * D;
+    const int64_t* table = tables + (int64_t)b * nb;
+    float mx = sinks ? sinks[h] : -INFINITY;
+    for (int64_t j = lo; j <= p; j++) {
+      const float* kr = kp + ((int64_t)kh * rows + table[j / bs] * bs + j % bs) * D;
+      s[j - lo] = dot(qv, kr, D) * scale;
+      if (s[j - lo] > mx) mx = s[j - lo];
+    }
+    float sum = sinks ? expf(sinks[h] - mx) : 0.0f;
+    for (int64_t j = lo; j <= p; j++) {
+      s[j - lo] = expf(s[j - lo] - mx);
+      sum += s[j - lo];
+    }
+    float* o = out + ((int64_t)b * Hq + h) * Dv;
+    for (int i = 0; i < Dv; i++) o[i] = 0.0f;
+    for (int64_t j = lo; j <= p; j++) {
+      const float* vr = vp + ((int64_t)kh * rows + table[j / bs] * bs + j % bs) * Dv;
+      float w = s[j - lo] / sum;
+      int i = 0;
+      for (; i + VW <= Dv; i += VW) *(vfu*)(o + i) += w * *(const vfu*)(vr + i);
+      for (; i < Dv; i++) o[i] += w * vr[i];
     }
   }
 }
