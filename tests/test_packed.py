@@ -1,5 +1,6 @@
-"""The prepacked expert kernel of an engine's fp32 decode (``moerl.model.packed``): against torch's grouped GEMM,
-in the experts' forward (plain, un-gated, LoRA, MXFP8 never), after a sync, and where it does not build."""
+"""The CPU kernels of an engine's fp32 decode (``moerl.model.packed``): the prepacked expert kernel against torch's
+grouped GEMM, in the experts' forward (plain, un-gated, LoRA, MXFP8 never), after a sync, and where it does not
+build; the paged decode attention against the gather + matmul path."""
 
 import os
 import subprocess

@@ -131,7 +131,7 @@ class CompiledDecode:
                 adapters = torch.cat([adapters, adapters.new_full((rows,), -1)])
         lengths = torch.ones(b + rows, dtype=torch.long, device=device)
         view = StepView(self.cache, tables, positions, lengths, graph=True)
-        for t, dim in ((view._base, 3), (view._key_pos, 2), (view.read, 0)):  # the key length is symbolic too
+        for t, dim in ((view._base, 3), (view._key_pos, 2), (view.read, 0), (view.key_slots, 1)):  # keys: symbolic
             torch._dynamo.mark_dynamic(t, dim)
         # MXFP8 (applied to the engine's model after it is built): the quantized weights the graph reads, made before
         # it first compiles and quantized again (in place) after a sync, outside the graph

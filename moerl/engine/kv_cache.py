@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from moerl.model.config import ModelConfig
 from moerl.model.mixers import keeps_keys, recurrent_layers, state_shapes
-from moerl.model.packed import kernel
+from moerl.model.packed import kernel, paged_decode, paged_decode_op
 
 
 def kv_shape(cfg: ModelConfig) -> tuple[int, int, int]:
@@ -204,14 +202,18 @@ class StepView:
         self.write_at = (torch.arange(heads, device=write_slots.device)[:, None] * n + write_slots[None, :]).reshape(-1)
         s = block_tables.shape[1] * bs
         dev = block_tables.device
+        self.key_slots: torch.Tensor | None = None
         if graph:  # every visible key's row in the pool seen as [H * slots, d], head-major: [H * B * S]
             key_slots = self._visible_slots()
+            self.key_slots = key_slots.view(b, s)  # the paged kernel's table in the graph: blocks of one slot
             self.read, self.width = (torch.arange(heads, device=dev)[:, None] * n + key_slots[None, :]).reshape(-1), 1
         else:  # every block's row in the pool seen as [H * blocks, bs * d]: a few long copies, not one per key
             # (16% of small's fp32 decode step). A graph would guard on the blocks per row (S = 16 nb): not there
             head_base = torch.arange(heads, device=dev)[:, None] * (n // bs)
             self.read, self.width = (head_base + block_tables.reshape(1, -1)).reshape(-1), bs
         self.b = b
+        # decode reads the pools in place where the kernel runs (``attend``); decided here, outside a compiled graph
+        self.paged = cache.dtype == torch.float32 and torch.device(cache.device).type == "cpu" and kernel() is not None
         key_pos = torch.arange(s, device=dev)[None, None, :]
         q_pos = positions[:, :, None]
         visible = key_pos <= q_pos
@@ -247,42 +249,22 @@ class StepView:
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding: bool, scale: float, sinks
     ) -> torch.Tensor | None:
-        """An eager fp32 CPU decode step's attention read from the pools in place (``moerl.model.packed``'s paged
-        kernel: no gather of the keys and values, no score tensors): store k / v [B, 1, Hkv, d], return q [B, 1, Hq,
-        d]'s attention [B, 1, Hq * dv]. None where it does not apply (prefill, a compiled step, another dtype or
-        device, no kernel): the caller takes ``update`` and ``mask``."""
-        pool = self.cache.k[layer]
-        if q.shape[1] != 1 or self.width == 1 or torch.compiler.is_compiling() or torch.is_grad_enabled():
-            return None
-        if q.dtype != torch.float32 or pool.dtype != torch.float32 or pool.device.type != "cpu" or kernel() is None:
+        """An fp32 CPU decode step's attention read from the pools in place (``moerl.model.packed``'s paged kernel,
+        eager or as one op of the compiled step: no gather of the keys and values, no score tensors): store k / v
+        [B, 1, Hkv, d], return q [B, 1, Hq, d]'s attention [B, 1, Hq * dv]. None where it does not apply (prefill,
+        autograd, another dtype or device, no kernel): the caller takes ``update`` and ``mask``."""
+        if not self.paged or q.shape[1] != 1 or q.dtype != torch.float32 or torch.is_grad_enabled():
             return None
         self._write(layer, k, v)
         b, _, hq, d = q.shape
-        vpool = self.cache.v[layer]
-        hkv, rows, dv = vpool.shape
-        nb, bs = self.block_tables.shape[1], self.cache.block_size
-        pos = torch.where(self._real[:, 0], self._q_pos[:, 0, 0], 0).to(torch.int64).contiguous()  # padded: key 0
-        tables = self.block_tables.to(torch.int64).contiguous()
+        pos = torch.where(self._real[:, 0], self._q_pos[:, 0, 0], 0)  # a padded row reads key 0
         window = self.cache.sliding_window if sliding and self.cache.sliding_window else 0
-        sink = sinks.float().contiguous() if sinks is not None else None
-        q, out = q.reshape(b, hq, d).contiguous(), q.new_empty(b, hq, dv)
-        threads = torch.get_num_threads()
-        scratch = q.new_empty(threads, nb * bs)
-        ptr = ctypes.c_void_p
-        kernel().moerl_paged_decode(
-            *(ptr(t.data_ptr()) for t in (q, pool, vpool, tables, pos)),
-            ptr(sink.data_ptr() if sink is not None else 0),
-            *(ctypes.c_int(n) for n in (b, hq, hkv, d, dv)),
-            ctypes.c_int64(rows),
-            ctypes.c_int(nb),
-            ctypes.c_int(bs),
-            ctypes.c_int64(window),
-            ctypes.c_float(scale),
-            ptr(out.data_ptr()),
-            ptr(scratch.data_ptr()),
-            ctypes.c_int(threads),
-        )
-        return out.view(b, 1, hq * dv)
+        pools = (q.reshape(b, hq, d), self.cache.k[layer], self.cache.v[layer])
+        if self.key_slots is not None:  # the graph's view: its key length symbolic, the blocks per row are not
+            out = paged_decode_op(*pools, self.key_slots, pos, sinks, 1, window, scale)
+        else:
+            out = paged_decode(*pools, self.block_tables, pos, sinks, self.cache.block_size, window, scale)
+        return out.view(b, 1, -1)
 
     def _visible_slots(self) -> torch.Tensor:
         """Every visible key's slot, row by row: the block tables' slots in order [B * S]."""

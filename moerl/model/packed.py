@@ -1,19 +1,24 @@
-"""Routed experts' fp32 decode GEMMs on a CPU from prepacked weights (issue 42 part 2).
+"""CPU kernels of an engine's fp32 decode step (issue 42 part 2): the routed experts' GEMMs from prepacked weights,
+and attention read from the paged KV cache in place.
 
 At decode's shapes (a few rows per expert, an expert's weight of a MiB) a grouped GEMM is bound by streaming the
-weights, and MKL's sgemm streams them at about half the rate a plain read does (BENCHMARKS.md, issue 42). The
-kernel here reads each expert's weight once per step, panel by panel, in the order it is stored: the weight
+weights, and MKL's sgemm streams them at a fraction of the rate a plain read does (BENCHMARKS.md, issue 42). The
+expert kernel reads each expert's weight once per step, panel by panel, in the order it is stored: the weight
 [E, K, N] packed once into panels [E, N / NT, K, NT] (NT columns, two CPU vectors), the rows of a group kept in
 registers against each panel. For the gate-up projection each panel holds VW gate columns then the matching VW up
 columns, so the activation (SiLU(gate) * up) and the routing weight are applied as the panel's result is stored:
-the [rows, 2I] product never reaches memory.
+the [rows, 2I] product never reaches memory. The packed copy is kept beside the parameter (``packed_weight``) and
+made again when the parameter changes (a weight sync's ``copy_`` bumps its version): an engine's experts take twice
+their memory for it, which is why only an engine's own model packs (``Experts.k_major``).
 
-The kernel is C (GCC vector extensions: AVX-512, AVX2 or 128-bit vectors, whatever ``-march=native`` gives), built
-by the host's C compiler on first use into inductor's cache directory (which a compiled graph needs as well), and
-runs on torch's own OpenMP threads. Without a compiler, or on a machine where it does not build, ``kernel()`` is None
-and the experts keep torch's grouped GEMM. The packed copy is kept beside the parameter (``packed_weight``) and made
-again when the parameter changes (a weight sync's ``copy_`` bumps its version): an engine's experts take twice
-their memory for it, which is why only an engine's own model packs (``MoEModel.experts_k_major(pack=True)``).
+The attention kernel (``moerl.engine.kv_cache.StepView.attend``) computes a decode query's scores, softmax (with
+GPT-OSS's sinks and a sliding window) and value sum straight from the head-major pools through the block table,
+where the torch path gathers every visible key and value into new tensors first.
+
+The kernels are C (GCC vector extensions: AVX-512, AVX2 or 128-bit vectors, whatever ``-march=native`` gives),
+built by the host's C compiler on first use into inductor's cache directory (which a compiled graph needs as well),
+and run on torch's own OpenMP threads. Without a compiler, or on a machine where they do not build, ``kernel()`` is
+None and the engine keeps torch's ops.
 """
 
 from __future__ import annotations
@@ -284,3 +289,61 @@ def packed_group_mm_op(
 def _(x, panels, keys, n_groups, mode, scale):
     n = panels.shape[1] * panels.shape[3]
     return x.new_empty(x.shape[0], n // 2 if mode == 2 else n)
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    tables: torch.Tensor,
+    pos: torch.Tensor,
+    sinks: torch.Tensor | None,
+    block_size: int,
+    window: int,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention of queries ``q`` [B, Hq, D] over the keys and values of head-major pools [Hkv, rows, D]
+    through block tables [B, nb]: keys 0..``pos`` [B] of each row (the last ``window`` of them where > 0), with
+    ``sinks`` [Hq] joining each softmax -> [B, Hq, Dv] (fp32, CPU)."""
+    b, hq, d = q.shape
+    hkv, rows, dv = v_pool.shape
+    nb, threads = tables.shape[1], torch.get_num_threads()
+    q, tables, pos = q.contiguous(), tables.to(torch.int64).contiguous(), pos.to(torch.int64).contiguous()
+    sinks = sinks.float().contiguous() if sinks is not None else None
+    out, scratch = q.new_empty(b, hq, dv), q.new_empty(threads, nb * block_size)
+    ptr, i32 = ctypes.c_void_p, ctypes.c_int
+    kernel().moerl_paged_decode(
+        *(ptr(t.data_ptr()) for t in (q, k_pool, v_pool, tables, pos)),
+        ptr(sinks.data_ptr() if sinks is not None else 0),
+        *(i32(n) for n in (b, hq, hkv, d, dv)),
+        ctypes.c_int64(rows),
+        i32(nb),
+        i32(block_size),
+        ctypes.c_int64(window),
+        ctypes.c_float(scale),
+        ptr(out.data_ptr()),
+        ptr(scratch.data_ptr()),
+        i32(threads),
+    )
+    return out
+
+
+@torch.library.custom_op("moerl::paged_decode", mutates_args=())
+def paged_decode_op(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    tables: torch.Tensor,
+    pos: torch.Tensor,
+    sinks: torch.Tensor | None,
+    block_size: int,
+    window: int,
+    scale: float,
+) -> torch.Tensor:
+    """``paged_decode`` as one op a compiled decode step calls."""
+    return paged_decode(q, k_pool, v_pool, tables, pos, sinks, block_size, window, scale)
+
+
+@paged_decode_op.register_fake
+def _(q, k_pool, v_pool, tables, pos, sinks, block_size, window, scale):
+    return q.new_empty(q.shape[0], q.shape[1], v_pool.shape[2])
