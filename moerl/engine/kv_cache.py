@@ -6,7 +6,7 @@ import torch
 
 from moerl.model.config import ModelConfig
 from moerl.model.mixers import keeps_keys, recurrent_layers, state_shapes
-from moerl.model.packed import kernel, paged_decode, paged_decode_op
+from moerl.model.packed import kernel, paged_decode
 
 
 def kv_shape(cfg: ModelConfig) -> tuple[int, int, int]:
@@ -261,7 +261,7 @@ class StepView:
         window = self.cache.sliding_window if sliding and self.cache.sliding_window else 0
         pools = (q.reshape(b, hq, d), self.cache.k[layer], self.cache.v[layer])
         if self.key_slots is not None:  # the graph's view: its key length symbolic, the blocks per row are not
-            out = paged_decode_op(*pools, self.key_slots, pos, sinks, 1, window, scale)
+            out = paged_decode(*pools, self.key_slots, pos, sinks, 1, window, scale)
         else:
             out = paged_decode(*pools, self.block_tables, pos, sinks, self.cache.block_size, window, scale)
         return out.view(b, 1, -1)

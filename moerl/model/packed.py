@@ -291,6 +291,7 @@ def _(x, panels, keys, n_groups, mode, scale):
     return x.new_empty(x.shape[0], n // 2 if mode == 2 else n)
 
 
+@torch.library.custom_op("moerl::paged_decode", mutates_args=())
 def paged_decode(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -304,7 +305,7 @@ def paged_decode(
 ) -> torch.Tensor:
     """Decode attention of queries ``q`` [B, Hq, D] over the keys and values of head-major pools [Hkv, rows, D]
     through block tables [B, nb]: keys 0..``pos`` [B] of each row (the last ``window`` of them where > 0), with
-    ``sinks`` [Hq] joining each softmax -> [B, Hq, Dv] (fp32, CPU)."""
+    ``sinks`` [Hq] joining each softmax -> [B, Hq, Dv] (fp32, CPU). One op, eager and in a compiled graph."""
     b, hq, d = q.shape
     hkv, rows, dv = v_pool.shape
     nb, threads = tables.shape[1], torch.get_num_threads()
@@ -328,22 +329,6 @@ def paged_decode(
     return out
 
 
-@torch.library.custom_op("moerl::paged_decode", mutates_args=())
-def paged_decode_op(
-    q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    tables: torch.Tensor,
-    pos: torch.Tensor,
-    sinks: torch.Tensor | None,
-    block_size: int,
-    window: int,
-    scale: float,
-) -> torch.Tensor:
-    """``paged_decode`` as one op a compiled decode step calls."""
-    return paged_decode(q, k_pool, v_pool, tables, pos, sinks, block_size, window, scale)
-
-
-@paged_decode_op.register_fake
+@paged_decode.register_fake
 def _(q, k_pool, v_pool, tables, pos, sinks, block_size, window, scale):
     return q.new_empty(q.shape[0], q.shape[1], v_pool.shape[2])
