@@ -122,15 +122,14 @@ class Attention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=2)
         if self.qk_norm_after_rope:  # HunYuan-MoE-V1 (refused with interleaved pairs: they come out reordered)
             q, k = self.q_norm(q), self.k_norm(k)
-        out = None
-        if cache is not None:  # an eager CPU decode step reads the pools in place
-            out = cache.attend(self.layer, q, k, v, self.sliding, self.scale, self.sinks)
-        if out is None and cache is not None:
-            k, v = cache.update(self.layer, k, v)
-            mask = cache.mask(self.sliding)
-        elif out is None:
-            k, v = k.transpose(1, 2), v.transpose(1, 2)
+        # an fp32 CPU decode step reads the pools in place; else the visible keys and values gathered
+        out = cache.attend(self.layer, q, k, v, self.sliding, self.scale, self.sinks) if cache is not None else None
         if out is None:
+            if cache is not None:
+                k, v = cache.update(self.layer, k, v)
+                mask = cache.mask(self.sliding)
+            else:
+                k, v = k.transpose(1, 2), v.transpose(1, 2)
             out = attend(q.transpose(1, 2), k, v, mask, self.scale, self.sinks)
         return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
 

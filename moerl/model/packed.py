@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from moerl.model.grouped import Groups
+
 SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
@@ -167,12 +169,12 @@ def _build() -> ctypes.CDLL | None:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     cc = os.environ.get("CC", "gcc")
-    if shutil.which(cc) is None or os.environ.get("MOERL_PACKED_EXPERTS") == "0":
+    if shutil.which(cc) is None:
         return None
     flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
     cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     tag = hashlib.sha256("\0".join([SOURCE, cc, *flags, _cpu_flags(cpu)]).encode()).hexdigest()[:16]
-    lib = Path(cache_dir()) / "moerl_kernels" / f"packed_experts_{tag}.so"
+    lib = Path(cache_dir()) / "moerl_kernels" / f"decode_kernels_{tag}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=lib.parent) as d:
@@ -281,8 +283,7 @@ def packed_group_mm_op(
     x: torch.Tensor, panels: torch.Tensor, keys: torch.Tensor, n_groups: int, mode: int, scale: torch.Tensor | None
 ) -> torch.Tensor:
     """``packed_group_mm`` as one op a compiled graph calls, over rows grouped by the sorted ``keys`` [M]."""
-    ends = torch.searchsorted(keys, torch.arange(n_groups, dtype=keys.dtype), right=True)
-    return packed_group_mm(x, panels, ends.to(torch.int32), mode, scale)
+    return packed_group_mm(x, panels, Groups(keys, n_groups).offs, mode, scale)
 
 
 @packed_group_mm_op.register_fake
