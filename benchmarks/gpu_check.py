@@ -16,6 +16,7 @@ Exit status 1 when any check fails. A failing check prints the innermost moerl l
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import shutil
@@ -239,6 +240,14 @@ def plan_vs_step(mode: str) -> tuple[bool, str]:
     run = load_config(RunConfig, None, [*over, "policy.micro_batch_size=4"])
     hf, cfg = preset_config("qwen3_moe", "small")
     planned = trace_rank(cfg, run, 0, hf, gpu=CUDA).peak.total
+    # what the earlier checks still hold on the device (the second GPU run: the compiled decode's 3.5 GiB model, kept
+    # by its graphs; memory lent to the engine process over CUDA IPC, freed when that is noticed) is not this step's:
+    # the peak is counted above it. The cuBLAS workspaces are: the plan counts them (a fresh process makes them)
+    gc.collect()
+    if CUDA:
+        torch.cuda.ipc_collect()
+        torch._C._cuda_clearCublasWorkspaces()
+    before = torch.cuda.memory_allocated() if CUDA else 0
     with tempfile.TemporaryDirectory() as tmp:
         init_model("qwen3_moe", "small", Path(tmp) / "small")
         try:
@@ -254,7 +263,7 @@ def plan_vs_step(mode: str) -> tuple[bool, str]:
             torch.cuda.reset_peak_memory_stats()
             pol.train_step(batch, loss)
             sync()
-            measured, what = torch.cuda.max_memory_allocated(), "max_memory_allocated"
+            measured, what = torch.cuda.max_memory_allocated() - before, "max_memory_allocated over what others hold"
         else:
             with Memory(held(pol)) as memory:
                 pol.train_step(batch, loss)
@@ -339,7 +348,9 @@ class HostSyncs:
                 yield
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        hits = [str(w.message) for w in seen if "synchroniz" in str(w.message)]
+        # c10's own text for a synchronizing call; not the mode's notice that it is a prototype, which also says
+        # "synchronizing" (the first GPU run counted it as a sync)
+        hits = [str(w.message) for w in seen if "called a synchronizing CUDA operation" in str(w.message)]
         self.count += len(hits)
         self.where += hits[:3]
 
@@ -381,6 +392,9 @@ def _compiled_decode(sim) -> tuple[bool, str]:
         torch._logging.set_logs(perf_hints=True)  # a cudagraph skip says why
     skips = counters["inductor"]["cudagraph_skips"]
     fast.generate(requests(seqs, tokens))  # compile, warm up and record the graphs
+    # the control: a planted sync (a device scalar read on the host) must be counted, or the count below proves nothing
+    planted = HostSyncs(sim)
+    planted.around(lambda: torch.ones(2, device="cuda").sum().item())()
     syncs = HostSyncs(sim)
     fast.compiled._graph = syncs.around(fast.compiled._graph)
     t_fast, outs = _timed(lambda: fast.generate(requests(seqs, tokens, seed=1)))
@@ -394,11 +408,13 @@ def _compiled_decode(sim) -> tuple[bool, str]:
     lp[:, 1:] = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     k3, worst = k3_gap(outs, lp)
     bound = 1e-4  # bf16, the same model code eager and compiled
-    ok = grouped and not dense_experts_pay(model) and skips == 0 and syncs.count == 0 and k3 < bound
+    clean = skips == 0 and planted.count == 1 and syncs.count == 0
+    ok = grouped and not dense_experts_pay(model) and clean and k3 < bound
     where = f" ({'; '.join(syncs.where)})" if syncs.where else ""
     speed = f"{t_eager / t_fast:.2f}x eager" if CUDA else "no speed (simulated, eager)"
     return ok, (
-        f"grouped experts in the graph {grouped}, cudagraph skips {skips}, host syncs in replay {syncs.count}{where}; "
+        f"grouped experts in the graph {grouped}, cudagraph skips {skips}, host syncs in replay {syncs.count}{where} "
+        f"(a planted one counted {planted.count}); "
         f"k3 vs eager forward {k3:.1e} (bound {bound:.0e}), max|dlp| {worst:.2e}; {speed} ({seqs} seqs, {tokens} "
         "tokens)"
     )

@@ -202,6 +202,32 @@ def _cuda_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     return aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, dropout_p, is_causal, scale=scale)[0]
 
 
+class _FusedRMSNorm(torch.autograd.Function):
+    """CUDA's fused RMSNorm (``aten._fused_rms_norm``) as a plan traces it on fake tensors: the normed output and an
+    fp32 reciprocal RMS per row, keeping the input, the weight and that RMS for the backward. On the CPU the same call
+    is composite and keeps an fp32 copy of the input and its products (the first GPU run measured a full step of the
+    small preset 17% under a plan that traced the CPU's)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, dims: int):
+        rstd = x.new_empty((*x.shape[: x.ndim - dims], *(1,) * dims), dtype=torch.float32)
+        ctx.save_for_backward(x, weight, rstd)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, _ = ctx.saved_tensors
+        return torch.empty_like(x), None if weight is None else torch.empty_like(weight), None
+
+
+def _cuda_rms_norm(x, normalized_shape, weight=None, eps=None):
+    """``F.rms_norm`` as CUDA runs it (the dispatch of ``aten.rms_norm``): the fused kernel where the weight's dtype is
+    the input's (or there is none) and the input is real-valued, else the composite, as on the CPU."""
+    if x.is_complex() or (weight is not None and weight.dtype != x.dtype):
+        return F.rms_norm(x, normalized_shape, weight, eps)
+    return _FusedRMSNorm.apply(x, weight, len(normalized_shape))
+
+
 class _Reads(TorchFunctionMode):
     """The Python half of ``Shapes``: host reads that reach no ATen op (``tolist``, ``numpy``) answered from the
     known values."""
@@ -221,6 +247,8 @@ class _Reads(TorchFunctionMode):
                 return getattr(value, name)(*args[1:], **kwargs)
         if func is F.scaled_dot_product_attention and gpu_planned():
             return _cuda_attention(*args, **kwargs)
+        if func is F.rms_norm and gpu_planned():
+            return _cuda_rms_norm(*args, **kwargs)
         if name in ("__getitem__", "__setitem__") and len(args) > 1:  # a 0-d index is read in C++, off the data
             args = (args[0], self._scalar_indices(args[1]), *args[2:])
         if name in MADE_FROM_HOST:  # host data: a real tensor, its own value

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from moerl.device import gpu_paths
+from moerl.device import capability, gpu_paths
 from moerl.model.config import ModelConfig
 from moerl.parallel.world import World, fake_world
 from moerl.plan.fake import Shapes
@@ -213,6 +213,17 @@ def trace_rank(
     )
 
 
+# cuBLAS's workspace, which torch takes from its caching allocator for each thread that runs GEMMs on a device (a
+# step's and autograd's): 32 MiB each on sm90 (a LoRA step, the first in a process on an H200, held 64 MiB beside its
+# weights, optimizer state and gradients: benchmarks/plan_peak_cuda.py), torch's default of 8 MiB + 128 KiB elsewhere
+GEMM_THREADS = 2
+
+
+def gemm_workspace(capability: tuple[int, int]) -> int:
+    """Bytes of cuBLAS workspace for one thread's GEMMs on a GPU of ``capability``."""
+    return 32 * 2**20 if capability[0] == 9 else 8 * 2**20 + 128 * 2**10
+
+
 def _trace(cfg: ModelConfig, run: RunConfig, rank: int, hf: dict | None, gpu: bool) -> RankTrace:
     """``trace_rank`` of every layer."""
     from moerl.sync.weights import buckets
@@ -229,12 +240,16 @@ def _trace(cfg: ModelConfig, run: RunConfig, rank: int, hf: dict | None, gpu: bo
         with Shapes() as shapes, peers_vote_alike(), gpu_paths() if gpu else nullcontext():
             policy = Policy(".", policy_cfg, world, build=plan_model(cfg, hf))
             make_state(policy)
-            with Memory(held(policy)) as memory:
+            # a GPU rank's GEMM workspaces: made at its first GEMMs, kept while the process lives (temporaries' kind)
+            size = gemm_workspace(capability(torch.device("cuda"))) if gpu else 0
+            scratch = [torch.empty(size, dtype=torch.uint8) for _ in range(GEMM_THREADS if gpu else 0)]
+            with Memory(held(policy) | {"activations": scratch}) as memory:
                 policy.train_step(batch, make_policy_loss(run.algo.loss), replay=run.algo.r3, entropy=True)
                 memory.regard(gradients(policy), "gradients")
             engine = Elsewhere()
             grads = [g for g in gradients(policy) if g is not None]
-            with Memory(held(policy) | {"gradients": grads}) as sync:  # sync_policy's stream, its values unchecked
+            # sync_policy's stream, its values unchecked
+            with Memory(held(policy) | {"gradients": grads, "activations": scratch}) as sync:
                 for bucket in buckets(policy.sync_tensors(), run.rollout.sync_bucket_mb * 2**20):
                     engine.stage_weights(bucket)
             stages = list(policy.layout.pipeline.plan.stages) if policy.layout.pipeline is not None else [0]
