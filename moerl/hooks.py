@@ -78,33 +78,67 @@ class Saves:
 
 class AutoTune:
     """``policy.compile`` and ``rollout.compile_decode`` set to auto: compile where the first steps' timings say it
-    pays. Not where reruns must be bit for bit (``train.deterministic``); the decode only in synchronous runs of
-    the native engine (asynchronous ones generate while the loop decides)."""
+    pays, and keep it only where the compiled steps then run faster. Not where reruns must be bit for bit
+    (``train.deterministic``); the decode only in synchronous runs of the native engine (asynchronous ones generate
+    while the loop decides).
+
+    The decode: the engines' decode seconds and tokens are read after the first three steps of the run (or of its
+    resumption); the second and third steps' decoding (warm, their evaluations included) prices the compilation
+    (``moerl.engine.compiled.pays``); the fourth step compiles in its first decode, and the fifth and sixth are
+    timed: the compiled step stays only if its best tokens per second beats the eager steps' best (the padded
+    batch and the graph's own call can cost more than they save: an fp32 CPU engine decoding through its packed
+    kernels, BENCHMARKS.md), else the engines go back to eager."""
 
     def __init__(self, cfg: RunConfig, engine, start: int, asynchronous: bool):
         r, exact = cfg.rollout, cfg.train.deterministic
         self.engine, self.start, self.total = engine, start, cfg.train.steps
         self.training = None if exact else AutoCompile(cfg.train.steps)
         auto = r.compile_decode == "auto" and r.engine == "native" and not asynchronous and not exact
-        self.decoding: list[float] | None = [] if auto else None
+        self.decoding: list[tuple[float, int]] | None = [] if auto else None  # (seconds, tokens) after each step
+        self.trying = False  # compiled, not decided yet
 
     def after(self, policy: Policy, step: int, row: dict) -> list[str | None]:
         """Act on step ``step``'s ``row``; returns what to tell the user."""
         said = [self.training.after(policy, step, row) if self.training is not None else None]
-        if self.decoding is not None and step in (self.start + 1, self.start + 2):
-            self.decoding.append(self.engine.decode_seconds())
-            if len(self.decoding) == 2:  # the decode seconds of one warm step (its evaluation included)
-                said.append(self._decode(self.total - step - 1, self.decoding[1] - self.decoding[0]))
+        k = step - self.start
+        if self.decoding is None or k not in (1, 2, 3, 4, 5, 6) or (k > 3 and not self.trying):
+            return said
+        self.decoding.append((self.engine.decode_seconds(), self.engine.decode_tokens()))
+        if k == 3:
+            eager = [self._delta(1), self._delta(2)]
+            said.append(self._decode(self.total - step - 1, sum(s for s, _ in eager) / 2))
+        if k == 6:
+            said.append(self._decided())
         return said
+
+    def _delta(self, i: int) -> tuple[float, int]:
+        """Seconds and tokens decoded between reading ``i - 1`` and reading ``i``."""
+        (s0, n0), (s1, n1) = self.decoding[i - 1], self.decoding[i]
+        return s1 - s0, n1 - n0
+
+    def _rate(self, *readings: int) -> float:
+        """The best tokens per second of the steps ending at ``readings``."""
+        return max((n / s if s > 0 else 0.0) for s, n in map(self._delta, readings))
 
     def _decode(self, steps_left: int, decode_seconds: float) -> str | None:
         cost, priced = decode_price(self.engine.decode_compile_seconds())
         if not (pays_decode(steps_left, decode_seconds, cost) and self.engine.compile_decode()):
             return None
+        self.trying = True
         return (
             f"moerl: compiling {STEP} (rollout.compile_decode: auto; {steps_left} steps left at "
             f"{decode_seconds:.2f} s of decoding each repay {priced})"
         )
+
+    def _decided(self) -> str:
+        """Keep the compiled step or go back to eager, by the trial's tokens per second (readings 4 and 5: the steps
+        after the one that compiled)."""
+        self.trying = False
+        ratio = self._rate(4, 5) / max(self._rate(1, 2), 1e-9)
+        if ratio > 1.0:
+            return f"moerl: {STEP}, compiled, decodes {ratio:.2f}x as fast as eager: kept"
+        self.engine.compile_decode(False)
+        return f"moerl: {STEP}, compiled, decoded {ratio:.2f}x as fast as eager: back to eager"
 
 
 def results(cfg: RunConfig, run_dir: Path, policy: Policy) -> dict:

@@ -86,7 +86,8 @@ class RolloutSection:
     dtype: Literal[DTYPE_NAMES] = "auto"
     device: str = "auto"  # native engines: auto (CUDA where present) | cpu | cuda | cuda:N; vLLM picks its own
     # native engines: decode steps through one torch.compile graph (every mode); auto: compiled once the run's first
-    # steps show the steps left repay the compilation (synchronous runs; moerl.engine.compiled.pays)
+    # steps show the steps left repay the compilation (synchronous runs; moerl.engine.compiled.pays), kept only if
+    # the next two steps decode faster than eager did (moerl.hooks.AutoTune)
     compile_decode: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:

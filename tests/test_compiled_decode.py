@@ -5,6 +5,7 @@ The dense expert path the graph takes is checked eagerly against the grouped one
 
 import json
 import re
+import time
 
 import pytest
 import torch
@@ -90,6 +91,9 @@ def test_compiled_decode_matches_eager_and_sees_weight_updates():
     # negative control: the stale weights' generation fails the same comparison
     with pytest.raises(AssertionError):
         _compare(reference, after)
+    # told off (compile_decode: auto's trial found it no faster): the eager step again, bit for bit the eager engine
+    assert fast.compile_decode(False) is False and fast.compiled is None
+    assert _compare(eager.generate(_requests()), fast.generate(_requests()), tol=1e-30) == 0
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
@@ -279,25 +283,28 @@ def test_compiling_pays_past_the_measured_break_even():
 
 def test_the_loop_compiles_the_decode_step_when_auto_finds_it_pays(warm_model, tmp_path, monkeypatch, capfd):
     """A run with rollout.compile_decode: auto (the compilation priced at 0 s here) reads the engine's decode
-    seconds after its second and third steps, tells it to compile, says so, and its rollouts from then on come from
-    the compiled step (the step ran; the trainer's fp32 logprobs match them). Priced as measured (30 s), the same
-    run stays eager. Engines in processes answer the same two commands: tests/test_process_engines.py."""
+    seconds after its first three steps, tells it to compile, says so, and its rollouts then come from the compiled
+    step (the step ran; the trainer's fp32 logprobs match them); timed over the next two steps, a compiled step
+    slower than eager (slowed here) sends the engine back to eager. Priced as measured (30 s), the same run stays
+    eager. Engines in processes answer the same commands: tests/test_process_engines.py."""
     from run_helpers import metric_rows, run_cfg
 
     from moerl.engine.compiled import CompiledDecode
     from moerl.loop import train
 
-    steps = []
-    step = CompiledDecode.step
-    monkeypatch.setattr(CompiledDecode, "step", lambda self, *a: steps.append(1) or step(self, *a))
+    steps, told = [], []
+    step, compile_decode = CompiledDecode.step, LLMEngine.compile_decode
+    monkeypatch.setattr(CompiledDecode, "step", lambda self, *a: steps.append(time.sleep(0.05)) or step(self, *a))
+    monkeypatch.setattr(LLMEngine, "compile_decode", lambda self, on=True: told.append(on) or compile_decode(self, on))
     train(run_cfg(tmp_path / "eager", warm_model, "full", steps=4, **{"rollout.max_tokens": 6}))
-    assert "compiling the engine's decode step" not in capfd.readouterr().err and not steps
+    assert "compiling the engine's decode step" not in capfd.readouterr().err and not steps and not told
 
     monkeypatch.setattr(compiled_decode, "COMPILE_SECONDS", 0.0)
-    train(run_cfg(tmp_path / "run", warm_model, "full", steps=5, **{"rollout.max_tokens": 6}))
+    train(run_cfg(tmp_path / "run", warm_model, "full", steps=7, **{"rollout.max_tokens": 6}))
     said = capfd.readouterr().err
-    assert "moerl: compiling the engine's decode step (rollout.compile_decode: auto; 2 steps left" in said
-    assert steps
+    assert "moerl: compiling the engine's decode step (rollout.compile_decode: auto; 3 steps left" in said
+    assert steps and told == [True, False]
+    assert re.search(r"the engine's decode step, compiled, decoded 0\.\d\dx as fast as eager: back to eager", said)
     # the step that compiles says so before and after, once: a long first compiled step is not taken for a hang
     assert (
         said.count("moerl: compiling the engine's decode step now, in the first call (rollout.compile_decode: auto)")
@@ -305,7 +312,7 @@ def test_the_loop_compiles_the_decode_step_when_auto_finds_it_pays(warm_model, t
     )
     assert len(re.findall(r"moerl: compiled the engine's decode step: the first call took \d+\.\d s", said)) == 1
     rows = [r for r in metric_rows(tmp_path / "run") if "loss" in r]
-    assert len(rows) == 5 and all(r["mismatch_k3_r3"] < 1e-6 for r in rows)  # fp32: compiled within 1e-5 of eager
+    assert len(rows) == 7 and all(r["mismatch_k3_r3"] < 1e-6 for r in rows)  # fp32: compiled within 1e-5 of eager
 
     # the first call's seconds are remembered (one graph); a run priced at them (0 s here, where 30 s kept the first
     # run eager) compiles, and says how it priced it
@@ -314,9 +321,34 @@ def test_the_loop_compiles_the_decode_step_when_auto_finds_it_pays(warm_model, t
     assert abs(seconds - took) <= 0.06
     dynamo._remember(key, 0.0)
     monkeypatch.setattr(compiled_decode, "COMPILE_SECONDS", 30.0)
-    train(run_cfg(tmp_path / "again", warm_model, "full", steps=4, **{"rollout.max_tokens": 6}))
+    train(run_cfg(tmp_path / "again", warm_model, "full", steps=5, **{"rollout.max_tokens": 6}))
     said = capfd.readouterr().err
     assert "each repay the 0.0 s it took when it last compiled here)" in said, said
+
+
+def test_a_compiled_decode_step_faster_than_eager_is_kept(warm_model, tmp_path, monkeypatch, capfd):
+    """The other side of the trial: eager decode steps slowed (in the eager step's own view of the cache, inside the
+    timed forward), the compiled step decodes faster and stays on for the rest of the run."""
+    from run_helpers import run_cfg
+
+    from moerl.engine.kv_cache import StepView
+    from moerl.loop import train
+
+    told = []
+    init, compile_decode = StepView.__init__, LLMEngine.compile_decode
+
+    def slow_eager(self, *args, graph=False, **kwargs):
+        if not graph:  # the eager steps' views (prefill's too, which is not timed)
+            time.sleep(0.05)
+        init(self, *args, graph=graph, **kwargs)
+
+    monkeypatch.setattr(StepView, "__init__", slow_eager)
+    monkeypatch.setattr(LLMEngine, "compile_decode", lambda self, on=True: told.append(on) or compile_decode(self, on))
+    monkeypatch.setattr(compiled_decode, "COMPILE_SECONDS", 0.0)
+    train(run_cfg(tmp_path / "run", warm_model, "full", steps=7, **{"rollout.max_tokens": 6}))
+    said = capfd.readouterr().err
+    assert re.search(r"the engine's decode step, compiled, decodes \d+\.\d\dx as fast as eager: kept", said), said
+    assert told == [True]
 
 
 def test_the_pools_the_compiled_step_writes_reach_the_graph_static():

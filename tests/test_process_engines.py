@@ -184,16 +184,19 @@ def test_pools_in_and_out_of_process_speak_the_whole_inference_engine_protocol(m
 
 def test_engine_processes_report_their_decode_seconds_and_compile_when_told(model):
     """``compile_decode: auto`` across processes: each engine process answers ``decode_seconds`` (0 before a
-    generate, more after) and ``compile_decode`` (its compiled step is built; True for the pool); engines built
-    with compile_decode False answer False and stay eager."""
+    generate, more after), the tokens its decode steps made (every sampled token after a sequence's first, which
+    its prefill makes) and ``compile_decode`` (its compiled step is built; True for the pool; told off, it is eager
+    again); engines built with compile_decode False answer False and stay eager."""
     for setting in ("auto", False):
         cfg = EngineConfig(max_num_seqs=16, max_model_len=32, compile_decode=setting)
         pool = make_engine("native", model, cfg, placement="process", num_engines=1, threads=THREADS)
         try:
-            assert pool.decode_seconds() == 0
-            pool.generate(_requests())
+            assert pool.decode_seconds() == 0 and pool.decode_tokens() == 0
+            outs = pool.generate(_requests())
             assert pool.decode_seconds() > 0
+            assert pool.decode_tokens() == sum(len(c.token_ids) - 1 for o in outs for c in o.outputs)
             assert pool.compile_decode() is (setting == "auto") and pool.compiled is (setting == "auto")
+            assert pool.compile_decode(False) is False and pool.compiled is False
         finally:
             pool.close()
 

@@ -90,6 +90,7 @@ class LLMEngine:
             self.compile_decode()
         self.weight_version, self.steps = 0, 0
         self.decode_seconds = 0.0  # in decode steps' forwards so far: what compiling them would shorten
+        self.decode_tokens = 0  # the rows those steps decoded (compile_decode: auto compares tokens per second)
         self._staged: dict[str, torch.Tensor] = {}
         self.generator = torch.Generator().manual_seed(cfg.seed)
         eos = (tokenizer.eos_token_id if tokenizer is not None else None) or (model.hf_config or {}).get("eos_token_id")
@@ -101,11 +102,14 @@ class LLMEngine:
         """Where the model, its KV cache and every step's tensors live."""
         return self.model.embed_tokens.weight.device
 
-    def compile_decode(self) -> bool:
+    def compile_decode(self, on: bool = True) -> bool:
         """Decode through the compiled step from the next decode on (``EngineConfig.compile_decode="auto"``; the
         run loop calls it once it has measured that compiling pays). Returns whether the compiled step is on: an
         engine whose config is False, or that cannot compile (linear-attention layers, ``release_cache``), stays
-        eager."""
+        eager. ``on=False``: the eager step again (the loop's trial found the compiled one no faster)."""
+        if not on:
+            self.compiled = None
+            return False
         if self.compiled is None and self.cache.scratch_block is not None:
             cfg = self.config
             self.compiled = CompiledDecode(self.model, self.cache, cfg.capture_routing, cfg.compile_decode)
@@ -381,6 +385,7 @@ class LLMEngine:
             routed = routed.to(torch.uint8 if self.model.config.num_experts <= 256 else torch.int16).cpu()
         if kind == "decode":  # on a GPU the copy above waits for the forward (without R3 capture: its launch only)
             self.decode_seconds += time.perf_counter() - t0
+            self.decode_tokens += ids.shape[0]
         return logits, routed
 
     def _record(self, kind: str, batch: list[tuple[Sequence, int]], routed) -> list[tuple[Sequence, int]]:

@@ -224,13 +224,13 @@ class EnginePool:
         if "shm" in payloads:
             self.shm.buf.unlink()  # every engine has mapped it: nothing is left in /dev/shm if we crash
 
-    def _ask(self, op: str) -> list[dict]:
-        """Every engine's answer to command ``op`` (no weights: nothing to replay); one that died is brought back
-        and asked again."""
+    def _ask(self, op: str, **fields) -> list[dict]:
+        """Every engine's answer to command ``op`` with ``fields`` (no weights: nothing to replay); one that died is
+        brought back and asked again."""
 
         def ask(e):
             while True:
-                e.send({"op": op})
+                e.send({"op": op} | fields)
                 try:
                     return e.reply(op)
                 except EngineDied:
@@ -244,16 +244,22 @@ class EnginePool:
         seconds = [r["seconds"] for r in self._ask("decode_seconds")]
         return max(seconds) if self.engines[0].side_by_side else sum(seconds)
 
+    def decode_tokens(self) -> int:
+        """Tokens the engines' decode forwards made so far (all engines')."""
+        return sum(r["tokens"] for r in self._ask("decode_seconds"))
+
     def decode_compile_seconds(self) -> float | None:
         """What compiling the engines' decode step took when it last compiled here (the slowest engine's), or None
         where an engine's is not known."""
         known = [r.get("compile_seconds") for r in self._ask("decode_seconds")]
         return None if None in known else max(known)
 
-    def compile_decode(self) -> bool:
+    def compile_decode(self, on: bool = True) -> bool:
         """Every engine decodes through its compiled step from its next decode on (``compile_decode: auto``, see
-        ``LLMEngine.compile_decode``); an engine brought back later is told again. True if every engine does."""
-        self.compiled = all(r["on"] for r in self._ask("compile_decode"))
+        ``LLMEngine.compile_decode``); an engine brought back later is told again. True if every engine does.
+        ``on=False``: every engine back to its eager step."""
+        answers = self._ask("compile_decode", on=on)
+        self.compiled = on and all(r["on"] for r in answers)
         return self.compiled
 
     def discard_staged(self) -> None:

@@ -115,10 +115,11 @@ class EngineServer:
         self.engine.add_adapter(msg["name"], tensors if tensors is not None else msg["path"])
 
     def compile_decode(self, msg: dict, tensors=None) -> dict:
-        return {"on": self.engine.compile_decode()}
+        return {"on": self.engine.compile_decode(msg.get("on", True))}
 
     def decode_seconds(self, msg: dict, tensors=None) -> dict:
-        return {"seconds": self.engine.decode_seconds, "compile_seconds": self.engine.compile_seconds}
+        e = self.engine
+        return {"seconds": e.decode_seconds, "tokens": e.decode_tokens, "compile_seconds": e.compile_seconds}
 
     def read_weights(self, msg: dict, tensors=None) -> dict:
         """The engine's own tensors by name: moerl's for a native engine, vLLM's for a vLLM engine."""

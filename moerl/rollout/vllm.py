@@ -93,6 +93,7 @@ class VLLMEngine:
 
     dense_weights: str  # LoRA merged, MXFP8 as MX-rounded values, in this dtype: full-mode updates (moerl.sync)
     decode_seconds = 0.0  # not measured: vLLM compiles and captures its own decode (compile_decode is native)
+    decode_tokens = 0
     compile_seconds = None
 
     def __init__(
@@ -288,7 +289,7 @@ class VLLMEngine:
     def add_adapter(self, name: str, source) -> None:
         raise ConfigError("a vLLM engine loads no adapters: merge them (moerl export) or sync a LoRA policy")
 
-    def compile_decode(self) -> bool:
+    def compile_decode(self, on: bool = True) -> bool:
         return False
 
     def decode_compile_seconds(self) -> float | None:
