@@ -162,12 +162,14 @@ def test_without_a_compiler_the_engine_keeps_torchs_gemm(tmp_path):
     assert done.returncode == 0 and done.stdout.strip() == "4", done.stderr[-2000:]
 
 
+@pytest.mark.parametrize("scale", [0.125, 4.0])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
-def test_paged_decode_attention_reads_the_pools_as_the_gathered_path_does(arch):
+def test_paged_decode_attention_reads_the_pools_as_the_gathered_path_does(arch, scale):
     """A decode step's attention from the pools in place (``StepView.attend``: rows at positions 0 to 45 over
     shuffled blocks of 16) against the gather + matmul path (``update``, ``mask``, ``attend``), fp32 (1e-5): full
-    and sliding-window layers (a window of 8), GPT-OSS's sinks. The control: a sliding layer's keys read as a full
-    layer's differ by more."""
+    and sliding-window layers (a window of 8), GPT-OSS's sinks, grouped query heads; a sharp softmax too (scale 4:
+    scores tens apart, most weights below e^-87, where the kernel's vector exp stops). The control: a sliding
+    layer's keys read as a full layer's differ by more."""
     from moerl.engine.kv_cache import KVCache, StepView
     from moerl.model.attention import attend
 
@@ -186,12 +188,12 @@ def test_paged_decode_attention_reads_the_pools_as_the_gathered_path_does(arch):
     for sliding in (False, True) if cache.sliding_window else (False,):
         with torch.no_grad():
             got = StepView(cache, tables, positions, torch.ones(4, dtype=torch.long)).attend(
-                0, q, k, v, sliding, 0.125, sinks
+                0, q, k, v, sliding, scale, sinks
             )
             view = StepView(cache, tables, positions, torch.ones(4, dtype=torch.long))
             keys, values = view.update(0, k, v)
-            want = attend(q.transpose(1, 2), keys, values, view.mask(sliding), 0.125, sinks)
-            full = attend(q.transpose(1, 2), keys, values, view.mask(False), 0.125, sinks)
+            want = attend(q.transpose(1, 2), keys, values, view.mask(sliding), scale, sinks)
+            full = attend(q.transpose(1, 2), keys, values, view.mask(False), scale, sinks)
         assert got is not None and (got - want).abs().max() <= 1e-5, sliding
         if sliding:
             assert (got - full).abs().max() > 1e-3

@@ -106,7 +106,8 @@ void moerl_packed_group_mm(const float* x, const float* w, const int32_t* offs, 
 /* Decode attention over the paged cache, read in place: q [B, Hq, D] -> out [B, Hq, Dv]. Pools head-major
    [Hkv][rows][D] and [Hkv][rows][Dv]; tables [B][nb] block ids; pos [B]: the query's position (keys 0..pos visible;
    window > 0: only the last `window` of them); sinks [Hq] (a logit that joins the softmax) or NULL; scratch:
-   threads x nb * bs floats for the scores. */
+   threads x (Hq / Hkv) * nb * bs floats for the scores. One task per (row, KV head): each key and value row is read
+   once for the query heads that share it. */
 static inline float dot(const float* a, const float* b, int n) {
   vf acc = (vf){0};
   int i = 0;
@@ -118,36 +119,75 @@ static inline float dot(const float* a, const float* b, int n) {
   return s;
 }
 
+typedef int32_t vi __attribute__((vector_size(VB)));
+
+/* e^x for x <= 0 in vector lanes (the softmax's shifted scores): Cephes' expf, within 2 ulp of expf; x below
+   -87 gives e^-87 (~1e-38) where expf gives a denormal or 0, nothing beside a softmax's 1 at its maximum. */
+static inline vf vexp(vf x) {
+  const vf lo = (vf){0} - 87.0f;
+  vi below = x < lo;
+  x = (vf)(((vi)lo & below) | ((vi)x & ~below));
+  vf fx = x * 1.44269504088896341f + 0.5f;
+  vf t = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);
+  vi over = t > fx;  /* truncation rounds negatives up: floor is one less there */
+  fx = t - (vf)((vi)((vf){0} + 1.0f) & over);
+  x = x - fx * 0.693359375f + fx * 2.12194440e-4f;
+  vf z = x * x;
+  vf y = ((((1.9875691500e-4f * x + 1.3981999507e-3f) * x + 8.3334519073e-3f) * x + 4.1665795894e-2f) * x
+          + 1.6666665459e-1f) * x + 5.0000001201e-1f;
+  y = y * z + x + 1.0f;
+  vi pow2 = (__builtin_convertvector(fx, vi) + 127) << 23;
+  return y * (vf)pow2;
+}
+
+/* s[0..n) = e^(s - mx) in place; returns their sum */
+static inline float exp_sum(float* s, int64_t n, float mx) {
+  vf acc = (vf){0};
+  int64_t i = 0;
+  for (; i + VW <= n; i += VW) {
+    vf e = vexp(*(vfu*)(s + i) - mx);
+    *(vfu*)(s + i) = e;
+    acc += e;
+  }
+  float sum = 0, lanes[VW];
+  memcpy(lanes, &acc, sizeof lanes);
+  for (int j = 0; j < VW; j++) sum += lanes[j];
+  for (; i < n; i++) sum += s[i] = expf(s[i] - mx);
+  return sum;
+}
+
 void moerl_paged_decode(const float* q, const float* kp, const float* vp, const int64_t* tables, const int64_t* pos,
                         const float* sinks, int B, int Hq, int Hkv, int D, int Dv, int64_t rows, int nb, int bs,
                         int64_t window, float scale, float* out, float* scratch, int threads) {
   int g = Hq / Hkv;
   #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int t = 0; t < B * Hq; t++) {
-    int b = t / Hq, h = t % Hq, kh = h / g;
-    int64_t p = pos[b], lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
-    float* s = scratch + (int64_t)omp_get_thread_num() * nb * bs;
-    const float* qv = q + ((int64_t)b * Hq + h) * D;
+  for (int t = 0; t < B * Hkv; t++) {
+    int b = t / Hkv, kh = t % Hkv;
+    int64_t p = pos[b], lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0, n = p - lo + 1;
+    float* s = scratch + (int64_t)omp_get_thread_num() * g * nb * bs;  /* [g][n] */
+    const float* qv = q + ((int64_t)b * Hq + (int64_t)kh * g) * D;  /* the g query heads of this KV head */
     const int64_t* table = tables + (int64_t)b * nb;
-    float mx = sinks ? sinks[h] : -INFINITY;
     for (int64_t j = lo; j <= p; j++) {
       const float* kr = kp + ((int64_t)kh * rows + table[j / bs] * bs + j % bs) * D;
-      s[j - lo] = dot(qv, kr, D) * scale;
-      if (s[j - lo] > mx) mx = s[j - lo];
+      for (int h = 0; h < g; h++) s[h * n + j - lo] = dot(qv + (int64_t)h * D, kr, D) * scale;
     }
-    float sum = sinks ? expf(sinks[h] - mx) : 0.0f;
-    for (int64_t j = lo; j <= p; j++) {
-      s[j - lo] = expf(s[j - lo] - mx);
-      sum += s[j - lo];
+    float* o = out + ((int64_t)b * Hq + (int64_t)kh * g) * Dv;
+    for (int h = 0; h < g; h++) {
+      float* sh = s + h * n;
+      float mx = sinks ? sinks[kh * g + h] : -INFINITY;
+      for (int64_t j = 0; j < n; j++) mx = sh[j] > mx ? sh[j] : mx;
+      float sum = exp_sum(sh, n, mx) + (sinks ? expf(sinks[kh * g + h] - mx) : 0.0f);
+      for (int64_t j = 0; j < n; j++) sh[j] /= sum;
+      for (int i = 0; i < Dv; i++) o[(int64_t)h * Dv + i] = 0.0f;
     }
-    float* o = out + ((int64_t)b * Hq + h) * Dv;
-    for (int i = 0; i < Dv; i++) o[i] = 0.0f;
     for (int64_t j = lo; j <= p; j++) {
       const float* vr = vp + ((int64_t)kh * rows + table[j / bs] * bs + j % bs) * Dv;
-      float w = s[j - lo] / sum;
-      int i = 0;
-      for (; i + VW <= Dv; i += VW) *(vfu*)(o + i) += w * *(const vfu*)(vr + i);
-      for (; i < Dv; i++) o[i] += w * vr[i];
+      for (int h = 0; h < g; h++) {
+        float w = s[h * n + j - lo], *oh = o + (int64_t)h * Dv;
+        int i = 0;
+        for (; i + VW <= Dv; i += VW) *(vfu*)(oh + i) += w * *(const vfu*)(vr + i);
+        for (; i < Dv; i++) oh[i] += w * vr[i];
+      }
     }
   }
 }
@@ -312,7 +352,7 @@ def paged_decode(
     nb, threads = tables.shape[1], torch.get_num_threads()
     q, tables, pos = q.contiguous(), tables.to(torch.int64).contiguous(), pos.to(torch.int64).contiguous()
     sinks = sinks.float().contiguous() if sinks is not None else None
-    out, scratch = q.new_empty(b, hq, dv), q.new_empty(threads, nb * block_size)
+    out, scratch = q.new_empty(b, hq, dv), q.new_empty(threads, hq // hkv * nb * block_size)
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     kernel().moerl_paged_decode(
         *(ptr(t.data_ptr()) for t in (q, k_pool, v_pool, tables, pos)),
