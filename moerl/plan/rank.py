@@ -241,8 +241,8 @@ def _trace(cfg: ModelConfig, run: RunConfig, rank: int, hf: dict | None, gpu: bo
             policy = Policy(".", policy_cfg, world, build=plan_model(cfg, hf))
             make_state(policy)
             # a GPU rank's GEMM workspaces: made at its first GEMMs, kept while the process lives (temporaries' kind)
-            size = gemm_workspace(capability(torch.device("cuda"))) if gpu else 0
-            scratch = [torch.empty(size, dtype=torch.uint8) for _ in range(GEMM_THREADS if gpu else 0)]
+            workspace = gemm_workspace(capability(torch.device("cuda"))) if gpu else 0
+            scratch = [torch.empty(workspace, dtype=torch.uint8) for _ in range(GEMM_THREADS)] if gpu else []
             with Memory(held(policy) | {"activations": scratch}) as memory:
                 policy.train_step(batch, make_policy_loss(run.algo.loss), replay=run.algo.r3, entropy=True)
                 memory.regard(gradients(policy), "gradients")
