@@ -1,6 +1,6 @@
-"""The CPU kernels of an engine's fp32 decode (``moerl.model.packed``): the prepacked expert kernel against torch's
-grouped GEMM, in the experts' forward (plain, un-gated, LoRA, MXFP8 never), after a sync, and where it does not
-build; the paged decode attention against the gather + matmul path."""
+"""The CPU kernels of an engine's fp32 and bf16 decode (``moerl.model.packed``): the prepacked expert kernel against
+torch's grouped GEMM, in the experts' forward (plain, un-gated, LoRA, MXFP8 never), after a sync, and where it does
+not build; the paged decode attention against the gather + matmul path."""
 
 import os
 import subprocess
@@ -15,7 +15,7 @@ from test_engine_lora import _logprob_k3, _trained_adapter
 from moerl.bridges import load_model
 from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
 from moerl.model.moe import PACKED_MAX_ROWS, Experts
-from moerl.model.packed import kernel, pack, packed_group_mm, packed_weight
+from moerl.model.packed import kernel, pack, packed_group_mm, packed_weight, rms_norm
 from moerl.presets import init_model, preset_config
 
 pytestmark = pytest.mark.skipif(kernel() is None, reason="the packed kernel does not build here (no C compiler)")
@@ -54,6 +54,35 @@ def test_the_kernel_computes_what_the_grouped_gemm_does(rows):
     assert (packed_group_mm(hid, perturbed, offs, 0) - want).abs().max() > ATOL
 
 
+@pytest.mark.parametrize("rows", [5, 200])
+def test_bf16_weights_are_widened_exactly_and_the_result_rounded_once(rows):
+    """bf16 weights and rows: the kernel widens them exactly and sums in fp32, so against ``torch._grouped_mm`` of the
+    same values in fp32 it is as close as the fp32 kernel (ATOL); a bf16 result is that sum rounded once (within half
+    a bf16 step, 2^-8 relative, plus the sums' order). The control: one weight row a few bf16 steps off is caught."""
+    e, h, i = 12, 512, 256
+    gen = torch.Generator().manual_seed(rows)
+    gate_up, down = torch.randn(e, h, 2 * i, generator=gen).bfloat16(), torch.randn(e, i, h, generator=gen).bfloat16()
+    x, scale = torch.randn(rows, h, generator=gen).bfloat16(), torch.rand(rows)
+    offs = _groups(rows, e, rows)
+    ref = torch._grouped_mm(x.float(), gate_up.float(), offs=offs)
+    packed = pack(gate_up, True)
+    assert packed.dtype == torch.bfloat16
+    assert (packed_group_mm(x, packed, offs, 1, out_dtype=torch.float32) - ref).abs().max() <= ATOL
+    rounded = packed_group_mm(x, packed, offs, 1)
+    assert rounded.dtype == torch.bfloat16
+    assert ((rounded.float() - ref).abs() <= ref.abs() * 2**-8 + ATOL).all()
+    gate, up = ref.chunk(2, -1)
+    act = packed_group_mm(x, packed, offs, 2, scale, torch.float32)
+    assert (act - F.silu(gate) * up * scale[:, None]).abs().max() <= ATOL * (1 + act.abs().max())
+    want = torch._grouped_mm(act, down.float(), offs=offs)
+    got = packed_group_mm(act, pack(down, False), offs, 0, out_dtype=torch.bfloat16)
+    assert ((got.float() - want).abs() <= want.abs() * 2**-8 + ATOL * (1 + want.abs().max())).all()
+    off = down.clone()
+    off[:, 7] = (off[:, 7].float() * (1 + 2**-6)).bfloat16()  # one row of every expert's weight, a few steps off
+    moved = packed_group_mm(act, pack(off, False), offs, 0, out_dtype=torch.float32)
+    assert (moved - want).abs().max() > ATOL * (1 + want.abs().max())
+
+
 def test_rows_or_groups_that_do_not_match_the_weight_are_named():
     packed = pack(torch.randn(4, 64, 32), False)
     with pytest.raises(ValueError, match=r"rows \(3, 32\), 4 groups, weight \[4, 64, 32\]"):
@@ -62,6 +91,8 @@ def test_rows_or_groups_that_do_not_match_the_weight_are_named():
         packed_group_mm(torch.randn(3, 64), packed, torch.tensor([1, 2, 3]))
     with pytest.raises(ValueError, match="mode 2 needs a scale per row"):
         packed_group_mm(torch.randn(3, 64), pack(torch.randn(4, 64, 32), True), torch.tensor([1, 2, 3, 3]), 2)
+    with pytest.raises(ValueError, match=r"weight torch.float16, result torch.float32: fp32 or bf16 only"):
+        packed_group_mm(torch.randn(3, 64), packed.half(), torch.tensor([1, 2, 3, 3]), out_dtype=torch.float32)
 
 
 def _experts(activation: str, bias: bool = False) -> Experts:
@@ -94,6 +125,34 @@ def test_packed_experts_decode_what_the_grouped_path_does(activation, bias):
     assert not engine._packs(x)  # autograd on: a trainer's forward never takes the kernel
     with torch.no_grad():
         assert engine._packs(x) and not engine._packs(torch.randn((PACKED_MAX_ROWS + 1) * engine.num_experts, 256))
+
+
+def test_bf16_experts_decode_what_fp32_experts_of_the_same_weights_do():
+    """bf16 experts (an engine's where ``auto`` is bf16) take the kernel whatever their size (tiny's too), against the
+    trainer's layout in fp32 on the same bf16 values: within two bf16 roundings of the largest output (each expert's
+    rows, then their routed sum: 2^-7), the gate-up product never rounded. The control: down_proj 3% off is caught."""
+    trainer = _experts("silu")
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.copy_(p.bfloat16().float())
+    engine = _experts("silu").to(torch.bfloat16)
+    engine.load_state_dict(trainer.state_dict())
+    engine.k_major()
+    assert engine.packed and not trainer.packed
+    small = Experts(preset_config("qwen3_moe", "tiny")[1]).to(torch.bfloat16)
+    small.k_major()
+    assert small.packed
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 256, generator=gen).bfloat16()
+    idx = torch.stack([torch.randperm(trainer.num_experts, generator=gen)[:2] for _ in range(40)])
+    weights = torch.rand(40, 2, generator=gen).softmax(-1).bfloat16().float()
+    with torch.no_grad():
+        got, want = engine(x, idx, weights), trainer(x.float(), idx, weights)
+        tol = 2**-7 * want.abs().max()
+        assert got.dtype == torch.bfloat16 and (got.float() - want).abs().max() <= tol
+        assert set(engine._packed) == {"gate_up", "down"}
+        trainer.down_proj.mul_(1.03)
+        assert (got.float() - trainer(x.float(), idx, weights)).abs().max() > tol
 
 
 def test_a_weight_changed_in_place_is_packed_again():
@@ -164,41 +223,90 @@ def test_without_a_compiler_the_engine_keeps_torchs_gemm(tmp_path):
 
 @pytest.mark.parametrize("scale", [0.125, 4.0])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
-def test_paged_decode_attention_reads_the_pools_as_the_gathered_path_does(arch, scale):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_attention_reads_the_pools_as_the_gathered_path_does(arch, scale, dtype):
     """A decode step's attention from the pools in place (``StepView.attend``: rows at positions 0 to 45 over
-    shuffled blocks of 16) against the gather + matmul path (``update``, ``mask``, ``attend``), fp32 (1e-5): full
-    and sliding-window layers (a window of 8), GPT-OSS's sinks, grouped query heads; a sharp softmax too (scale 4:
-    scores tens apart, most weights below e^-87, where the kernel's vector exp stops). The control: a sliding
-    layer's keys read as a full layer's differ by more."""
+    shuffled blocks of 16) against the gather + matmul path (``update``, ``mask``, ``attend``) in fp32 on the same
+    values: full and sliding-window layers (a window of 8), GPT-OSS's sinks, grouped query heads; a sharp softmax
+    too (scale 4: scores tens apart, most weights below e^-87, where the kernel's vector exp stops). fp32 within
+    1e-5; bf16 pools and queries (widened exactly, summed in fp32) within the output's one rounding (2^-8 of its
+    largest). The control: a sliding layer's keys read as a full layer's differ by more."""
     from moerl.engine.kv_cache import KVCache, StepView
     from moerl.model.attention import attend
 
     over = {"sliding_window": 8} if arch == "gpt_oss" else {}
     cfg = preset_config(arch, "tiny", over)[1]
-    cache = KVCache(cfg, num_blocks=16, block_size=16, dtype=torch.float32)
+    cache = KVCache(cfg, num_blocks=16, block_size=16, dtype=dtype)
+    ref = KVCache(cfg, num_blocks=16, block_size=16, dtype=torch.float32)  # the oracle's: the same values in fp32
     gen = torch.Generator().manual_seed(0)
-    for pool in cache.k + cache.v:
+    for pool, into in zip(cache.k + cache.v, ref.k + ref.v, strict=True):
         pool.copy_(torch.randn(pool.shape, generator=gen))
+        into.copy_(pool)
     positions = torch.tensor([[0], [7], [20], [45]])
     tables = torch.randperm(16, generator=gen)[:12].view(4, 3)
     hkv, _, d = cache.k[0].shape
     hq = cfg.num_heads
-    q, k, v = (torch.randn(4, 1, h, d, generator=gen) for h in (hq, hkv, hkv))
+    q, k, v = (torch.randn(4, 1, h, d, generator=gen).to(dtype) for h in (hq, hkv, hkv))
     sinks = torch.randn(hq, generator=gen) if arch == "gpt_oss" else None
     for sliding in (False, True) if cache.sliding_window else (False,):
         with torch.no_grad():
             got = StepView(cache, tables, positions, torch.ones(4, dtype=torch.long)).attend(
                 0, q, k, v, sliding, scale, sinks
             )
-            view = StepView(cache, tables, positions, torch.ones(4, dtype=torch.long))
-            keys, values = view.update(0, k, v)
-            want = attend(q.transpose(1, 2), keys, values, view.mask(sliding), scale, sinks)
-            full = attend(q.transpose(1, 2), keys, values, view.mask(False), scale, sinks)
-        assert got is not None and (got - want).abs().max() <= 1e-5, sliding
+            view = StepView(ref, tables, positions, torch.ones(4, dtype=torch.long))
+            keys, values = view.update(0, k.float(), v.float())
+            want = attend(q.float().transpose(1, 2), keys, values, view.mask(sliding), scale, sinks)
+            full = attend(q.float().transpose(1, 2), keys, values, view.mask(False), scale, sinks)
+        tol = 1e-5 if dtype == torch.float32 else 2**-8 * want.abs().max()
+        assert got is not None and got.dtype == dtype and (got.float() - want).abs().max() <= tol, sliding
         if sliding:
-            assert (got - full).abs().max() > 1e-3
+            assert (got.float() - full).abs().max() > max(tol, 1e-3)
     with torch.enable_grad():  # a trainer's forward (autograd) takes the gathered path
         assert (
             StepView(cache, tables, positions, torch.ones(4, dtype=torch.long)).attend(0, q, k, v, False, 1, None)
             is None
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(64, 512), (64, 1, 8, 64), (3, 7, 100), (4096, 512)])
+def test_rms_norm_in_one_call_computes_what_torch_does(shape, dtype):
+    """The engine's RMSNorm kernel against ``F.rms_norm`` (torch's CPU composite: fp32 statistics, one rounding after
+    the weight), rows of decode, per-head norms, a dim that is no vector multiple and prefill's many rows (threaded),
+    weights fp32 and bf16: fp32 within 2 ulp of the output (the squares summed in another order), bf16 within one
+    bf16 step, 2^-7 relative. The control: eps 1 where the norm's is 1e-6 (rows of mean square ~9) is caught."""
+    gen = torch.Generator().manual_seed(len(shape))
+    x = (torch.randn(shape, generator=gen) * 3).to(dtype)
+    for w in (torch.randn(shape[-1], generator=gen), torch.randn(shape[-1], generator=gen).to(dtype)):
+        want = F.rms_norm(x.float(), (shape[-1],), w.float(), 1e-6).to(dtype).float()
+        tol = want.abs() * (2**-22 if dtype == torch.float32 else 2**-7) + 1e-6
+        got = rms_norm(x, w, 1e-6)
+        assert got.dtype == dtype and got.shape == x.shape and ((got.float() - want).abs() <= tol).all()
+        assert not ((rms_norm(x, w, 1.0).float() - want).abs() <= tol).all()
+
+
+def test_rms_norm_names_rows_and_weights_it_does_not_take():
+    with pytest.raises(ValueError, match=r"rms_norm: rows torch.float32 \(4, 8\), weight torch.float32 \(6,\)"):
+        rms_norm(torch.randn(4, 8), torch.ones(6), 1e-6)
+    with pytest.raises(ValueError, match="rows torch.float16"):
+        rms_norm(torch.randn(4, 8).half(), torch.ones(8), 1e-6)
+
+
+def test_an_engine_runs_its_norms_in_one_call(tmp_path):
+    """An engine's own CPU model (``decode_layout``) marks every RMSNorm (layer, q / k, final) to run as one kernel
+    call without autograd; a trainer's model of the same checkpoint keeps torch's composite, and the two decode the
+    same greedy tokens (fp32)."""
+    from moerl.model.norms import RMSNorm
+
+    path = tmp_path / "tiny"
+    init_model("qwen3_moe", "tiny", path)
+    engine = LLMEngine(path, EngineConfig(max_num_seqs=2, max_model_len=32), dtype=torch.float32)
+    norms = [m for m in engine.model.modules() if isinstance(m, RMSNorm)]
+    assert norms and all(m.one_call for m in norms)
+    assert len(norms) == 4 * engine.model.config.num_layers + 1
+    model = load_model(path, dtype=torch.float32)
+    assert not any(m.one_call for m in model.modules() if isinstance(m, RMSNorm))
+    plain = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=32))
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    got = engine.generate([[5, 6, 7, 8]], params)[0].outputs[0].token_ids
+    assert got == plain.generate([[5, 6, 7, 8]], params)[0].outputs[0].token_ids

@@ -58,7 +58,7 @@ class LLMEngine:
                 tokenizer = load_tokenizer(path)
             model = load_model(path, dtype=dtype, device=device)
             if model.embed_tokens.weight.device.type == "cpu":  # a model of its own: laid out for its GEMMs
-                model.experts_k_major()
+                model.decode_layout()
         self.model, self.tokenizer = model.eval(), tokenizer
         mcfg = model.config
         recurrent = bool(recurrent_layers(mcfg))

@@ -6,7 +6,7 @@ import torch
 
 from moerl.model.config import ModelConfig
 from moerl.model.mixers import keeps_keys, recurrent_layers, state_shapes
-from moerl.model.packed import kernel, paged_decode
+from moerl.model.packed import KINDS, kernel, paged_decode
 
 
 def kv_shape(cfg: ModelConfig) -> tuple[int, int, int]:
@@ -213,7 +213,7 @@ class StepView:
             self.read, self.width = (head_base + block_tables.reshape(1, -1)).reshape(-1), bs
         self.b = b
         # decode reads the pools in place where the kernel runs (``attend``); decided here, outside a compiled graph
-        self.paged = cache.dtype == torch.float32 and torch.device(cache.device).type == "cpu" and kernel() is not None
+        self.paged = cache.dtype in KINDS and torch.device(cache.device).type == "cpu" and kernel() is not None
         key_pos = torch.arange(s, device=dev)[None, None, :]
         q_pos = positions[:, :, None]
         visible = key_pos <= q_pos
@@ -249,11 +249,11 @@ class StepView:
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding: bool, scale: float, sinks
     ) -> torch.Tensor | None:
-        """An fp32 CPU decode step's attention read from the pools in place (``moerl.model.packed``'s paged kernel,
-        eager or as one op of the compiled step: no gather of the keys and values, no score tensors): store k / v
-        [B, 1, Hkv, d], return q [B, 1, Hq, d]'s attention [B, 1, Hq * dv]. None where it does not apply (prefill,
-        autograd, another dtype or device, no kernel): the caller takes ``update`` and ``mask``."""
-        if not self.paged or q.shape[1] != 1 or q.dtype != torch.float32 or torch.is_grad_enabled():
+        """An fp32 or bf16 CPU decode step's attention read from the pools in place (``moerl.model.packed``'s paged
+        kernel, eager or as one op of the compiled step: no gather of the keys and values, no score tensors): store
+        k / v [B, 1, Hkv, d], return q [B, 1, Hq, d]'s attention [B, 1, Hq * dv]. None where it does not apply
+        (prefill, autograd, another dtype or device, no kernel): the caller takes ``update`` and ``mask``."""
+        if not self.paged or q.shape[1] != 1 or q.dtype != self.cache.dtype or torch.is_grad_enabled():
             return None
         self._write(layer, k, v)
         b, _, hq, d = q.shape

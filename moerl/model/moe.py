@@ -12,7 +12,7 @@ from torch import nn
 from moerl.model.config import ModelConfig
 from moerl.model.grouped import Groups, group_mm, streams_weights
 from moerl.model.linear import Linear
-from moerl.model.packed import graph_panels, packed_group_mm, packed_group_mm_op, packed_weight, packs
+from moerl.model.packed import KINDS, graph_panels, packed_group_mm, packed_group_mm_op, packed_weight, packs
 
 # the packed kernel's rows of a group sit in registers against each panel of its weight: past this many a group
 # (prefill), MKL's blocked GEMM over the K-major weight is the faster one (BENCHMARKS.md, issue 42 part 2)
@@ -195,7 +195,10 @@ class Experts(nn.Module):
             if streams_weights(p) and p.is_contiguous():
                 p.data = p.data.transpose(1, 2).contiguous().transpose(1, 2)
         gate_up, down = self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)
-        self.packed = streams_weights(gate_up) and packs(gate_up, self.gated) and packs(down, False)
+        # bf16 experts of any size: the kernel streams half the bytes and skips the bf16 GEMMs' set-up, which
+        # outweighs decode's few rows an expert (BENCHMARKS.md, issue 42's tenth session)
+        big = streams_weights(gate_up) or gate_up.dtype == torch.bfloat16
+        self.packed = big and packs(gate_up, self.gated) and packs(down, False)
 
     @property
     def gated(self) -> bool:
@@ -207,19 +210,27 @@ class Experts(nn.Module):
         or in the compiled decode step (whose panels are made before it: ``refresh_packed``)."""
         if not self.packed or torch.is_grad_enabled() or rows.device.type != "cpu":
             return False
-        if rows.dtype != torch.float32 or self.down_proj.dtype != torch.float32:  # cast since: torch's GEMM
+        if rows.dtype not in KINDS or self.down_proj.dtype not in KINDS:  # cast since: torch's GEMM
             return False
         if torch.compiler.is_compiling():  # decode batches only (max_num_seqs rows at most)
             return graph_panels(self, "down") is not None
         return rows.shape[0] <= PACKED_MAX_ROWS * self.num_experts
 
     def _packed_mm(
-        self, x: torch.Tensor, name: str, groups: Groups, mode: int, scale: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        name: str,
+        groups: Groups,
+        mode: int,
+        scale: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        """``packed_group_mm`` of rows ``x`` by weight ``name`` (gate_up, down), eager or as a graph's op."""
+        """``packed_group_mm`` of rows ``x`` by weight ``name`` (gate_up, down), eager or as a graph's op; the result
+        in ``out_dtype`` (x's by default)."""
+        out_dtype = out_dtype or x.dtype
         if groups.opaque:
-            return packed_group_mm_op(x, graph_panels(self, name), groups.keys, groups.n_groups, mode, scale)
-        return packed_group_mm(x, self._panels(name), groups.offs, mode, scale)
+            return packed_group_mm_op(x, graph_panels(self, name), groups.keys, groups.n_groups, mode, scale, out_dtype)
+        return packed_group_mm(x, self._panels(name), groups.offs, mode, scale, out_dtype)
 
     def _panels(self, name: str) -> torch.Tensor:
         """Weight ``name``'s packed panels, up to date with it (``moerl.model.packed.packed_weight``)."""
@@ -236,11 +247,14 @@ class Experts(nn.Module):
         """A grouped GEMM of the experts (what MXFP8 replaces)."""
         return group_mm(x, w, groups)
 
-    def _expert_mm(self, x: torch.Tensor, name: str, groups: Groups) -> torch.Tensor:
+    def _expert_mm(
+        self, x: torch.Tensor, name: str, groups: Groups, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         """Rows ``x`` sorted by expert times their experts' weight ``name`` (gate_up, down): from the packed panels
-        where an engine's decode takes them (``_packs``), else ``_gmm``."""
+        where an engine's decode takes them (``_packs``; the result in ``out_dtype``, x's by default), else
+        ``_gmm``."""
         if self._packs(x):
-            return self._packed_mm(x, name, groups, int(name == "gate_up" and self.gated))
+            return self._packed_mm(x, name, groups, int(name == "gate_up" and self.gated), out_dtype=out_dtype)
         return self._gmm(x, getattr(self, f"{name}_proj").transpose(1, 2), groups)
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -259,11 +273,12 @@ class Experts(nn.Module):
         route = Route(idx, weights, self.num_experts, x.dtype, self.zero)
         xs = x.index_select(0, route.token)
         if self._packs(xs) and self.activation == "silu" and self.gate_up_proj_bias is None:
-            # SiLU(gate) * up * the routing weight as each panel's result is stored (``packed``'s mode 2)
-            h = self._packed_mm(xs, "gate_up", route.by_expert, 2, route.gate.reshape(-1))
+            # SiLU(gate) * up * the routing weight as each panel's result is stored (``packed``'s mode 2), kept in
+            # fp32 for the down kernel (which widens bf16 rows first anyway)
+            h = self._packed_mm(xs, "gate_up", route.by_expert, 2, route.gate.reshape(-1), torch.float32)
         else:
             h = self._hidden(self._expert_mm(xs, "gate_up", route.by_expert), route)
-        return self._down_sum(x, self._expert_mm(h, "down", route.by_expert), route)
+        return self._down_sum(x, self._expert_mm(h, "down", route.by_expert, x.dtype), route)
 
     def _hidden(self, h: torch.Tensor, route: Route) -> torch.Tensor:
         """The gate_up rows ``h`` (expert-sorted) -> the gate-weighted activations that down_proj takes."""

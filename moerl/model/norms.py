@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moerl.model.config import ModelConfig
+from moerl.model.packed import rms_norm
 
 
 def layer_norm(cfg: ModelConfig, dim: int) -> nn.Module:
@@ -15,12 +16,17 @@ def layer_norm(cfg: ModelConfig, dim: int) -> nn.Module:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm (fused kernel: statistics in fp32, one rounding to the input dtype after the weight)."""
+    """RMSNorm (fused kernel: statistics in fp32, one rounding to the input dtype after the weight). ``one_call``: an
+    engine's own CPU model (``MoEModel.decode_layout``) runs it without autograd as one C call
+    (``moerl.model.packed.rms_norm``), where torch's CPU composite takes eight ops."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.one_call = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.one_call and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            return rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)

@@ -1,5 +1,5 @@
-"""CPU kernels of an engine's fp32 decode step (issue 42 part 2): the routed experts' GEMMs from prepacked weights,
-and attention read from the paged KV cache in place.
+"""CPU kernels of an engine's fp32 or bf16 decode step (issue 42 part 2): the routed experts' GEMMs from prepacked
+weights, attention read from the paged KV cache in place, and RMSNorm in one call.
 
 At decode's shapes (a few rows per expert, an expert's weight of a MiB) a grouped GEMM is bound by streaming the
 weights, and MKL's sgemm streams them at a fraction of the rate a plain read does (BENCHMARKS.md, issue 42). The
@@ -14,6 +14,9 @@ their memory for it, which is why only an engine's own model packs (``Experts.k_
 The attention kernel (``moerl.engine.kv_cache.StepView.attend``) computes a decode query's scores, softmax (with
 GPT-OSS's sinks and a sliding window) and value sum straight from the head-major pools through the block table,
 where the torch path gathers every visible key and value into new tensors first.
+
+Weights, pools and results may be fp32 or bf16 (bf16 widened exactly in the vector lanes, results narrowed with
+round-to-nearest-even); the arithmetic is fp32 throughout, so a bf16 step reads half the bytes of an fp32 one.
 
 The kernels are C (GCC vector extensions: AVX-512, AVX2 or 128-bit vectors, whatever ``-march=native`` gives),
 built by the host's C compiler on first use into inductor's cache directory (which a compiled graph needs as well),
@@ -57,83 +60,159 @@ typedef float vfu __attribute__((vector_size(VB), aligned(4)));
 
 int moerl_panel_vector(void) { return VW; }
 
-/* y[rows of group g] = x[rows of g] @ w[g], w packed [G][N / NT][K][NT], offs[g] the end row of group g.
-   mode 0: y [M, N] in w's column order. mode 1 (a gate-up weight, each panel VW gate then VW up columns of one
-   range): y [M, N], gate columns first, then up. mode 2 (the same weight): y [M, N / 2] = SiLU(gate) * up * scale. */
-void moerl_packed_group_mm(const float* x, const float* w, const int32_t* offs, const float* scale, int G, int K,
-                           int N, int mode, float* y, int threads) {
+/* bf16 (the high half of an fp32) in vector lanes: widened exactly, narrowed rounded to nearest even */
+typedef uint16_t vh __attribute__((vector_size(VB / 2)));
+typedef uint16_t vhu __attribute__((vector_size(VB / 2), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(VB)));
+static inline vf widen(const uint16_t* p) { return (vf)(__builtin_convertvector(*(const vhu*)p, vu) << 16); }
+static inline float widen1(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+static inline vh narrow(vf x) {
+  vu u = (vu)x, nan = (vu)(x != x);
+  u = (u & ~nan) | (((vu){0} + 0x7fc00000u) & nan);
+  return __builtin_convertvector((u + 0x7fffu + ((u >> 16) & 1)) >> 16, vh);
+}
+/* element i of an fp32 (b = 0) or bf16 (b = 1) array, one vector or one value */
+static inline vf ldv(const void* p, int64_t i, int b) {
+  return b ? widen((const uint16_t*)p + i) : *(const vfu*)((const float*)p + i);
+}
+static inline float lds(const void* p, int64_t i, int b) {
+  return b ? widen1(((const uint16_t*)p)[i]) : ((const float*)p)[i];
+}
+static inline void stv(void* p, int64_t i, vf v, int b) {
+  if (b) *(vhu*)((uint16_t*)p + i) = narrow(v);
+  else *(vfu*)((float*)p + i) = v;
+}
+
+/* y[rows of group g] = x[rows of g] @ w[g], w packed [G][N / NT][K][NT], offs[g] the end row of group g; x fp32, w
+   fp32 (wb = 0) or bf16 (wb = 1), y fp32 or bf16 (yb), the sums in fp32. mode 0: y [M, N] in w's column order.
+   mode 1 (a gate-up weight, each panel VW gate then VW up columns of one range): y [M, N], gate columns first, then
+   up. mode 2 (the same weight): y [M, N / 2] = SiLU(gate) * up * scale. One task: one panel of one group. */
+static inline __attribute__((always_inline)) void group_mm_task(const float* x, const void* w, const int32_t* offs,
+                                                                const float* scale, int K, int N, int mode, void* y,
+                                                                int t, const int wb, const int yb) {
   int tiles = N / NT, ldy = mode == 2 ? N / 2 : N;
-  #pragma omp parallel for schedule(static, 1) num_threads(threads)
-  for (int t = 0; t < G * tiles; t++) {
-    int g = t / tiles, tile = t % tiles, r0 = g ? offs[g - 1] : 0, r1 = offs[g];
-    const float* wt = w + ((int64_t)g * tiles + tile) * K * NT;
-    for (int m0 = r0; m0 < r1; m0 += MB) {
-      int mb = r1 - m0 < MB ? r1 - m0 : MB;
-      const float* xr[MB];
-      for (int m = 0; m < MB; m++) xr[m] = x + (int64_t)(m0 + (m < mb ? m : 0)) * K;
-      vf a0[MB], a1[MB];
-      for (int m = 0; m < MB; m++) { a0[m] = (vf){0}; a1[m] = (vf){0}; }
-      for (int k = 0; k < K; k++) {
-        const float* wk = wt + (int64_t)k * NT;
-        __builtin_prefetch(wk + 8 * NT);
-        vf w0 = *(const vfu*)wk, w1 = *(const vfu*)(wk + VW);
-        #pragma GCC unroll 16
-        for (int m = 0; m < MB; m++) {
-          float s = xr[m][k];
-          a0[m] += s * w0;
-          a1[m] += s * w1;
-        }
-      }
-      for (int m = 0; m < mb; m++) {
-        float* out = y + (int64_t)(m0 + m) * ldy;
-        if (mode == 0) {
-          *(vfu*)(out + tile * NT) = a0[m];
-          *(vfu*)(out + tile * NT + VW) = a1[m];
-        } else if (mode == 1) {
-          *(vfu*)(out + tile * VW) = a0[m];
-          *(vfu*)(out + N / 2 + tile * VW) = a1[m];
-        } else {
-          float gate[VW], up[VW], sc = scale[m0 + m];
-          memcpy(gate, &a0[m], sizeof gate);
-          memcpy(up, &a1[m], sizeof up);
-          for (int j = 0; j < VW; j++) out[tile * VW + j] = gate[j] / (1.0f + expf(-gate[j])) * up[j] * sc;
-        }
+  int g = t / tiles, tile = t % tiles, r0 = g ? offs[g - 1] : 0, r1 = offs[g];
+  int64_t wt = ((int64_t)g * tiles + tile) * K * NT;
+  for (int m0 = r0; m0 < r1; m0 += MB) {
+    int mb = r1 - m0 < MB ? r1 - m0 : MB;
+    const float* xr[MB];
+    for (int m = 0; m < MB; m++) xr[m] = x + (int64_t)(m0 + (m < mb ? m : 0)) * K;
+    vf a0[MB], a1[MB];
+    for (int m = 0; m < MB; m++) { a0[m] = (vf){0}; a1[m] = (vf){0}; }
+    for (int k = 0; k < K; k++) {
+      int64_t wk = wt + (int64_t)k * NT;
+      __builtin_prefetch((const char*)w + (wk + 8 * NT) * (wb ? 2 : 4));
+      vf w0 = ldv(w, wk, wb), w1 = ldv(w, wk + VW, wb);
+      #pragma GCC unroll 16
+      for (int m = 0; m < MB; m++) {
+        float s = xr[m][k];
+        a0[m] += s * w0;
+        a1[m] += s * w1;
       }
     }
+    for (int m = 0; m < mb; m++) {
+      int64_t out = (int64_t)(m0 + m) * ldy;
+      if (mode == 0) {
+        stv(y, out + tile * NT, a0[m], yb);
+        stv(y, out + tile * NT + VW, a1[m], yb);
+      } else if (mode == 1) {
+        stv(y, out + tile * VW, a0[m], yb);
+        stv(y, out + N / 2 + tile * VW, a1[m], yb);
+      } else {
+        float gate[VW], up[VW], sc = scale[m0 + m];
+        memcpy(gate, &a0[m], sizeof gate);
+        memcpy(up, &a1[m], sizeof up);
+        for (int j = 0; j < VW; j++) gate[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j] * sc;
+        stv(y, out + tile * VW, *(vfu*)gate, yb);
+      }
+    }
+  }
+}
+
+void moerl_packed_group_mm(const float* x, const void* w, const int32_t* offs, const float* scale, int G, int K,
+                           int N, int mode, void* y, int wb, int yb, int threads) {
+  int tasks = G * (N / NT);
+  /* one loop per (weight, output) kind: the task's loads and stores made for it */
+  if (!wb && !yb) {
+    #pragma omp parallel for schedule(static, 1) num_threads(threads)
+    for (int t = 0; t < tasks; t++) group_mm_task(x, w, offs, scale, K, N, mode, y, t, 0, 0);
+  } else if (!wb) {
+    #pragma omp parallel for schedule(static, 1) num_threads(threads)
+    for (int t = 0; t < tasks; t++) group_mm_task(x, w, offs, scale, K, N, mode, y, t, 0, 1);
+  } else if (!yb) {
+    #pragma omp parallel for schedule(static, 1) num_threads(threads)
+    for (int t = 0; t < tasks; t++) group_mm_task(x, w, offs, scale, K, N, mode, y, t, 1, 0);
+  } else {
+    #pragma omp parallel for schedule(static, 1) num_threads(threads)
+    for (int t = 0; t < tasks; t++) group_mm_task(x, w, offs, scale, K, N, mode, y, t, 1, 1);
   }
 }
 
 /* Decode attention over the paged cache, read in place: q [B, Hq, D] -> out [B, Hq, Dv]. Pools head-major
    [Hkv][rows][D] and [Hkv][rows][Dv]; tables [B][nb] block ids; pos [B]: the query's position (keys 0..pos visible;
    window > 0: only the last `window` of them); sinks [Hq] (a logit that joins the softmax) or NULL; scratch:
-   threads x (Hq / Hkv) * nb * bs floats for the scores. One task per (row, KV head): each key and value row is read
-   once for the query heads that share it. */
-static inline float dot(const float* a, const float* b, int n) {
+   threads x (Hq / Hkv + 2) * nb * bs floats for the scores and the keys' rows. One task per (row, KV head): each
+   key and value row is read once for the query heads that share it. */
+static inline float dot(const float* a, const void* b, int64_t at, int n, int kb) {
   vf acc = (vf){0};
   int i = 0;
-  for (; i + VW <= n; i += VW) acc += *(const vfu*)(a + i) * *(const vfu*)(b + i);
+  for (; i + VW <= n; i += VW) acc += *(const vfu*)(a + i) * ldv(b, at + i, kb);
   float s = 0, lanes[VW];
   memcpy(lanes, &acc, sizeof lanes);
   for (int j = 0; j < VW; j++) s += lanes[j];
-  for (; i < n; i++) s += a[i] * b[i];
+  for (; i < n; i++) s += a[i] * lds(b, at + i, kb);
   return s;
 }
 
 typedef int32_t vi __attribute__((vector_size(VB)));
 
+/* the sums of VW vectors' lanes, as one vector (lane i: the sum of a[i]'s lanes): a transposing tree of shuffles
+   where VW horizontal sums would each take a store and VW scalar adds. Level by level, pairs of vectors give one
+   vector of their half-sums, lane blocks interleaved: e takes each block's first half, o its second. */
 #if VW == 8
-/* the sums of 8 vectors' lanes, as one vector: a transposing tree of shuffles (AVX2) where 8 horizontal sums would
-   each take a store and 8 scalar adds */
-static inline vf sums8(const vf* a) {
-  const vi e1 = {0, 8, 2, 10, 4, 12, 6, 14}, o1 = {1, 9, 3, 11, 5, 13, 7, 15};
-  const vi e2 = {0, 1, 8, 9, 4, 5, 12, 13}, o2 = {2, 3, 10, 11, 6, 7, 14, 15};
-  const vi e3 = {0, 1, 2, 3, 8, 9, 10, 11}, o3 = {4, 5, 6, 7, 12, 13, 14, 15};
-  vf u[4], v[2];
+static inline vf lane_sums(const vf* a) {
+  const vi e0 = {0, 8, 2, 10, 4, 12, 6, 14};
+  const vi o0 = {1, 9, 3, 11, 5, 13, 7, 15};
+  const vi e1 = {0, 1, 8, 9, 4, 5, 12, 13};
+  const vi o1 = {2, 3, 10, 11, 6, 7, 14, 15};
+  const vi e2 = {0, 1, 2, 3, 8, 9, 10, 11};
+  const vi o2 = {4, 5, 6, 7, 12, 13, 14, 15};
+  vf u[8];
+  for (int i = 0; i < 8; i++) u[i] = a[i];
   for (int i = 0; i < 4; i++)
-    u[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], e1) + __builtin_shuffle(a[2 * i], a[2 * i + 1], o1);
+    u[i] = __builtin_shuffle(u[2 * i], u[2 * i + 1], e0) + __builtin_shuffle(u[2 * i], u[2 * i + 1], o0);
   for (int i = 0; i < 2; i++)
-    v[i] = __builtin_shuffle(u[2 * i], u[2 * i + 1], e2) + __builtin_shuffle(u[2 * i], u[2 * i + 1], o2);
-  return __builtin_shuffle(v[0], v[1], e3) + __builtin_shuffle(v[0], v[1], o3);
+    u[i] = __builtin_shuffle(u[2 * i], u[2 * i + 1], e1) + __builtin_shuffle(u[2 * i], u[2 * i + 1], o1);
+  for (int i = 0; i < 1; i++)
+    u[i] = __builtin_shuffle(u[2 * i], u[2 * i + 1], e2) + __builtin_shuffle(u[2 * i], u[2 * i + 1], o2);
+  return u[0];
+}
+#elif VW == 16
+static inline vf lane_sums(const vf* a) {
+  const vi e0 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+  const vi o0 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+  const vi e1 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+  const vi o1 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+  const vi e2 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+  const vi o2 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+  const vi e3 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const vi o3 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  vf u[16];
+  for (int i = 0; i < 16; i++) u[i] = a[i];
+  for (int i = 0; i < 8; i++)
+    u[i] = __builtin_shuffle(u[2 * i], u[2 * i + 1], e0) + __builtin_shuffle(u[2 * i], u[2 * i + 1], o0);
+  for (int i = 0; i < 4; i++)
+    u[i] = __builtin_shuffle(u[2 * i], u[2 * i + 1], e1) + __builtin_shuffle(u[2 * i], u[2 * i + 1], o1);
+  for (int i = 0; i < 2; i++)
+    u[i] = __builtin_shuffle(u[2 * i], u[2 * i + 1], e2) + __builtin_shuffle(u[2 * i], u[2 * i + 1], o2);
+  for (int i = 0; i < 1; i++)
+    u[i] = __builtin_shuffle(u[2 * i], u[2 * i + 1], e3) + __builtin_shuffle(u[2 * i], u[2 * i + 1], o3);
+  return u[0];
 }
 #endif
 
@@ -172,61 +251,136 @@ static inline float exp_sum(float* s, int64_t n, float mx) {
   return sum;
 }
 
-void moerl_paged_decode(const float* q, const float* kp, const float* vp, const int64_t* tables, const int64_t* pos,
-                        const float* sinks, int B, int Hq, int Hkv, int D, int Dv, int64_t rows, int nb, int bs,
-                        int64_t window, float scale, float* out, float* scratch, int threads) {
+/* one task of the paged decode: row b's KV head kh, its pools fp32 (kb = 0) or bf16 (kb = 1). Each visible key's
+   pool row is found once, walking the block table (no division per key: a task's keys are few, and an integer
+   division costs what a dozen of their multiply-adds do) */
+static inline __attribute__((always_inline)) void paged_task(const float* q, const void* kp, const void* vp,
+                                                             const int64_t* tables, const int64_t* pos,
+                                                             const float* sinks, int Hq, int Hkv, int D, int Dv,
+                                                             int64_t rows, int nb, int bs, int64_t window,
+                                                             float scale, float* out, float* scratch, int t,
+                                                             const int kb) {
   int g = Hq / Hkv;
-  #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int t = 0; t < B * Hkv; t++) {
-    int b = t / Hkv, kh = t % Hkv;
-    int64_t p = pos[b], lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0, n = p - lo + 1;
-    float* s = scratch + (int64_t)omp_get_thread_num() * g * nb * bs;  /* [g][n] */
-    const float* qv = q + ((int64_t)b * Hq + (int64_t)kh * g) * D;  /* the g query heads of this KV head */
-    const int64_t* table = tables + (int64_t)b * nb;
-    int64_t j = lo;
-#if VW == 8
-    if (D % VW == 0)  /* 8 keys at a time: their 8 dot products summed together */
-      for (; j + VW <= p + 1; j += VW) {
-        const float* kr[VW];
-        for (int k = 0; k < VW; k++) kr[k] = kp + ((int64_t)kh * rows + table[(j + k) / bs] * bs + (j + k) % bs) * D;
-        for (int h = 0; h < g; h++) {
-          const float* qh = qv + (int64_t)h * D;
-          vf acc[VW];
-          for (int k = 0; k < VW; k++) acc[k] = (vf){0};
-          for (int i = 0; i < D; i += VW) {
-            vf x = *(const vfu*)(qh + i);
-            for (int k = 0; k < VW; k++) acc[k] += x * *(const vfu*)(kr[k] + i);
-          }
-          *(vfu*)(s + h * n + j - lo) = sums8(acc) * scale;
+  int b = t / Hkv, kh = t % Hkv;
+  int64_t p = pos[b], lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0, n = p - lo + 1;
+  float* s = scratch + (int64_t)omp_get_thread_num() * (g + 2) * nb * bs;  /* [g][n] scores, then [n] rows */
+  int64_t* at = (int64_t*)(s + (int64_t)g * nb * bs);  /* each visible key's pool row (head kh) */
+  const float* qv = q + ((int64_t)b * Hq + (int64_t)kh * g) * D;  /* the g query heads of this KV head */
+  const int64_t* table = tables + (int64_t)b * nb;
+  for (int64_t j = lo, blk = lo / bs, off = lo % bs; j <= p; j++) {
+    at[j - lo] = (int64_t)kh * rows + table[blk] * bs + off;
+    if (++off == bs) { off = 0; blk++; }
+  }
+  int64_t j = 0;
+#if VW == 8 || VW == 16
+  if (D % VW == 0)  /* VW keys at a time: their VW dot products summed together */
+    for (; j + VW <= n; j += VW)
+      for (int h = 0; h < g; h++) {
+        const float* qh = qv + (int64_t)h * D;
+        vf acc[VW];
+        for (int k = 0; k < VW; k++) acc[k] = (vf){0};
+        for (int i = 0; i < D; i += VW) {
+          vf x = *(const vfu*)(qh + i);
+          for (int k = 0; k < VW; k++) acc[k] += x * ldv(kp, at[j + k] * D + i, kb);
         }
+        *(vfu*)(s + h * n + j) = lane_sums(acc) * scale;
       }
 #endif
-    for (; j <= p; j++) {
-      const float* kr = kp + ((int64_t)kh * rows + table[j / bs] * bs + j % bs) * D;
-      for (int h = 0; h < g; h++) s[h * n + j - lo] = dot(qv + (int64_t)h * D, kr, D) * scale;
-    }
-    float* o = out + ((int64_t)b * Hq + (int64_t)kh * g) * Dv;
-    for (int h = 0; h < g; h++) {
-      float* sh = s + h * n;
-      float mx = sinks ? sinks[kh * g + h] : -INFINITY;
-      for (int64_t j = 0; j < n; j++) mx = sh[j] > mx ? sh[j] : mx;
-      float sum = exp_sum(sh, n, mx) + (sinks ? expf(sinks[kh * g + h] - mx) : 0.0f);
-      for (int64_t j = 0; j < n; j++) sh[j] /= sum;
-      for (int i = 0; i < Dv; i++) o[(int64_t)h * Dv + i] = 0.0f;
-    }
-    for (int64_t j = lo; j <= p; j++) {
-      const float* vr = vp + ((int64_t)kh * rows + table[j / bs] * bs + j % bs) * Dv;
-      for (int h = 0; h < g; h++) {
-        float w = s[h * n + j - lo], *oh = o + (int64_t)h * Dv;
-        int i = 0;
-        for (; i + VW <= Dv; i += VW) *(vfu*)(oh + i) += w * *(const vfu*)(vr + i);
-        for (; i < Dv; i++) oh[i] += w * vr[i];
+  for (; j < n; j++)
+    for (int h = 0; h < g; h++) s[h * n + j] = dot(qv + (int64_t)h * D, kp, at[j] * D, D, kb) * scale;
+  float* o = out + ((int64_t)b * Hq + (int64_t)kh * g) * Dv;
+  for (int h = 0; h < g; h++) {
+    float* sh = s + h * n;
+    float mx = sinks ? sinks[kh * g + h] : -INFINITY;
+    for (int64_t j = 0; j < n; j++) mx = sh[j] > mx ? sh[j] : mx;
+    float inv = 1.0f / (exp_sum(sh, n, mx) + (sinks ? expf(sinks[kh * g + h] - mx) : 0.0f));
+    for (int64_t j = 0; j < n; j++) sh[j] *= inv;
+  }
+  /* the value sum a head at a time, four vectors of its output held in registers over the keys (an output kept in
+     memory would chain every key's add through a store and a load) */
+  for (int h = 0; h < g; h++) {
+    const float* sh = s + h * n;
+    float* oh = o + (int64_t)h * Dv;
+    int i0 = 0;
+    for (; i0 + 4 * VW <= Dv; i0 += 4 * VW) {
+      vf acc[4] = {(vf){0}, (vf){0}, (vf){0}, (vf){0}};
+      for (int64_t j = 0; j < n; j++) {
+        int64_t vr = at[j] * Dv + i0;
+        for (int c = 0; c < 4; c++) acc[c] += sh[j] * ldv(vp, vr + c * VW, kb);
       }
+      for (int c = 0; c < 4; c++) *(vfu*)(oh + i0 + c * VW) = acc[c];
     }
+    for (; i0 < Dv; i0++) {
+      float acc = 0.0f;
+      for (int64_t j = 0; j < n; j++) acc += sh[j] * lds(vp, at[j] * Dv + i0, kb);
+      oh[i0] = acc;
+    }
+  }
+}
+
+void moerl_paged_decode(const float* q, const void* kp, const void* vp, const int64_t* tables, const int64_t* pos,
+                        const float* sinks, int B, int Hq, int Hkv, int D, int Dv, int64_t rows, int nb, int bs,
+                        int64_t window, float scale, float* out, float* scratch, int kb, int threads) {
+  if (kb) {
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int t = 0; t < B * Hkv; t++)
+      paged_task(q, kp, vp, tables, pos, sinks, Hq, Hkv, D, Dv, rows, nb, bs, window, scale, out, scratch, t, 1);
+  } else {
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int t = 0; t < B * Hkv; t++)
+      paged_task(q, kp, vp, tables, pos, sinks, Hq, Hkv, D, Dv, rows, nb, bs, window, scale, out, scratch, t, 0);
+  }
+}
+
+/* RMSNorm of rows x [rows][dim] -> y, as torch's CPU composite computes it: in fp32, y = x * rsqrt(mean(x^2) + eps)
+   * w, rounded once to y's dtype; x and y fp32 (xb = 0) or bf16 (xb = 1), w fp32 or bf16 (wb). */
+static inline __attribute__((always_inline)) void rms_row(const void* x, const void* w, void* y, int64_t r, int dim,
+                                                          float eps, const int xb, const int wb) {
+  int64_t at = r * dim;
+  vf acc = (vf){0};
+  int i = 0;
+  for (; i + VW <= dim; i += VW) {
+    vf v = ldv(x, at + i, xb);
+    acc += v * v;
+  }
+  float ss = 0, lanes[VW];
+  memcpy(lanes, &acc, sizeof lanes);
+  for (int j = 0; j < VW; j++) ss += lanes[j];
+  for (int j = i; j < dim; j++) ss += lds(x, at + j, xb) * lds(x, at + j, xb);
+  float inv = 1.0f / sqrtf(ss / dim + eps);
+  for (i = 0; i + VW <= dim; i += VW) stv(y, at + i, ldv(x, at + i, xb) * inv * ldv(w, i, wb), xb);
+  for (; i < dim; i++) {
+    float v = lds(x, at + i, xb) * inv * lds(w, i, wb);
+    if (xb) {
+      vf one = (vf){0} + v;
+      ((uint16_t*)y)[at + i] = narrow(one)[0];
+    } else {
+      ((float*)y)[at + i] = v;
+    }
+  }
+}
+
+void moerl_rms_norm(const void* x, const void* w, void* y, int64_t rows, int dim, float eps, int xb, int wb,
+                    int threads) {
+  /* a decode step's few rows: on one thread (waking the others costs more than the rows) */
+  int n = rows * dim >= 65536 ? threads : 1;
+  if (xb && wb) {
+    #pragma omp parallel for num_threads(n)
+    for (int64_t r = 0; r < rows; r++) rms_row(x, w, y, r, dim, eps, 1, 1);
+  } else if (xb) {
+    #pragma omp parallel for num_threads(n)
+    for (int64_t r = 0; r < rows; r++) rms_row(x, w, y, r, dim, eps, 1, 0);
+  } else if (wb) {
+    #pragma omp parallel for num_threads(n)
+    for (int64_t r = 0; r < rows; r++) rms_row(x, w, y, r, dim, eps, 0, 1);
+  } else {
+    #pragma omp parallel for num_threads(n)
+    for (int64_t r = 0; r < rows; r++) rms_row(x, w, y, r, dim, eps, 0, 0);
   }
 }
 """
 
+KINDS = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' weight and cache dtypes, as their flag
 _lib: ctypes.CDLL | None | bool = False  # False: not built yet; None: it does not build here
 
 
@@ -275,9 +429,9 @@ def vector_width() -> int:
 
 
 def packs(w: torch.Tensor, gate_up: bool) -> bool:
-    """Whether weight ``w`` [E, K, N] (fp32, on the CPU) fits the kernel's panels: N a multiple of a panel, and for a
-    gate-up weight each half (gate, up) a multiple of a vector."""
-    if kernel() is None or w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 3:
+    """Whether weight ``w`` [E, K, N] (fp32 or bf16, on the CPU) fits the kernel's panels: N a multiple of a panel,
+    and for a gate-up weight each half (gate, up) a multiple of a vector."""
+    if kernel() is None or w.dtype not in KINDS or w.device.type != "cpu" or w.dim() != 3:
         return False
     vw = vector_width()
     return w.shape[2] % (2 * vw) == 0 and (not gate_up or (w.shape[2] // 2) % vw == 0)
@@ -322,17 +476,27 @@ def graph_panels(owner: torch.nn.Module, name: str) -> torch.Tensor | None:
 
 
 def packed_group_mm(
-    x: torch.Tensor, packed: torch.Tensor, offs: torch.Tensor, mode: int = 0, scale: torch.Tensor | None = None
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    offs: torch.Tensor,
+    mode: int = 0,
+    scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Rows ``x`` [M, K] sorted by group (``offs`` [G] int32: each group's end row) times their group's packed weight
     -> [M, N] (mode 0: ``packed`` from a plain weight; mode 1: from a gate-up weight, gate columns first), or for
-    mode 2 the gate-up weight's ``SiLU(gate) * up * scale`` [M, N / 2] (``scale`` [M]: each row's routing weight)."""
+    mode 2 the gate-up weight's ``SiLU(gate) * up * scale`` [M, N / 2] (``scale`` [M]: each row's routing weight).
+    Weights fp32 or bf16; the sums in fp32 (bf16 rows widened first); the result in ``out_dtype`` (x's dtype by
+    default; bf16 rounded to nearest even)."""
     g, tiles, k, nt = packed.shape
     n = tiles * nt
     if x.shape[1] != k or offs.numel() != g:
         raise ValueError(f"packed_group_mm: rows {tuple(x.shape)}, {offs.numel()} groups, weight [{g}, {k}, {n}]")
-    x, offs = x.contiguous(), offs.to(torch.int32).contiguous()
-    y = x.new_empty(x.shape[0], n // 2 if mode == 2 else n)
+    out_dtype = out_dtype or x.dtype
+    if packed.dtype not in KINDS or out_dtype not in KINDS:
+        raise ValueError(f"packed_group_mm: weight {packed.dtype}, result {out_dtype}: fp32 or bf16 only")
+    x, offs = x.to(torch.float32).contiguous(), offs.to(torch.int32).contiguous()
+    y = x.new_empty(x.shape[0], n // 2 if mode == 2 else n, dtype=out_dtype)
     sc = scale.reshape(-1).to(torch.float32).contiguous() if scale is not None else None
     if mode == 2 and (sc is None or sc.numel() != x.shape[0]):
         raise ValueError("packed_group_mm: mode 2 needs a scale per row")
@@ -347,23 +511,53 @@ def packed_group_mm(
         n,
         mode,
         ptr(y.data_ptr()),
+        KINDS[packed.dtype],
+        KINDS[out_dtype],
         torch.get_num_threads(),
     )
     return y
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over x's last dim (fp32 or bf16, CPU) in one call of the kernel: what ``F.rms_norm`` computes there
+    (fp32 statistics, one rounding to x's dtype after the weight), without its eight ops a call."""
+    d = x.shape[-1]
+    if x.dtype not in KINDS or weight.dtype not in KINDS or weight.shape != (d,):
+        raise ValueError(f"rms_norm: rows {x.dtype} {tuple(x.shape)}, weight {weight.dtype} {tuple(weight.shape)}")
+    rows, weight = x.reshape(-1, d).contiguous(), weight.contiguous()
+    y = torch.empty_like(rows)
+    kernel().moerl_rms_norm(
+        ctypes.c_void_p(rows.data_ptr()),
+        ctypes.c_void_p(weight.data_ptr()),
+        ctypes.c_void_p(y.data_ptr()),
+        ctypes.c_int64(rows.shape[0]),
+        d,
+        ctypes.c_float(eps),
+        KINDS[x.dtype],
+        KINDS[weight.dtype],
+        torch.get_num_threads(),
+    )
+    return y.view(x.shape)
+
+
 @torch.library.custom_op("moerl::packed_group_mm", mutates_args=())
 def packed_group_mm_op(
-    x: torch.Tensor, panels: torch.Tensor, keys: torch.Tensor, n_groups: int, mode: int, scale: torch.Tensor | None
+    x: torch.Tensor,
+    panels: torch.Tensor,
+    keys: torch.Tensor,
+    n_groups: int,
+    mode: int,
+    scale: torch.Tensor | None,
+    out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """``packed_group_mm`` as one op a compiled graph calls, over rows grouped by the sorted ``keys`` [M]."""
-    return packed_group_mm(x, panels, Groups(keys, n_groups).offs, mode, scale)
+    return packed_group_mm(x, panels, Groups(keys, n_groups).offs, mode, scale, out_dtype)
 
 
 @packed_group_mm_op.register_fake
-def _(x, panels, keys, n_groups, mode, scale):
+def _(x, panels, keys, n_groups, mode, scale, out_dtype):
     n = panels.shape[1] * panels.shape[3]
-    return x.new_empty(x.shape[0], n // 2 if mode == 2 else n)
+    return x.new_empty(x.shape[0], n // 2 if mode == 2 else n, dtype=out_dtype)
 
 
 @torch.library.custom_op("moerl::paged_decode", mutates_args=())
@@ -380,13 +574,17 @@ def paged_decode(
 ) -> torch.Tensor:
     """Decode attention of queries ``q`` [B, Hq, D] over the keys and values of head-major pools [Hkv, rows, D]
     through block tables [B, nb]: keys 0..``pos`` [B] of each row (the last ``window`` of them where > 0), with
-    ``sinks`` [Hq] joining each softmax -> [B, Hq, Dv] (fp32, CPU). One op, eager and in a compiled graph."""
+    ``sinks`` [Hq] joining each softmax -> [B, Hq, Dv] in q's dtype (CPU; pools fp32 or bf16, the sums in fp32). One
+    op, eager and in a compiled graph."""
     b, hq, d = q.shape
     hkv, rows, dv = v_pool.shape
     nb, threads = tables.shape[1], torch.get_num_threads()
-    q, tables, pos = q.contiguous(), tables.to(torch.int64).contiguous(), pos.to(torch.int64).contiguous()
+    if k_pool.dtype != v_pool.dtype or k_pool.dtype not in KINDS:
+        raise ValueError(f"paged_decode: pools {k_pool.dtype} / {v_pool.dtype}: both fp32 or both bf16")
+    dtype, q = q.dtype, q.to(torch.float32).contiguous()
+    tables, pos = tables.to(torch.int64).contiguous(), pos.to(torch.int64).contiguous()
     sinks = sinks.float().contiguous() if sinks is not None else None
-    out, scratch = q.new_empty(b, hq, dv), q.new_empty(threads, hq // hkv * nb * block_size)
+    out, scratch = q.new_empty(b, hq, dv), q.new_empty(threads, (hq // hkv + 2) * nb * block_size)
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     kernel().moerl_paged_decode(
         *(ptr(t.data_ptr()) for t in (q, k_pool, v_pool, tables, pos)),
@@ -399,9 +597,10 @@ def paged_decode(
         ctypes.c_float(scale),
         ptr(out.data_ptr()),
         ptr(scratch.data_ptr()),
+        i32(KINDS[k_pool.dtype]),
         i32(threads),
     )
-    return out
+    return out.to(dtype)
 
 
 @paged_decode.register_fake

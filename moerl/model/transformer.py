@@ -18,7 +18,8 @@ from moerl.model.attention import KVCacheView, build_mask
 from moerl.model.config import ModelConfig
 from moerl.model.mixers import build_mixer, is_recurrent
 from moerl.model.moe import MLP, MoE, mlp_activation
-from moerl.model.norms import layer_norm
+from moerl.model.norms import RMSNorm, layer_norm
+from moerl.model.packed import kernel
 from moerl.model.rope import inv_freq_and_scale, rope_cos_sin
 
 
@@ -158,10 +159,15 @@ class MoEModel(nn.Module):
             if layer.is_moe and layer.mlp.router.e_score_correction_bias is not None:
                 layer.mlp.router.e_score_correction_bias.zero_()
 
-    def experts_k_major(self) -> None:
-        """Every MoE layer's expert weights in the decode layout of ``Experts.k_major`` (the CPU engine's own model)."""
+    def decode_layout(self) -> None:
+        """The CPU engine's own model, laid out for decode: every MoE layer's expert weights as ``Experts.k_major``
+        makes them, its RMSNorms one kernel call each (``RMSNorm.one_call``), where the C kernels build."""
         for i in self.moe_layer_ids:
             self.layers[i].mlp.experts.k_major()
+        if kernel() is not None and self.embed_tokens.weight.device.type == "cpu":
+            for m in self.modules():
+                if isinstance(m, RMSNorm):
+                    m.one_call = True
 
     def set_expert_path(self, grouped: bool) -> None:
         """Pick the grouped-GEMM expert path (default) or the per-expert reference loop."""
