@@ -310,6 +310,11 @@ static inline __attribute__((always_inline)) void paged_task(const float* q, con
       }
       for (int c = 0; c < 4; c++) *(vfu*)(oh + i0 + c * VW) = acc[c];
     }
+    for (; i0 + VW <= Dv; i0 += VW) {  /* a head narrower than four vectors (tiny's 32 on AVX-512) */
+      vf acc = (vf){0};
+      for (int64_t j = 0; j < n; j++) acc += sh[j] * ldv(vp, at[j] * Dv + i0, kb);
+      *(vfu*)(oh + i0) = acc;
+    }
     for (; i0 < Dv; i0++) {
       float acc = 0.0f;
       for (int64_t j = 0; j < n; j++) acc += sh[j] * lds(vp, at[j] * Dv + i0, kb);
