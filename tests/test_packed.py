@@ -15,7 +15,7 @@ from test_engine_lora import _logprob_k3, _trained_adapter
 from moerl.bridges import load_model
 from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
 from moerl.model.moe import PACKED_MAX_ROWS, Experts
-from moerl.model.packed import kernel, pack, packed_group_mm, packed_weight, rms_norm
+from moerl.model.packed import kernel, moe_decode, pack, packed_group_mm, packed_weight, rms_norm
 from moerl.presets import init_model, preset_config
 
 pytestmark = pytest.mark.skipif(kernel() is None, reason="the packed kernel does not build here (no C compiler)")
@@ -153,6 +153,72 @@ def test_bf16_experts_decode_what_fp32_experts_of_the_same_weights_do():
         assert set(engine._packed) == {"gate_up", "down"}
         trainer.down_proj.mul_(1.03)
         assert (got.float() - trainer(x.float(), idx, weights)).abs().max() > tol
+
+
+def _moe_oracle(x, idx, gate, gate_up, down) -> torch.Tensor:
+    """sum_k gate * down(SiLU(gate) * up) in float64, token by token (the gate weights rounded to x's dtype)."""
+    inter, gate = down.shape[1], gate.to(x.dtype).double()
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for n in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            e = int(idx[n, j])
+            h = x[n].double() @ gate_up[e].double()
+            out[n] += (F.silu(h[:inter]) * h[inter:] * gate[n, j]) @ down[e].double()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("tokens", "skewed"), [(1, False), (40, False), (40, True)])
+def test_the_experts_in_one_call_compute_what_each_expert_does(tokens, skewed, dtype):
+    """``moe_decode`` (sort, gather, both GEMMs, the sum) against a float64 loop over each token's experts: fp32 within
+    1e-5 of the largest output (the sums' order), bf16 within 2^-8 (the result's one rounding). Routes spread over
+    the experts, or skewed (most tokens to one expert: a group longer than the kernel's block of rows, others empty).
+    The control: down_proj 1% (fp32) / 3% (bf16) off is caught."""
+    e, h, inter, k = 8, 128, 96, 2
+    gen = torch.Generator().manual_seed(11)
+    gate_up = (torch.randn(e, h, 2 * inter, generator=gen) * h**-0.5).to(dtype)
+    down = (torch.randn(e, inter, h, generator=gen) * inter**-0.5).to(dtype)
+    x = torch.randn(tokens, h, generator=gen).to(dtype)
+    idx = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(tokens)])
+    if skewed:
+        idx[: tokens * 3 // 4, 0] = 5
+        idx[: tokens * 3 // 4, 1] = 2
+    gate = torch.rand(tokens, k, generator=gen).softmax(-1)
+    with torch.no_grad():
+        got = moe_decode(x, idx, gate, pack(gate_up, True), pack(down, False))
+    want = _moe_oracle(x, idx, gate, gate_up, down)
+    tol = (1e-5 if dtype == torch.float32 else 2**-8) * want.abs().max()
+    assert got.dtype == dtype and got.shape == x.shape
+    assert (got.double() - want).abs().max() <= tol
+    off = _moe_oracle(x, idx, gate, gate_up, down * (1.01 if dtype == torch.float32 else 1.03))
+    assert (got.double() - off).abs().max() > tol
+
+
+def test_the_experts_in_one_call_name_what_they_do_not_take():
+    """An expert id outside the weights' experts, or routes and rows that do not match, are named; nothing runs."""
+    e, h, inter = 4, 64, 32
+    gate_up, down = pack(torch.randn(e, h, 2 * inter), True), pack(torch.randn(e, inter, h), False)
+    x, gate = torch.randn(3, h), torch.rand(3, 2)
+    with pytest.raises(ValueError, match=r"expert id outside 0..3 in idx \(max 4\)"):
+        moe_decode(x, torch.tensor([[0, 1], [2, 4], [3, 0]]), gate, gate_up, down)
+    with pytest.raises(ValueError, match=r"idx \(3, 2\), gate \(3, 1\)"):
+        moe_decode(x, torch.zeros(3, 2, dtype=torch.long), gate[:, :1], gate_up, down)
+    with pytest.raises(ValueError, match=r"rows torch.float32 \(3, 48\)"):
+        moe_decode(torch.randn(3, 48), torch.zeros(3, 2, dtype=torch.long), gate, gate_up, down)
+
+
+def test_an_engines_silu_experts_decode_in_one_call():
+    """The engine's SiLU experts take the one call without autograd and for decode's rows; with autograd, past
+    PACKED_MAX_ROWS rows an expert, or for another activation, the grouped path."""
+    silu, relu2 = _experts("silu"), _experts("relu2")
+    silu.k_major()
+    relu2.k_major()
+    x, idx = torch.randn(40, 256), torch.zeros(40, 2, dtype=torch.long)
+    assert not silu._one_call(x, idx)
+    with torch.no_grad():
+        assert silu._one_call(x, idx) and not relu2._one_call(x, idx)
+        many = (PACKED_MAX_ROWS + 1) * silu.num_experts
+        assert not silu._one_call(torch.randn(many, 256), torch.zeros(many, 2, dtype=torch.long))
 
 
 def test_a_weight_changed_in_place_is_packed_again():

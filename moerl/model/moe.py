@@ -12,7 +12,15 @@ from torch import nn
 from moerl.model.config import ModelConfig
 from moerl.model.grouped import Groups, group_mm, streams_weights
 from moerl.model.linear import Linear
-from moerl.model.packed import KINDS, graph_panels, packed_group_mm, packed_group_mm_op, packed_weight, packs
+from moerl.model.packed import (
+    KINDS,
+    graph_panels,
+    moe_decode,
+    packed_group_mm,
+    packed_group_mm_op,
+    packed_weight,
+    packs,
+)
 
 # the packed kernel's rows of a group sit in registers against each panel of its weight: past this many a group
 # (prefill), MKL's blocked GEMM over the K-major weight is the faster one (BENCHMARKS.md, issue 42 part 2)
@@ -216,6 +224,16 @@ class Experts(nn.Module):
             return graph_panels(self, "down") is not None
         return rows.shape[0] <= PACKED_MAX_ROWS * self.num_experts
 
+    def _one_call(self, x: torch.Tensor, idx: torch.Tensor) -> bool:
+        """Whether a decode step's experts run as one kernel call, eager or in the compiled step
+        (``moerl.model.packed.moe_decode``: sort, gather, both GEMMs and the sum, where the grouped path takes a dozen
+        ops): packed SiLU-gated experts without biases or zero experts."""
+        plain = self.activation == "silu" and self.gated and not self.zero
+        plain = plain and self.gate_up_proj_bias is None and self.down_proj_bias is None
+        if not plain or not self._packs(x):
+            return False
+        return torch.compiler.is_compiling() or idx.numel() <= PACKED_MAX_ROWS * self.num_experts
+
     def _packed_mm(
         self,
         x: torch.Tensor,
@@ -270,6 +288,9 @@ class Experts(nn.Module):
         return self._loop(x, idx, weights)
 
     def _grouped(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self._one_call(x, idx):
+            panels = graph_panels if torch.compiler.is_compiling() else Experts._panels
+            return moe_decode(x, idx, weights, panels(self, "gate_up"), panels(self, "down"))
         route = Route(idx, weights, self.num_experts, x.dtype, self.zero)
         xs = x.index_select(0, route.token)
         if self._packs(xs) and self.activation == "silu" and self.gate_up_proj_bias is None:

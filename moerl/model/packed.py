@@ -153,6 +153,69 @@ void moerl_packed_group_mm(const float* x, const void* w, const int32_t* offs, c
   }
 }
 
+/* The routed experts of a decode step in one call (SiLU-gated, no biases): x [N][H] (xb: bf16) with its experts idx
+   [N][k] and routing weights gate [N][k] (fp32; rounded to x's dtype first, as the torch path rounds them) -> out
+   [N][H] in x's dtype, each token's k rows summed in fp32 and rounded once. The pairs sorted by expert (a stable
+   counting sort), then in one parallel region (its threads woken once, where the torch path takes a dozen ops):
+   their rows gathered and widened, the packed gate-up GEMM with the activation, the packed down GEMM, each token's
+   sum. work: fp32 [P (H + I + 1)], ints: int32 [2 E + 2 P] (P = N k). Returns -1 (nothing written) for an expert id
+   outside 0..E-1. */
+static inline __attribute__((always_inline)) void moe_body(const void* x, int N, int k, int E, int H, int I,
+                                                           const void* gu, const void* dn, void* out, int xb,
+                                                           float* work, const int32_t* ints, const int wb) {
+  int P = N * k;
+  const int32_t *offs = ints, *tok = ints + 2 * E, *where = ints + 2 * E + P;
+  float *xs = work, *h = work + (int64_t)P * H, *scale = h + (int64_t)P * I;
+  #pragma omp for schedule(static)
+  for (int r = 0; r < P; r++) {
+    int64_t src = (int64_t)tok[r] * H, dst = (int64_t)r * H;
+    int i = 0;
+    for (; i + VW <= H; i += VW) *(vfu*)(xs + dst + i) = ldv(x, src + i, xb);
+    for (; i < H; i++) xs[dst + i] = lds(x, src + i, xb);
+  }
+  #pragma omp for schedule(static, 1)
+  for (int t = 0; t < E * (2 * I / NT); t++) group_mm_task(xs, gu, offs, scale, H, 2 * I, 2, h, t, wb, 0);
+  #pragma omp for schedule(static, 1)  /* the down rows written over the gathered ones (read by now) */
+  for (int t = 0; t < E * (H / NT); t++) group_mm_task(h, dn, offs, NULL, I, H, 0, xs, t, wb, 0);
+  #pragma omp for schedule(static)
+  for (int n = 0; n < N; n++)
+    for (int i = 0; i < H; i += VW) {
+      vf acc = (vf){0};
+      for (int j = 0; j < k; j++) acc += *(const vfu*)(xs + (int64_t)where[n * k + j] * H + i);
+      stv(out, (int64_t)n * H + i, acc, xb);
+    }
+}
+
+int moerl_moe_decode(const void* x, const int64_t* idx, const float* gate, int N, int k, int E, int H, int I,
+                     const void* gu, const void* dn, int wb, void* out, int xb, float* work, int32_t* ints,
+                     int threads) {
+  int P = N * k;
+  int32_t *offs = ints, *next = ints + E, *tok = ints + 2 * E, *where = ints + 2 * E + P;
+  float* scale = work + (int64_t)P * (H + I);
+  for (int e = 0; e < E; e++) next[e] = 0;
+  for (int p = 0; p < P; p++) {
+    if (idx[p] < 0 || idx[p] >= E) return -1;
+    next[idx[p]]++;
+  }
+  for (int e = 0, end = 0; e < E; e++) { end += next[e]; offs[e] = end; next[e] = end - next[e]; }
+  for (int p = 0; p < P; p++) {
+    int r = next[idx[p]]++;
+    tok[r] = p / k;
+    where[p] = r;
+    float w = gate[p];
+    if (xb) w = widen1(narrow((vf){0} + w)[0]);
+    scale[r] = w;
+  }
+  if (wb) {
+    #pragma omp parallel num_threads(threads)
+    moe_body(x, N, k, E, H, I, gu, dn, out, xb, work, ints, 1);
+  } else {
+    #pragma omp parallel num_threads(threads)
+    moe_body(x, N, k, E, H, I, gu, dn, out, xb, work, ints, 0);
+  }
+  return 0;
+}
+
 /* Decode attention over the paged cache, read in place: q [B, Hq, D] -> out [B, Hq, Dv]. Pools head-major
    [Hkv][rows][D] and [Hkv][rows][Dv]; tables [B][nb] block ids; pos [B]: the query's position (keys 0..pos visible;
    window > 0: only the last `window` of them); sinks [Hq] (a logit that joins the softmax) or NULL; scratch:
@@ -543,6 +606,60 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         torch.get_num_threads(),
     )
     return y.view(x.shape)
+
+
+@torch.library.custom_op("moerl::moe_decode", mutates_args=())
+def moe_decode(
+    x: torch.Tensor, idx: torch.Tensor, gate: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """A decode step's routed experts in one kernel call (one op, eager and in a compiled graph): rows ``x`` [N, H]
+    (fp32 or bf16), their experts ``idx`` [N, k] and routing weights ``gate`` [N, k] (rounded to x's dtype, as
+    ``Route`` rounds them) through the packed SiLU-gated ``gate_up`` [E, 2I / NT, H, NT] and ``down`` [E, H / NT, I,
+    NT] panels (``pack``) -> sum_k gate * down(SiLU(gate) * up) [N, H] in x's dtype. The sort by expert, the gather,
+    both GEMMs and the per-token sum in fp32, rounded once."""
+    n, hid = x.shape
+    e, _, hk, nt = gate_up.shape
+    inter = down.shape[2]
+    good = (
+        x.dtype in KINDS
+        and gate_up.dtype == down.dtype in KINDS
+        and hk == hid
+        and tuple(down.shape[:2]) == (e, hid // nt)
+        and gate_up.shape[1] * nt == 2 * inter
+        and idx.shape == gate.shape
+        and idx.shape[0] == n
+    )
+    if not good:
+        raise ValueError(
+            f"moe_decode: rows {x.dtype} {tuple(x.shape)}, idx {tuple(idx.shape)}, gate {tuple(gate.shape)}, "
+            f"gate_up {gate_up.dtype} {tuple(gate_up.shape)}, down {down.dtype} {tuple(down.shape)}"
+        )
+    k = idx.shape[1]
+    x, out = x.contiguous(), torch.empty_like(x)
+    idx, gate = idx.to(torch.int64).contiguous(), gate.to(torch.float32).contiguous()
+    work = x.new_empty(n * k * (hid + inter + 1), dtype=torch.float32)
+    ints = torch.empty(2 * e + 2 * n * k, dtype=torch.int32)
+    ptr, i32 = ctypes.c_void_p, ctypes.c_int
+    rc = kernel().moerl_moe_decode(
+        *(ptr(t.data_ptr()) for t in (x, idx, gate)),
+        *(i32(v) for v in (n, k, e, hid, inter)),
+        ptr(gate_up.data_ptr()),
+        ptr(down.data_ptr()),
+        i32(KINDS[down.dtype]),
+        ptr(out.data_ptr()),
+        i32(KINDS[x.dtype]),
+        ptr(work.data_ptr()),
+        ptr(ints.data_ptr()),
+        i32(torch.get_num_threads()),
+    )
+    if rc:
+        raise ValueError(f"moe_decode: an expert id outside 0..{e - 1} in idx (max {int(idx.max())})")
+    return out
+
+
+@moe_decode.register_fake
+def _(x, idx, gate, gate_up, down):
+    return torch.empty_like(x)
 
 
 @torch.library.custom_op("moerl::packed_group_mm", mutates_args=())
