@@ -7,7 +7,7 @@ group miss the tolerance."""
 import pytest
 import torch
 
-from moerl.model.grouped import Groups, _group_mm_op, group_mm
+from moerl.model.grouped import BUCKET_ROWS, Groups, _bucketed, _group_mm_op, group_mm, jits_per_shape
 
 # fp32: sums of <= 600 products of unit normals (2e-6 measured); bf16: one rounding of K-long sums, relative
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -114,3 +114,35 @@ def test_decode_sized_groups_pad_unless_each_fp32_weight_is_streamed(n, padded, 
     want = torch.cat([x[keys == g] @ w[g] for g in range(8)])
     assert torch.allclose(group_mm(x, w, groups), want, atol=1e-4, rtol=1e-5)
     assert bool(used) == padded
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_eager_grouped_gemm_and_its_autograd_equal_a_loop(dtype):
+    """The eager path a training forward takes (autograd through it, not the op): values and both gradients against
+    the float64 loop. In bf16 each group's rows go to the GEMM padded to a multiple of ``BUCKET_ROWS`` (oneDNN
+    compiles a kernel per shape: padded, a step's shapes repeat), zeros past them, each row at its own place."""
+    gen = torch.Generator().manual_seed(1)
+    n_groups, rows = 5, 700
+    keys = torch.randint(0, n_groups, (rows,), generator=gen).sort().values
+    keys[keys == 3] = 2  # a group without rows
+    x = torch.randn(rows, 96, generator=gen).to(dtype)
+    w = torch.randn(n_groups, 80, 96, generator=gen).to(dtype).transpose(1, 2)
+    dy = torch.randn(rows, 80, generator=gen).to(dtype)
+    groups = Groups(keys, n_groups)
+    assert not groups.padded
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = group_mm(xg, wg, groups)
+    y.backward(dy)
+    want = _reference(x, w, keys, dy)
+    assert _error((y.detach(), xg.grad, wg.grad), want) <= TOL[dtype]
+    assert jits_per_shape(x) == (dtype == torch.bfloat16)
+    buf, place, ends = _bucketed(x, groups)
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+    assert bool((sizes % BUCKET_ROWS == 0).all()) and int(sizes[3]) == 0
+    assert torch.equal(buf[place], x) and float(buf.abs().sum()) == float(x.abs().sum())  # the rest zeros
+    # negative control: one row's place off by one lands it beside its group's padding, and the result moves
+    wrong = place.clone()
+    wrong[0] += 1
+    shifted = torch.zeros_like(buf).index_copy(0, wrong, x)
+    got = torch._grouped_mm(shifted, w.contiguous(), offs=ends).index_select(0, place)
+    assert _error((got,), want[:1]) > TOL[dtype]

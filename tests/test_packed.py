@@ -14,6 +14,7 @@ from test_engine_lora import _logprob_k3, _trained_adapter
 
 from moerl.bridges import load_model
 from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
+from moerl.model.attention import FP32_SDPA_MAX_KEYS, attend
 from moerl.model.moe import PACKED_MAX_ROWS, Experts
 from moerl.model.packed import kernel, moe_decode, pack, packed_group_mm, packed_weight, rms_norm
 from moerl.presets import init_model, preset_config
@@ -376,3 +377,26 @@ def test_an_engine_runs_its_norms_in_one_call(tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=8)
     got = engine.generate([[5, 6, 7, 8]], params)[0].outputs[0].token_ids
     assert got == plain.generate([[5, 6, 7, 8]], params)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize(("keys", "fp32"), [(22, True), (FP32_SDPA_MAX_KEYS, True), (FP32_SDPA_MAX_KEYS + 8, False)])
+def test_short_bf16_attention_on_a_cpu_runs_in_fp32(keys, fp32):
+    """bf16 SDPA on a CPU costs a fixed ~35 us per (row, head): up to FP32_SDPA_MAX_KEYS keys ``attend`` runs it on the
+    exact fp32 widening of its bf16 inputs and rounds once (equal to fp32 attention rounded to bf16, up to fp32's sum
+    order: at most one bf16 step apart), longer ones in bf16 (a looser 2^-6 of the largest output; it is not the
+    fp32 result rounded once). Gradients flow to the bf16 inputs either way."""
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(3, 4, keys, 32, generator=gen).bfloat16().requires_grad_()
+    k, v = (torch.randn(3, 2, keys, 32, generator=gen).bfloat16().requires_grad_() for _ in range(2))
+    got = attend(q, k, v, None, 32**-0.5)
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
+    ref = ref.transpose(1, 2).flatten(2)
+    assert got.dtype == torch.bfloat16
+    step = 2**-7 * ref.abs().clamp_min(2**-20)  # one bf16 step at each output's size
+    off = (got.float() - ref).abs()
+    if fp32:
+        assert bool((off <= step).all())
+    else:
+        assert float(off.max()) <= 2**-6 * float(ref.abs().max()) and not bool((off <= step).all())
+    got.float().sum().backward()
+    assert q.grad.dtype == torch.bfloat16 and all(float(t.grad.abs().sum()) > 0 for t in (q, k, v))

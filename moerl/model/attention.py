@@ -41,19 +41,29 @@ class KVCacheView(Protocol):
         ...
 
 
+# CPU SDPA in bf16 pays ~35 us per (row, head) whatever the length (its blocks' set-up): up to this many keys the
+# same attention in fp32 is faster, forward + backward (62 x 4 heads of 22 tokens: 9.1 -> 1.4 ms; 192 keys 1.1x;
+# 384 keys 0.5x; BENCHMARKS.md, issue 42's eleventh session), and its bf16 inputs are exact in fp32
+FP32_SDPA_MAX_KEYS = 192
+
+
 def attend(q, k, v, mask: torch.Tensor | None, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, T, d], k [B, Hkv, S, d], v [B, Hkv, S, dv], mask bool [B, 1, T, S] -> [B, T, Hq * dv].
 
     ``mask`` None means plain causal (T == S). ``sinks`` [Hq]: a learned logit per head that joins the softmax
-    and is then dropped (GPT-OSS). Long queries use SDPA; short ones (decode) and sinks use explicit matmuls with
-    fp32 scores, which on CPU is several times faster than bf16 SDPA for one query row.
+    and is then dropped (GPT-OSS). Long queries use SDPA (on a CPU in fp32 up to ``FP32_SDPA_MAX_KEYS`` keys, the
+    result rounded to q's dtype); short ones (decode) and sinks use explicit matmuls with fp32 scores, which on CPU
+    is several times faster than bf16 SDPA for one query row.
     """
     b, hq, t, _ = q.shape
     if sinks is None and (mask is None or t > 8):
+        dtype = q.dtype
+        if q.device.type == "cpu" and dtype == torch.bfloat16 and k.shape[2] <= FP32_SDPA_MAX_KEYS:
+            q, k, v = q.float(), k.float(), v.float()
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
         )
-        return out.transpose(1, 2).flatten(2)
+        return out.to(dtype).transpose(1, 2).flatten(2)
     if mask is None:
         mask = build_mask(None, 1, t, None, q.device)
     # head-first batches [Hkv, B, ...]: keys from the engine's head-major cache are contiguous that way

@@ -84,11 +84,45 @@ def streams_weights(w: torch.Tensor) -> bool:
     return w.dtype == torch.float32 and w.shape[-2] * w.shape[-1] * 4 > PAD_MAX_FP32_BYTES
 
 
+# a CPU GEMM in bf16 / fp16 is oneDNN's, which compiles a kernel for each new shape (~1 ms, 20x the GEMM of a
+# training step's expert group; BENCHMARKS.md, issue 42's eleventh session): a group's rows padded to a multiple of
+# this repeat their shapes across steps, so the kernels come from its cache
+BUCKET_ROWS = 64
+
+
+def jits_per_shape(t: torch.Tensor) -> bool:
+    """Whether a GEMM of ``t`` compiles a kernel per shape: a CPU GEMM in a half-precision dtype (oneDNN's)."""
+    return t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16)
+
+
+def _bucket(groups: Groups) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each row's place, the group ends) in a buffer where every group's rows are padded to a multiple of
+    ``BUCKET_ROWS`` (zeros after them)."""
+    ends = groups.offs.to(torch.int64)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    padded = (counts + BUCKET_ROWS - 1) // BUCKET_ROWS * BUCKET_ROWS
+    padded_ends = padded.cumsum(0)
+    shift = (padded_ends - padded) - (ends - counts)  # each group's start, padded minus unpadded
+    place = torch.arange(groups.keys.numel(), device=ends.device) + shift[groups.keys]
+    return place, padded_ends.to(torch.int32)
+
+
+def _bucketed(x: torch.Tensor, groups: Groups) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows ``x`` laid out in ``_bucket``'s buffer (differentiable): (buffer, each row's place, the buffer's group
+    ends)."""
+    place, ends = _bucket(groups)
+    total = int(ends[-1]) if ends.numel() else 0
+    return x.new_zeros(total, x.shape[1]).index_copy(0, place, x), place, ends
+
+
 def group_mm(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
     """Row block g of ``x`` [M, K] (rows sorted by group) times ``w[g]`` [K, N] -> [M, N]."""
     if groups.opaque:
         return _group_mm_op(x, w, groups.keys, groups.n_groups)
     if streams_weights(w) or not groups.padded:
+        if jits_per_shape(x) and x.shape[0]:
+            buf, place, ends = _bucketed(x, groups)
+            return _aligned_grouped_mm(buf, w, ends).index_select(0, place)
         return _aligned_grouped_mm(x, w, groups.offs)
     return groups.unpad(torch.bmm(groups.pad(x), w))
 
@@ -100,10 +134,13 @@ def group_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, groups: Groups) -> torch.T
     if groups.padded:
         return torch.bmm(groups.pad(x).transpose(1, 2), groups.pad(dy))
     # the 2D x 2D form groups along the reduced dim; x^T's row stride is K, and strides must be 16-byte aligned
-    a = 16 // x.element_size()
+    a, offs = 16 // x.element_size(), groups.offs
+    if jits_per_shape(x) and x.shape[0]:
+        x, _, offs = _bucketed(x, groups)
+        dy = _bucketed(dy, groups)[0]
     x = F.pad(x, (0, -k % a)) if k % a else x.contiguous()
     dy = F.pad(dy, (0, -n % a)) if n % a else dy.contiguous()
-    return torch._grouped_mm(x.t(), dy, offs=groups.offs)[:, :k, :n]
+    return torch._grouped_mm(x.t(), dy, offs=offs)[:, :k, :n]
 
 
 def device_kernel(dtype: torch.dtype, device: torch.device | str) -> bool:
