@@ -10,7 +10,7 @@ from moerl.model.lora import LoraConfig
 from moerl.trainer import Batch, OptimConfig, Policy, PolicyConfig, TrainingStopped
 from moerl.trainer.checkpoint import load_checkpoint, save_checkpoint
 from moerl.trainer.losses import sft_loss
-from moerl.trainer.optim import lr_lambda
+from moerl.trainer.optim import MasterWeights, lr_lambda
 
 ARCH = "Qwen3MoeForCausalLM"
 
@@ -258,3 +258,21 @@ def test_a_bf16_step_follows_the_fp32_step_and_learns(mode, hf_checkpoints):
     for _ in range(3):
         last = pol.train_step(batch, sft_loss)["loss"]
     assert last < loss, (loss, last)
+
+
+def test_master_grads_are_each_steps_bf16_grads_widened():
+    """fp32 masters take each step's bf16 gradients widened exactly (on a CPU into a buffer kept across steps: the
+    second step's values, not the first's), and the model's own gradients are dropped."""
+    params = {"w": torch.nn.Parameter(torch.randn(4, 6).bfloat16()), "r": torch.nn.Parameter(torch.randn(3))}
+    masters = MasterWeights(params)
+    assert masters.master["r"] is params["r"] and masters.master["w"].dtype == torch.float32
+    seen = []
+    for _ in range(2):
+        g = torch.randn(4, 6).bfloat16()
+        params["w"].grad = g.clone()
+        masters.grads_to_master()
+        m = masters.master["w"]
+        assert m.grad.dtype == torch.float32 and torch.equal(m.grad, g.float()) and params["w"].grad is None
+        seen.append(m.grad.data_ptr())
+        m.grad = None  # as a step's start drops them
+    assert seen[0] == seen[1]

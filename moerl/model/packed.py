@@ -505,15 +505,21 @@ def packs(w: torch.Tensor, gate_up: bool) -> bool:
     return w.shape[2] % (2 * vw) == 0 and (not gate_up or (w.shape[2] // 2) % vw == 0)
 
 
+def _panel_view(w: torch.Tensor, gate_up: bool) -> torch.Tensor:
+    """``w`` [E, K, N] seen in its panels' order, [E, N / NT, K, NT] (a gate-up weight's as [E, N / NT, K, 2, VW]:
+    the gate's VW columns of a range, then the up's): a view where ``w`` is contiguous."""
+    e, k, n = w.shape
+    vw = vector_width()
+    if gate_up:
+        return w.reshape(e, k, 2, n // (2 * vw), vw).permute(0, 3, 1, 2, 4)
+    return w.reshape(e, k, n // (2 * vw), 2 * vw).permute(0, 2, 1, 3)
+
+
 def pack(w: torch.Tensor, gate_up: bool) -> torch.Tensor:
     """``w`` [E, K, N] -> its panels [E, N / NT, K, NT]; a gate-up weight's panels each hold VW gate columns then the
     VW up columns of the same range."""
     e, k, n = w.shape
-    vw = vector_width()
-    if gate_up:  # [E, K, tiles, 2, VW]: gate then up, range by range
-        gate, up = w[..., : n // 2], w[..., n // 2 :]
-        w = torch.stack([gate.reshape(e, k, -1, vw), up.reshape(e, k, -1, vw)], dim=3)
-    return w.reshape(e, k, -1, 2 * vw).permute(0, 2, 1, 3).contiguous()
+    return _panel_view(w, gate_up).contiguous().view(e, n // (2 * vector_width()), k, 2 * vector_width())
 
 
 def packed_weight(owner: torch.nn.Module, name: str, w: torch.Tensor, gate_up: bool) -> torch.Tensor:
@@ -525,11 +531,15 @@ def packed_weight(owner: torch.nn.Module, name: str, w: torch.Tensor, gate_up: b
     hit = kept.get(name)
     if hit is not None and hit[0] == stamp:
         return hit[1]
-    panels = pack(w, gate_up)
-    if hit is not None and hit[1].shape == panels.shape:
+    e, k, n = w.shape
+    if hit is not None and hit[1].shape == (e, n // (2 * vector_width()), k, 2 * vector_width()):
+        view = _panel_view(w, gate_up)
         with torch.inference_mode(hit[1].is_inference()):  # made in an engine's step, maybe refreshed outside one
-            panels = hit[1].copy_(panels)
-    else:  # a compiled graph takes it as it takes a parameter: its shape fixed, its address kept
+            hit[1].view(view.shape).copy_(view)  # one pass over the weight, no new tensor
+        panels = hit[1]
+    else:
+        panels = pack(w, gate_up)
+        # a compiled graph takes it as it takes a parameter: its shape fixed, its address kept
         torch._dynamo.mark_static(panels)
         torch._dynamo.mark_static_address(panels)
         owner.__dict__.setdefault("_packed_graph", {})[name] = panels  # never replaced: the graph's guards hold
