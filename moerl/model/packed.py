@@ -237,26 +237,22 @@ typedef int32_t vi __attribute__((vector_size(VB)));
 /* the sums of VW vectors' lanes, as one vector (lane i: the sum of a[i]'s lanes): a transposing tree of shuffles
    where VW horizontal sums would each take a store and VW scalar adds. Level by level, pairs of vectors give one
    vector of their half-sums, lane blocks interleaved: e takes each block's first half, o its second. */
+/* one level: pairs of the `count` * 2 vectors in u give `count` vectors of their half-sums */
+#define HALVE(count, e, o) \
+  for (int i = 0; i < count; i++) \
+    u[i] = __builtin_shuffle(u[2 * i], u[2 * i + 1], e) + __builtin_shuffle(u[2 * i], u[2 * i + 1], o)
+#if VW == 8 || VW == 16
+static inline vf lane_sums(const vf* a) {
+  vf u[VW];
+  for (int i = 0; i < VW; i++) u[i] = a[i];
 #if VW == 8
-static inline vf lane_sums(const vf* a) {
-  const vi e0 = {0, 8, 2, 10, 4, 12, 6, 14};
-  const vi o0 = {1, 9, 3, 11, 5, 13, 7, 15};
-  const vi e1 = {0, 1, 8, 9, 4, 5, 12, 13};
-  const vi o1 = {2, 3, 10, 11, 6, 7, 14, 15};
-  const vi e2 = {0, 1, 2, 3, 8, 9, 10, 11};
-  const vi o2 = {4, 5, 6, 7, 12, 13, 14, 15};
-  vf u[8];
-  for (int i = 0; i < 8; i++) u[i] = a[i];
-  for (int i = 0; i < 4; i++)
-    u[i] = __builtin_shuffle(u[2 * i], u[2 * i + 1], e0) + __builtin_shuffle(u[2 * i], u[2 * i + 1], o0);
-  for (int i = 0; i < 2; i++)
-    u[i] = __builtin_shuffle(u[2 * i], u[2 * i + 1], e1) + __builtin_shuffle(u[2 * i], u[2 * i + 1], o1);
-  for (int i = 0; i < 1; i++)
-    u[i] = __builtin_shuffle(u[2 * i], u[2 * i + 1], e2) + __builtin_shuffle(u[2 * i], u[2 * i + 1], o2);
-  return u[0];
-}
-#elif VW == 16
-static inline vf lane_sums(const vf* a) {
+  const vi e0 = {0, 8, 2, 10, 4, 12, 6, 14}, o0 = {1, 9, 3, 11, 5, 13, 7, 15};
+  const vi e1 = {0, 1, 8, 9, 4, 5, 12, 13}, o1 = {2, 3, 10, 11, 6, 7, 14, 15};
+  const vi e2 = {0, 1, 2, 3, 8, 9, 10, 11}, o2 = {4, 5, 6, 7, 12, 13, 14, 15};
+  HALVE(4, e0, o0);
+  HALVE(2, e1, o1);
+  HALVE(1, e2, o2);
+#else
   const vi e0 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
   const vi o0 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
   const vi e1 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
@@ -265,16 +261,11 @@ static inline vf lane_sums(const vf* a) {
   const vi o2 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
   const vi e3 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
   const vi o3 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-  vf u[16];
-  for (int i = 0; i < 16; i++) u[i] = a[i];
-  for (int i = 0; i < 8; i++)
-    u[i] = __builtin_shuffle(u[2 * i], u[2 * i + 1], e0) + __builtin_shuffle(u[2 * i], u[2 * i + 1], o0);
-  for (int i = 0; i < 4; i++)
-    u[i] = __builtin_shuffle(u[2 * i], u[2 * i + 1], e1) + __builtin_shuffle(u[2 * i], u[2 * i + 1], o1);
-  for (int i = 0; i < 2; i++)
-    u[i] = __builtin_shuffle(u[2 * i], u[2 * i + 1], e2) + __builtin_shuffle(u[2 * i], u[2 * i + 1], o2);
-  for (int i = 0; i < 1; i++)
-    u[i] = __builtin_shuffle(u[2 * i], u[2 * i + 1], e3) + __builtin_shuffle(u[2 * i], u[2 * i + 1], o3);
+  HALVE(8, e0, o0);
+  HALVE(4, e1, o1);
+  HALVE(2, e2, o2);
+  HALVE(1, e3, o3);
+#endif
   return u[0];
 }
 #endif
