@@ -22,7 +22,7 @@ from moerl.child import proc_alive as _alive
 from moerl.engine import EngineConfig, Request, SamplingParams
 from moerl.errors import ConfigError, EngineError
 from moerl.rollout import make_engine
-from moerl.rollout.vllm_watch import shm_segments
+from moerl.rollout.vllm_watch import mapped_elsewhere, shm_segments
 from moerl.sync import sync_policy
 from moerl.trainer import Batch, OptimConfig, Policy, PolicyConfig
 from moerl.trainer.losses import sft_loss
@@ -459,7 +459,7 @@ def test_vllm_refusing_its_arguments_at_start_is_a_named_error(model):
     before = shm_segments()
     with pytest.raises(EngineError, match=r"vLLM engine 0 did not start \(rollout.vllm_args=\{.*'tensor_parallel_size"):
         make_engine("vllm", model, CFG, vllm_args=EAGER | {"tensor_parallel_size": 4})
-    assert shm_segments() <= before
+    assert not (shm_segments() - before) - mapped_elsewhere()  # none left but another test worker's engine's
 
 
 def test_closing_an_engine_leaves_the_segments_another_engine_maps():
@@ -512,7 +512,9 @@ def test_a_vllm_process_that_dies_is_named_and_its_shared_memory_released(model,
         assert time.monotonic() - start < 60
     finally:
         engine.close()
-    assert not made & shm_segments()  # nothing of it left in /dev/shm
+    # nothing of it left in /dev/shm: a segment that appeared as it started but that a live process outside this
+    # test's tree maps is another test worker's engine's, started in the same seconds (seen in CI: xdist)
+    assert not (made & shm_segments()) - mapped_elsewhere()
     assert not [p for p in watch.pids if _alive(p)]
 
 
