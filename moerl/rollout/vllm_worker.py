@@ -74,7 +74,9 @@ class _Loader:
         self.emptied = {}
         for name, m in model.named_modules():
             w = m._parameters.get("weight")
-            if w is not None and w.numel() == 0 and hasattr(m, "cpu_linear"):
+            # (the CPU GEMM's packed copy; or MLA's kv_b_proj, whose weight AMX's MLA keeps packed in the attention)
+            packed_away = hasattr(m, "cpu_linear") or getattr(m, "_cpu_skip_gemm_dispatch", False)
+            if w is not None and w.numel() == 0 and packed_away:
                 meta = get_layerwise_info(m).restore_metadata[0].get("weight")
                 if meta is None:
                     raise RuntimeError(
@@ -125,6 +127,17 @@ class _Loader:
             own = [p for p in m._parameters.values() if p is not None and p.numel()]
             if any(p.data_ptr() in touched for p in own):
                 method.process_weights_after_loading(m)
+        # attention layers that derive weights of their own from a projection's (MLA's W_UK / W_UV from kv_b_proj,
+        # packed for AMX on such CPUs), as vLLM's loader does after the other modules
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+        for m in self.model.modules():
+            kv_b = getattr(m, "kv_b_proj", None)
+            if kv_b is None or not is_deferred_attention_layer(m):
+                continue
+            w = kv_b._parameters.get("weight")
+            if w is not None and w.numel() and w.data_ptr() in touched:
+                m.process_weights_after_loading(w.dtype)
 
 
 class MoerlWorkerExtension:
