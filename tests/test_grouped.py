@@ -136,7 +136,7 @@ def test_the_eager_grouped_gemm_and_its_autograd_equal_a_loop(dtype):
     want = _reference(x, w, keys, dy)
     assert _error((y.detach(), xg.grad, wg.grad), want) <= TOL[dtype]
     assert jits_per_shape(x) == (dtype == torch.bfloat16)
-    buf, place, ends = _bucketed(x, groups)
+    (buf,), place, ends = _bucketed(groups, x)
     sizes = torch.diff(ends, prepend=ends.new_zeros(1))
     assert bool((sizes % BUCKET_ROWS == 0).all()) and int(sizes[3]) == 0
     rest = torch.ones(buf.shape[0], dtype=torch.bool)

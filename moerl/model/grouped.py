@@ -107,12 +107,12 @@ def _bucket(groups: Groups) -> tuple[torch.Tensor, torch.Tensor]:
     return place, padded_ends.to(torch.int32)
 
 
-def _bucketed(x: torch.Tensor, groups: Groups) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows ``x`` laid out in ``_bucket``'s buffer (differentiable): (buffer, each row's place, the buffer's group
-    ends)."""
+def _bucketed(groups: Groups, *rows: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Rows (each [M, D], sorted by group) laid out in ``_bucket``'s buffer, the layout made once for them all
+    (differentiable): (the buffers, each row's place, the buffers' group ends)."""
     place, ends = _bucket(groups)
     total = int(ends[-1]) if ends.numel() else 0
-    return x.new_zeros(total, x.shape[1]).index_copy(0, place, x), place, ends
+    return [r.new_zeros(total, r.shape[1]).index_copy(0, place, r) for r in rows], place, ends
 
 
 def group_mm(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
@@ -121,7 +121,7 @@ def group_mm(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
         return _group_mm_op(x, w, groups.keys, groups.n_groups)
     if streams_weights(w) or not groups.padded:
         if jits_per_shape(x) and x.shape[0]:
-            buf, place, ends = _bucketed(x, groups)
+            (buf,), place, ends = _bucketed(groups, x)
             return _aligned_grouped_mm(buf, w, ends).index_select(0, place)
         return _aligned_grouped_mm(x, w, groups.offs)
     return groups.unpad(torch.bmm(groups.pad(x), w))
@@ -136,8 +136,7 @@ def group_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, groups: Groups) -> torch.T
     # the 2D x 2D form groups along the reduced dim; x^T's row stride is K, and strides must be 16-byte aligned
     a, offs = 16 // x.element_size(), groups.offs
     if jits_per_shape(x) and x.shape[0]:
-        x, _, offs = _bucketed(x, groups)
-        dy = _bucketed(dy, groups)[0]
+        (x, dy), _, offs = _bucketed(groups, x, dy)
     x = F.pad(x, (0, -k % a)) if k % a else x.contiguous()
     dy = F.pad(dy, (0, -n % a)) if n % a else dy.contiguous()
     return torch._grouped_mm(x.t(), dy, offs=offs)[:, :k, :n]

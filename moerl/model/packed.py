@@ -76,6 +76,7 @@ static inline vh narrow(vf x) {
   u = (u & ~nan) | (((vu){0} + 0x7fc00000u) & nan);
   return __builtin_convertvector((u + 0x7fffu + ((u >> 16) & 1)) >> 16, vh);
 }
+static inline uint16_t narrow1(float x) { return narrow((vf){0} + x)[0]; }
 /* element i of an fp32 (b = 0) or bf16 (b = 1) array, one vector or one value */
 static inline vf ldv(const void* p, int64_t i, int b) {
   return b ? widen((const uint16_t*)p + i) : *(const vfu*)((const float*)p + i);
@@ -203,7 +204,7 @@ int moerl_moe_decode(const void* x, const int64_t* idx, const float* gate, int N
     tok[r] = p / k;
     where[p] = r;
     float w = gate[p];
-    if (xb) w = widen1(narrow((vf){0} + w)[0]);
+    if (xb) w = widen1(narrow1(w));
     scale[r] = w;
   }
   if (wb) {
@@ -234,14 +235,14 @@ static inline float dot(const float* a, const void* b, int64_t at, int n, int kb
 
 typedef int32_t vi __attribute__((vector_size(VB)));
 
-/* the sums of VW vectors' lanes, as one vector (lane i: the sum of a[i]'s lanes): a transposing tree of shuffles
-   where VW horizontal sums would each take a store and VW scalar adds. Level by level, pairs of vectors give one
-   vector of their half-sums, lane blocks interleaved: e takes each block's first half, o its second. */
-/* one level: pairs of the `count` * 2 vectors in u give `count` vectors of their half-sums */
+/* one level of lane_sums: pairs of the `count` * 2 vectors in u give `count` vectors of their half-sums */
 #define HALVE(count, e, o) \
   for (int i = 0; i < count; i++) \
     u[i] = __builtin_shuffle(u[2 * i], u[2 * i + 1], e) + __builtin_shuffle(u[2 * i], u[2 * i + 1], o)
 #if VW == 8 || VW == 16
+/* the sums of VW vectors' lanes, as one vector (lane i: the sum of a[i]'s lanes): a transposing tree of shuffles
+   where VW horizontal sums would each take a store and VW scalar adds. Level by level, pairs of vectors give one
+   vector of their half-sums, lane blocks interleaved: e takes each block's first half, o its second. */
 static inline vf lane_sums(const vf* a) {
   vf u[VW];
   for (int i = 0; i < VW; i++) u[i] = a[i];
@@ -410,12 +411,8 @@ static inline __attribute__((always_inline)) void rms_row(const void* x, const v
   for (i = 0; i + VW <= dim; i += VW) stv(y, at + i, ldv(x, at + i, xb) * inv * ldv(w, i, wb), xb);
   for (; i < dim; i++) {
     float v = lds(x, at + i, xb) * inv * lds(w, i, wb);
-    if (xb) {
-      vf one = (vf){0} + v;
-      ((uint16_t*)y)[at + i] = narrow(one)[0];
-    } else {
-      ((float*)y)[at + i] = v;
-    }
+    if (xb) ((uint16_t*)y)[at + i] = narrow1(v);
+    else ((float*)y)[at + i] = v;
   }
 }
 
@@ -509,8 +506,8 @@ def _panel_view(w: torch.Tensor, gate_up: bool) -> torch.Tensor:
 def pack(w: torch.Tensor, gate_up: bool) -> torch.Tensor:
     """``w`` [E, K, N] -> its panels [E, N / NT, K, NT]; a gate-up weight's panels each hold VW gate columns then the
     VW up columns of the same range."""
-    e, k, n = w.shape
-    return _panel_view(w, gate_up).contiguous().view(e, n // (2 * vector_width()), k, 2 * vector_width())
+    view = _panel_view(w, gate_up)
+    return view.contiguous().view(*view.shape[:3], -1)
 
 
 def packed_weight(owner: torch.nn.Module, name: str, w: torch.Tensor, gate_up: bool) -> torch.Tensor:
@@ -522,9 +519,8 @@ def packed_weight(owner: torch.nn.Module, name: str, w: torch.Tensor, gate_up: b
     hit = kept.get(name)
     if hit is not None and hit[0] == stamp:
         return hit[1]
-    e, k, n = w.shape
-    if hit is not None and hit[1].shape == (e, n // (2 * vector_width()), k, 2 * vector_width()):
-        view = _panel_view(w, gate_up)
+    view = _panel_view(w, gate_up)
+    if hit is not None and hit[1].shape[:3] == view.shape[:3]:  # the same experts, tiles and K: the same panels
         with torch.inference_mode(hit[1].is_inference()):  # made in an engine's step, maybe refreshed outside one
             hit[1].view(view.shape).copy_(view)  # one pass over the weight, no new tensor
         panels = hit[1]
