@@ -197,11 +197,11 @@ def test_the_mxfp8_dense_path_quantizes_as_the_grouped_one():
 LORA_LAYERS = {"num_hidden_layers": 2}  # one layer per expert path in the graph: half the compile of four
 
 
-def _lora_engine_model(layout: str):
+def _lora_engine_model(layout: str, overrides: dict = LORA_LAYERS):
     """The tiny Qwen3-MoE (two layers) with two random adapters (every projection and the experts) in slots 0, 1."""
     from moerl.model.lora import LoraConfig, attach_lora, lora_modules
 
-    model = init_model("qwen3_moe", "tiny", overrides=LORA_LAYERS, dtype=torch.float32)
+    model = init_model("qwen3_moe", "tiny", overrides=overrides, dtype=torch.float32)
     attach_lora(model, LoraConfig(rank=4, alpha=8, layout=layout, slots=2), dtype=torch.float32)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -239,17 +239,21 @@ def test_the_paths_of_mixed_adapter_slots_equal_the_reference_loop(layout):
         ctx.set(None, 1, 1)
 
 
-def test_compiled_lora_decode_matches_the_eager_lora_engine():
+@pytest.mark.parametrize("packed", [False, True])
+def test_compiled_lora_decode_matches_the_eager_lora_engine(packed):
     """A LoRA engine (two adapters in slots, requests asking for either or none) decodes through one graph as eager,
     its adapted experts on the dense path in half the layers and as the grouped op, rows grouped by (slot, expert),
-    in the others: same tokens and routing, fp32 logprobs within 1e-5; one graph for the buckets 16 down to 2 (the
-    bucket of 16 rows once shared a symbol with the cache's 16-token blocks and was compiled again for 8);
-    negative control: the compiled engine with the requests' adapters swapped (a <-> b) fails the same comparison."""
+    in the others (``packed``: an engine's own CPU layout with experts the kernel streams, both layers' experts and
+    their adapters' deltas in ``moe_decode``'s one op): same tokens and routing, fp32 logprobs within 1e-5; one
+    graph for the buckets 16 down to 2 (the bucket of 16 rows once shared a symbol with the cache's 16-token blocks
+    and was compiled again for 8); negative control: the compiled engine with the requests' adapters swapped
+    (a <-> b) fails the same comparison."""
     from torch._dynamo.utils import counters
 
     from moerl.model.lora import slot_tensors
 
-    donor = _lora_engine_model("per_expert")
+    overrides = LORA_LAYERS | ({"hidden_size": 256, "moe_intermediate_size": 384} if packed else {})
+    donor = _lora_engine_model("per_expert", overrides)
     cfg = {"max_num_seqs": 16, "max_model_len": 64, "max_loras": 2, "max_lora_rank": 4}
 
     def requests(names=("a", "b", None)):
@@ -257,11 +261,11 @@ def test_compiled_lora_decode_matches_the_eager_lora_engine():
 
     outs = []
     for compiled in (False, True):  # each engine its own copy of the base (seeded: the same weights)
-        engine = LLMEngine(
-            init_model("qwen3_moe", "tiny", overrides=LORA_LAYERS, dtype=torch.float32),
-            EngineConfig(**cfg, compile_decode=compiled),
-            dtype=torch.float32,
-        )
+        model = init_model("qwen3_moe", "tiny", overrides=overrides, dtype=torch.float32)
+        if packed:
+            model.decode_layout()
+        engine = LLMEngine(model, EngineConfig(**cfg, compile_decode=compiled), dtype=torch.float32)
+        assert all(engine.model.layers[i].mlp.experts.packed == packed for i in engine.model.moe_layer_ids)
         engine.add_adapter("a", slot_tensors(donor, 0))
         engine.add_adapter("b", slot_tensors(donor, 1))
         for i in engine.model.moe_layer_ids[1::2]:  # layer 1's adapted experts as the grouped op

@@ -29,6 +29,8 @@ class AdapterSlots:
             rank=cfg.max_lora_rank, alpha=1.0, targets=targets, layout=cfg.lora_layout, slots=cfg.max_loras
         )
         attach_lora(model, lcfg, dtype=model.dtype)
+        if model.laid_out:  # the engine's own CPU model: its adapters decode through the kernels too
+            model.decode_layout()
         self.model, self.layout, self.rank = model, cfg.lora_layout, cfg.max_lora_rank
         self.modules = lora_modules(model)
         with torch.no_grad():

@@ -28,6 +28,7 @@ from moerl.device import on_gpu
 from moerl.model.grouped import Groups, device_kernel, group_mm
 from moerl.model.linear import Linear
 from moerl.model.moe import Experts, Route
+from moerl.model.packed import LORA_PARTS, _panel_view, graph_panels, kept_copy, lora_add
 from moerl.model.swap import replace_module, state_of, swapped
 
 LAYOUTS = ("per_expert", "shared_outer")
@@ -110,6 +111,7 @@ class LinearLora(nn.Module):
         self.lora_B = nn.Parameter(torch.zeros(slots, d_out, rank, dtype=dtype))
         self.scale = nn.Buffer(torch.zeros(slots))
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+        self.one_call = False  # an engine's own CPU model: the delta in one kernel call (``LoraLinear.forward``)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the base layer's output for ``x``) plus this layer's LoRA delta."""
@@ -130,6 +132,16 @@ class LinearLora(nn.Module):
         """scale * B @ A for merging: [out, in]."""
         return self.lora_B[slot] @ self.lora_A[slot] * self.scale[slot]
 
+    def decode_factors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(A [S, r, in], B^T [S, r, out], scale [S]) in fp32 as ``lora_add`` takes them, kept beside the adapter
+        while it is unchanged (an adapter load writes its slots in place)."""
+        f32, same = torch.float32, _same
+        return (
+            kept_copy(self, "A", self.lora_A, same, f32),
+            kept_copy(self, "B^T", self.lora_B, lambda b: b.transpose(1, 2), f32),
+            kept_copy(self, "scale", self.scale, same, f32),
+        )
+
 
 class LoraLinear(Linear):
     """A projection with adapter slots: the base product plus the delta of the active slots."""
@@ -138,7 +150,14 @@ class LoraLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
-        return self.lora(x, y) if self.lora.ctx.active else y
+        lora = self.lora
+        if not lora.ctx.active:
+            return y
+        dropping = lora.training and isinstance(lora.dropout, nn.Dropout)
+        if lora.one_call and not dropping and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            slots = lora.ctx.single if lora.ctx.token_slots is None else lora.ctx.token_slots
+            return lora_add(x, y, slots, *lora.decode_factors())  # three ops of a few rows -> one call
+        return lora(x, y)
 
 
 class ExpertLora(nn.Module):
@@ -172,6 +191,22 @@ class ExpertLora(nn.Module):
             gu.append(gu_b @ gu_a * s)
             dn.append(dn_b @ dn_a * s)
         return torch.stack(gu), torch.stack(dn)
+
+    def decode_factors(self) -> list[torch.Tensor]:
+        """The fp32 factors ``moe_decode`` takes (``LORA_PARTS`` after the slot: scale, gate-up A, gate-up B's panels,
+        down A, down B^T), kept beside the adapter while it is unchanged; in a compiled graph the copies made before it
+        (``LoraExperts.refresh_packed``)."""
+        if torch.compiler.is_compiling():
+            return [graph_panels(self, name) for name in LORA_PARTS[1:]]
+        f32, same = torch.float32, _same
+        return [
+            kept_copy(self, "scale", self.scale, same, f32),
+            kept_copy(self, "gate_up_A", self.gate_up_A, same, f32),
+            # B^T of every (slot, expert) as a gate-up weight of K = r, in its panels
+            kept_copy(self, "gate_up_B", self.gate_up_B, _gate_up_b_view, f32, panels=True),
+            kept_copy(self, "down_A", self.down_A, same, f32),
+            kept_copy(self, "down_B^T", self.down_B, lambda b: b.transpose(-1, -2), f32),
+        ]
 
     # -- fused path: inside the grouped expert computation ------------------------------------------------
     def groups(self, token: torch.Tensor, expert: torch.Tensor, by_expert):
@@ -263,6 +298,11 @@ class LoraExperts(Experts):
         lora = self.lora
         if not lora.ctx.active:
             return super()._grouped(x, idx, weights)
+        if self._one_call(x, idx):  # an engine's decode: the deltas inside the experts' one kernel call
+            slots = lora.ctx.token_slots
+            if slots is None:
+                slots = torch.full((x.shape[0],), lora.ctx.single, dtype=torch.long)
+            return self._in_one_call(x, idx, weights, [slots, *lora.decode_factors()])
         route = Route(idx, weights, self.num_experts, x.dtype, self.zero)
         groups = lora.groups(route.token, route.expert, route.by_expert)
         xs = x.index_select(0, route.token)
@@ -274,6 +314,16 @@ class LoraExperts(Experts):
         if lora.layout == "shared_outer":  # one expand per token, after the routed sum
             return self._down_sum(x, y, route) + delta.to(x.dtype)
         return self._down_sum(x, _add(y, delta, rows), route)
+
+    def _one_call(self, x: torch.Tensor, idx: torch.Tensor) -> bool:
+        # in a compiled graph: where the adapter's fp32 factors were made before it, as the panels were
+        made = not torch.compiler.is_compiling() or graph_panels(self.lora, LORA_PARTS[-1]) is not None
+        return made and super()._one_call(x, idx)
+
+    def refresh_packed(self) -> None:
+        super().refresh_packed()
+        if self.packed:
+            self.lora.decode_factors()
 
     # the dense path (``Experts._dense``, the compiled decode step's): every adapter slot's deltas, each token's own
     # slot kept by a mask (no sort, gather or data-dependent branch)
@@ -319,6 +369,14 @@ class LoraExperts(Experts):
             return [(ctx.single, torch.arange(token.numel(), device=token.device))]
         row_slot = ctx.token_slots[token]
         return [(int(s), (row_slot == s).nonzero().squeeze(1)) for s in row_slot.unique().tolist() if s >= 0]
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _gate_up_b_view(b: torch.Tensor) -> torch.Tensor:
+    return _panel_view(b.transpose(-1, -2).flatten(0, 1), True)
 
 
 def _add(y: torch.Tensor, delta: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:

@@ -289,8 +289,7 @@ class Experts(nn.Module):
 
     def _grouped(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self._one_call(x, idx):
-            panels = graph_panels if torch.compiler.is_compiling() else Experts._panels
-            return moe_decode(x, idx, weights, panels(self, "gate_up"), panels(self, "down"))
+            return self._in_one_call(x, idx, weights)
         route = Route(idx, weights, self.num_experts, x.dtype, self.zero)
         xs = x.index_select(0, route.token)
         if self._packs(xs) and self.activation == "silu" and self.gate_up_proj_bias is None:
@@ -300,6 +299,13 @@ class Experts(nn.Module):
         else:
             h = self._hidden(self._expert_mm(xs, "gate_up", route.by_expert), route)
         return self._down_sum(x, self._expert_mm(h, "down", route.by_expert, x.dtype), route)
+
+    def _in_one_call(
+        self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, lora: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """``moe_decode`` on this layer's panels (``lora``: an adapter's slots and factors, LoraExperts')."""
+        panels = graph_panels if torch.compiler.is_compiling() else Experts._panels
+        return moe_decode(x, idx, weights, panels(self, "gate_up"), panels(self, "down"), lora)
 
     def _hidden(self, h: torch.Tensor, route: Route) -> torch.Tensor:
         """The gate_up rows ``h`` (expert-sorted) -> the gate-weighted activations that down_proj takes."""

@@ -18,7 +18,7 @@ from moerl.model.attention import KVCacheView, build_mask
 from moerl.model.config import ModelConfig
 from moerl.model.mixers import build_mixer, is_recurrent
 from moerl.model.moe import MLP, MoE, mlp_activation
-from moerl.model.norms import RMSNorm, layer_norm
+from moerl.model.norms import layer_norm
 from moerl.model.packed import kernel
 from moerl.model.rope import inv_freq_and_scale, rope_cos_sin
 
@@ -114,6 +114,7 @@ class MoEModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None = None):
         super().__init__()
         self.config = cfg
+        self.laid_out = False  # decode_layout: an engine's own CPU model
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = layer_norm(cfg, cfg.hidden_size)
@@ -161,12 +162,14 @@ class MoEModel(nn.Module):
 
     def decode_layout(self) -> None:
         """The CPU engine's own model, laid out for decode: every MoE layer's expert weights as ``Experts.k_major``
-        makes them, its RMSNorms one kernel call each (``RMSNorm.one_call``), where the C kernels build."""
+        makes them, its RMSNorms and LoRA slots on linear layers one kernel call each (``RMSNorm.one_call``,
+        ``LinearLora.one_call``), where the C kernels build. Adapters attached later: call it again."""
+        self.laid_out = True
         for i in self.moe_layer_ids:
             self.layers[i].mlp.experts.k_major()
         if kernel() is not None and self.embed_tokens.weight.device.type == "cpu":
             for m in self.modules():
-                if isinstance(m, RMSNorm):
+                if hasattr(m, "one_call"):  # RMSNorm, LinearLora
                     m.one_call = True
 
     def set_expert_path(self, grouped: bool) -> None:

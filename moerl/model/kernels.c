@@ -1,0 +1,539 @@
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#include <omp.h>
+#if defined(__AVX512F__)
+#define VB 64
+#define MB 8
+#elif defined(__AVX__)
+#define VB 32
+#define MB 6
+#else
+#define VB 16
+#define MB 4
+#endif
+#define VW (VB / 4)
+#define NT (2 * VW)
+typedef float vf __attribute__((vector_size(VB)));
+typedef float vfu __attribute__((vector_size(VB), aligned(4)));
+
+int moerl_panel_vector(void) { return VW; }
+
+/* bf16 (the high half of an fp32) in vector lanes: widened exactly, narrowed rounded to nearest even */
+typedef uint16_t vh __attribute__((vector_size(VB / 2)));
+typedef uint16_t vhu __attribute__((vector_size(VB / 2), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(VB)));
+static inline vf widen(const uint16_t* p) { return (vf)(__builtin_convertvector(*(const vhu*)p, vu) << 16); }
+static inline float widen1(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+static inline vh narrow(vf x) {
+  vu u = (vu)x, nan = (vu)(x != x);
+  u = (u & ~nan) | (((vu){0} + 0x7fc00000u) & nan);
+  return __builtin_convertvector((u + 0x7fffu + ((u >> 16) & 1)) >> 16, vh);
+}
+static inline uint16_t narrow1(float x) { return narrow((vf){0} + x)[0]; }
+/* element i of an fp32 (b = 0) or bf16 (b = 1) array, one vector or one value */
+static inline vf ldv(const void* p, int64_t i, int b) {
+  return b ? widen((const uint16_t*)p + i) : *(const vfu*)((const float*)p + i);
+}
+static inline float lds(const void* p, int64_t i, int b) {
+  return b ? widen1(((const uint16_t*)p)[i]) : ((const float*)p)[i];
+}
+static inline void stv(void* p, int64_t i, vf v, int b) {
+  if (b) *(vhu*)((uint16_t*)p + i) = narrow(v);
+  else *(vfu*)((float*)p + i) = v;
+}
+
+/* LoRA adapter slots on the experts of moe_decode, their factors in fp32 (scale folded in nowhere: scale[s] is
+   applied to each shrink). shared (shared_outer): gate-up A [S][r][H] and down B^T [S][r][H] shared by the experts;
+   else [S][E][r][H] each. gate-up B in the gate-up weight's panels [S * E][2I / NT][r][NT]; down A [S][E][r][I].
+   slot [N]: each token's slot, -1 for none. */
+typedef struct {
+  const float *gu_a, *gu_b, *dn_a, *dn_bt, *scale;
+  const int64_t* slot;
+  int S, E, r, shared;
+} lora_t;
+
+/* y[rows of group g] = x[rows of g] @ w[g], w packed [G][N / NT][K][NT], offs[g] the end row of group g; x fp32, w
+   fp32 (wb = 0) or bf16 (wb = 1), y fp32 or bf16 (yb), the sums in fp32. mode 0: y [M, N] in w's column order.
+   mode 1 (a gate-up weight, each panel VW gate then VW up columns of one range): y [M, N], gate columns first, then
+   up. mode 2 (the same weight): y [M, N / 2] = SiLU(gate) * up * scale. One task: one panel of one group. With L
+   (moe_decode's gate-up, groups = experts): each row's adapter delta joins the sums as r more K rows, the row's
+   shrink xa (of its token, shared, or of the row) times its slot's gate-up B panel. */
+static inline __attribute__((always_inline)) void group_mm_task(const float* x, const void* w, const int32_t* offs,
+                                                                const float* scale, int K, int N, int mode, void* y,
+                                                                int t, const lora_t* L, const int32_t* tok,
+                                                                const float* xa, const int wb, const int yb) {
+  int tiles = N / NT, ldy = mode == 2 ? N / 2 : N;
+  int g = t / tiles, tile = t % tiles, r0 = g ? offs[g - 1] : 0, r1 = offs[g];
+  int64_t wt = ((int64_t)g * tiles + tile) * K * NT;
+  for (int m0 = r0; m0 < r1; m0 += MB) {
+    int mb = r1 - m0 < MB ? r1 - m0 : MB;
+    const float* xr[MB];
+    for (int m = 0; m < MB; m++) xr[m] = x + (int64_t)(m0 + (m < mb ? m : 0)) * K;
+    vf a0[MB], a1[MB];
+    for (int m = 0; m < MB; m++) { a0[m] = (vf){0}; a1[m] = (vf){0}; }
+    for (int k = 0; k < K; k++) {
+      int64_t wk = wt + (int64_t)k * NT;
+      __builtin_prefetch((const char*)w + (wk + 8 * NT) * (wb ? 2 : 4));
+      vf w0 = ldv(w, wk, wb), w1 = ldv(w, wk + VW, wb);
+      #pragma GCC unroll 16
+      for (int m = 0; m < MB; m++) {
+        float s = xr[m][k];
+        a0[m] += s * w0;
+        a1[m] += s * w1;
+      }
+    }
+    if (L)
+      #pragma GCC unroll 16
+      for (int m = 0; m < MB; m++) {  /* unrolled: the accumulators stay registers */
+        int64_t row = m0 + m, s = m < mb ? L->slot[tok[row]] : -1;
+        if (s < 0) continue;
+        const float* a = xa + (L->shared ? tok[row] : row) * L->r;
+        const float* b = L->gu_b + (((int64_t)s * L->E + g) * tiles + tile) * L->r * NT;
+        for (int j = 0; j < L->r; j++) {
+          a0[m] += a[j] * *(const vfu*)(b + j * NT);
+          a1[m] += a[j] * *(const vfu*)(b + j * NT + VW);
+        }
+      }
+    for (int m = 0; m < mb; m++) {
+      int64_t out = (int64_t)(m0 + m) * ldy;
+      if (mode == 0) {
+        stv(y, out + tile * NT, a0[m], yb);
+        stv(y, out + tile * NT + VW, a1[m], yb);
+      } else if (mode == 1) {
+        stv(y, out + tile * VW, a0[m], yb);
+        stv(y, out + N / 2 + tile * VW, a1[m], yb);
+      } else {
+        float gate[VW], up[VW], sc = scale[m0 + m];
+        memcpy(gate, &a0[m], sizeof gate);
+        memcpy(up, &a1[m], sizeof up);
+        for (int j = 0; j < VW; j++) gate[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j] * sc;
+        stv(y, out + tile * VW, *(vfu*)gate, yb);
+      }
+    }
+  }
+}
+
+void moerl_packed_group_mm(const float* x, const void* w, const int32_t* offs, const float* scale, int G, int K,
+                           int N, int mode, void* y, int wb, int yb, int threads) {
+  int tasks = G * (N / NT);
+  /* one loop per (weight, output) kind: the task's loads and stores made for it */
+  if (!wb && !yb) {
+    #pragma omp parallel for schedule(static, 1) num_threads(threads)
+    for (int t = 0; t < tasks; t++) group_mm_task(x, w, offs, scale, K, N, mode, y, t, NULL, NULL, NULL, 0, 0);
+  } else if (!wb) {
+    #pragma omp parallel for schedule(static, 1) num_threads(threads)
+    for (int t = 0; t < tasks; t++) group_mm_task(x, w, offs, scale, K, N, mode, y, t, NULL, NULL, NULL, 0, 1);
+  } else if (!yb) {
+    #pragma omp parallel for schedule(static, 1) num_threads(threads)
+    for (int t = 0; t < tasks; t++) group_mm_task(x, w, offs, scale, K, N, mode, y, t, NULL, NULL, NULL, 1, 0);
+  } else {
+    #pragma omp parallel for schedule(static, 1) num_threads(threads)
+    for (int t = 0; t < tasks; t++) group_mm_task(x, w, offs, scale, K, N, mode, y, t, NULL, NULL, NULL, 1, 1);
+  }
+}
+
+/* a . b over n floats: a fp32, b fp32 (kb = 0) or bf16 (kb = 1) from element at */
+static inline float dot(const float* a, const void* b, int64_t at, int n, int kb) {
+  vf acc = (vf){0};
+  int i = 0;
+  for (; i + VW <= n; i += VW) acc += *(const vfu*)(a + i) * ldv(b, at + i, kb);
+  float s = 0, lanes[VW];
+  memcpy(lanes, &acc, sizeof lanes);
+  for (int j = 0; j < VW; j++) s += lanes[j];
+  for (; i < n; i++) s += a[i] * lds(b, at + i, kb);
+  return s;
+}
+
+static inline float hsum(vf a) {
+  float s = 0, lanes[VW];
+  memcpy(lanes, &a, sizeof lanes);
+  for (int j = 0; j < VW; j++) s += lanes[j];
+  return s;
+}
+
+/* out[j] = sc * (A[j] . v), j < r: a LoRA shrink of one row v (fp32 or bf16, vb) by A [r][n] fp32, eight rows of A
+   at a time (eight independent sums: a single one would wait on each of its adds) */
+static inline void shrink(const void* v, int64_t at, int vb, int n, const float* A, int r, float sc, float* out) {
+  int j0 = 0;
+  for (; j0 + 8 <= r; j0 += 8) {
+    const float* a = A + (int64_t)j0 * n;
+    vf acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = (vf){0};
+    int i = 0;
+    for (; i + VW <= n; i += VW) {
+      vf x = ldv(v, at + i, vb);
+      for (int j = 0; j < 8; j++) acc[j] += x * *(const vfu*)(a + (int64_t)j * n + i);
+    }
+    for (int j = 0; j < 8; j++) {
+      float s = hsum(acc[j]);
+      for (int t = i; t < n; t++) s += lds(v, at + t, vb) * a[(int64_t)j * n + t];
+      out[j0 + j] = sc * s;
+    }
+  }
+  for (; j0 < r; j0++) out[j0] = sc * dot(A + (int64_t)j0 * n, v, at, n, vb);
+}
+
+/* acc[c] += sum_j u[j] * bt[j][i + c VW] over the c < cb (<= 4) vectors from column i: a LoRA expand of u [r] by
+   B^T [r][ld] fp32, into up to four independent sums */
+static inline void expand(vf* acc, int cb, const float* u, const float* bt, int r, int64_t ld, int i) {
+  for (int j = 0; j < r; j++)
+    #pragma GCC unroll 4
+    for (int c = 0; c < 4; c++)
+      if (c < cb) acc[c] += u[j] * *(const vfu*)(bt + j * ld + i + c * VW);
+}
+
+/* The routed experts of a decode step in one call (SiLU-gated, no biases): x [N][H] (xb: bf16) with its experts idx
+   [N][k] and routing weights gate [N][k] (fp32; rounded to x's dtype first, as the torch path rounds them) -> out
+   [N][H] in x's dtype, each token's k rows summed in fp32 and rounded once. The pairs sorted by expert (a stable
+   counting sort), then in one parallel region (its threads woken once, where the torch path takes a dozen ops):
+   their rows gathered and widened, the packed gate-up GEMM with the activation, the packed down GEMM, each token's
+   sum. With L (LoRA slots): the gate-up shrinks (one per token where A is shared, else per row) before the gate-up
+   GEMM, which adds each row's expand as r more K rows; the down shrinks beside the down GEMM; their expand in each
+   token's sum (where B is shared, once, on the shrinks summed in rank space). work: fp32 [P (H + I + 1)], with L
+   [(shared ? N : P) r + P r] more; ints: int32 [2 E + 3 P] (P = N k). Returns -1 (nothing written) for an expert id
+   outside 0..E-1, -2 for a slot past the adapters'. */
+static inline __attribute__((always_inline)) void moe_body(const void* x, int N, int k, int E, int H, int I,
+                                                           const void* gu, const void* dn, void* out, int xb,
+                                                           float* work, const int32_t* ints, const lora_t* L,
+                                                           const int wb) {
+  int P = N * k, R = L ? L->r : 0;
+  const int32_t *offs = ints, *tok = ints + 2 * E, *where = ints + 2 * E + P, *ex = ints + 2 * E + 2 * P;
+  float *xs = work, *h = work + (int64_t)P * H, *scale = h + (int64_t)P * I, *xa = scale + P;
+  float* ha = xa + (int64_t)(L && L->shared ? N : P) * R;
+  #pragma omp for schedule(static)
+  for (int r = 0; r < P; r++) {
+    int64_t src = (int64_t)tok[r] * H, dst = (int64_t)r * H;
+    int i = 0;
+    for (; i + VW <= H; i += VW) *(vfu*)(xs + dst + i) = ldv(x, src + i, xb);
+    for (; i < H; i++) xs[dst + i] = lds(x, src + i, xb);
+    if (L && !L->shared) {
+      int64_t s = L->slot[tok[r]];
+      if (s >= 0) shrink(xs, dst, 0, H, L->gu_a + ((s * E + ex[r]) * R) * H, R, L->scale[s], xa + (int64_t)r * R);
+    }
+  }
+  if (L && L->shared) {
+    #pragma omp for schedule(static)
+    for (int n = 0; n < N; n++) {
+      int64_t s = L->slot[n];
+      if (s >= 0) shrink(x, (int64_t)n * H, xb, H, L->gu_a + s * R * H, R, L->scale[s], xa + (int64_t)n * R);
+    }
+  }
+  #pragma omp for schedule(static, 1)
+  for (int t = 0; t < E * (2 * I / NT); t++) group_mm_task(xs, gu, offs, scale, H, 2 * I, 2, h, t, L, tok, xa, wb, 0);
+  #pragma omp for schedule(static, 1) nowait  /* the down rows written over the gathered ones (read by now) */
+  for (int t = 0; t < E * (H / NT); t++) group_mm_task(h, dn, offs, NULL, I, H, 0, xs, t, NULL, NULL, NULL, wb, 0);
+  if (L) {
+    #pragma omp for schedule(static) nowait
+    for (int r = 0; r < P; r++) {
+      int64_t s = L->slot[tok[r]];
+      if (s >= 0) shrink(h, (int64_t)r * I, 0, I, L->dn_a + ((s * E + ex[r]) * R) * I, R, L->scale[s], ha + r * R);
+    }
+  }
+  #pragma omp barrier
+  #pragma omp for schedule(static)
+  for (int n = 0; n < N; n++) {
+    int64_t s = L ? L->slot[n] : -1;
+    float u[R > 0 ? R : 1];  /* shared B: the token's down shrinks summed in rank space */
+    if (s >= 0 && L->shared)
+      for (int j = 0; j < R; j++) {
+        u[j] = 0.0f;
+        for (int kk = 0; kk < k; kk++) u[j] += ha[(int64_t)where[n * k + kk] * R + j];
+      }
+    for (int i = 0; i < H; i += 4 * VW) {  /* four vectors at a time: independent sums */
+      int cb = (H - i) / VW < 4 ? (H - i) / VW : 4;
+      vf acc[4] = {(vf){0}, (vf){0}, (vf){0}, (vf){0}};
+      for (int j = 0; j < k; j++)
+        for (int c = 0; c < cb; c++) acc[c] += *(const vfu*)(xs + (int64_t)where[n * k + j] * H + i + c * VW);
+      if (s >= 0 && L->shared) expand(acc, cb, u, L->dn_bt + s * R * H, R, H, i);
+      else if (s >= 0)
+        for (int kk = 0; kk < k; kk++) {
+          int64_t row = where[n * k + kk];
+          expand(acc, cb, ha + row * R, L->dn_bt + (s * E + ex[row]) * R * H, R, H, i);
+        }
+      for (int c = 0; c < cb; c++) stv(out, (int64_t)n * H + i + c * VW, acc[c], xb);
+    }
+  }
+}
+
+int moerl_moe_decode(const void* x, const int64_t* idx, const float* gate, int N, int k, int E, int H, int I,
+                     const void* gu, const void* dn, int wb, void* out, int xb, float* work, int32_t* ints,
+                     const lora_t* L, int threads) {
+  int P = N * k;
+  int32_t *offs = ints, *next = ints + E, *tok = ints + 2 * E, *where = ints + 2 * E + P, *ex = ints + 2 * E + 2 * P;
+  float* scale = work + (int64_t)P * (H + I);
+  for (int e = 0; e < E; e++) next[e] = 0;
+  for (int p = 0; p < P; p++) {
+    if (idx[p] < 0 || idx[p] >= E) return -1;
+    next[idx[p]]++;
+  }
+  if (L)
+    for (int n = 0; n < N; n++)
+      if (L->slot[n] >= L->S) return -2;
+  for (int e = 0, end = 0; e < E; e++) { end += next[e]; offs[e] = end; next[e] = end - next[e]; }
+  for (int p = 0; p < P; p++) {
+    int r = next[idx[p]]++;
+    tok[r] = p / k;
+    ex[r] = idx[p];
+    where[p] = r;
+    float w = gate[p];
+    if (xb) w = widen1(narrow1(w));
+    scale[r] = w;
+  }
+  if (wb) {
+    #pragma omp parallel num_threads(threads)
+    moe_body(x, N, k, E, H, I, gu, dn, out, xb, work, ints, L, 1);
+  } else {
+    #pragma omp parallel num_threads(threads)
+    moe_body(x, N, k, E, H, I, gu, dn, out, xb, work, ints, L, 0);
+  }
+  return 0;
+}
+
+/* LoRA slots on a linear layer's rows: out[n] = y[n] + scale[s] (x[n] A[s]^T) B[s]^T for row n's slot s (slot NULL:
+   `single` for every row; -1: none, y[n] as it is). x [N][in], y and out [N][dout], fp32 or bf16 (xb, yb); A [S][r][in]
+   and B^T [S][r][dout] fp32. The sums in fp32, the result rounded once. A decode step's few rows on one thread.
+   Returns -2 (nothing written) for a slot past the adapters'. */
+int moerl_lora_add(const void* x, const void* y, const int64_t* slot, int64_t single, const float* A,
+                   const float* BT, const float* scale, int64_t N, int S, int r, int din, int dout, void* out, int xb,
+                   int yb, int threads) {
+  for (int64_t n = 0; n < (slot ? N : 1); n++)
+    if ((slot ? slot[n] : single) >= S) return -2;
+  int n_threads = N * (int64_t)r * (din + dout) >= (1 << 18) ? threads : 1;
+  #pragma omp parallel for schedule(static) num_threads(n_threads)
+  for (int64_t n = 0; n < N; n++) {
+    int64_t s = slot ? slot[n] : single;
+    float a[r > 0 ? r : 1];
+    if (s >= 0) shrink(x, n * din, xb, din, A + s * r * din, r, scale[s], a);
+    int i = 0;
+    for (; i + VW <= dout; i += 4 * VW) {  /* four vectors at a time (fewer at the end) */
+      int cb = (dout - i) / VW < 4 ? (dout - i) / VW : 4;
+      vf acc[4];
+      for (int c = 0; c < cb; c++) acc[c] = ldv(y, n * dout + i + c * VW, yb);
+      if (s >= 0) expand(acc, cb, a, BT + s * r * dout, r, dout, i);
+      for (int c = 0; c < cb; c++) stv(out, n * dout + i + c * VW, acc[c], yb);
+    }
+    i = dout / VW * VW;
+    for (; i < dout; i++) {
+      float acc = lds(y, n * dout + i, yb);
+      if (s >= 0)
+        for (int j = 0; j < r; j++) acc += a[j] * BT[(s * r + j) * dout + i];
+      if (yb) ((uint16_t*)out)[n * dout + i] = narrow1(acc);
+      else ((float*)out)[n * dout + i] = acc;
+    }
+  }
+  return 0;
+}
+
+/* Decode attention over the paged cache, read in place: q [B, Hq, D] -> out [B, Hq, Dv]. Pools head-major
+   [Hkv][rows][D] and [Hkv][rows][Dv]; tables [B][nb] block ids; pos [B]: the query's position (keys 0..pos visible;
+   window > 0: only the last `window` of them); sinks [Hq] (a logit that joins the softmax) or NULL; scratch:
+   threads x (Hq / Hkv + 2) * nb * bs floats for the scores and the keys' rows. One task per (row, KV head): each
+   key and value row is read once for the query heads that share it. */
+
+typedef int32_t vi __attribute__((vector_size(VB)));
+
+/* one level of lane_sums: pairs of the `count` * 2 vectors in u give `count` vectors of their half-sums */
+#define HALVE(count, e, o) \
+  for (int i = 0; i < count; i++) \
+    u[i] = __builtin_shuffle(u[2 * i], u[2 * i + 1], e) + __builtin_shuffle(u[2 * i], u[2 * i + 1], o)
+#if VW == 8 || VW == 16
+/* the sums of VW vectors' lanes, as one vector (lane i: the sum of a[i]'s lanes): a transposing tree of shuffles
+   where VW horizontal sums would each take a store and VW scalar adds. Level by level, pairs of vectors give one
+   vector of their half-sums, lane blocks interleaved: e takes each block's first half, o its second. */
+static inline vf lane_sums(const vf* a) {
+  vf u[VW];
+  for (int i = 0; i < VW; i++) u[i] = a[i];
+#if VW == 8
+  const vi e0 = {0, 8, 2, 10, 4, 12, 6, 14}, o0 = {1, 9, 3, 11, 5, 13, 7, 15};
+  const vi e1 = {0, 1, 8, 9, 4, 5, 12, 13}, o1 = {2, 3, 10, 11, 6, 7, 14, 15};
+  const vi e2 = {0, 1, 2, 3, 8, 9, 10, 11}, o2 = {4, 5, 6, 7, 12, 13, 14, 15};
+  HALVE(4, e0, o0);
+  HALVE(2, e1, o1);
+  HALVE(1, e2, o2);
+#else
+  const vi e0 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+  const vi o0 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+  const vi e1 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+  const vi o1 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+  const vi e2 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+  const vi o2 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+  const vi e3 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const vi o3 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  HALVE(8, e0, o0);
+  HALVE(4, e1, o1);
+  HALVE(2, e2, o2);
+  HALVE(1, e3, o3);
+#endif
+  return u[0];
+}
+#endif
+
+/* e^x for x <= 0 in vector lanes (the softmax's shifted scores): Cephes' expf, within 2 ulp of expf; x below
+   -87 gives e^-87 (~1e-38) where expf gives a denormal or 0, nothing beside a softmax's 1 at its maximum. */
+static inline vf vexp(vf x) {
+  const vf lo = (vf){0} - 87.0f;
+  vi below = x < lo;
+  x = (vf)(((vi)lo & below) | ((vi)x & ~below));
+  vf fx = x * 1.44269504088896341f + 0.5f;
+  vf t = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);
+  vi over = t > fx;  /* truncation rounds negatives up: floor is one less there */
+  fx = t - (vf)((vi)((vf){0} + 1.0f) & over);
+  x = x - fx * 0.693359375f + fx * 2.12194440e-4f;
+  vf z = x * x;
+  vf y = ((((1.9875691500e-4f * x + 1.3981999507e-3f) * x + 8.3334519073e-3f) * x + 4.1665795894e-2f) * x
+          + 1.6666665459e-1f) * x + 5.0000001201e-1f;
+  y = y * z + x + 1.0f;
+  vi pow2 = (__builtin_convertvector(fx, vi) + 127) << 23;
+  return y * (vf)pow2;
+}
+
+/* s[0..n) = e^(s - mx) in place; returns their sum */
+static inline float exp_sum(float* s, int64_t n, float mx) {
+  vf acc = (vf){0};
+  int64_t i = 0;
+  for (; i + VW <= n; i += VW) {
+    vf e = vexp(*(vfu*)(s + i) - mx);
+    *(vfu*)(s + i) = e;
+    acc += e;
+  }
+  float sum = 0, lanes[VW];
+  memcpy(lanes, &acc, sizeof lanes);
+  for (int j = 0; j < VW; j++) sum += lanes[j];
+  for (; i < n; i++) sum += s[i] = expf(s[i] - mx);
+  return sum;
+}
+
+/* one task of the paged decode: row b's KV head kh, its pools fp32 (kb = 0) or bf16 (kb = 1). Each visible key's
+   pool row is found once, walking the block table (no division per key: a task's keys are few, and an integer
+   division costs what a dozen of their multiply-adds do) */
+static inline __attribute__((always_inline)) void paged_task(const float* q, const void* kp, const void* vp,
+                                                             const int64_t* tables, const int64_t* pos,
+                                                             const float* sinks, int Hq, int Hkv, int D, int Dv,
+                                                             int64_t rows, int nb, int bs, int64_t window,
+                                                             float scale, float* out, float* scratch, int t,
+                                                             const int kb) {
+  int g = Hq / Hkv;
+  int b = t / Hkv, kh = t % Hkv;
+  int64_t p = pos[b], lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0, n = p - lo + 1;
+  float* s = scratch + (int64_t)omp_get_thread_num() * (g + 2) * nb * bs;  /* [g][n] scores, then [n] rows */
+  int64_t* at = (int64_t*)(s + (int64_t)g * nb * bs);  /* each visible key's pool row (head kh) */
+  const float* qv = q + ((int64_t)b * Hq + (int64_t)kh * g) * D;  /* the g query heads of this KV head */
+  const int64_t* table = tables + (int64_t)b * nb;
+  for (int64_t j = lo, blk = lo / bs, off = lo % bs; j <= p; j++) {
+    at[j - lo] = (int64_t)kh * rows + table[blk] * bs + off;
+    if (++off == bs) { off = 0; blk++; }
+  }
+  int64_t j = 0;
+#if VW == 8 || VW == 16
+  if (D % VW == 0)  /* VW keys at a time: their VW dot products summed together */
+    for (; j + VW <= n; j += VW)
+      for (int h = 0; h < g; h++) {
+        const float* qh = qv + (int64_t)h * D;
+        vf acc[VW];
+        for (int k = 0; k < VW; k++) acc[k] = (vf){0};
+        for (int i = 0; i < D; i += VW) {
+          vf x = *(const vfu*)(qh + i);
+          for (int k = 0; k < VW; k++) acc[k] += x * ldv(kp, at[j + k] * D + i, kb);
+        }
+        *(vfu*)(s + h * n + j) = lane_sums(acc) * scale;
+      }
+#endif
+  for (; j < n; j++)
+    for (int h = 0; h < g; h++) s[h * n + j] = dot(qv + (int64_t)h * D, kp, at[j] * D, D, kb) * scale;
+  float* o = out + ((int64_t)b * Hq + (int64_t)kh * g) * Dv;
+  for (int h = 0; h < g; h++) {
+    float* sh = s + h * n;
+    float mx = sinks ? sinks[kh * g + h] : -INFINITY;
+    for (int64_t j = 0; j < n; j++) mx = sh[j] > mx ? sh[j] : mx;
+    float inv = 1.0f / (exp_sum(sh, n, mx) + (sinks ? expf(sinks[kh * g + h] - mx) : 0.0f));
+    for (int64_t j = 0; j < n; j++) sh[j] *= inv;
+  }
+  /* the value sum a head at a time, four vectors of its output held in registers over the keys (an output kept in
+     memory would chain every key's add through a store and a load) */
+  for (int h = 0; h < g; h++) {
+    const float* sh = s + h * n;
+    float* oh = o + (int64_t)h * Dv;
+    int i0 = 0;
+    for (; i0 + 4 * VW <= Dv; i0 += 4 * VW) {
+      vf acc[4] = {(vf){0}, (vf){0}, (vf){0}, (vf){0}};
+      for (int64_t j = 0; j < n; j++) {
+        int64_t vr = at[j] * Dv + i0;
+        for (int c = 0; c < 4; c++) acc[c] += sh[j] * ldv(vp, vr + c * VW, kb);
+      }
+      for (int c = 0; c < 4; c++) *(vfu*)(oh + i0 + c * VW) = acc[c];
+    }
+    for (; i0 + VW <= Dv; i0 += VW) {  /* a head narrower than four vectors (tiny's 32 on AVX-512) */
+      vf acc = (vf){0};
+      for (int64_t j = 0; j < n; j++) acc += sh[j] * ldv(vp, at[j] * Dv + i0, kb);
+      *(vfu*)(oh + i0) = acc;
+    }
+    for (; i0 < Dv; i0++) {
+      float acc = 0.0f;
+      for (int64_t j = 0; j < n; j++) acc += sh[j] * lds(vp, at[j] * Dv + i0, kb);
+      oh[i0] = acc;
+    }
+  }
+}
+
+void moerl_paged_decode(const float* q, const void* kp, const void* vp, const int64_t* tables, const int64_t* pos,
+                        const float* sinks, int B, int Hq, int Hkv, int D, int Dv, int64_t rows, int nb, int bs,
+                        int64_t window, float scale, float* out, float* scratch, int kb, int threads) {
+  if (kb) {
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int t = 0; t < B * Hkv; t++)
+      paged_task(q, kp, vp, tables, pos, sinks, Hq, Hkv, D, Dv, rows, nb, bs, window, scale, out, scratch, t, 1);
+  } else {
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int t = 0; t < B * Hkv; t++)
+      paged_task(q, kp, vp, tables, pos, sinks, Hq, Hkv, D, Dv, rows, nb, bs, window, scale, out, scratch, t, 0);
+  }
+}
+
+/* RMSNorm of rows x [rows][dim] -> y, as torch's CPU composite computes it: in fp32, y = x * rsqrt(mean(x^2) + eps)
+   * w, rounded once to y's dtype; x and y fp32 (xb = 0) or bf16 (xb = 1), w fp32 or bf16 (wb). */
+static inline __attribute__((always_inline)) void rms_row(const void* x, const void* w, void* y, int64_t r, int dim,
+                                                          float eps, const int xb, const int wb) {
+  int64_t at = r * dim;
+  vf acc = (vf){0};
+  int i = 0;
+  for (; i + VW <= dim; i += VW) {
+    vf v = ldv(x, at + i, xb);
+    acc += v * v;
+  }
+  float ss = 0, lanes[VW];
+  memcpy(lanes, &acc, sizeof lanes);
+  for (int j = 0; j < VW; j++) ss += lanes[j];
+  for (int j = i; j < dim; j++) ss += lds(x, at + j, xb) * lds(x, at + j, xb);
+  float inv = 1.0f / sqrtf(ss / dim + eps);
+  for (i = 0; i + VW <= dim; i += VW) stv(y, at + i, ldv(x, at + i, xb) * inv * ldv(w, i, wb), xb);
+  for (; i < dim; i++) {
+    float v = lds(x, at + i, xb) * inv * lds(w, i, wb);
+    if (xb) ((uint16_t*)y)[at + i] = narrow1(v);
+    else ((float*)y)[at + i] = v;
+  }
+}
+
+void moerl_rms_norm(const void* x, const void* w, void* y, int64_t rows, int dim, float eps, int xb, int wb,
+                    int threads) {
+  /* a decode step's few rows: on one thread (waking the others costs more than the rows) */
+  int n = rows * dim >= 65536 ? threads : 1;
+  if (xb && wb) {
+    #pragma omp parallel for num_threads(n)
+    for (int64_t r = 0; r < rows; r++) rms_row(x, w, y, r, dim, eps, 1, 1);
+  } else if (xb) {
+    #pragma omp parallel for num_threads(n)
+    for (int64_t r = 0; r < rows; r++) rms_row(x, w, y, r, dim, eps, 1, 0);
+  } else if (wb) {
+    #pragma omp parallel for num_threads(n)
+    for (int64_t r = 0; r < rows; r++) rms_row(x, w, y, r, dim, eps, 0, 1);
+  } else {
+    #pragma omp parallel for num_threads(n)
+    for (int64_t r = 0; r < rows; r++) rms_row(x, w, y, r, dim, eps, 0, 0);
+  }
+}

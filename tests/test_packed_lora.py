@@ -1,0 +1,195 @@
+"""LoRA slots in the CPU decode kernels (``moerl.model.packed``): the experts' adapters inside ``moe_decode`` and a
+linear layer's delta in one call (``lora_add``), each against a float64 loop, with negative controls and the errors
+they name; an engine's own model taking both, eager and in its compiled step."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_engine_lora import _logprob_k3, _trained_adapter
+
+from moerl.bridges import load_model
+from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
+from moerl.model.packed import kernel, lora_add, moe_decode, pack
+from moerl.presets import init_model
+
+pytestmark = pytest.mark.skipif(kernel() is None, reason="the packed kernels do not build here (no C compiler)")
+
+# a float64 loop against the kernels' fp32 sums (their order differs): fp32 within 1e-5 of the largest output, bf16
+# within 2^-8 of it (the result's one rounding); the adapters move the outputs by ~30%, a slot off by one token or a
+# factor 3% off by more than the tolerance (the controls)
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2**-8}
+E, H, INTER, K, S, R = 8, 128, 96, 2, 3, 4
+
+
+def _adapter(shared: bool, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random factors of S slots (fp32) in the experts' shapes, and each slot's scale."""
+    lead = (S,) if shared else (S, E)
+
+    def rand(*shape, scale):
+        return torch.randn(*shape, generator=gen) * scale
+
+    return {
+        "scale": torch.tensor([0.5, 2.0, 1.5]),
+        "gate_up_A": rand(*lead, R, H, scale=H**-0.5),
+        "gate_up_B": rand(S, E, 2 * INTER, R, scale=0.4),
+        "down_A": rand(S, E, R, INTER, scale=INTER**-0.5),
+        "down_B": rand(*lead, H, R, scale=0.4),
+    }
+
+
+def _factors(a: dict[str, torch.Tensor], slots: torch.Tensor) -> list[torch.Tensor]:
+    """``moe_decode``'s lora list (``LORA_PARTS``) from the adapter's factors."""
+    gate_up_b = pack(a["gate_up_B"].transpose(-1, -2).flatten(0, 1), True)
+    down_bt = a["down_B"].transpose(-1, -2).contiguous()
+    return [slots, a["scale"], a["gate_up_A"], gate_up_b, a["down_A"], down_bt]
+
+
+def _oracle(x, idx, gate, gate_up, down, a, slots) -> torch.Tensor:
+    """Each token's experts with its slot's deltas (before the activation; on the down rows), float64."""
+    shared = a["gate_up_A"].dim() == 3
+    gate = gate.to(x.dtype).double()
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for n in range(x.shape[0]):
+        s, xn = int(slots[n]), x[n].double()
+        for j in range(idx.shape[1]):
+            e = int(idx[n, j])
+            h = xn @ gate_up[e].double()
+            if s >= 0:
+                ga = a["gate_up_A"][s] if shared else a["gate_up_A"][s, e]
+                h = h + a["scale"][s].double() * (xn @ ga.double().T) @ a["gate_up_B"][s, e].double().T
+            act = F.silu(h[:INTER]) * h[INTER:] * gate[n, j]
+            out[n] += act @ down[e].double()
+            if s >= 0:
+                db = a["down_B"][s] if shared else a["down_B"][s, e]
+                out[n] += a["scale"][s].double() * (act @ a["down_A"][s, e].double().T) @ db.double().T
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["shared_outer", "per_expert"])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_the_experts_adapters_in_one_call_compute_each_tokens_own(layout, mixed, dtype):
+    """``moe_decode`` with LoRA slots against a float64 loop: one slot for every token, or a mix of the three slots
+    and none (a token without one gets exactly the base kernel's output). Controls: the slots rolled by one token (one
+    slot: the next slot), and the down B 3% off."""
+    gen = torch.Generator().manual_seed(5)
+    tokens = 37
+    gate_up = (torch.randn(E, H, 2 * INTER, generator=gen) * H**-0.5).to(dtype)
+    down = (torch.randn(E, INTER, H, generator=gen) * INTER**-0.5).to(dtype)
+    x = torch.randn(tokens, H, generator=gen).to(dtype)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(tokens)])
+    gate = torch.rand(tokens, K, generator=gen).softmax(-1)
+    a = _adapter(layout == "shared_outer", gen)
+    slots = torch.randint(-1, S, (tokens,), generator=gen) if mixed else torch.full((tokens,), 1)
+    panels = pack(gate_up, True), pack(down, False)
+    with torch.no_grad():
+        got = moe_decode(x, idx, gate, *panels, _factors(a, slots))
+        base = moe_decode(x, idx, gate, *panels)
+    want = _oracle(x, idx, gate, gate_up, down, a, slots)
+    tol = TOL[dtype] * want.abs().max()
+    assert got.dtype == dtype and (got.double() - want).abs().max() <= tol
+    assert torch.equal(got[slots < 0], base[slots < 0])
+    assert (want - _oracle(x, idx, gate, gate_up, down, a, torch.full_like(slots, -1))).abs().max() > 0.1
+    other = slots.roll(1) if mixed else (slots + 1) % S
+    assert (got.double() - _oracle(x, idx, gate, gate_up, down, a, other)).abs().max() > tol
+    off = a | {"down_B": a["down_B"] * 1.03}
+    assert (got.double() - _oracle(x, idx, gate, gate_up, down, off, slots)).abs().max() > tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_a_linear_layers_adapters_in_one_call_add_each_rows_own(per_row, dtype):
+    """``lora_add`` against a float64 product: one slot for all rows or each row's own (-1: the row as it was),
+    rows of any leading shape, outputs not a multiple of a vector. Control: the slots rolled by one row (one slot:
+    the next slot)."""
+    gen = torch.Generator().manual_seed(6)
+    din, dout = 96, 84
+    a, b = torch.randn(S, R, din, generator=gen), torch.randn(S, dout, R, generator=gen)
+    scale = torch.tensor([0.5, 2.0, 1.5])
+    x, y = torch.randn(5, 7, din, generator=gen).to(dtype), torch.randn(5, 7, dout, generator=gen).to(dtype)
+    slots = torch.randint(-1, S, (35,), generator=gen) if per_row else torch.full((35,), 2)
+
+    def oracle(slots):
+        rows, out = x.reshape(35, din).double(), y.reshape(35, dout).double().clone()
+        for n, s in enumerate(slots.tolist()):
+            if s >= 0:
+                out[n] += scale[s].double() * (rows[n] @ a[s].double().T) @ b[s].double().T
+        return out.view(5, 7, dout)
+
+    got = lora_add(x, y, slots if per_row else 2, a, b.transpose(1, 2).contiguous(), scale)
+    want = oracle(slots)
+    tol = TOL[dtype] * want.abs().max()
+    assert got.dtype == dtype and got.shape == y.shape and (got.double() - want).abs().max() <= tol
+    assert torch.equal(got.reshape(35, dout)[slots < 0], y.reshape(35, dout)[slots < 0])
+    assert (got.double() - oracle(slots.roll(1) if per_row else (slots + 1) % S)).abs().max() > tol
+
+
+def test_the_adapters_kernels_name_what_they_do_not_take():
+    """A slot past the adapters' and factors that do not match the experts or rows are named; nothing is written."""
+    gen = torch.Generator().manual_seed(7)
+    gate_up, down = pack(torch.randn(E, H, 2 * INTER), True), pack(torch.randn(E, INTER, H), False)
+    x, idx, gate = torch.randn(3, H), torch.tensor([[0, 1], [2, 3], [4, 5]]), torch.rand(3, 2)
+    lora = _factors(_adapter(True, gen), torch.tensor([0, 3, -1]))
+    with pytest.raises(ValueError, match=r"a LoRA slot outside -1..2 \(max 3\)"):
+        moe_decode(x, idx, gate, gate_up, down, lora)
+    lora[0] = torch.tensor([0, 1])
+    named = r"LoRA factors for 8 experts of \[128, 96\] and 3 rows: slot torch.int64 \(2,\)"
+    with pytest.raises(ValueError, match=named):
+        moe_decode(x, idx, gate, gate_up, down, lora)
+    lora[0], lora[4] = torch.tensor([0, 1, 2]), torch.randn(S, E, R, INTER + 1)
+    with pytest.raises(ValueError, match=r"down_A torch.float32 \(3, 8, 4, 97\)"):
+        moe_decode(x, idx, gate, gate_up, down, lora)
+    a, bt, scale = torch.randn(S, R, H), torch.randn(S, R, 64), torch.ones(S)
+    with pytest.raises(ValueError, match=r"lora_add: a LoRA slot outside -1..2 \(max 5\)"):
+        lora_add(x, torch.randn(3, 64), torch.tensor([0, 5, 1]), a, bt, scale)
+    with pytest.raises(ValueError, match=r"lora_add: rows torch.float32 \(3, 128\), output torch.float32 \(3, 60\)"):
+        lora_add(x, torch.randn(3, 60), 0, a, bt, scale)
+
+
+BIG = {"num_hidden_layers": 2, "hidden_size": 256, "moe_intermediate_size": 384}  # fp32 experts the kernel streams
+
+
+@pytest.mark.parametrize("layout", ["shared_outer", "per_expert"])
+def test_an_engines_adapters_decode_in_the_kernels(layout, tmp_path, monkeypatch):
+    """An engine's own CPU model (loaded by path) decodes two adapters and no adapter in one batch through the
+    kernels (its experts' one call with the adapters' deltas, its projections' ``lora_add``: both seen called), each
+    request equal to its fp32 merged model (k3 <= 1e-6) and the base model beyond it for an adapter's requests."""
+    import moerl.model.lora as lora_module
+    import moerl.model.moe as moe_module
+
+    calls = {"experts": 0, "linear": 0}
+
+    def spy(fn, key, lora_at):
+        def wrapped(*args):
+            calls[key] += lora_at is None or bool(args[lora_at])  # moe_decode: with adapters
+            return fn(*args)
+
+        return wrapped
+
+    monkeypatch.setattr(moe_module, "moe_decode", spy(moe_module.moe_decode, "experts", 5))
+    monkeypatch.setattr(lora_module, "lora_add", spy(lora_module.lora_add, "linear", None))
+    path = tmp_path / "big"
+    init_model("qwen3_moe", "tiny", path, overrides=BIG)
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "experts")  # this preset has no dense MLP layer
+    adapters = {
+        "s": _trained_adapter(path, "shared_outer", rank=4, seed=1, targets=targets),
+        "p": _trained_adapter(path, layout, rank=4, seed=2, targets=targets),
+    }
+    cfg = EngineConfig(max_num_seqs=6, max_model_len=48, max_loras=2, max_lora_rank=4, lora_layout=layout)
+    engine = LLMEngine(path, cfg, dtype=torch.float32)
+    for name, (tensors, _) in adapters.items():
+        engine.add_adapter(name, tensors)
+    names = ["s", "p", None]
+    prompts = [[5, 9, 14, 3, 22], [40, 41, 42, 43], [7, 7, 8], [11, 12], [60, 61, 62], [3, 4, 5, 6]]
+    reqs = [
+        Request(p, SamplingParams(temperature=1.0, max_tokens=8, seed=i), adapter=names[i % 3])
+        for i, p in enumerate(prompts)
+    ]
+    base = load_model(path, dtype=torch.float32)
+    outs = engine.generate(reqs)
+    assert calls["experts"] >= 7 * len(engine.model.moe_layer_ids) and calls["linear"] >= 7 * 4 * 2
+    for req, out in zip(reqs, outs, strict=True):
+        oracle = base if req.adapter is None else adapters[req.adapter][1]
+        assert _logprob_k3(oracle, out) <= 1e-6, req.adapter
+        if req.adapter is not None:
+            assert _logprob_k3(base, out) > 1e-6
