@@ -12,11 +12,21 @@ import torch
 import torch.nn.functional as F
 from test_engine_lora import _logprob_k3, _trained_adapter
 
+import moerl.model.packed as packed_module
 from moerl.bridges import load_model
 from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
 from moerl.model.attention import FP32_SDPA_MAX_KEYS, attend
 from moerl.model.moe import PACKED_MAX_ROWS, Experts
-from moerl.model.packed import kernel, moe_decode, pack, packed_group_mm, packed_weight, rms_norm
+from moerl.model.packed import (
+    kernel,
+    moe_decode,
+    pack,
+    packed_group_mm,
+    packed_weight,
+    packs,
+    rms_norm,
+    vector_width,
+)
 from moerl.presets import init_model, preset_config
 
 pytestmark = pytest.mark.skipif(kernel() is None, reason="the packed kernel does not build here (no C compiler)")
@@ -82,6 +92,19 @@ def test_bf16_weights_are_widened_exactly_and_the_result_rounded_once(rows):
     off[:, 7] = (off[:, 7].float() * (1 + 2**-6)).bfloat16()  # one row of every expert's weight, a few steps off
     moved = packed_group_mm(act, pack(off, False), offs, 0, out_dtype=torch.float32)
     assert (moved - want).abs().max() > ATOL * (1 + want.abs().max())
+
+
+def test_bf16_panels_hold_k_pairs():
+    """A bf16 weight's panels hold each column's two K rows side by side (AMX's weight tiles): element (k, j) of a
+    panel sits at pair row k // 2, column j, half k % 2; a bf16 weight of odd K is not packed (fp32 is)."""
+    w = torch.randn(2, 6, 4 * vector_width()).bfloat16()
+    panels = pack(w, False)
+    nt = panels.shape[3]
+    pairs = panels.view(2, panels.shape[1], 3, nt, 2)
+    for k in range(6):
+        assert torch.equal(pairs[:, :, k // 2, :, k % 2].flatten(1), w[:, k])
+    assert not packs(torch.randn(2, 7, 4 * vector_width()).bfloat16(), False)
+    assert packs(torch.randn(2, 7, 4 * vector_width()), False)
 
 
 def test_rows_or_groups_that_do_not_match_the_weight_are_named():
@@ -168,13 +191,26 @@ def _moe_oracle(x, idx, gate, gate_up, down) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def expert_path(monkeypatch, path: str) -> None:
+    """Run bf16 experts on AMX's tiles (``amx``; skipped where the CPU or Linux has none) or on vector FMAs."""
+    if path == "amx" and not packed_module.amx():
+        pytest.skip("no AMX here (the CPU lacks AMX-BF16, or Linux refuses its tile state)")
+    monkeypatch.setattr(packed_module, "_amx", path == "amx")
+
+
+PATHS = [(torch.float32, "vector"), (torch.bfloat16, "vector"), (torch.bfloat16, "amx")]  # (dtype, expert path)
+
+
+@pytest.mark.parametrize(("dtype", "path"), PATHS)
 @pytest.mark.parametrize(("tokens", "skewed"), [(1, False), (40, False), (40, True)])
-def test_the_experts_in_one_call_compute_what_each_expert_does(tokens, skewed, dtype):
+def test_the_experts_in_one_call_compute_what_each_expert_does(tokens, skewed, dtype, path, monkeypatch):
     """``moe_decode`` (sort, gather, both GEMMs, the sum) against a float64 loop over each token's experts: fp32 within
-    1e-5 of the largest output (the sums' order), bf16 within 2^-8 (the result's one rounding). Routes spread over
-    the experts, or skewed (most tokens to one expert: a group longer than the kernel's block of rows, others empty).
-    The control: down_proj 1% (fp32) / 3% (bf16) off is caught."""
+    1e-5 of the largest output (the sums' order), bf16 within 2^-8 (the result's one rounding; on AMX the activations
+    are rounded to bf16 too, as torch's bf16 experts round them: measured 2e-3 of the largest output either way).
+    Routes spread over the experts, or skewed (most tokens to one expert: a group longer than the kernel's block of
+    rows, others empty). bf16 on AMX and on vector FMAs: two paths (their results differ in the last bits). The
+    control: down_proj 1% (fp32) / 3% (bf16) off is caught."""
+    expert_path(monkeypatch, path)
     e, h, inter, k = 8, 128, 96, 2
     gen = torch.Generator().manual_seed(11)
     gate_up = (torch.randn(e, h, 2 * inter, generator=gen) * h**-0.5).to(dtype)
@@ -187,6 +223,9 @@ def test_the_experts_in_one_call_compute_what_each_expert_does(tokens, skewed, d
     gate = torch.rand(tokens, k, generator=gen).softmax(-1)
     with torch.no_grad():
         got = moe_decode(x, idx, gate, pack(gate_up, True), pack(down, False))
+        if path == "amx" and tokens > 1:
+            monkeypatch.setattr(packed_module, "_amx", False)
+            assert not torch.equal(got, moe_decode(x, idx, gate, pack(gate_up, True), pack(down, False)))
     want = _moe_oracle(x, idx, gate, gate_up, down)
     tol = (1e-5 if dtype == torch.float32 else 2**-8) * want.abs().max()
     assert got.dtype == dtype and got.shape == x.shape

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_engine_lora import _logprob_k3, _trained_adapter
+from test_packed import PATHS, expert_path
 
 from moerl.bridges import load_model
 from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
@@ -65,13 +66,14 @@ def _oracle(x, idx, gate, gate_up, down, a, slots) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "path"), PATHS)
 @pytest.mark.parametrize("layout", ["shared_outer", "per_expert"])
 @pytest.mark.parametrize("mixed", [False, True])
-def test_the_experts_adapters_in_one_call_compute_each_tokens_own(layout, mixed, dtype):
+def test_the_experts_adapters_in_one_call_compute_each_tokens_own(layout, mixed, dtype, path, monkeypatch):
     """``moe_decode`` with LoRA slots against a float64 loop: one slot for every token, or a mix of the three slots
     and none (a token without one gets exactly the base kernel's output). Controls: the slots rolled by one token (one
-    slot: the next slot), and the down B 3% off."""
+    slot: the next slot), and the down B 3% off. bf16 on AMX's tiles and on vector FMAs."""
+    expert_path(monkeypatch, path)
     gen = torch.Generator().manual_seed(5)
     tokens = 37
     gate_up = (torch.randn(E, H, 2 * INTER, generator=gen) * H**-0.5).to(dtype)

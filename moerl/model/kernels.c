@@ -23,6 +23,7 @@ int moerl_panel_vector(void) { return VW; }
 typedef uint16_t vh __attribute__((vector_size(VB / 2)));
 typedef uint16_t vhu __attribute__((vector_size(VB / 2), aligned(2)));
 typedef uint32_t vu __attribute__((vector_size(VB)));
+typedef uint32_t vuu __attribute__((vector_size(VB), aligned(4)));
 static inline vf widen(const uint16_t* p) { return (vf)(__builtin_convertvector(*(const vhu*)p, vu) << 16); }
 static inline float widen1(uint16_t h) {
   uint32_t u = (uint32_t)h << 16;
@@ -58,17 +59,56 @@ typedef struct {
   int S, E, r, shared;
 } lora_t;
 
+/* The end of a block of rows (mb of them from row m0, group g, panel `tile`): each row's adapter delta (L) joins its
+   sums a0 / a1 (the panel's two vectors of columns), then the results are stored by mode (see group_mm_task). */
+static inline __attribute__((always_inline)) void store_rows(vf* a0, vf* a1, int m0, int mb, const int mbmax, int g,
+                                                             int tile, int N, int mode, const float* scale, void* y,
+                                                             const lora_t* L, const int32_t* tok, const float* xa,
+                                                             const int yb) {
+  int tiles = N / NT, ldy = mode == 2 ? N / 2 : N;
+  if (L)
+    #pragma GCC unroll 16
+    for (int m = 0; m < mbmax; m++) {  /* unrolled: the accumulators stay registers */
+      int64_t row = m0 + m, s = m < mb ? L->slot[tok[row]] : -1;
+      if (s < 0) continue;
+      const float* a = xa + (L->shared ? tok[row] : row) * L->r;
+      const float* b = L->gu_b + (((int64_t)s * L->E + g) * tiles + tile) * L->r * NT;
+      for (int j = 0; j < L->r; j++) {
+        a0[m] += a[j] * *(const vfu*)(b + j * NT);
+        a1[m] += a[j] * *(const vfu*)(b + j * NT + VW);
+      }
+    }
+  for (int m = 0; m < mb; m++) {
+    int64_t out = (int64_t)(m0 + m) * ldy;
+    if (mode == 0) {
+      stv(y, out + tile * NT, a0[m], yb);
+      stv(y, out + tile * NT + VW, a1[m], yb);
+    } else if (mode == 1) {
+      stv(y, out + tile * VW, a0[m], yb);
+      stv(y, out + N / 2 + tile * VW, a1[m], yb);
+    } else {
+      float gate[VW], up[VW], sc = scale[m0 + m];
+      memcpy(gate, &a0[m], sizeof gate);
+      memcpy(up, &a1[m], sizeof up);
+      for (int j = 0; j < VW; j++) gate[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j] * sc;
+      stv(y, out + tile * VW, *(vfu*)gate, yb);
+    }
+  }
+}
+
 /* y[rows of group g] = x[rows of g] @ w[g], w packed [G][N / NT][K][NT], offs[g] the end row of group g; x fp32, w
-   fp32 (wb = 0) or bf16 (wb = 1), y fp32 or bf16 (yb), the sums in fp32. mode 0: y [M, N] in w's column order.
-   mode 1 (a gate-up weight, each panel VW gate then VW up columns of one range): y [M, N], gate columns first, then
-   up. mode 2 (the same weight): y [M, N / 2] = SiLU(gate) * up * scale. One task: one panel of one group. With L
-   (moe_decode's gate-up, groups = experts): each row's adapter delta joins the sums as r more K rows, the row's
-   shrink xa (of its token, shared, or of the row) times its slot's gate-up B panel. */
+   fp32 (wb = 0) or bf16 (wb = 1), y fp32 or bf16 (yb), the sums in fp32. A bf16 panel holds K-pairs: [K / 2][NT][2],
+   each 32-bit lane one column's two K rows (AMX's layout of a weight tile; widened here by a shift and a mask).
+   mode 0: y [M, N] in w's column order. mode 1 (a gate-up weight, each panel VW gate then VW up columns of one
+   range): y [M, N], gate columns first, then up. mode 2 (the same weight): y [M, N / 2] = SiLU(gate) * up * scale.
+   One task: one panel of one group. With L (moe_decode's gate-up, groups = experts): each row's adapter delta joins
+   the sums as r more K rows, the row's shrink xa (of its token, shared, or of the row) times its slot's gate-up B
+   panel. */
 static inline __attribute__((always_inline)) void group_mm_task(const float* x, const void* w, const int32_t* offs,
                                                                 const float* scale, int K, int N, int mode, void* y,
                                                                 int t, const lora_t* L, const int32_t* tok,
                                                                 const float* xa, const int wb, const int yb) {
-  int tiles = N / NT, ldy = mode == 2 ? N / 2 : N;
+  int tiles = N / NT;
   int g = t / tiles, tile = t % tiles, r0 = g ? offs[g - 1] : 0, r1 = offs[g];
   int64_t wt = ((int64_t)g * tiles + tile) * K * NT;
   for (int m0 = r0; m0 < r1; m0 += MB) {
@@ -77,47 +117,101 @@ static inline __attribute__((always_inline)) void group_mm_task(const float* x, 
     for (int m = 0; m < MB; m++) xr[m] = x + (int64_t)(m0 + (m < mb ? m : 0)) * K;
     vf a0[MB], a1[MB];
     for (int m = 0; m < MB; m++) { a0[m] = (vf){0}; a1[m] = (vf){0}; }
-    for (int k = 0; k < K; k++) {
-      int64_t wk = wt + (int64_t)k * NT;
-      __builtin_prefetch((const char*)w + (wk + 8 * NT) * (wb ? 2 : 4));
-      vf w0 = ldv(w, wk, wb), w1 = ldv(w, wk + VW, wb);
-      #pragma GCC unroll 16
-      for (int m = 0; m < MB; m++) {
-        float s = xr[m][k];
-        a0[m] += s * w0;
-        a1[m] += s * w1;
-      }
-    }
-    if (L)
-      #pragma GCC unroll 16
-      for (int m = 0; m < MB; m++) {  /* unrolled: the accumulators stay registers */
-        int64_t row = m0 + m, s = m < mb ? L->slot[tok[row]] : -1;
-        if (s < 0) continue;
-        const float* a = xa + (L->shared ? tok[row] : row) * L->r;
-        const float* b = L->gu_b + (((int64_t)s * L->E + g) * tiles + tile) * L->r * NT;
-        for (int j = 0; j < L->r; j++) {
-          a0[m] += a[j] * *(const vfu*)(b + j * NT);
-          a1[m] += a[j] * *(const vfu*)(b + j * NT + VW);
+    if (wb)
+      for (int k = 0; k < K; k += 2) {  /* pair row k / 2 starts at element k NT */
+        const uint16_t* wk = (const uint16_t*)w + wt + (int64_t)k * NT;
+        __builtin_prefetch(wk + 16 * NT);
+        vu p0 = *(const vuu*)wk, p1 = *(const vuu*)(wk + 2 * VW), hi = (vu){0} + 0xffff0000u;
+        vf w0 = (vf)(p0 << 16), w0n = (vf)(p0 & hi), w1 = (vf)(p1 << 16), w1n = (vf)(p1 & hi);
+        #pragma GCC unroll 16
+        for (int m = 0; m < MB; m++) {
+          float s = xr[m][k], sn = xr[m][k + 1];
+          a0[m] += s * w0 + sn * w0n;
+          a1[m] += s * w1 + sn * w1n;
         }
       }
-    for (int m = 0; m < mb; m++) {
-      int64_t out = (int64_t)(m0 + m) * ldy;
-      if (mode == 0) {
-        stv(y, out + tile * NT, a0[m], yb);
-        stv(y, out + tile * NT + VW, a1[m], yb);
-      } else if (mode == 1) {
-        stv(y, out + tile * VW, a0[m], yb);
-        stv(y, out + N / 2 + tile * VW, a1[m], yb);
-      } else {
-        float gate[VW], up[VW], sc = scale[m0 + m];
-        memcpy(gate, &a0[m], sizeof gate);
-        memcpy(up, &a1[m], sizeof up);
-        for (int j = 0; j < VW; j++) gate[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j] * sc;
-        stv(y, out + tile * VW, *(vfu*)gate, yb);
+    else
+      for (int k = 0; k < K; k++) {
+        int64_t wk = wt + (int64_t)k * NT;
+        __builtin_prefetch((const float*)w + wk + 8 * NT);
+        vf w0 = *(const vfu*)((const float*)w + wk), w1 = *(const vfu*)((const float*)w + wk + VW);
+        #pragma GCC unroll 16
+        for (int m = 0; m < MB; m++) {
+          float s = xr[m][k];
+          a0[m] += s * w0;
+          a1[m] += s * w1;
+        }
       }
-    }
+    store_rows(a0, a1, m0, mb, MB, g, tile, N, mode, scale, y, L, tok, xa, yb);
   }
 }
+
+#if defined(__AMX_BF16__) && VW == 16
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX 1
+#ifndef PREFETCH_K
+#define PREFETCH_K 32
+#endif
+/* AMX's tiles for a panel: tmm0 / tmm1 the sums of its two 16-column halves for 16 rows, tmm2 16 rows of x (32
+   bf16 of K), tmm3 / tmm4 the halves' 16 pair rows of the weight (their 32 K) */
+typedef struct {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+} tile_config;
+
+/* Ask Linux for AMX's tile state (once per process; oneDNN asks the same): 1 where this thread may use it */
+int moerl_amx(void) { return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0; }
+
+static inline void amx_begin(void) {
+  tile_config cfg = {0};
+  cfg.palette = 1;
+  for (int i = 0; i < 5; i++) { cfg.colsb[i] = 64; cfg.rows[i] = 16; }
+  _tile_loadconfig(&cfg);
+}
+
+/* group_mm_task on AMX: x and w bf16 (w in K-pairs), K a multiple of 32, blocks of 16 rows (rows read past a group
+   belong to the next one or to the buffer's 16 spare rows: their sums are never stored) */
+static inline __attribute__((always_inline)) void amx_task(const uint16_t* x, const uint16_t* w, const int32_t* offs,
+                                                           const float* scale, int K, int N, int mode, void* y, int t,
+                                                           const lora_t* L, const int32_t* tok, const float* xa,
+                                                           const int yb) {
+  int tiles = N / NT;
+  int g = t / tiles, tile = t % tiles, r0 = g ? offs[g - 1] : 0, r1 = offs[g];
+  const uint16_t* wt = w + ((int64_t)g * tiles + tile) * K * NT;
+  float sums[2][16][16] __attribute__((aligned(64)));
+  for (int m0 = r0; m0 < r1; m0 += 16) {
+    int mb = r1 - m0 < 16 ? r1 - m0 : 16;
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int k = 0; k < K; k += 32) {
+      const char* ahead = (const char*)(wt + (int64_t)(k + PREFETCH_K) * NT);  /* the panel's next K rows */
+      for (int line = 0; line < 32 * NT * 2; line += 64) __builtin_prefetch(ahead + line);
+      _tile_loadd(2, x + (int64_t)m0 * K + k, K * 2);
+      _tile_loadd(3, wt + (int64_t)k * NT, NT * 4);
+      _tile_loadd(4, wt + (int64_t)k * NT + 32, NT * 4);
+      _tile_dpbf16ps(0, 2, 3);
+      _tile_dpbf16ps(1, 2, 4);
+    }
+    _tile_stored(0, sums[0], 64);
+    _tile_stored(1, sums[1], 64);
+    vf a0[16], a1[16];
+    for (int m = 0; m < 16; m++) { a0[m] = *(const vf*)sums[0][m]; a1[m] = *(const vf*)sums[1][m]; }
+    store_rows(a0, a1, m0, mb, 16, g, tile, N, mode, scale, y, L, tok, xa, yb);
+  }
+}
+static inline void amx_end(void) { _tile_release(); }
+#else
+#define AMX 0
+int moerl_amx(void) { return 0; }
+static inline void amx_begin(void) {}
+static inline void amx_end(void) {}
+static inline void amx_task(const uint16_t* x, const uint16_t* w, const int32_t* offs, const float* scale, int K,
+                            int N, int mode, void* y, int t, const lora_t* L, const int32_t* tok, const float* xa,
+                            const int yb) {}
+#endif
 
 void moerl_packed_group_mm(const float* x, const void* w, const int32_t* offs, const float* scale, int G, int K,
                            int N, int mode, void* y, int wb, int yb, int threads) {
@@ -192,29 +286,49 @@ static inline void expand(vf* acc, int cb, const float* u, const float* bt, int 
    [N][k] and routing weights gate [N][k] (fp32; rounded to x's dtype first, as the torch path rounds them) -> out
    [N][H] in x's dtype, each token's k rows summed in fp32 and rounded once. The pairs sorted by expert (a stable
    counting sort), then in one parallel region (its threads woken once, where the torch path takes a dozen ops):
-   their rows gathered and widened, the packed gate-up GEMM with the activation, the packed down GEMM, each token's
-   sum. With L (LoRA slots): the gate-up shrinks (one per token where A is shared, else per row) before the gate-up
-   GEMM, which adds each row's expand as r more K rows; the down shrinks beside the down GEMM; their expand in each
-   token's sum (where B is shared, once, on the shrinks summed in rank space). work: fp32 [P (H + I + 1)], with L
-   [(shared ? N : P) r + P r] more; ints: int32 [2 E + 3 P] (P = N k). Returns -1 (nothing written) for an expert id
-   outside 0..E-1, -2 for a slot past the adapters'. */
+   their rows gathered, the packed gate-up GEMM with the activation, the packed down GEMM, each token's sum. With amx
+   (bf16 rows and weights, H and I multiples of 32): the GEMMs on AMX's tiles, the gathered rows and the activations
+   bf16 (the activations rounded once, as torch's bf16 experts round them); else fp32 FMAs on rows widened to fp32.
+   With L (LoRA slots): the gate-up shrinks (one per token where A is shared, else per row) before the gate-up GEMM,
+   which adds each row's expand as r more K rows; the down shrinks beside the down GEMM; their expand in each token's
+   sum (where B is shared, once, on the shrinks summed in rank space). work: fp32 [moe_work(...)]; ints: int32
+   [2 E + 3 P] (P = N k). Returns -1 (nothing written) for an expert id outside 0..E-1, -2 for a slot past the
+   adapters'. */
+static inline int64_t moe_head(int N, int k, int R, int shared) {  /* scale, xa, ha: floats, rounded up to 64 B */
+  int64_t P = (int64_t)N * k;
+  return (P + ((shared ? N : P) + P) * R + 15) / 16 * 16;
+}
+
+int64_t moerl_moe_work(int N, int k, int H, int I, int R, int shared) {
+  int64_t P = (int64_t)N * k;
+  return moe_head(N, k, R, shared) + P * H + (P + 16) * (H + I);
+}
+
 static inline __attribute__((always_inline)) void moe_body(const void* x, int N, int k, int E, int H, int I,
                                                            const void* gu, const void* dn, void* out, int xb,
                                                            float* work, const int32_t* ints, const lora_t* L,
-                                                           const int wb) {
+                                                           const int wb, const int amx) {
   int P = N * k, R = L ? L->r : 0;
   const int32_t *offs = ints, *tok = ints + 2 * E, *where = ints + 2 * E + P, *ex = ints + 2 * E + 2 * P;
-  float *xs = work, *h = work + (int64_t)P * H, *scale = h + (int64_t)P * I, *xa = scale + P;
-  float* ha = xa + (int64_t)(L && L->shared ? N : P) * R;
+  float *scale = work, *xa = work + P, *ha = xa + (int64_t)(L && L->shared ? N : P) * R;
+  float* rows = work + moe_head(N, k, R, L && L->shared);  /* fp32: the gathered rows, then the down rows */
+  float* h = rows + (int64_t)P * H;                         /* fp32: the activations */
+  uint16_t* rows16 = (uint16_t*)h;                          /* amx: bf16 rows [P + 16][H], activations [P + 16][I] */
+  uint16_t* h16 = rows16 + (int64_t)(P + 16) * H;
+  if (amx) amx_begin();
   #pragma omp for schedule(static)
   for (int r = 0; r < P; r++) {
     int64_t src = (int64_t)tok[r] * H, dst = (int64_t)r * H;
-    int i = 0;
-    for (; i + VW <= H; i += VW) *(vfu*)(xs + dst + i) = ldv(x, src + i, xb);
-    for (; i < H; i++) xs[dst + i] = lds(x, src + i, xb);
+    if (amx) memcpy(rows16 + dst, (const uint16_t*)x + src, (size_t)H * 2);
+    else {
+      int i = 0;
+      for (; i + VW <= H; i += VW) *(vfu*)(rows + dst + i) = ldv(x, src + i, xb);
+      for (; i < H; i++) rows[dst + i] = lds(x, src + i, xb);
+    }
     if (L && !L->shared) {
       int64_t s = L->slot[tok[r]];
-      if (s >= 0) shrink(xs, dst, 0, H, L->gu_a + ((s * E + ex[r]) * R) * H, R, L->scale[s], xa + (int64_t)r * R);
+      const float* a = L->gu_a + ((s * E + ex[r]) * R) * H;
+      if (s >= 0) shrink(amx ? (const void*)rows16 : rows, dst, amx, H, a, R, L->scale[s], xa + (int64_t)r * R);
     }
   }
   if (L && L->shared) {
@@ -225,16 +339,22 @@ static inline __attribute__((always_inline)) void moe_body(const void* x, int N,
     }
   }
   #pragma omp for schedule(static, 1)
-  for (int t = 0; t < E * (2 * I / NT); t++) group_mm_task(xs, gu, offs, scale, H, 2 * I, 2, h, t, L, tok, xa, wb, 0);
+  for (int t = 0; t < E * (2 * I / NT); t++)
+    if (amx) amx_task(rows16, gu, offs, scale, H, 2 * I, 2, h16, t, L, tok, xa, 1);
+    else group_mm_task(rows, gu, offs, scale, H, 2 * I, 2, h, t, L, tok, xa, wb, 0);
   #pragma omp for schedule(static, 1) nowait  /* the down rows written over the gathered ones (read by now) */
-  for (int t = 0; t < E * (H / NT); t++) group_mm_task(h, dn, offs, NULL, I, H, 0, xs, t, NULL, NULL, NULL, wb, 0);
+  for (int t = 0; t < E * (H / NT); t++)
+    if (amx) amx_task(h16, dn, offs, NULL, I, H, 0, rows, t, NULL, NULL, NULL, 0);
+    else group_mm_task(h, dn, offs, NULL, I, H, 0, rows, t, NULL, NULL, NULL, wb, 0);
   if (L) {
     #pragma omp for schedule(static) nowait
     for (int r = 0; r < P; r++) {
       int64_t s = L->slot[tok[r]];
-      if (s >= 0) shrink(h, (int64_t)r * I, 0, I, L->dn_a + ((s * E + ex[r]) * R) * I, R, L->scale[s], ha + r * R);
+      const float* a = L->dn_a + ((s * E + ex[r]) * R) * I;
+      if (s >= 0) shrink(amx ? (const void*)h16 : h, (int64_t)r * I, amx, I, a, R, L->scale[s], ha + r * R);
     }
   }
+  if (amx) amx_end();
   #pragma omp barrier
   #pragma omp for schedule(static)
   for (int n = 0; n < N; n++) {
@@ -249,7 +369,7 @@ static inline __attribute__((always_inline)) void moe_body(const void* x, int N,
       int cb = (H - i) / VW < 4 ? (H - i) / VW : 4;
       vf acc[4] = {(vf){0}, (vf){0}, (vf){0}, (vf){0}};
       for (int j = 0; j < k; j++)
-        for (int c = 0; c < cb; c++) acc[c] += *(const vfu*)(xs + (int64_t)where[n * k + j] * H + i + c * VW);
+        for (int c = 0; c < cb; c++) acc[c] += *(const vfu*)(rows + (int64_t)where[n * k + j] * H + i + c * VW);
       if (s >= 0 && L->shared) expand(acc, cb, u, L->dn_bt + s * R * H, R, H, i);
       else if (s >= 0)
         for (int kk = 0; kk < k; kk++) {
@@ -263,10 +383,10 @@ static inline __attribute__((always_inline)) void moe_body(const void* x, int N,
 
 int moerl_moe_decode(const void* x, const int64_t* idx, const float* gate, int N, int k, int E, int H, int I,
                      const void* gu, const void* dn, int wb, void* out, int xb, float* work, int32_t* ints,
-                     const lora_t* L, int threads) {
+                     const lora_t* L, int amx, int threads) {
   int P = N * k;
   int32_t *offs = ints, *next = ints + E, *tok = ints + 2 * E, *where = ints + 2 * E + P, *ex = ints + 2 * E + 2 * P;
-  float* scale = work + (int64_t)P * (H + I);
+  float* scale = work;
   for (int e = 0; e < E; e++) next[e] = 0;
   for (int p = 0; p < P; p++) {
     if (idx[p] < 0 || idx[p] >= E) return -1;
@@ -285,12 +405,16 @@ int moerl_moe_decode(const void* x, const int64_t* idx, const float* gate, int N
     if (xb) w = widen1(narrow1(w));
     scale[r] = w;
   }
-  if (wb) {
+  amx = AMX && amx && wb && xb && H % 32 == 0 && I % 32 == 0;
+  if (amx) {
     #pragma omp parallel num_threads(threads)
-    moe_body(x, N, k, E, H, I, gu, dn, out, xb, work, ints, L, 1);
+    moe_body(x, N, k, E, H, I, gu, dn, out, xb, work, ints, L, 1, 1);
+  } else if (wb) {
+    #pragma omp parallel num_threads(threads)
+    moe_body(x, N, k, E, H, I, gu, dn, out, xb, work, ints, L, 1, 0);
   } else {
     #pragma omp parallel num_threads(threads)
-    moe_body(x, N, k, E, H, I, gu, dn, out, xb, work, ints, L, 0);
+    moe_body(x, N, k, E, H, I, gu, dn, out, xb, work, ints, L, 0, 0);
   }
   return 0;
 }

@@ -28,7 +28,7 @@ from moerl.device import on_gpu
 from moerl.model.grouped import Groups, device_kernel, group_mm
 from moerl.model.linear import Linear
 from moerl.model.moe import Experts, Route
-from moerl.model.packed import LORA_PARTS, _panel_view, graph_panels, kept_copy, lora_add
+from moerl.model.packed import LORA_PARTS, _panel_view, graph_panels, kept_copy, lora_add, vector_width
 from moerl.model.swap import replace_module, state_of, swapped
 
 LAYOUTS = ("per_expert", "shared_outer")
@@ -203,7 +203,7 @@ class ExpertLora(nn.Module):
             kept_copy(self, "scale", self.scale, same, f32),
             kept_copy(self, "gate_up_A", self.gate_up_A, same, f32),
             # B^T of every (slot, expert) as a gate-up weight of K = r, in its panels
-            kept_copy(self, "gate_up_B", self.gate_up_B, _gate_up_b_view, f32, panels=True),
+            kept_copy(self, "gate_up_B", self.gate_up_B, _gate_up_b_view, f32, _gate_up_b_shape(self.gate_up_B)),
             kept_copy(self, "down_A", self.down_A, same, f32),
             kept_copy(self, "down_B^T", self.down_B, lambda b: b.transpose(-1, -2), f32),
         ]
@@ -376,7 +376,14 @@ def _same(t: torch.Tensor) -> torch.Tensor:
 
 
 def _gate_up_b_view(b: torch.Tensor) -> torch.Tensor:
-    return _panel_view(b.transpose(-1, -2).flatten(0, 1), True)
+    return _panel_view(b.float().transpose(-1, -2).flatten(0, 1), True)  # fp32 panels: K rows, not K-pairs
+
+
+def _gate_up_b_shape(b: torch.Tensor) -> tuple[int, int, int, int]:
+    """The fp32 panels of gate-up B [S, E, 2I, r]: [S E, 2I / NT, r, NT]."""
+    s, e, rows, r = b.shape
+    nt = 2 * vector_width()
+    return s * e, rows // nt, r, nt
 
 
 def _add(y: torch.Tensor, delta: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import math
 import os
 import shutil
 import subprocess
@@ -48,6 +47,7 @@ SOURCE = (Path(__file__).parent / "kernels.c").read_text()  # the kernels, C
 
 KINDS = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' weight and cache dtypes, as their flag
 _lib: ctypes.CDLL | None | bool = False  # False: not built yet; None: it does not build here
+_amx: bool | None = None  # amx(), asked once
 
 
 def kernel() -> ctypes.CDLL | None:
@@ -78,7 +78,19 @@ def _build() -> ctypes.CDLL | None:
                 return None
             os.replace(out, lib)  # whole or absent: another process may be building it too
     # loaded after torch, so the kernel's OpenMP is torch's own runtime (one pool of threads, not two)
-    return ctypes.CDLL(str(lib))
+    built = ctypes.CDLL(str(lib))
+    built.moerl_moe_work.restype = ctypes.c_int64
+    return built
+
+
+def amx() -> bool:
+    """Whether ``moe_decode`` runs bf16 experts on AMX's tiles: the kernel built for a CPU with AMX-BF16 and Linux
+    granting this process the tile state. ``MOERL_AMX=0`` keeps the vector FMAs (as a CPU without AMX runs)."""
+    global _amx
+    if _amx is None:
+        lib = kernel()
+        _amx = lib is not None and os.environ.get("MOERL_AMX", "1") != "0" and bool(lib.moerl_amx())
+    return _amx
 
 
 def _cpu_flags(cpuinfo: str) -> str:
@@ -96,18 +108,24 @@ def vector_width() -> int:
 
 def packs(w: torch.Tensor, gate_up: bool) -> bool:
     """Whether weight ``w`` [E, K, N] (fp32 or bf16, on the CPU) fits the kernel's panels: N a multiple of a panel,
-    and for a gate-up weight each half (gate, up) a multiple of a vector."""
+    for a gate-up weight each half (gate, up) a multiple of a vector, and for bf16 K even (its panels hold K-pairs)."""
     if kernel() is None or w.dtype not in KINDS or w.device.type != "cpu" or w.dim() != 3:
         return False
     vw = vector_width()
-    return w.shape[2] % (2 * vw) == 0 and (not gate_up or (w.shape[2] // 2) % vw == 0)
+    pairs = w.dtype != torch.bfloat16 or w.shape[1] % 2 == 0
+    return pairs and w.shape[2] % (2 * vw) == 0 and (not gate_up or (w.shape[2] // 2) % vw == 0)
 
 
 def _panel_view(w: torch.Tensor, gate_up: bool) -> torch.Tensor:
     """``w`` [E, K, N] seen in its panels' order, [E, N / NT, K, NT] (a gate-up weight's as [E, N / NT, K, 2, VW]:
-    the gate's VW columns of a range, then the up's): a view where ``w`` is contiguous."""
+    the gate's VW columns of a range, then the up's): a view where ``w`` is contiguous. A bf16 weight's panels hold
+    K-pairs, [E, N / NT, K / 2, NT, 2]: each column's two K rows side by side (AMX's layout of a weight tile)."""
     e, k, n = w.shape
     vw = vector_width()
+    if w.dtype == torch.bfloat16:
+        if gate_up:
+            return w.reshape(e, k // 2, 2, 2, n // (2 * vw), vw).permute(0, 4, 1, 3, 5, 2)
+        return w.reshape(e, k // 2, 2, n // (2 * vw), 2 * vw).permute(0, 3, 1, 4, 2)
     if gate_up:
         return w.reshape(e, k, 2, n // (2 * vw), vw).permute(0, 3, 1, 2, 4)
     return w.reshape(e, k, n // (2 * vw), 2 * vw).permute(0, 2, 1, 3)
@@ -115,14 +133,19 @@ def _panel_view(w: torch.Tensor, gate_up: bool) -> torch.Tensor:
 
 def pack(w: torch.Tensor, gate_up: bool) -> torch.Tensor:
     """``w`` [E, K, N] -> its panels [E, N / NT, K, NT]; a gate-up weight's panels each hold VW gate columns then the
-    VW up columns of the same range."""
-    view = _panel_view(w, gate_up)
-    return view.contiguous().view(*view.shape[:3], -1)
+    VW up columns of the same range (bf16: in K-pairs, ``_panel_view``)."""
+    return _panel_view(w, gate_up).contiguous().view(_panels_shape(w))
+
+
+def _panels_shape(w: torch.Tensor) -> tuple[int, int, int, int]:
+    e, k, n = w.shape
+    nt = 2 * vector_width()
+    return e, n // nt, k, nt
 
 
 def packed_weight(owner: torch.nn.Module, name: str, w: torch.Tensor, gate_up: bool) -> torch.Tensor:
     """``pack(w, gate_up)``, kept on ``owner`` under ``name`` while ``w`` is unchanged (``kept_copy``)."""
-    return kept_copy(owner, name, w, lambda t: _panel_view(t, gate_up), panels=True)
+    return kept_copy(owner, name, w, lambda t: _panel_view(t, gate_up), shape=_panels_shape(w))
 
 
 def kept_copy(
@@ -131,12 +154,12 @@ def kept_copy(
     source: torch.Tensor,
     view: Callable[[torch.Tensor], torch.Tensor],
     dtype: torch.dtype | None = None,
-    panels: bool = False,
+    shape: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
-    """A contiguous copy of ``view(source)`` (in ``dtype``; ``panels``: its dims past the third merged, as ``pack``
-    gives them), kept on ``owner`` under ``name`` while ``source`` is unchanged: an engine's weights change at a sync
-    or an adapter load only, by in-place writes that bump their versions (the view is made only then). Made again
-    into the same tensor: a compiled graph reading it (``graph_panels``) keeps its address and sees the new values."""
+    """A contiguous copy of ``view(source)`` (in ``dtype``, viewed as ``shape``), kept on ``owner`` under ``name``
+    while ``source`` is unchanged: an engine's weights change at a sync or an adapter load only, by in-place writes
+    that bump their versions (the view is made only then). Made again into the same tensor: a compiled graph reading
+    it (``graph_panels``) keeps its address and sees the new values."""
     kept = owner.__dict__.setdefault("_packed", {})
     stamp = (source.data_ptr(), source._version, source.shape, source.stride(), dtype)
     hit = kept.get(name)
@@ -144,7 +167,7 @@ def kept_copy(
         return hit[1]
     v = view(source)
     dtype = dtype or v.dtype
-    shape = (*v.shape[:3], math.prod(v.shape[3:])) if panels else v.shape
+    shape = torch.Size(shape or v.shape)
     if hit is not None and hit[1].shape == shape and hit[1].dtype == dtype:  # the same shape: the same tensor
         with torch.inference_mode(hit[1].is_inference()):  # made in an engine's step, maybe refreshed outside one
             hit[1].view(v.shape).copy_(v)  # one pass over the weight, no new tensor
@@ -320,8 +343,8 @@ def moe_decode_op(
     adapters = _moe_lora(lora, n, e, hid, inter, nt) if lora else None
     x, out = x.contiguous(), torch.empty_like(x)
     idx, gate = idx.to(torch.int64).contiguous(), gate.to(torch.float32).contiguous()
-    extra = ((n if adapters.shared else n * k) + n * k) * adapters.r if adapters else 0
-    work = x.new_empty(n * k * (hid + inter + 1) + extra, dtype=torch.float32)
+    rank, shared = (adapters.r, adapters.shared) if adapters else (0, 0)
+    work = x.new_empty(kernel().moerl_moe_work(n, k, hid, inter, rank, shared), dtype=torch.float32)
     ints = torch.empty(2 * e + 3 * n * k, dtype=torch.int32)
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     rc = kernel().moerl_moe_decode(
@@ -335,6 +358,7 @@ def moe_decode_op(
         ptr(work.data_ptr()),
         ptr(ints.data_ptr()),
         ctypes.byref(adapters) if adapters else None,
+        i32(amx()),
         i32(torch.get_num_threads()),
     )
     if rc == -1:
