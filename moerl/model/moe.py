@@ -193,7 +193,7 @@ class Experts(nn.Module):
 
     @torch.no_grad()
     def k_major(self) -> None:
-        """The CPU engine's decode layout where streaming the weights bounds the GEMM (``streams_weights``). The
+        """The CPU engine's decode layout. Where streaming the weights bounds the GEMM (``streams_weights``) the
         weights are stored with their reduction dim outermost ([E, H, 2I] and [E, I, H] in memory; shapes, names and
         values unchanged), so each expert's ``w.transpose(1, 2)`` is contiguous for MKL's GEMM (prefill; 1.2x over
         the [E, 2I, H] layout in small's fp32 decode, BENCHMARKS.md issue 42); and decode's GEMMs (a few rows a
@@ -203,10 +203,9 @@ class Experts(nn.Module):
             if streams_weights(p) and p.is_contiguous():
                 p.data = p.data.transpose(1, 2).contiguous().transpose(1, 2)
         gate_up, down = self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)
-        # bf16 experts of any size: the kernel streams half the bytes and skips the bf16 GEMMs' set-up, which
-        # outweighs decode's few rows an expert (BENCHMARKS.md, issue 42's tenth session)
-        big = streams_weights(gate_up) or gate_up.dtype == torch.bfloat16
-        self.packed = big and packs(gate_up, self.gated) and packs(down, False)
+        # experts of any size and dtype: decode's experts then run as one kernel call (``moe_decode``), where the
+        # grouped path takes a dozen ops (tiny's fp32 decode 1.19x, BENCHMARKS.md, issue 42's twelfth session)
+        self.packed = packs(gate_up, self.gated) and packs(down, False)
 
     @property
     def gated(self) -> bool:
