@@ -16,9 +16,13 @@ import moerl.model.packed as packed_module
 from moerl.bridges import load_model
 from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
 from moerl.model.attention import FP32_SDPA_MAX_KEYS, attend
+from moerl.model.linear import Linear
 from moerl.model.moe import PACKED_MAX_ROWS, Experts
 from moerl.model.packed import (
+    amx_linear,
+    amx_linear_packs,
     kernel,
+    linear_panels,
     moe_decode,
     pack,
     packed_group_mm,
@@ -439,3 +443,57 @@ def test_short_bf16_attention_on_a_cpu_runs_in_fp32(keys, fp32):
         assert float(off.max()) <= 2**-6 * float(ref.abs().max()) and not bool((off <= step).all())
     got.float().sum().backward()
     assert q.grad.dtype == torch.bfloat16 and all(float(t.grad.abs().sum()) > 0 for t in (q, k, v))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("lead", [(3, 5), (40,), (1, 1)])
+def test_a_bf16_projection_on_amx_computes_what_torch_does(lead, bias):
+    """``amx_linear`` (a decode step's bf16 rows on AMX's tiles from the weight's packed panels) against the fp32
+    product of the same bf16 values: the sum rounded once to bf16 (within 2^-8 of each output, plus 1e-3 for the sums'
+    order), rows not a multiple of AMX's 16 included. The control: one weight row a few bf16 steps off is caught."""
+    if not packed_module.amx():
+        pytest.skip("no AMX here (the CPU lacks AMX-BF16, or Linux refuses its tile state)")
+    gen = torch.Generator().manual_seed(9)
+    layer = torch.nn.Linear(256, 192, bias=bias).bfloat16()
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(192, 256, generator=gen) * 0.1)
+    x = torch.randn(*lead, 256, generator=gen).bfloat16()
+    b = layer.bias.float() if bias else None
+    want = F.linear(x.float(), layer.weight.float(), b)
+    got = amx_linear(x, linear_panels(layer, layer.weight), layer.bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (*lead, 192)
+    assert ((got.float() - want).abs() <= want.abs() * 2**-8 + 1e-3).all()
+    with torch.no_grad():
+        layer.weight[7] = (layer.weight[7].float() * (1 + 2**-5)).bfloat16()
+    off = F.linear(x.float(), layer.weight.float(), b)
+    assert not ((got.float() - off).abs() <= off.abs() * 2**-8 + 1e-3).all()
+
+
+def test_amx_projections_name_what_they_do_not_take():
+    """Only bf16 weights of whole panels and K a multiple of 32 run on AMX; rows that do not match are named."""
+    nt = 2 * vector_width()
+    assert not amx_linear_packs(torch.randn(2 * nt, 64))  # fp32
+    assert not amx_linear_packs(torch.randn(2 * nt + 1, 64).bfloat16())
+    assert not amx_linear_packs(torch.randn(2 * nt, 48).bfloat16())
+    assert amx_linear_packs(torch.randn(2 * nt, 64).bfloat16()) == packed_module.amx()
+    if packed_module.amx():
+        layer = torch.nn.Linear(64, 2 * nt, bias=False).bfloat16()
+        with pytest.raises(ValueError, match=r"amx_linear: rows torch.bfloat16 \(3, 32\)"):
+            amx_linear(torch.randn(3, 32).bfloat16(), linear_panels(layer, layer.weight), None)
+
+
+def test_an_engines_bf16_projections_run_on_amx(tmp_path):
+    """An engine's own bf16 model (``decode_layout``) marks its attention projections to run on AMX where the CPU has
+    it (a trainer's model never), and greedy decode gives the tokens of the same engine on torch's GEMMs."""
+    path = tmp_path / "tiny"
+    init_model("qwen3_moe", "tiny", path)
+    engine = LLMEngine(path, EngineConfig(max_num_seqs=2, max_model_len=32), dtype=torch.bfloat16)
+    projections = [m for m in engine.model.modules() if type(m) is Linear]
+    assert len(projections) == 4 * engine.model.config.num_layers
+    assert all(m.packed == packed_module.amx() for m in projections)
+    assert not any(m.packed for m in load_model(path, dtype=torch.bfloat16).modules() if hasattr(m, "packed"))
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    got = engine.generate([[5, 6, 7, 8]], params)[0].outputs[0].token_ids
+    for m in projections:
+        m.packed = False
+    assert got == engine.generate([[5, 6, 7, 8]], params)[0].outputs[0].token_ids

@@ -454,6 +454,27 @@ int moerl_lora_add(const void* x, const void* y, const int64_t* slot, int64_t si
   return 0;
 }
 
+/* A dense layer's rows on AMX: y [M][N] (yb: bf16) = x [M][K] @ w, x bf16 with 16 spare rows after its M, w one bf16
+   panel set [N / NT][K][NT] in K-pairs, K a multiple of 32 (the caller checks; -1 where the build has no AMX). */
+int moerl_amx_linear(const uint16_t* x, const uint16_t* w, int M, int K, int N, void* y, int yb, int threads) {
+  if (!AMX) return -1;
+  int32_t offs[1] = {M};
+  int tasks = N / NT, n = (int64_t)M * K * N >= (1 << 20) ? threads : 1;
+  #pragma omp parallel num_threads(n)
+  {
+    amx_begin();
+    if (yb) {
+      #pragma omp for schedule(static)
+      for (int t = 0; t < tasks; t++) amx_task(x, w, offs, NULL, K, N, 0, y, t, NULL, NULL, NULL, 1);
+    } else {
+      #pragma omp for schedule(static)
+      for (int t = 0; t < tasks; t++) amx_task(x, w, offs, NULL, K, N, 0, y, t, NULL, NULL, NULL, 0);
+    }
+    amx_end();
+  }
+  return 0;
+}
+
 /* Decode attention over the paged cache, read in place: q [B, Hq, D] -> out [B, Hq, Dv]. Pools head-major
    [Hkv][rows][D] and [Hkv][rows][Dv]; tables [B][nb] block ids; pos [B]: the query's position (keys 0..pos visible;
    window > 0: only the last `window` of them); sinks [Hq] (a logit that joins the softmax) or NULL; scratch:

@@ -149,7 +149,7 @@ class LoraLinear(Linear):
     lora: LinearLora
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = super().forward(x)
         lora = self.lora
         if not lora.ctx.active:
             return y

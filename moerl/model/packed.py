@@ -233,6 +233,51 @@ def packed_group_mm(
     return y
 
 
+AMX_LINEAR_MAX_ROWS = 1024  # decode's and short prefills' rows; longer prefills keep torch's GEMM
+
+
+def amx_linear_packs(weight: torch.Tensor) -> bool:
+    """Whether a linear layer's ``weight`` [N, K] runs on ``amx_linear``: bf16 on a CPU with AMX (``amx``), N a
+    multiple of a panel, K of AMX's 32."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2 or not amx():
+        return False
+    return weight.shape[0] % (2 * vector_width()) == 0 and weight.shape[1] % 32 == 0
+
+
+def linear_panels(owner: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """A linear layer's ``weight`` [N, K] as one expert's packed panels [1, N / NT, K, NT], kept beside it."""
+    n, k = weight.shape
+    nt = 2 * vector_width()
+    view = lambda w: _panel_view(w.t().unsqueeze(0), False)  # noqa: E731
+    return kept_copy(owner, "weight", weight, view, shape=(1, n // nt, k, nt))
+
+
+def amx_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` of bf16 rows ``x`` [..., K] on AMX's tiles from the weight's ``linear_panels``:
+    one kernel call, the sums in fp32 (with the bias) rounded once to bf16."""
+    _, tiles, k, nt = panels.shape
+    n = tiles * nt
+    if x.dtype != torch.bfloat16 or x.shape[-1] != k or panels.dtype != torch.bfloat16:
+        raise ValueError(f"amx_linear: rows {x.dtype} {tuple(x.shape)}, panels {panels.dtype} {tuple(panels.shape)}")
+    rows = x.reshape(-1, k)
+    m = rows.shape[0]
+    padded = torch.empty(m + 16, k, dtype=torch.bfloat16)  # AMX reads 16 rows a block: spare rows past the last
+    padded[:m].copy_(rows)
+    y = torch.empty(m, n, dtype=torch.bfloat16 if bias is None else torch.float32)
+    ptr, i32 = ctypes.c_void_p, ctypes.c_int
+    kernel().moerl_amx_linear(
+        ptr(padded.data_ptr()),
+        ptr(panels.data_ptr()),
+        *(i32(v) for v in (m, k, n)),
+        ptr(y.data_ptr()),
+        i32(bias is None),
+        i32(torch.get_num_threads()),
+    )
+    if bias is not None:
+        y = (y + bias).to(torch.bfloat16)
+    return y.view(*x.shape[:-1], n)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over x's last dim (fp32 or bf16, CPU) in one call of the kernel: what ``F.rms_norm`` computes there
     (fp32 statistics, one rounding to x's dtype after the weight), without its eight ops a call."""

@@ -16,10 +16,11 @@ from torch import nn
 from moerl.errors import ReplayError
 from moerl.model.attention import KVCacheView, build_mask
 from moerl.model.config import ModelConfig
+from moerl.model.linear import Linear
 from moerl.model.mixers import build_mixer, is_recurrent
 from moerl.model.moe import MLP, MoE, mlp_activation
 from moerl.model.norms import layer_norm
-from moerl.model.packed import kernel
+from moerl.model.packed import amx_linear_packs, kernel
 from moerl.model.rope import inv_freq_and_scale, rope_cos_sin
 
 
@@ -163,7 +164,10 @@ class MoEModel(nn.Module):
     def decode_layout(self) -> None:
         """The CPU engine's own model, laid out for decode: every MoE layer's expert weights as ``Experts.k_major``
         makes them, its RMSNorms and LoRA slots on linear layers one kernel call each (``RMSNorm.one_call``,
-        ``LinearLora.one_call``), where the C kernels build. Adapters attached later: call it again."""
+        ``LinearLora.one_call``), its bf16 projections on AMX (``Linear.packed``), where the C kernels build.
+        Adapters attached later: call it again."""
+        from moerl.model.lora import LoraLinear
+
         self.laid_out = True
         for i in self.moe_layer_ids:
             self.layers[i].mlp.experts.k_major()
@@ -171,6 +175,8 @@ class MoEModel(nn.Module):
             for m in self.modules():
                 if hasattr(m, "one_call"):  # RMSNorm, LinearLora
                     m.one_call = True
+                if type(m) in (Linear, LoraLinear):  # bf16 on AMX: one kernel call from packed panels
+                    m.packed = amx_linear_packs(m.weight)
 
     def set_expert_path(self, grouped: bool) -> None:
         """Pick the grouped-GEMM expert path (default) or the per-expert reference loop."""
