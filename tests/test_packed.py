@@ -497,3 +497,20 @@ def test_an_engines_bf16_projections_run_on_amx(tmp_path):
     for m in projections:
         m.packed = False
     assert got == engine.generate([[5, 6, 7, 8]], params)[0].outputs[0].token_ids
+
+
+def test_a_compiled_graph_runs_the_amx_projection_on_the_panels_made_before_it():
+    """In a compiled graph a packed projection is one op on the panels ``refresh_packed`` made outside it: the same
+    result as the eager call; panels spoiled (the weight unchanged) change the graph's result (the control)."""
+    if not packed_module.amx():
+        pytest.skip("no AMX here (the CPU lacks AMX-BF16, or Linux refuses its tile state)")
+    layer = Linear(128, 64, bias=False).bfloat16()
+    layer.packed = True
+    layer.refresh_packed()
+    x = torch.randn(5, 1, 128).bfloat16()
+    step = torch.compile(lambda rows: layer(rows), fullgraph=True)
+    with torch.inference_mode():
+        want = layer(x)
+        assert torch.equal(step(x), want)
+        packed_module.graph_panels(layer, "weight").mul_(2)
+        assert not torch.equal(step(x), want)

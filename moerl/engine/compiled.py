@@ -136,8 +136,9 @@ class CompiledDecode:
         # MXFP8 (applied to the engine's model after it is built): the quantized weights the graph reads, made before
         # it first compiles and quantized again (in place) after a sync, outside the graph
         refresh_kept(self.model)
-        for i in self.model.moe_layer_ids:  # the packed experts' panels (fp32 CPU engines), likewise
-            self.model.layers[i].mlp.experts.refresh_packed()
+        for m in self.model.modules():  # the packed experts' and projections' panels (CPU engines), likewise
+            if hasattr(m, "refresh_packed"):
+                m.refresh_packed()
         compiling, self.first = self.first, False
         with first_compile(STEP, "rollout.compile_decode", self.setting, compiling, self.key):
             logits, routed = self._graph(ids, positions, view, adapters)

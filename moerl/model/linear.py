@@ -6,23 +6,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moerl.model.packed import AMX_LINEAR_MAX_ROWS, amx_linear, linear_panels
+from moerl.model.packed import AMX_LINEAR_MAX_ROWS, amx_linear, amx_linear_op, graph_panels, linear_panels
 
 
 class Linear(nn.Linear):
     """A projection of attention or of an MLP (``nn.Linear``; the class marks what modes may swap). ``packed``: an
     engine's own model on a CPU with AMX (``MoEModel.decode_layout``) runs its bf16 rows without autograd as one
-    kernel call from packed panels of the weight (``moerl.model.packed.amx_linear``), where oneDNN's GEMM of a
-    decode step's few rows is mostly set-up."""
+    kernel call from packed panels of the weight (``moerl.model.packed.amx_linear``; in a compiled decode step as
+    one op on the panels made before it, ``refresh_packed``), where oneDNN's GEMM of a decode step's few rows is
+    mostly set-up."""
 
     packed = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed and self._packs(x):
-            return amx_linear(x, linear_panels(self, self.weight), self.bias)
+        if self.packed and x.dtype == torch.bfloat16 and not torch.is_grad_enabled():
+            if torch.compiler.is_compiling():
+                panels = graph_panels(self, "weight")
+                if panels is not None:
+                    return amx_linear_op(x, panels, self.bias)
+            elif x.numel() <= AMX_LINEAR_MAX_ROWS * self.in_features:
+                return amx_linear(x, linear_panels(self, self.weight), self.bias)
         return F.linear(x, self.weight, self.bias)
 
-    def _packs(self, x: torch.Tensor) -> bool:
-        if torch.is_grad_enabled() or torch.compiler.is_compiling() or x.dtype != torch.bfloat16:
-            return False
-        return x.numel() <= AMX_LINEAR_MAX_ROWS * self.in_features
+    def refresh_packed(self) -> None:
+        """Make (or pack again after a sync) the panels a compiled graph reads, outside it."""
+        if self.packed:
+            linear_panels(self, self.weight)

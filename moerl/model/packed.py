@@ -278,6 +278,17 @@ def amx_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None)
     return y.view(*x.shape[:-1], n)
 
 
+@torch.library.custom_op("moerl::amx_linear", mutates_args=())
+def amx_linear_op(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``amx_linear`` as one op a compiled graph calls."""
+    return amx_linear(x, panels, bias)
+
+
+@amx_linear_op.register_fake
+def _(x, panels, bias):
+    return x.new_empty(*x.shape[:-1], panels.shape[1] * panels.shape[3])
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over x's last dim (fp32 or bf16, CPU) in one call of the kernel: what ``F.rms_norm`` computes there
     (fp32 statistics, one rounding to x's dtype after the weight), without its eight ops a call."""
