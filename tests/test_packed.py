@@ -271,12 +271,12 @@ def test_a_weight_changed_in_place_is_packed_again():
     experts = _experts("silu")
     experts.k_major()
     w = experts.down_proj.transpose(1, 2)
-    first = packed_weight(experts, "down", w, False)
+    first = packed_weight(experts, "down", experts.down_proj, False)
     before = first.clone()
-    assert packed_weight(experts, "down", w, False) is first  # unchanged: kept
+    assert packed_weight(experts, "down", experts.down_proj, False) is first  # unchanged: kept
     with torch.no_grad():
         experts.down_proj.add_(1.0)
-    again = packed_weight(experts, "down", w, False)
+    again = packed_weight(experts, "down", experts.down_proj, False)
     assert again is first and torch.equal(again, pack(w, False)) and not torch.equal(again, before)
 
 

@@ -32,7 +32,7 @@ import torch
 from moerl.dynamo import first_compile, graph_key, price, unducked
 from moerl.engine.kv_cache import KVCache, StepView
 from moerl.model.grouped import device_kernel
-from moerl.model.mx import refresh_kept
+from moerl.model.mx import MXExperts, MXLinear, refresh_kept
 from moerl.model.transformer import MoEModel
 
 BUCKETS = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128)  # then multiples of 64
@@ -133,12 +133,17 @@ class CompiledDecode:
         view = StepView(self.cache, tables, positions, lengths, graph=True)
         for t, dim in ((view._base, 3), (view._key_pos, 2), (view.read, 0), (view.key_slots, 1)):  # keys: symbolic
             torch._dynamo.mark_dynamic(t, dim)
+        if self.first:  # the modules as the graph is compiled for them (a later swap recompiles it: see below)
+            modules = list(self.model.modules())
+            self._mx = [m for m in modules if isinstance(m, MXLinear | MXExperts)]
+            self._packed = [m for m in modules if hasattr(m, "refresh_packed")]
         # MXFP8 (applied to the engine's model after it is built): the quantized weights the graph reads, made before
-        # it first compiles and quantized again (in place) after a sync, outside the graph
-        refresh_kept(self.model)
-        for m in self.model.modules():  # the packed experts' and projections' panels (CPU engines), likewise
-            if hasattr(m, "refresh_packed"):
-                m.refresh_packed()
+        # it first compiles and quantized again (in place) after a sync, outside the graph; the packed experts' and
+        # projections' panels (CPU engines) likewise. A module swapped in after the first step has none made: the
+        # graph it recompiles for takes torch's ops there
+        refresh_kept(self._mx)
+        for m in self._packed:
+            m.refresh_packed()
         compiling, self.first = self.first, False
         with first_compile(STEP, "rollout.compile_decode", self.setting, compiling, self.key):
             logits, routed = self._graph(ids, positions, view, adapters)

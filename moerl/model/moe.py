@@ -251,8 +251,7 @@ class Experts(nn.Module):
 
     def _panels(self, name: str) -> torch.Tensor:
         """Weight ``name``'s packed panels, up to date with it (``moerl.model.packed.packed_weight``)."""
-        w = getattr(self, f"{name}_proj").transpose(1, 2)
-        return packed_weight(self, name, w, name == "gate_up" and self.gated)
+        return packed_weight(self, name, getattr(self, f"{name}_proj"), name == "gate_up" and self.gated)
 
     def refresh_packed(self) -> None:
         """Make (or pack again after a sync) the panels a compiled graph reads, outside it."""

@@ -10,6 +10,8 @@ Router, embeddings, lm_head and norms are never quantized.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 
@@ -179,10 +181,10 @@ def weight_quant(owner: torch.nn.Module, w: torch.Tensor, dim: int, mode: str) -
     return owner.__dict__.get("_mx_graph", {}).get(_kept_key(w, dim, mode))
 
 
-def refresh_kept(model: torch.nn.Module) -> None:
-    """Bring every quantized weight a compiled forward of ``model`` reads (``weight_quant``) up to date with its
-    weight (``kept_quant``: nothing when unchanged, an in-place update after a sync)."""
-    for m in model.modules():
+def refresh_kept(modules: Iterable[torch.nn.Module]) -> None:
+    """Bring every quantized weight a compiled forward reads (``weight_quant``) of the MXFP8 ``modules`` among those
+    given up to date with its weight (``kept_quant``: nothing when unchanged, an in-place update after a sync)."""
+    for m in modules:
         if isinstance(m, MXLinear | MXExperts):
             for w, dim in m.graph_weights():
                 kept_quant(m, w, dim, m.mode)

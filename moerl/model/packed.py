@@ -143,9 +143,12 @@ def _panels_shape(w: torch.Tensor) -> tuple[int, int, int, int]:
     return e, n // nt, k, nt
 
 
-def packed_weight(owner: torch.nn.Module, name: str, w: torch.Tensor, gate_up: bool) -> torch.Tensor:
-    """``pack(w, gate_up)``, kept on ``owner`` under ``name`` while ``w`` is unchanged (``kept_copy``)."""
-    return kept_copy(owner, name, w, lambda t: _panel_view(t, gate_up), shape=_panels_shape(w))
+def packed_weight(owner: torch.nn.Module, name: str, weight: torch.Tensor, gate_up: bool) -> torch.Tensor:
+    """``pack(weight.transpose(1, 2), gate_up)`` of an experts' ``weight`` [E, N, K] (as they store it), kept on
+    ``owner`` under ``name`` while the weight is unchanged (``kept_copy``: nothing made on a hit)."""
+    e, n, k = weight.shape
+    nt = 2 * vector_width()
+    return kept_copy(owner, name, weight, lambda t: _panel_view(t.transpose(1, 2), gate_up), shape=(e, n // nt, k, nt))
 
 
 def kept_copy(
