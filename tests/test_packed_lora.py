@@ -5,12 +5,12 @@ they name; an engine's own model taking both, eager and in its compiled step."""
 import pytest
 import torch
 import torch.nn.functional as F
-from test_engine_lora import _logprob_k3, _trained_adapter
+from test_engine_lora import K3, _logprob_k3, _trained_adapter
 from test_packed import PATHS, expert_path
 
 from moerl.bridges import load_model
 from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
-from moerl.model.packed import kernel, lora_add, moe_decode, pack
+from moerl.model.packed import amx, amx_linear, kernel, linear_panels, lora_add, moe_decode, pack
 from moerl.presets import init_model
 
 pytestmark = pytest.mark.skipif(kernel() is None, reason="the packed kernels do not build here (no C compiler)")
@@ -151,11 +151,14 @@ def test_the_adapters_kernels_name_what_they_do_not_take():
 BIG = {"num_hidden_layers": 2, "hidden_size": 256, "moe_intermediate_size": 384}  # fp32 experts the kernel streams
 
 
-@pytest.mark.parametrize("layout", ["shared_outer", "per_expert"])
-def test_an_engines_adapters_decode_in_the_kernels(layout, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("layout", "dtype"), [("shared_outer", "float32"), ("per_expert", "float32"), ("shared_outer", "bfloat16")]
+)
+def test_an_engines_adapters_decode_in_the_kernels(layout, dtype, tmp_path, monkeypatch):
     """An engine's own CPU model (loaded by path) decodes two adapters and no adapter in one batch through the
-    kernels (its experts' one call with the adapters' deltas, its projections' ``lora_add``: both seen called), each
-    request equal to its fp32 merged model (k3 <= 1e-6) and the base model beyond it for an adapter's requests."""
+    kernels (its experts' one call with the adapters' deltas; its projections' ``lora_add``, or in bf16 on AMX the
+    GEMM and the delta in one ``amx_linear``: seen called), each request equal to its fp32 merged model (k3 <= 1e-6
+    in fp32, 1e-3 in bf16, as tests/test_engine_lora.py) and the base model beyond it for an adapter's requests."""
     import moerl.model.lora as lora_module
     import moerl.model.moe as moe_module
 
@@ -169,7 +172,9 @@ def test_an_engines_adapters_decode_in_the_kernels(layout, tmp_path, monkeypatch
         return wrapped
 
     monkeypatch.setattr(moe_module, "moe_decode", spy(moe_module.moe_decode, "experts", 5))
-    monkeypatch.setattr(lora_module, "lora_add", spy(lora_module.lora_add, "linear", None))
+    on_amx = dtype == "bfloat16" and amx()
+    linear = "amx_linear" if on_amx else "lora_add"
+    monkeypatch.setattr(lora_module, linear, spy(getattr(lora_module, linear), "linear", 3 if on_amx else None))
     path = tmp_path / "big"
     init_model("qwen3_moe", "tiny", path, overrides=BIG)
     targets = ("q_proj", "k_proj", "v_proj", "o_proj", "experts")  # this preset has no dense MLP layer
@@ -178,7 +183,7 @@ def test_an_engines_adapters_decode_in_the_kernels(layout, tmp_path, monkeypatch
         "p": _trained_adapter(path, layout, rank=4, seed=2, targets=targets),
     }
     cfg = EngineConfig(max_num_seqs=6, max_model_len=48, max_loras=2, max_lora_rank=4, lora_layout=layout)
-    engine = LLMEngine(path, cfg, dtype=torch.float32)
+    engine = LLMEngine(path, cfg, dtype=getattr(torch, dtype))
     for name, (tensors, _) in adapters.items():
         engine.add_adapter(name, tensors)
     names = ["s", "p", None]
@@ -190,8 +195,51 @@ def test_an_engines_adapters_decode_in_the_kernels(layout, tmp_path, monkeypatch
     base = load_model(path, dtype=torch.float32)
     outs = engine.generate(reqs)
     assert calls["experts"] >= 7 * len(engine.model.moe_layer_ids) and calls["linear"] >= 7 * 4 * 2
+    tol = K3[dtype]
     for req, out in zip(reqs, outs, strict=True):
         oracle = base if req.adapter is None else adapters[req.adapter][1]
-        assert _logprob_k3(oracle, out) <= 1e-6, req.adapter
+        assert _logprob_k3(oracle, out) <= tol, req.adapter
         if req.adapter is not None:
-            assert _logprob_k3(base, out) > 1e-6
+            assert _logprob_k3(base, out) > tol
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_a_bf16_projections_adapters_join_its_amx_sums(per_row, bias):
+    """``amx_linear`` with LoRA slots (the base GEMM on AMX and each row's delta in one call) against a float64
+    product: the sums rounded once to bf16 (2^-8 of each output plus 1e-3), a row without a slot exactly the plain
+    call's. Control: the slots rolled by one row (one slot: the next slot). Bad slots and factors are named."""
+    if not amx():
+        pytest.skip("no AMX here (the CPU lacks AMX-BF16, or Linux refuses its tile state)")
+    gen = torch.Generator().manual_seed(8)
+    k, n = 128, 96
+    layer = torch.nn.Linear(k, n, bias=bias).bfloat16()
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(n, k, generator=gen) * 0.1)
+    a, b = torch.randn(S, R, k, generator=gen) * 0.2, torch.randn(S, n, R, generator=gen) * 0.2
+    scale = torch.tensor([0.5, 2.0, 1.5])
+    x = torch.randn(5, 7, k, generator=gen).bfloat16()
+    slots = torch.randint(-1, S, (35,), generator=gen) if per_row else torch.full((35,), 1)
+    factors = [scale, a, pack(b.transpose(1, 2), False)]
+
+    def oracle(slots):
+        rows = x.reshape(35, k).double()
+        out = rows @ layer.weight.double().T + (layer.bias.double() if bias else 0)
+        for i, s in enumerate(slots.tolist()):
+            if s >= 0:
+                out[i] += scale[s].double() * (rows[i] @ a[s].double().T) @ b[s].double().T
+        return out.view(5, 7, n)
+
+    panels = linear_panels(layer, layer.weight)
+    got = amx_linear(x, panels, layer.bias, [slots, *factors])
+    want = oracle(slots)
+    assert got.dtype == torch.bfloat16 and got.shape == (5, 7, n)
+    assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-3).all()
+    plain = amx_linear(x, panels, layer.bias).reshape(35, n)
+    assert torch.equal(got.reshape(35, n)[slots < 0], plain[slots < 0])
+    other = oracle(slots.roll(1) if per_row else (slots + 1) % S)
+    assert not ((got.double() - other).abs() <= other.abs() * 2**-8 + 1e-3).all()
+    with pytest.raises(ValueError, match=r"amx_linear: a LoRA slot outside -1..2 \(max 3\)"):
+        amx_linear(x, panels, None, [torch.full((35,), 3), *factors])
+    with pytest.raises(ValueError, match=r"amx_linear: LoRA slots, scale, A, B\^T panels for 35 rows of \[128\]"):
+        amx_linear(x, panels, None, [slots[:34], *factors])

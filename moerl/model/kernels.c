@@ -69,9 +69,9 @@ static inline __attribute__((always_inline)) void store_rows(vf* a0, vf* a1, int
   if (L)
     #pragma GCC unroll 16
     for (int m = 0; m < mbmax; m++) {  /* unrolled: the accumulators stay registers */
-      int64_t row = m0 + m, s = m < mb ? L->slot[tok[row]] : -1;
+      int64_t row = m0 + m, token = tok ? tok[row] : row, s = m < mb ? L->slot[token] : -1;
       if (s < 0) continue;
-      const float* a = xa + (L->shared ? tok[row] : row) * L->r;
+      const float* a = xa + (L->shared ? token : row) * L->r;
       const float* b = L->gu_b + (((int64_t)s * L->E + g) * tiles + tile) * L->r * NT;
       for (int j = 0; j < L->r; j++) {
         a0[m] += a[j] * *(const vfu*)(b + j * NT);
@@ -455,20 +455,33 @@ int moerl_lora_add(const void* x, const void* y, const int64_t* slot, int64_t si
 }
 
 /* A dense layer's rows on AMX: y [M][N] (yb: bf16) = x [M][K] @ w, x bf16 with 16 spare rows after its M, w one bf16
-   panel set [N / NT][K][NT] in K-pairs, K a multiple of 32 (the caller checks; -1 where the build has no AMX). */
-int moerl_amx_linear(const uint16_t* x, const uint16_t* w, int M, int K, int N, void* y, int yb, int threads) {
+   panel set [N / NT][K][NT] in K-pairs, K a multiple of 32 (the caller checks; -1 where the build has no AMX). With
+   L (LoRA slots, E = 1, shared): each row's delta scale (x A^T) B^T joins its sums before they are stored, A [S][r][K]
+   and B^T in panels [S][N / NT][r][NT] (fp32), the shrinks into xa [M][r]. Returns -2 for a slot past the adapters'. */
+int moerl_amx_linear(const uint16_t* x, const uint16_t* w, int M, int K, int N, void* y, int yb, const lora_t* L,
+                     float* xa, int threads) {
   if (!AMX) return -1;
+  if (L)
+    for (int m = 0; m < M; m++)
+      if (L->slot[m] >= L->S) return -2;
   int32_t offs[1] = {M};
   int tasks = N / NT, n = (int64_t)M * K * N >= (1 << 20) ? threads : 1;
   #pragma omp parallel num_threads(n)
   {
+    if (L) {
+      #pragma omp for schedule(static)
+      for (int m = 0; m < M; m++) {
+        int64_t s = L->slot[m];
+        if (s >= 0) shrink(x, (int64_t)m * K, 1, K, L->gu_a + s * L->r * K, L->r, L->scale[s], xa + (int64_t)m * L->r);
+      }
+    }
     amx_begin();
     if (yb) {
       #pragma omp for schedule(static)
-      for (int t = 0; t < tasks; t++) amx_task(x, w, offs, NULL, K, N, 0, y, t, NULL, NULL, NULL, 1);
+      for (int t = 0; t < tasks; t++) amx_task(x, w, offs, NULL, K, N, 0, y, t, L, NULL, xa, 1);
     } else {
       #pragma omp for schedule(static)
-      for (int t = 0; t < tasks; t++) amx_task(x, w, offs, NULL, K, N, 0, y, t, NULL, NULL, NULL, 0);
+      for (int t = 0; t < tasks; t++) amx_task(x, w, offs, NULL, K, N, 0, y, t, L, NULL, xa, 0);
     }
     amx_end();
   }

@@ -19,14 +19,19 @@ class Linear(nn.Linear):
     packed = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed and x.dtype == torch.bfloat16 and not torch.is_grad_enabled():
-            if torch.compiler.is_compiling():
-                panels = graph_panels(self, "weight")
-                if panels is not None:
-                    return amx_linear_op(x, panels, self.bias)
-            elif x.numel() <= AMX_LINEAR_MAX_ROWS * self.in_features:
-                return amx_linear(x, linear_panels(self, self.weight), self.bias)
+        if self._amx_eager(x):
+            return amx_linear(x, linear_panels(self, self.weight), self.bias)
+        if self.packed and x.dtype == torch.bfloat16 and not torch.is_grad_enabled() and torch.compiler.is_compiling():
+            panels = graph_panels(self, "weight")
+            if panels is not None:
+                return amx_linear_op(x, panels, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def _amx_eager(self, x: torch.Tensor) -> bool:
+        """Whether these rows run eager on AMX: a packed layer, bf16 rows, no autograd, not too many rows."""
+        if not self.packed or x.dtype != torch.bfloat16 or torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return False
+        return x.numel() <= AMX_LINEAR_MAX_ROWS * self.in_features
 
     def refresh_packed(self) -> None:
         """Make (or pack again after a sync) the panels a compiled graph reads, outside it."""

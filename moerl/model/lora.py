@@ -28,7 +28,16 @@ from moerl.device import on_gpu
 from moerl.model.grouped import Groups, device_kernel, group_mm
 from moerl.model.linear import Linear
 from moerl.model.moe import Experts, Route
-from moerl.model.packed import LORA_PARTS, _panel_view, graph_panels, kept_copy, lora_add, vector_width
+from moerl.model.packed import (
+    LORA_PARTS,
+    _panel_view,
+    amx_linear,
+    graph_panels,
+    kept_copy,
+    linear_panels,
+    lora_add,
+    vector_width,
+)
 from moerl.model.swap import replace_module, state_of, swapped
 
 LAYOUTS = ("per_expert", "shared_outer")
@@ -132,6 +141,16 @@ class LinearLora(nn.Module):
         """scale * B @ A for merging: [out, in]."""
         return self.lora_B[slot] @ self.lora_A[slot] * self.scale[slot]
 
+    def amx_factors(self) -> list[torch.Tensor]:
+        """[scale [S], A [S, r, in], B^T's panels [S, out / NT, r, NT]] in fp32 as ``amx_linear`` takes them, kept
+        beside the adapter while it is unchanged."""
+        f32, (s, out, r), nt = torch.float32, self.lora_B.shape, 2 * vector_width()
+        return [
+            kept_copy(self, "scale", self.scale, _same, f32),
+            kept_copy(self, "A", self.lora_A, _same, f32),
+            kept_copy(self, "B panels", self.lora_B, _b_panels_view, f32, (s, out // nt, r, nt)),
+        ]
+
     def decode_factors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(A [S, r, in], B^T [S, r, out], scale [S]) in fp32 as ``lora_add`` takes them, kept beside the adapter
         while it is unchanged (an adapter load writes its slots in place)."""
@@ -149,15 +168,19 @@ class LoraLinear(Linear):
     lora: LinearLora
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
         lora = self.lora
         if not lora.ctx.active:
-            return y
+            return super().forward(x)
         dropping = lora.training and isinstance(lora.dropout, nn.Dropout)
         if lora.one_call and not dropping and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
             slots = lora.ctx.single if lora.ctx.token_slots is None else lora.ctx.token_slots
-            return lora_add(x, y, slots, *lora.decode_factors())  # three ops of a few rows -> one call
-        return lora(x, y)
+            if self._amx_eager(x):  # the base GEMM and the delta in one call
+                rows = x.numel() // x.shape[-1]
+                if isinstance(slots, int):
+                    slots = torch.full((rows,), slots, dtype=torch.long)
+                return amx_linear(x, linear_panels(self, self.weight), self.bias, [slots, *lora.amx_factors()])
+            return lora_add(x, super().forward(x), slots, *lora.decode_factors())  # three ops of a few rows -> one
+        return lora(x, super().forward(x))
 
 
 class ExpertLora(nn.Module):
@@ -373,6 +396,10 @@ class LoraExperts(Experts):
 
 def _same(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+def _b_panels_view(b: torch.Tensor) -> torch.Tensor:
+    return _panel_view(b.float().transpose(1, 2), False)  # B [S, out, r] -> B^T [S, r, out]'s fp32 panels
 
 
 def _gate_up_b_view(b: torch.Tensor) -> torch.Tensor:

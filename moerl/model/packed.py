@@ -255,27 +255,53 @@ def linear_panels(owner: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
     return kept_copy(owner, "weight", weight, view, shape=(1, n // nt, k, nt))
 
 
-def amx_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def amx_linear(
+    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, lora: list[torch.Tensor] | None = None
+) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` of bf16 rows ``x`` [..., K] on AMX's tiles from the weight's ``linear_panels``:
-    one kernel call, the sums in fp32 (with the bias) rounded once to bf16."""
+    one kernel call, the sums in fp32 (with the bias) rounded once to bf16. ``lora``: adapter slots whose delta joins
+    the sums, [each row's slot [rows] int64 (-1: none), then fp32: scales [S], A [S, r, K], B^T's panels [S, N / NT,
+    r, NT] (``pack`` of B^T)]."""
     _, tiles, k, nt = panels.shape
     n = tiles * nt
     if x.dtype != torch.bfloat16 or x.shape[-1] != k or panels.dtype != torch.bfloat16:
         raise ValueError(f"amx_linear: rows {x.dtype} {tuple(x.shape)}, panels {panels.dtype} {tuple(panels.shape)}")
     rows = x.reshape(-1, k)
     m = rows.shape[0]
+    adapters, xa = None, None
+    if lora is not None:
+        slot, scale, a, b = lora
+        s, r = a.shape[:2]
+        good = (
+            slot.dtype == torch.int64
+            and tuple(slot.shape) == (m,)
+            and all(t.dtype == torch.float32 and t.is_contiguous() for t in (scale, a, b))
+            and tuple(scale.shape) == (s,)
+            and tuple(a.shape) == (s, r, k)
+            and tuple(b.shape) == (s, tiles, r, nt)
+        )
+        if not good:
+            shapes = ", ".join(f"{t.dtype} {tuple(t.shape)}" for t in lora)
+            raise ValueError(f"amx_linear: LoRA slots, scale, A, B^T panels for {m} rows of [{k}] -> [{n}]: {shapes}")
+        slot = slot.contiguous()
+        adapters = _Lora(a.data_ptr(), b.data_ptr(), 0, 0, scale.data_ptr(), slot.data_ptr(), s, 1, r, 1)
+        xa = torch.empty(m, r)
     padded = torch.empty(m + 16, k, dtype=torch.bfloat16)  # AMX reads 16 rows a block: spare rows past the last
     padded[:m].copy_(rows)
     y = torch.empty(m, n, dtype=torch.bfloat16 if bias is None else torch.float32)
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
-    kernel().moerl_amx_linear(
+    rc = kernel().moerl_amx_linear(
         ptr(padded.data_ptr()),
         ptr(panels.data_ptr()),
         *(i32(v) for v in (m, k, n)),
         ptr(y.data_ptr()),
         i32(bias is None),
+        ctypes.byref(adapters) if adapters else None,
+        ptr(xa.data_ptr() if xa is not None else 0),
         i32(torch.get_num_threads()),
     )
+    if rc == -2:
+        raise ValueError(f"amx_linear: a LoRA slot outside -1..{adapters.S - 1} (max {int(lora[0].max())})")
     if bias is not None:
         y = (y + bias).to(torch.bfloat16)
     return y.view(*x.shape[:-1], n)
