@@ -340,7 +340,8 @@ def test_paged_decode_attention_reads_the_pools_as_the_gathered_path_does(arch, 
     values: full and sliding-window layers (a window of 8), GPT-OSS's sinks, grouped query heads; a sharp softmax
     too (scale 4: scores tens apart, most weights below e^-87, where the kernel's vector exp stops). fp32 within
     1e-5; bf16 pools and queries (widened exactly, summed in fp32) within the output's one rounding (2^-8 of its
-    largest). The control: a sliding layer's keys read as a full layer's differ by more."""
+    largest). The control: a sliding layer's keys read as a full layer's differ by more. The kernel writes the step's
+    keys and values into the pools itself, where ``update`` writes them."""
     from moerl.engine.kv_cache import KVCache, StepView
     from moerl.model.attention import attend
 
@@ -371,6 +372,8 @@ def test_paged_decode_attention_reads_the_pools_as_the_gathered_path_does(arch, 
         assert got is not None and got.dtype == dtype and (got.float() - want).abs().max() <= tol, sliding
         if sliding:
             assert (got.float() - full).abs().max() > max(tol, 1e-3)
+    # the kernel wrote this step's keys and values where ``update`` writes them (and nothing else)
+    assert torch.equal(cache.k[0].float(), ref.k[0]) and torch.equal(cache.v[0].float(), ref.v[0])
     with torch.enable_grad():  # a trainer's forward (autograd) takes the gathered path
         assert (
             StepView(cache, tables, positions, torch.ones(4, dtype=torch.long)).attend(0, q, k, v, False, 1, None)

@@ -6,7 +6,7 @@ import torch
 
 from moerl.model.config import ModelConfig
 from moerl.model.mixers import keeps_keys, recurrent_layers, state_shapes
-from moerl.model.packed import KINDS, kernel, paged_decode
+from moerl.model.packed import KINDS, kernel, paged_decode, paged_write_decode
 
 
 def kv_shape(cfg: ModelConfig) -> tuple[int, int, int]:
@@ -224,6 +224,7 @@ class StepView:
         self._sliding: torch.Tensor | None = None
         self._write_slots, self._key_slots = write_slots, s  # update_index's single-head rows (see there)
         self._index_read: torch.Tensor | None = None
+        self._pos: torch.Tensor | None = None  # each row's query position for the paged kernel, made once a step
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store this step's real k / v [B, C, H, d] at their slots of the layer's pools."""
@@ -255,15 +256,18 @@ class StepView:
         (prefill, autograd, another dtype or device, no kernel): the caller takes ``update`` and ``mask``."""
         if not self.paged or q.shape[1] != 1 or q.dtype != self.cache.dtype or torch.is_grad_enabled():
             return None
-        self._write(layer, k, v)
         b, _, hq, d = q.shape
-        pos = torch.where(self._real[:, 0], self._q_pos[:, 0, 0], 0)  # a padded row reads key 0
+        if self._pos is None:  # a padded row reads key 0
+            self._pos = torch.where(self._real[:, 0], self._q_pos[:, 0, 0], 0)
         window = self.cache.sliding_window if sliding and self.cache.sliding_window else 0
         pools = (q.reshape(b, hq, d), self.cache.k[layer], self.cache.v[layer])
         if self.key_slots is not None:  # the graph's view: its key length symbolic, the blocks per row are not
-            out = paged_decode(*pools, self.key_slots, pos, sinks, 1, window, scale)
-        else:
-            out = paged_decode(*pools, self.block_tables, pos, sinks, self.cache.block_size, window, scale)
+            self._write(layer, k, v)
+            out = paged_decode(*pools, self.key_slots, self._pos, sinks, 1, window, scale)
+        else:  # eager: this step's keys and values written by the same call (each row's slot, -1: none)
+            new = (k.reshape(b, k.shape[2], -1), v.reshape(b, v.shape[2], -1), self.slots)
+            bs = self.cache.block_size
+            out = paged_write_decode(*pools, self.block_tables, self._pos, sinks, bs, window, scale, new)
         return out.view(b, 1, -1)
 
     def _visible_slots(self) -> torch.Tensor:

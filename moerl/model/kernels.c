@@ -492,7 +492,9 @@ int moerl_amx_linear(const uint16_t* x, const uint16_t* w, int M, int K, int N, 
    [Hkv][rows][D] and [Hkv][rows][Dv]; tables [B][nb] block ids; pos [B]: the query's position (keys 0..pos visible;
    window > 0: only the last `window` of them); sinks [Hq] (a logit that joins the softmax) or NULL; scratch:
    threads x (Hq / Hkv + 2) * nb * bs floats for the scores and the keys' rows. One task per (row, KV head): each
-   key and value row is read once for the query heads that share it. */
+   key and value row is read once for the query heads that share it. new_slot [B] (NULL: none): the pool row of each
+   row's new key and value (knew [B][Hkv][D], vnew [B][Hkv][Dv], the pools' dtype; -1: none), written by the row's
+   tasks before they read it (an eager step's KV write, where the torch path takes six ops a layer). */
 
 typedef int32_t vi __attribute__((vector_size(VB)));
 
@@ -575,9 +577,15 @@ static inline __attribute__((always_inline)) void paged_task(const float* q, con
                                                              const float* sinks, int Hq, int Hkv, int D, int Dv,
                                                              int64_t rows, int nb, int bs, int64_t window,
                                                              float scale, float* out, float* scratch, int t,
-                                                             const int kb) {
+                                                             const void* knew, const void* vnew,
+                                                             const int64_t* new_slot, const int kb) {
   int g = Hq / Hkv;
   int b = t / Hkv, kh = t % Hkv;
+  if (new_slot && new_slot[b] >= 0) {  /* this step's key and value of row b, head kh, into their pool rows */
+    int64_t at = (int64_t)kh * rows + new_slot[b], es = kb ? 2 : 4;
+    memcpy((char*)kp + at * D * es, (const char*)knew + ((int64_t)b * Hkv + kh) * D * es, D * es);
+    memcpy((char*)vp + at * Dv * es, (const char*)vnew + ((int64_t)b * Hkv + kh) * Dv * es, Dv * es);
+  }
   int64_t p = pos[b], lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0, n = p - lo + 1;
   float* s = scratch + (int64_t)omp_get_thread_num() * (g + 2) * nb * bs;  /* [g][n] scores, then [n] rows */
   int64_t* at = (int64_t*)(s + (int64_t)g * nb * bs);  /* each visible key's pool row (head kh) */
@@ -641,15 +649,18 @@ static inline __attribute__((always_inline)) void paged_task(const float* q, con
 
 void moerl_paged_decode(const float* q, const void* kp, const void* vp, const int64_t* tables, const int64_t* pos,
                         const float* sinks, int B, int Hq, int Hkv, int D, int Dv, int64_t rows, int nb, int bs,
-                        int64_t window, float scale, float* out, float* scratch, int kb, int threads) {
+                        int64_t window, float scale, float* out, float* scratch, const void* knew, const void* vnew,
+                        const int64_t* new_slot, int kb, int threads) {
   if (kb) {
     #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int t = 0; t < B * Hkv; t++)
-      paged_task(q, kp, vp, tables, pos, sinks, Hq, Hkv, D, Dv, rows, nb, bs, window, scale, out, scratch, t, 1);
+      paged_task(q, (void*)kp, (void*)vp, tables, pos, sinks, Hq, Hkv, D, Dv, rows, nb, bs, window, scale, out,
+                 scratch, t, knew, vnew, new_slot, 1);
   } else {
     #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int t = 0; t < B * Hkv; t++)
-      paged_task(q, kp, vp, tables, pos, sinks, Hq, Hkv, D, Dv, rows, nb, bs, window, scale, out, scratch, t, 0);
+      paged_task(q, (void*)kp, (void*)vp, tables, pos, sinks, Hq, Hkv, D, Dv, rows, nb, bs, window, scale, out,
+                 scratch, t, knew, vnew, new_slot, 0);
   }
 }
 

@@ -542,11 +542,35 @@ def paged_decode(
     through block tables [B, nb]: keys 0..``pos`` [B] of each row (the last ``window`` of them where > 0), with
     ``sinks`` [Hq] joining each softmax -> [B, Hq, Dv] in q's dtype (CPU; pools fp32 or bf16, the sums in fp32). One
     op, eager and in a compiled graph."""
+    return paged_write_decode(q, k_pool, v_pool, tables, pos, sinks, block_size, window, scale)
+
+
+def paged_write_decode(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    tables: torch.Tensor,
+    pos: torch.Tensor,
+    sinks: torch.Tensor | None,
+    block_size: int,
+    window: int,
+    scale: float,
+    new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """``paged_decode``, eager (not an op), with ``new``: (k [B, Hkv, D], v [B, Hkv, Dv], slot [B]) this step's key
+    and value of each row, written into the pools at the row's slot (-1: none) in the same call, before it is read."""
     b, hq, d = q.shape
     hkv, rows, dv = v_pool.shape
     nb, threads = tables.shape[1], torch.get_num_threads()
     if k_pool.dtype != v_pool.dtype or k_pool.dtype not in KINDS:
         raise ValueError(f"paged_decode: pools {k_pool.dtype} / {v_pool.dtype}: both fp32 or both bf16")
+    if new is not None:
+        k_new, v_new, slot = new
+        shapes_ok = k_new.shape == (b, hkv, d) and v_new.shape == (b, hkv, dv) and slot.shape == (b,)
+        if not shapes_ok or k_new.dtype != v_pool.dtype:
+            shapes = f"k {k_new.dtype} {tuple(k_new.shape)}, v {tuple(v_new.shape)}, slots {tuple(slot.shape)}"
+            raise ValueError(f"paged_decode: new rows ({shapes}) for {b} rows of {hkv} heads, pools {v_pool.dtype}")
+        new = (k_new.contiguous(), v_new.to(k_new.dtype).contiguous(), slot.to(torch.int64).contiguous())
     dtype, q = q.dtype, q.to(torch.float32).contiguous()
     tables, pos = tables.to(torch.int64).contiguous(), pos.to(torch.int64).contiguous()
     sinks = sinks.float().contiguous() if sinks is not None else None
@@ -563,6 +587,7 @@ def paged_decode(
         ctypes.c_float(scale),
         ptr(out.data_ptr()),
         ptr(scratch.data_ptr()),
+        *([ptr(t.data_ptr()) for t in new] if new is not None else [ptr(0)] * 3),
         i32(KINDS[k_pool.dtype]),
         i32(threads),
     )
