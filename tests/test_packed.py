@@ -416,6 +416,7 @@ def test_an_engine_runs_its_norms_in_one_call(tmp_path):
     engine = LLMEngine(path, EngineConfig(max_num_seqs=2, max_model_len=32), dtype=torch.float32)
     norms = [m for m in engine.model.modules() if isinstance(m, RMSNorm)]
     assert norms and all(m.one_call for m in norms)
+    assert all(layer.self_attn.one_call for layer in engine.model.layers)  # q / k norms and RoPE: norm_rope
     assert len(norms) == 4 * engine.model.config.num_layers + 1
     model = load_model(path, dtype=torch.float32)
     assert not any(m.one_call for m in model.modules() if isinstance(m, RMSNorm))
@@ -517,3 +518,35 @@ def test_a_compiled_graph_runs_the_amx_projection_on_the_panels_made_before_it()
         assert torch.equal(step(x), want)
         packed_module.graph_panels(layer, "weight").mul_(2)
         assert not torch.equal(step(x), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("d", "norm"), [(64, True), (40, True), (32, False)])
+def test_qk_norms_and_rope_in_one_call_give_the_torch_paths_bits(d, norm, dtype):
+    """``norm_rope`` (a decode step's per-head q / k RMSNorms and rotate-half RoPE, in place, one call) against what
+    the engine ran before: ``rms_norm`` then ``apply_rope``'s ops: equal bit for bit in fp32 and bf16 (each op's
+    rounding kept, no fused multiply-add), heads not a multiple of a vector included. The control: the rows' positions
+    shifted by one miss."""
+    from moerl.model.packed import norm_rope
+    from moerl.model.rope import apply_rope
+
+    gen = torch.Generator().manual_seed(d)
+    q, k = torch.randn(7, 1, 8, d, generator=gen).to(dtype), torch.randn(7, 1, 4, d, generator=gen).to(dtype)
+    qw, kw = ((torch.rand(d, generator=gen) + 0.5).to(dtype) for _ in range(2))
+    inv = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
+
+    def cos_sin(pos):
+        emb = torch.cat([pos[..., None].float() * inv] * 2, -1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    pos = torch.arange(7)[:, None] * 5
+    qn, kn = (rms_norm(q, qw, 1e-6), rms_norm(k, kw, 1e-6)) if norm else (q, k)
+    want = apply_rope(torch.cat([qn, kn], 2), *cos_sin(pos))
+    got_q, got_k = q.clone(), k.clone()
+    norm_rope(got_q, got_k, qw if norm else None, kw if norm else None, 1e-6, *cos_sin(pos))
+    assert torch.equal(torch.cat([got_q, got_k], 2), want)
+    off_q, off_k = q.clone(), k.clone()
+    norm_rope(off_q, off_k, qw if norm else None, kw if norm else None, 1e-6, *cos_sin(pos + 1))
+    assert not torch.equal(torch.cat([off_q, off_k], 2), want)
+    with pytest.raises(ValueError, match=r"norm_rope: q torch\..* \(7, 1, 8, \d+\), k .* \(7, 1, 4, \d+\), cos"):
+        norm_rope(q, k, qw, None, 1e-6, *cos_sin(pos))

@@ -15,6 +15,7 @@ from moerl.model.config import ModelConfig
 from moerl.model.indexer import Indexer
 from moerl.model.linear import Linear
 from moerl.model.norms import RMSNorm
+from moerl.model.packed import KINDS, norm_rope
 from moerl.model.rope import apply_rope
 
 
@@ -105,6 +106,7 @@ class Attention(nn.Module):
         self.scale = cfg.attn_scale or d**-0.5
         self.sliding = cfg.layer_types[layer] == "sliding"
         self.layer = layer
+        self.one_call = False  # an engine's own CPU model: q / k norms and RoPE in one kernel call (_norm_rope)
 
     def forward(self, x, cos, sin, mask, cache: KVCacheView | None = None) -> torch.Tensor:
         b, t, _ = x.shape
@@ -120,6 +122,23 @@ class Attention(nn.Module):
         q = q.view(b, t, self.num_heads, self.head_dim)
         k = k.view(b, t, self.num_kv_heads, self.head_dim)
         v = v.view(b, t, self.num_kv_heads, self.head_dim)
+        if self._norm_rope(q, k, cos):
+            qw, kw = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm == "head" else (None, None)
+            norm_rope(q, k, qw, kw, self.q_norm.eps if qw is not None else 0.0, cos, sin)
+        else:
+            q, k = self._norm_and_rotate(q, k, cos, sin)
+        # an fp32 CPU decode step reads the pools in place; else the visible keys and values gathered
+        out = cache.attend(self.layer, q, k, v, self.sliding, self.scale, self.sinks) if cache is not None else None
+        if out is None:
+            if cache is not None:
+                k, v = cache.update(self.layer, k, v)
+                mask = cache.mask(self.sliding)
+            else:
+                k, v = k.transpose(1, 2), v.transpose(1, 2)
+            out = attend(q.transpose(1, 2), k, v, mask, self.scale, self.sinks)
+        return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
+
+    def _norm_and_rotate(self, q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         if self.qk_norm == "head" and not self.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         r = self.rope_dim
@@ -132,16 +151,16 @@ class Attention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=2)
         if self.qk_norm_after_rope:  # HunYuan-MoE-V1 (refused with interleaved pairs: they come out reordered)
             q, k = self.q_norm(q), self.k_norm(k)
-        # an fp32 CPU decode step reads the pools in place; else the visible keys and values gathered
-        out = cache.attend(self.layer, q, k, v, self.sliding, self.scale, self.sinks) if cache is not None else None
-        if out is None:
-            if cache is not None:
-                k, v = cache.update(self.layer, k, v)
-                mask = cache.mask(self.sliding)
-            else:
-                k, v = k.transpose(1, 2), v.transpose(1, 2)
-            out = attend(q.transpose(1, 2), k, v, mask, self.scale, self.sinks)
-        return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
+        return q, k
+
+    def _norm_rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> bool:
+        """Whether ``_norm_and_rotate`` runs as one kernel call (``moerl.model.packed.norm_rope``, in place): an
+        engine's own CPU model without autograd, per-head norms (or none) before a full rotate-half RoPE."""
+        if not self.one_call or torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return False
+        plain = self.qk_norm in ("head", "none") and not self.qk_norm_after_rope and not self.interleave
+        same = q.dtype == k.dtype == cos.dtype and q.dtype in KINDS and q.is_contiguous() and k.is_contiguous()
+        return plain and same and self.rope_dim == self.head_dim and self.head_dim % 2 == 0
 
 
 MLA_NORM_EPS = 1e-6  # the latent norms' epsilon: fixed in DeepSeek's reference code, whatever rms_norm_eps says

@@ -706,3 +706,64 @@ void moerl_rms_norm(const void* x, const void* w, void* y, int64_t rows, int dim
     for (int64_t r = 0; r < rows; r++) rms_row(x, w, y, r, dim, eps, 0, 0);
   }
 }
+
+/* bf16's rounding of each lane, kept in fp32 (b = 1; b = 0: the value as it is) */
+static inline vf rd(vf x, int b) { return b ? (vf)(__builtin_convertvector(narrow(x), vu) << 16) : x; }
+static inline float rd1(float x, int b) { return b ? widen1(narrow1(x)) : x; }
+
+/* One head's D values at x (in place): RMSNorm by w (NULL: none) as RMSNorm's kernel computes it, rounded to the
+   dtype, then the rotate-half rotation by cos / sin [D] as torch's ops compute it: x * cos and rotated * sin each
+   rounded to the dtype, then their sum (no fused multiply-add: fp32 as torch's three ops give it). xb: bf16 values,
+   cos and sin (else fp32); wb: bf16 weight. */
+__attribute__((noinline)) static void norm_head(float* v, int D, const void* w, float eps, int xb, int wb) {  /* as rms_row computes it */
+  vf acc = (vf){0};
+  int i = 0;
+  for (; i + VW <= D; i += VW) acc += *(vfu*)(v + i) * *(vfu*)(v + i);
+  float ss = hsum(acc);
+  for (; i < D; i++) ss += v[i] * v[i];
+  float inv = 1.0f / sqrtf(ss / D + eps);
+  for (i = 0; i + VW <= D; i += VW) *(vfu*)(v + i) = rd(*(vfu*)(v + i) * inv * ldv(w, i, wb), xb);
+  for (; i < D; i++) v[i] = rd1(v[i] * inv * lds(w, i, wb), xb);
+}
+
+__attribute__((optimize("fp-contract=off"))) static void norm_rope_head(void* x, int64_t at, int D, const void* w,
+                                                                         float eps, const void* cs, const void* sn,
+                                                                         int64_t ct, int xb, int wb) {
+  float v[D];
+  for (int i = 0; i < D; i++) v[i] = lds(x, at + i, xb);
+  if (w) norm_head(v, D, w, eps, xb, wb);
+  int h = D / 2, i = 0;
+  for (; i + VW <= h; i += VW) {
+    vf x1 = *(vfu*)(v + i), x2 = *(vfu*)(v + h + i);
+    vf a = rd(rd(x1 * ldv(cs, ct + i, xb), xb) + rd(-x2 * ldv(sn, ct + i, xb), xb), xb);
+    vf b = rd(rd(x2 * ldv(cs, ct + h + i, xb), xb) + rd(x1 * ldv(sn, ct + h + i, xb), xb), xb);
+    stv(x, at + i, a, xb);
+    stv(x, at + h + i, b, xb);
+  }
+  for (; i < h; i++) {
+    float x1 = v[i], x2 = v[h + i];
+    float a = rd1(rd1(x1 * lds(cs, ct + i, xb), xb) + rd1(-x2 * lds(sn, ct + i, xb), xb), xb);
+    float b = rd1(rd1(x2 * lds(cs, ct + h + i, xb), xb) + rd1(x1 * lds(sn, ct + h + i, xb), xb), xb);
+    if (xb) {
+      ((uint16_t*)x)[at + i] = narrow1(a);
+      ((uint16_t*)x)[at + h + i] = narrow1(b);
+    } else {
+      ((float*)x)[at + i] = a;
+      ((float*)x)[at + h + i] = b;
+    }
+  }
+}
+
+/* A decode step's queries q [rows][Hq][D] and keys k [rows][Hk][D], in place: each head RMSNorm-ed by qw / kw (NULL:
+   none) and rotated by its row's cos / sin [rows][D] (norm_rope_head). One call where torch takes a dozen ops. */
+void moerl_norm_rope(void* q, void* k, int64_t rows, int Hq, int Hk, int D, const void* qw, const void* kw, float eps,
+                     const void* cs, const void* sn, int xb, int wb, int threads) {
+  int64_t tasks = rows * (Hq + Hk);
+  int n = tasks * D >= 65536 ? threads : 1;
+  #pragma omp parallel for num_threads(n)
+  for (int64_t t = 0; t < tasks; t++) {
+    int64_t r = t / (Hq + Hk), h = t % (Hq + Hk);
+    if (h < Hq) norm_rope_head(q, (r * Hq + h) * D, D, qw, eps, cs, sn, r * D, xb, wb);
+    else norm_rope_head(k, (r * Hk + h - Hq) * D, D, kw, eps, cs, sn, r * D, xb, wb);
+  }
+}

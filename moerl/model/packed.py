@@ -318,6 +318,61 @@ def _(x, panels, bias):
     return x.new_empty(*x.shape[:-1], panels.shape[1] * panels.shape[3])
 
 
+def norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> None:
+    """Queries ``q`` [..., Hq, D] and keys ``k`` [..., Hk, D] (contiguous, fp32 or bf16, CPU) in place: each head
+    RMSNorm-ed by ``q_weight`` / ``k_weight`` [D] (None: no norm) as ``rms_norm`` computes it, then rotated
+    (rotate-half RoPE) by ``cos`` / ``sin`` [..., D] as ``moerl.model.rope.apply_rope``'s ops compute it, each op's
+    rounding kept: what the torch path gives, in one call."""
+    d, hq, hk = q.shape[-1], q.shape[-2], k.shape[-2]
+    rows = q.numel() // (hq * d)
+    good = (
+        q.dtype == k.dtype == cos.dtype == sin.dtype
+        and q.dtype in KINDS
+        and q.is_contiguous()
+        and k.is_contiguous()
+        and k.shape[-1] == d
+        and k.numel() == rows * hk * d
+        and cos.numel() == sin.numel() == rows * d
+        and (q_weight is None) == (k_weight is None)
+        and (q_weight is None or _norm_weights(q_weight, k_weight, d))
+    )
+    if not good:
+        raise ValueError(
+            f"norm_rope: q {q.dtype} {tuple(q.shape)}, k {k.dtype} {tuple(k.shape)}, cos {cos.dtype} "
+            f"{tuple(cos.shape)}, weights {None if q_weight is None else tuple(q_weight.shape)}"
+        )
+    wb = KINDS[q_weight.dtype] if q_weight is not None else 0
+    cos, sin = cos.contiguous(), sin.contiguous()
+    ptr = ctypes.c_void_p
+    kernel().moerl_norm_rope(
+        ptr(q.data_ptr()),
+        ptr(k.data_ptr()),
+        ctypes.c_int64(rows),
+        *(ctypes.c_int(v) for v in (hq, hk, d)),
+        ptr(q_weight.data_ptr() if q_weight is not None else 0),
+        ptr(k_weight.data_ptr() if k_weight is not None else 0),
+        ctypes.c_float(eps),
+        ptr(cos.data_ptr()),
+        ptr(sin.data_ptr()),
+        ctypes.c_int(KINDS[q.dtype]),
+        ctypes.c_int(wb),
+        ctypes.c_int(torch.get_num_threads()),
+    )
+
+
+def _norm_weights(q_weight: torch.Tensor, k_weight: torch.Tensor, d: int) -> bool:
+    same = q_weight.shape == k_weight.shape == (d,) and q_weight.dtype == k_weight.dtype in KINDS
+    return same and q_weight.is_contiguous() and k_weight.is_contiguous()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over x's last dim (fp32 or bf16, CPU) in one call of the kernel: what ``F.rms_norm`` computes there
     (fp32 statistics, one rounding to x's dtype after the weight), without its eight ops a call."""
