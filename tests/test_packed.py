@@ -550,3 +550,19 @@ def test_qk_norms_and_rope_in_one_call_give_the_torch_paths_bits(d, norm, dtype)
     assert not torch.equal(torch.cat([off_q, off_k], 2), want)
     with pytest.raises(ValueError, match=r"norm_rope: q torch\..* \(7, 1, 8, \d+\), k .* \(7, 1, 4, \d+\), cos"):
         norm_rope(q, k, qw, None, 1e-6, *cos_sin(pos))
+
+
+def test_moerl_amx_0_keeps_the_vector_kernels():
+    """``MOERL_AMX=0``: the process never asks for AMX's tile state and its bf16 experts and projections take the
+    vector FMAs (the decode still runs: one greedy token of a bf16 engine)."""
+    code = (
+        "import torch; from moerl.model.packed import amx; assert not amx(); "
+        "from moerl.presets import init_model; from moerl.engine import LLMEngine, EngineConfig, SamplingParams; "
+        "import tempfile; d = tempfile.mkdtemp(); init_model('qwen3_moe', 'tiny', d); "
+        "e = LLMEngine(d, EngineConfig(max_num_seqs=2, max_model_len=32), dtype=torch.bfloat16); "
+        "assert not any(getattr(m, 'packed', False) for m in e.model.modules() if type(m).__name__ == 'Linear'); "
+        "print(len(e.generate([[5, 6, 7]], SamplingParams(max_tokens=1))[0].outputs[0].token_ids))"
+    )
+    env = os.environ | {"MOERL_AMX": "0", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "1", done.stderr[-2000:]
