@@ -17,6 +17,7 @@ class Linear(nn.Linear):
     mostly set-up."""
 
     packed = False
+    takes_packed = True  # False: a mode whose GEMMs are its own (MXFP8) never runs the packed kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._amx_eager(x):
@@ -35,5 +36,5 @@ class Linear(nn.Linear):
 
     def refresh_packed(self) -> None:
         """Make (or pack again after a sync) the panels a compiled graph reads, outside it."""
-        if self.packed:
+        if self.packed and self.takes_packed:  # a module swapped in later (MXFP8) keeps the flag, not the path
             linear_panels(self, self.weight)

@@ -194,6 +194,7 @@ class MXLinear(Linear):
     """A projection whose GEMMs (forward and both backward) take MXFP8 operands; ``mode``: the scale mode."""
 
     mode: str
+    takes_packed = False  # its GEMMs take MX operands, never the packed bf16 kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         wq = weight_quant(self, self.weight, -1, self.mode)  # an engine's: once per weight version

@@ -166,8 +166,6 @@ class MoEModel(nn.Module):
         makes them, its RMSNorms and LoRA slots on linear layers one kernel call each (``RMSNorm.one_call``,
         ``LinearLora.one_call``), its bf16 projections on AMX (``Linear.packed``), where the C kernels build.
         Adapters attached later: call it again."""
-        from moerl.model.lora import LoraLinear
-
         self.laid_out = True
         for i in self.moe_layer_ids:
             self.layers[i].mlp.experts.k_major()
@@ -175,7 +173,7 @@ class MoEModel(nn.Module):
             for m in self.modules():
                 if hasattr(m, "one_call"):  # RMSNorm, LinearLora
                     m.one_call = True
-                if type(m) in (Linear, LoraLinear):  # bf16 on AMX: one kernel call from packed panels
+                if isinstance(m, Linear) and m.takes_packed:  # bf16 on AMX: one kernel call from packed panels
                     m.packed = amx_linear_packs(m.weight)
 
     def set_expert_path(self, grouped: bool) -> None:
