@@ -152,7 +152,7 @@ static inline __attribute__((always_inline)) void group_mm_task(const float* x, 
 #include <unistd.h>
 #define AMX 1
 #ifndef PREFETCH_K
-#define PREFETCH_K 32
+#define PREFETCH_K 64
 #endif
 /* AMX's tiles for a panel: tmm0 / tmm1 the sums of its two 16-column halves for 16 rows, tmm2 16 rows of x (32
    bf16 of K), tmm3 / tmm4 the halves' 16 pair rows of the weight (their 32 K) */
@@ -338,11 +338,11 @@ static inline __attribute__((always_inline)) void moe_body(const void* x, int N,
       if (s >= 0) shrink(x, (int64_t)n * H, xb, H, L->gu_a + s * R * H, R, L->scale[s], xa + (int64_t)n * R);
     }
   }
-  #pragma omp for schedule(static, 1)
+  #pragma omp for schedule(dynamic, 8)  /* runs of adjacent panels: long streams, balanced */
   for (int t = 0; t < E * (2 * I / NT); t++)
     if (amx) amx_task(rows16, gu, offs, scale, H, 2 * I, 2, h16, t, L, tok, xa, 1);
     else group_mm_task(rows, gu, offs, scale, H, 2 * I, 2, h, t, L, tok, xa, wb, 0);
-  #pragma omp for schedule(static, 1) nowait  /* the down rows written over the gathered ones (read by now) */
+  #pragma omp for schedule(dynamic, 8) nowait  /* the down rows written over the gathered ones (read by now) */
   for (int t = 0; t < E * (H / NT); t++)
     if (amx) amx_task(h16, dn, offs, NULL, I, H, 0, rows, t, NULL, NULL, NULL, 0);
     else group_mm_task(h, dn, offs, NULL, I, H, 0, rows, t, NULL, NULL, NULL, wb, 0);
