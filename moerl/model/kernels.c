@@ -595,6 +595,14 @@ static inline __attribute__((always_inline)) void paged_task(const float* q, con
     at[j - lo] = (int64_t)kh * rows + table[blk] * bs + off;
     if (++off == bs) { off = 0; blk++; }
   }
+  /* every visible key's and value's row asked for at once (a row's blocks are scattered over the pools: read as
+     the sums reach them, each block's first lines would wait on memory in turn) */
+  int es = kb ? 2 : 4;
+  for (int64_t j = 0; j < n; j++) {
+    const char *kr = (const char*)kp + at[j] * D * es, *vr = (const char*)vp + at[j] * Dv * es;
+    for (int o = 0; o < D * es; o += 64) __builtin_prefetch(kr + o);
+    for (int o = 0; o < Dv * es; o += 64) __builtin_prefetch(vr + o);
+  }
   int64_t j = 0;
 #if VW == 8 || VW == 16
   if (D % VW == 0)  /* VW keys at a time: their VW dot products summed together */
