@@ -37,6 +37,16 @@ static inline vh narrow(vf x) {
   return __builtin_convertvector((u + 0x7fffu + ((u >> 16) & 1)) >> 16, vh);
 }
 static inline uint16_t narrow1(float x) { return narrow((vf){0} + x)[0]; }
+/* bf16's rounding of each lane, kept in fp32 (b = 1; b = 0: the value as it is) */
+static inline vf rd(vf x, int b) { return b ? (vf)(__builtin_convertvector(narrow(x), vu) << 16) : x; }
+static inline float rd1(float x, int b) { return b ? widen1(narrow1(x)) : x; }
+/* the sum of a vector's lanes, lane 0 first */
+static inline float hsum(vf a) {
+  float s = 0, lanes[VW];
+  memcpy(lanes, &a, sizeof lanes);
+  for (int j = 0; j < VW; j++) s += lanes[j];
+  return s;
+}
 /* element i of an fp32 (b = 0) or bf16 (b = 1) array, one vector or one value */
 static inline vf ldv(const void* p, int64_t i, int b) {
   return b ? widen((const uint16_t*)p + i) : *(const vfu*)((const float*)p + i);
@@ -237,17 +247,8 @@ static inline float dot(const float* a, const void* b, int64_t at, int n, int kb
   vf acc = (vf){0};
   int i = 0;
   for (; i + VW <= n; i += VW) acc += *(const vfu*)(a + i) * ldv(b, at + i, kb);
-  float s = 0, lanes[VW];
-  memcpy(lanes, &acc, sizeof lanes);
-  for (int j = 0; j < VW; j++) s += lanes[j];
+  float s = hsum(acc);
   for (; i < n; i++) s += a[i] * lds(b, at + i, kb);
-  return s;
-}
-
-static inline float hsum(vf a) {
-  float s = 0, lanes[VW];
-  memcpy(lanes, &a, sizeof lanes);
-  for (int j = 0; j < VW; j++) s += lanes[j];
   return s;
 }
 
@@ -401,9 +402,7 @@ int moerl_moe_decode(const void* x, const int64_t* idx, const float* gate, int N
     tok[r] = p / k;
     ex[r] = idx[p];
     where[p] = r;
-    float w = gate[p];
-    if (xb) w = widen1(narrow1(w));
-    scale[r] = w;
+    scale[r] = rd1(gate[p], xb);
   }
   amx = AMX && amx && wb && xb && H % 32 == 0 && I % 32 == 0;
   if (amx) {
@@ -562,9 +561,7 @@ static inline float exp_sum(float* s, int64_t n, float mx) {
     *(vfu*)(s + i) = e;
     acc += e;
   }
-  float sum = 0, lanes[VW];
-  memcpy(lanes, &acc, sizeof lanes);
-  for (int j = 0; j < VW; j++) sum += lanes[j];
+  float sum = hsum(acc);
   for (; i < n; i++) sum += s[i] = expf(s[i] - mx);
   return sum;
 }
@@ -674,21 +671,26 @@ void moerl_paged_decode(const float* q, const void* kp, const void* vp, const in
 
 /* RMSNorm of rows x [rows][dim] -> y, as torch's CPU composite computes it: in fp32, y = x * rsqrt(mean(x^2) + eps)
    * w, rounded once to y's dtype; x and y fp32 (xb = 0) or bf16 (xb = 1), w fp32 or bf16 (wb). */
-static inline __attribute__((always_inline)) void rms_row(const void* x, const void* w, void* y, int64_t r, int dim,
-                                                          float eps, const int xb, const int wb) {
-  int64_t at = r * dim;
+/* 1 / sqrt(mean(x^2) + eps) of the dim values of x (fp32 or bf16, xb) from element at: RMSNorm's statistics, one
+   piece of code for every kernel that normalizes (their bits must agree) */
+static inline float rms_inv(const void* x, int64_t at, int dim, float eps, int xb) {
   vf acc = (vf){0};
   int i = 0;
   for (; i + VW <= dim; i += VW) {
     vf v = ldv(x, at + i, xb);
     acc += v * v;
   }
-  float ss = 0, lanes[VW];
-  memcpy(lanes, &acc, sizeof lanes);
-  for (int j = 0; j < VW; j++) ss += lanes[j];
-  for (int j = i; j < dim; j++) ss += lds(x, at + j, xb) * lds(x, at + j, xb);
-  float inv = 1.0f / sqrtf(ss / dim + eps);
-  for (i = 0; i + VW <= dim; i += VW) stv(y, at + i, ldv(x, at + i, xb) * inv * ldv(w, i, wb), xb);
+  float ss = hsum(acc);
+  for (; i < dim; i++) ss += lds(x, at + i, xb) * lds(x, at + i, xb);
+  return 1.0f / sqrtf(ss / dim + eps);
+}
+
+static inline __attribute__((always_inline)) void rms_row(const void* x, const void* w, void* y, int64_t r, int dim,
+                                                          float eps, const int xb, const int wb) {
+  int64_t at = r * dim;
+  float inv = rms_inv(x, at, dim, eps, xb);
+  int i = 0;
+  for (; i + VW <= dim; i += VW) stv(y, at + i, ldv(x, at + i, xb) * inv * ldv(w, i, wb), xb);
   for (; i < dim; i++) {
     float v = lds(x, at + i, xb) * inv * lds(w, i, wb);
     if (xb) ((uint16_t*)y)[at + i] = narrow1(v);
@@ -715,22 +717,16 @@ void moerl_rms_norm(const void* x, const void* w, void* y, int64_t rows, int dim
   }
 }
 
-/* bf16's rounding of each lane, kept in fp32 (b = 1; b = 0: the value as it is) */
-static inline vf rd(vf x, int b) { return b ? (vf)(__builtin_convertvector(narrow(x), vu) << 16) : x; }
-static inline float rd1(float x, int b) { return b ? widen1(narrow1(x)) : x; }
-
 /* One head's D values at x (in place): RMSNorm by w (NULL: none) as RMSNorm's kernel computes it, rounded to the
    dtype, then the rotate-half rotation by cos / sin [D] as torch's ops compute it: x * cos and rotated * sin each
    rounded to the dtype, then their sum (no fused multiply-add: fp32 as torch's three ops give it). xb: bf16 values,
    cos and sin (else fp32); wb: bf16 weight. */
-__attribute__((noinline)) static void norm_head(float* v, int D, const void* w, float eps, int xb, int wb) {  /* as rms_row computes it */
-  vf acc = (vf){0};
+/* v [D] (fp32 holding the dtype's values) RMSNorm-ed by w as rms_row computes it, each result rounded to the dtype;
+   not inlined into norm_rope_head, whose fp-contract=off would change the sums' bits */
+__attribute__((noinline)) static void norm_head(float* v, int D, const void* w, float eps, int xb, int wb) {
+  float inv = rms_inv(v, 0, D, eps, 0);
   int i = 0;
-  for (; i + VW <= D; i += VW) acc += *(vfu*)(v + i) * *(vfu*)(v + i);
-  float ss = hsum(acc);
-  for (; i < D; i++) ss += v[i] * v[i];
-  float inv = 1.0f / sqrtf(ss / D + eps);
-  for (i = 0; i + VW <= D; i += VW) *(vfu*)(v + i) = rd(*(vfu*)(v + i) * inv * ldv(w, i, wb), xb);
+  for (; i + VW <= D; i += VW) *(vfu*)(v + i) = rd(*(vfu*)(v + i) * inv * ldv(w, i, wb), xb);
   for (; i < D; i++) v[i] = rd1(v[i] * inv * lds(w, i, wb), xb);
 }
 
