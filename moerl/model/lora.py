@@ -36,7 +36,7 @@ from moerl.model.packed import (
     kept_copy,
     linear_panels,
     lora_add,
-    vector_width,
+    panels_shape,
 )
 from moerl.model.swap import replace_module, state_of, swapped
 
@@ -74,6 +74,12 @@ class LoraContext:
     @property
     def active(self) -> bool:
         return self.enabled and (self.single is not None or self.token_slots is not None)
+
+    def row_slots(self, rows: int) -> torch.Tensor:
+        """Each of the forward's ``rows`` flattened tokens' slot, int64 [rows] (-1 = none)."""
+        if self.token_slots is not None:
+            return self.token_slots
+        return torch.full((rows,), -1 if self.single is None else self.single, dtype=torch.long)
 
     def pick(self, slots: int, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """[N, slots]: each token's adapter scale at its slot, 0 elsewhere (and everywhere for -1)."""
@@ -144,11 +150,11 @@ class LinearLora(nn.Module):
     def amx_factors(self) -> list[torch.Tensor]:
         """[scale [S], A [S, r, in], B^T's panels [S, out / NT, r, NT]] in fp32 as ``amx_linear`` takes them, kept
         beside the adapter while it is unchanged."""
-        f32, (s, out, r), nt = torch.float32, self.lora_B.shape, 2 * vector_width()
+        f32, (s, out, r) = torch.float32, self.lora_B.shape
         return [
             kept_copy(self, "scale", self.scale, _same, f32),
             kept_copy(self, "A", self.lora_A, _same, f32),
-            kept_copy(self, "B panels", self.lora_B, _b_panels_view, f32, (s, out // nt, r, nt)),
+            kept_copy(self, "B panels", self.lora_B, _b_panels_view, f32, panels_shape(s, r, out)),
         ]
 
     def decode_factors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -173,12 +179,10 @@ class LoraLinear(Linear):
             return super().forward(x)
         dropping = lora.training and isinstance(lora.dropout, nn.Dropout)
         if lora.one_call and not dropping and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            slots = lora.ctx.single if lora.ctx.token_slots is None else lora.ctx.token_slots
             if self._amx_eager(x):  # the base GEMM and the delta in one call
-                rows = x.numel() // x.shape[-1]
-                if isinstance(slots, int):
-                    slots = torch.full((rows,), slots, dtype=torch.long)
+                slots = lora.ctx.row_slots(x.numel() // x.shape[-1])
                 return amx_linear(x, linear_panels(self, self.weight), self.bias, [slots, *lora.amx_factors()])
+            slots = lora.ctx.single if lora.ctx.token_slots is None else lora.ctx.token_slots
             return lora_add(x, super().forward(x), slots, *lora.decode_factors())  # three ops of a few rows -> one
         return lora(x, super().forward(x))
 
@@ -221,12 +225,12 @@ class ExpertLora(nn.Module):
         (``LoraExperts.refresh_packed``)."""
         if torch.compiler.is_compiling():
             return [graph_panels(self, name) for name in LORA_PARTS[1:]]
-        f32, same = torch.float32, _same
+        f32, same, (s, e, rows, r) = torch.float32, _same, self.gate_up_B.shape
         return [
             kept_copy(self, "scale", self.scale, same, f32),
             kept_copy(self, "gate_up_A", self.gate_up_A, same, f32),
             # B^T of every (slot, expert) as a gate-up weight of K = r, in its panels
-            kept_copy(self, "gate_up_B", self.gate_up_B, _gate_up_b_view, f32, _gate_up_b_shape(self.gate_up_B)),
+            kept_copy(self, "gate_up_B", self.gate_up_B, _gate_up_b_view, f32, panels_shape(s * e, r, rows)),
             kept_copy(self, "down_A", self.down_A, same, f32),
             kept_copy(self, "down_B^T", self.down_B, lambda b: b.transpose(-1, -2), f32),
         ]
@@ -322,10 +326,7 @@ class LoraExperts(Experts):
         if not lora.ctx.active:
             return super()._grouped(x, idx, weights)
         if self._one_call(x, idx):  # an engine's decode: the deltas inside the experts' one kernel call
-            slots = lora.ctx.token_slots
-            if slots is None:
-                slots = torch.full((x.shape[0],), lora.ctx.single, dtype=torch.long)
-            return self._in_one_call(x, idx, weights, [slots, *lora.decode_factors()])
+            return self._in_one_call(x, idx, weights, [lora.ctx.row_slots(x.shape[0]), *lora.decode_factors()])
         route = Route(idx, weights, self.num_experts, x.dtype, self.zero)
         groups = lora.groups(route.token, route.expert, route.by_expert)
         xs = x.index_select(0, route.token)
@@ -404,13 +405,6 @@ def _b_panels_view(b: torch.Tensor) -> torch.Tensor:
 
 def _gate_up_b_view(b: torch.Tensor) -> torch.Tensor:
     return _panel_view(b.float().transpose(-1, -2).flatten(0, 1), True)  # fp32 panels: K rows, not K-pairs
-
-
-def _gate_up_b_shape(b: torch.Tensor) -> tuple[int, int, int, int]:
-    """The fp32 panels of gate-up B [S, E, 2I, r]: [S E, 2I / NT, r, NT]."""
-    s, e, rows, r = b.shape
-    nt = 2 * vector_width()
-    return s * e, rows // nt, r, nt
 
 
 def _add(y: torch.Tensor, delta: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:

@@ -134,21 +134,21 @@ def _panel_view(w: torch.Tensor, gate_up: bool) -> torch.Tensor:
 def pack(w: torch.Tensor, gate_up: bool) -> torch.Tensor:
     """``w`` [E, K, N] -> its panels [E, N / NT, K, NT]; a gate-up weight's panels each hold VW gate columns then the
     VW up columns of the same range (bf16: in K-pairs, ``_panel_view``)."""
-    return _panel_view(w, gate_up).contiguous().view(_panels_shape(w))
+    return _panel_view(w, gate_up).contiguous().view(panels_shape(*w.shape))
 
 
-def _panels_shape(w: torch.Tensor) -> tuple[int, int, int, int]:
-    e, k, n = w.shape
+def panels_shape(groups: int, k: int, n: int) -> tuple[int, int, int, int]:
+    """The packed panels' shape of ``groups`` weights [K, N]: [groups, N / NT, K, NT]."""
     nt = 2 * vector_width()
-    return e, n // nt, k, nt
+    return groups, n // nt, k, nt
 
 
 def packed_weight(owner: torch.nn.Module, name: str, weight: torch.Tensor, gate_up: bool) -> torch.Tensor:
     """``pack(weight.transpose(1, 2), gate_up)`` of an experts' ``weight`` [E, N, K] (as they store it), kept on
     ``owner`` under ``name`` while the weight is unchanged (``kept_copy``: nothing made on a hit)."""
     e, n, k = weight.shape
-    nt = 2 * vector_width()
-    return kept_copy(owner, name, weight, lambda t: _panel_view(t.transpose(1, 2), gate_up), shape=(e, n // nt, k, nt))
+    view = lambda t: _panel_view(t.transpose(1, 2), gate_up)  # noqa: E731
+    return kept_copy(owner, name, weight, view, shape=panels_shape(e, k, n))
 
 
 def kept_copy(
@@ -250,9 +250,8 @@ def amx_linear_packs(weight: torch.Tensor) -> bool:
 def linear_panels(owner: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
     """A linear layer's ``weight`` [N, K] as one expert's packed panels [1, N / NT, K, NT], kept beside it."""
     n, k = weight.shape
-    nt = 2 * vector_width()
     view = lambda w: _panel_view(w.t().unsqueeze(0), False)  # noqa: E731
-    return kept_copy(owner, "weight", weight, view, shape=(1, n // nt, k, nt))
+    return kept_copy(owner, "weight", weight, view, shape=panels_shape(1, k, n))
 
 
 def amx_linear(

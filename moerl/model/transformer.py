@@ -163,15 +163,15 @@ class MoEModel(nn.Module):
 
     def decode_layout(self) -> None:
         """The CPU engine's own model, laid out for decode: every MoE layer's expert weights as ``Experts.k_major``
-        makes them, its RMSNorms and LoRA slots on linear layers one kernel call each (``RMSNorm.one_call``,
-        ``LinearLora.one_call``), its bf16 projections on AMX (``Linear.packed``), where the C kernels build.
-        Adapters attached later: call it again."""
+        makes them, its RMSNorms, LoRA slots on linear layers and attention's q / k norms with RoPE one kernel call
+        each (``RMSNorm.one_call``, ``LinearLora.one_call``, ``Attention.one_call``), its bf16 projections on AMX
+        (``Linear.packed``), where the C kernels build. Adapters attached later: call it again."""
         self.laid_out = True
         for i in self.moe_layer_ids:
             self.layers[i].mlp.experts.k_major()
         if kernel() is not None and self.embed_tokens.weight.device.type == "cpu":
             for m in self.modules():
-                if hasattr(m, "one_call"):  # RMSNorm, LinearLora
+                if hasattr(m, "one_call"):  # RMSNorm, LinearLora, Attention (norm_rope)
                     m.one_call = True
                 if isinstance(m, Linear) and m.takes_packed:  # bf16 on AMX: one kernel call from packed panels
                     m.packed = amx_linear_packs(m.weight)
