@@ -566,3 +566,21 @@ def test_moerl_amx_0_keeps_the_vector_kernels():
     env = os.environ | {"MOERL_AMX": "0", "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "1", done.stderr[-2000:]
+
+
+def test_paged_attention_names_new_rows_that_do_not_match():
+    """This step's keys / values / slots handed to the eager paged call (``paged_write_decode``) that do not match its
+    rows, heads or pools are named, and nothing is written."""
+    from moerl.engine.kv_cache import KVCache
+    from moerl.model.packed import paged_write_decode
+
+    cfg = preset_config("qwen3_moe", "tiny")[1]
+    cache = KVCache(cfg, num_blocks=4, block_size=16, dtype=torch.float32)
+    hkv, _, d = cache.k[0].shape
+    q, tables, pos = torch.randn(2, cfg.num_heads, d), torch.tensor([[0], [1]]), torch.tensor([3, 5])
+    k, v, slots = torch.randn(2, hkv, d), torch.randn(2, hkv, d), torch.tensor([3, 21])
+    before = cache.k[0].clone()
+    for bad in ((k[:, :1], v, slots), (k, v, slots[:1]), (k.bfloat16(), v, slots)):
+        with pytest.raises(ValueError, match=r"paged_decode: new rows \(k torch\.\w+ \(\d, \d, 32\).* for 2 rows of 2"):
+            paged_write_decode(q, cache.k[0], cache.v[0], tables, pos, None, 16, 0, 1.0, bad)
+    assert torch.equal(cache.k[0], before)
