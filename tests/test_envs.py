@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import re
 import time
 
@@ -21,6 +22,7 @@ from moerl.envs import (
     evaluate,
     make_env,
     safe_reward,
+    safe_rewards,
 )
 from moerl.errors import ConfigError
 
@@ -34,6 +36,22 @@ def _boom(x: int) -> float:
 def _spin() -> float:
     while True:
         pass
+
+
+def _by_kind(x) -> float:
+    """A reward that returns, sleeps past any limit, kills its process or raises, by its input."""
+    if x == "sleep":
+        time.sleep(30)
+    if x == "exit":
+        os._exit(3)
+    if x == "boom":
+        raise RuntimeError("boom")
+    return abs(x)
+
+
+def _nap(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
 
 
 # ---- splits and determinism ----
@@ -257,6 +275,24 @@ def test_safe_reward_values_errors_and_timeouts():
     for fn, args in [(time.sleep, (30,)), (_spin, ()), (pow, (9, 9**9))]:  # pow holds the GIL throughout
         assert safe_reward(fn, *args, timeout_s=0.5) == (0.0, "timeout")
         assert safe_reward(abs, -1, timeout_s=30) == (1.0, None)  # a fresh worker takes over
+
+
+def test_safe_rewards_score_a_batch_in_order_through_timeouts_and_crashes():
+    """A step's rewards in one round trip: each call keeps its own outcome and order; one that times out or kills
+    the worker costs only itself (a fresh worker runs the calls after it)."""
+    calls = [(-1,), ("sleep",), (-2,), ("exit",), (-3,), ("boom",), (-4,)]
+    got = safe_rewards(_by_kind, calls, timeout_s=1.0)
+    assert got == [(1.0, None), (0.0, "timeout"), (2.0, None), (0.0, "error"), (3.0, None), (0.0, "error"), (4.0, None)]
+    assert safe_rewards(abs, [], timeout_s=1.0) == []
+
+
+def test_safe_rewards_limit_each_call_not_the_batch():
+    """Three calls of 0.4 s under a 0.7 s limit all finish (1.2 s in all: the limit is a call's, not the batch's);
+    control: under a 0.2 s limit the same calls time out."""
+    assert safe_rewards(_nap, [(0.4,)] * 3, timeout_s=0.7) == [(0.4, None)] * 3
+    assert safe_rewards(_nap, [(0.4,)] * 2, timeout_s=0.2) == [(0.0, "timeout")] * 2
+    with pytest.raises(ConfigError, match="pickle"):
+        safe_rewards(abs, [(lambda: 1,)], timeout_s=1)
 
 
 def test_safe_reward_runs_env_rewards_and_rejects_bad_calls():

@@ -10,7 +10,7 @@ import typing
 from typing import Any
 
 from moerl.envs.arithmetic import ArithmeticEnv
-from moerl.envs.base import Environment, MultiTurnEnvironment, Problem, safe_reward
+from moerl.envs.base import Environment, MultiTurnEnvironment, Problem, safe_reward, safe_rewards
 from moerl.envs.countdown import CountdownEnv
 from moerl.envs.expr import Evaluated, ExprError, evaluate
 from moerl.envs.math import MathEnv
@@ -63,4 +63,5 @@ __all__ = [
     "evaluate",
     "make_env",
     "safe_reward",
+    "safe_rewards",
 ]

@@ -143,8 +143,9 @@ def wilson_interval(correct: int, total: int, z: float = 1.96) -> tuple[float, f
 
 
 def serve(fd: int) -> None:
-    """Worker loop on socket ``fd``: unpickle (fn, args, as_reward), acknowledge, run, send ("ok", value) |
-    ("error", reason). ``as_reward``: the value must be a finite int / float (sent as a float)."""
+    """Worker loop on socket ``fd``: unpickle (fn, [args, ...], as_reward), acknowledge, then run the calls in order,
+    sending ("ok", value) | ("error", reason) after each. ``as_reward``: the value must be a finite int / float
+    (sent as a float)."""
     # Ctrl-C and a scheduler's SIGTERM / SIGUSR1 reach the whole process group: the parent decides (it saves after
     # the step in progress, which may still score rewards here) and stops this worker itself
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
@@ -153,12 +154,12 @@ def serve(fd: int) -> None:
     cache: dict[bytes, Callable] = {}
     while True:
         try:
-            fn_bytes, args_bytes, as_reward = conn.recv()
+            fn_bytes, calls_bytes, as_reward = conn.recv()
         except (EOFError, OSError):
             return
         try:
             fn = cache.get(fn_bytes) or pickle.loads(fn_bytes)
-            args = pickle.loads(args_bytes)
+            calls = pickle.loads(calls_bytes)
         except BaseException as e:  # reported to the parent, which raises
             conn.send(("load", f"{type(e).__name__}: {e}"))
             continue
@@ -166,19 +167,23 @@ def serve(fd: int) -> None:
             cache.clear()
         cache[fn_bytes] = fn
         conn.send(("ready", None))
-        try:
-            value = fn(*args)
-        except BaseException as e:  # any failure of a reward function is a 0 reward
-            conn.send(("error", f"{type(e).__name__}: {e}"))
-            continue
-        if not as_reward:
+        for args in calls:
             try:
-                conn.send(("ok", value))
-            except Exception as e:  # the result does not pickle
+                conn.send(_outcome(fn, args, as_reward))
+            except Exception as e:  # the result does not pickle (pickled whole before anything is written)
                 conn.send(("error", f"result of {fn!r} cannot be sent back: {e}"))
-            continue
-        ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-        conn.send(("ok", float(value)) if ok else ("error", f"reward is {value!r}, not a finite number"))
+
+
+def _outcome(fn: Callable, args: tuple, as_reward: bool) -> tuple[str, Any]:
+    """``fn(*args)`` as the message the worker sends back."""
+    try:
+        value = fn(*args)
+    except BaseException as e:  # any failure of a reward function is a 0 reward
+        return "error", f"{type(e).__name__}: {e}"
+    if not as_reward:
+        return "ok", value
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    return ("ok", float(value)) if ok else ("error", f"reward is {value!r}, not a finite number")
 
 
 class _Worker:
@@ -222,41 +227,64 @@ def safe_call(fn: Callable[..., Any], *args: Any, timeout_s: float, as_reward: b
     ConfigError when ``fn`` or ``args`` cannot be pickled or loaded in the worker (a programming error, not a bad
     completion). ``as_reward``: a value that is not a finite int / float is an error.
     """
+    return safe_calls(fn, [args], timeout_s=timeout_s, as_reward=as_reward)[0]
+
+
+def safe_calls(
+    fn: Callable[..., Any], calls: list[tuple], *, timeout_s: float, as_reward: bool = False
+) -> list[tuple[str, Any]]:
+    """:func:`safe_call` of ``fn(*args)`` for each ``args`` of ``calls``, in order, sent to the worker at once (one
+    round trip for a step's rewards instead of one per completion). Each call has its own limit of ``timeout_s``,
+    counted from the previous call's result: one that times out or kills the worker is that call's outcome, and a
+    fresh worker runs the calls after it."""
     global _worker
     if not (isinstance(timeout_s, int | float) and math.isfinite(timeout_s) and timeout_s > 0):
         raise ConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     try:
-        payload = (pickle.dumps(fn), pickle.dumps(args), as_reward)
+        fn_bytes, rest = pickle.dumps(fn), pickle.dumps(list(calls))
     except Exception as e:
         raise ConfigError(f"safe_reward runs {fn!r} in a worker process: it and its arguments must pickle ({e})") from e
+    outcomes: list[tuple[str, Any]] = []
     with _lock:
-        if _worker is None or _worker.proc.poll() is not None:
-            _worker = _Worker()
-        conn = _worker.conn
-        try:
-            conn.send(payload)
-            kind, detail = conn.recv() if conn.poll(_Worker.LOAD_TIMEOUT_S) else ("load", "timed out")
-        except (EOFError, OSError) as e:
-            kind, detail = "load", f"the worker process died ({e!r}); see its stderr"
-        if kind == "load":
-            _shutdown()
-            raise ConfigError(f"safe_reward: the worker process could not load {fn!r}: {detail}")
-        if not conn.poll(timeout_s):
-            _shutdown()
-            return "timeout", None
-        try:
-            return conn.recv()
-        except (EOFError, OSError):  # fn killed its process (crash, OOM kill, os._exit)
-            _shutdown()
-            return "error", "the worker process died"
+        while len(outcomes) < len(calls):
+            if outcomes:  # a fresh worker takes the calls after the one that timed out or killed the last
+                rest = pickle.dumps(list(calls[len(outcomes) :]))
+            if _worker is None or _worker.proc.poll() is not None:
+                _worker = _Worker()
+            conn = _worker.conn
+            try:
+                conn.send((fn_bytes, rest, as_reward))
+                kind, detail = conn.recv() if conn.poll(_Worker.LOAD_TIMEOUT_S) else ("load", "timed out")
+            except (EOFError, OSError) as e:
+                kind, detail = "load", f"the worker process died ({e!r}); see its stderr"
+            if kind == "load":
+                _shutdown()
+                raise ConfigError(f"safe_reward: the worker process could not load {fn!r}: {detail}")
+            while len(outcomes) < len(calls):
+                if not conn.poll(timeout_s):
+                    _shutdown()
+                    outcomes.append(("timeout", None))
+                    break
+                try:
+                    outcomes.append(conn.recv())
+                except (EOFError, OSError):  # fn killed its process (crash, OOM kill, os._exit)
+                    _shutdown()
+                    outcomes.append(("error", "the worker process died"))
+                    break
+    return outcomes
 
 
 def safe_reward(fn: Callable[..., float], *args: Any, timeout_s: float) -> tuple[float, str | None]:
     """``fn(*args)`` through :func:`safe_call`: ``(reward, None)``, or ``(0.0, "error")`` when it raises, kills its
     process or returns something other than a finite int/float (bool, NaN, inf and None included), or
     ``(0.0, "timeout")`` when it runs longer than ``timeout_s`` seconds."""
-    kind, value = safe_call(fn, *args, timeout_s=timeout_s, as_reward=True)
-    return (value, None) if kind == "ok" else (0.0, kind)
+    return safe_rewards(fn, [args], timeout_s=timeout_s)[0]
+
+
+def safe_rewards(fn: Callable[..., float], calls: list[tuple], *, timeout_s: float) -> list[tuple[float, str | None]]:
+    """:func:`safe_reward` for each ``args`` of ``calls`` in one round trip (:func:`safe_calls`)."""
+    outcomes = safe_calls(fn, calls, timeout_s=timeout_s, as_reward=True)
+    return [(value, None) if kind == "ok" else (0.0, kind) for kind, value in outcomes]
 
 
 def env_step(env: MultiTurnEnvironment, state: Any, completion: str) -> tuple[str | None, float | None, Any]:

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from moerl.engine import Request, SamplingParams
-from moerl.envs.base import Problem, env_step, held_out, safe_call, safe_reward, wilson_interval
+from moerl.envs.base import Problem, env_step, held_out, safe_call, safe_rewards, wilson_interval
 from moerl.errors import ConfigError
 from moerl.rollout.episode import Episode, drop_failed_groups, groups, keep_informative
 from moerl.run_config import AlgoSection, RolloutSection
@@ -124,6 +124,14 @@ class Generator:
             outs = self.engine.generate(
                 [Request(p.prompt, sp, adapter=self.adapter) for p, sp in zip(problems, params, strict=True)]
             )
+            scored = [(problem, out) for problem, out in zip(problems, outs, strict=True) if out.error is None]
+            rewards = iter(
+                safe_rewards(
+                    self.env.reward,
+                    [(problem, c.text) for problem, out in scored for c in out.outputs],
+                    timeout_s=self.algo.reward_timeout_s,
+                )
+            )  # one round trip to the reward worker for the whole call
             episodes = []
             for g, (problem, out) in enumerate(zip(problems, outs, strict=True)):
                 if out.error_kind == "rejected":
@@ -133,15 +141,16 @@ class Generator:
                 if out.error is not None:  # failed while running (non-finite logits): training drops the group
                     episodes += [Episode.failed(first_group + g, out.error)] * params[g].n
                     continue
-                episodes += self._scored(problem, out, first_group + g)
+                episodes += self._episodes(out, first_group + g, rewards)
         return episodes
 
-    def _scored(self, problem: Problem, out, group: int) -> list[Episode]:
-        """The episodes of one problem's completions (single-turn), each scored by the environment's reward."""
+    @staticmethod
+    def _episodes(out, group: int, rewards) -> list[Episode]:
+        """The episodes of one problem's completions (single-turn), each with the next of ``rewards``."""
         p = len(out.prompt_token_ids)
         episodes = []
         for c in out.outputs:
-            reward, err = safe_reward(self.env.reward, problem, c.text, timeout_s=self.algo.reward_timeout_s)
+            reward, err = next(rewards)
             episodes.append(
                 Episode(
                     group,
