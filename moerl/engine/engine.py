@@ -392,6 +392,8 @@ class LLMEngine:
         """Advance each sequence past the tokens the step cached and keep their routing; returns the sequences to
         sample a token for, with their row: every decoding one, and the samples of a prompt now fully cached."""
         to_sample: list[tuple[Sequence, int]] = []
+        if kind == "decode" and routed is not None:
+            rows = routed[:, 0].unbind(0)  # each row's view in one call, not an indexing op a row
         for r, (s, n) in enumerate(batch):
             s.num_cached += n
             if kind == "prefill":
@@ -402,7 +404,7 @@ class LLMEngine:
                     to_sample += [(seq, r) for seq in s.group.seqs]
             else:
                 if routed is not None:
-                    s.routed.append(routed[r, 0])
+                    s.routed.append(rows[r])
                 to_sample.append((s, r))
         return to_sample
 

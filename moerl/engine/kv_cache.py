@@ -162,10 +162,16 @@ class KVCache:
         for pool in self.pools():
             pool.index_fill_(1, slots, 0)
 
-    def copy_block(self, src: int, dst: int) -> None:
+    def copy_block(self, src: int, dsts: list[int]) -> None:
+        """Block ``src`` into each of ``dsts`` in every pool (a prompt's partial last block to its other samples):
+        one copy a pool for all of them."""
+        if not dsts:
+            return
         bs = self.block_size
+        slots = (torch.tensor(dsts)[:, None] * bs + torch.arange(bs)).flatten().to(self.device)
         for pool in self.pools():
-            pool[:, dst * bs : (dst + 1) * bs].copy_(pool[:, src * bs : (src + 1) * bs])
+            block = pool[:, src * bs : (src + 1) * bs]
+            pool.index_copy_(1, slots, block.repeat(1, len(dsts), *[1] * (block.dim() - 2)))
 
 
 class StepView:

@@ -8,23 +8,45 @@ from moerl.device import to_device
 from moerl.engine.config import SamplingParams
 
 
-def sequence_generator(seed: int | None, sample_index: int) -> torch.Generator | None:
-    """A generator for sample ``sample_index`` of a request seeded with ``seed`` (None: the engine's)."""
+class SeededDraws:
+    """The uniforms of one seeded sample: its own generator's float64 stream, drawn ``CHUNK`` at a time (the same
+    numbers one draw a token would give: a CPU generator's ``rand(n)`` is ``n`` single draws in order), so a step
+    reads a number per row instead of calling the generator per row."""
+
+    __slots__ = ("generator", "drawn", "used")
+    CHUNK = 32
+
+    def __init__(self, seed: int):
+        self.generator = torch.Generator().manual_seed(seed)
+        self.drawn: list[float] = []
+        self.used = 0
+
+    def next(self) -> float:
+        """The stream's next uniform in [0, 1)."""
+        if self.used == len(self.drawn):
+            self.drawn = torch.rand(self.CHUNK, generator=self.generator, dtype=torch.float64).tolist()
+            self.used = 0
+        self.used += 1
+        return self.drawn[self.used - 1]
+
+
+def sequence_generator(seed: int | None, sample_index: int) -> SeededDraws | None:
+    """The uniforms of sample ``sample_index`` of a request seeded with ``seed`` (None: the engine's generator)."""
     if seed is None:
         return None
-    return torch.Generator().manual_seed(hash((seed, sample_index)) & (2**63 - 1))
+    return SeededDraws(hash((seed, sample_index)) & (2**63 - 1))
 
 
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
-    generators: list[torch.Generator | None],
+    generators: list[SeededDraws | None],
     num_generated: list[int],
     eos_id: int | None,
     fallback: torch.Generator,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next tokens [M] and their logprobs [M] (fp32, log-softmax of logits / temperature) for logits [M, V], on the
-    logits' device. The seeded generators are the host's: one uniform per sampled row comes from them."""
+    logits' device. The seeded draws are the host's: one uniform per sampled row comes from them."""
     logits, device = logits.float(), logits.device
     # every host-made input first, so they reach the device in one copy: temperatures, top-k / top-p, the uniforms
     host = [torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])]
@@ -35,13 +57,9 @@ def sample(
     if drawn:
         # inverse-CDF sampling with one uniform per row from the row's own generator (or the engine's): one
         # batched search in place of a multinomial call per row (the sampler's cost at 100+ rows)
-        u = torch.empty(len(drawn), dtype=torch.float64)
-        shared = []
-        for j, i in enumerate(drawn):
-            if generators[i] is not None:
-                u[j] = torch.rand((), generator=generators[i], dtype=torch.float64)
-            else:
-                shared.append(j)
+        seeded = [generators[i].next() if generators[i] is not None else 0.0 for i in drawn]
+        u = torch.tensor(seeded, dtype=torch.float64)
+        shared = [j for j, i in enumerate(drawn) if generators[i] is None]
         if shared:
             u[shared] = torch.rand(len(shared), generator=fallback, dtype=torch.float64)
         host += ([] if len(drawn) == len(params) else [torch.tensor(drawn)]) + [u]

@@ -84,9 +84,10 @@ class Scheduler:
         self.prefilling.remove(group)
         parent, bs = group.seqs[0], self.cache.block_size
         prompt = len(group.prompt)
+        if prompt % bs:
+            last = prompt // bs
+            self.cache.copy_block(parent.block_table[last], [seq.block_table[last] for seq in group.seqs[1:]])
         for seq in group.seqs[1:]:
-            if prompt % bs:
-                self.cache.copy_block(parent.block_table[prompt // bs], seq.block_table[prompt // bs])
             if self.cache.states is not None:  # the prompt's linear-attention states, exactly
                 self.cache.states.copy(parent.state_slot, seq.state_slot)
             seq.num_cached = prompt

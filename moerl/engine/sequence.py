@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moerl.engine.config import SamplingParams
+from moerl.engine.sampler import SeededDraws
 
 
 @dataclass(slots=True)
@@ -59,7 +60,7 @@ class Sequence:
     num_cached: int = 0  # tokens whose keys/values are in the cache
     logprobs: list[float] = field(default_factory=list)
     routed: list[torch.Tensor] = field(default_factory=list)  # [L_moe, k] per generated token that ran
-    generator: torch.Generator | None = None
+    generator: SeededDraws | None = None  # its seeded uniforms (SamplingParams.seed), else the engine's
     finish_reason: str | None = None
     text: str | None = None
 
