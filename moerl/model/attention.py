@@ -12,6 +12,7 @@ from torch import nn
 
 from moerl.errors import ConfigError
 from moerl.model.config import ModelConfig
+from moerl.model.fused import NormRopeFn, fuses
 from moerl.model.indexer import Indexer
 from moerl.model.linear import Linear
 from moerl.model.norms import RMSNorm
@@ -139,6 +140,10 @@ class Attention(nn.Module):
         return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
 
     def _norm_and_rotate(self, q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._plain_rope(q, k, cos) and fuses(q, k, cos, sin):  # CPU training: the backward in one kernel call
+            qw, kw = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm == "head" else (None, None)
+            if qw is None or fuses(qw, kw):
+                return NormRopeFn.apply(q, k, qw, kw, self.q_norm.eps if qw is not None else 0.0, cos, sin)
         if self.qk_norm == "head" and not self.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         r = self.rope_dim
@@ -158,8 +163,13 @@ class Attention(nn.Module):
         engine's own CPU model without autograd, per-head norms (or none) before a full rotate-half RoPE."""
         if not self.one_call or torch.is_grad_enabled() or torch.compiler.is_compiling():
             return False
+        return self._plain_rope(q, k, cos) and q.is_contiguous() and k.is_contiguous()
+
+    def _plain_rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> bool:
+        """Per-head norms (or none) before a full rotate-half RoPE, q / k / cos of one kernel dtype: what the norm +
+        RoPE kernels compute."""
         plain = self.qk_norm in ("head", "none") and not self.qk_norm_after_rope and not self.interleave
-        same = q.dtype == k.dtype == cos.dtype and q.dtype in KINDS and q.is_contiguous() and k.is_contiguous()
+        same = q.dtype == k.dtype == cos.dtype and q.dtype in KINDS
         return plain and same and self.rope_dim == self.head_dim and self.head_dim % 2 == 0
 
 

@@ -771,3 +771,90 @@ void moerl_norm_rope(void* q, void* k, int64_t rows, int Hq, int Hk, int D, cons
     else norm_rope_head(k, (r * Hk + h - Hq) * D, D, kw, eps, cs, sn, r * D, xb, wb);
   }
 }
+
+/* ---- training: the backward of RMSNorm and of norm_rope, in fp32, each result rounded once to its dtype ---- */
+
+/* One row's RMSNorm backward from x [dim] (at `at`, xb) and the grad g of y (xb): dx = inv * g * w - x * inv^3 *
+   sum(g * w * x) / dim, inv as rms_inv gives it (the forward's bits); dwp [dim] += g * x * inv (NULL: none). x and g
+   may be fp32 buffers (xb = 0) holding a bf16 row's values: norm_rope_grad's heads. */
+static inline void rms_grad_row(const void* x, const void* g, const void* w, void* dx, int64_t at, int64_t gat,
+                                int64_t dat, int dim, float eps, int xb, int gb, int wb, int db, float* dwp) {
+  float inv = rms_inv(x, at, dim, eps, xb);
+  vf acc = (vf){0};
+  int i = 0;
+  for (; i + VW <= dim; i += VW) acc += ldv(g, gat + i, gb) * ldv(w, i, wb) * ldv(x, at + i, xb);
+  float s = hsum(acc);
+  for (; i < dim; i++) s += lds(g, gat + i, gb) * lds(w, i, wb) * lds(x, at + i, xb);
+  float c = s * inv * inv * inv / dim;
+  for (i = 0; i + VW <= dim; i += VW) {
+    vf gv = ldv(g, gat + i, gb), xv = ldv(x, at + i, xb);
+    stv(dx, dat + i, inv * gv * ldv(w, i, wb) - c * xv, db);
+    if (dwp) *(vfu*)(dwp + i) += gv * xv * inv;
+  }
+  for (; i < dim; i++) {
+    float gv = lds(g, gat + i, gb), xv = lds(x, at + i, xb), d = inv * gv * lds(w, i, wb) - c * xv;
+    if (db) ((uint16_t*)dx)[dat + i] = narrow1(d);
+    else ((float*)dx)[dat + i] = d;
+    if (dwp) dwp[i] += gv * xv * inv;
+  }
+}
+
+/* RMSNorm's backward over rows x [rows][dim] and g [rows][dim] (both xb): dx [rows][dim] (xb), and each thread's
+   share of the weight's grad in dw_part [threads][dim] (fp32, zeroed by the caller, summed by it; NULL: none). */
+void moerl_rms_norm_backward(const void* x, const void* w, const void* g, void* dx, float* dw_part, int64_t rows,
+                             int dim, float eps, int xb, int wb, int threads) {
+  int n = rows * dim >= 65536 ? threads : 1;
+  #pragma omp parallel num_threads(n)
+  {
+    float* dwp = dw_part ? dw_part + (int64_t)omp_get_thread_num() * dim : NULL;
+    #pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) rms_grad_row(x, g, w, dx, r * dim, r * dim, r * dim, dim, eps, xb, xb, wb, xb, dwp);
+  }
+}
+
+/* One head's backward of norm_rope_head: g [D] (the grad of the rotated head) rotated back (the transpose of the
+   rotation: u1 = g1 c1 + g2 s2, u2 = g2 c2 - g1 s1), then through the head's RMSNorm of x (its input before the norm;
+   w NULL: no norm) into dx; dwp [D] += its weight's grad. */
+static void norm_rope_grad_head(const void* x, const void* g, void* dx, int64_t at, int D, const void* w, float eps,
+                                const void* cs, const void* sn, int64_t ct, int xb, int wb, float* dwp) {
+  float u[D];
+  int h = D / 2;
+  for (int i = 0; i < h; i++) {
+    float g1 = lds(g, at + i, xb), g2 = lds(g, at + h + i, xb);
+    u[i] = g1 * lds(cs, ct + i, xb) + g2 * lds(sn, ct + h + i, xb);
+    u[h + i] = g2 * lds(cs, ct + h + i, xb) - g1 * lds(sn, ct + i, xb);
+  }
+  if (w) {
+    rms_grad_row(x, u, w, dx, at, 0, at, D, eps, xb, 0, wb, xb, dwp);
+    return;
+  }
+  for (int i = 0; i < D; i++) {
+    if (xb) ((uint16_t*)dx)[at + i] = narrow1(u[i]);
+    else ((float*)dx)[at + i] = u[i];
+  }
+}
+
+/* norm_rope's backward: q [rows][Hq][D] and k [rows][Hk][D] (the inputs before the norms), gq / gk the grads of its
+   outputs -> dq / dk (their dtype), and each thread's share of the norms' weight grads in dqw_part / dkw_part
+   [threads][D] (fp32, zeroed by the caller; NULL: not wanted). qw / kw NULL: no norms. */
+void moerl_norm_rope_backward(const void* q, const void* k, const void* gq, const void* gk, void* dq, void* dk,
+                              int64_t rows, int Hq, int Hk, int D, const void* qw, const void* kw, float eps,
+                              const void* cs, const void* sn, int xb, int wb, float* dqw_part, float* dkw_part,
+                              int threads) {
+  int64_t tasks = rows * (Hq + Hk);
+  int n = tasks * D >= 65536 ? threads : 1;
+  #pragma omp parallel num_threads(n)
+  {
+    int64_t t0 = (int64_t)omp_get_thread_num() * D;
+    #pragma omp for schedule(static)
+    for (int64_t t = 0; t < tasks; t++) {
+      int64_t r = t / (Hq + Hk), h = t % (Hq + Hk);
+      if (h < Hq)
+        norm_rope_grad_head(q, gq, dq, (r * Hq + h) * D, D, qw, eps, cs, sn, r * D, xb, wb,
+                            dqw_part ? dqw_part + t0 : NULL);
+      else
+        norm_rope_grad_head(k, gk, dk, (r * Hk + h - Hq) * D, D, kw, eps, cs, sn, r * D, xb, wb,
+                            dkw_part ? dkw_part + t0 : NULL);
+    }
+  }
+}

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moerl.model.config import ModelConfig
+from moerl.model.fused import RmsNormFn, fuses
 from moerl.model.packed import rms_norm
 
 
@@ -18,7 +19,8 @@ def layer_norm(cfg: ModelConfig, dim: int) -> nn.Module:
 class RMSNorm(nn.Module):
     """RMSNorm (fused kernel: statistics in fp32, one rounding to the input dtype after the weight). ``one_call``: an
     engine's own CPU model (``MoEModel.decode_layout``) runs it without autograd as one C call
-    (``moerl.model.packed.rms_norm``), where torch's CPU composite takes eight ops."""
+    (``moerl.model.packed.rms_norm``), where torch's CPU composite takes eight ops; CPU training runs its backward as
+    one (``moerl.model.fused``)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -29,4 +31,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.one_call and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
             return rms_norm(x, self.weight, self.eps)
+        if fuses(x, self.weight):
+            return RmsNormFn.apply(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
