@@ -340,16 +340,20 @@ class LLMEngine:
         slots) in one copy (from pinned memory on CUDA, not waiting for the stream), and its adapter slots."""
         c = max(n for _, n in batch)
         nb = max(ceil((s.num_cached + n) / self.cache.block_size) for s, n in batch)
-        ids = torch.tensor([s.tokens[s.num_cached : s.num_cached + n] + [0] * (c - n) for s, n in batch])
         starts = torch.tensor([s.num_cached for s, _ in batch])
-        positions = starts[:, None] + torch.arange(c)[None, :]
+        if c == 1:  # a decode step: each row's next token (no chunks to cut or pad)
+            ids = torch.tensor([s.tokens[s.num_cached] for s, _ in batch])[:, None]
+            positions, lengths, write_rows = starts[:, None], torch.ones_like(starts), torch.arange(len(batch))
+        else:
+            ids = torch.tensor([s.tokens[s.num_cached : s.num_cached + n] + [0] * (c - n) for s, n in batch])
+            positions = starts[:, None] + torch.arange(c)[None, :]
+            lengths = torch.tensor([n for _, n in batch])
+            write_rows = torch.tensor([r * c + i for r, (_, n) in enumerate(batch) for i in range(n)])
         # short tables are padded with their own first block: its unused slots are masked (weight 0), and only a
         # sequence's own blocks are sure to hold finite values (0 * NaN from another's block would be NaN)
         tables = torch.tensor(
             [s.block_table[:nb] + s.block_table[:1] * (nb - len(s.block_table[:nb])) for s, _ in batch]
         )
-        lengths = torch.tensor([n for _, n in batch])
-        write_rows = torch.tensor([r * c + i for r, (_, n) in enumerate(batch) for i in range(n)])
         state_slots = torch.tensor([s.state_slot for s, _ in batch])
         inputs = [ids, positions, tables, lengths, write_rows, state_slots]
         adapters = None
@@ -391,21 +395,23 @@ class LLMEngine:
     def _record(self, kind: str, batch: list[tuple[Sequence, int]], routed) -> list[tuple[Sequence, int]]:
         """Advance each sequence past the tokens the step cached and keep their routing; returns the sequences to
         sample a token for, with their row: every decoding one, and the samples of a prompt now fully cached."""
+        if kind == "decode":
+            rows = routed[:, 0].unbind(0) if routed is not None else ()  # each row's view in one call
+            for r, (s, _) in enumerate(batch):
+                s.num_cached += 1
+                if rows:
+                    s.routed.append(rows[r])
+            return [(s, r) for r, (s, _) in enumerate(batch)]
         to_sample: list[tuple[Sequence, int]] = []
-        if kind == "decode" and routed is not None:
-            rows = routed[:, 0].unbind(0)  # each row's view in one call, not an indexing op a row
+        done = []
         for r, (s, n) in enumerate(batch):
             s.num_cached += n
-            if kind == "prefill":
-                if routed is not None:
-                    s.group.prompt_routed.append(routed[r, :n])
-                if s.num_cached == len(s.group.prompt):
-                    self.scheduler.prompt_done(s.group)
-                    to_sample += [(seq, r) for seq in s.group.seqs]
-            else:
-                if routed is not None:
-                    s.routed.append(rows[r])
-                to_sample.append((s, r))
+            if routed is not None:
+                s.group.prompt_routed.append(routed[r, :n])
+            if s.num_cached == len(s.group.prompt):
+                done.append(s.group)
+                to_sample += [(seq, r) for seq in s.group.seqs]
+        self.scheduler.prompts_done(done)
         return to_sample
 
     def _sample(self, to_sample: list[tuple[Sequence, int]], logits: torch.Tensor, hook) -> int:
@@ -415,9 +421,8 @@ class LLMEngine:
         rows = [r for _, r in to_sample]
         if rows != list(range(len(logits))):
             logits = logits[to_device([torch.tensor(rows)], self.device)[0]]
-        finite = logits.isfinite().all(-1).cpu()  # one vectorised check per step, on the rows being sampled only
-        if not bool(finite.all()):
-            seqs, logits = self._fail_non_finite(seqs, logits, finite)
+        if not bool(logits.isfinite().all()):  # one vectorised check per step, on the rows being sampled only
+            seqs, logits = self._fail_non_finite(seqs, logits, logits.isfinite().all(-1).cpu())
             if not seqs:
                 return 0
         tokens, logprobs = sample(

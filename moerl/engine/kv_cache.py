@@ -162,16 +162,16 @@ class KVCache:
         for pool in self.pools():
             pool.index_fill_(1, slots, 0)
 
-    def copy_block(self, src: int, dsts: list[int]) -> None:
-        """Block ``src`` into each of ``dsts`` in every pool (a prompt's partial last block to its other samples):
-        one copy a pool for all of them."""
-        if not dsts:
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Block ``src`` into block ``dst`` for each (src, dst) of ``pairs`` in every pool (prompts' partial last
+        blocks to their other samples): one gather and one scatter a pool for them all."""
+        if not pairs:
             return
-        bs = self.block_size
-        slots = (torch.tensor(dsts)[:, None] * bs + torch.arange(bs)).flatten().to(self.device)
+        bs, ar = self.block_size, torch.arange(self.block_size)
+        src, dst = (torch.tensor(blocks)[:, None] * bs + ar for blocks in zip(*pairs, strict=True))
+        src, dst = src.flatten().to(self.device), dst.flatten().to(self.device)
         for pool in self.pools():
-            block = pool[:, src * bs : (src + 1) * bs]
-            pool.index_copy_(1, slots, block.repeat(1, len(dsts), *[1] * (block.dim() - 2)))
+            pool.index_copy_(1, dst, pool.index_select(1, src))
 
 
 class StepView:
@@ -209,28 +209,37 @@ class StepView:
         s = block_tables.shape[1] * bs
         dev = block_tables.device
         self.key_slots: torch.Tensor | None = None
+        self.read: torch.Tensor | None = None  # the pools' rows ``update`` gathers (made there, eager: see _reads)
+        self.width = bs
         if graph:  # every visible key's row in the pool seen as [H * slots, d], head-major: [H * B * S]
             key_slots = self._visible_slots()
             self.key_slots = key_slots.view(b, s)  # the paged kernel's table in the graph: blocks of one slot
             self.read, self.width = (torch.arange(heads, device=dev)[:, None] * n + key_slots[None, :]).reshape(-1), 1
-        else:  # every block's row in the pool seen as [H * blocks, bs * d]: a few long copies, not one per key
-            # (16% of small's fp32 decode step). A graph would guard on the blocks per row (S = 16 nb): not there
-            head_base = torch.arange(heads, device=dev)[:, None] * (n // bs)
-            self.read, self.width = (head_base + block_tables.reshape(1, -1)).reshape(-1), bs
         self.b = b
         # decode reads the pools in place where the kernel runs (``attend``); decided here, outside a compiled graph
         self.paged = cache.dtype in KINDS and torch.device(cache.device).type == "cpu" and kernel() is not None
-        key_pos = torch.arange(s, device=dev)[None, None, :]
-        q_pos = positions[:, :, None]
-        visible = key_pos <= q_pos
-        # padded queries see key 0 only, so their rows stay finite
-        self._base = torch.where(real[:, :, None], visible, key_pos == 0).unsqueeze(1)  # [B, 1, C, S]
-        self._q_pos, self._key_pos, self._real = q_pos, key_pos, real
+        self._q_pos, self._key_pos, self._real = positions[:, :, None], torch.arange(s, device=dev)[None, None, :], real
+        # the mask [B, 1, C, S], made on first use: a step the paged kernel attends never needs it (nor ``read``)
+        self._base: torch.Tensor | None = self._mask_base() if graph else None
         self.real = real  # [B, C] which new tokens are real (linear-attention layers mask the rest out)
         self._sliding: torch.Tensor | None = None
         self._write_slots, self._key_slots = write_slots, s  # update_index's single-head rows (see there)
         self._index_read: torch.Tensor | None = None
         self._pos: torch.Tensor | None = None  # each row's query position for the paged kernel, made once a step
+
+    def _mask_base(self) -> torch.Tensor:
+        """Which keys each new query sees: causal by position; padded queries see key 0 only, so rows stay finite."""
+        visible = self._key_pos <= self._q_pos
+        return torch.where(self._real[:, :, None], visible, self._key_pos == 0).unsqueeze(1)
+
+    def _reads(self) -> torch.Tensor:
+        """Every block's row in the pool seen as [H * blocks, bs * d]: a few long copies, not one per key (16% of
+        small's fp32 decode step). A graph would guard on the blocks per row (S = 16 nb): it reads keys one by one."""
+        if self.read is None:
+            heads, blocks = self.cache.heads, self.cache.rows // self.cache.block_size
+            head_base = torch.arange(heads, device=self.block_tables.device)[:, None] * blocks
+            self.read = (head_base + self.block_tables.reshape(1, -1)).reshape(-1)
+        return self.read
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store this step's real k / v [B, C, H, d] at their slots of the layer's pools."""
@@ -241,15 +250,16 @@ class StepView:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self._write(layer, k, v)
+        read = self._reads()
         out = []
         for which, pool in ((0, self.cache.k[layer]), (1, self.cache.v[layer])):
             h, _, d = pool.shape
             src = pool.view(-1, self.width * d)
             if torch.compiler.is_compiling():
-                gathered = src.index_select(0, self.read)
+                gathered = src.index_select(0, read)
             else:  # into the cache's buffer: the same pages every layer and step, none faulted in again
-                gathered = self.cache.gather_buffer(which, self.read.numel(), src)
-                torch.index_select(src, 0, self.read, out=gathered)
+                gathered = self.cache.gather_buffer(which, read.numel(), src)
+                torch.index_select(src, 0, read, out=gathered)
             out.append(gathered.view(h, self.b, -1, d).transpose(0, 1))  # [B, H, S, d], contiguous per head
         return out[0], out[1]
 
@@ -293,6 +303,8 @@ class StepView:
         return flat.index_select(0, self._index_read).view(self.b, self._key_slots, d)
 
     def mask(self, sliding: bool) -> torch.Tensor:
+        if self._base is None:
+            self._base = self._mask_base()
         if not sliding or not self.cache.sliding_window:
             return self._base
         if self._sliding is None:

@@ -79,19 +79,22 @@ class Scheduler:
             return "decode", [(s, 1) for s in self.running]
         return None
 
-    def prompt_done(self, group: Group) -> None:
-        """The parent has prefilled the prompt: the other samples take its cache (copying the partial block)."""
-        self.prefilling.remove(group)
-        parent, bs = group.seqs[0], self.cache.block_size
-        prompt = len(group.prompt)
-        if prompt % bs:
-            last = prompt // bs
-            self.cache.copy_block(parent.block_table[last], [seq.block_table[last] for seq in group.seqs[1:]])
-        for seq in group.seqs[1:]:
-            if self.cache.states is not None:  # the prompt's linear-attention states, exactly
-                self.cache.states.copy(parent.state_slot, seq.state_slot)
-            seq.num_cached = prompt
-        self.running.extend(group.seqs)
+    def prompts_done(self, groups: list[Group]) -> None:
+        """The parents have prefilled these prompts: the other samples take each parent's cache (the partial last
+        block copied, every group's in one copy a pool)."""
+        bs, copies = self.cache.block_size, []
+        for group in groups:
+            self.prefilling.remove(group)
+            parent, prompt = group.seqs[0], len(group.prompt)
+            if prompt % bs:
+                last = prompt // bs
+                copies += [(parent.block_table[last], seq.block_table[last]) for seq in group.seqs[1:]]
+            for seq in group.seqs[1:]:
+                if self.cache.states is not None:  # the prompt's linear-attention states, exactly
+                    self.cache.states.copy(parent.state_slot, seq.state_slot)
+                seq.num_cached = prompt
+            self.running.extend(group.seqs)
+        self.cache.copy_blocks(copies)
 
     def finish(self, seq: Sequence, reason: str, zero: bool = False) -> None:
         """End a running sequence and release its blocks (``zero``: wipe those that become free, see KVCache.zero)."""

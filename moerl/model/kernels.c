@@ -818,8 +818,13 @@ void moerl_rms_norm_backward(const void* x, const void* w, const void* g, void* 
 static void norm_rope_grad_head(const void* x, const void* g, void* dx, int64_t at, int D, const void* w, float eps,
                                 const void* cs, const void* sn, int64_t ct, int xb, int wb, float* dwp) {
   float u[D];
-  int h = D / 2;
-  for (int i = 0; i < h; i++) {
+  int h = D / 2, i = 0;
+  for (; i + VW <= h; i += VW) {
+    vf g1 = ldv(g, at + i, xb), g2 = ldv(g, at + h + i, xb);
+    *(vfu*)(u + i) = g1 * ldv(cs, ct + i, xb) + g2 * ldv(sn, ct + h + i, xb);
+    *(vfu*)(u + h + i) = g2 * ldv(cs, ct + h + i, xb) - g1 * ldv(sn, ct + i, xb);
+  }
+  for (; i < h; i++) {
     float g1 = lds(g, at + i, xb), g2 = lds(g, at + h + i, xb);
     u[i] = g1 * lds(cs, ct + i, xb) + g2 * lds(sn, ct + h + i, xb);
     u[h + i] = g2 * lds(cs, ct + h + i, xb) - g1 * lds(sn, ct + i, xb);
@@ -828,7 +833,8 @@ static void norm_rope_grad_head(const void* x, const void* g, void* dx, int64_t 
     rms_grad_row(x, u, w, dx, at, 0, at, D, eps, xb, 0, wb, xb, dwp);
     return;
   }
-  for (int i = 0; i < D; i++) {
+  for (i = 0; i + VW <= D; i += VW) stv(dx, at + i, *(vfu*)(u + i), xb);
+  for (; i < D; i++) {
     if (xb) ((uint16_t*)dx)[at + i] = narrow1(u[i]);
     else ((float*)dx)[at + i] = u[i];
   }
