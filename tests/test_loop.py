@@ -108,6 +108,36 @@ def test_keep_informative_and_build_batch():
     assert drop_stale(mixed, version=5, max_staleness=3) == (mixed, 0)
 
 
+def test_build_batch_pads_sequences_of_different_lengths():
+    """Episodes of 3, 6 and 4 tokens (one without routing, one cut by max_tokens): each row right-padded, field by
+    field as written out here, routing -1 past each sequence and for the one without; routing for the wrong number
+    of tokens is a named error."""
+    torch.manual_seed(0)
+    lens, finish = [3, 6, 4], ["stop", "length", "stop"]
+    eps = []
+    for i, n in enumerate(lens):
+        routed = None if i == 2 else torch.randint(0, 8, (n - 1, 2, 2), dtype=torch.uint8)
+        tokens, lp = list(range(10 * i, 10 * i + n)), [-0.1 * (j + 1) for j in range(n)]
+        eps.append(Episode(i, tokens, 1, [0] + [1] * (n - 1), lp, routed, 0.0, finish[i], None, 0))
+    for overlong in (True, False):
+        batch = to_batch(eps, r3=True, overlong_filter=overlong)
+        assert batch.input_ids.shape == batch.loss_mask.shape == (3, 6) and batch.replay.shape == (3, 5, 2, 2)
+        for i, (e, n) in enumerate(zip(eps, lens, strict=True)):
+            assert batch.input_ids[i].tolist() == e.tokens + [0] * (6 - n)
+            assert batch.attention_mask[i].tolist() == [1] * n + [0] * (6 - n)
+            cut = overlong and e.finish_reason == "length"
+            assert batch.loss_mask[i].tolist() == ([0] * 6 if cut else e.loss_mask + [0] * (6 - n))
+            want_lp = torch.tensor(e.rollout_logprobs + [0.0] * (6 - n))
+            assert torch.equal(batch.extras["rollout_logprobs"][i], want_lp)
+            want = torch.full((5, 2, 2), -1, dtype=torch.long)
+            if e.routed is not None:
+                want[: n - 1] = e.routed.long()
+            assert torch.equal(batch.replay[i], want)
+    eps[1].routed = eps[1].routed[:3]
+    with pytest.raises(ValueError, match="episode 1: routing for 3 tokens, 5 expected"):
+        to_batch(eps, r3=True, overlong_filter=True)
+
+
 def test_config_files_overrides_and_errors(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("run_dir: runs/x\npolicy:\n  mode: full\n  optim:\n    lr: 0.001\nalgo:\n  loss:\n    kind: gspo\n")

@@ -76,24 +76,29 @@ def to_batch(episodes: list[Episode], r3: bool, overlong_filter: bool) -> Batch:
     ``overlong_filter`` a sequence cut by max_tokens does not enter the loss."""
     t = max(len(e.tokens) for e in episodes)
     b = len(episodes)
-    ids = torch.zeros(b, t, dtype=torch.long)
-    mask = torch.zeros(b, t, dtype=torch.long)
-    loss_mask = torch.zeros(b, t, dtype=torch.long)
-    rollout_lp = torch.zeros(b, t)
+    lengths = [len(e.tokens) for e in episodes]
+    pads = [t - n for n in lengths]
+    # each field as one tensor from padded lists (a copy a field, not a handful of ops a sequence)
+    ids = torch.tensor([e.tokens + [0] * p for e, p in zip(episodes, pads, strict=True)])
+    mask = (torch.arange(t)[None, :] < torch.tensor(lengths)[:, None]).long()
+    kept = [not (overlong_filter and e.finish_reason in CUT) for e in episodes]
+    loss_mask = torch.tensor(
+        [e.loss_mask + [0] * p if k else [0] * t for e, p, k in zip(episodes, pads, kept, strict=True)]
+    )
+    rollout_lp = torch.tensor([e.rollout_logprobs + [0.0] * p for e, p in zip(episodes, pads, strict=True)])
     replay = None
     shape = next((e.routed.shape[1:] for e in episodes if e.routed is not None), None)
     if r3 and shape is not None:
         replay = torch.full((b, t - 1, *shape), -1, dtype=torch.long)  # -1: route yourself (padding)
-    for i, e in enumerate(episodes):
-        n = len(e.tokens)
-        ids[i, :n] = torch.tensor(e.tokens)
-        mask[i, :n] = 1
-        loss_mask[i, :n] = torch.tensor(e.loss_mask)
-        rollout_lp[i, :n] = torch.tensor(e.rollout_logprobs)
-        if replay is not None and e.routed is not None:
-            replay[i, : n - 1] = e.routed.long()
-        if overlong_filter and e.finish_reason in CUT:
-            loss_mask[i] = 0
+        have = [i for i, e in enumerate(episodes) if e.routed is not None]
+        for i in have:
+            if episodes[i].routed.shape[0] != lengths[i] - 1:
+                raise ValueError(
+                    f"episode {i}: routing for {episodes[i].routed.shape[0]} tokens, {lengths[i] - 1} expected"
+                )
+        if have:  # every sequence's rows at once: row i's first n - 1 places of the flat [B * (T - 1)] rows
+            dest = torch.tensor([i * (t - 1) + j for i in have for j in range(lengths[i] - 1)])
+            replay.view(b * (t - 1), *shape)[dest] = torch.cat([episodes[i].routed for i in have]).long()
     return Batch(
         ids,
         mask,

@@ -78,17 +78,18 @@ def plan_packing(attention_mask: torch.Tensor) -> Packing | None:
     rows, width = best
     if len(rows) * width >= b * t:
         return None
-    src = torch.full((len(rows), width), b * t, dtype=torch.long)
-    segment = torch.zeros(len(rows), width, dtype=torch.long)
-    positions = torch.zeros(len(rows), width, dtype=torch.long)
-    dst = torch.full((b * t,), len(rows) * width, dtype=torch.long)
+    # the places as flat lists, then one tensor each (not four slice writes a sequence)
+    src, segment, positions = [b * t] * (len(rows) * width), [0] * (len(rows) * width), [0] * (len(rows) * width)
+    dst = [len(rows) * width] * (b * t)
     for r, seqs in enumerate(rows):
-        at = 0
+        at = r * width
         for s, i in enumerate(seqs, start=1):
             n = lens[i]
-            src[r, at : at + n] = torch.arange(i * t, i * t + n)
-            dst[i * t : i * t + n] = torch.arange(r * width + at, r * width + at + n)
-            segment[r, at : at + n] = s
-            positions[r, at : at + n] = torch.arange(n)
+            src[at : at + n] = range(i * t, i * t + n)
+            dst[i * t : i * t + n] = range(at, at + n)
+            segment[at : at + n] = [s] * n
+            positions[at : at + n] = range(n)
             at += n
+    src, segment, positions = (torch.tensor(x).view(len(rows), width) for x in (src, segment, positions))
+    dst = torch.tensor(dst)
     return Packing(src.to(device), dst.to(device), segment.to(device), positions.to(device))
