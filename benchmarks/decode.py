@@ -15,7 +15,7 @@ vLLM runs from ``.venv-vllm`` (``make peers``) when it exists, else from this ve
 
 "moerl base compiled" is the engine with ``compile_decode``: its warm-up generate includes the compilation (column
 "first generate"; torch's compile cache on disk shortens it in later processes). ``--baseline REF`` adds "moerl base
-@REF" (and "moerl base compiled @REF" when that contender runs): the engine of git revision REF (a worktree of it),
+@REF" (and each other moerl contender that runs, "... @REF"): the engines of git revision REF (a worktree of it),
 interleaved with the others: a change's speed-up measured side by side."""
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def contender(name: str, ckpt: str, args, rnd: int, vllm_python: str | None, dty
 def bench(preset: str, args, vllm_python: str | None, dtypes: list[str]) -> None:
     names = [n for n in CONTENDERS if (n != "vLLM" or vllm_python) and (n in args.contenders or n == "moerl base")]
     more = [f"moerl base [{arch}]" for arch in args.archs[1:]]  # the base engine on the other architectures
-    at = [n for n in ("moerl base", "moerl base compiled") if n == "moerl base" or n in args.contenders]
+    at = [n for n in CONTENDERS if n.startswith("moerl") and (n == "moerl base" or n in args.contenders)]
     more += [f"{n} @{args.baseline}" for n in at] if args.baseline else []
     names = [(n, dt) for n in names + more for dt in dtypes]
     runs: dict[tuple[str, str], list[dict]] = {n: [] for n in names}
@@ -267,7 +267,7 @@ def main() -> None:
     p.add_argument(
         "--vllm-python", default=os.environ.get("MOERL_VLLM_PYTHON", str(own) if own.exists() else sys.executable)
     )
-    p.add_argument("--baseline", help="a git revision whose base engine runs beside (moerl base @REF)")
+    p.add_argument("--baseline", help="a git revision whose moerl engines run beside (moerl base @REF, ...)")
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--ckpt", help=argparse.SUPPRESS)

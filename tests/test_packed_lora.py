@@ -201,6 +201,14 @@ def test_an_engines_adapters_decode_in_the_kernels(layout, dtype, tmp_path, monk
         assert _logprob_k3(oracle, out) <= tol, req.adapter
         if req.adapter is not None:
             assert _logprob_k3(base, out) > tol
+    # another adapter loaded where "p" was (its slot's factors written in place): the kernels' kept arguments are
+    # made again, and "p"'s requests now follow the new adapter's merged model, not the old one's
+    engine.remove_adapter("p")
+    engine.add_adapter("p", adapters["s"][0])
+    again = [r for r in reqs if r.adapter == "p"]
+    for out in engine.generate(again):
+        assert _logprob_k3(adapters["s"][1], out) <= tol
+        assert _logprob_k3(adapters["p"][1], out) > tol
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -243,3 +251,47 @@ def test_a_bf16_projections_adapters_join_its_amx_sums(per_row, bias):
         amx_linear(x, panels, None, [torch.full((35,), 3), *factors])
     with pytest.raises(ValueError, match=r"amx_linear: LoRA slots, scale, A, B\^T panels for 35 rows of \[128\]"):
         amx_linear(x, panels, None, [slots[:34], *factors])
+
+
+def test_a_lora_projections_kernel_arguments_are_made_again_when_a_factor_changes():
+    """An engine's bf16 ``LoraLinear`` keeps its ``amx_linear`` arguments (panels, factors, the checked struct) from
+    step to step: the same ones while nothing changes, made again when an adapter load writes a factor in place or
+    the rows change. Each output against a float64 product of the factors of the moment (2^-8 of each output plus
+    1e-3); control: the output after the write differs from the one before beyond that."""
+    if not amx():
+        pytest.skip("no AMX here (the CPU lacks AMX-BF16, or Linux refuses its tile state)")
+    from moerl.model.lora import LinearLora, LoraContext, LoraLinear
+
+    gen = torch.Generator().manual_seed(9)
+    k, n = 128, 96
+    layer = LoraLinear(k, n, bias=False).bfloat16()
+    ctx = LoraContext()
+    layer.lora = LinearLora(ctx, S, R, k, n, 0.0, torch.bfloat16)
+    layer.lora.one_call, layer.packed = True, True
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(n, k, generator=gen) * 0.1)
+        layer.lora.lora_A.copy_(torch.randn(S, R, k, generator=gen) * 0.2)
+        layer.lora.lora_B.copy_(torch.randn(S, n, R, generator=gen) * 0.2)
+        layer.lora.scale.copy_(torch.tensor([0.5, 2.0, 1.5]))
+
+    def oracle(x):
+        rows = x.reshape(-1, k).double()
+        a, b, s = (t.double() for t in (layer.lora.lora_A[1], layer.lora.lora_B[1], layer.lora.scale[1]))
+        return (rows @ layer.weight.double().T + s * (rows @ a.T) @ b.T).view(*x.shape[:-1], n)
+
+    def close(got, want):
+        return bool(((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-3).all())
+
+    x = torch.randn(8, 1, k, generator=gen).bfloat16()
+    ctx.set(1, 8, 1)
+    with torch.inference_mode():
+        first = layer(x)
+        memo = layer._amx_memo
+        assert close(first, oracle(x)) and close(layer(x), oracle(x)) and layer._amx_memo is memo
+        with torch.no_grad():
+            layer.lora.lora_B[1].mul_(-1.0)  # an adapter load writes its slot in place
+        second = layer(x)
+        assert layer._amx_memo is not memo and close(second, oracle(x)) and not close(first, oracle(x))
+        fewer = x[:5]
+        ctx.set(1, 5, 1)
+        assert close(layer(fewer), oracle(fewer))

@@ -32,6 +32,7 @@ from moerl.model.packed import (
     LORA_PARTS,
     _panel_view,
     amx_linear,
+    amx_lora,
     graph_panels,
     kept_copy,
     linear_panels,
@@ -55,6 +56,7 @@ class LoraContext:
         self.enabled = True
         self.single: int | None = None  # every token uses this slot
         self.token_slots: torch.Tensor | None = None  # [N] slot per flattened token, -1 = no adapter
+        self._filled: dict[tuple[int, int], torch.Tensor] = {}  # row_slots of one slot for all: made once a size
 
     def set(self, adapters: int | torch.Tensor | None, batch: int, seq: int) -> None:
         """``adapters``: None (no LoRA), a slot for all tokens, a slot per sequence [B] or per token [B, T] (-1 =
@@ -79,7 +81,13 @@ class LoraContext:
         """Each of the forward's ``rows`` flattened tokens' slot, int64 [rows] (-1 = none)."""
         if self.token_slots is not None:
             return self.token_slots
-        return torch.full((rows,), -1 if self.single is None else self.single, dtype=torch.long)
+        key = (rows, -1 if self.single is None else self.single)
+        slots = self._filled.get(key)
+        if slots is None:  # the same tensor every step of that size: the kernels' prepared arguments stay valid
+            if len(self._filled) >= 64:
+                self._filled.clear()
+            slots = self._filled[key] = torch.full((rows,), key[1], dtype=torch.long)
+        return slots
 
     def pick(self, slots: int, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """[N, slots]: each token's adapter scale at its slot, 0 elsewhere (and everywhere for -1)."""
@@ -180,11 +188,23 @@ class LoraLinear(Linear):
         dropping = lora.training and isinstance(lora.dropout, nn.Dropout)
         if lora.one_call and not dropping and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
             if self._amx_eager(x):  # the base GEMM and the delta in one call
-                slots = lora.ctx.row_slots(x.numel() // x.shape[-1])
-                return amx_linear(x, linear_panels(self, self.weight), self.bias, [slots, *lora.amx_factors()])
+                return amx_linear(x, *self._amx_args(lora.ctx.row_slots(x.numel() // x.shape[-1])))
             slots = lora.ctx.single if lora.ctx.token_slots is None else lora.ctx.token_slots
             return lora_add(x, super().forward(x), slots, *lora.decode_factors())  # three ops of a few rows -> one
         return lora(x, super().forward(x))
+
+    def _amx_args(self, slots: torch.Tensor) -> tuple:
+        """``amx_linear``'s arguments after the rows: the weight's panels, the bias, the LoRA list and its checked
+        kernel struct, made again only when the slots tensor or a weight or factor changes (an engine's step reuses
+        them: each check, copy and struct cost microseconds a call, a decode step's GEMM a few more)."""
+        lora = self.lora
+        stamp = tuple((t.data_ptr(), t._version) for t in (self.weight, lora.lora_A, lora.lora_B, lora.scale))
+        memo = self.__dict__.get("_amx_memo")
+        if memo is None or memo[0] is not slots or memo[1] != stamp:
+            args = [slots, *lora.amx_factors()]
+            panels = linear_panels(self, self.weight)
+            memo = self.__dict__["_amx_memo"] = (slots, stamp, panels, args, amx_lora(args, panels))
+        return memo[2], self.bias, memo[3], memo[4]
 
 
 class ExpertLora(nn.Module):
@@ -326,7 +346,7 @@ class LoraExperts(Experts):
         if not lora.ctx.active:
             return super()._grouped(x, idx, weights)
         if self._one_call(x, idx):  # an engine's decode: the deltas inside the experts' one kernel call
-            return self._in_one_call(x, idx, weights, [lora.ctx.row_slots(x.shape[0]), *lora.decode_factors()])
+            return self._in_one_call(x, idx, weights, *self._decode_args(lora.ctx.row_slots(x.shape[0])))
         route = Route(idx, weights, self.num_experts, x.dtype, self.zero)
         groups = lora.groups(route.token, route.expert, route.by_expert)
         xs = x.index_select(0, route.token)
@@ -338,6 +358,17 @@ class LoraExperts(Experts):
         if lora.layout == "shared_outer":  # one expand per token, after the routed sum
             return self._down_sum(x, y, route) + delta.to(x.dtype)
         return self._down_sum(x, _add(y, delta, rows), route)
+
+    def _decode_args(self, slots: torch.Tensor) -> tuple[list[torch.Tensor], object]:
+        """``moe_decode``'s LoRA list and its checked kernel struct, made again only when the slots tensor or a factor
+        changes (as ``LoraLinear._amx_args``); the struct is checked against the panels in ``_in_one_call``."""
+        lora = self.lora
+        parts = (lora.scale, lora.gate_up_A, lora.gate_up_B, lora.down_A, lora.down_B)
+        stamp = tuple((t.data_ptr(), t._version) for t in parts)
+        memo = self.__dict__.get("_lora_memo")
+        if memo is None or memo[0] is not slots or memo[1] != stamp:
+            memo = self.__dict__["_lora_memo"] = (slots, stamp, [slots, *lora.decode_factors()], {})
+        return memo[2], memo[3]
 
     def _one_call(self, x: torch.Tensor, idx: torch.Tensor) -> bool:
         # in a compiled graph: where the adapter's fp32 factors were made before it, as the panels were

@@ -299,11 +299,17 @@ class Experts(nn.Module):
         return self._down_sum(x, self._expert_mm(h, "down", route.by_expert, x.dtype), route)
 
     def _in_one_call(
-        self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, lora: list[torch.Tensor] | None = None
+        self,
+        x: torch.Tensor,
+        idx: torch.Tensor,
+        weights: torch.Tensor,
+        lora: list[torch.Tensor] | None = None,
+        prepared: dict | None = None,
     ) -> torch.Tensor:
-        """``moe_decode`` on this layer's panels (``lora``: an adapter's slots and factors, LoraExperts')."""
+        """``moe_decode`` on this layer's panels (``lora``: an adapter's slots and factors, LoraExperts'; ``prepared``:
+        a dict kept with them, where its checked kernel struct is kept for the next call)."""
         panels = graph_panels if torch.compiler.is_compiling() else Experts._panels
-        return moe_decode(x, idx, weights, panels(self, "gate_up"), panels(self, "down"), lora)
+        return moe_decode(x, idx, weights, panels(self, "gate_up"), panels(self, "down"), lora, prepared)
 
     def _hidden(self, h: torch.Tensor, route: Route) -> torch.Tensor:
         """The gate_up rows ``h`` (expert-sorted) -> the gate-weighted activations that down_proj takes."""

@@ -254,13 +254,42 @@ def linear_panels(owner: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
     return kept_copy(owner, "weight", weight, view, shape=panels_shape(1, k, n))
 
 
+def amx_lora(lora: list[torch.Tensor], panels: torch.Tensor) -> _Lora:
+    """``amx_linear``'s ``lora`` list checked against the weight's ``panels``, as the kernel's struct (it points into
+    the list's tensors: keep them while it is used)."""
+    _, tiles, k, nt = panels.shape
+    slot, scale, a, b = lora
+    s, r = a.shape[:2]
+    good = (
+        slot.dtype == torch.int64
+        and slot.dim() == 1
+        and slot.is_contiguous()
+        and all(t.dtype == torch.float32 and t.is_contiguous() for t in (scale, a, b))
+        and tuple(scale.shape) == (s,)
+        and tuple(a.shape) == (s, r, k)
+        and tuple(b.shape) == (s, tiles, r, nt)
+    )
+    if not good:
+        raise ValueError(_amx_lora_error(lora, slot.shape[0], k, tiles * nt))
+    return _Lora(a.data_ptr(), b.data_ptr(), 0, 0, scale.data_ptr(), slot.data_ptr(), s, 1, r, 1)
+
+
+def _amx_lora_error(lora: list[torch.Tensor], m: int, k: int, n: int) -> str:
+    shapes = ", ".join(f"{t.dtype} {tuple(t.shape)}" for t in lora)
+    return f"amx_linear: LoRA slots, scale, A, B^T panels for {m} rows of [{k}] -> [{n}]: {shapes}"
+
+
 def amx_linear(
-    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, lora: list[torch.Tensor] | None = None
+    x: torch.Tensor,
+    panels: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora: list[torch.Tensor] | None = None,
+    prepared: _Lora | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` of bf16 rows ``x`` [..., K] on AMX's tiles from the weight's ``linear_panels``:
     one kernel call, the sums in fp32 (with the bias) rounded once to bf16. ``lora``: adapter slots whose delta joins
     the sums, [each row's slot [rows] int64 (-1: none), then fp32: scales [S], A [S, r, K], B^T's panels [S, N / NT,
-    r, NT] (``pack`` of B^T)]."""
+    r, NT] (``pack`` of B^T)]; ``prepared``: its ``amx_lora`` struct, made before (checked there)."""
     _, tiles, k, nt = panels.shape
     n = tiles * nt
     if x.dtype != torch.bfloat16 or x.shape[-1] != k or panels.dtype != torch.bfloat16:
@@ -269,22 +298,10 @@ def amx_linear(
     m = rows.shape[0]
     adapters, xa = None, None
     if lora is not None:
-        slot, scale, a, b = lora
-        s, r = a.shape[:2]
-        good = (
-            slot.dtype == torch.int64
-            and tuple(slot.shape) == (m,)
-            and all(t.dtype == torch.float32 and t.is_contiguous() for t in (scale, a, b))
-            and tuple(scale.shape) == (s,)
-            and tuple(a.shape) == (s, r, k)
-            and tuple(b.shape) == (s, tiles, r, nt)
-        )
-        if not good:
-            shapes = ", ".join(f"{t.dtype} {tuple(t.shape)}" for t in lora)
-            raise ValueError(f"amx_linear: LoRA slots, scale, A, B^T panels for {m} rows of [{k}] -> [{n}]: {shapes}")
-        slot = slot.contiguous()
-        adapters = _Lora(a.data_ptr(), b.data_ptr(), 0, 0, scale.data_ptr(), slot.data_ptr(), s, 1, r, 1)
-        xa = torch.empty(m, r)
+        if tuple(lora[0].shape) != (m,):
+            raise ValueError(_amx_lora_error(lora, m, k, n))
+        adapters = prepared if prepared is not None else amx_lora(lora, panels)
+        xa = torch.empty(m, adapters.r)
     padded = torch.empty(m + 16, k, dtype=torch.bfloat16)  # AMX reads 16 rows a block: spare rows past the last
     padded[:m].copy_(rows)
     y = torch.empty(m, n, dtype=torch.bfloat16 if bias is None else torch.float32)
@@ -436,6 +453,7 @@ def moe_decode(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     lora: list[torch.Tensor] | None = None,
+    prepared: dict | None = None,
 ) -> torch.Tensor:
     """A decode step's routed experts in one kernel call (one op, eager and in a compiled graph): rows ``x`` [N, H]
     (fp32 or bf16), their experts ``idx`` [N, k] and routing weights ``gate`` [N, k] (rounded to x's dtype, as
@@ -447,10 +465,12 @@ def moe_decode(
     none; then fp32: the slots' scales [S], gate-up A [S, r, H] (shared_outer) or [S, E, r, H], gate-up B as panels
     [S E, 2I / NT, r, NT] (``pack`` of B^T), down A [S, E, r, I], down B^T [S, r, H] or [S, E, r, H]): each expert's
     gate-up rows get scale * (x A^T) B^T before the activation, its down rows scale * (h A^T) B^T (shared_outer: summed
-    in rank space, then expanded once per token)."""
+    in rank space, then expanded once per token). ``prepared``: a dict the caller keeps with this ``lora`` list (the
+    same tensors), where the eager call keeps the list's checked kernel struct for the next call."""
     # eager: the function itself (a custom op's dispatch costs ~20 us a call); a compiled graph: the op
-    run = moe_decode_op if torch.compiler.is_compiling() else _moe_decode
-    return run(x, idx, gate, gate_up, down, list(lora or ()))
+    if torch.compiler.is_compiling():
+        return moe_decode_op(x, idx, gate, gate_up, down, list(lora or ()))
+    return _moe_decode(x, idx, gate, gate_up, down, list(lora or ()), prepared)
 
 
 @torch.library.custom_op("moerl::moe_decode", mutates_args=())
@@ -466,7 +486,7 @@ def moe_decode_op(
     return _moe_decode(x, idx, gate, gate_up, down, lora)
 
 
-def _moe_decode(x, idx, gate, gate_up, down, lora: list[torch.Tensor]) -> torch.Tensor:
+def _moe_decode(x, idx, gate, gate_up, down, lora: list[torch.Tensor], prepared: dict | None = None) -> torch.Tensor:
     n, hid = x.shape
     e, _, hk, nt = gate_up.shape
     inter = down.shape[2]
@@ -485,7 +505,15 @@ def _moe_decode(x, idx, gate, gate_up, down, lora: list[torch.Tensor]) -> torch.
             f"gate_up {gate_up.dtype} {tuple(gate_up.shape)}, down {down.dtype} {tuple(down.shape)}"
         )
     k = idx.shape[1]
-    adapters = _moe_lora(lora, n, e, hid, inter, nt) if lora else None
+    adapters = None
+    if lora:
+        key = (n, e, hid, inter, nt)  # what the struct was checked against
+        adapters = prepared.get(key) if prepared is not None else None
+        if adapters is None:
+            adapters = _moe_lora(lora, n, e, hid, inter, nt)
+            if prepared is not None and lora[0].is_contiguous():  # the struct points at the list's own tensors
+                prepared.clear()
+                prepared[key] = adapters
     x, out = x.contiguous(), torch.empty_like(x)
     idx, gate = idx.to(torch.int64).contiguous(), gate.to(torch.float32).contiguous()
     rank, shared = (adapters.r, adapters.shared) if adapters else (0, 0)
