@@ -2,10 +2,9 @@
 kernels (``kernels.c``), where torch's CPU composites take a dozen small ops forward and more backward (issue 42
 part 3: at the tiny preset's shapes a norm's backward cost ~0.5-0.9 ms, its kernel ~0.02).
 
-The forward is torch's own ops run without recording them, or a kernel equal to them bit for bit (the rotation), so
-the trainer's logprobs keep their bits (the C RMSNorm statistics round fp32 differently: the norms stay torch's); the
-backward is one kernel call, in fp32, each gradient rounded once to its dtype (torch's bf16 autograd rounds after
-each op). Used for plain CPU tensors with autograd on, outside a compiled graph
+The forward runs torch's own ops without recording them (the trainer's logprobs keep their bits: the C forward
+kernels round fp32 differently); the backward is one kernel call, in fp32, each gradient rounded once to its dtype
+(torch's bf16 autograd rounds after each op). Used for plain CPU tensors with autograd on, outside a compiled graph
 (inductor fuses the torch ops itself) and where the kernels build; elsewhere (CUDA, DTensors, fake tensors) the torch
 ops run.
 """
@@ -17,7 +16,8 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from moerl.model.packed import KINDS, kernel, norm_rope
+from moerl.model.packed import KINDS, kernel
+from moerl.model.rope import apply_rope
 
 
 def fuses(*tensors: torch.Tensor) -> bool:
@@ -72,9 +72,8 @@ class RmsNormFn(torch.autograd.Function):
 
 class NormRopeFn(torch.autograd.Function):
     """Queries q [..., Hq, D] and keys k [..., Hk, D], each head RMSNorm-ed by q_weight / k_weight [D] (both None: no
-    norms), then rotated (rotate-half RoPE) by cos / sin [..., D]: the norms by torch's ``F.rms_norm``, the rotation by
-    ``norm_rope`` (bit for bit ``apply_rope``'s ops), the backward of it all by ``moerl_norm_rope_backward``. Returns
-    the new (q, k)."""
+    norms), then rotated (rotate-half RoPE) by cos / sin [..., D] as ``apply_rope`` rotates them; the backward of it
+    all by ``moerl_norm_rope_backward``. Returns the new (q, k)."""
 
     @staticmethod
     def forward(ctx, q, k, q_weight, k_weight, eps: float, cos, sin):
@@ -83,13 +82,9 @@ class NormRopeFn(torch.autograd.Function):
         q, k, cos, sin = q.contiguous(), k.contiguous(), cos.expand(rows).contiguous(), sin.expand(rows).contiguous()
         ctx.save_for_backward(q, k, q_weight, k_weight, cos, sin)
         ctx.eps = eps
-        if q_weight is not None:  # the norms by torch (the C statistics round fp32 differently)
-            qo, ko = F.rms_norm(q, (d,), q_weight, eps), F.rms_norm(k, (d,), k_weight, eps)
-        else:
-            qo, ko = q.clone(), k.clone()
-        # the rotation in one call, in place: each op's rounding as apply_rope's ops give it (norm_rope, no norms)
-        norm_rope(qo, ko, None, None, 0.0, cos, sin)
-        return qo, ko
+        if q_weight is not None:
+            q, k = F.rms_norm(q, (d,), q_weight, eps), F.rms_norm(k, (d,), k_weight, eps)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     @staticmethod
     def backward(ctx, gq: torch.Tensor, gk: torch.Tensor):
