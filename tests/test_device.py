@@ -274,13 +274,12 @@ def test_a_cpu_index_in_the_engine_step_is_caught(tiny, monkeypatch):
     # negative control: the cache's read rows made on the CPU, as a step that forgot the device would make them
     from moerl.engine import kv_cache
 
-    made = kv_cache.StepView.__init__
+    made = kv_cache.StepView._reads
 
-    def on_the_cpu(self, *args, **kwargs):
-        made(self, *args, **kwargs)
-        self.read = torch.tensor(self.read.tolist())
+    def on_the_cpu(self):
+        return torch.tensor(made(self).tolist())
 
-    monkeypatch.setattr(kv_cache.StepView, "__init__", on_the_cpu)
+    monkeypatch.setattr(kv_cache.StepView, "_reads", on_the_cpu)
     with SimCuda(), pytest.raises(DeviceMixError, match=r"index_select"):
         _run_engine(tiny, "cuda")
 

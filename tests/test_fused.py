@@ -138,13 +138,23 @@ def test_a_models_gradients_with_the_fused_ops_match_the_torch_path(monkeypatch)
 
 
 def test_fused_ops_apply_only_to_plain_cpu_tensors_with_autograd():
+    """Plain CPU tensors with autograd on; a plan's fake tensors where it traces the CPU's paths (what the ops keep
+    for the backward is what it counts), not where it traces CUDA's; never fp16, meta or no-grad."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from moerl.device import gpu_paths
+
     x = torch.randn(4, 8)
     assert fuses(x, torch.nn.Parameter(torch.ones(8)))
     assert not fuses(x.half())
     assert not fuses(x.to("meta"))
     with torch.no_grad():
         assert not fuses(x)
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     with FakeTensorMode():
-        assert not fuses(torch.randn(4, 8))
+        fake = torch.randn(4, 8, requires_grad=True)
+        assert fuses(fake)
+        w = torch.ones(8, requires_grad=True)
+        RmsNormFn.apply(fake, w, 1e-6).sum().backward()  # a plan's trace: shapes only, no kernel on fake data
+        assert fake.grad.shape == fake.shape and w.grad.shape == w.shape
+        with gpu_paths():
+            assert not fuses(fake)

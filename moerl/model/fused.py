@@ -15,18 +15,27 @@ import ctypes
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 
+from moerl.device import gpu_planned
 from moerl.model.packed import KINDS, kernel
 from moerl.model.rope import apply_rope
 
 
 def fuses(*tensors: torch.Tensor) -> bool:
-    """Whether these tensors take the fused training ops: plain CPU tensors (a Parameter is one; DTensors, fake and
-    functional tensors are not) of a kernel dtype, autograd on, not compiling, the kernels built."""
+    """Whether these tensors take the fused training ops: plain CPU tensors (a Parameter is one; DTensors and
+    functional tensors are not) of a kernel dtype, autograd on, not compiling, the kernels built. A plan tracing the
+    CPU's paths (``moerl plan``) takes them on its fake tensors too: it counts what they keep for the backward."""
     if not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return False
-    plain = all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" for t in tensors)
-    return plain and all(t.dtype in KINDS for t in tensors) and kernel() is not None
+    plain = all((type(t) in (torch.Tensor, torch.nn.Parameter) or _planned(t)) for t in tensors)
+    cpu = all(t.device.type == "cpu" and t.dtype in KINDS for t in tensors)
+    return plain and cpu and kernel() is not None
+
+
+def _planned(t: torch.Tensor) -> bool:
+    """A plan's fake tensor where the plan traces the CPU's paths (not CUDA's: ``gpu_paths``)."""
+    return isinstance(t, FakeTensor) and not gpu_planned()
 
 
 def _parts(weight: torch.Tensor | None, need: bool) -> torch.Tensor | None:
@@ -51,6 +60,8 @@ class RmsNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         x, weight = ctx.saved_tensors
+        if isinstance(x, FakeTensor):  # a plan's trace: the grads' shapes
+            return torch.empty_like(x), torch.empty_like(weight) if ctx.needs_input_grad[1] else None, None
         g = g.to(x.dtype).contiguous()
         dx = torch.empty_like(x)
         parts = _parts(weight, ctx.needs_input_grad[1])
@@ -89,6 +100,12 @@ class NormRopeFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gq: torch.Tensor, gk: torch.Tensor):
         q, k, qw, kw, cos, sin = ctx.saved_tensors
+        if isinstance(q, FakeTensor):  # a plan's trace: the grads' shapes
+            grads = [
+                torch.empty_like(w) if w is not None and need else None
+                for w, need in ((qw, ctx.needs_input_grad[2]), (kw, ctx.needs_input_grad[3]))
+            ]
+            return torch.empty_like(q), torch.empty_like(k), *grads, None, None, None
         gq, gk = gq.to(q.dtype).contiguous(), gk.to(k.dtype).contiguous()
         dq, dk = torch.empty_like(q), torch.empty_like(k)
         d, hq, hk = q.shape[-1], q.shape[-2], k.shape[-2]
