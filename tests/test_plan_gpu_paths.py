@@ -1,7 +1,7 @@
 """What a plan of a GPU run counts that a CPU run does not hold (found on the first GPU run, an H200: the plan of a
 small full step 17% over the measured peak, a LoRA one under it): CUDA's fused RMSNorm keeps the input and an fp32
-reciprocal RMS per row where the CPU's composite keeps fp32 copies, and cuBLAS keeps a workspace for each thread
-that runs GEMMs on the device."""
+reciprocal RMS per row where torch's CPU composite keeps fp32 copies (moerl's own CPU norm, its output alone), and
+cuBLAS keeps a workspace for each thread that runs GEMMs on the device."""
 
 import pytest
 import torch
@@ -38,10 +38,22 @@ def test_a_planned_gpu_norm_keeps_its_output_and_an_fp32_rms_per_row():
     assert grads == ((ROWS, DIM), torch.bfloat16, (DIM,), torch.bfloat16)
 
 
-def test_the_cpus_composite_norm_keeps_more_so_the_gpu_count_is_a_different_path():
+def test_the_cpus_norm_keeps_another_amount_so_the_gpu_count_is_a_different_path(monkeypatch):
+    """The CPU's RMSNorm (``moerl.model.fused``, where its kernels build) keeps nothing beyond its output for the
+    backward (the input and the weight are held already); torch's composite, where they do not, keeps at least an fp32
+    copy of the input; CUDA's fused kernel keeps its output and an fp32 RMS a row: three counts, a plan takes the one
+    its run takes."""
+    import moerl.model.norms as norms
+    from moerl.model.packed import kernel
+
     cpu, grads = _kept_by_a_norm(gpu=False)
     gpu, _ = _kept_by_a_norm(gpu=True)
-    assert cpu >= gpu + ROWS * DIM * 4  # at least an fp32 copy of the input more
+    assert grads == ((ROWS, DIM), torch.bfloat16, (DIM,), torch.bfloat16)
+    if kernel() is not None:
+        assert cpu == ROWS * DIM * 2 and gpu == cpu + ROWS * 4
+    monkeypatch.setattr(norms, "fuses", lambda *tensors: False)  # the kernels do not build here
+    composite, grads = _kept_by_a_norm(gpu=False)
+    assert composite >= gpu + ROWS * DIM * 4  # at least an fp32 copy of the input more
     assert grads == ((ROWS, DIM), torch.bfloat16, (DIM,), torch.bfloat16)
 
 

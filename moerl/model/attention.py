@@ -142,7 +142,7 @@ class Attention(nn.Module):
     def _norm_and_rotate(self, q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         if self._plain_rope(q, k, cos) and fuses(q, k, cos, sin):  # CPU training: the backward in one kernel call
             qw, kw = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm == "head" else (None, None)
-            if qw is None or fuses(qw, kw):
+            if qw is None or (fuses(qw, kw) and qw.dtype == kw.dtype):  # the kernel takes one weight dtype
                 return NormRopeFn.apply(q, k, qw, kw, self.q_norm.eps if qw is not None else 0.0, cos, sin)
         if self.qk_norm == "head" and not self.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)

@@ -5,8 +5,8 @@ part 3: at the tiny preset's shapes a norm's backward cost ~0.5-0.9 ms, its kern
 The forward runs torch's own ops without recording them (the trainer's logprobs keep their bits: the C forward
 kernels round fp32 differently); the backward is one kernel call, in fp32, each gradient rounded once to its dtype
 (torch's bf16 autograd rounds after each op). Used for plain CPU tensors with autograd on, outside a compiled graph
-(inductor fuses the torch ops itself) and where the kernels build; elsewhere (CUDA, DTensors, fake tensors) the torch
-ops run.
+(inductor fuses the torch ops itself) and where the kernels build, and by a plan tracing the CPU's paths (its fake
+tensors: what the ops keep for the backward); elsewhere (CUDA, DTensors, a plan of a GPU run) the torch ops run.
 """
 
 from __future__ import annotations
