@@ -34,9 +34,11 @@ from moerl.model.packed import (
     amx_linear,
     amx_lora,
     graph_panels,
+    kept_call,
     kept_copy,
     linear_panels,
     lora_add,
+    moe_lora,
     panels_shape,
 )
 from moerl.model.swap import replace_module, state_of, swapped
@@ -195,16 +197,17 @@ class LoraLinear(Linear):
 
     def _amx_args(self, slots: torch.Tensor) -> tuple:
         """``amx_linear``'s arguments after the rows: the weight's panels, the bias, the LoRA list and its checked
-        kernel struct, made again only when the slots tensor or a weight or factor changes (an engine's step reuses
-        them: each check, copy and struct cost microseconds a call, a decode step's GEMM a few more)."""
+        kernel struct, kept while the slots and the weight and factors stay (``kept_call``)."""
         lora = self.lora
-        stamp = tuple((t.data_ptr(), t._version) for t in (self.weight, lora.lora_A, lora.lora_B, lora.scale))
-        memo = self.__dict__.get("_amx_memo")
-        if memo is None or memo[0] is not slots or memo[1] != stamp:
+
+        def make() -> tuple:
             args = [slots, *lora.amx_factors()]
             panels = linear_panels(self, self.weight)
-            memo = self.__dict__["_amx_memo"] = (slots, stamp, panels, args, amx_lora(args, panels))
-        return memo[2], self.bias, memo[3], memo[4]
+            return panels, args, amx_lora(args, panels)
+
+        sources = (self.weight, lora.lora_A, lora.lora_B, lora.scale)
+        panels, args, struct = kept_call(self, "_amx_memo", slots, sources, make)
+        return panels, self.bias, args, struct
 
 
 class ExpertLora(nn.Module):
@@ -360,15 +363,18 @@ class LoraExperts(Experts):
         return self._down_sum(x, _add(y, delta, rows), route)
 
     def _decode_args(self, slots: torch.Tensor) -> tuple[list[torch.Tensor], object]:
-        """``moe_decode``'s LoRA list and its checked kernel struct, made again only when the slots tensor or a factor
-        changes (as ``LoraLinear._amx_args``); the struct is checked against the panels in ``_in_one_call``."""
+        """``moe_decode``'s LoRA list and its checked kernel struct, kept while the slots and the factors stay
+        (``kept_call``); in a compiled graph the list alone (its op checks it)."""
         lora = self.lora
-        parts = (lora.scale, lora.gate_up_A, lora.gate_up_B, lora.down_A, lora.down_B)
-        stamp = tuple((t.data_ptr(), t._version) for t in parts)
-        memo = self.__dict__.get("_lora_memo")
-        if memo is None or memo[0] is not slots or memo[1] != stamp:
-            memo = self.__dict__["_lora_memo"] = (slots, stamp, [slots, *lora.decode_factors()], {})
-        return memo[2], memo[3]
+        if torch.compiler.is_compiling():
+            return [slots, *lora.decode_factors()], None
+
+        def make() -> tuple:
+            args = [slots.contiguous(), *lora.decode_factors()]
+            return args, moe_lora(args, Experts._panels(self, "gate_up"), slots.shape[0])
+
+        sources = (lora.scale, lora.gate_up_A, lora.gate_up_B, lora.down_A, lora.down_B)
+        return kept_call(self, "_lora_memo", slots, sources, make)
 
     def _one_call(self, x: torch.Tensor, idx: torch.Tensor) -> bool:
         # in a compiled graph: where the adapter's fp32 factors were made before it, as the panels were

@@ -304,10 +304,10 @@ class Experts(nn.Module):
         idx: torch.Tensor,
         weights: torch.Tensor,
         lora: list[torch.Tensor] | None = None,
-        prepared: dict | None = None,
+        prepared=None,
     ) -> torch.Tensor:
         """``moe_decode`` on this layer's panels (``lora``: an adapter's slots and factors, LoraExperts'; ``prepared``:
-        a dict kept with them, where its checked kernel struct is kept for the next call)."""
+        their checked kernel struct, ``moe_lora``'s)."""
         panels = graph_panels if torch.compiler.is_compiling() else Experts._panels
         return moe_decode(x, idx, weights, panels(self, "gate_up"), panels(self, "down"), lora, prepared)
 

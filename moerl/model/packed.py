@@ -187,6 +187,17 @@ def kept_copy(
     return copy
 
 
+def kept_call(owner: torch.nn.Module, name: str, key: torch.Tensor, sources: tuple, make: Callable[[], tuple]) -> tuple:
+    """``make()``'s result kept on ``owner`` under ``name`` while ``key`` is the same tensor and no tensor of
+    ``sources`` changed (an engine's decode step reuses its kernel arguments: their checks, copies and structs cost
+    microseconds a call, the call itself a few more)."""
+    stamp = tuple((t.data_ptr(), t._version) for t in sources)
+    hit = owner.__dict__.get(name)
+    if hit is None or hit[0] is not key or hit[1] != stamp:
+        hit = owner.__dict__[name] = (key, stamp, make())
+    return hit[2]
+
+
 def graph_panels(owner: torch.nn.Module, name: str) -> torch.Tensor | None:
     """The panels ``packed_weight`` keeps for ``name``, as a compiled graph reads them (made and brought up to date
     outside the graph, before each step: ``moerl.engine.compiled``), or None where none are made yet."""
@@ -419,8 +430,11 @@ class _Lora(ctypes.Structure):
     ]
 
 
-def _moe_lora(lora: list[torch.Tensor], n: int, e: int, hid: int, inter: int, nt: int) -> _Lora:
-    """``moe_decode``'s ``lora`` list checked against the experts and rows, as the kernel's struct."""
+def moe_lora(lora: list[torch.Tensor], gate_up: torch.Tensor, n: int) -> _Lora:
+    """``moe_decode``'s ``lora`` list checked against the experts' ``gate_up`` panels and ``n`` rows, as the kernel's
+    struct (it points into the list's tensors: keep them while it is used; the slots contiguous)."""
+    e, _, hid, nt = gate_up.shape
+    inter = gate_up.shape[1] * nt // 2
     slot, scale, gu_a, gu_b, dn_a, dn_bt = lora
     s, r = scale.shape[0], gu_b.shape[2]
     shared = gu_a.dim() == 3
@@ -429,6 +443,7 @@ def _moe_lora(lora: list[torch.Tensor], n: int, e: int, hid: int, inter: int, nt
         all(t.dtype == torch.float32 and t.is_contiguous() for t in lora[1:])
         and slot.dtype == torch.int64
         and tuple(slot.shape) == (n,)
+        and slot.is_contiguous()
         and tuple(scale.shape) == (s,)
         and tuple(gu_a.shape) == (*lead, r, hid)
         and tuple(gu_b.shape) == (s * e, 2 * inter // nt, r, nt)
@@ -438,7 +453,6 @@ def _moe_lora(lora: list[torch.Tensor], n: int, e: int, hid: int, inter: int, nt
     if not good:
         shapes = ", ".join(f"{k} {t.dtype} {tuple(t.shape)}" for k, t in zip(LORA_PARTS, lora, strict=True))
         raise ValueError(f"moe_decode: LoRA factors for {e} experts of [{hid}, {inter}] and {n} rows: {shapes}")
-    slot = slot.contiguous()
     ptrs = [t.data_ptr() for t in (gu_a, gu_b, dn_a, dn_bt, scale, slot)]
     return _Lora(*ptrs, s, e, r, int(shared))
 
@@ -453,7 +467,7 @@ def moe_decode(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     lora: list[torch.Tensor] | None = None,
-    prepared: dict | None = None,
+    prepared: _Lora | None = None,
 ) -> torch.Tensor:
     """A decode step's routed experts in one kernel call (one op, eager and in a compiled graph): rows ``x`` [N, H]
     (fp32 or bf16), their experts ``idx`` [N, k] and routing weights ``gate`` [N, k] (rounded to x's dtype, as
@@ -465,8 +479,8 @@ def moe_decode(
     none; then fp32: the slots' scales [S], gate-up A [S, r, H] (shared_outer) or [S, E, r, H], gate-up B as panels
     [S E, 2I / NT, r, NT] (``pack`` of B^T), down A [S, E, r, I], down B^T [S, r, H] or [S, E, r, H]): each expert's
     gate-up rows get scale * (x A^T) B^T before the activation, its down rows scale * (h A^T) B^T (shared_outer: summed
-    in rank space, then expanded once per token). ``prepared``: a dict the caller keeps with this ``lora`` list (the
-    same tensors), where the eager call keeps the list's checked kernel struct for the next call."""
+    in rank space, then expanded once per token). ``prepared``: the list's ``moe_lora`` struct, made before (checked
+    there; the eager call)."""
     # eager: the function itself (a custom op's dispatch costs ~20 us a call); a compiled graph: the op
     if torch.compiler.is_compiling():
         return moe_decode_op(x, idx, gate, gate_up, down, list(lora or ()))
@@ -486,7 +500,7 @@ def moe_decode_op(
     return _moe_decode(x, idx, gate, gate_up, down, lora)
 
 
-def _moe_decode(x, idx, gate, gate_up, down, lora: list[torch.Tensor], prepared: dict | None = None) -> torch.Tensor:
+def _moe_decode(x, idx, gate, gate_up, down, lora: list[torch.Tensor], prepared: _Lora | None = None) -> torch.Tensor:
     n, hid = x.shape
     e, _, hk, nt = gate_up.shape
     inter = down.shape[2]
@@ -507,13 +521,8 @@ def _moe_decode(x, idx, gate, gate_up, down, lora: list[torch.Tensor], prepared:
     k = idx.shape[1]
     adapters = None
     if lora:
-        key = (n, e, hid, inter, nt)  # what the struct was checked against
-        adapters = prepared.get(key) if prepared is not None else None
-        if adapters is None:
-            adapters = _moe_lora(lora, n, e, hid, inter, nt)
-            if prepared is not None and lora[0].is_contiguous():  # the struct points at the list's own tensors
-                prepared.clear()
-                prepared[key] = adapters
+        lora[0] = lora[0].contiguous()  # the struct points at the slots
+        adapters = prepared if prepared is not None and lora[0].shape == (n,) else moe_lora(lora, gate_up, n)
     x, out = x.contiguous(), torch.empty_like(x)
     idx, gate = idx.to(torch.int64).contiguous(), gate.to(torch.float32).contiguous()
     rank, shared = (adapters.r, adapters.shared) if adapters else (0, 0)
