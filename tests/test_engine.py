@@ -321,3 +321,23 @@ def test_engine_config_errors(hf_checkpoints):
         EngineConfig(max_num_seqs=0)
     with pytest.raises(ConfigError, match=r"max_model_len=100000: exceeds the model's max_position_embeddings"):
         LLMEngine(path, EngineConfig(max_model_len=100000))
+
+
+def test_where_a_compiler_runs_the_kernels_build():
+    """The kernel tests skip where no C compiler exists; where one does, ``kernels.c`` must build: a compile error
+    fails here (with the compiler's words) instead of skipping every kernel test. The control: a compiler that is
+    not one (``false``) leaves no kernel and says so."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from moerl.model import packed
+
+    if shutil.which(os.environ.get("CC", "gcc")) is None:
+        pytest.skip("no C compiler here")
+    assert packed.kernel() is not None, packed.build_error
+    code = "from moerl.model import packed; assert packed.kernel() is None; print(repr(packed.build_error))"
+    env = os.environ | {"CC": "false"}  # the build's tag names its compiler: no kernel built by gcc is found
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

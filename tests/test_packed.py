@@ -473,6 +473,38 @@ def test_a_bf16_projection_on_amx_computes_what_torch_does(lead, bias):
     assert not ((got.float() - off).abs() <= off.abs() * 2**-8 + 1e-3).all()
 
 
+def test_projections_side_by_side_give_each_ones_bits_and_follow_a_weight_update():
+    """``fused_linear``: q / k / v of one input as one AMX call from their panels side by side give each projection's
+    own call bit for bit (each column's sums are the same, only more columns), with a bias beside a layer without one
+    (zeros); a weight written in place (a sync) is packed again before the next call: the fused result follows it
+    (the control: the result from before the write no longer matches)."""
+    if not packed_module.amx():
+        pytest.skip("no AMX here (the CPU lacks AMX-BF16, or Linux refuses its tile state)")
+    nt = 2 * vector_width()
+    gen = torch.Generator().manual_seed(3)
+    owner = torch.nn.Module()
+    layers = (Linear(128, 4 * nt, bias=True), Linear(128, 2 * nt, bias=False), Linear(128, 2 * nt, bias=True))
+    with torch.no_grad():
+        for m in layers:
+            m.to(torch.bfloat16).weight.copy_(torch.randn(m.weight.shape, generator=gen) * 0.1)
+            if m.bias is not None:
+                m.bias.copy_(torch.randn(m.bias.shape, generator=gen))
+    x = torch.randn(40, 1, 128, generator=gen).bfloat16()
+
+    def each():
+        return [amx_linear(x, linear_panels(m, m.weight), m.bias) for m in layers]
+
+    with torch.inference_mode():
+        fused = amx_linear(x, *packed_module.fused_linear(owner, layers))
+        assert fused.shape == (40, 1, 8 * nt)
+        assert all(torch.equal(a, b) for a, b in zip(fused.split([4 * nt, 2 * nt, 2 * nt], -1), each(), strict=True))
+        with torch.no_grad():
+            layers[1].weight.mul_(1.5)
+        again = amx_linear(x, *packed_module.fused_linear(owner, layers))
+        assert all(torch.equal(a, b) for a, b in zip(again.split([4 * nt, 2 * nt, 2 * nt], -1), each(), strict=True))
+        assert not torch.equal(again, fused)
+
+
 def test_amx_projections_name_what_they_do_not_take():
     """Only bf16 weights of whole panels and K a multiple of 32 run on AMX; rows that do not match are named."""
     nt = 2 * vector_width()
@@ -488,7 +520,8 @@ def test_amx_projections_name_what_they_do_not_take():
 
 def test_an_engines_bf16_projections_run_on_amx(tmp_path):
     """An engine's own bf16 model (``decode_layout``) marks its attention projections to run on AMX where the CPU has
-    it (a trainer's model never), and greedy decode gives the tokens of the same engine on torch's GEMMs."""
+    it (a trainer's model never), q / k / v in one call, and greedy decode gives the tokens of the same engine on
+    torch's GEMMs."""
     path = tmp_path / "tiny"
     init_model("qwen3_moe", "tiny", path)
     engine = LLMEngine(path, EngineConfig(max_num_seqs=2, max_model_len=32), dtype=torch.bfloat16)
@@ -498,6 +531,9 @@ def test_an_engines_bf16_projections_run_on_amx(tmp_path):
     assert not any(m.packed for m in load_model(path, dtype=torch.bfloat16).modules() if hasattr(m, "packed"))
     params = SamplingParams(temperature=0.0, max_tokens=8)
     got = engine.generate([[5, 6, 7, 8]], params)[0].outputs[0].token_ids
+    # q / k / v of a layer as one call from their panels side by side (fused_linear), where AMX runs
+    fused = ["fused weight" in layer.self_attn.__dict__.get("_packed", {}) for layer in engine.model.layers]
+    assert all(f == packed_module.amx() for f in fused)
     for m in projections:
         m.packed = False
     assert got == engine.generate([[5, 6, 7, 8]], params)[0].outputs[0].token_ids
@@ -520,18 +556,25 @@ def test_a_compiled_graph_runs_the_amx_projection_on_the_panels_made_before_it()
         assert not torch.equal(step(x), want)
 
 
+@pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("d", "norm"), [(64, True), (40, True), (32, False)])
-def test_qk_norms_and_rope_in_one_call_give_the_torch_paths_bits(d, norm, dtype):
+def test_qk_norms_and_rope_in_one_call_give_the_torch_paths_bits(d, norm, dtype, strided):
     """``norm_rope`` (a decode step's per-head q / k RMSNorms and rotate-half RoPE, in place, one call) against what
     the engine ran before: ``rms_norm`` then ``apply_rope``'s ops: equal bit for bit in fp32 and bf16 (each op's
-    rounding kept, no fused multiply-add), heads not a multiple of a vector included. The control: the rows' positions
-    shifted by one miss."""
+    rounding kept, no fused multiply-add), heads not a multiple of a vector included, q and k as the column ranges of
+    one q / k / v product (``strided``: rows wider than their heads; the v columns between untouched). The control: the
+    rows' positions shifted by one miss; q whose rows no one stride steps through is named."""
     from moerl.model.packed import norm_rope
     from moerl.model.rope import apply_rope
 
     gen = torch.Generator().manual_seed(d)
     q, k = torch.randn(7, 1, 8, d, generator=gen).to(dtype), torch.randn(7, 1, 4, d, generator=gen).to(dtype)
+    if strided:  # q | k | v of one [7, 1, 16 d] product: q and k views of its rows
+        v = torch.randn(7, 1, 4 * d, generator=gen).to(dtype)
+        qkv = torch.cat([q.flatten(2), k.flatten(2), v], -1)
+        q, k = (t.unflatten(-1, (-1, d)) for t in qkv.split([8 * d, 4 * d, 4 * d], -1)[:2])
+        assert not q.is_contiguous() and not k.is_contiguous()
     qw, kw = ((torch.rand(d, generator=gen) + 0.5).to(dtype) for _ in range(2))
     inv = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
 
@@ -550,6 +593,13 @@ def test_qk_norms_and_rope_in_one_call_give_the_torch_paths_bits(d, norm, dtype)
     assert not torch.equal(torch.cat([off_q, off_k], 2), want)
     with pytest.raises(ValueError, match=r"norm_rope: q torch\..* \(7, 1, 8, \d+\), k .* \(7, 1, 4, \d+\), cos"):
         norm_rope(q, k, qw, None, 1e-6, *cos_sin(pos))
+    if strided:
+        assert torch.equal(qkv[..., 12 * d :], v)  # the v columns between the rows are left as they were
+        from moerl.model.packed import rows_of
+
+        assert rows_of(q).stride(0) == 16 * d
+        assert rows_of(torch.randn(7, 2, 8, d).transpose(0, 1)) is None  # rows no one stride steps through
+        assert rows_of(q[:, :, ::2]) is None  # heads not side by side
 
 
 def test_moerl_amx_0_keeps_the_vector_kernels():

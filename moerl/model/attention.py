@@ -16,7 +16,7 @@ from moerl.model.fused import NormRopeFn, fuses
 from moerl.model.indexer import Indexer
 from moerl.model.linear import Linear
 from moerl.model.norms import RMSNorm
-from moerl.model.packed import KINDS, norm_rope
+from moerl.model.packed import KINDS, amx_linear, fused_linear, norm_rope, rows_of
 from moerl.model.rope import apply_rope
 
 
@@ -111,7 +111,7 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask, cache: KVCacheView | None = None) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self._qkv(x)
         gate = None
         if self.output_gate:
             q, gate = q.view(b, t, self.num_heads, 2, self.head_dim).unbind(3)
@@ -139,6 +139,16 @@ class Attention(nn.Module):
             out = attend(q.transpose(1, 2), k, v, mask, self.scale, self.sinks)
         return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
 
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of ``x``. An engine's own CPU model whose three projections are plain layers on AMX runs them as
+        one call from their panels side by side (``fused_linear``; the same sums, column by column): a decode step's
+        three calls cost more in their set-up than in their products."""
+        layers = (self.q_proj, self.k_proj, self.v_proj)
+        if self.one_call and all(type(m) is Linear and m._amx_eager(x) for m in layers):
+            y = amx_linear(x, *fused_linear(self, layers))
+            return y.split([m.out_features for m in layers], dim=-1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
     def _norm_and_rotate(self, q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         if self._plain_rope(q, k, cos) and fuses(q, k, cos, sin):  # CPU training: the backward in one kernel call
             qw, kw = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm == "head" else (None, None)
@@ -163,7 +173,7 @@ class Attention(nn.Module):
         engine's own CPU model without autograd, per-head norms (or none) before a full rotate-half RoPE."""
         if not self.one_call or torch.is_grad_enabled() or torch.compiler.is_compiling():
             return False
-        return self._plain_rope(q, k, cos) and q.is_contiguous() and k.is_contiguous()
+        return self._plain_rope(q, k, cos) and rows_of(q) is not None and rows_of(k) is not None
 
     def _plain_rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> bool:
         """Per-head norms (or none) before a full rotate-half RoPE, q / k / cos of one kernel dtype: what the norm +

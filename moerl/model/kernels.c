@@ -487,13 +487,14 @@ int moerl_amx_linear(const uint16_t* x, const uint16_t* w, int M, int K, int N, 
   return 0;
 }
 
-/* Decode attention over the paged cache, read in place: q [B, Hq, D] -> out [B, Hq, Dv]. Pools head-major
-   [Hkv][rows][D] and [Hkv][rows][Dv]; tables [B][nb] block ids; pos [B]: the query's position (keys 0..pos visible;
-   window > 0: only the last `window` of them); sinks [Hq] (a logit that joins the softmax) or NULL; scratch:
-   threads x (Hq / Hkv + 2) * nb * bs floats for the scores and the keys' rows. One task per (row, KV head): each
-   key and value row is read once for the query heads that share it. new_slot [B] (NULL: none): the pool row of each
-   row's new key and value (knew [B][Hkv][D], vnew [B][Hkv][Dv], the pools' dtype; -1: none), written by the row's
-   tasks before they read it (an eager step's KV write, where the torch path takes six ops a layer). */
+/* Decode attention over the paged cache, read in place: q [B][Hq * D] (rows ldq apart) -> out [B, Hq, Dv], both in
+   the pools' dtype (kb; the sums in fp32, rounded once). Pools head-major [Hkv][rows][D] and [Hkv][rows][Dv]; tables
+   [B][nb] block ids; pos [B]: the query's position (keys 0..pos visible; window > 0: only the last `window` of them);
+   sinks [Hq] (a logit that joins the softmax) or NULL; scratch: threads x ((Hq / Hkv + 2) * nb * bs + Hq / Hkv * D)
+   floats for the scores, the keys' rows and the queries in fp32. One task per (row, KV head): each key and value
+   row is read once for the query heads that share it. new_slot [B] (NULL: none): the pool row of each row's new key
+   and value (knew [B][Hkv * D], vnew [B][Hkv * Dv], rows ldk / ldv apart, the pools' dtype; -1: none), written by the
+   row's tasks before they read it (an eager step's KV write, where the torch path takes six ops a layer). */
 
 typedef int32_t vi __attribute__((vector_size(VB)));
 
@@ -569,24 +570,26 @@ static inline float exp_sum(float* s, int64_t n, float mx) {
 /* one task of the paged decode: row b's KV head kh, its pools fp32 (kb = 0) or bf16 (kb = 1). Each visible key's
    pool row is found once, walking the block table (no division per key: a task's keys are few, and an integer
    division costs what a dozen of their multiply-adds do) */
-static inline __attribute__((always_inline)) void paged_task(const float* q, const void* kp, const void* vp,
-                                                             const int64_t* tables, const int64_t* pos,
-                                                             const float* sinks, int Hq, int Hkv, int D, int Dv,
-                                                             int64_t rows, int nb, int bs, int64_t window,
-                                                             float scale, float* out, float* scratch, int t,
-                                                             const void* knew, const void* vnew,
-                                                             const int64_t* new_slot, const int kb) {
+static inline __attribute__((always_inline)) void paged_task(const void* q, int64_t ldq, const void* kp,
+                                                             const void* vp, const int64_t* tables,
+                                                             const int64_t* pos, const float* sinks, int Hq, int Hkv,
+                                                             int D, int Dv, int64_t rows, int nb, int bs,
+                                                             int64_t window, float scale, void* out, float* scratch,
+                                                             int t, const void* knew, int64_t ldk, const void* vnew,
+                                                             int64_t ldvn, const int64_t* new_slot, const int kb) {
   int g = Hq / Hkv;
   int b = t / Hkv, kh = t % Hkv;
+  int64_t es = kb ? 2 : 4;
   if (new_slot && new_slot[b] >= 0) {  /* this step's key and value of row b, head kh, into their pool rows */
-    int64_t at = (int64_t)kh * rows + new_slot[b], es = kb ? 2 : 4;
-    memcpy((char*)kp + at * D * es, (const char*)knew + ((int64_t)b * Hkv + kh) * D * es, D * es);
-    memcpy((char*)vp + at * Dv * es, (const char*)vnew + ((int64_t)b * Hkv + kh) * Dv * es, Dv * es);
+    int64_t at = (int64_t)kh * rows + new_slot[b];
+    memcpy((char*)kp + at * D * es, (const char*)knew + ((int64_t)b * ldk + (int64_t)kh * D) * es, D * es);
+    memcpy((char*)vp + at * Dv * es, (const char*)vnew + ((int64_t)b * ldvn + (int64_t)kh * Dv) * es, Dv * es);
   }
   int64_t p = pos[b], lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0, n = p - lo + 1;
-  float* s = scratch + (int64_t)omp_get_thread_num() * (g + 2) * nb * bs;  /* [g][n] scores, then [n] rows */
+  float* s = scratch + (int64_t)omp_get_thread_num() * ((g + 2) * nb * bs + g * D);  /* [g][n] scores, [n] rows */
   int64_t* at = (int64_t*)(s + (int64_t)g * nb * bs);  /* each visible key's pool row (head kh) */
-  const float* qv = q + ((int64_t)b * Hq + (int64_t)kh * g) * D;  /* the g query heads of this KV head */
+  float* qv = s + (int64_t)(g + 2) * nb * bs;  /* the g query heads of this KV head, in fp32 */
+  for (int i = 0; i < g * D; i++) qv[i] = lds(q, (int64_t)b * ldq + (int64_t)kh * g * D + i, kb);
   const int64_t* table = tables + (int64_t)b * nb;
   for (int64_t j = lo, blk = lo / bs, off = lo % bs; j <= p; j++) {
     at[j - lo] = (int64_t)kh * rows + table[blk] * bs + off;
@@ -594,7 +597,6 @@ static inline __attribute__((always_inline)) void paged_task(const float* q, con
   }
   /* every visible key's and value's row asked for at once (a row's blocks are scattered over the pools: read as
      the sums reach them, each block's first lines would wait on memory in turn) */
-  int es = kb ? 2 : 4;
   for (int64_t j = 0; j < n; j++) {
     const char *kr = (const char*)kp + at[j] * D * es, *vr = (const char*)vp + at[j] * Dv * es;
     for (int o = 0; o < D * es; o += 64) __builtin_prefetch(kr + o);
@@ -617,7 +619,7 @@ static inline __attribute__((always_inline)) void paged_task(const float* q, con
 #endif
   for (; j < n; j++)
     for (int h = 0; h < g; h++) s[h * n + j] = dot(qv + (int64_t)h * D, kp, at[j] * D, D, kb) * scale;
-  float* o = out + ((int64_t)b * Hq + (int64_t)kh * g) * Dv;
+  int64_t o = ((int64_t)b * Hq + (int64_t)kh * g) * Dv;  /* the output's rows, in the pools' dtype */
   for (int h = 0; h < g; h++) {
     float* sh = s + h * n;
     float mx = sinks ? sinks[kh * g + h] : -INFINITY;
@@ -629,7 +631,7 @@ static inline __attribute__((always_inline)) void paged_task(const float* q, con
      memory would chain every key's add through a store and a load) */
   for (int h = 0; h < g; h++) {
     const float* sh = s + h * n;
-    float* oh = o + (int64_t)h * Dv;
+    int64_t oh = o + (int64_t)h * Dv;
     int i0 = 0;
     for (; i0 + 4 * VW <= Dv; i0 += 4 * VW) {
       vf acc[4] = {(vf){0}, (vf){0}, (vf){0}, (vf){0}};
@@ -637,35 +639,36 @@ static inline __attribute__((always_inline)) void paged_task(const float* q, con
         int64_t vr = at[j] * Dv + i0;
         for (int c = 0; c < 4; c++) acc[c] += sh[j] * ldv(vp, vr + c * VW, kb);
       }
-      for (int c = 0; c < 4; c++) *(vfu*)(oh + i0 + c * VW) = acc[c];
+      for (int c = 0; c < 4; c++) stv(out, oh + i0 + c * VW, acc[c], kb);
     }
     for (; i0 + VW <= Dv; i0 += VW) {  /* a head narrower than four vectors (tiny's 32 on AVX-512) */
       vf acc = (vf){0};
       for (int64_t j = 0; j < n; j++) acc += sh[j] * ldv(vp, at[j] * Dv + i0, kb);
-      *(vfu*)(oh + i0) = acc;
+      stv(out, oh + i0, acc, kb);
     }
     for (; i0 < Dv; i0++) {
       float acc = 0.0f;
       for (int64_t j = 0; j < n; j++) acc += sh[j] * lds(vp, at[j] * Dv + i0, kb);
-      oh[i0] = acc;
+      if (kb) ((uint16_t*)out)[oh + i0] = narrow1(acc);
+      else ((float*)out)[oh + i0] = acc;
     }
   }
 }
 
-void moerl_paged_decode(const float* q, const void* kp, const void* vp, const int64_t* tables, const int64_t* pos,
-                        const float* sinks, int B, int Hq, int Hkv, int D, int Dv, int64_t rows, int nb, int bs,
-                        int64_t window, float scale, float* out, float* scratch, const void* knew, const void* vnew,
-                        const int64_t* new_slot, int kb, int threads) {
+void moerl_paged_decode(const void* q, int64_t ldq, const void* kp, const void* vp, const int64_t* tables,
+                        const int64_t* pos, const float* sinks, int B, int Hq, int Hkv, int D, int Dv, int64_t rows,
+                        int nb, int bs, int64_t window, float scale, void* out, float* scratch, const void* knew,
+                        int64_t ldk, const void* vnew, int64_t ldvn, const int64_t* new_slot, int kb, int threads) {
   if (kb) {
     #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int t = 0; t < B * Hkv; t++)
-      paged_task(q, (void*)kp, (void*)vp, tables, pos, sinks, Hq, Hkv, D, Dv, rows, nb, bs, window, scale, out,
-                 scratch, t, knew, vnew, new_slot, 1);
+      paged_task(q, ldq, kp, vp, tables, pos, sinks, Hq, Hkv, D, Dv, rows, nb, bs, window, scale, out, scratch, t,
+                 knew, ldk, vnew, ldvn, new_slot, 1);
   } else {
     #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int t = 0; t < B * Hkv; t++)
-      paged_task(q, (void*)kp, (void*)vp, tables, pos, sinks, Hq, Hkv, D, Dv, rows, nb, bs, window, scale, out,
-                 scratch, t, knew, vnew, new_slot, 0);
+      paged_task(q, ldq, kp, vp, tables, pos, sinks, Hq, Hkv, D, Dv, rows, nb, bs, window, scale, out, scratch, t,
+                 knew, ldk, vnew, ldvn, new_slot, 0);
   }
 }
 
@@ -758,17 +761,18 @@ __attribute__((optimize("fp-contract=off"))) static void norm_rope_head(void* x,
   }
 }
 
-/* A decode step's queries q [rows][Hq][D] and keys k [rows][Hk][D], in place: each head RMSNorm-ed by qw / kw (NULL:
-   none) and rotated by its row's cos / sin [rows][D] (norm_rope_head). One call where torch takes a dozen ops. */
-void moerl_norm_rope(void* q, void* k, int64_t rows, int Hq, int Hk, int D, const void* qw, const void* kw, float eps,
-                     const void* cs, const void* sn, int xb, int wb, int threads) {
+/* A decode step's queries q [rows][Hq][D] and keys k [rows][Hk][D] (rows ldq / ldk elements apart), in place: each
+   head RMSNorm-ed by qw / kw (NULL: none) and rotated by its row's cos / sin [rows][D] (norm_rope_head). One call
+   where torch takes a dozen ops; two threads from 16k values (small's 64 rows of 12 heads: 119 -> 73 us a call). */
+void moerl_norm_rope(void* q, void* k, int64_t rows, int64_t ldq, int64_t ldk, int Hq, int Hk, int D, const void* qw,
+                     const void* kw, float eps, const void* cs, const void* sn, int xb, int wb, int threads) {
   int64_t tasks = rows * (Hq + Hk);
-  int n = tasks * D >= 65536 ? threads : 1;
+  int n = tasks * D >= 16384 ? threads : 1;
   #pragma omp parallel for num_threads(n)
   for (int64_t t = 0; t < tasks; t++) {
     int64_t r = t / (Hq + Hk), h = t % (Hq + Hk);
-    if (h < Hq) norm_rope_head(q, (r * Hq + h) * D, D, qw, eps, cs, sn, r * D, xb, wb);
-    else norm_rope_head(k, (r * Hk + h - Hq) * D, D, kw, eps, cs, sn, r * D, xb, wb);
+    if (h < Hq) norm_rope_head(q, r * ldq + h * D, D, qw, eps, cs, sn, r * D, xb, wb);
+    else norm_rope_head(k, r * ldk + (h - Hq) * D, D, kw, eps, cs, sn, r * D, xb, wb);
   }
 }
 

@@ -48,6 +48,7 @@ SOURCE = (Path(__file__).parent / "kernels.c").read_text()  # the kernels, C
 KINDS = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' weight and cache dtypes, as their flag
 _lib: ctypes.CDLL | None | bool = False  # False: not built yet; None: it does not build here
 _amx: bool | None = None  # amx(), asked once
+build_error = ""  # the compiler's complaint where it ran and failed (tests/test_engine.py shows it)
 
 
 def kernel() -> ctypes.CDLL | None:
@@ -74,7 +75,10 @@ def _build() -> ctypes.CDLL | None:
         with tempfile.TemporaryDirectory(dir=lib.parent) as d:
             src, out = Path(d) / "packed.c", Path(d) / "packed.so"
             src.write_text(SOURCE)
-            if subprocess.run([cc, *flags, str(src), "-o", str(out)], capture_output=True).returncode:
+            done = subprocess.run([cc, *flags, str(src), "-o", str(out)], capture_output=True, text=True)
+            if done.returncode:
+                global build_error
+                build_error = done.stderr[-4000:]
                 return None
             os.replace(out, lib)  # whole or absent: another process may be building it too
     # loaded after torch, so the kernel's OpenMP is torch's own runtime (one pool of threads, not two)
@@ -154,17 +158,18 @@ def packed_weight(owner: torch.nn.Module, name: str, weight: torch.Tensor, gate_
 def kept_copy(
     owner: torch.nn.Module,
     name: str,
-    source: torch.Tensor,
-    view: Callable[[torch.Tensor], torch.Tensor],
+    source: torch.Tensor | tuple[torch.Tensor, ...],
+    view: Callable,
     dtype: torch.dtype | None = None,
     shape: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """A contiguous copy of ``view(source)`` (in ``dtype``, viewed as ``shape``), kept on ``owner`` under ``name``
-    while ``source`` is unchanged: an engine's weights change at a sync or an adapter load only, by in-place writes
-    that bump their versions (the view is made only then). Made again into the same tensor: a compiled graph reading
-    it (``graph_panels``) keeps its address and sees the new values."""
+    while ``source`` (a tensor, or a tuple of them ``view`` takes as one) is unchanged: an engine's weights change at a
+    sync or an adapter load only, by in-place writes that bump their versions (the view is made only then). Made again
+    into the same tensor: a compiled graph reading it (``graph_panels``) keeps its address and sees the new values."""
     kept = owner.__dict__.setdefault("_packed", {})
-    stamp = (source.data_ptr(), source._version, source.shape, source.stride(), dtype)
+    sources = source if isinstance(source, tuple) else (source,)
+    stamp = (*((t.data_ptr(), t._version, t.shape, t.stride()) for t in sources), dtype)
     hit = kept.get(name)
     if hit is not None and hit[0] == stamp:
         return hit[1]
@@ -265,6 +270,27 @@ def linear_panels(owner: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
     return kept_copy(owner, "weight", weight, view, shape=panels_shape(1, k, n))
 
 
+def fused_linear(
+    owner: torch.nn.Module, layers: tuple[torch.nn.Linear, ...]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Linear layers of one input side by side, as one layer ``amx_linear`` runs: their weights' panels [1, sum(N) /
+    NT, K, NT] (each N a multiple of a panel) and their biases [sum(N)] (None where none has one; zeros for a layer
+    without one beside one with), kept on ``owner`` while no weight or bias changes."""
+    k = layers[0].in_features
+    weights = tuple(m.weight for m in layers)
+    view = lambda ws: torch.cat([_panel_view(w.t().unsqueeze(0), False) for w in ws], dim=1)  # noqa: E731
+    panels = kept_copy(owner, "fused weight", weights, view, shape=panels_shape(1, k, sum(w.shape[0] for w in weights)))
+    biases = tuple(m.bias for m in layers if m.bias is not None)
+    if not biases:
+        return panels, None
+
+    def cat(present: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        given = iter(present)
+        return torch.cat([next(given) if m.bias is not None else m.weight.new_zeros(m.out_features) for m in layers])
+
+    return panels, kept_copy(owner, "fused bias", biases, cat)
+
+
 def amx_lora(lora: list[torch.Tensor], panels: torch.Tensor) -> _Lora:
     """``amx_linear``'s ``lora`` list checked against the weight's ``panels``, as the kernel's struct (it points into
     the list's tensors: keep them while it is used)."""
@@ -354,7 +380,8 @@ def norm_rope(
     cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> None:
-    """Queries ``q`` [..., Hq, D] and keys ``k`` [..., Hk, D] (contiguous, fp32 or bf16, CPU) in place: each head
+    """Queries ``q`` [..., Hq, D] and keys ``k`` [..., Hk, D] (fp32 or bf16, CPU; rows of contiguous heads,
+    ``rows_of``) in place: each head
     RMSNorm-ed by ``q_weight`` / ``k_weight`` [D] (None: no norm) as ``rms_norm`` computes it, then rotated
     (rotate-half RoPE) by ``cos`` / ``sin`` [..., D] as ``moerl.model.rope.apply_rope``'s ops compute it, each op's
     rounding kept: what the torch path gives, in one call."""
@@ -363,8 +390,8 @@ def norm_rope(
     good = (
         q.dtype == k.dtype == cos.dtype == sin.dtype
         and q.dtype in KINDS
-        and q.is_contiguous()
-        and k.is_contiguous()
+        and rows_of(q) is not None
+        and rows_of(k) is not None
         and k.shape[-1] == d
         and k.numel() == rows * hk * d
         and cos.numel() == sin.numel() == rows * d
@@ -383,6 +410,7 @@ def norm_rope(
         ptr(q.data_ptr()),
         ptr(k.data_ptr()),
         ctypes.c_int64(rows),
+        *(ctypes.c_int64(rows_of(t).stride(0)) for t in (q, k)),
         *(ctypes.c_int(v) for v in (hq, hk, d)),
         ptr(q_weight.data_ptr() if q_weight is not None else 0),
         ptr(k_weight.data_ptr() if k_weight is not None else 0),
@@ -393,6 +421,17 @@ def norm_rope(
         ctypes.c_int(wb),
         ctypes.c_int(torch.get_num_threads()),
     )
+
+
+def rows_of(x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` [..., H, D] as rows [N, H * D] of contiguous heads, each row any stride apart (the q / k / v columns of one
+    projection's output), or None where it is not one."""
+    if x.dim() < 2 or x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
+        return None
+    try:
+        return x.view(-1, x.shape[-2] * x.shape[-1])
+    except RuntimeError:  # leading dims that no one stride steps through
+        return None
 
 
 def _norm_weights(q_weight: torch.Tensor, k_weight: torch.Tensor, d: int) -> bool:
@@ -655,40 +694,54 @@ def paged_write_decode(
     new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``paged_decode``, eager (not an op), with ``new``: (k [B, Hkv, D], v [B, Hkv, Dv], slot [B]) this step's key
-    and value of each row, written into the pools at the row's slot (-1: none) in the same call, before it is read."""
+    and value of each row, written into the pools at the row's slot (-1: none) in the same call, before it is read.
+    q, k and v may be the column ranges of one product (``rows_of``: read in place, not copied)."""
     b, hq, d = q.shape
     hkv, rows, dv = v_pool.shape
     nb, threads = tables.shape[1], torch.get_num_threads()
-    if k_pool.dtype != v_pool.dtype or k_pool.dtype not in KINDS:
-        raise ValueError(f"paged_decode: pools {k_pool.dtype} / {v_pool.dtype}: both fp32 or both bf16")
+    if k_pool.dtype != v_pool.dtype or k_pool.dtype not in KINDS or q.dtype != k_pool.dtype:
+        raise ValueError(f"paged_decode: q {q.dtype}, pools {k_pool.dtype} / {v_pool.dtype}: all fp32 or all bf16")
+    qr = _rows(q)
+    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    written = [ptr(0), i64(0), ptr(0), i64(0), ptr(0)]
     if new is not None:
         k_new, v_new, slot = new
         shapes_ok = k_new.shape == (b, hkv, d) and v_new.shape == (b, hkv, dv) and slot.shape == (b,)
-        if not shapes_ok or k_new.dtype != v_pool.dtype:
-            shapes = f"k {k_new.dtype} {tuple(k_new.shape)}, v {tuple(v_new.shape)}, slots {tuple(slot.shape)}"
+        if not shapes_ok or k_new.dtype != v_pool.dtype or v_new.dtype != v_pool.dtype:
+            shapes = f"k {k_new.dtype} {tuple(k_new.shape)}, v {v_new.dtype} {tuple(v_new.shape)}"
+            shapes += f", slots {tuple(slot.shape)}"
             raise ValueError(f"paged_decode: new rows ({shapes}) for {b} rows of {hkv} heads, pools {v_pool.dtype}")
-        new = (k_new.contiguous(), v_new.to(k_new.dtype).contiguous(), slot.to(torch.int64).contiguous())
-    dtype, q = q.dtype, q.to(torch.float32).contiguous()
+        kr, vr, slot = _rows(k_new), _rows(v_new), slot.to(torch.int64).contiguous()
+        written = [ptr(kr.data_ptr()), i64(kr.stride(0)), ptr(vr.data_ptr()), i64(vr.stride(0)), ptr(slot.data_ptr())]
     tables, pos = tables.to(torch.int64).contiguous(), pos.to(torch.int64).contiguous()
     sinks = sinks.float().contiguous() if sinks is not None else None
-    out, scratch = q.new_empty(b, hq, dv), q.new_empty(threads, (hq // hkv + 2) * nb * block_size)
-    ptr, i32 = ctypes.c_void_p, ctypes.c_int
+    g = hq // hkv
+    out = q.new_empty(b, hq, dv)
+    scratch = torch.empty(threads, (g + 2) * nb * block_size + g * d)
     kernel().moerl_paged_decode(
-        *(ptr(t.data_ptr()) for t in (q, k_pool, v_pool, tables, pos)),
+        ptr(qr.data_ptr()),
+        i64(qr.stride(0)),
+        *(ptr(t.data_ptr()) for t in (k_pool, v_pool, tables, pos)),
         ptr(sinks.data_ptr() if sinks is not None else 0),
         *(i32(n) for n in (b, hq, hkv, d, dv)),
-        ctypes.c_int64(rows),
+        i64(rows),
         i32(nb),
         i32(block_size),
-        ctypes.c_int64(window),
+        i64(window),
         ctypes.c_float(scale),
         ptr(out.data_ptr()),
         ptr(scratch.data_ptr()),
-        *([ptr(t.data_ptr()) for t in new] if new is not None else [ptr(0)] * 3),
+        *written,
         i32(KINDS[k_pool.dtype]),
         i32(threads),
     )
-    return out.to(dtype)
+    return out
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [B, H, D] as rows [B, H * D] the kernel reads in place (``rows_of``), else a contiguous copy."""
+    rows = rows_of(x)
+    return rows if rows is not None else x.reshape(x.shape[0], -1).contiguous()
 
 
 @paged_decode.register_fake
