@@ -159,10 +159,11 @@ def test_an_engines_adapters_decode_in_the_kernels(layout, dtype, tmp_path, monk
     kernels (its experts' one call with the adapters' deltas; its projections' ``lora_add``, or in bf16 on AMX the
     GEMM and the delta in one ``amx_linear``: seen called), each request equal to its fp32 merged model (k3 <= 1e-6
     in fp32, 1e-3 in bf16, as tests/test_engine_lora.py) and the base model beyond it for an adapter's requests."""
+    import moerl.model.linear as linear_module
     import moerl.model.lora as lora_module
     import moerl.model.moe as moe_module
 
-    calls = {"experts": 0, "linear": 0}
+    calls = {"experts": 0, "linear": 0, "fused": 0}
 
     def spy(fn, key, lora_at):
         def wrapped(*args):
@@ -175,6 +176,8 @@ def test_an_engines_adapters_decode_in_the_kernels(layout, dtype, tmp_path, monk
     on_amx = dtype == "bfloat16" and amx()
     linear = "amx_linear" if on_amx else "lora_add"
     monkeypatch.setattr(lora_module, linear, spy(getattr(lora_module, linear), "linear", 3 if on_amx else None))
+    if on_amx:  # q / k / v with their adapters in one call (fused_projections), o_proj its own
+        monkeypatch.setattr(linear_module, "amx_linear", spy(linear_module.amx_linear, "fused", 3))
     path = tmp_path / "big"
     init_model("qwen3_moe", "tiny", path, overrides=BIG)
     targets = ("q_proj", "k_proj", "v_proj", "o_proj", "experts")  # this preset has no dense MLP layer
@@ -194,7 +197,8 @@ def test_an_engines_adapters_decode_in_the_kernels(layout, dtype, tmp_path, monk
     ]
     base = load_model(path, dtype=torch.float32)
     outs = engine.generate(reqs)
-    assert calls["experts"] >= 7 * len(engine.model.moe_layer_ids) and calls["linear"] >= 7 * 4 * 2
+    assert calls["experts"] >= 7 * len(engine.model.moe_layer_ids)
+    assert calls["linear"] + 3 * calls["fused"] >= 7 * 4 * 2 and (calls["fused"] >= 7 * 2) == on_amx
     tol = K3[dtype]
     for req, out in zip(reqs, outs, strict=True):
         oracle = base if req.adapter is None else adapters[req.adapter][1]
@@ -251,6 +255,54 @@ def test_a_bf16_projections_adapters_join_its_amx_sums(per_row, bias):
         amx_linear(x, panels, None, [torch.full((35,), 3), *factors])
     with pytest.raises(ValueError, match=r"amx_linear: LoRA slots, scale, A, B\^T panels for 35 rows of \[128\]"):
         amx_linear(x, panels, None, [slots[:34], *factors])
+
+
+def _lora_layers(ctx, gen: torch.Generator, outs: tuple[int, ...], k: int = 128) -> tuple:
+    """bf16 ``LoraLinear`` layers of one input as an engine lays them out (packed, one call), random factors."""
+    from moerl.model.lora import LinearLora, LoraLinear
+
+    layers = []
+    for n in outs:
+        layer = LoraLinear(k, n, bias=False).bfloat16()
+        layer.lora = LinearLora(ctx, S, R, k, n, 0.0, torch.bfloat16)
+        layer.lora.one_call, layer.packed = True, True
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(n, k, generator=gen) * 0.1)
+            layer.lora.lora_A.copy_(torch.randn(S, R, k, generator=gen) * 0.2)
+            layer.lora.lora_B.copy_(torch.randn(S, n, R, generator=gen) * 0.2)
+            layer.lora.scale.copy_(torch.tensor([0.5, 2.0, 1.5]))
+        layers.append(layer)
+    return tuple(layers)
+
+
+def test_projections_with_adapters_in_one_call_give_each_ones_bits():
+    """``fused_projections`` of three ``LoraLinear`` layers (q / k / v) with a slot per row: one AMX call whose
+    adapters' A are stacked along the rank and B^T's panels side by side (zeros beyond each layer's own rank rows)
+    gives each layer's own call bit for bit; an adapter written in place is taken up by the next call (against each
+    layer's call again; the control: the first result no longer matches). Layers whose scales differ (one scale a
+    slot in the kernel) are not fused: None, and each runs its own call."""
+    if not amx():
+        pytest.skip("no AMX here (the CPU lacks AMX-BF16, or Linux refuses its tile state)")
+    from moerl.model.linear import fused_projections
+    from moerl.model.lora import LoraContext
+
+    gen = torch.Generator().manual_seed(11)
+    ctx, owner = LoraContext(), torch.nn.Module()
+    nt = 2 * kernel().moerl_panel_vector()
+    layers = _lora_layers(ctx, gen, (4 * nt, 2 * nt, 2 * nt))
+    x = torch.randn(12, 1, 128, generator=gen).bfloat16()
+    ctx.set(torch.randint(-1, S, (12,), generator=gen), 12, 1)
+    with torch.inference_mode():
+        fused = fused_projections(owner, layers, x)
+        assert all(torch.equal(a, layer(x)) for a, layer in zip(fused, layers, strict=True))
+        with torch.no_grad():
+            layers[2].lora.lora_B[1].mul_(-1.0)  # an adapter load writes its slot in place
+        again = fused_projections(owner, layers, x)
+        assert all(torch.equal(a, layer(x)) for a, layer in zip(again, layers, strict=True))
+        assert not torch.equal(again[2], fused[2]) and torch.equal(again[0], fused[0])
+        with torch.no_grad():
+            layers[1].lora.scale[2] = 3.0
+        assert fused_projections(owner, layers, x) is None
 
 
 def test_a_lora_projections_kernel_arguments_are_made_again_when_a_factor_changes():

@@ -14,9 +14,9 @@ from moerl.errors import ConfigError
 from moerl.model.config import ModelConfig
 from moerl.model.fused import NormRopeFn, fuses
 from moerl.model.indexer import Indexer
-from moerl.model.linear import Linear
+from moerl.model.linear import Linear, fused_projections
 from moerl.model.norms import RMSNorm
-from moerl.model.packed import KINDS, amx_linear, fused_linear, norm_rope, rows_of
+from moerl.model.packed import KINDS, norm_rope, rows_of
 from moerl.model.rope import apply_rope
 
 
@@ -140,14 +140,10 @@ class Attention(nn.Module):
         return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v of ``x``. An engine's own CPU model whose three projections are plain layers on AMX runs them as
-        one call from their panels side by side (``fused_linear``; the same sums, column by column): a decode step's
-        three calls cost more in their set-up than in their products."""
-        layers = (self.q_proj, self.k_proj, self.v_proj)
-        if self.one_call and all(type(m) is Linear and m._amx_eager(x) for m in layers):
-            y = amx_linear(x, *fused_linear(self, layers))
-            return y.split([m.out_features for m in layers], dim=-1)
-        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        """q, k, v of ``x``: on an engine's own CPU model one AMX call where all three run there
+        (``fused_projections``)."""
+        fused = fused_projections(self, (self.q_proj, self.k_proj, self.v_proj), x) if self.one_call else None
+        return fused if fused is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
 
     def _norm_and_rotate(self, q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         if self._plain_rope(q, k, cos) and fuses(q, k, cos, sin):  # CPU training: the backward in one kernel call

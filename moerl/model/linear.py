@@ -6,7 +6,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moerl.model.packed import AMX_LINEAR_MAX_ROWS, amx_linear, amx_linear_op, graph_panels, linear_panels
+from moerl.model.packed import (
+    AMX_LINEAR_MAX_ROWS,
+    amx_linear,
+    amx_linear_op,
+    fused_linear,
+    graph_panels,
+    linear_panels,
+)
 
 
 class Linear(nn.Linear):
@@ -34,7 +41,28 @@ class Linear(nn.Linear):
             return False
         return x.numel() <= AMX_LINEAR_MAX_ROWS * self.in_features
 
+    def amx_part(self, x: torch.Tensor) -> tuple[bool, nn.Module | None]:
+        """(whether rows ``x`` run eager on AMX, the adapter slots whose delta joins the call: None here), what
+        ``fused_projections`` asks of each layer it runs together."""
+        return self._amx_eager(x), None
+
     def refresh_packed(self) -> None:
         """Make (or pack again after a sync) the panels a compiled graph reads, outside it."""
         if self.packed and self.takes_packed:  # a module swapped in later (MXFP8) keeps the flag, not the path
             linear_panels(self, self.weight)
+
+
+def fused_projections(owner: nn.Module, layers: tuple[Linear, ...], x: torch.Tensor) -> list[torch.Tensor] | None:
+    """``[m(x) for m in layers]`` as one AMX call from their panels side by side (``fused_linear``; each column's sums
+    as its own layer's call gives them), adapters included (each layer's slots, ``LinearLora.fused_amx``), or None
+    where one of them does not run on AMX here or only some carry adapters. An engine's decode runs attention's q / k
+    / v this way: three calls of a step's few rows cost more in their set-up than in their products."""
+    parts = [m.amx_part(x) for m in layers]
+    adapters = [a for _, a in parts]
+    if not all(ok for ok, _ in parts) or (any(a is None for a in adapters) and any(a is not None for a in adapters)):
+        return None
+    panels, bias = fused_linear(owner, layers)
+    lora = () if adapters[0] is None else adapters[0].fused_amx(owner, adapters, panels, x.numel() // x.shape[-1])
+    if lora is None:
+        return None
+    return list(amx_linear(x, panels, bias, *lora).split([m.out_features for m in layers], dim=-1))
