@@ -533,6 +533,28 @@ static inline vf lane_sums(const vf* a) {
   return u[0];
 }
 #endif
+#if VW == 16
+/* the sums of 8 vectors' lanes, as 8 lanes (lane i: the sum of a[i]'s): lane_sums' tree, three levels, leaves each
+   vector's sum in two lanes (i and i + 8), added last */
+typedef float vf8 __attribute__((vector_size(32)));
+static inline vf8 lane_sums8(const vf* a) {
+  vf u[8];
+  for (int i = 0; i < 8; i++) u[i] = a[i];
+  const vi e0 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+  const vi o0 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+  const vi e1 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+  const vi o1 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+  const vi e2 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+  const vi o2 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+  HALVE(4, e0, o0);
+  HALVE(2, e1, o1);
+  HALVE(1, e2, o2);
+  vf8 lo, hi;
+  memcpy(&lo, &u[0], sizeof lo);
+  memcpy(&hi, (const char*)&u[0] + sizeof lo, sizeof hi);
+  return lo + hi;
+}
+#endif
 
 /* e^x for x <= 0 in vector lanes (the softmax's shifted scores): Cephes' expf, within 2 ulp of expf; x below
    -87 gives e^-87 (~1e-38) where expf gives a denormal or 0, nothing beside a softmax's 1 at its maximum. */
@@ -597,12 +619,43 @@ static inline __attribute__((always_inline)) void paged_task(const void* q, int6
   }
   /* every visible key's and value's row asked for at once (a row's blocks are scattered over the pools: read as
      the sums reach them, each block's first lines would wait on memory in turn) */
-  for (int64_t j = 0; j < n; j++) {
-    const char *kr = (const char*)kp + at[j] * D * es, *vr = (const char*)vp + at[j] * Dv * es;
+  int64_t j = 0;
+#if VW == 16
+  if (D % VW == 0 && g % 2 == 0) {  /* 8 keys and two heads at a time: each key row widened once for both */
+    for (int64_t k = 0; k < n && k < 16; k++)
+      for (int o = 0; o < D * es; o += 64) __builtin_prefetch((const char*)kp + at[k] * D * es + o);
+    for (; j + 8 <= n; j += 8) {
+      /* the keys two chunks on and this chunk's values asked for while these sums run */
+      for (int64_t k = j + 16; k < n && k < j + 24; k++)
+        for (int o = 0; o < D * es; o += 64) __builtin_prefetch((const char*)kp + at[k] * D * es + o);
+      for (int64_t k = j; k < j + 8; k++)
+        for (int o = 0; o < Dv * es; o += 64) __builtin_prefetch((const char*)vp + at[k] * Dv * es + o);
+      for (int h = 0; h < g; h += 2) {
+        const float *q0 = qv + (int64_t)h * D, *q1 = q0 + D;
+        vf a0[8], a1[8];
+        for (int k = 0; k < 8; k++) a0[k] = a1[k] = (vf){0};
+        for (int i = 0; i < D; i += VW) {
+          vf x0 = *(const vfu*)(q0 + i), x1 = *(const vfu*)(q1 + i);
+          for (int k = 0; k < 8; k++) {
+            vf kv = ldv(kp, at[j + k] * D + i, kb);
+            a0[k] += x0 * kv;
+            a1[k] += x1 * kv;
+          }
+        }
+        vf8 r0 = lane_sums8(a0) * scale, r1 = lane_sums8(a1) * scale;
+        memcpy(s + h * n + j, &r0, sizeof r0);
+        memcpy(s + (h + 1) * n + j, &r1, sizeof r1);
+      }
+    }
+    for (int64_t k = j; k < n; k++)
+      for (int o = 0; o < Dv * es; o += 64) __builtin_prefetch((const char*)vp + at[k] * Dv * es + o);
+  } else
+#endif
+  for (int64_t k = 0; k < n; k++) {  /* every visible key's and value's row asked for at once */
+    const char *kr = (const char*)kp + at[k] * D * es, *vr = (const char*)vp + at[k] * Dv * es;
     for (int o = 0; o < D * es; o += 64) __builtin_prefetch(kr + o);
     for (int o = 0; o < Dv * es; o += 64) __builtin_prefetch(vr + o);
   }
-  int64_t j = 0;
 #if VW == 8 || VW == 16
   if (D % VW == 0)  /* VW keys at a time: their VW dot products summed together */
     for (; j + VW <= n; j += VW)
@@ -627,9 +680,30 @@ static inline __attribute__((always_inline)) void paged_task(const void* q, int6
     float inv = 1.0f / (exp_sum(sh, n, mx) + (sinks ? expf(sinks[kh * g + h] - mx) : 0.0f));
     for (int64_t j = 0; j < n; j++) sh[j] *= inv;
   }
-  /* the value sum a head at a time, four vectors of its output held in registers over the keys (an output kept in
-     memory would chain every key's add through a store and a load) */
-  for (int h = 0; h < g; h++) {
+  /* the value sum two heads at a time where the heads fill four vectors (each value row widened once for both),
+     else a head at a time: four vectors of its output held in registers over the keys (an output kept in memory
+     would chain every key's add through a store and a load) */
+  int h0 = 0;
+  if (Dv == 4 * VW)
+    for (; h0 + 2 <= g; h0 += 2) {
+      const float *s0 = s + h0 * n, *s1 = s0 + n;
+      vf a0[4] = {(vf){0}, (vf){0}, (vf){0}, (vf){0}}, a1[4] = {(vf){0}, (vf){0}, (vf){0}, (vf){0}};
+      for (int64_t j = 0; j < n; j++) {
+        int64_t vr = at[j] * Dv;
+        vf p0 = (vf){0} + s0[j], p1 = (vf){0} + s1[j];
+        for (int c = 0; c < 4; c++) {
+          vf vv = ldv(vp, vr + c * VW, kb);
+          a0[c] += p0 * vv;
+          a1[c] += p1 * vv;
+        }
+      }
+      int64_t oh = o + (int64_t)h0 * Dv;
+      for (int c = 0; c < 4; c++) {
+        stv(out, oh + c * VW, a0[c], kb);
+        stv(out, oh + Dv + c * VW, a1[c], kb);
+      }
+    }
+  for (int h = h0; h < g; h++) {
     const float* sh = s + h * n;
     int64_t oh = o + (int64_t)h * Dv;
     int i0 = 0;
