@@ -17,7 +17,7 @@ from moerl.bridges import load_model
 from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
 from moerl.model.attention import FP32_SDPA_MAX_KEYS, attend
 from moerl.model.linear import Linear
-from moerl.model.moe import PACKED_MAX_ROWS, Experts
+from moerl.model.moe import AMX_MAX_ROWS, PACKED_MAX_ROWS, Experts
 from moerl.model.packed import (
     amx_linear,
     amx_linear_packs,
@@ -206,21 +206,26 @@ PATHS = [(torch.float32, "vector"), (torch.bfloat16, "vector"), (torch.bfloat16,
 
 
 @pytest.mark.parametrize(("dtype", "path"), PATHS)
-@pytest.mark.parametrize(("tokens", "skewed"), [(1, False), (40, False), (40, True)])
-def test_the_experts_in_one_call_compute_what_each_expert_does(tokens, skewed, dtype, path, monkeypatch):
+@pytest.mark.parametrize(
+    ("tokens", "skewed", "spread"), [(1, False, 1), (40, False, 1), (40, True, 1), (40, False, 60)]
+)
+def test_the_experts_in_one_call_compute_what_each_expert_does(tokens, skewed, spread, dtype, path, monkeypatch):
     """``moe_decode`` (sort, gather, both GEMMs, the sum) against a float64 loop over each token's experts: fp32 within
     1e-5 of the largest output (the sums' order), bf16 within 2^-8 (the result's one rounding; on AMX the activations
     are rounded to bf16 too, as torch's bf16 experts round them: measured 2e-3 of the largest output either way).
     Routes spread over the experts, or skewed (most tokens to one expert: a group longer than the kernel's block of
-    rows, others empty). bf16 on AMX and on vector FMAs: two paths (their results differ in the last bits). The
-    control: down_proj 1% (fp32) / 3% (bf16) off is caught."""
+    rows, others empty); rows 60x wider (``spread``: gate values past +-88, where the kernel's vector e^-g is
+    clamped). bf16 on AMX and on vector FMAs: two paths (their results differ in the last bits). The control:
+    down_proj 1% (fp32) / 3% (bf16) off is caught."""
     expert_path(monkeypatch, path)
     e, h, inter, k = 8, 128, 96, 2
     gen = torch.Generator().manual_seed(11)
     gate_up = (torch.randn(e, h, 2 * inter, generator=gen) * h**-0.5).to(dtype)
     down = (torch.randn(e, inter, h, generator=gen) * inter**-0.5).to(dtype)
-    x = torch.randn(tokens, h, generator=gen).to(dtype)
+    x = (torch.randn(tokens, h, generator=gen) * spread).to(dtype)
     idx = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(tokens)])
+    if spread > 1:  # gate values past e^x's range in fp32 both ways: SiLU 0 and SiLU = g
+        assert (x.double() @ gate_up[0].double()).abs().max() > 100
     if skewed:
         idx[: tokens * 3 // 4, 0] = 5
         idx[: tokens * 3 // 4, 1] = 2
@@ -263,6 +268,35 @@ def test_an_engines_silu_experts_decode_in_one_call():
         assert silu._one_call(x, idx) and not relu2._one_call(x, idx)
         many = (PACKED_MAX_ROWS + 1) * silu.num_experts
         assert not silu._one_call(torch.randn(many, 256), torch.zeros(many, 2, dtype=torch.long))
+        # bf16 experts on AMX: a prefill's rows too, up to AMX_MAX_ROWS (token, expert) rows
+        silu.to(torch.bfloat16)
+        rows = torch.randn(many, 256).bfloat16()
+        assert silu._one_call(rows, torch.zeros(many, 2, dtype=torch.long)) == packed_module.amx()
+        most = AMX_MAX_ROWS // 2 + 1
+        assert not silu._one_call(torch.randn(most, 256).bfloat16(), torch.zeros(most, 2, dtype=torch.long))
+
+
+def test_a_prefills_bf16_experts_in_one_call_compute_what_torchs_path_does(monkeypatch):
+    """A bf16 prefill's experts on AMX (``moe_decode`` for more rows than the vector kernel takes) against the grouped
+    path on torch's GEMMs of the same weights: within 2^-7 of the largest output (each path rounds its activations
+    once to bf16). The control: down_proj 3% off is caught."""
+    expert_path(monkeypatch, "amx")
+    experts = _experts("silu").to(torch.bfloat16)
+    experts.k_major()
+    gen = torch.Generator().manual_seed(4)
+    n = (PACKED_MAX_ROWS + 8) * experts.num_experts
+    x = torch.randn(n, 256, generator=gen).bfloat16()
+    idx = torch.stack([torch.randperm(experts.num_experts, generator=gen)[:2] for _ in range(n)])
+    weights = torch.rand(n, 2, generator=gen).softmax(-1)
+    with torch.no_grad():
+        assert experts._one_call(x, idx)
+        got = experts(x, idx, weights)
+        experts.packed = False  # torch's grouped GEMMs
+        want = experts(x, idx, weights).float()
+        tol = 2**-7 * want.abs().max()
+        assert (got.float() - want).abs().max() <= tol
+        experts.down_proj.mul_(1.03)
+        assert (got.float() - experts(x, idx, weights).float()).abs().max() > tol
 
 
 def test_a_weight_changed_in_place_is_packed_again():

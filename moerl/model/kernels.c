@@ -59,6 +59,36 @@ static inline void stv(void* p, int64_t i, vf v, int b) {
   else *(vfu*)((float*)p + i) = v;
 }
 
+typedef int32_t vi __attribute__((vector_size(VB)));
+
+/* e^x for x <= 0 in vector lanes (the softmax's shifted scores): Cephes' expf, within 2 ulp of expf; x below
+   -87 gives e^-87 (~1e-38) where expf gives a denormal or 0, nothing beside a softmax's 1 at its maximum. */
+static inline vf vexp(vf x) {
+  const vf lo = (vf){0} - 87.0f;
+  vi below = x < lo;
+  x = (vf)(((vi)lo & below) | ((vi)x & ~below));
+  vf fx = x * 1.44269504088896341f + 0.5f;
+  vf t = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);
+  vi over = t > fx;  /* truncation rounds negatives up: floor is one less there */
+  fx = t - (vf)((vi)((vf){0} + 1.0f) & over);
+  x = x - fx * 0.693359375f + fx * 2.12194440e-4f;
+  vf z = x * x;
+  vf y = ((((1.9875691500e-4f * x + 1.3981999507e-3f) * x + 8.3334519073e-3f) * x + 4.1665795894e-2f) * x
+          + 1.6666665459e-1f) * x + 5.0000001201e-1f;
+  y = y * z + x + 1.0f;
+  vi pow2 = (__builtin_convertvector(fx, vi) + 127) << 23;
+  return y * (vf)pow2;
+}
+
+/* SiLU(g) * u * sc in vector lanes: g / (1 + e^-g) with vexp's e^x (within 2 ulp of expf; -g above 88, where e^-g
+   overflows, taken as 88: the result is 0 either way) */
+static inline vf silu_mul(vf g, vf u, float sc) {
+  vf x = -g, hi = (vf){0} + 88.0f;
+  vi over = x > hi;
+  x = (vf)(((vi)hi & over) | ((vi)x & ~over));
+  return g / (1.0f + vexp(x)) * u * sc;
+}
+
 /* LoRA adapter slots on the experts of moe_decode, their factors in fp32 (scale folded in nowhere: scale[s] is
    applied to each shrink). shared (shared_outer): gate-up A [S][r][H] and down B^T [S][r][H] shared by the experts;
    else [S][E][r][H] each. gate-up B in the gate-up weight's panels [S * E][2I / NT][r][NT]; down A [S][E][r][I].
@@ -97,11 +127,7 @@ static inline __attribute__((always_inline)) void store_rows(vf* a0, vf* a1, int
       stv(y, out + tile * VW, a0[m], yb);
       stv(y, out + N / 2 + tile * VW, a1[m], yb);
     } else {
-      float gate[VW], up[VW], sc = scale[m0 + m];
-      memcpy(gate, &a0[m], sizeof gate);
-      memcpy(up, &a1[m], sizeof up);
-      for (int j = 0; j < VW; j++) gate[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j] * sc;
-      stv(y, out + tile * VW, *(vfu*)gate, yb);
+      stv(y, out + tile * VW, silu_mul(a0[m], a1[m], scale[m0 + m]), yb);
     }
   }
 }
@@ -496,7 +522,6 @@ int moerl_amx_linear(const uint16_t* x, const uint16_t* w, int M, int K, int N, 
    and value (knew [B][Hkv * D], vnew [B][Hkv * Dv], rows ldk / ldv apart, the pools' dtype; -1: none), written by the
    row's tasks before they read it (an eager step's KV write, where the torch path takes six ops a layer). */
 
-typedef int32_t vi __attribute__((vector_size(VB)));
 
 /* one level of lane_sums: pairs of the `count` * 2 vectors in u give `count` vectors of their half-sums */
 #define HALVE(count, e, o) \
@@ -555,25 +580,6 @@ static inline vf8 lane_sums8(const vf* a) {
   return lo + hi;
 }
 #endif
-
-/* e^x for x <= 0 in vector lanes (the softmax's shifted scores): Cephes' expf, within 2 ulp of expf; x below
-   -87 gives e^-87 (~1e-38) where expf gives a denormal or 0, nothing beside a softmax's 1 at its maximum. */
-static inline vf vexp(vf x) {
-  const vf lo = (vf){0} - 87.0f;
-  vi below = x < lo;
-  x = (vf)(((vi)lo & below) | ((vi)x & ~below));
-  vf fx = x * 1.44269504088896341f + 0.5f;
-  vf t = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);
-  vi over = t > fx;  /* truncation rounds negatives up: floor is one less there */
-  fx = t - (vf)((vi)((vf){0} + 1.0f) & over);
-  x = x - fx * 0.693359375f + fx * 2.12194440e-4f;
-  vf z = x * x;
-  vf y = ((((1.9875691500e-4f * x + 1.3981999507e-3f) * x + 8.3334519073e-3f) * x + 4.1665795894e-2f) * x
-          + 1.6666665459e-1f) * x + 5.0000001201e-1f;
-  y = y * z + x + 1.0f;
-  vi pow2 = (__builtin_convertvector(fx, vi) + 127) << 23;
-  return y * (vf)pow2;
-}
 
 /* s[0..n) = e^(s - mx) in place; returns their sum */
 static inline float exp_sum(float* s, int64_t n, float mx) {

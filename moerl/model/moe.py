@@ -14,6 +14,7 @@ from moerl.model.grouped import Groups, group_mm, streams_weights
 from moerl.model.linear import Linear
 from moerl.model.packed import (
     KINDS,
+    amx,
     graph_panels,
     moe_decode,
     packed_group_mm,
@@ -25,6 +26,10 @@ from moerl.model.packed import (
 # the packed kernel's rows of a group sit in registers against each panel of its weight: past this many a group
 # (prefill), MKL's blocked GEMM over the K-major weight is the faster one (BENCHMARKS.md, issue 42 part 2)
 PACKED_MAX_ROWS = 32
+# bf16 experts on AMX take 16 rows a block against a panel kept in cache: a prefill's experts in one call too (small's
+# 1,024-token prefill 5.7 -> 2.4 ms a layer), up to this many (token, expert) rows (the call's fp32 scratch grows
+# with them)
+AMX_MAX_ROWS = 4096
 
 
 class Router(nn.Module):
@@ -212,26 +217,29 @@ class Experts(nn.Module):
         """Whether gate_up_proj holds gate rows then up rows (every activation but the un-gated ``relu2``)."""
         return self.activation != "relu2"
 
-    def _packs(self, rows: torch.Tensor) -> bool:
-        """Whether this GEMM runs from the packed weights: an engine's decode (no autograd, a few rows a group), eager
-        or in the compiled decode step (whose panels are made before it: ``refresh_packed``)."""
+    def _packs(self, rows: torch.Tensor, limit: int | None = None) -> bool:
+        """Whether this GEMM runs from the packed weights: an engine's decode (no autograd, a few rows a group:
+        ``limit`` rows at most), eager or in the compiled decode step (whose panels are made before it:
+        ``refresh_packed``)."""
         if not self.packed or torch.is_grad_enabled() or rows.device.type != "cpu":
             return False
         if rows.dtype not in KINDS or self.down_proj.dtype not in KINDS:  # cast since: torch's GEMM
             return False
         if torch.compiler.is_compiling():  # decode batches only (max_num_seqs rows at most)
             return graph_panels(self, "down") is not None
-        return rows.shape[0] <= PACKED_MAX_ROWS * self.num_experts
+        return rows.shape[0] <= (limit or PACKED_MAX_ROWS * self.num_experts)
 
     def _one_call(self, x: torch.Tensor, idx: torch.Tensor) -> bool:
         """Whether a decode step's experts run as one kernel call, eager or in the compiled step
         (``moerl.model.packed.moe_decode``: sort, gather, both GEMMs and the sum, where the grouped path takes a dozen
-        ops): packed SiLU-gated experts without biases or zero experts."""
+        ops): packed SiLU-gated experts without biases or zero experts; bf16 ones on AMX for a prefill too."""
         plain = self.activation == "silu" and self.gated and not self.zero
         plain = plain and self.gate_up_proj_bias is None and self.down_proj_bias is None
-        if not plain or not self._packs(x):
+        on_amx = x.dtype == self.down_proj.dtype == torch.bfloat16 and amx()
+        limit = AMX_MAX_ROWS if on_amx else PACKED_MAX_ROWS * self.num_experts
+        if not plain or not self._packs(x, limit):
             return False
-        return torch.compiler.is_compiling() or idx.numel() <= PACKED_MAX_ROWS * self.num_experts
+        return torch.compiler.is_compiling() or idx.numel() <= limit
 
     def _packed_mm(
         self,

@@ -217,7 +217,7 @@ class MXExperts(Experts):
     def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return mx_linear(x, w, bias, self.mode)
 
-    def _packs(self, rows: torch.Tensor) -> bool:
+    def _packs(self, rows: torch.Tensor, limit: int | None = None) -> bool:
         return False  # the packed kernel is fp32 GEMMs: MXFP8's take quantized operands
 
     def _operand(self, t: torch.Tensor, dim: int) -> torch.Tensor:
