@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from test_engine_lora import K3, _logprob_k3, _trained_adapter
 from test_packed import PATHS, expert_path
 
+import moerl.model.packed as packed_module
 from moerl.bridges import load_model
 from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
 from moerl.model.packed import amx, amx_linear, kernel, linear_panels, lora_add, moe_decode, pack
@@ -300,6 +301,11 @@ def test_projections_with_adapters_in_one_call_give_each_ones_bits():
         again = fused_projections(owner, layers, x)
         assert all(torch.equal(a, layer(x)) for a, layer in zip(again, layers, strict=True))
         assert not torch.equal(again[2], fused[2]) and torch.equal(again[0], fused[0])
+        args, _, tile_r0 = owner._fused_amx_memo[2]  # each panel's first shrink: 0, r, 2r by layer
+        assert tile_r0.tolist() == [0] * 4 + [R] * 2 + [2 * R] * 2
+        panels = packed_module.fused_linear(owner, layers)[0]
+        with pytest.raises(ValueError, match=r"amx_linear: LoRA slots, scale, A, B\^T panels for 12 rows of \[128\]"):
+            packed_module.amx_lora(args, panels, tile_r0 + 1)  # the last layer's shrinks past A's rank rows
         with torch.no_grad():
             layers[1].lora.scale[2] = 3.0
         assert fused_projections(owner, layers, x) is None

@@ -97,6 +97,10 @@ typedef struct {
   const float *gu_a, *gu_b, *dn_a, *dn_bt, *scale;
   const int64_t* slot;
   int S, E, r, shared;
+  /* layers of one input run as one (amx_linear): panel t's delta takes rb of the r shrinks, from tile_r0[t] on, and
+     gate-up B holds rb rank rows a panel (NULL: all r) */
+  const int32_t* tile_r0;
+  int rb;
 } lora_t;
 
 /* The end of a block of rows (mb of them from row m0, group g, panel `tile`): each row's adapter delta (L) joins its
@@ -111,9 +115,10 @@ static inline __attribute__((always_inline)) void store_rows(vf* a0, vf* a1, int
     for (int m = 0; m < mbmax; m++) {  /* unrolled: the accumulators stay registers */
       int64_t row = m0 + m, token = tok ? tok[row] : row, s = m < mb ? L->slot[token] : -1;
       if (s < 0) continue;
-      const float* a = xa + (L->shared ? token : row) * L->r;
-      const float* b = L->gu_b + (((int64_t)s * L->E + g) * tiles + tile) * L->r * NT;
-      for (int j = 0; j < L->r; j++) {
+      int rb = L->tile_r0 ? L->rb : L->r;
+      const float* a = xa + (L->shared ? token : row) * L->r + (L->tile_r0 ? L->tile_r0[tile] : 0);
+      const float* b = L->gu_b + (((int64_t)s * L->E + g) * tiles + tile) * rb * NT;
+      for (int j = 0; j < rb; j++) {
         a0[m] += a[j] * *(const vfu*)(b + j * NT);
         a1[m] += a[j] * *(const vfu*)(b + j * NT + VW);
       }

@@ -169,10 +169,11 @@ class LinearLora(nn.Module):
 
     def fused_amx(self, owner: nn.Module, loras: list[LinearLora], panels: torch.Tensor, rows: int) -> tuple | None:
         """``amx_linear``'s LoRA arguments (list, struct) for layers of one input run as one call
-        (``fused_projections``), this adapter first among ``loras``: their A stacked along the rank [S, n r, in], their
-        B^T panels side by side, each layer's only in its own rank rows (zeros elsewhere: each column's delta sums
-        its own layer's r terms, as its own call does), kept on ``owner`` while the slots and factors stay. None where
-        their scales differ (one scale a slot in the kernel) or another context or rank."""
+        (``fused_projections``), this adapter first among ``loras``: their A stacked along the rank [S, n r, in] (one
+        shrink of every layer's ranks), their B^T panels side by side, each panel's delta from its own layer's r
+        shrinks (``amx_lora``'s ``tile_r0``: the same r terms in the same order as its own call), kept on ``owner``
+        while the slots and factors stay. None where their scales differ (one scale a slot in the kernel) or another
+        context or rank."""
         if not all(m.ctx is self.ctx and m.lora_A.shape[:2] == self.lora_A.shape[:2] for m in loras):
             return None
         slots = self.ctx.row_slots(rows)
@@ -180,16 +181,19 @@ class LinearLora(nn.Module):
         def make() -> tuple | None:
             if not all(torch.equal(m.scale, self.scale) for m in loras[1:]):
                 return None
-            f32, r = torch.float32, self.lora_A.shape[1]
+            f32, r, nt = torch.float32, self.lora_A.shape[1], panels.shape[3]
             stacked = tuple(m.lora_A for m in loras)
             a = kept_copy(owner, "fused A", stacked, lambda t: torch.cat(t, dim=1), f32)
             bs = tuple(m.lora_B for m in loras)
-            b = kept_copy(owner, "fused B panels", bs, lambda t: _fused_b_panels(t, r), f32)
+            b = kept_copy(owner, "fused B panels", bs, lambda t: torch.cat([_b_panels_view(x) for x in t], 1), f32)
+            first = [i * r for i, m in enumerate(loras) for _ in range(m.lora_B.shape[1] // nt)]
+            tile_r0 = torch.tensor(first, dtype=torch.int32)
             args = [slots, kept_copy(owner, "fused scale", self.scale, _same, f32), a, b]
-            return args, amx_lora(args, panels)
+            return args, amx_lora(args, panels, tile_r0), tile_r0
 
         sources = tuple(t for m in loras for t in (m.lora_A, m.lora_B, m.scale))
-        return kept_call(owner, "_fused_amx_memo", slots, sources, make)
+        made = kept_call(owner, "_fused_amx_memo", slots, sources, make)
+        return made[:2] if made is not None else None  # the struct points into tile_r0: kept with it
 
     def decode_factors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(A [S, r, in], B^T [S, r, out], scale [S]) in fp32 as ``lora_add`` takes them, kept beside the adapter
@@ -470,18 +474,6 @@ def _same(t: torch.Tensor) -> torch.Tensor:
 
 def _b_panels_view(b: torch.Tensor) -> torch.Tensor:
     return _panel_view(b.float().transpose(1, 2), False)  # B [S, out, r] -> B^T [S, r, out]'s fp32 panels
-
-
-def _fused_b_panels(bs: tuple[torch.Tensor, ...], r: int) -> torch.Tensor:
-    """B [S, out, r] of layers run as one call -> B^T's fp32 panels [S, sum(out) / NT, n r, NT]: layer i's own in rank
-    rows i r..(i + 1) r, zeros in the others'."""
-    parts = []
-    for i, b in enumerate(bs):
-        own = _b_panels_view(b)  # [S, out / NT, r, NT]
-        part = own.new_zeros(own.shape[0], own.shape[1], len(bs) * r, own.shape[3])
-        part[:, :, i * r : (i + 1) * r] = own
-        parts.append(part)
-    return torch.cat(parts, dim=1)
 
 
 def _gate_up_b_view(b: torch.Tensor) -> torch.Tensor:

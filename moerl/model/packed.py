@@ -291,12 +291,14 @@ def fused_linear(
     return panels, kept_copy(owner, "fused bias", biases, cat)
 
 
-def amx_lora(lora: list[torch.Tensor], panels: torch.Tensor) -> _Lora:
+def amx_lora(lora: list[torch.Tensor], panels: torch.Tensor, tile_r0: torch.Tensor | None = None) -> _Lora:
     """``amx_linear``'s ``lora`` list checked against the weight's ``panels``, as the kernel's struct (it points into
-    the list's tensors: keep them while it is used)."""
+    the list's tensors: keep them while it is used). ``tile_r0`` (int32, a panel's first shrink; layers run as one,
+    ``fused_projections``): each panel's delta takes B's rank rows (fewer than A's) from its own shrinks on."""
     _, tiles, k, nt = panels.shape
     slot, scale, a, b = lora
     s, r = a.shape[:2]
+    rb = b.shape[2] if b.dim() == 4 else -1
     good = (
         slot.dtype == torch.int64
         and slot.dim() == 1
@@ -304,11 +306,17 @@ def amx_lora(lora: list[torch.Tensor], panels: torch.Tensor) -> _Lora:
         and all(t.dtype == torch.float32 and t.is_contiguous() for t in (scale, a, b))
         and tuple(scale.shape) == (s,)
         and tuple(a.shape) == (s, r, k)
-        and tuple(b.shape) == (s, tiles, r, nt)
+        and tuple(b.shape) == (s, tiles, rb if tile_r0 is not None else r, nt)
     )
+    if tile_r0 is not None:
+        good = good and tile_r0.dtype == torch.int32 and tile_r0.shape == (tiles,) and tile_r0.is_contiguous()
+        good = good and bool(((tile_r0 >= 0) & (tile_r0 + rb <= r)).all())
     if not good:
         raise ValueError(_amx_lora_error(lora, slot.shape[0], k, tiles * nt))
-    return _Lora(a.data_ptr(), b.data_ptr(), 0, 0, scale.data_ptr(), slot.data_ptr(), s, 1, r, 1)
+    ptrs = (a.data_ptr(), b.data_ptr(), 0, 0, scale.data_ptr(), slot.data_ptr())
+    if tile_r0 is None:
+        return _Lora(*ptrs, s, 1, r, 1)
+    return _Lora(*ptrs, s, 1, r, 1, tile_r0.data_ptr(), rb)
 
 
 def _amx_lora_error(lora: list[torch.Tensor], m: int, k: int, n: int) -> str:
@@ -467,6 +475,7 @@ class _Lora(ctypes.Structure):
     _fields_ = [(n, ctypes.c_void_p) for n in ("gu_a", "gu_b", "dn_a", "dn_bt", "scale", "slot")] + [
         (n, ctypes.c_int) for n in ("S", "E", "r", "shared")
     ]
+    _fields_ += [("tile_r0", ctypes.c_void_p), ("rb", ctypes.c_int)]
 
 
 def moe_lora(lora: list[torch.Tensor], gate_up: torch.Tensor, n: int) -> _Lora:
