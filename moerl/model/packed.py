@@ -347,8 +347,11 @@ def amx_linear(
             raise ValueError(_amx_lora_error(lora, m, k, n))
         adapters = prepared if prepared is not None else amx_lora(lora, panels)
         xa = torch.empty(m, adapters.r)
-    padded = torch.empty(m + 16, k, dtype=torch.bfloat16)  # AMX reads 16 rows a block: spare rows past the last
-    padded[:m].copy_(rows)
+    if m % 16 == 0 and rows.is_contiguous():  # whole blocks of 16 rows: read in place (a decode step's 64)
+        padded = rows
+    else:  # AMX reads 16 rows a block: spare rows past the last
+        padded = torch.empty(m + 16, k, dtype=torch.bfloat16)
+        padded[:m].copy_(rows)
     y = torch.empty(m, n, dtype=torch.bfloat16 if bias is None else torch.float32)
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     rc = kernel().moerl_amx_linear(
