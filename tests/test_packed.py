@@ -495,7 +495,8 @@ def test_short_bf16_attention_on_a_cpu_runs_in_fp32(keys, fp32):
 def test_a_bf16_projection_on_amx_computes_what_torch_does(lead, bias):
     """``amx_linear`` (a decode step's bf16 rows on AMX's tiles from the weight's packed panels) against the fp32
     product of the same bf16 values: the sum rounded once to bf16 (within 2^-8 of each output, plus 1e-3 for the sums'
-    order), rows not a multiple of AMX's 16 included (copied beside spare rows; whole blocks are read in place). The control: one weight row a few bf16 steps off is caught."""
+    order), rows not a multiple of AMX's 16 included (copied beside spare rows; whole blocks are read in place). The
+    control: one weight row a few bf16 steps off is caught."""
     if not packed_module.amx():
         pytest.skip("no AMX here (the CPU lacks AMX-BF16, or Linux refuses its tile state)")
     gen = torch.Generator().manual_seed(9)
