@@ -401,3 +401,22 @@ def test_the_grouped_gemm_enters_a_cuda_graph_only_where_it_has_its_kernel(monke
     assert chosen == {(torch.bfloat16, (9, 0)): False, (torch.float32, (9, 0)): True, (torch.bfloat16, (8, 0)): True}
     cpu = LLMEngine(init_model("qwen3_moe", "tiny", overrides=big), EngineConfig(max_model_len=64, compile_decode=True))
     assert not cpu.model.layers[0].mlp.experts.dense_in_graph  # the CPU's grouped GEMM has no such limit
+
+
+def test_an_fp32_cpu_decode_graph_is_compiled_not_taken_from_inductors_disk_cache():
+    """An fp32 CPU decode graph handed back by inductor's on-disk graph cache ran 0.6x the one it compiles (tiny,
+    BENCHMARKS.md, issue 42's fourteenth session): compiled twice (dynamo reset between), the fp32 engine's step
+    never hits that cache, where a bf16 engine's second compile does (the control: the counter sees hits)."""
+    from torch._dynamo.utils import counters
+
+    def cache_hits(dtype: torch.dtype) -> int:
+        model = init_model("qwen3_moe", "tiny", overrides={"num_hidden_layers": 1}, dtype=dtype)
+        counters.clear()
+        for _ in range(2):
+            torch._dynamo.reset()
+            engine = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=32, compile_decode=True))
+            engine.generate([Request([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))])
+        return counters["inductor"]["fxgraph_cache_hit"]
+
+    assert cache_hits(torch.float32) == 0
+    assert cache_hits(torch.bfloat16) > 0

@@ -104,7 +104,12 @@ class CompiledDecode:
             torch._dynamo.mark_static(pool)
             torch._dynamo.mark_static_address(pool)
         cuda = device.type == "cuda"
-        self._graph = unducked(torch.compile(self._forward, dynamic=True, mode="reduce-overhead" if cuda else None))
+        # an fp32 CPU graph not from inductor's on-disk cache: the one it hands back runs 0.6x the one it compiles
+        # (tiny, 12.3k against 19.4k tokens/s; bf16 the same either way; BENCHMARKS.md, issue 42's fourteenth
+        # session), for ~5 s more of the first call
+        options = {"fx_graph_cache": False} if not cuda and dtype == torch.float32 else None
+        mode = "reduce-overhead" if cuda else None
+        self._graph = unducked(torch.compile(self._forward, dynamic=True, mode=mode, options=options))
         self.first, self.setting = True, setting  # the first step compiles the graph (said on the console)
         self.key = decode_graph_key(model, cache, capture)  # what the first step takes is remembered under it
 
