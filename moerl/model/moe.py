@@ -99,15 +99,19 @@ class Router(nn.Module):
         elif self.scoring == "sparsemixer":
             w = self._sparsemixer_weights(logits, idx)
         else:
-            w = scores.gather(1, idx)
-            if self.norm_topk_prob:
-                total = w.sum(-1, keepdim=True)
-                if self.norm_min:
-                    total = total.clamp(min=self.norm_min)
-                elif self.scoring == "sigmoid":
-                    total = total + 1e-20
-                w = w / total
+            w = self._normalized(scores.gather(1, idx))
         return w * self.scale if self.scale != 1.0 else w
+
+    def _normalized(self, w: torch.Tensor) -> torch.Tensor:
+        """The chosen experts' scores ``w`` [N, k] as gate weights (summing to 1 where ``norm_topk_prob``)."""
+        if self.norm_topk_prob:
+            total = w.sum(-1, keepdim=True)
+            if self.norm_min:
+                total = total.clamp(min=self.norm_min)
+            elif self.scoring == "sigmoid":
+                total = total + 1e-20
+            w = w / total
+        return w
 
     def _sparsemixer_weights(self, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """PhiMoE's sparsemixer weights in its deterministic (eval) form, for the experts ``idx`` [N, 2]: each
@@ -131,6 +135,11 @@ class Router(nn.Module):
         """
         logits = F.linear(x.float(), self.weight, self.bias)
         scores = self.scores(logits)
+        if replay is None and scores is not None and self.e_score_correction_bias is None and self.n_group <= 1:
+            # the top-k of the scores themselves: its values are the gather of them at its indices (one op fewer)
+            w, idx = scores.topk(self.top_k, dim=-1)
+            w = self._normalized(w)
+            return (w * self.scale if self.scale != 1.0 else w), idx
         if replay is None:
             idx = self._select(logits, scores)
         else:
