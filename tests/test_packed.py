@@ -439,6 +439,28 @@ def test_rms_norm_in_one_call_computes_what_torch_does(shape, dtype):
         assert not ((rms_norm(x, w, 1.0).float() - want).abs() <= tol).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(64, 1, 512), (3, 7, 100), (4096, 512)])
+def test_the_residual_add_and_its_norm_in_one_call_give_each_ops_bits(shape, dtype):
+    """``add_rms_norm`` (a decode layer's residual add and the norm after it, one call) against torch's add then
+    ``rms_norm``: the sum and the norm equal bit for bit, fp32 and bf16 rows, fp32 and bf16 weights, a dim that is no
+    vector multiple and prefill's many rows (threaded). The control: the branch ``a`` one bf16 step off in one row
+    changes both."""
+    from moerl.model.packed import add_rms_norm
+
+    gen = torch.Generator().manual_seed(shape[-1])
+    x, a = ((torch.randn(shape, generator=gen) * 3).to(dtype) for _ in range(2))
+    for w in (torch.randn(shape[-1], generator=gen), torch.randn(shape[-1], generator=gen).to(dtype)):
+        total, normed = add_rms_norm(x, a, w, 1e-6)
+        assert torch.equal(total, x + a) and torch.equal(normed, rms_norm(x + a, w, 1e-6))
+        off = a.clone()
+        off[1, ..., 0] = (off[1, ..., 0].float() * (1 + 2**-6)).to(dtype)
+        moved = add_rms_norm(x, off, w, 1e-6)
+        assert not torch.equal(moved[0], total) and not torch.equal(moved[1], normed)
+    with pytest.raises(ValueError, match=r"add_rms_norm: rows torch.\w+ \(2, 8\) \+ torch.\w+ \(2, 6\)"):
+        add_rms_norm(torch.randn(2, 8), torch.randn(2, 6), torch.ones(8), 1e-6)
+
+
 def test_rms_norm_names_rows_and_weights_it_does_not_take():
     with pytest.raises(ValueError, match=r"rms_norm: rows torch.float32 \(4, 8\), weight torch.float32 \(6,\)"):
         rms_norm(torch.randn(4, 8), torch.ones(6), 1e-6)
@@ -459,6 +481,9 @@ def test_an_engine_runs_its_norms_in_one_call(tmp_path):
     assert norms and all(m.one_call for m in norms)
     assert all(layer.self_attn.one_call for layer in engine.model.layers)  # q / k norms and RoPE: norm_rope
     assert len(norms) == 4 * engine.model.config.num_layers + 1
+    layer = engine.model.layers[0]  # the residual add before the MoE and its norm: one call (add_rms_norm)
+    with torch.no_grad():
+        assert layer.post_attention_layernorm.takes_residual(torch.randn(2, 1, 128), torch.randn(2, 1, 128))
     model = load_model(path, dtype=torch.float32)
     assert not any(m.one_call for m in model.modules() if isinstance(m, RMSNorm))
     plain = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=32))

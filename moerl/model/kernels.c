@@ -805,6 +805,28 @@ void moerl_rms_norm(const void* x, const void* w, void* y, int64_t rows, int dim
   }
 }
 
+/* The residual add and the norm after it, one call: s = x + a (x, a, s fp32 or bf16 rows [rows][dim], xb; the sum
+   rounded once to the dtype, as torch's add rounds it), y = RMSNorm(s) * w as rms_row computes it */
+void moerl_add_rms_norm(const void* x, const void* a, void* s, const void* w, void* y, int64_t rows, int dim,
+                        float eps, int xb, int wb, int threads) {
+  int n = rows * dim >= 65536 ? threads : 1;
+  #pragma omp parallel for num_threads(n)
+  for (int64_t r = 0; r < rows; r++) {
+    int64_t at = r * dim;
+    int i = 0;
+    for (; i + VW <= dim; i += VW) stv(s, at + i, ldv(x, at + i, xb) + ldv(a, at + i, xb), xb);
+    for (; i < dim; i++) {
+      float v = lds(x, at + i, xb) + lds(a, at + i, xb);
+      if (xb) ((uint16_t*)s)[at + i] = narrow1(v);
+      else ((float*)s)[at + i] = v;
+    }
+    if (xb && wb) rms_row(s, w, y, r, dim, eps, 1, 1);
+    else if (xb) rms_row(s, w, y, r, dim, eps, 1, 0);
+    else if (wb) rms_row(s, w, y, r, dim, eps, 0, 1);
+    else rms_row(s, w, y, r, dim, eps, 0, 0);
+  }
+}
+
 /* One head's D values at x (in place): RMSNorm by w (NULL: none) as RMSNorm's kernel computes it, rounded to the
    dtype, then the rotate-half rotation by cos / sin [D] as torch's ops compute it: x * cos and rotated * sin each
    rounded to the dtype, then their sum (no fused multiply-add: fp32 as torch's three ops give it). xb: bf16 values,

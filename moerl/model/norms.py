@@ -8,7 +8,7 @@ from torch import nn
 
 from moerl.model.config import ModelConfig
 from moerl.model.fused import RmsNormFn, fuses
-from moerl.model.packed import rms_norm
+from moerl.model.packed import KINDS, add_rms_norm, rms_norm
 
 
 def layer_norm(cfg: ModelConfig, dim: int) -> nn.Module:
@@ -29,8 +29,20 @@ class RMSNorm(nn.Module):
         self.one_call = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.one_call and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if self._one_call():
             return rms_norm(x, self.weight, self.eps)
         if fuses(x, self.weight):
             return RmsNormFn.apply(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def _one_call(self) -> bool:
+        return self.one_call and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+    def takes_residual(self, x: torch.Tensor, a: torch.Tensor) -> bool:
+        """Whether ``with_residual`` runs the residual add ``x + a`` and this norm as one kernel call (an engine's
+        own CPU model, rows of one shape and dtype)."""
+        return self._one_call() and x.shape == a.shape and x.dtype == a.dtype in KINDS and x.device.type == "cpu"
+
+    def with_residual(self, x: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + a, this norm of it), bit for bit the add and ``forward``, in one call (``add_rms_norm``)."""
+        return add_rms_norm(x, a, self.weight, self.eps)

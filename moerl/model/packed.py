@@ -472,6 +472,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return y.view(x.shape)
 
 
+def add_rms_norm(
+    x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + a`` and ``rms_norm(s, weight, eps)`` (fp32 or bf16 rows of one shape, CPU) in one kernel call: a
+    decoder layer's residual add and the norm after it, each as its own op computes it (the sum rounded once to the
+    dtype). Returns (s, the norm)."""
+    d = x.shape[-1]
+    good = x.dtype == a.dtype in KINDS and x.shape == a.shape and weight.dtype in KINDS and weight.shape == (d,)
+    if not good:
+        raise ValueError(
+            f"add_rms_norm: rows {x.dtype} {tuple(x.shape)} + {a.dtype} {tuple(a.shape)}, weight {weight.dtype} "
+            f"{tuple(weight.shape)}"
+        )
+    x, a, weight = x.contiguous(), a.contiguous(), weight.contiguous()
+    s, y = torch.empty_like(x), torch.empty_like(x)
+    ptr = ctypes.c_void_p
+    kernel().moerl_add_rms_norm(
+        *(ptr(t.data_ptr()) for t in (x, a, s, weight, y)),
+        ctypes.c_int64(x.numel() // d),
+        d,
+        ctypes.c_float(eps),
+        KINDS[x.dtype],
+        KINDS[weight.dtype],
+        torch.get_num_threads(),
+    )
+    return s, y
+
+
 class _Lora(ctypes.Structure):
     """The kernels' ``lora_t``: an expert adapter's fp32 factors and each token's slot."""
 

@@ -19,7 +19,7 @@ from moerl.model.config import ModelConfig
 from moerl.model.linear import Linear
 from moerl.model.mixers import build_mixer, is_recurrent
 from moerl.model.moe import MLP, MoE, mlp_activation
-from moerl.model.norms import layer_norm
+from moerl.model.norms import RMSNorm, layer_norm
 from moerl.model.packed import amx_linear_packs, kernel
 from moerl.model.rope import inv_freq_and_scale, rope_cos_sin
 
@@ -66,6 +66,9 @@ class DecoderLayer(nn.Module):
             a = self.post_attention_layernorm(self.self_attn(x, cos, sin, mask, cache, **more))
         else:
             a = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, **more)
+        norm = self.post_attention_layernorm if self.has_mlp and not self.post_norm else None
+        if m == 1.0 and isinstance(norm, RMSNorm) and norm.takes_residual(x, a):
+            return norm.with_residual(x, a)  # the add and the norm in one kernel call
         x = x + (a if m == 1.0 else m * a)  # no extra op per layer where there is no multiplier
         if not self.has_mlp:
             return x, None
