@@ -125,6 +125,25 @@ def test_sampled_tokens_follow_the_distribution_per_row_generators_and_shared():
     assert torch.equal(first, second)
 
 
+def test_a_batch_of_greedy_and_sampled_rows_samples_each_as_alone():
+    """Greedy rows (temperature 0) beside seeded sampled ones: each greedy row takes its argmax, each sampled row
+    the token its generator gives in a batch of sampled rows alone (the sampled rows' own path); the control: the
+    sampled rows' tokens are not all their argmax."""
+    from moerl.engine.sampler import sample, sequence_generator
+
+    logits = torch.randn(12, 40, generator=torch.Generator().manual_seed(5))
+    params = [SamplingParams(temperature=0.0 if i % 3 == 0 else 1.0) for i in range(12)]
+    gens = [sequence_generator(7, i) for i in range(12)]
+    tokens, logp = sample(logits, params, gens, [0] * 12, None, torch.Generator())
+    sampled = [i for i in range(12) if i % 3]
+    alone = sample(logits[sampled], [params[i] for i in sampled], [sequence_generator(7, i) for i in sampled],
+                   [0] * len(sampled), None, torch.Generator())[0]  # fmt: skip
+    greedy = [i for i in range(12) if i % 3 == 0]
+    assert torch.equal(tokens[greedy], logits[greedy].argmax(-1)) and torch.equal(tokens[sampled], alone)
+    assert not torch.equal(tokens[sampled], logits[sampled].argmax(-1))
+    assert torch.allclose(logp, logits.log_softmax(-1).gather(1, tokens[:, None]).squeeze(1))
+
+
 def test_top_p_keeps_the_nucleus(hf_checkpoints):
     engine = LLMEngine(
         hf_checkpoints["Qwen3MoeForCausalLM"][0], EngineConfig(max_num_seqs=8, max_model_len=64), dtype=torch.float32

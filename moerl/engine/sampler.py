@@ -82,14 +82,18 @@ def sample(
         probs = ordered.softmax(-1)
         drop |= (probs.cumsum(-1) - probs) >= top_p[:, None]  # keep the smallest prefix reaching top_p
         masked = torch.full_like(masked, float("-inf")).scatter(1, order, ordered.masked_fill(drop, float("-inf")))
-    probs = masked.softmax(-1)
-    tokens = masked.argmax(-1)  # temperature 0: greedy
+    every = len(drawn) == len(params)
+    tokens = None if every else masked.argmax(-1)  # temperature 0: greedy (no row of a sampled batch needs it)
     if drawn:
-        u, rows = on_device[-1], slice(None) if len(drawn) == len(params) else on_device[-2]
-        cdf = probs[rows].double().cumsum(-1)
+        u, rows = on_device[-1], slice(None) if every else on_device[-2]
+        cdf = masked[rows].softmax(-1).double().cumsum(-1)
         total = cdf[:, -1]
         # u < 1, so the point lies below the total mass (nextafter: never equal to it after rounding): the first
         # token whose cumulative mass exceeds it has a nonzero probability
         point = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-        tokens[rows] = torch.searchsorted(cdf, point[:, None], right=True).squeeze(1)
+        picked = torch.searchsorted(cdf, point[:, None], right=True).squeeze(1)
+        if every:
+            tokens = picked
+        else:
+            tokens[rows] = picked
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
