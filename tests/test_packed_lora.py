@@ -318,19 +318,11 @@ def test_a_lora_projections_kernel_arguments_are_made_again_when_a_factor_change
     1e-3); control: the output after the write differs from the one before beyond that."""
     if not amx():
         pytest.skip("no AMX here (the CPU lacks AMX-BF16, or Linux refuses its tile state)")
-    from moerl.model.lora import LinearLora, LoraContext, LoraLinear
+    from moerl.model.lora import LoraContext
 
-    gen = torch.Generator().manual_seed(9)
     k, n = 128, 96
-    layer = LoraLinear(k, n, bias=False).bfloat16()
-    ctx = LoraContext()
-    layer.lora = LinearLora(ctx, S, R, k, n, 0.0, torch.bfloat16)
-    layer.lora.one_call, layer.packed = True, True
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(n, k, generator=gen) * 0.1)
-        layer.lora.lora_A.copy_(torch.randn(S, R, k, generator=gen) * 0.2)
-        layer.lora.lora_B.copy_(torch.randn(S, n, R, generator=gen) * 0.2)
-        layer.lora.scale.copy_(torch.tensor([0.5, 2.0, 1.5]))
+    ctx, gen = LoraContext(), torch.Generator().manual_seed(9)
+    (layer,) = _lora_layers(ctx, gen, (n,), k)
 
     def oracle(x):
         rows = x.reshape(-1, k).double()

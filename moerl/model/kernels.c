@@ -532,6 +532,17 @@ int moerl_amx_linear(const uint16_t* x, const uint16_t* w, int M, int K, int N, 
 #define HALVE(count, e, o) \
   for (int i = 0; i < count; i++) \
     u[i] = __builtin_shuffle(u[2 * i], u[2 * i + 1], e) + __builtin_shuffle(u[2 * i], u[2 * i + 1], o)
+#if VW == 16
+/* lane_sums' shuffles on 16 lanes: level l pairs lane blocks of 2^l, E taking each block's first half, O its second */
+static const vi E0 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+static const vi O0 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+static const vi E1 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+static const vi O1 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+static const vi E2 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+static const vi O2 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+static const vi E3 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+static const vi O3 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+#endif
 #if VW == 8 || VW == 16
 /* the sums of VW vectors' lanes, as one vector (lane i: the sum of a[i]'s lanes): a transposing tree of shuffles
    where VW horizontal sums would each take a store and VW scalar adds. Level by level, pairs of vectors give one
@@ -547,18 +558,10 @@ static inline vf lane_sums(const vf* a) {
   HALVE(2, e1, o1);
   HALVE(1, e2, o2);
 #else
-  const vi e0 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
-  const vi o0 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
-  const vi e1 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
-  const vi o1 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
-  const vi e2 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
-  const vi o2 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
-  const vi e3 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-  const vi o3 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-  HALVE(8, e0, o0);
-  HALVE(4, e1, o1);
-  HALVE(2, e2, o2);
-  HALVE(1, e3, o3);
+  HALVE(8, E0, O0);
+  HALVE(4, E1, O1);
+  HALVE(2, E2, O2);
+  HALVE(1, E3, O3);
 #endif
   return u[0];
 }
@@ -570,15 +573,9 @@ typedef float vf8 __attribute__((vector_size(32)));
 static inline vf8 lane_sums8(const vf* a) {
   vf u[8];
   for (int i = 0; i < 8; i++) u[i] = a[i];
-  const vi e0 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
-  const vi o0 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
-  const vi e1 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
-  const vi o1 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
-  const vi e2 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
-  const vi o2 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
-  HALVE(4, e0, o0);
-  HALVE(2, e1, o1);
-  HALVE(1, e2, o2);
+  HALVE(4, E0, O0);
+  HALVE(2, E1, O1);
+  HALVE(1, E2, O2);
   vf8 lo, hi;
   memcpy(&lo, &u[0], sizeof lo);
   memcpy(&hi, (const char*)&u[0] + sizeof lo, sizeof hi);
