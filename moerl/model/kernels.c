@@ -597,6 +597,12 @@ static inline float exp_sum(float* s, int64_t n, float mx) {
   return sum;
 }
 
+/* rows at[from..to) of a pool (bytes a row) asked for from memory, a cache line at a time */
+static inline void prefetch_rows(const void* pool, const int64_t* at, int64_t from, int64_t to, int bytes) {
+  for (int64_t k = from; k < to; k++)
+    for (int o = 0; o < bytes; o += 64) __builtin_prefetch((const char*)pool + at[k] * bytes + o);
+}
+
 /* one task of the paged decode: row b's KV head kh, its pools fp32 (kb = 0) or bf16 (kb = 1). Each visible key's
    pool row is found once, walking the block table (no division per key: a task's keys are few, and an integer
    division costs what a dozen of their multiply-adds do) */
@@ -625,19 +631,16 @@ static inline __attribute__((always_inline)) void paged_task(const void* q, int6
     at[j - lo] = (int64_t)kh * rows + table[blk] * bs + off;
     if (++off == bs) { off = 0; blk++; }
   }
-  /* every visible key's and value's row asked for at once (a row's blocks are scattered over the pools: read as
-     the sums reach them, each block's first lines would wait on memory in turn) */
+  /* a row's blocks are scattered over the pools: read as the sums reach them, each block's first lines would wait
+     on memory in turn, so the rows are asked for ahead */
   int64_t j = 0;
 #if VW == 16
   if (D % VW == 0 && g % 2 == 0) {  /* 8 keys and two heads at a time: each key row widened once for both */
-    for (int64_t k = 0; k < n && k < 16; k++)
-      for (int o = 0; o < D * es; o += 64) __builtin_prefetch((const char*)kp + at[k] * D * es + o);
+    prefetch_rows(kp, at, 0, n < 16 ? n : 16, D * es);
     for (; j + 8 <= n; j += 8) {
       /* the keys two chunks on and this chunk's values asked for while these sums run */
-      for (int64_t k = j + 16; k < n && k < j + 24; k++)
-        for (int o = 0; o < D * es; o += 64) __builtin_prefetch((const char*)kp + at[k] * D * es + o);
-      for (int64_t k = j; k < j + 8; k++)
-        for (int o = 0; o < Dv * es; o += 64) __builtin_prefetch((const char*)vp + at[k] * Dv * es + o);
+      prefetch_rows(kp, at, j + 16, n < j + 24 ? n : j + 24, D * es);
+      prefetch_rows(vp, at, j, j + 8, Dv * es);
       for (int h = 0; h < g; h += 2) {
         const float *q0 = qv + (int64_t)h * D, *q1 = q0 + D;
         vf a0[8], a1[8];
@@ -655,14 +658,12 @@ static inline __attribute__((always_inline)) void paged_task(const void* q, int6
         memcpy(s + (h + 1) * n + j, &r1, sizeof r1);
       }
     }
-    for (int64_t k = j; k < n; k++)
-      for (int o = 0; o < Dv * es; o += 64) __builtin_prefetch((const char*)vp + at[k] * Dv * es + o);
+    prefetch_rows(vp, at, j, n, Dv * es);
   } else
 #endif
-  for (int64_t k = 0; k < n; k++) {  /* every visible key's and value's row asked for at once */
-    const char *kr = (const char*)kp + at[k] * D * es, *vr = (const char*)vp + at[k] * Dv * es;
-    for (int o = 0; o < D * es; o += 64) __builtin_prefetch(kr + o);
-    for (int o = 0; o < Dv * es; o += 64) __builtin_prefetch(vr + o);
+  {  /* every visible key's and value's row asked for at once */
+    prefetch_rows(kp, at, 0, n, D * es);
+    prefetch_rows(vp, at, 0, n, Dv * es);
   }
 #if VW == 8 || VW == 16
   if (D % VW == 0)  /* VW keys at a time: their VW dot products summed together */

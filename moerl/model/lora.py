@@ -215,21 +215,24 @@ class LoraLinear(Linear):
         lora = self.lora
         if not lora.ctx.active:
             return super().forward(x)
-        dropping = lora.training and isinstance(lora.dropout, nn.Dropout)
-        if lora.one_call and not dropping and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if self._one_call():
             if self._amx_eager(x):  # the base GEMM and the delta in one call
                 return amx_linear(x, *self._amx_args(lora.ctx.row_slots(x.numel() // x.shape[-1])))
             slots = lora.ctx.single if lora.ctx.token_slots is None else lora.ctx.token_slots
             return lora_add(x, super().forward(x), slots, *lora.decode_factors())  # three ops of a few rows -> one
         return lora(x, super().forward(x))
 
-    def amx_part(self, x: torch.Tensor) -> tuple[bool, nn.Module | None]:
+    def _one_call(self) -> bool:
+        """Whether the active slots' delta runs in one kernel call (an engine's own CPU model: no autograd, no
+        dropout, not compiling)."""
         lora = self.lora
-        if not lora.ctx.active:
-            return super().amx_part(x)
         dropping = lora.training and isinstance(lora.dropout, nn.Dropout)
-        one_call = lora.one_call and not dropping and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-        return one_call and self._amx_eager(x), lora
+        return lora.one_call and not dropping and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+    def amx_part(self, x: torch.Tensor) -> tuple[bool, nn.Module | None]:
+        if not self.lora.ctx.active:
+            return super().amx_part(x)
+        return self._one_call() and self._amx_eager(x), self.lora
 
     def _amx_args(self, slots: torch.Tensor) -> tuple:
         """``amx_linear``'s arguments after the rows: the weight's panels, the bias, the LoRA list and its checked

@@ -100,6 +100,9 @@ class Router(nn.Module):
             w = self._sparsemixer_weights(logits, idx)
         else:
             w = self._normalized(scores.gather(1, idx))
+        return self._scaled(w)
+
+    def _scaled(self, w: torch.Tensor) -> torch.Tensor:
         return w * self.scale if self.scale != 1.0 else w
 
     def _normalized(self, w: torch.Tensor) -> torch.Tensor:
@@ -138,8 +141,7 @@ class Router(nn.Module):
         if replay is None and scores is not None and self.e_score_correction_bias is None and self.n_group <= 1:
             # the top-k of the scores themselves: its values are the gather of them at its indices (one op fewer)
             w, idx = scores.topk(self.top_k, dim=-1)
-            w = self._normalized(w)
-            return (w * self.scale if self.scale != 1.0 else w), idx
+            return self._scaled(self._normalized(w)), idx
         if replay is None:
             idx = self._select(logits, scores)
         else:
