@@ -19,6 +19,7 @@ from moerl.dynamo import remembered_seconds
 from moerl.engine.adapters import AdapterSlots
 from moerl.engine.compiled import CompiledDecode, decode_graph_key
 from moerl.engine.config import EngineConfig, SamplingParams, int_or_none
+from moerl.engine.direct import DirectDecode
 from moerl.engine.kv_cache import KVCache, LinearStates, StepView, bytes_per_block
 from moerl.engine.sampler import sample, sequence_generator
 from moerl.engine.scheduler import Scheduler
@@ -86,6 +87,9 @@ class LLMEngine:
         self.adapters = AdapterSlots(model, cfg) if cfg.max_loras else None
         model.set_expert_path(grouped=cfg.fused_lora)
         self.compiled: CompiledDecode | None = None
+        # the eager decode step as bound kernel calls where the model is one they run (moerl.engine.direct; None:
+        # the modules always)
+        self.direct = DirectDecode(model, self.cache, cfg.capture_routing)
         if cfg.compile_decode is True:
             self.compile_decode()
         self.weight_version, self.steps = 0, 0
@@ -375,6 +379,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         if kind == "decode" and self.compiled is not None:
             logits, routed = self.compiled.step(ids, positions, tables, adapters)
+        elif kind == "decode" and adapters is None and self.direct is not None and self.direct.ready():
+            logits, routed = self.direct.step(ids, positions, tables)
         else:
             out = self.model(
                 ids,

@@ -353,22 +353,30 @@ def amx_linear(
         padded = torch.empty(m + 16, k, dtype=torch.bfloat16)
         padded[:m].copy_(rows)
     y = torch.empty(m, n, dtype=torch.bfloat16 if bias is None else torch.float32)
-    ptr, i32 = ctypes.c_void_p, ctypes.c_int
-    rc = kernel().moerl_amx_linear(
-        ptr(padded.data_ptr()),
-        ptr(panels.data_ptr()),
-        *(i32(v) for v in (m, k, n)),
-        ptr(y.data_ptr()),
-        i32(bias is None),
-        ctypes.byref(adapters) if adapters else None,
-        ptr(xa.data_ptr() if xa is not None else 0),
-        i32(torch.get_num_threads()),
-    )
+    rc = kernel().moerl_amx_linear(*amx_linear_args(padded, m, panels, y, adapters, xa))
     if rc == -2:
         raise ValueError(f"amx_linear: a LoRA slot outside -1..{adapters.S - 1} (max {int(lora[0].max())})")
     if bias is not None:
         y = (y + bias).to(torch.bfloat16)
     return y.view(*x.shape[:-1], n)
+
+
+def amx_linear_args(rows: torch.Tensor, m: int, panels: torch.Tensor, y: torch.Tensor, adapters=None, xa=None) -> tuple:
+    """``moerl_amx_linear``'s arguments: ``m`` bf16 rows (read 16 a block: ``rows`` holds whole blocks) times the
+    ``panels`` into ``y`` [m, N] (bf16, or fp32 sums a bias is added to after), ``adapters`` an ``amx_lora`` struct
+    with its shrink buffer ``xa`` [m, r]: what the eager call and a bound decode step (``moerl.engine.direct``) pass."""
+    _, tiles, k, nt = panels.shape
+    ptr, i32 = ctypes.c_void_p, ctypes.c_int
+    return (
+        ptr(rows.data_ptr()),
+        ptr(panels.data_ptr()),
+        *(i32(v) for v in (m, k, tiles * nt)),
+        ptr(y.data_ptr()),
+        i32(y.dtype == torch.bfloat16),
+        ctypes.byref(adapters) if adapters else None,
+        ptr(xa.data_ptr() if xa is not None else 0),
+        i32(torch.get_num_threads()),
+    )
 
 
 @torch.library.custom_op("moerl::amx_linear", mutates_args=())
@@ -414,13 +422,17 @@ def norm_rope(
             f"norm_rope: q {q.dtype} {tuple(q.shape)}, k {k.dtype} {tuple(k.shape)}, cos {cos.dtype} "
             f"{tuple(cos.shape)}, weights {None if q_weight is None else tuple(q_weight.shape)}"
         )
-    wb = KINDS[q_weight.dtype] if q_weight is not None else 0
-    cos, sin = cos.contiguous(), sin.contiguous()
+    kernel().moerl_norm_rope(*norm_rope_args(q, k, q_weight, k_weight, eps, cos.contiguous(), sin.contiguous()))
+
+
+def norm_rope_args(q, k, q_weight, k_weight, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+    """``moerl_norm_rope``'s arguments for ``norm_rope``'s checked q / k and contiguous cos / sin."""
+    d, hq, hk = q.shape[-1], q.shape[-2], k.shape[-2]
     ptr = ctypes.c_void_p
-    kernel().moerl_norm_rope(
+    return (
         ptr(q.data_ptr()),
         ptr(k.data_ptr()),
-        ctypes.c_int64(rows),
+        ctypes.c_int64(q.numel() // (hq * d)),
         *(ctypes.c_int64(rows_of(t).stride(0)) for t in (q, k)),
         *(ctypes.c_int(v) for v in (hq, hk, d)),
         ptr(q_weight.data_ptr() if q_weight is not None else 0),
@@ -429,7 +441,7 @@ def norm_rope(
         ptr(cos.data_ptr()),
         ptr(sin.data_ptr()),
         ctypes.c_int(KINDS[q.dtype]),
-        ctypes.c_int(wb),
+        ctypes.c_int(KINDS[q_weight.dtype] if q_weight is not None else 0),
         ctypes.c_int(torch.get_num_threads()),
     )
 
@@ -458,18 +470,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         raise ValueError(f"rms_norm: rows {x.dtype} {tuple(x.shape)}, weight {weight.dtype} {tuple(weight.shape)}")
     rows, weight = x.reshape(-1, d).contiguous(), weight.contiguous()
     y = torch.empty_like(rows)
-    kernel().moerl_rms_norm(
-        ctypes.c_void_p(rows.data_ptr()),
-        ctypes.c_void_p(weight.data_ptr()),
-        ctypes.c_void_p(y.data_ptr()),
-        ctypes.c_int64(rows.shape[0]),
-        d,
-        ctypes.c_float(eps),
-        KINDS[x.dtype],
-        KINDS[weight.dtype],
-        torch.get_num_threads(),
-    )
+    kernel().moerl_rms_norm(*rms_norm_args(rows, weight, y, eps))
     return y.view(x.shape)
+
+
+def rms_norm_args(rows: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, eps: float) -> tuple:
+    """``moerl_rms_norm``'s arguments: contiguous ``rows`` [N, d] normed by ``weight`` into ``y``."""
+    ptr = ctypes.c_void_p
+    return (
+        *(ptr(t.data_ptr()) for t in (rows, weight, y)),
+        ctypes.c_int64(rows.shape[0]),
+        ctypes.c_int(rows.shape[1]),
+        ctypes.c_float(eps),
+        *(ctypes.c_int(v) for v in (KINDS[rows.dtype], KINDS[weight.dtype], torch.get_num_threads())),
+    )
 
 
 def add_rms_norm(
@@ -487,17 +501,20 @@ def add_rms_norm(
         )
     x, a, weight = x.contiguous(), a.contiguous(), weight.contiguous()
     s, y = torch.empty_like(x), torch.empty_like(x)
-    ptr = ctypes.c_void_p
-    kernel().moerl_add_rms_norm(
+    kernel().moerl_add_rms_norm(*add_rms_norm_args(x, a, weight, eps, s, y))
+    return s, y
+
+
+def add_rms_norm_args(x, a, weight, eps: float, s: torch.Tensor, y: torch.Tensor) -> tuple:
+    """``moerl_add_rms_norm``'s arguments: contiguous rows ``x`` + ``a`` into ``s``, its norm into ``y``."""
+    d, ptr = x.shape[-1], ctypes.c_void_p
+    return (
         *(ptr(t.data_ptr()) for t in (x, a, s, weight, y)),
         ctypes.c_int64(x.numel() // d),
-        d,
+        ctypes.c_int(d),
         ctypes.c_float(eps),
-        KINDS[x.dtype],
-        KINDS[weight.dtype],
-        torch.get_num_threads(),
+        *(ctypes.c_int(v) for v in (KINDS[x.dtype], KINDS[weight.dtype], torch.get_num_threads())),
     )
-    return s, y
 
 
 class _Lora(ctypes.Structure):
@@ -604,13 +621,31 @@ def _moe_decode(x, idx, gate, gate_up, down, lora: list[torch.Tensor], prepared:
         adapters = prepared if prepared is not None and lora[0].shape == (n,) else moe_lora(lora, gate_up, n)
     x, out = x.contiguous(), torch.empty_like(x)
     idx, gate = idx.to(torch.int64).contiguous(), gate.to(torch.float32).contiguous()
+    work, ints = moe_buffers(n, k, gate_up, down, adapters)
+    rc = kernel().moerl_moe_decode(*moe_decode_args(x, idx, gate, gate_up, down, out, work, ints, adapters))
+    if rc == -1:
+        raise ValueError(f"moe_decode: an expert id outside 0..{e - 1} in idx (max {int(idx.max())})")
+    if rc == -2:
+        raise ValueError(f"moe_decode: a LoRA slot outside -1..{adapters.S - 1} (max {int(lora[0].max())})")
+    return out
+
+
+def moe_buffers(n: int, k: int, gate_up: torch.Tensor, down: torch.Tensor, adapters=None) -> tuple:
+    """``moerl_moe_decode``'s scratch for ``n`` rows of ``k`` experts: (fp32 work, int32 sort buffers)."""
+    e, inter, hid = gate_up.shape[0], down.shape[2], gate_up.shape[2]
     rank, shared = (adapters.r, adapters.shared) if adapters else (0, 0)
-    work = x.new_empty(kernel().moerl_moe_work(n, k, hid, inter, rank, shared), dtype=torch.float32)
-    ints = torch.empty(2 * e + 3 * n * k, dtype=torch.int32)
+    work = torch.empty(kernel().moerl_moe_work(n, k, hid, inter, rank, shared), dtype=torch.float32)
+    return work, torch.empty(2 * e + 3 * n * k, dtype=torch.int32)
+
+
+def moe_decode_args(x, idx, gate, gate_up, down, out, work, ints, adapters=None) -> tuple:
+    """``moerl_moe_decode``'s arguments: contiguous rows ``x`` [N, H], int64 ``idx`` and fp32 ``gate`` [N, k] through
+    the panels into ``out``, with ``moe_buffers``' scratch and ``adapters`` (a ``moe_lora`` struct or None)."""
+    n, k = idx.shape
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
-    rc = kernel().moerl_moe_decode(
+    return (
         *(ptr(t.data_ptr()) for t in (x, idx, gate)),
-        *(i32(v) for v in (n, k, e, hid, inter)),
+        *(i32(v) for v in (n, k, gate_up.shape[0], x.shape[1], down.shape[2])),
         ptr(gate_up.data_ptr()),
         ptr(down.data_ptr()),
         i32(KINDS[down.dtype]),
@@ -622,11 +657,6 @@ def _moe_decode(x, idx, gate, gate_up, down, lora: list[torch.Tensor], prepared:
         i32(amx()),
         i32(torch.get_num_threads()),
     )
-    if rc == -1:
-        raise ValueError(f"moe_decode: an expert id outside 0..{e - 1} in idx (max {int(idx.max())})")
-    if rc == -2:
-        raise ValueError(f"moe_decode: a LoRA slot outside -1..{adapters.S - 1} (max {int(lora[0].max())})")
-    return out
 
 
 @moe_decode_op.register_fake
@@ -738,12 +768,9 @@ def paged_write_decode(
     q, k and v may be the column ranges of one product (``rows_of``: read in place, not copied)."""
     b, hq, d = q.shape
     hkv, rows, dv = v_pool.shape
-    nb, threads = tables.shape[1], torch.get_num_threads()
+    nb = tables.shape[1]
     if k_pool.dtype != v_pool.dtype or k_pool.dtype not in KINDS or q.dtype != k_pool.dtype:
         raise ValueError(f"paged_decode: q {q.dtype}, pools {k_pool.dtype} / {v_pool.dtype}: all fp32 or all bf16")
-    qr = _rows(q)
-    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    written = [ptr(0), i64(0), ptr(0), i64(0), ptr(0)]
     if new is not None:
         k_new, v_new, slot = new
         shapes_ok = k_new.shape == (b, hkv, d) and v_new.shape == (b, hkv, dv) and slot.shape == (b,)
@@ -751,21 +778,42 @@ def paged_write_decode(
             shapes = f"k {k_new.dtype} {tuple(k_new.shape)}, v {v_new.dtype} {tuple(v_new.shape)}"
             shapes += f", slots {tuple(slot.shape)}"
             raise ValueError(f"paged_decode: new rows ({shapes}) for {b} rows of {hkv} heads, pools {v_pool.dtype}")
-        kr, vr, slot = _rows(k_new), _rows(v_new), slot.to(torch.int64).contiguous()
-        written = [ptr(kr.data_ptr()), i64(kr.stride(0)), ptr(vr.data_ptr()), i64(vr.stride(0)), ptr(slot.data_ptr())]
+        new = (_rows(k_new), _rows(v_new), slot.to(torch.int64).contiguous())
     tables, pos = tables.to(torch.int64).contiguous(), pos.to(torch.int64).contiguous()
     sinks = sinks.float().contiguous() if sinks is not None else None
-    g = hq // hkv
     out = q.new_empty(b, hq, dv)
-    scratch = torch.empty(threads, (g + 2) * nb * block_size + g * d)
-    kernel().moerl_paged_decode(
-        ptr(qr.data_ptr()),
-        i64(qr.stride(0)),
+    scratch = torch.empty(paged_scratch(hq // hkv, d, nb, block_size))
+    pools = (k_pool, v_pool, tables, pos, sinks)
+    kernel().moerl_paged_decode(*paged_args(_rows(q), hq, pools, block_size, window, scale, out, scratch, new))
+    return out
+
+
+def paged_scratch(g: int, d: int, nb: int, block_size: int) -> tuple[int, int]:
+    """The paged kernel's fp32 scratch shape: per thread, ``g`` query heads' scores and the keys' rows over ``nb``
+    blocks a row."""
+    return torch.get_num_threads(), (g + 2) * nb * block_size + g * d
+
+
+def paged_args(q_rows, hq: int, pools: tuple, block_size: int, window: int, scale: float, out, scratch, new) -> tuple:
+    """``moerl_paged_decode``'s arguments: queries ``q_rows`` [B, Hq * D] (any row stride) of ``hq`` heads, ``pools``
+    (k_pool, v_pool, int64 tables [B, nb], int64 pos [B], fp32 sinks or None), into ``out`` [B, Hq, Dv] with
+    ``paged_scratch``'s ``scratch``; ``new``: (k rows, v rows, int64 slots [B]) written first, or None."""
+    k_pool, v_pool, tables, pos, sinks = pools
+    hkv, rows, dv = v_pool.shape
+    b, d = q_rows.shape[0], k_pool.shape[2]
+    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    written = (ptr(0), i64(0), ptr(0), i64(0), ptr(0))
+    if new is not None:
+        kr, vr, slot = new
+        written = (ptr(kr.data_ptr()), i64(kr.stride(0)), ptr(vr.data_ptr()), i64(vr.stride(0)), ptr(slot.data_ptr()))
+    return (
+        ptr(q_rows.data_ptr()),
+        i64(q_rows.stride(0)),
         *(ptr(t.data_ptr()) for t in (k_pool, v_pool, tables, pos)),
         ptr(sinks.data_ptr() if sinks is not None else 0),
         *(i32(n) for n in (b, hq, hkv, d, dv)),
         i64(rows),
-        i32(nb),
+        i32(tables.shape[1]),
         i32(block_size),
         i64(window),
         ctypes.c_float(scale),
@@ -773,9 +821,8 @@ def paged_write_decode(
         ptr(scratch.data_ptr()),
         *written,
         i32(KINDS[k_pool.dtype]),
-        i32(threads),
+        i32(torch.get_num_threads()),
     )
-    return out
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

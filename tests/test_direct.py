@@ -1,0 +1,123 @@
+"""The CPU engine's decode step as bound kernel calls (``moerl.engine.direct``) against the modules' forward it
+replaces: the same tokens, logprobs and chosen experts bit for bit (bf16 on AMX), weights synced in place seen, and
+the models it does not bind named."""
+
+import pytest
+import torch
+
+import moerl.model.packed as packed_module
+from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
+from moerl.engine.direct import refusal
+from moerl.engine.kv_cache import StepView
+from moerl.model.mx import apply_mxfp8
+from moerl.presets import init_model
+
+pytestmark = pytest.mark.skipif(
+    packed_module.kernel() is None or not packed_module.amx(),
+    reason="no AMX here (or no C compiler): the bound step runs bf16 on AMX only",
+)
+
+
+PROMPTS = [[5 + i] * (3 + 7 * i) for i in range(5)]
+
+
+def _generate(engine: LLMEngine, direct) -> list:
+    """(tokens, logprobs, routed experts) of a batch whose rows finish at different steps (the batch shrinks) and grow
+    past a table width the step binds (more blocks a row), sampled with seeds."""
+    engine.direct = direct
+    reqs = [
+        Request(p, SamplingParams(temperature=1.0, max_tokens=6 + 9 * i, ignore_eos=True, seed=i))
+        for i, p in enumerate(PROMPTS)
+    ]
+    outs = [o.outputs[0] for o in engine.generate(reqs)]
+    return [(o.token_ids, o.logprobs, o.routed_experts) for o in outs]
+
+
+def _same(a: list, b: list) -> bool:
+    """Equal tokens, and logprobs and routed experts equal bit for bit (None beside None)."""
+    tensors = lambda x, y: (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))  # noqa: E731
+    return all(
+        ta == tb and tensors(la, lb) and tensors(ra, rb) for (ta, la, ra), (tb, lb, rb) in zip(a, b, strict=True)
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("direct") / "tiny"
+    init_model("qwen3_moe", "tiny", path, seed=3)
+    return path
+
+
+def test_bound_decode_steps_give_the_modules_tokens_logprobs_and_experts_bit_for_bit(tiny):
+    """A batch decoded through the bound calls and through the modules: equal bit for bit, over batch sizes 5..1 and
+    tables of 1..8 blocks. The control: an expert weight changed in place (a sync's ``copy_``) changes the bound
+    step's logprobs, and they are again the modules' (the weights' versions are checked each step)."""
+    cfg = EngineConfig(max_num_seqs=8, max_model_len=96, block_size=8, capture_routing=True)
+    engine = LLMEngine(tiny, cfg, dtype=torch.bfloat16)
+    direct = engine.direct
+    assert refusal(engine.model, engine.cache) is None
+    bound = _generate(engine, direct)
+    assert sorted(direct._bound) == [1, 2, 3, 4, 5]  # each batch size bound once
+    assert max(b.width for b in direct._bound.values()) >= 8
+    assert _same(bound, _generate(engine, None))
+    for (tokens, _, routed), prompt in zip(bound, PROMPTS, strict=True):  # every token's experts, the prompt's too
+        assert routed.shape[0] == len(prompt) + len(tokens) - 1
+    with torch.no_grad():
+        w = engine.model.layers[1].mlp.experts.down_proj
+        w.copy_(w * 1.25)
+    synced = _generate(engine, direct)
+    assert not any(torch.equal(a[1], b[1]) for a, b in zip(synced, bound, strict=True))
+    assert _same(synced, _generate(engine, None))
+
+
+def test_a_weight_synced_in_place_between_steps_is_seen_by_the_next(tiny):
+    """Decode steps called alone (no prefill between them to pack the weights again): the step after an in-place
+    change of an expert's and of a projection's weight gives the modules' logits for the new weights, not the old."""
+    engine = LLMEngine(tiny, EngineConfig(max_num_seqs=4, max_model_len=64, block_size=8), dtype=torch.bfloat16)
+    direct, model = engine.direct, engine.model
+    ids, positions, tables = torch.tensor([[7], [9]]), torch.tensor([[5], [12]]), torch.tensor([[0, 1], [2, 3]])
+
+    def modules():
+        one = torch.ones(2, dtype=torch.long)
+        view = StepView(engine.cache, tables, positions, one, torch.arange(2))
+        return model(ids, positions=positions, cache=view, logits_index=one - 1).logits
+
+    with torch.inference_mode():
+        assert direct.ready()
+        before = direct.step(ids, positions, tables)[0]
+        assert torch.equal(before, modules())
+        for w in (model.layers[2].mlp.experts.gate_up_proj, model.layers[0].self_attn.v_proj.weight):
+            w.mul_(1.5)
+        assert direct.ready()
+        after = direct.step(ids, positions, tables)[0]
+        assert not torch.equal(after, before)
+        assert torch.equal(after, modules())
+
+
+def test_a_cache_released_between_calls_is_bound_again(tiny):
+    """``release_cache``: the pools are made again for each call; the bound step follows them (the modules' tokens)."""
+    cfg = EngineConfig(max_num_seqs=4, max_model_len=64, release_cache=True)
+    engine = LLMEngine(tiny, cfg, dtype=torch.bfloat16)
+    direct = engine.direct
+    first = _generate(engine, direct)
+    assert _same(first, _generate(engine, direct)) and _same(first, _generate(engine, None))
+
+
+def test_models_the_bound_step_does_not_run_are_named(tiny, tmp_path):
+    """fp32, LoRA attached, MXFP8 swapped in after the engine is built, q / k / v biases: each refused with its reason
+    (the modules run it), and the swap is seen at the next step."""
+    fp32 = LLMEngine(tiny, EngineConfig(max_num_seqs=2, max_model_len=32), dtype=torch.float32)
+    assert "bf16" in refusal(fp32.model, fp32.cache)
+    assert not fp32.direct.ready()
+    lora = LLMEngine(tiny, EngineConfig(max_num_seqs=2, max_model_len=32, max_loras=1), dtype=torch.bfloat16)
+    assert "LoRA" in refusal(lora.model, lora.cache)
+    engine = LLMEngine(tiny, EngineConfig(max_num_seqs=2, max_model_len=32), dtype=torch.bfloat16)
+    assert engine.direct.ready()
+    apply_mxfp8(engine.model)
+    assert not engine.direct.ready() and "projection" in engine.direct.why
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    assert len(engine.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 4  # the modules' MXFP8 step
+    shared = tmp_path / "shared"
+    init_model("qwen2_moe", "tiny", shared)
+    engine = LLMEngine(shared, EngineConfig(max_num_seqs=2, max_model_len=32), dtype=torch.bfloat16)
+    assert "with a bias" in refusal(engine.model, engine.cache)  # Qwen2-MoE's q / k / v biases
