@@ -4,6 +4,7 @@ the models it does not bind named."""
 
 import pytest
 import torch
+from test_engine_lora import _trained_adapter
 
 import moerl.model.packed as packed_module
 from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "experts")  # every module of a MoE-only model
 PROMPTS = [[5 + i] * (3 + 7 * i) for i in range(5)]
 
 
@@ -57,7 +59,7 @@ def test_bound_decode_steps_give_the_modules_tokens_logprobs_and_experts_bit_for
     direct = engine.direct
     assert refusal(engine.model, engine.cache) is None
     bound = _generate(engine, direct)
-    assert sorted(direct._bound) == [1, 2, 3, 4, 5]  # each batch size bound once
+    assert sorted(b for b, _ in direct._bound) == [1, 2, 3, 4, 5]  # each batch size bound once
     assert max(b.width for b in direct._bound.values()) >= 8
     assert _same(bound, _generate(engine, None))
     for (tokens, _, routed), prompt in zip(bound, PROMPTS, strict=True):  # every token's experts, the prompt's too
@@ -83,12 +85,10 @@ def test_a_weight_synced_in_place_between_steps_is_seen_by_the_next(tiny):
         return model(ids, positions=positions, cache=view, logits_index=one - 1).logits
 
     with torch.inference_mode():
-        assert direct.ready()
         before = direct.step(ids, positions, tables)[0]
         assert torch.equal(before, modules())
         for w in (model.layers[2].mlp.experts.gate_up_proj, model.layers[0].self_attn.v_proj.weight):
             w.mul_(1.5)
-        assert direct.ready()
         after = direct.step(ids, positions, tables)[0]
         assert not torch.equal(after, before)
         assert torch.equal(after, modules())
@@ -103,18 +103,46 @@ def test_a_cache_released_between_calls_is_bound_again(tiny):
     assert _same(first, _generate(engine, direct)) and _same(first, _generate(engine, None))
 
 
+@pytest.mark.parametrize("layout", ["shared_outer", "per_expert"])
+def test_adapters_in_a_bound_step_give_the_modules_tokens_bit_for_bit(tiny, layout):
+    """Rows of two adapters and rows of none in one batch, then every row on one adapter (the single-slot path): the
+    bound calls with each row's slot give the modules' tokens, logprobs and experts bit for bit; the adapters change
+    the tokens (the control)."""
+    cfg = EngineConfig(max_num_seqs=8, max_model_len=96, block_size=8, max_loras=2, max_lora_rank=8, lora_layout=layout)
+    engine = LLMEngine(tiny, cfg, dtype=torch.bfloat16)
+    direct = engine.direct
+    for name, seed in (("a", 1), ("b", 2)):
+        engine.add_adapter(
+            name, _trained_adapter(tiny, layout, rank=4 if name == "a" else 8, seed=seed, targets=TARGETS)[0]
+        )
+
+    def run(direct, names):
+        engine.direct = direct
+        reqs = [
+            Request(p, SamplingParams(temperature=1.0, max_tokens=5 + 4 * i, ignore_eos=True, seed=i), adapter=name)
+            for i, (p, name) in enumerate(zip(PROMPTS, names, strict=True))
+        ]
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs, None) for o in engine.generate(reqs)]
+
+    for names in (["a", None, "b", "a", None], ["b"] * 5):
+        bound = run(direct, names)
+        assert direct.why is None and any(lora for _, lora in direct._bound)
+        assert _same(bound, run(None, names))
+        assert not _same(bound, run(direct, [None] * 5))
+
+
 def test_models_the_bound_step_does_not_run_are_named(tiny, tmp_path):
-    """fp32, LoRA attached, MXFP8 swapped in after the engine is built, q / k / v biases: each refused with its reason
-    (the modules run it), and the swap is seen at the next step."""
+    """fp32, MXFP8 swapped in after the engine is built, q / k / v biases: each refused with its reason (the modules
+    run it), and the swap is seen at the next step."""
     fp32 = LLMEngine(tiny, EngineConfig(max_num_seqs=2, max_model_len=32), dtype=torch.float32)
     assert "bf16" in refusal(fp32.model, fp32.cache)
-    assert not fp32.direct.ready()
-    lora = LLMEngine(tiny, EngineConfig(max_num_seqs=2, max_model_len=32, max_loras=1), dtype=torch.bfloat16)
-    assert "LoRA" in refusal(lora.model, lora.cache)
+    ids, positions, tables = torch.tensor([[7]]), torch.tensor([[0]]), torch.tensor([[0]])
     engine = LLMEngine(tiny, EngineConfig(max_num_seqs=2, max_model_len=32), dtype=torch.bfloat16)
-    assert engine.direct.ready()
-    apply_mxfp8(engine.model)
-    assert not engine.direct.ready() and "projection" in engine.direct.why
+    with torch.inference_mode():
+        assert fp32.direct.step(ids, positions, tables) is None and "bf16" in fp32.direct.why
+        assert engine.direct.step(ids, positions, tables) is not None
+        apply_mxfp8(engine.model)
+        assert engine.direct.step(ids, positions, tables) is None and "projection" in engine.direct.why
     params = SamplingParams(temperature=0.0, max_tokens=4)
     assert len(engine.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 4  # the modules' MXFP8 step
     shared = tmp_path / "shared"

@@ -379,8 +379,12 @@ class LLMEngine:
         t0 = time.perf_counter()
         if kind == "decode" and self.compiled is not None:
             logits, routed = self.compiled.step(ids, positions, tables, adapters)
-        elif kind == "decode" and adapters is None and self.direct is not None and self.direct.ready():
-            logits, routed = self.direct.step(ids, positions, tables)
+        elif (
+            kind == "decode"
+            and self.direct is not None
+            and (bound := self.direct.step(ids, positions, tables, adapters))
+        ):
+            logits, routed = bound
         else:
             out = self.model(
                 ids,

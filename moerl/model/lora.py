@@ -174,26 +174,29 @@ class LinearLora(nn.Module):
         shrinks (``amx_lora``'s ``tile_r0``: the same r terms in the same order as its own call), kept on ``owner``
         while the slots and factors stay. None where their scales differ (one scale a slot in the kernel) or another
         context or rank."""
+        slots = self.ctx.row_slots(rows)
+        sources = tuple(t for m in loras for t in (m.lora_A, m.lora_B, m.scale))
+        made = kept_call(
+            owner, "_fused_amx_memo", slots, sources, lambda: self.fused_amx_args(owner, loras, panels, slots)
+        )
+        return made[:2] if made is not None else None  # the struct points into tile_r0: kept with it
+
+    def fused_amx_args(self, owner: nn.Module, loras: list[LinearLora], panels: torch.Tensor, slots: torch.Tensor):
+        """``fused_amx``'s (list, struct, tile_r0) for rows of ``slots`` [N] int64, made now (None where the scales
+        differ, or another context or rank); the struct points into the list and tile_r0."""
         if not all(m.ctx is self.ctx and m.lora_A.shape[:2] == self.lora_A.shape[:2] for m in loras):
             return None
-        slots = self.ctx.row_slots(rows)
-
-        def make() -> tuple | None:
-            if not all(torch.equal(m.scale, self.scale) for m in loras[1:]):
-                return None
-            f32, r, nt = torch.float32, self.lora_A.shape[1], panels.shape[3]
-            stacked = tuple(m.lora_A for m in loras)
-            a = kept_copy(owner, "fused A", stacked, lambda t: torch.cat(t, dim=1), f32)
-            bs = tuple(m.lora_B for m in loras)
-            b = kept_copy(owner, "fused B panels", bs, lambda t: torch.cat([_b_panels_view(x) for x in t], 1), f32)
-            first = [i * r for i, m in enumerate(loras) for _ in range(m.lora_B.shape[1] // nt)]
-            tile_r0 = torch.tensor(first, dtype=torch.int32)
-            args = [slots, kept_copy(owner, "fused scale", self.scale, _same, f32), a, b]
-            return args, amx_lora(args, panels, tile_r0), tile_r0
-
-        sources = tuple(t for m in loras for t in (m.lora_A, m.lora_B, m.scale))
-        made = kept_call(owner, "_fused_amx_memo", slots, sources, make)
-        return made[:2] if made is not None else None  # the struct points into tile_r0: kept with it
+        if not all(torch.equal(m.scale, self.scale) for m in loras[1:]):
+            return None
+        f32, r, nt = torch.float32, self.lora_A.shape[1], panels.shape[3]
+        stacked = tuple(m.lora_A for m in loras)
+        a = kept_copy(owner, "fused A", stacked, lambda t: torch.cat(t, dim=1), f32)
+        bs = tuple(m.lora_B for m in loras)
+        b = kept_copy(owner, "fused B panels", bs, lambda t: torch.cat([_b_panels_view(x) for x in t], 1), f32)
+        first = [i * r for i, m in enumerate(loras) for _ in range(m.lora_B.shape[1] // nt)]
+        tile_r0 = torch.tensor(first, dtype=torch.int32)
+        args = [slots, kept_copy(owner, "fused scale", self.scale, _same, f32), a, b]
+        return args, amx_lora(args, panels, tile_r0), tile_r0
 
     def decode_factors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(A [S, r, in], B^T [S, r, out], scale [S]) in fp32 as ``lora_add`` takes them, kept beside the adapter
@@ -238,15 +241,15 @@ class LoraLinear(Linear):
         """``amx_linear``'s arguments after the rows: the weight's panels, the bias, the LoRA list and its checked
         kernel struct, kept while the slots and the weight and factors stay (``kept_call``)."""
         lora = self.lora
-
-        def make() -> tuple:
-            args = [slots, *lora.amx_factors()]
-            panels = linear_panels(self, self.weight)
-            return panels, args, amx_lora(args, panels)
-
         sources = (self.weight, lora.lora_A, lora.lora_B, lora.scale)
-        panels, args, struct = kept_call(self, "_amx_memo", slots, sources, make)
+        panels, args, struct = kept_call(self, "_amx_memo", slots, sources, lambda: self.amx_lora_args(slots))
         return panels, self.bias, args, struct
+
+    def amx_lora_args(self, slots: torch.Tensor) -> tuple:
+        """(the weight's panels, the LoRA list for rows of ``slots`` [N] int64, its checked struct), made now."""
+        args = [slots, *self.lora.amx_factors()]
+        panels = linear_panels(self, self.weight)
+        return panels, args, amx_lora(args, panels)
 
 
 class ExpertLora(nn.Module):
@@ -408,12 +411,13 @@ class LoraExperts(Experts):
         if torch.compiler.is_compiling():
             return [slots, *lora.decode_factors()], None
 
-        def make() -> tuple:
-            args = [slots.contiguous(), *lora.decode_factors()]
-            return args, moe_lora(args, Experts._panels(self, "gate_up"), slots.shape[0])
-
         sources = (lora.scale, lora.gate_up_A, lora.gate_up_B, lora.down_A, lora.down_B)
-        return kept_call(self, "_lora_memo", slots, sources, make)
+        return kept_call(self, "_lora_memo", slots, sources, lambda: self.decode_lora(slots))
+
+    def decode_lora(self, slots: torch.Tensor) -> tuple[list[torch.Tensor], object]:
+        """``moe_decode``'s LoRA list for rows of ``slots`` [N] int64 and its checked struct, made now."""
+        args = [slots.contiguous(), *self.lora.decode_factors()]
+        return args, moe_lora(args, Experts._panels(self, "gate_up"), slots.shape[0])
 
     def _one_call(self, x: torch.Tensor, idx: torch.Tensor) -> bool:
         # in a compiled graph: where the adapter's fp32 factors were made before it, as the panels were
