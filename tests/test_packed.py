@@ -468,6 +468,47 @@ def test_rms_norm_names_rows_and_weights_it_does_not_take():
         rms_norm(torch.randn(4, 8).half(), torch.ones(8), 1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "experts", "k", "norm", "scale", "bias"), [
+    (64, 16, 2, True, 1.0, False), (5, 8, 3, False, 2.5, True), (300, 128, 8, True, 1.0, False)
+])  # fmt: skip
+def test_a_softmax_top_k_router_in_one_call_computes_torchs_rule(rows, experts, k, norm, scale, bias, dtype):
+    """``router_topk`` (an engine's router, one call) against the router's torch rule (fp32 GEMM of the rows, softmax,
+    top-k of the probabilities, normalized, scaled): the same experts in the same order and gate weights within
+    2^-18 relative (the logits summed in another order: up to 2e-6 measured, as far as torch's own fp32 logits lie from
+    fp64's; no near-ties in these rows), rows of decode and of a prefill (threaded), hidden sizes no vector multiple,
+    replayed experts (R3) in every other row. The control: one expert's router row perturbed by 1% changes the weights
+    beyond the tolerance. Rows of another width are named."""
+    from moerl.model.moe import Router
+    from moerl.model.packed import router_topk
+
+    gen = torch.Generator().manual_seed(rows)
+    h = 100 if rows == 5 else 512
+    x, w = torch.randn(rows, h, generator=gen).to(dtype), torch.randn(experts, h, generator=gen) * 0.05
+    b = torch.randn(experts, generator=gen) if bias else None
+    cfg = preset_config("qwen3_moe", "tiny", {"num_experts": experts, "num_experts_per_tok": k})[1]
+    router = Router(replace(cfg, hidden_size=h, norm_topk_prob=norm, routed_scaling_factor=scale, router_bias=bias))
+    with torch.no_grad():
+        router.weight.copy_(w)
+        if bias:
+            router.bias.copy_(b)
+        want_w, want_idx = router(x)
+        gate, idx = router_topk(x, w, b, k, norm, scale)
+        assert torch.equal(idx, want_idx)
+        assert torch.allclose(gate, want_w, rtol=2**-18, atol=0)
+        replay = torch.randint(0, experts, (rows, k), generator=gen)
+        replay[::2] = -1  # these rows route themselves
+        want_w, want_idx = router(x, replay)
+        gate, idx = router_topk(x, w, b, k, norm, scale, replay)
+        assert torch.equal(idx, want_idx) and torch.equal(idx[1::2], replay[1::2])
+        assert torch.allclose(gate, want_w, rtol=2**-18, atol=0)
+        w[int(want_idx[0, 0])] *= 1.01
+        moved, _ = router_topk(x, w, b, k, norm, scale)
+        assert not torch.allclose(moved, want_w, rtol=2**-18, atol=0)
+    with pytest.raises(ValueError, match=r"router_topk: rows torch.float32 \(2, 8\), weight torch.float32 \(4, 6\)"):
+        router_topk(torch.randn(2, 8), torch.randn(4, 6), None, 2, True, 1.0)
+
+
 def test_an_engine_runs_its_norms_in_one_call(tmp_path):
     """An engine's own CPU model (``decode_layout``) marks every RMSNorm (layer, q / k, final) to run as one kernel
     call without autograd; a trainer's model of the same checkpoint keeps torch's composite, and the two decode the

@@ -1,8 +1,8 @@
 """The CPU engine's eager decode step as kernel calls bound once per batch size.
 
-An engine's own bf16 CPU model on AMX (``MoEModel.decode_layout``) runs a decode step as seven C kernel calls a layer
-(q / k / v, q / k norm + RoPE, paged attention, o_proj, residual + norm, routed experts, residual + next norm) and the
-router's few torch ops. Through the modules each call pays tens of microseconds of Python around it (its checks, its
+An engine's own bf16 CPU model on AMX (``MoEModel.decode_layout``) runs a decode step as eight C kernel calls a layer
+(q / k / v, q / k norm + RoPE, paged attention, o_proj, residual + norm, router, routed experts, residual + next
+norm). Through the modules each call pays tens of microseconds of Python around it (its checks, its
 buffers, its arguments made again): a quarter of small's step, 40% of tiny's (BENCHMARKS.md, issue 42's fifteenth
 session). Here the arguments are made once for a batch size, pointing into buffers kept with them, and a step copies
 its inputs in and makes the calls in turn: the same kernels, in the same order, on the same values as the modules'
@@ -11,10 +11,10 @@ the same calls as they join the modules' (each row's slot copied into the bound 
 
 The model it binds (``refusal`` says why another is not): every layer pre-norm RMSNorm attention (q / k / v and
 o_proj on AMX without biases, per-head q / k norms or none, full rotate-half RoPE) then a MoE of packed SiLU experts
-(no shared or zero experts, no biases) under a softmax top-k router, residual multipliers of 1; adapters, where
-attached, on all of q / k / v or none. Anything else runs the modules. Weights and adapters written in place are seen
-(their versions are checked each step, and the kept panels and factors made again); a module swapped since
-(``moerl.model.swap``), another thread count or a cache allocated again binds again.
+(no shared or zero experts, no biases) under a softmax top-k router of one call (``Router._one_call``), residual
+multipliers of 1; adapters, where attached, on all of q / k / v or none. Anything else runs the modules. Weights and
+adapters written in place are seen (their versions are checked each step, and the kept panels and factors made
+again); a module swapped since (``moerl.model.swap``), another thread count or a cache allocated again binds again.
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ from moerl.model.packed import (
     paged_args,
     paged_scratch,
     rms_norm_args,
+    router_args,
+    router_work,
 )
 from moerl.model.rope import rope_cos_sin
 from moerl.model.transformer import DecoderLayer, MoEModel
@@ -88,8 +90,10 @@ def _layer_refusal(layer) -> str | None:
         return "interleaved or partial RoPE"
     r, e = moe.router, moe.experts
     fast = r.scoring == "softmax" and not r.topk_before_softmax and r.e_score_correction_bias is None
-    if not fast or r.n_group > 1 or moe.shared_experts is not None or type(e) not in (Experts, LoraExperts):
-        return "a router other than softmax top-k, or shared experts"
+    if not fast or r.n_group > 1 or r.norm_min or not r.one_call:
+        return "a router other than one call of a softmax top-k (Router._one_call)"
+    if moe.shared_experts is not None or type(e) not in (Experts, LoraExperts):
+        return "shared experts, or another experts class"
     if not e.packed or not e.grouped or e.activation != "silu" or not e.gated or e.zero:
         return "experts not packed SiLU ones"
     if e.gate_up_proj_bias is not None or e.down_proj_bias is not None or e.down_proj.dtype != torch.bfloat16:
@@ -212,7 +216,8 @@ class DirectDecode:
         x2, a, out = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
         hq, hkv = layers[0].self_attn.num_heads, layers[0].self_attn.num_kv_heads
         scratch = torch.empty(paged_scratch(hq // hkv, d, width, cache.block_size))
-        keep += [x2, a, out, scratch]
+        route = torch.empty(router_work(layers[0].mlp.router.num_experts))
+        keep += [x2, a, out, scratch, route]
         norm0 = layers[0].input_layernorm
         calls.append((lib.moerl_rms_norm, rms_norm_args(x, norm0.weight, h[:b], norm0.eps)))
         for i, layer in enumerate(layers):
@@ -252,7 +257,13 @@ class DirectDecode:
             post = layer.post_attention_layernorm
             calls.append((lib.moerl_add_rms_norm, add_rms_norm_args(x, a, post.weight, post.eps, x2, h[:b])))
             experts, idx, gate = moe.experts, bound.idx[i], bound.gate[i]
-            calls.append((_route, (moe.router, h[:b], idx, gate)))
+            r = moe.router
+            calls.append(
+                (
+                    lib.moerl_router_topk,
+                    router_args(h[:b], r.weight, r.bias, r.norm_topk_prob, r.scale, gate, idx, route),
+                )
+            )
             gate_up, down = experts._panels("gate_up"), experts._panels("down")
             adapters = None
             if lora and type(experts) is LoraExperts:
@@ -266,10 +277,3 @@ class DirectDecode:
             calls.append((lib.moerl_add_rms_norm, add_rms_norm_args(x2, out, nxt.weight, nxt.eps, x, h[:b])))
             keep += [qkv, sinks, seen, work, ints]
         return bound
-
-
-def _route(router, h: torch.Tensor, idx: torch.Tensor, gate: torch.Tensor) -> None:
-    """The router's own rule (``Router.forward``) on rows ``h``, its choice and weights into ``idx`` / ``gate``."""
-    w, chosen = router(h)
-    idx.copy_(chosen)
-    gate.copy_(w)

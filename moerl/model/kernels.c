@@ -413,6 +413,66 @@ static inline __attribute__((always_inline)) void moe_body(const void* x, int N,
   }
 }
 
+/* A softmax top-k router on rows x [N][H] (fp32 or bf16, xb) in fp32: logits = x w^T (+ bias) against w [E][H]
+   (fp32), probabilities by softmax, the k most probable experts (highest first; a tie to the lower index) into idx
+   [N][k] with their probabilities into gate [N][k], divided by their sum where norm, times scale. replay (NULL: none)
+   [N][k]: a row whose first entry is >= 0 takes those experts (R3) and their probabilities. Each logit a 16-lane dot
+   product summed lane 0 first; e^x by expf. */
+void moerl_router_topk(const void* x, int xb, const float* w, const float* bias, int N, int H, int E, int k,
+                       int norm, float scale, const int64_t* replay, float* gate, int64_t* idx, float* work,
+                       int threads) {
+  int n = (int64_t)N * E * H >= (1 << 18) ? threads : 1;
+  #pragma omp parallel for num_threads(n)
+  for (int r = 0; r < N; r++) {
+    float* p = work + (int64_t)omp_get_thread_num() * E;
+    const int64_t at = (int64_t)r * H;
+    int e = 0;
+    for (; e + 4 <= E; e += 4) {  /* four experts a pass: each vector of the row widened once for them */
+      vf a0 = (vf){0}, a1 = a0, a2 = a0, a3 = a0;
+      const float* w0 = w + (int64_t)e * H;
+      int i = 0;
+      for (; i + VW <= H; i += VW) {
+        vf v = ldv(x, at + i, xb);
+        a0 += v * *(const vfu*)(w0 + i);
+        a1 += v * *(const vfu*)(w0 + H + i);
+        a2 += v * *(const vfu*)(w0 + 2 * H + i);
+        a3 += v * *(const vfu*)(w0 + 3 * H + i);
+      }
+      p[e] = hsum(a0), p[e + 1] = hsum(a1), p[e + 2] = hsum(a2), p[e + 3] = hsum(a3);
+      for (; i < H; i++)
+        for (int j = 0; j < 4; j++) p[e + j] += lds(x, at + i, xb) * w0[j * H + i];
+    }
+    for (; e < E; e++) {
+      vf acc = (vf){0};
+      int i = 0;
+      for (; i + VW <= H; i += VW) acc += ldv(x, at + i, xb) * *(const vfu*)(w + (int64_t)e * H + i);
+      p[e] = hsum(acc);
+      for (; i < H; i++) p[e] += lds(x, at + i, xb) * w[(int64_t)e * H + i];
+    }
+    float mx = -INFINITY;
+    for (e = 0; e < E; e++) {
+      if (bias) p[e] += bias[e];
+      if (p[e] > mx) mx = p[e];
+    }
+    float sum = 0;
+    for (int e = 0; e < E; e++) sum += p[e] = expf(p[e] - mx);
+    const int64_t* given = replay && replay[(int64_t)r * k] >= 0 ? replay + (int64_t)r * k : NULL;
+    float* g = gate + (int64_t)r * k;
+    float total = 0;
+    for (int j = 0; j < k; j++) {
+      int best = 0;
+      if (given) best = (int)given[j];
+      else
+        for (int e = 1; e < E; e++)
+          if (p[e] > p[best]) best = e;
+      total += g[j] = p[best] / sum;
+      idx[(int64_t)r * k + j] = best;
+      if (!given) p[best] = -1.0f;
+    }
+    for (int j = 0; j < k; j++) g[j] = (norm ? g[j] / total : g[j]) * scale;
+  }
+}
+
 int moerl_moe_decode(const void* x, const int64_t* idx, const float* gate, int N, int k, int E, int H, int I,
                      const void* gu, const void* dn, int wb, void* out, int xb, float* work, int32_t* ints,
                      const lora_t* L, int amx, int threads) {

@@ -422,7 +422,8 @@ def norm_rope(
             f"norm_rope: q {q.dtype} {tuple(q.shape)}, k {k.dtype} {tuple(k.shape)}, cos {cos.dtype} "
             f"{tuple(cos.shape)}, weights {None if q_weight is None else tuple(q_weight.shape)}"
         )
-    kernel().moerl_norm_rope(*norm_rope_args(q, k, q_weight, k_weight, eps, cos.contiguous(), sin.contiguous()))
+    cos, sin = cos.contiguous(), sin.contiguous()  # kept while the kernel reads them
+    kernel().moerl_norm_rope(*norm_rope_args(q, k, q_weight, k_weight, eps, cos, sin))
 
 
 def norm_rope_args(q, k, q_weight, k_weight, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
@@ -514,6 +515,57 @@ def add_rms_norm_args(x, a, weight, eps: float, s: torch.Tensor, y: torch.Tensor
         ctypes.c_int(d),
         ctypes.c_float(eps),
         *(ctypes.c_int(v) for v in (KINDS[x.dtype], KINDS[weight.dtype], torch.get_num_threads())),
+    )
+
+
+def router_topk(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    k: int,
+    norm: bool,
+    scale: float,
+    replay: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A softmax top-k router in one kernel call: rows ``x`` [N, H] (fp32 or bf16, CPU) against the fp32 router
+    ``weight`` [E, H] (and ``bias`` [E]) in fp32 -> (gate weights [N, k] fp32: the chosen experts' probabilities,
+    divided by their sum where ``norm``, times ``scale``; expert indices [N, k] int64, the most probable first).
+    ``replay`` [N, k] (its range checked by the caller, ``MoEModel.check_replay``): a row not starting with -1 takes
+    those experts. Where torch's GEMM and softmax sum in their own orders, the logits and weights may differ from
+    theirs in the last bits."""
+    e, h = weight.shape
+    good = x.dtype in KINDS and x.dim() == 2 and x.shape[1] == h and weight.dtype == torch.float32 and 0 < k <= e
+    good = good and (bias is None or (bias.dtype == torch.float32 and bias.shape == (e,)))
+    if not good or (replay is not None and replay.shape != (x.shape[0], k)):
+        shapes = f"rows {x.dtype} {tuple(x.shape)}, weight {weight.dtype} {tuple(weight.shape)}, k {k}"
+        raise ValueError(f"router_topk: {shapes}, replay {None if replay is None else tuple(replay.shape)}")
+    n, x, weight = x.shape[0], x.contiguous(), weight.contiguous()  # kept while the kernel reads them
+    replay = replay.to(torch.int64).contiguous() if replay is not None else None
+    gate, idx, work = torch.empty(n, k), torch.empty(n, k, dtype=torch.int64), torch.empty(router_work(e))
+    kernel().moerl_router_topk(*router_args(x, weight, bias, norm, scale, gate, idx, work, replay))
+    return gate, idx
+
+
+def router_work(e: int) -> int:
+    """The router kernel's fp32 scratch: a row's ``e`` probabilities per thread."""
+    return torch.get_num_threads() * e
+
+
+def router_args(x, weight, bias, norm: bool, scale: float, gate, idx, work, replay=None) -> tuple:
+    """``moerl_router_topk``'s arguments: contiguous rows ``x`` against ``weight`` into ``gate`` / ``idx`` [N, k]
+    (``replay``: int64 [N, k] or None)."""
+    ptr, i32 = ctypes.c_void_p, ctypes.c_int
+    (n, h), e, k = x.shape, weight.shape[0], idx.shape[1]
+    return (
+        ptr(x.data_ptr()),
+        i32(KINDS[x.dtype]),
+        ptr(weight.data_ptr()),
+        ptr(bias.data_ptr() if bias is not None else 0),
+        *(i32(v) for v in (n, h, e, k, norm)),
+        ctypes.c_float(scale),
+        ptr(replay.data_ptr() if replay is not None else 0),
+        *(ptr(t.data_ptr()) for t in (gate, idx, work)),
+        i32(torch.get_num_threads()),
     )
 
 
@@ -783,8 +835,8 @@ def paged_write_decode(
     sinks = sinks.float().contiguous() if sinks is not None else None
     out = q.new_empty(b, hq, dv)
     scratch = torch.empty(paged_scratch(hq // hkv, d, nb, block_size))
-    pools = (k_pool, v_pool, tables, pos, sinks)
-    kernel().moerl_paged_decode(*paged_args(_rows(q), hq, pools, block_size, window, scale, out, scratch, new))
+    pools, qr = (k_pool, v_pool, tables, pos, sinks), _rows(q)  # kept while the kernel reads them
+    kernel().moerl_paged_decode(*paged_args(qr, hq, pools, block_size, window, scale, out, scratch, new))
     return out
 
 
