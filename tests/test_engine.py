@@ -144,6 +144,33 @@ def test_a_batch_of_greedy_and_sampled_rows_samples_each_as_alone():
     assert torch.allclose(logp, logits.log_softmax(-1).gather(1, tokens[:, None]).squeeze(1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "vocab"), [(12, 40), (64, 128), (9, 32000)])
+def test_the_samplers_one_call_draws_the_torch_ops_tokens(rows, vocab, dtype, monkeypatch):
+    """A CPU step without top-k / top-p or held-back tokens samples in one kernel call (``moerl_sample``): against
+    the torch ops it replaces (the kernel not built), the same tokens from the same uniforms, greedy and sampled rows
+    mixed, at temperatures 0.7 and 1.3, and logprobs within 1e-5 (the sums in another order; fp32 and bf16 logits, a
+    32k vocabulary on two threads). The control: the logprobs of another temperature lie beyond it."""
+    import moerl.engine.sampler as sampler
+
+    if sampler.kernel() is None:
+        pytest.skip("the kernels do not build here")
+    logits = (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab)) * 3).to(dtype)
+    params = [SamplingParams(temperature=(0.0, 0.7, 1.3)[i % 3]) for i in range(rows)]
+
+    def run(temps=params):
+        gens = [sampler.sequence_generator(11, i) if i % 2 else None for i in range(rows)]
+        return sampler.sample(logits, temps, gens, [0] * rows, None, torch.Generator().manual_seed(3))
+
+    tokens, logp = run()
+    with monkeypatch.context() as m:
+        m.setattr(sampler, "kernel", lambda: None)
+        want_tokens, want_logp = run()
+    assert torch.equal(tokens, want_tokens) and torch.allclose(logp, want_logp, rtol=0, atol=1e-5)
+    hotter = run([SamplingParams(temperature=p.temperature * 1.01 or 0.0) for p in params])[1]
+    assert not torch.allclose(hotter, want_logp, rtol=0, atol=1e-5)
+
+
 def test_top_p_keeps_the_nucleus(hf_checkpoints):
     engine = LLMEngine(
         hf_checkpoints["Qwen3MoeForCausalLM"][0], EngineConfig(max_num_seqs=8, max_model_len=64), dtype=torch.float32

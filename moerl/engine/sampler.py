@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from moerl.device import to_device
 from moerl.engine.config import SamplingParams
+from moerl.model.packed import KINDS, kernel
 
 
 class SeededDraws:
@@ -47,33 +50,30 @@ def sample(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next tokens [M] and their logprobs [M] (fp32, log-softmax of logits / temperature) for logits [M, V], on the
     logits' device. The seeded draws are the host's: one uniform per sampled row comes from them."""
-    logits, device = logits.float(), logits.device
+    device = logits.device
     # every host-made input first, so they reach the device in one copy: temperatures, top-k / top-p, the uniforms
-    host = [torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])]
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
     top = any(p.top_k > 0 or p.top_p < 1 for p in params)
+    drawn = [i for i, p in enumerate(params) if p.temperature > 0]
+    u = _uniforms(drawn, generators, fallback)
+    # min_tokens: no stop token yet
+    masks = [
+        (i, stops) for i, p in enumerate(params) if num_generated[i] < p.min_tokens and (stops := _stops(p, eos_id))
+    ]
+    if not top and not masks and device.type == "cpu" and logits.dtype in KINDS and kernel() is not None:
+        return _one_call(logits, temps, drawn, u)
+    host = [temps]
     if top:
         host += [torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params])]
-    drawn = [i for i, p in enumerate(params) if p.temperature > 0]
     if drawn:
-        # inverse-CDF sampling with one uniform per row from the row's own generator (or the engine's): one
-        # batched search in place of a multinomial call per row (the sampler's cost at 100+ rows)
-        seeded = [generators[i].next() if generators[i] is not None else 0.0 for i in drawn]
-        u = torch.tensor(seeded, dtype=torch.float64)
-        shared = [j for j, i in enumerate(drawn) if generators[i] is None]
-        if shared:
-            u[shared] = torch.rand(len(shared), generator=fallback, dtype=torch.float64)
         host += ([] if len(drawn) == len(params) else [torch.tensor(drawn)]) + [u]
     on_device = to_device(host, device)
-    temps = on_device[0]
-    z = logits / temps[:, None]
+    z = logits.float() / on_device[0][:, None]
     logp = z.log_softmax(-1)
     masked = z
-    for i, p in enumerate(params):  # min_tokens: no stop token yet
-        if num_generated[i] < p.min_tokens:
-            stops = list(p.stop_token_ids) + ([] if p.ignore_eos or eos_id is None else [eos_id])
-            if stops:
-                masked = masked.clone() if masked is z else masked
-                masked[i, stops] = float("-inf")
+    for i, stops in masks:
+        masked = masked.clone() if masked is z else masked
+        masked[i, stops] = float("-inf")
     if top:
         top_k, top_p = on_device[1:3]
         ordered, order = masked.sort(dim=-1, descending=True)
@@ -97,3 +97,47 @@ def sample(
         else:
             tokens[rows] = picked
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _stops(p: SamplingParams, eos_id: int | None) -> list[int]:
+    """The tokens ``min_tokens`` holds back: the request's stop tokens and the end of sequence (unless ignored)."""
+    return list(p.stop_token_ids) + ([] if p.ignore_eos or eos_id is None else [eos_id])
+
+
+def _uniforms(drawn: list[int], generators: list[SeededDraws | None], fallback: torch.Generator) -> torch.Tensor:
+    """One float64 uniform per sampled row (``drawn``), from the row's own generator or the engine's: inverse-CDF
+    sampling, one batched search in place of a multinomial call per row (the sampler's cost at 100+ rows)."""
+    u = torch.tensor([generators[i].next() if generators[i] is not None else 0.0 for i in drawn], dtype=torch.float64)
+    shared = [j for j, i in enumerate(drawn) if generators[i] is None]
+    if shared:
+        u[shared] = torch.rand(len(shared), generator=fallback, dtype=torch.float64)
+    return u
+
+
+def _one_call(
+    logits: torch.Tensor, temps: torch.Tensor, drawn: list[int], u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample``'s tokens and logprobs for CPU logits without top-k / top-p or held-back tokens, in one kernel call
+    (``moerl_sample``: the same rule as the torch ops below, its sums in its own order: logprobs within fp32
+    rounding of theirs) where those ops take a dozen calls a step."""
+    n, v = logits.shape
+    rows = logits.contiguous()  # kept while the kernel reads it
+    every = u
+    if len(drawn) < n:
+        every = torch.full((n,), -1.0, dtype=torch.float64)  # -1: greedy
+        every[torch.tensor(drawn, dtype=torch.int64)] = u
+    tokens, logprobs, work = (
+        torch.empty(n, dtype=torch.int64),
+        torch.empty(n),
+        torch.empty(torch.get_num_threads(), 3 * v),
+    )
+    ptr, i32 = ctypes.c_void_p, ctypes.c_int
+    kernel().moerl_sample(
+        ptr(rows.data_ptr()),
+        i32(KINDS[rows.dtype]),
+        i32(n),
+        i32(v),
+        *(ptr(t.data_ptr()) for t in (temps, every, tokens, logprobs, work)),
+        i32(torch.get_num_threads()),
+    )
+    return tokens, logprobs

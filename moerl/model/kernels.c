@@ -473,6 +473,57 @@ void moerl_router_topk(const void* x, int xb, const float* w, const float* bias,
   }
 }
 
+typedef double vd __attribute__((vector_size(2 * VB)));
+
+/* A step's next tokens from logits [N][V] (fp32 or bf16, lb) as the sampler's torch ops draw them: z = logits / temp
+   (fp32), logprob of the token = z - logsumexp(z) (the exps summed in fp64); u[r] < 0: the first argmax of z
+   (greedy), else inverse-CDF sampling: the first token whose cumulative softmax probability (fp32 probabilities
+   summed in fp64) exceeds min(u * total, the double below total). */
+void moerl_sample(const void* logits, int lb, int N, int V, const float* temps, const double* u, int64_t* tokens,
+                  float* logprobs, float* work, int threads) {
+  int n = (int64_t)N * V >= (1 << 16) ? threads : 1;
+  #pragma omp parallel for num_threads(n)
+  for (int r = 0; r < N; r++) {
+    float* e = work + (int64_t)omp_get_thread_num() * 3 * V;  /* z, then e^(z - max), then the probabilities */
+    double* cdf = (double*)(e + V);
+    float mx = -INFINITY;
+    int arg = 0, v = 0;
+    for (; v < V; v++) {
+      e[v] = lds(logits, (int64_t)r * V + v, lb) / temps[r];
+      if (e[v] > mx) mx = e[v], arg = v;
+    }
+    float z_arg = e[arg];
+    vd lanes = (vd){0};  /* the sum of e^(z - max) in fp64: a long vocabulary's fp32 sum would drift from torch's */
+    for (v = 0; v + VW <= V; v += VW) {
+      vf x = vexp(*(const vfu*)(e + v) - mx);
+      *(vfu*)(e + v) = x;
+      lanes += __builtin_convertvector(x, vd);
+    }
+    double total_e = 0;
+    for (int l = 0; l < VW; l++) total_e += lanes[l];
+    for (; v < V; v++) total_e += e[v] = expf(e[v] - mx);
+    float sum = (float)total_e, lse = mx + logf(sum);
+    int tok = arg;
+    float zt = z_arg;
+    if (u[r] >= 0) {
+      double c = 0;
+      for (v = 0; v < V; v++) cdf[v] = c += (double)(e[v] / sum);
+      double point = u[r] * c, below = nextafter(c, 0.0);
+      if (point > below) point = below;
+      int lo = 0, hi = V - 1;  /* the first token whose cumulative mass exceeds the point */
+      while (lo < hi) {
+        int mid = (lo + hi) / 2;
+        if (cdf[mid] > point) hi = mid;
+        else lo = mid + 1;
+      }
+      tok = lo;
+      zt = lds(logits, (int64_t)r * V + tok, lb) / temps[r];
+    }
+    tokens[r] = tok;
+    logprobs[r] = zt - lse;
+  }
+}
+
 int moerl_moe_decode(const void* x, const int64_t* idx, const float* gate, int N, int k, int E, int H, int I,
                      const void* gu, const void* dn, int wb, void* out, int xb, float* work, int32_t* ints,
                      const lora_t* L, int amx, int threads) {
