@@ -331,22 +331,28 @@ def test_the_loop_compiles_the_decode_step_when_auto_finds_it_pays(warm_model, t
 
 
 def test_a_compiled_decode_step_faster_than_eager_is_kept(warm_model, tmp_path, monkeypatch, capfd):
-    """The other side of the trial: eager decode steps slowed (in the eager step's own view of the cache, inside the
-    timed forward), the compiled step decodes faster and stays on for the rest of the run."""
+    """The other side of the trial: eager decode steps slowed (in the eager step's own view of the cache, or in the
+    bound step, inside the timed forward), the compiled step decodes faster and stays on for the rest of the run."""
     from run_helpers import run_cfg
 
+    from moerl.engine.direct import DirectDecode
     from moerl.engine.kv_cache import StepView
     from moerl.loop import train
 
     told = []
-    init, compile_decode = StepView.__init__, LLMEngine.compile_decode
+    init, compile_decode, bound = StepView.__init__, LLMEngine.compile_decode, DirectDecode.step
 
     def slow_eager(self, *args, graph=False, **kwargs):
         if not graph:  # the eager steps' views (prefill's too, which is not timed)
             time.sleep(0.05)
         init(self, *args, graph=graph, **kwargs)
 
+    def slow_bound(self, *args):
+        time.sleep(0.05)
+        return bound(self, *args)
+
     monkeypatch.setattr(StepView, "__init__", slow_eager)
+    monkeypatch.setattr(DirectDecode, "step", slow_bound)
     monkeypatch.setattr(LLMEngine, "compile_decode", lambda self, on=True: told.append(on) or compile_decode(self, on))
     monkeypatch.setattr(compiled_decode, "COMPILE_SECONDS", 0.0)
     train(run_cfg(tmp_path / "run", warm_model, "full", steps=7, **{"rollout.max_tokens": 6}))

@@ -1,6 +1,6 @@
 """The CPU engine's decode step as bound kernel calls (``moerl.engine.direct``) against the modules' forward it
-replaces: the same tokens, logprobs and chosen experts bit for bit (bf16 on AMX), weights synced in place seen, and
-the models it does not bind named."""
+replaces: the same tokens, logprobs and chosen experts bit for bit (bf16 on AMX, fp32 with torch's GEMMs), weights
+synced in place seen, and the models it does not bind named."""
 
 import pytest
 import torch
@@ -13,10 +13,9 @@ from moerl.engine.kv_cache import StepView
 from moerl.model.mx import apply_mxfp8
 from moerl.presets import init_model
 
-pytestmark = pytest.mark.skipif(
-    packed_module.kernel() is None or not packed_module.amx(),
-    reason="no AMX here (or no C compiler): the bound step runs bf16 on AMX only",
-)
+pytestmark = pytest.mark.skipif(packed_module.kernel() is None, reason="the kernels do not build here")
+AMX = pytest.mark.skipif(not packed_module.amx(), reason="no AMX here: a bf16 step runs bound on AMX only")
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=AMX)]
 
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "experts")  # every module of a MoE-only model
@@ -50,12 +49,13 @@ def tiny(tmp_path_factory):
     return path
 
 
-def test_bound_decode_steps_give_the_modules_tokens_logprobs_and_experts_bit_for_bit(tiny):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bound_decode_steps_give_the_modules_tokens_logprobs_and_experts_bit_for_bit(tiny, dtype):
     """A batch decoded through the bound calls and through the modules: equal bit for bit, over batch sizes 5..1 and
     tables of 1..8 blocks. The control: an expert weight changed in place (a sync's ``copy_``) changes the bound
     step's logprobs, and they are again the modules' (the weights' versions are checked each step)."""
     cfg = EngineConfig(max_num_seqs=8, max_model_len=96, block_size=8, capture_routing=True)
-    engine = LLMEngine(tiny, cfg, dtype=torch.bfloat16)
+    engine = LLMEngine(tiny, cfg, dtype=dtype)
     direct = engine.direct
     assert refusal(engine.model, engine.cache) is None
     bound = _generate(engine, direct)
@@ -72,10 +72,11 @@ def test_bound_decode_steps_give_the_modules_tokens_logprobs_and_experts_bit_for
     assert _same(synced, _generate(engine, None))
 
 
-def test_a_weight_synced_in_place_between_steps_is_seen_by_the_next(tiny):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_weight_synced_in_place_between_steps_is_seen_by_the_next(tiny, dtype):
     """Decode steps called alone (no prefill between them to pack the weights again): the step after an in-place
     change of an expert's and of a projection's weight gives the modules' logits for the new weights, not the old."""
-    engine = LLMEngine(tiny, EngineConfig(max_num_seqs=4, max_model_len=64, block_size=8), dtype=torch.bfloat16)
+    engine = LLMEngine(tiny, EngineConfig(max_num_seqs=4, max_model_len=64, block_size=8), dtype=dtype)
     direct, model = engine.direct, engine.model
     ids, positions, tables = torch.tensor([[7], [9]]), torch.tensor([[5], [12]]), torch.tensor([[0, 1], [2, 3]])
 
@@ -94,6 +95,7 @@ def test_a_weight_synced_in_place_between_steps_is_seen_by_the_next(tiny):
         assert torch.equal(after, modules())
 
 
+@AMX
 def test_a_cache_released_between_calls_is_bound_again(tiny):
     """``release_cache``: the pools are made again for each call; the bound step follows them (the modules' tokens)."""
     cfg = EngineConfig(max_num_seqs=4, max_model_len=64, release_cache=True)
@@ -103,6 +105,7 @@ def test_a_cache_released_between_calls_is_bound_again(tiny):
     assert _same(first, _generate(engine, direct)) and _same(first, _generate(engine, None))
 
 
+@AMX
 @pytest.mark.parametrize("layout", ["shared_outer", "per_expert"])
 def test_adapters_in_a_bound_step_give_the_modules_tokens_bit_for_bit(tiny, layout):
     """Rows of two adapters and rows of none in one batch, then every row on one adapter (the single-slot path): the
@@ -131,15 +134,18 @@ def test_adapters_in_a_bound_step_give_the_modules_tokens_bit_for_bit(tiny, layo
         assert not _same(bound, run(direct, [None] * 5))
 
 
+@AMX
 def test_models_the_bound_step_does_not_run_are_named(tiny, tmp_path):
-    """fp32, MXFP8 swapped in after the engine is built, q / k / v biases: each refused with its reason (the modules
-    run it), and the swap is seen at the next step."""
-    fp32 = LLMEngine(tiny, EngineConfig(max_num_seqs=2, max_model_len=32), dtype=torch.float32)
-    assert "bf16" in refusal(fp32.model, fp32.cache)
+    """Adapters on an fp32 model's projections (their delta is ``lora_add``'s, not bound), MXFP8 swapped in after the
+    engine is built, q / k / v biases: each refused with its reason (the modules run it), and the swap is seen at the
+    next step."""
+    cfg = EngineConfig(max_num_seqs=2, max_model_len=32, max_loras=1)
+    fp32 = LLMEngine(tiny, cfg, dtype=torch.float32)
+    assert "adapters on projections off AMX" in refusal(fp32.model, fp32.cache)
     ids, positions, tables = torch.tensor([[7]]), torch.tensor([[0]]), torch.tensor([[0]])
     engine = LLMEngine(tiny, EngineConfig(max_num_seqs=2, max_model_len=32), dtype=torch.bfloat16)
     with torch.inference_mode():
-        assert fp32.direct.step(ids, positions, tables) is None and "bf16" in fp32.direct.why
+        assert fp32.direct.step(ids, positions, tables) is None and "off AMX" in fp32.direct.why
         assert engine.direct.step(ids, positions, tables) is not None
         apply_mxfp8(engine.model)
         assert engine.direct.step(ids, positions, tables) is None and "projection" in engine.direct.why

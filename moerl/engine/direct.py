@@ -20,6 +20,7 @@ again); a module swapped since (``moerl.model.swap``), another thread count or a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -55,10 +56,12 @@ TABLE_STEP = 16  # the bound tables' width grows by this many blocks
 def refusal(model: MoEModel, cache: KVCache) -> str | None:
     """Why ``model``'s decode steps cannot run bound (None: they can)."""
     cfg = model.config
-    if not model.laid_out or kernel() is None or not amx() or model.dtype != torch.bfloat16:
-        return "not an engine's own bf16 CPU model on AMX"
-    if cache.dtype != torch.bfloat16:
-        return "a cache not in bf16"
+    if not model.laid_out or kernel() is None or model.dtype not in (torch.float32, torch.bfloat16):
+        return "not an engine's own fp32 or bf16 CPU model"
+    if model.dtype == torch.bfloat16 and not amx():
+        return "a bf16 model on a CPU without AMX"
+    if cache.dtype != model.dtype:
+        return "a cache in another dtype than the model's"
     if cfg.embedding_multiplier != 1.0 or cfg.logits_scaling != 1.0 or not isinstance(model.norm, RMSNorm):
         return "an embedding or logits multiplier, or a final norm other than RMSNorm"
     for layer in model.layers:
@@ -78,10 +81,11 @@ def _layer_refusal(layer) -> str | None:
     if not all(isinstance(n, RMSNorm) for n in norms) or type(a) is not Attention or type(moe) is not MoE:
         return "another norm, attention or MoE class"
     projections = (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
-    if any(type(m) not in (Linear, LoraLinear) or not m.packed or m.bias is not None for m in projections):
-        return "a projection not on AMX, or with a bias"
-    if any(type(m) is LoraLinear and not m.lora.one_call for m in projections):
-        return "adapters not laid out for decode (MoEModel.decode_layout)"
+    on_amx = a.q_proj.weight.dtype == torch.bfloat16  # fp32: torch's GEMM, as the modules' F.linear
+    if any(type(m) not in (Linear, LoraLinear) or m.packed != on_amx or m.bias is not None for m in projections):
+        return "a projection with a bias, or a bf16 one not on AMX"
+    if any(type(m) is LoraLinear and not (m.lora.one_call and on_amx) for m in projections):
+        return "adapters on projections off AMX, or not laid out for decode (MoEModel.decode_layout)"
     if len({type(m) for m in projections[:3]}) > 1:
         return "adapters on some of q / k / v only"
     if a.output_gate or a.clip_qkv is not None or a.qk_norm not in ("head", "none") or a.qk_norm_after_rope:
@@ -96,8 +100,8 @@ def _layer_refusal(layer) -> str | None:
         return "shared experts, or another experts class"
     if not e.packed or not e.grouped or e.activation != "silu" or not e.gated or e.zero:
         return "experts not packed SiLU ones"
-    if e.gate_up_proj_bias is not None or e.down_proj_bias is not None or e.down_proj.dtype != torch.bfloat16:
-        return "experts with a bias, or not in bf16"
+    if e.gate_up_proj_bias is not None or e.down_proj_bias is not None or e.down_proj.dtype != a.q_proj.weight.dtype:
+        return "experts with a bias, or in another dtype than the projections'"
     return None
 
 
@@ -223,20 +227,10 @@ class DirectDecode:
         for i, layer in enumerate(layers):
             attn, moe = layer.self_attn, layer.mlp
             hq, hkv = attn.num_heads, attn.num_kv_heads
-            qkv_layers = (attn.q_proj, attn.k_proj, attn.v_proj)
-            panels, _ = fused_linear(attn, qkv_layers)
-            qkv = torch.empty(b, panels.shape[1] * panels.shape[3], dtype=dt)
-            adapters = xa = None
-            if lora and type(attn.q_proj) is LoraLinear:
-                loras = [m.lora for m in qkv_layers]
-                made = loras[0].fused_amx_args(attn, loras, panels, slots)
-                if made is None:
-                    self.why = "q / k / v adapters that do not run as one call (their scales or ranks differ)"
-                    return None
-                adapters, xa = made[1], torch.empty(b, made[1].r)
-                keep += [made, xa]
-            calls.append((lib.moerl_amx_linear, amx_linear_args(h, b, panels, qkv, adapters, xa)))
-            q, kk, v = (t.view(b, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=1))
+            made = self._qkv(attn, h, b, slots if lora else None, calls, keep)
+            if made is None:
+                return None
+            q, kk, v = made
             qw, kw = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm == "head" else (None, None)
             eps = attn.q_norm.eps if qw is not None else 0.0
             calls.append((lib.moerl_norm_rope, norm_rope_args(q, kk, qw, kw, eps, bound.cos, bound.sin)))
@@ -247,13 +241,7 @@ class DirectDecode:
             new = (kk.view(b, -1), v.view(b, -1), bound.slots)
             args = paged_args(q.view(b, -1), hq, pools, cache.block_size, window, attn.scale, seen, scratch, new)
             calls.append((lib.moerl_paged_decode, args))
-            o, adapters, xa = attn.o_proj, None, None
-            o_panels = linear_panels(o, o.weight)
-            if lora and type(o) is LoraLinear:
-                o_panels, *made = o.amx_lora_args(slots)
-                adapters, xa = made[1], torch.empty(b, made[1].r)
-                keep += [made, xa]
-            calls.append((lib.moerl_amx_linear, amx_linear_args(seen, b, o_panels, a, adapters, xa)))
+            self._o_proj(attn.o_proj, seen, b, a, slots if lora else None, calls, keep)
             post = layer.post_attention_layernorm
             calls.append((lib.moerl_add_rms_norm, add_rms_norm_args(x, a, post.weight, post.eps, x2, h[:b])))
             experts, idx, gate = moe.experts, bound.idx[i], bound.gate[i]
@@ -275,5 +263,44 @@ class DirectDecode:
             calls.append((lib.moerl_moe_decode, args))
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
             calls.append((lib.moerl_add_rms_norm, add_rms_norm_args(x2, out, nxt.weight, nxt.eps, x, h[:b])))
-            keep += [qkv, sinks, seen, work, ints]
+            keep += [sinks, seen, work, ints]
         return bound
+
+    def _qkv(self, attn: Attention, h: torch.Tensor, b: int, slots: torch.Tensor | None, calls: list, keep: list):
+        """The calls of q / k / v for rows ``h`` (``slots``: each row's adapter): on AMX one call from their panels
+        side by side (``fused_projections``' call, adapters joined), else torch's GEMM each (fp32, the modules'
+        ``F.linear``). Returns q, k, v [b, heads, d] (views of what the calls write), or None where the adapters do
+        not run as one call (``why``)."""
+        layers, d, dt = (attn.q_proj, attn.k_proj, attn.v_proj), attn.head_dim, h.dtype
+        if not attn.q_proj.packed:
+            outs = [torch.empty(b, m.out_features, dtype=dt) for m in layers]
+            calls += [(partial(torch.mm, out=y), (h[:b], m.weight.t())) for m, y in zip(layers, outs, strict=True)]
+            keep += outs
+            return [y.view(b, -1, d) for y in outs]
+        panels, _ = fused_linear(attn, layers)
+        qkv = torch.empty(b, panels.shape[1] * panels.shape[3], dtype=dt)
+        adapters = xa = None
+        if slots is not None and type(attn.q_proj) is LoraLinear:
+            loras = [m.lora for m in layers]
+            made = loras[0].fused_amx_args(attn, loras, panels, slots)
+            if made is None:
+                self.why = "q / k / v adapters that do not run as one call (their scales or ranks differ)"
+                return None
+            adapters, xa = made[1], torch.empty(b, made[1].r)
+            keep += [made, xa]
+        calls.append((kernel().moerl_amx_linear, amx_linear_args(h, b, panels, qkv, adapters, xa)))
+        keep.append(qkv)
+        return [t.view(b, -1, d) for t in qkv.split([m.out_features for m in layers], dim=1)]
+
+    def _o_proj(self, o, seen: torch.Tensor, b: int, a: torch.Tensor, slots, calls: list, keep: list) -> None:
+        """The call of o_proj from attention's rows ``seen`` into ``a``: on AMX (its adapters joined), else torch's
+        GEMM (fp32)."""
+        if not o.packed:
+            calls.append((partial(torch.mm, out=a), (seen[:b], o.weight.t())))
+            return
+        panels, adapters, xa = linear_panels(o, o.weight), None, None
+        if slots is not None and type(o) is LoraLinear:
+            panels, *made = o.amx_lora_args(slots)
+            adapters, xa = made[1], torch.empty(b, made[1].r)
+            keep += [made, xa]
+        calls.append((kernel().moerl_amx_linear, amx_linear_args(seen, b, panels, a, adapters, xa)))
