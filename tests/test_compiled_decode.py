@@ -278,6 +278,23 @@ def test_compiled_lora_decode_matches_the_eager_lora_engine(packed):
         _compare(outs[0], engine.generate(requests(("b", "a", None))))
 
 
+def test_auto_keeps_a_bound_eager_step_and_true_compiles_it(tmp_path):
+    """An engine whose decode steps run as bound kernel calls (``moerl.engine.direct``, faster than its graph here):
+    ``compile_decode: auto`` stays eager when told to compile; ``compile_decode: True`` compiles as asked. The control:
+    the same engine without the bound step (``direct`` None) compiles under auto."""
+    path = tmp_path / "tiny"
+    init_model("qwen3_moe", "tiny", path, overrides={"num_hidden_layers": 2})
+    cfg = {"max_num_seqs": 4, "max_model_len": 32}
+    auto = LLMEngine(path, EngineConfig(**cfg, compile_decode="auto"), dtype=torch.float32)
+    if not auto.direct.runs():
+        pytest.skip(f"the bound step does not run here: {auto.direct.why}")
+    assert not auto.compile_decode() and auto.compiled is None
+    auto.direct = None
+    assert auto.compile_decode() and auto.compiled is not None
+    asked = LLMEngine(path, EngineConfig(**cfg, compile_decode=True), dtype=torch.float32)
+    assert asked.compiled is not None
+
+
 def test_compiling_pays_past_the_measured_break_even():
     """``compile_decode: auto`` compiles when the steps left save more than the compilation costs: at 0.12 of the
     decode time saved and 30 s to compile, 1 s of decoding a step pays from 250 steps left on, not at 249."""
@@ -294,10 +311,12 @@ def test_the_loop_compiles_the_decode_step_when_auto_finds_it_pays(warm_model, t
     from run_helpers import metric_rows, run_cfg
 
     from moerl.engine.compiled import CompiledDecode
+    from moerl.engine.direct import DirectDecode
     from moerl.loop import train
 
     steps, told = [], []
     step, compile_decode = CompiledDecode.step, LLMEngine.compile_decode
+    monkeypatch.setattr(DirectDecode, "runs", lambda self: False)  # an engine auto would compile (see below)
     monkeypatch.setattr(CompiledDecode, "step", lambda self, *a: steps.append(time.sleep(0.05)) or step(self, *a))
     monkeypatch.setattr(LLMEngine, "compile_decode", lambda self, on=True: told.append(on) or compile_decode(self, on))
     train(run_cfg(tmp_path / "eager", warm_model, "full", steps=4, **{"rollout.max_tokens": 6}))
@@ -353,6 +372,7 @@ def test_a_compiled_decode_step_faster_than_eager_is_kept(warm_model, tmp_path, 
 
     monkeypatch.setattr(StepView, "__init__", slow_eager)
     monkeypatch.setattr(DirectDecode, "step", slow_bound)
+    monkeypatch.setattr(DirectDecode, "runs", lambda self: False)  # an engine auto would compile (see below)
     monkeypatch.setattr(LLMEngine, "compile_decode", lambda self, on=True: told.append(on) or compile_decode(self, on))
     monkeypatch.setattr(compiled_decode, "COMPILE_SECONDS", 0.0)
     train(run_cfg(tmp_path / "run", warm_model, "full", steps=7, **{"rollout.max_tokens": 6}))

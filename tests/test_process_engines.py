@@ -182,11 +182,16 @@ def test_pools_in_and_out_of_process_speak_the_whole_inference_engine_protocol(m
     assert not isinstance(LLMEngine(model, cfg, dtype=torch.float32), InferenceEngine)
 
 
-def test_engine_processes_report_their_decode_seconds_and_compile_when_told(model):
+def test_engine_processes_report_their_decode_seconds_and_compile_when_told(tmp_path):
     """``compile_decode: auto`` across processes: each engine process answers ``decode_seconds`` (0 before a
     generate, more after), the tokens its decode steps made (every sampled token after a sequence's first, which
     its prefill makes) and ``compile_decode`` (its compiled step is built; True for the pool; told off, it is eager
-    again); engines built with compile_decode False answer False and stay eager."""
+    again); engines built with compile_decode False answer False and stay eager. (q / k / v biases: a model whose
+    decode steps do not run as bound calls, which auto never compiles: tests/test_compiled_decode.py.)"""
+    from moerl.presets import init_model
+
+    model = tmp_path / "biased"
+    init_model("qwen3_moe", "tiny", model, seed=0, overrides={"attention_bias": True})
     for setting in ("auto", False):
         cfg = EngineConfig(max_num_seqs=16, max_model_len=32, compile_decode=setting)
         pool = make_engine("native", model, cfg, placement="process", num_engines=1, threads=THREADS)

@@ -117,6 +117,7 @@ class EngineConfig:
     lora_targets: list[str] | None = None  # None: every linear layer and the experts
     fused_lora: bool = True  # False: the naive per-expert, per-adapter reference path
     # decode steps through one torch.compile graph (moerl.engine.compiled); "auto": eager until compile_decode()
+    # (never where the eager step runs as bound kernel calls, moerl.engine.direct: faster than the graph)
     compile_decode: bool | str = False
     # the KV cache holds memory only inside generate(): a trainer on the same device gets it back between calls
     release_cache: bool = False

@@ -173,6 +173,10 @@ class DirectDecode:
         routed = bound.idx.transpose(0, 1).reshape(b, 1, *bound.idx.shape[::2]) if self.capture else None
         return logits, routed
 
+    def runs(self) -> bool:
+        """Whether the model as it is now runs its decode steps bound (``refusal``: ``why``)."""
+        return self._ready()
+
     def _ready(self) -> bool:
         """Whether the model as it is now runs bound (``refusal``, asked again after a module swap); the bound calls
         dropped where a weight, an adapter, the cache's pools or the thread count changed since the last step."""

@@ -110,8 +110,10 @@ class LLMEngine:
         """Decode through the compiled step from the next decode on (``EngineConfig.compile_decode="auto"``; the
         run loop calls it once it has measured that compiling pays). Returns whether the compiled step is on: an
         engine whose config is False, or that cannot compile (linear-attention layers, ``release_cache``), stays
-        eager. ``on=False``: the eager step again (the loop's trial found the compiled one no faster)."""
-        if not on:
+        eager. ``on=False``: the eager step again (the loop's trial found the compiled one no faster). Under "auto" an
+        engine whose decode steps run as bound kernel calls (``moerl.engine.direct``) stays eager: its graph would
+        run the modules' ops, slower than those calls (BENCHMARKS.md, issue 42's fifteenth session)."""
+        if not on or (self.config.compile_decode == "auto" and self.direct is not None and self.direct.runs()):
             self.compiled = None
             return False
         if self.compiled is None and self.cache.scratch_block is not None:
