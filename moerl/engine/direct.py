@@ -51,6 +51,7 @@ from moerl.model.rope import rope_cos_sin
 from moerl.model.transformer import DecoderLayer, MoEModel
 
 TABLE_STEP = 16  # the bound tables' width grows by this many blocks
+MAX_BOUND = 64  # batch sizes kept bound at once (each ~0.5-1 ms to bind, its buffers a few hundred KiB at 64 rows)
 
 
 def refusal(model: MoEModel, cache: KVCache) -> str | None:
@@ -152,6 +153,8 @@ class DirectDecode:
         key = (b, lora)
         bound = self._bound.get(key)
         if (bound is None and key not in self._bound) or (bound is not None and bound.width < nb):
+            if len(self._bound) >= MAX_BOUND:  # a run whose batch takes many sizes: bind them again as they come
+                self._bound.clear()
             bound = self._bound[key] = self._bind(b, -(-nb // TABLE_STEP) * TABLE_STEP, lora)
         if bound is None:  # adapters that do not join the calls as one (``why``): the modules', until they change
             return None
@@ -219,7 +222,13 @@ class DirectDecode:
             torch.zeros(len(layers), b, k, dtype=torch.float32),
             torch.full((b,), -1, **i64) if lora else None,
         )
-        lib, calls, keep = kernel(), bound.calls, bound.keep
+        lib, calls, keep, shared = kernel(), bound.calls, bound.keep, {}
+        keep.append(shared)
+
+        def buf(name: str, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            # one buffer a name and shape for every layer: the layers run one after another
+            return shared.setdefault((name, shape, dtype), torch.empty(shape, dtype=dtype))
+
         x, h, slots = bound.x, bound.h, bound.adapters
         x2, a, out = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
         hq, hkv = layers[0].self_attn.num_heads, layers[0].self_attn.num_kv_heads
@@ -231,7 +240,7 @@ class DirectDecode:
         for i, layer in enumerate(layers):
             attn, moe = layer.self_attn, layer.mlp
             hq, hkv = attn.num_heads, attn.num_kv_heads
-            made = self._qkv(attn, h, b, slots if lora else None, calls, keep)
+            made = self._qkv(attn, h, b, slots if lora else None, calls, keep, buf)
             if made is None:
                 return None
             q, kk, v = made
@@ -240,12 +249,12 @@ class DirectDecode:
             calls.append((lib.moerl_norm_rope, norm_rope_args(q, kk, qw, kw, eps, bound.cos, bound.sin)))
             window = cache.sliding_window if attn.sliding and cache.sliding_window else 0
             sinks = attn.sinks.float().contiguous() if attn.sinks is not None else None
-            seen = torch.empty(padded, hq * d, dtype=dt)
+            seen = buf("seen", padded, hq * d, dtype=dt)
             pools = (cache.k[attn.layer], cache.v[attn.layer], bound.tables, bound.pos, sinks)
             new = (kk.view(b, -1), v.view(b, -1), bound.slots)
             args = paged_args(q.view(b, -1), hq, pools, cache.block_size, window, attn.scale, seen, scratch, new)
             calls.append((lib.moerl_paged_decode, args))
-            self._o_proj(attn.o_proj, seen, b, a, slots if lora else None, calls, keep)
+            self._o_proj(attn.o_proj, seen, b, a, slots if lora else None, calls, keep, buf)
             post = layer.post_attention_layernorm
             calls.append((lib.moerl_add_rms_norm, add_rms_norm_args(x, a, post.weight, post.eps, x2, h[:b])))
             experts, idx, gate = moe.experts, bound.idx[i], bound.gate[i]
@@ -263,26 +272,26 @@ class DirectDecode:
                 adapters = made[1]
                 keep.append(made)
             work, ints = moe_buffers(b, k, gate_up, down, adapters)
+            work, ints = buf("work", *work.shape), buf("ints", *ints.shape, dtype=ints.dtype)
             args = moe_decode_args(h[:b], idx, gate, gate_up, down, out, work, ints, adapters)
             calls.append((lib.moerl_moe_decode, args))
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
             calls.append((lib.moerl_add_rms_norm, add_rms_norm_args(x2, out, nxt.weight, nxt.eps, x, h[:b])))
-            keep += [sinks, seen, work, ints]
+            keep.append(sinks)
         return bound
 
-    def _qkv(self, attn: Attention, h: torch.Tensor, b: int, slots: torch.Tensor | None, calls: list, keep: list):
+    def _qkv(self, attn: Attention, h: torch.Tensor, b: int, slots: torch.Tensor | None, calls: list, keep: list, buf):
         """The calls of q / k / v for rows ``h`` (``slots``: each row's adapter): on AMX one call from their panels
         side by side (``fused_projections``' call, adapters joined), else torch's GEMM each (fp32, the modules'
         ``F.linear``). Returns q, k, v [b, heads, d] (views of what the calls write), or None where the adapters do
-        not run as one call (``why``)."""
+        not run as one call (``why``). ``buf(name, *shape, dtype=)``: a buffer the layers share."""
         layers, d, dt = (attn.q_proj, attn.k_proj, attn.v_proj), attn.head_dim, h.dtype
         if not attn.q_proj.packed:
-            outs = [torch.empty(b, m.out_features, dtype=dt) for m in layers]
+            outs = [buf(f"qkv {i}", b, m.out_features, dtype=dt) for i, m in enumerate(layers)]
             calls += [(partial(torch.mm, out=y), (h[:b], m.weight.t())) for m, y in zip(layers, outs, strict=True)]
-            keep += outs
             return [y.view(b, -1, d) for y in outs]
         panels, _ = fused_linear(attn, layers)
-        qkv = torch.empty(b, panels.shape[1] * panels.shape[3], dtype=dt)
+        qkv = buf("qkv", b, panels.shape[1] * panels.shape[3], dtype=dt)
         adapters = xa = None
         if slots is not None and type(attn.q_proj) is LoraLinear:
             loras = [m.lora for m in layers]
@@ -290,13 +299,12 @@ class DirectDecode:
             if made is None:
                 self.why = "q / k / v adapters that do not run as one call (their scales or ranks differ)"
                 return None
-            adapters, xa = made[1], torch.empty(b, made[1].r)
-            keep += [made, xa]
+            adapters, xa = made[1], buf("xa", b, made[1].r)
+            keep.append(made)
         calls.append((kernel().moerl_amx_linear, amx_linear_args(h, b, panels, qkv, adapters, xa)))
-        keep.append(qkv)
         return [t.view(b, -1, d) for t in qkv.split([m.out_features for m in layers], dim=1)]
 
-    def _o_proj(self, o, seen: torch.Tensor, b: int, a: torch.Tensor, slots, calls: list, keep: list) -> None:
+    def _o_proj(self, o, seen: torch.Tensor, b: int, a: torch.Tensor, slots, calls: list, keep: list, buf) -> None:
         """The call of o_proj from attention's rows ``seen`` into ``a``: on AMX (its adapters joined), else torch's
         GEMM (fp32)."""
         if not o.packed:
@@ -305,6 +313,6 @@ class DirectDecode:
         panels, adapters, xa = linear_panels(o, o.weight), None, None
         if slots is not None and type(o) is LoraLinear:
             panels, *made = o.amx_lora_args(slots)
-            adapters, xa = made[1], torch.empty(b, made[1].r)
-            keep += [made, xa]
+            adapters, xa = made[1], buf("xa", b, made[1].r)
+            keep.append(made)
         calls.append((kernel().moerl_amx_linear, amx_linear_args(seen, b, panels, a, adapters, xa)))
