@@ -89,20 +89,17 @@ def _layer_refusal(layer) -> str | None:
         return "adapters on projections off AMX, or not laid out for decode (MoEModel.decode_layout)"
     if len({type(m) for m in projections[:3]}) > 1:
         return "adapters on some of q / k / v only"
-    if a.output_gate or a.clip_qkv is not None or a.qk_norm not in ("head", "none") or a.qk_norm_after_rope:
-        return "an attention output gate, clipped q / k / v, or q / k norms other than per head before RoPE"
-    if a.interleave or a.rope_dim != a.head_dim or a.head_dim % 2:
-        return "interleaved or partial RoPE"
+    if a.output_gate or a.clip_qkv is not None:
+        return "an attention output gate, or clipped q / k / v"
+    if not a.rope_in_one_call:
+        return "q / k norms other than per head before RoPE, or interleaved or partial RoPE"
     r, e = moe.router, moe.experts
-    fast = r.scoring == "softmax" and not r.topk_before_softmax and r.e_score_correction_bias is None
-    if not fast or r.n_group > 1 or r.norm_min or not r.one_call:
+    if not (r.one_call and r.softmax_top_k):
         return "a router other than one call of a softmax top-k (Router._one_call)"
     if moe.shared_experts is not None or type(e) not in (Experts, LoraExperts):
         return "shared experts, or another experts class"
-    if not e.packed or not e.grouped or e.activation != "silu" or not e.gated or e.zero:
-        return "experts not packed SiLU ones"
-    if e.gate_up_proj_bias is not None or e.down_proj_bias is not None or e.down_proj.dtype != a.q_proj.weight.dtype:
-        return "experts with a bias, or in another dtype than the projections'"
+    if not (e.packed and e.grouped and e.plain_silu) or e.down_proj.dtype != a.q_proj.weight.dtype:
+        return "experts not packed SiLU ones without biases, or in another dtype than the projections'"
     return None
 
 

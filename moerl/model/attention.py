@@ -174,9 +174,14 @@ class Attention(nn.Module):
     def _plain_rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> bool:
         """Per-head norms (or none) before a full rotate-half RoPE, q / k / cos of one kernel dtype: what the norm +
         RoPE kernels compute."""
+        return self.rope_in_one_call and q.dtype == k.dtype == cos.dtype and q.dtype in KINDS
+
+    @property
+    def rope_in_one_call(self) -> bool:
+        """Per-head q / k norms (or none) before a full rotate-half RoPE of an even head size: what the norm + RoPE
+        kernels compute, whatever the dtype."""
         plain = self.qk_norm in ("head", "none") and not self.qk_norm_after_rope and not self.interleave
-        same = q.dtype == k.dtype == cos.dtype and q.dtype in KINDS
-        return plain and same and self.rope_dim == self.head_dim and self.head_dim % 2 == 0
+        return plain and self.rope_dim == self.head_dim and self.head_dim % 2 == 0
 
 
 MLA_NORM_EPS = 1e-6  # the latent norms' epsilon: fixed in DeepSeek's reference code, whatever rms_norm_eps says

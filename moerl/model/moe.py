@@ -62,13 +62,19 @@ class Router(nn.Module):
                 t.data = t.data.float()
         return self
 
+    @property
+    def softmax_top_k(self) -> bool:
+        """Whether this router's rule is what ``router_topk`` computes: a softmax top-k of the router's own scores
+        (no correction bias, groups or floor of the normalisation)."""
+        plain = self.scoring == "softmax" and not self.topk_before_softmax and self.e_score_correction_bias is None
+        return plain and self.n_group <= 1 and not self.norm_min
+
     def _one_call(self, x: torch.Tensor) -> bool:
         """Whether this forward runs as one kernel call (``router_topk``, replayed rows too): an engine's own CPU model
         (``MoEModel.decode_layout``) without autograd, a softmax top-k."""
         if not self.one_call or torch.is_grad_enabled() or torch.compiler.is_compiling():
             return False
-        plain = self.scoring == "softmax" and not self.topk_before_softmax and self.e_score_correction_bias is None
-        return plain and self.n_group <= 1 and not self.norm_min and x.device.type == "cpu" and x.dtype in KINDS
+        return self.softmax_top_k and x.device.type == "cpu" and x.dtype in KINDS
 
     def _select(self, logits: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """Top-k expert indices [N, k] by the model's rule."""
@@ -256,13 +262,17 @@ class Experts(nn.Module):
         """Whether a decode step's experts run as one kernel call, eager or in the compiled step
         (``moerl.model.packed.moe_decode``: sort, gather, both GEMMs and the sum, where the grouped path takes a dozen
         ops): packed SiLU-gated experts without biases or zero experts; bf16 ones on AMX for a prefill too."""
-        plain = self.activation == "silu" and self.gated and not self.zero
-        plain = plain and self.gate_up_proj_bias is None and self.down_proj_bias is None
         on_amx = x.dtype == self.down_proj.dtype == torch.bfloat16 and amx()
         limit = AMX_MAX_ROWS if on_amx else PACKED_MAX_ROWS * self.num_experts
-        if not plain or not self._packs(x, limit):
+        if not self.plain_silu or not self._packs(x, limit):
             return False
         return torch.compiler.is_compiling() or idx.numel() <= limit
+
+    @property
+    def plain_silu(self) -> bool:
+        """SiLU-gated experts without biases or zero experts: what ``moe_decode`` computes."""
+        plain = self.activation == "silu" and self.gated and not self.zero
+        return plain and self.gate_up_proj_bias is None and self.down_proj_bias is None
 
     def _packed_mm(
         self,
