@@ -31,6 +31,7 @@ from moerl.model.packed import (
     rms_norm,
     vector_width,
 )
+from moerl.precision import cpu_features
 from moerl.presets import init_model, preset_config
 
 pytestmark = pytest.mark.skipif(kernel() is None, reason="the packed kernel does not build here (no C compiler)")
@@ -743,3 +744,25 @@ def test_paged_attention_names_new_rows_that_do_not_match():
         with pytest.raises(ValueError, match=r"paged_decode: new rows \(k torch\.\w+ \(\d, \d, 32\).* for 2 rows of 2"):
             paged_write_decode(q, cache.k[0], cache.v[0], tables, pos, None, 16, 0, 1.0, bad)
     assert torch.equal(cache.k[0], before)
+
+
+@pytest.mark.skipif(not cpu_features()["avx512_bf16"], reason="the CPU lacks AVX512-BF16")
+def test_the_bf16_kernels_without_amx_pass_the_tiles_tests():
+    """On a CPU without AMX (AMD Zen 4) bf16 experts and projections run AVX512-BF16's vdpbf16ps on the AMX panels:
+    the kernels built as such a CPU's (``MOERL_KERNEL_FLAGS`` turning AMX off; on this CPU where it has AMX) pass the
+    tests the tiles pass (the experts' and projections' float64 / fp32 oracles with their controls, and the bound
+    step bit for bit with the modules), none skipped."""
+    env = os.environ | {"MOERL_KERNEL_FLAGS": "-mno-amx-tile -mno-amx-bf16 -mno-amx-int8", "OMP_NUM_THREADS": "1"}
+    check = "from moerl.model.packed import kernel; assert kernel().moerl_amx() == 2"  # 2: vdpbf16ps, not tiles
+    done = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    tests = [
+        "tests/test_packed.py",
+        "tests/test_direct.py",
+        "-k",
+        "(amx or one_call or bound or bf16_projection) and not without_amx",
+    ]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", *tests]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    summary = done.stdout.strip().splitlines()[-1]
+    assert done.returncode == 0 and "skipped" not in summary and " passed" in summary, done.stdout[-3000:]

@@ -1,13 +1,13 @@
 """The CPU engine's eager decode step as kernel calls bound once per batch size.
 
-An engine's own bf16 CPU model on AMX (``MoEModel.decode_layout``) runs a decode step as eight C kernel calls a layer
-(q / k / v, q / k norm + RoPE, paged attention, o_proj, residual + norm, router, routed experts, residual + next
-norm). Through the modules each call pays tens of microseconds of Python around it (its checks, its
-buffers, its arguments made again): a quarter of small's step, 40% of tiny's (BENCHMARKS.md, issue 42's fifteenth
-session). Here the arguments are made once for a batch size, pointing into buffers kept with them, and a step copies
-its inputs in and makes the calls in turn: the same kernels, in the same order, on the same values as the modules'
-forward, so the logits and the chosen experts are that forward's bit for bit (tests/test_direct.py). LoRA slots join
-the same calls as they join the modules' (each row's slot copied into the bound slots).
+An engine's own bf16 CPU model on AMX or AVX512-BF16 (``packed.amx``; ``MoEModel.decode_layout``) runs a decode step
+as eight C kernel calls a layer (q / k / v, q / k norm + RoPE, paged attention, o_proj, residual + norm, router,
+routed experts, residual + next norm). Through the modules each call pays tens of microseconds of Python around it
+(its checks, its buffers, its arguments made again): a quarter of small's step, 40% of tiny's (BENCHMARKS.md, issue
+42's fifteenth session). Here the arguments are made once for a batch size, pointing into buffers kept with them, and
+a step copies its inputs in and makes the calls in turn: the same kernels, in the same order, on the same values as
+the modules' forward, so the logits and the chosen experts are that forward's bit for bit (tests/test_direct.py). LoRA
+slots join the same calls as they join the modules' (each row's slot copied into the bound slots).
 
 The model it binds (``refusal`` says why another is not): every layer pre-norm RMSNorm attention (q / k / v and
 o_proj on AMX without biases, per-head q / k norms or none, full rotate-half RoPE) then a MoE of packed SiLU experts
@@ -60,7 +60,7 @@ def refusal(model: MoEModel, cache: KVCache) -> str | None:
     if not model.laid_out or kernel() is None or model.dtype not in (torch.float32, torch.bfloat16):
         return "not an engine's own fp32 or bf16 CPU model"
     if model.dtype == torch.bfloat16 and not amx():
-        return "a bf16 model on a CPU without AMX"
+        return "a bf16 model on a CPU without AMX or AVX512-BF16"
     if cache.dtype != model.dtype:
         return "a cache in another dtype than the model's"
     if cfg.embedding_multiplier != 1.0 or cfg.logits_scaling != 1.0 or not isinstance(model.norm, RMSNorm):

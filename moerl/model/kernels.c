@@ -244,6 +244,54 @@ static inline __attribute__((always_inline)) void amx_task(const uint16_t* x, co
   }
 }
 static inline void amx_end(void) { _tile_release(); }
+#elif defined(__AVX512BF16__) && VW == 16
+#include <immintrin.h>
+#define AMX 1
+/* No AMX, AVX512-BF16's vdpbf16ps instead (AMD Zen 4 and later): the same panels and rows, each lane of a pair row
+   one column's two K rows, times the row's two bf16 of x broadcast; sums in fp32 as the tiles' (products exact,
+   denormal inputs as zero). Blocks of R rows (R the block's rows rounded up to 1, 2, 4 or 8: decode's experts hold
+   a row or two), no tile state to ask for. */
+int moerl_amx(void) { return 2; }
+static inline void amx_begin(void) {}
+static inline void amx_end(void) {}
+#define DP_BLOCK(R)                                                                                \
+  do {                                                                                             \
+    const uint16_t* xr[R];                                                                         \
+    for (int m = 0; m < R; m++) xr[m] = x + (int64_t)(m0 + (m < mb ? m : 0)) * K;                  \
+    __m512 s0[R], s1[R];                                                                           \
+    for (int m = 0; m < R; m++) { s0[m] = _mm512_setzero_ps(); s1[m] = _mm512_setzero_ps(); }      \
+    for (int k = 0; k < K; k += 2) {                                                               \
+      const uint16_t* wk = wt + (int64_t)k * NT;                                                   \
+      __builtin_prefetch(wk + 16 * NT);                                                            \
+      __builtin_prefetch(wk + 16 * NT + 32);                                                       \
+      __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32); \
+      _Pragma("GCC unroll 8") for (int m = 0; m < R; m++) {                                        \
+        int32_t pair;                                                                              \
+        memcpy(&pair, xr[m] + k, 4);                                                               \
+        __m512bh xs = (__m512bh)_mm512_set1_epi32(pair);                                           \
+        s0[m] = _mm512_dpbf16_ps(s0[m], xs, w0);                                                   \
+        s1[m] = _mm512_dpbf16_ps(s1[m], xs, w1);                                                   \
+      }                                                                                            \
+    }                                                                                              \
+    vf a0[R], a1[R];                                                                               \
+    for (int m = 0; m < R; m++) { a0[m] = (vf)s0[m]; a1[m] = (vf)s1[m]; }                          \
+    store_rows(a0, a1, m0, mb, R, g, tile, N, mode, scale, y, L, tok, xa, yb);                     \
+  } while (0)
+static inline __attribute__((always_inline)) void amx_task(const uint16_t* x, const uint16_t* w, const int32_t* offs,
+                                                           const float* scale, int K, int N, int mode, void* y, int t,
+                                                           const lora_t* L, const int32_t* tok, const float* xa,
+                                                           const int yb) {
+  int tiles = N / NT;
+  int g = t / tiles, tile = t % tiles, r0 = g ? offs[g - 1] : 0, r1 = offs[g];
+  const uint16_t* wt = w + ((int64_t)g * tiles + tile) * K * NT;
+  for (int m0 = r0; m0 < r1; m0 += 8) {
+    int mb = r1 - m0 < 8 ? r1 - m0 : 8;
+    if (mb > 4) DP_BLOCK(8);
+    else if (mb > 2) DP_BLOCK(4);
+    else if (mb > 1) DP_BLOCK(2);
+    else DP_BLOCK(1);
+  }
+}
 #else
 #define AMX 0
 int moerl_amx(void) { return 0; }

@@ -33,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -66,7 +67,16 @@ def _build() -> ctypes.CDLL | None:
     cc = os.environ.get("CC", "gcc")
     if shutil.which(cc) is None:
         return None
-    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+    # MOERL_KERNEL_FLAGS: more of gcc's flags, e.g. "-mno-amx-tile" builds an AMX CPU's kernels as a CPU with
+    # AVX512-BF16 and no AMX runs them (tests/test_packed.py), "-mno-avx512f" as an AVX2 CPU does
+    flags = [
+        "-O3",
+        "-march=native",
+        "-fopenmp",
+        "-shared",
+        "-fPIC",
+        *shlex.split(os.environ.get("MOERL_KERNEL_FLAGS", "")),
+    ]
     cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     tag = hashlib.sha256("\0".join([SOURCE, cc, *flags, _cpu_flags(cpu)]).encode()).hexdigest()[:16]
     lib = Path(cache_dir()) / "moerl_kernels" / f"decode_kernels_{tag}.so"
@@ -88,8 +98,10 @@ def _build() -> ctypes.CDLL | None:
 
 
 def amx() -> bool:
-    """Whether ``moe_decode`` runs bf16 experts on AMX's tiles: the kernel built for a CPU with AMX-BF16 and Linux
-    granting this process the tile state. ``MOERL_AMX=0`` keeps the vector FMAs (as a CPU without AMX runs)."""
+    """Whether bf16 experts (``moe_decode``) and projections (``amx_linear``) run on the CPU's bf16 dot products:
+    AMX's tiles (the kernel built for a CPU with AMX-BF16, Linux granting this process the tile state) or, on a CPU
+    with AVX512-BF16 and no AMX (AMD Zen 4 and later), vdpbf16ps on the same panels. ``MOERL_AMX=0`` keeps the fp32
+    vector FMAs on widened rows (as an AVX2 or AVX-512 CPU without bf16 runs)."""
     global _amx
     if _amx is None:
         lib = kernel()
