@@ -2,6 +2,9 @@
 #include <string.h>
 #include <math.h>
 #include <omp.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 #if defined(__AVX512F__)
 #define VB 64
 #define MB 8
@@ -249,8 +252,8 @@ static inline void amx_end(void) { _tile_release(); }
 #define AMX 1
 /* No AMX, AVX512-BF16's vdpbf16ps instead (AMD Zen 4 and later): the same panels and rows, each lane of a pair row
    one column's two K rows, times the row's two bf16 of x broadcast; sums in fp32 as the tiles' (products exact,
-   denormal inputs as zero). Blocks of R rows (R the block's rows rounded up to 1, 2, 4 or 8: decode's experts hold
-   a row or two), no tile state to ask for. */
+   denormal inputs as zero). Blocks of up to 8 rows, each count its own loop (decode's experts hold a few rows: no
+   sums of rows that are not there), no tile state to ask for. */
 int moerl_amx(void) { return 2; }
 static inline void amx_begin(void) {}
 static inline void amx_end(void) {}
@@ -262,8 +265,8 @@ static inline void amx_end(void) {}
     for (int m = 0; m < R; m++) { s0[m] = _mm512_setzero_ps(); s1[m] = _mm512_setzero_ps(); }      \
     for (int k = 0; k < K; k += 2) {                                                               \
       const uint16_t* wk = wt + (int64_t)k * NT;                                                   \
-      __builtin_prefetch(wk + 16 * NT);                                                            \
-      __builtin_prefetch(wk + 16 * NT + 32);                                                       \
+      __builtin_prefetch(wk + 16 * NT);                                                      \
+      __builtin_prefetch(wk + 16 * NT + 32);                                                 \
       __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32); \
       _Pragma("GCC unroll 8") for (int m = 0; m < R; m++) {                                        \
         int32_t pair;                                                                              \
@@ -286,10 +289,16 @@ static inline __attribute__((always_inline)) void amx_task(const uint16_t* x, co
   const uint16_t* wt = w + ((int64_t)g * tiles + tile) * K * NT;
   for (int m0 = r0; m0 < r1; m0 += 8) {
     int mb = r1 - m0 < 8 ? r1 - m0 : 8;
-    if (mb > 4) DP_BLOCK(8);
-    else if (mb > 2) DP_BLOCK(4);
-    else if (mb > 1) DP_BLOCK(2);
-    else DP_BLOCK(1);
+    switch (mb) {
+      case 8: DP_BLOCK(8); break;
+      case 7: DP_BLOCK(7); break;
+      case 6: DP_BLOCK(6); break;
+      case 5: DP_BLOCK(5); break;
+      case 4: DP_BLOCK(4); break;
+      case 3: DP_BLOCK(3); break;
+      case 2: DP_BLOCK(2); break;
+      default: DP_BLOCK(1);
+    }
   }
 }
 #else
@@ -804,6 +813,19 @@ static inline __attribute__((always_inline)) void paged_task(const void* q, int6
         const float *q0 = qv + (int64_t)h * D, *q1 = q0 + D;
         vf a0[8], a1[8];
         for (int k = 0; k < 8; k++) a0[k] = a1[k] = (vf){0};
+#if defined(__AVX512BF16__)
+        if (kb && D % 32 == 0) {  /* bf16 q and keys: vdpbf16ps, 32 of D a step, no widening */
+          const uint16_t* qb = (const uint16_t*)q + (int64_t)b * ldq + ((int64_t)kh * g + h) * D;
+          for (int i = 0; i < D; i += 32) {
+            __m512bh x0 = (__m512bh)_mm512_loadu_si512(qb + i), x1 = (__m512bh)_mm512_loadu_si512(qb + D + i);
+            for (int k = 0; k < 8; k++) {
+              __m512bh kv = (__m512bh)_mm512_loadu_si512((const uint16_t*)kp + at[j + k] * D + i);
+              a0[k] = (vf)_mm512_dpbf16_ps((__m512)a0[k], x0, kv);
+              a1[k] = (vf)_mm512_dpbf16_ps((__m512)a1[k], x1, kv);
+            }
+          }
+        } else
+#endif
         for (int i = 0; i < D; i += VW) {
           vf x0 = *(const vfu*)(q0 + i), x1 = *(const vfu*)(q1 + i);
           for (int k = 0; k < 8; k++) {
