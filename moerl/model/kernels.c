@@ -771,6 +771,21 @@ static inline void prefetch_rows(const void* pool, const int64_t* at, int64_t fr
     for (int o = 0; o < bytes; o += 64) __builtin_prefetch((const char*)pool + at[k] * bytes + o);
 }
 
+/* the key and value rows task t (row t / Hkv, KV head t % Hkv) reads, asked for a task ahead: its blocks are
+   whole runs of rows in the pools (bs rows of a head side by side), so a task's cold reads wait on memory together,
+   not one block after another */
+static inline void prefetch_task(const void* kp, const void* vp, const int64_t* tables, const int64_t* pos, int Hkv,
+                                 int D, int Dv, int64_t rows, int nb, int bs, int64_t window, int t, int64_t es) {
+  int b = t / Hkv, kh = t % Hkv;
+  int64_t p = pos[b], lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+  for (int64_t blk = lo / bs; blk <= p / bs && blk < nb; blk++) {
+    int64_t first = (int64_t)kh * rows + tables[(int64_t)b * nb + blk] * bs;
+    int64_t n = blk == p / bs ? p % bs + 1 : bs;
+    for (int64_t o = 0; o < n * D * es; o += 64) __builtin_prefetch((const char*)kp + first * D * es + o);
+    for (int64_t o = 0; o < n * Dv * es; o += 64) __builtin_prefetch((const char*)vp + first * Dv * es + o);
+  }
+}
+
 /* one task of the paged decode: row b's KV head kh, its pools fp32 (kb = 0) or bf16 (kb = 1). Each visible key's
    pool row is found once, walking the block table (no division per key: a task's keys are few, and an integer
    division costs what a dozen of their multiply-adds do) */
@@ -923,16 +938,24 @@ void moerl_paged_decode(const void* q, int64_t ldq, const void* kp, const void* 
                         const int64_t* pos, const float* sinks, int B, int Hq, int Hkv, int D, int Dv, int64_t rows,
                         int nb, int bs, int64_t window, float scale, void* out, float* scratch, const void* knew,
                         int64_t ldk, const void* vnew, int64_t ldvn, const int64_t* new_slot, int kb, int threads) {
-  if (kb) {
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int t = 0; t < B * Hkv; t++)
-      paged_task(q, ldq, kp, vp, tables, pos, sinks, Hq, Hkv, D, Dv, rows, nb, bs, window, scale, out, scratch, t,
-                 knew, ldk, vnew, ldvn, new_slot, 1);
-  } else {
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int t = 0; t < B * Hkv; t++)
-      paged_task(q, ldq, kp, vp, tables, pos, sinks, Hq, Hkv, D, Dv, rows, nb, bs, window, scale, out, scratch, t,
-                 knew, ldk, vnew, ldvn, new_slot, 0);
+  /* a thread's tasks in turn (static, 1): the next one is known, and its rows are asked for before this one runs */
+  int tasks = B * Hkv;
+  #pragma omp parallel num_threads(threads)
+  {
+    int step = omp_get_num_threads();
+    int64_t es = kb ? 2 : 4;
+    if (omp_get_thread_num() < tasks)
+      prefetch_task(kp, vp, tables, pos, Hkv, D, Dv, rows, nb, bs, window, omp_get_thread_num(), es);
+    #pragma omp for schedule(static, 1)
+    for (int t = 0; t < tasks; t++) {
+      if (t + step < tasks) prefetch_task(kp, vp, tables, pos, Hkv, D, Dv, rows, nb, bs, window, t + step, es);
+      if (kb)
+        paged_task(q, ldq, kp, vp, tables, pos, sinks, Hq, Hkv, D, Dv, rows, nb, bs, window, scale, out, scratch,
+                   t, knew, ldk, vnew, ldvn, new_slot, 1);
+      else
+        paged_task(q, ldq, kp, vp, tables, pos, sinks, Hq, Hkv, D, Dv, rows, nb, bs, window, scale, out, scratch,
+                   t, knew, ldk, vnew, ldvn, new_slot, 0);
+    }
   }
 }
 
