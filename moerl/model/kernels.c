@@ -1011,7 +1011,7 @@ void moerl_rms_norm(const void* x, const void* w, void* y, int64_t rows, int dim
    rounded once to the dtype, as torch's add rounds it), y = RMSNorm(s) * w as rms_row computes it */
 void moerl_add_rms_norm(const void* x, const void* a, void* s, const void* w, void* y, int64_t rows, int dim,
                         float eps, int xb, int wb, int threads) {
-  int n = rows * dim >= 65536 ? threads : 1;
+  int n = rows * dim >= 16384 ? threads : 1;  /* a decode step of 64 rows of 512 on two threads: 18 -> 10 us */
   #pragma omp parallel for num_threads(n)
   for (int64_t r = 0; r < rows; r++) {
     int64_t at = r * dim;
