@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -756,9 +757,10 @@ def test_the_bf16_kernels_without_amx_pass_the_tiles_tests():
     check = "from moerl.model.packed import kernel; assert kernel().moerl_amx() == 2"  # 2: vdpbf16ps, not tiles
     done = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+    here = Path(__file__).parent
     tests = [
-        "tests/test_packed.py",
-        "tests/test_direct.py",
+        str(here / "test_packed.py"),
+        str(here / "test_direct.py"),
         "-k",
         "(amx or one_call or bound or bf16_projection) and not without_amx",
     ]

@@ -248,7 +248,6 @@ static inline __attribute__((always_inline)) void amx_task(const uint16_t* x, co
 }
 static inline void amx_end(void) { _tile_release(); }
 #elif defined(__AVX512BF16__) && VW == 16
-#include <immintrin.h>
 #define AMX 1
 /* No AMX, AVX512-BF16's vdpbf16ps instead (AMD Zen 4 and later): the same panels and rows, each lane of a pair row
    one column's two K rows, times the row's two bf16 of x broadcast; sums in fp32 as the tiles' (products exact,
@@ -265,8 +264,8 @@ static inline void amx_end(void) {}
     for (int m = 0; m < R; m++) { s0[m] = _mm512_setzero_ps(); s1[m] = _mm512_setzero_ps(); }      \
     for (int k = 0; k < K; k += 2) {                                                               \
       const uint16_t* wk = wt + (int64_t)k * NT;                                                   \
-      __builtin_prefetch(wk + 16 * NT);                                                      \
-      __builtin_prefetch(wk + 16 * NT + 32);                                                 \
+      __builtin_prefetch(wk + 16 * NT);                                                            \
+      __builtin_prefetch(wk + 16 * NT + 32);                                                       \
       __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32); \
       _Pragma("GCC unroll 8") for (int m = 0; m < R; m++) {                                        \
         int32_t pair;                                                                              \
