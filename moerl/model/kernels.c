@@ -259,7 +259,7 @@ static inline void amx_end(void) {}
 #define DP_BLOCK(R)                                                                                \
   do {                                                                                             \
     const uint16_t* xr[R];                                                                         \
-    for (int m = 0; m < R; m++) xr[m] = x + (int64_t)(m0 + (m < mb ? m : 0)) * K;                  \
+    for (int m = 0; m < R; m++) xr[m] = x + (int64_t)(m0 + m) * K; /* R: the block's rows, no more */ \
     __m512 s0[R], s1[R];                                                                           \
     for (int m = 0; m < R; m++) { s0[m] = _mm512_setzero_ps(); s1[m] = _mm512_setzero_ps(); }      \
     for (int k = 0; k < K; k += 2) {                                                               \
