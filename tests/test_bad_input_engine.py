@@ -173,6 +173,33 @@ def test_non_finite_logits_while_decoding_fail_that_request_alone(dense_model):
     assert_clean(engine)
 
 
+def test_finite_logits_whose_sum_overflows_fail_no_request(dense_model, monkeypatch):
+    """The step's finiteness check sums the logits first: finite logits of ~3e37 (their sum overflows to inf) are
+    looked at row by row and fail nothing. Negative control: the same logits with one logit of the first decode
+    step's first row inf fail that row's request alone."""
+    engine = LLMEngine(dense_model, CFG)
+    run = engine._run
+    poison = {}
+
+    def huge(kind, inputs, adapters):
+        logits, routed = run(kind, inputs, adapters)
+        logits = logits + 3e37  # every logit finite
+        if "row" in poison and kind == "decode":  # the first decode step only
+            logits[poison.pop("row"), 0] = float("inf")
+        return logits, routed
+
+    monkeypatch.setattr(engine, "_run", huge)
+    assert not torch.isfinite(torch.full((4, 128), 3e37).sum())  # what the check sees: a sum that overflows
+    outs = engine.generate(batch(A_PROMPT, 6))
+    assert [o.error for o in outs] == [None] * 4
+    assert all(len(c.token_ids) == c_max for o, c_max in zip(outs, [6, 2, 8, 6], strict=True) for c in o.outputs)
+    poison["row"] = 0  # the first running row: a sample of A
+    outs = engine.generate(batch(A_PROMPT, 6))
+    assert re.match(r"request \d+: non-finite logits \(inf\) at generated token 1 of sample 0", outs[0].error)
+    assert [o.error for o in outs[1:]] == [None] * 3
+    assert_clean(engine)
+
+
 def test_an_adapter_that_overflows_fails_only_its_requests(dense_model):
     cfg = dataclasses.replace(CFG, max_loras=1, max_lora_rank=4)
     engine = LLMEngine(dense_model, cfg)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from moerl.engine.config import SamplingParams
@@ -59,7 +60,7 @@ class Sequence:
     state_slot: int = -1  # its linear-attention states' slot (LinearStates), for a model with such layers
     num_cached: int = 0  # tokens whose keys/values are in the cache
     logprobs: list[float] = field(default_factory=list)
-    routed: list[torch.Tensor] = field(default_factory=list)  # [L_moe, k] per generated token that ran
+    routed: list[np.ndarray] = field(default_factory=list)  # [L_moe, k] per generated token that ran (numpy views)
     generator: SeededDraws | None = None  # its seeded uniforms (SamplingParams.seed), else the engine's
     finish_reason: str | None = None
     text: str | None = None

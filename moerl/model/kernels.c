@@ -785,6 +785,29 @@ static inline void prefetch_task(const void* kp, const void* vp, const int64_t* 
   }
 }
 
+/* paged_task's value sums of heads h0 and h0 + 1 (C vectors a head), each value row widened once for both; the
+   same adds in the same order as a head at a time */
+#define VALUE_SUMS2(C)                                                      \
+  do {                                                                      \
+    const float *s0 = s + h0 * n, *s1 = s0 + n;                             \
+    vf a0[C], a1[C];                                                        \
+    for (int c = 0; c < C; c++) a0[c] = a1[c] = (vf){0};                    \
+    for (int64_t j = 0; j < n; j++) {                                       \
+      int64_t vr = at[j] * Dv;                                              \
+      vf p0 = (vf){0} + s0[j], p1 = (vf){0} + s1[j];                        \
+      for (int c = 0; c < C; c++) {                                         \
+        vf vv = ldv(vp, vr + c * VW, kb);                                   \
+        a0[c] += p0 * vv;                                                   \
+        a1[c] += p1 * vv;                                                   \
+      }                                                                     \
+    }                                                                       \
+    int64_t oh = o + (int64_t)h0 * Dv;                                      \
+    for (int c = 0; c < C; c++) {                                           \
+      stv(out, oh + c * VW, a0[c], kb);                                     \
+      stv(out, oh + Dv + c * VW, a1[c], kb);                                \
+    }                                                                       \
+  } while (0)
+
 /* one task of the paged decode: row b's KV head kh, its pools fp32 (kb = 0) or bf16 (kb = 1). Each visible key's
    pool row is found once, walking the block table (no division per key: a task's keys are few, and an integer
    division costs what a dozen of their multiply-adds do) */
@@ -889,24 +912,9 @@ static inline __attribute__((always_inline)) void paged_task(const void* q, int6
      would chain every key's add through a store and a load) */
   int h0 = 0;
   if (Dv == 4 * VW)
-    for (; h0 + 2 <= g; h0 += 2) {
-      const float *s0 = s + h0 * n, *s1 = s0 + n;
-      vf a0[4] = {(vf){0}, (vf){0}, (vf){0}, (vf){0}}, a1[4] = {(vf){0}, (vf){0}, (vf){0}, (vf){0}};
-      for (int64_t j = 0; j < n; j++) {
-        int64_t vr = at[j] * Dv;
-        vf p0 = (vf){0} + s0[j], p1 = (vf){0} + s1[j];
-        for (int c = 0; c < 4; c++) {
-          vf vv = ldv(vp, vr + c * VW, kb);
-          a0[c] += p0 * vv;
-          a1[c] += p1 * vv;
-        }
-      }
-      int64_t oh = o + (int64_t)h0 * Dv;
-      for (int c = 0; c < 4; c++) {
-        stv(out, oh + c * VW, a0[c], kb);
-        stv(out, oh + Dv + c * VW, a1[c], kb);
-      }
-    }
+    for (; h0 + 2 <= g; h0 += 2) VALUE_SUMS2(4);
+  else if (Dv == 2 * VW)  /* tiny's 32 on AVX-512: four sums in flight, where one head's two would wait on theirs */
+    for (; h0 + 2 <= g; h0 += 2) VALUE_SUMS2(2);
   for (int h = h0; h < g; h++) {
     const float* sh = s + h * n;
     int64_t oh = o + (int64_t)h * Dv;
@@ -1045,9 +1053,14 @@ __attribute__((optimize("fp-contract=off"))) static void norm_rope_head(void* x,
                                                                          float eps, const void* cs, const void* sn,
                                                                          int64_t ct, int xb, int wb) {
   float v[D];
-  for (int i = 0; i < D; i++) v[i] = lds(x, at + i, xb);
+  int i = 0;
+  /* whole vectors, as norm_head and the rotation read them back (a vector load of values stored one by one waits
+     for those stores to retire: it took half of tiny's call) */
+  for (; i + VW <= D; i += VW) *(vfu*)(v + i) = ldv(x, at + i, xb);
+  for (; i < D; i++) v[i] = lds(x, at + i, xb);
   if (w) norm_head(v, D, w, eps, xb, wb);
-  int h = D / 2, i = 0;
+  int h = D / 2;
+  i = 0;
   for (; i + VW <= h; i += VW) {
     vf x1 = *(vfu*)(v + i), x2 = *(vfu*)(v + h + i);
     vf a = rd(rd(x1 * ldv(cs, ct + i, xb), xb) + rd(-x2 * ldv(sn, ct + i, xb), xb), xb);
