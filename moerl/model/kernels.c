@@ -1055,7 +1055,7 @@ __attribute__((optimize("fp-contract=off"))) static void norm_rope_head(void* x,
   float v[D];
   int i = 0;
   /* whole vectors, as norm_head and the rotation read them back (a vector load of values stored one by one waits
-     for those stores to retire: it took half of tiny's call) */
+     for those stores) */
   for (; i + VW <= D; i += VW) *(vfu*)(v + i) = ldv(x, at + i, xb);
   for (; i < D; i++) v[i] = lds(x, at + i, xb);
   if (w) norm_head(v, D, w, eps, xb, wb);
