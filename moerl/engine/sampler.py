@@ -54,8 +54,8 @@ def sample(
     device = logits.device
     # every host-made input first, so they reach the device in one copy: temperatures, top-k / top-p, the uniforms.
     # One request's rows (or requests sharing their params) ask their params once
-    first = params[0]
-    if all(p is first for p in params):
+    first = params[0] if params else None
+    if first is not None and all(p is first for p in params):
         temps = torch.full((len(params),), first.temperature if first.temperature > 0 else 1.0)
         top = first.top_k > 0 or first.top_p < 1
         drawn = list(range(len(params))) if first.temperature > 0 else []
