@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from moerl.errors import ConfigError
@@ -91,6 +92,12 @@ def gpu_id(device: str | torch.device) -> str | None:
     if device.type != "cuda":
         return None
     return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def host_tensor(values: list, dtype: type = np.int64) -> torch.Tensor:
+    """A host tensor of ``values`` (numpy ``dtype``) through numpy: ``torch.tensor`` reads a Python list several
+    times slower (~0.13 us an element: 59 us for a 64-row step's block tables, 10 against 2 us for its temperatures)."""
+    return torch.from_numpy(np.array(values, dtype=dtype))
 
 
 def to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
