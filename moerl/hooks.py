@@ -141,9 +141,9 @@ class AutoTune:
         return f"moerl: {STEP}, compiled, decoded {ratio:.2f}x as fast as eager: back to eager"
 
 
-def results(cfg: RunConfig, run_dir: Path, policy: Policy) -> dict:
+def results(cfg: RunConfig, run_dir: Path, policy: Policy, plot: bool = True) -> dict:
     """The run's summary (held-out accuracy before / after, with intervals) and what it made: the mode's export
-    (``train.export_adapter``) and the picture of its curves."""
+    (``train.export_adapter``) and, with ``plot``, the picture of its curves."""
     rows = read_metrics(run_dir)
     summary = {"eval_problems": rows[-1].get("eval_problems", 0)}  # distinct held-out problems, never trained on
     for when, row in (("before", rows[0]), ("after", rows[-1])):
@@ -152,4 +152,4 @@ def results(cfg: RunConfig, run_dir: Path, policy: Policy) -> dict:
         summary[f"accuracy_sampled_{when}"] = row.get("eval_accuracy_sampled", math.nan)
     exported = policy.mode.export(policy, run_dir) if cfg.train.export_adapter else {}
     say(exported_line(exported, run_dir / CHECKPOINT, cfg.train.export_adapter))
-    return summary | exported | {"plot": str(plot_run(run_dir))}
+    return summary | exported | ({"plot": str(plot_run(run_dir))} if plot else {})

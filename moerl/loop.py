@@ -29,7 +29,7 @@ from moerl.envs import make_env
 from moerl.errors import EngineError, Preempted, TrainingStopped
 from moerl.hooks import AutoTune, Evaluations, Saves, results
 from moerl.logs import library_logs
-from moerl.metrics import MetricsLogger, wandb_module
+from moerl.metrics import MetricsLogger, optional, wandb_module
 from moerl.parallel.world import World, broadcast_json, init_world, stalled
 from moerl.preempt import Preemption, Quiet
 from moerl.rollout.ahead import RolloutsAhead
@@ -150,6 +150,11 @@ def _train_policy(
         if (room := gen.room()) is not None:  # refuses a context window no prompt fits; says what a short one cuts
             console_say(room)
         wandb_module(cfg.metrics.wandb)  # asked for and missing: refused before the run's records are written
+        tensorboard, tensorboard_note = optional("tensorboard", cfg.metrics.tensorboard)  # refused here where asked
+        plot, plot_note = optional("plot", cfg.metrics.plot)  # for and missing; auto goes without, and says so
+        for line in (tensorboard_note, plot_note):
+            if line is not None:
+                console_say(line)
         if run.resume:
             policy.load(run.checkpoint)  # last: it restores the RNGs the steps go on with
         run.begin()  # everything that can refuse the run has passed: now its records are written
@@ -158,7 +163,7 @@ def _train_policy(
         policy.stop_checkpoint_dir, policy.stop_state = saves.directory, {"step": start}
         loss_fn = make_policy_loss(cfg.algo.loss)
         purge = start + 1 if run.resume else None  # one row per step, 0 first
-        metrics = MetricsLogger(run.path, purge_step=purge, wandb=cfg.metrics.wandb, config=to_dict(cfg))
+        metrics = MetricsLogger(run.path, tensorboard, purge_step=purge, wandb=cfg.metrics.wandb, config=to_dict(cfg))
         sync = partial(sync_policy, bucket_bytes=cfg.rollout.sync_bucket_mb << 20)
         evals = Evaluations(gen, cfg.train.eval_every, total)
         try:
@@ -205,7 +210,7 @@ def _train_policy(
             metrics.close()
         engine.close()
     print("moerl: training done; exporting the results and drawing the curves", file=sys.stderr, flush=True)
-    return results(cfg, run.path, policy)
+    return results(cfg, run.path, policy, plot)
 
 
 def rl_step(cfg: RunConfig, gen: Generator, policy: Policy, loss_fn, step: int, ahead=None) -> dict:

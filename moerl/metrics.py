@@ -1,14 +1,39 @@
 """Per-step metrics: a jsonl file and TensorBoard scalars in the run directory, and Weights & Biases where the run
-asks (``metrics.wandb``); ``plot_run`` draws the curves."""
+asks (``metrics.wandb``); ``plot_run`` draws the curves. TensorBoard and matplotlib are optional (``optional``): a
+GPU machine's own python may have neither, and a run that does not ask for them must still start there."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
 from pathlib import Path
 
 METRICS = "metrics.jsonl"
+# what ``metrics.tensorboard`` and ``metrics.plot`` need: the module imported, and what installs it
+LIBRARIES = {"tensorboard": ("torch.utils.tensorboard", "tensorboard"), "plot": ("matplotlib", "matplotlib")}
+
+
+def optional(key: str, setting: bool | str) -> tuple[bool, str | None]:
+    """Whether a run writes what ``metrics.<key>`` (``tensorboard`` or ``plot``) asks for, and a line to say when
+    ``auto`` goes without it. ``true`` where the library does not import is a ConfigError naming the key and how to
+    install it (checked before the run writes anything)."""
+    from moerl.errors import ConfigError
+
+    if setting is False:
+        return False, None
+    module, package = LIBRARIES[key]
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        if setting is True:
+            raise ConfigError(
+                f"config key 'metrics.{key}'=true: {module} does not import here ({e}); pip install {package} "
+                f"(or set metrics.{key} to auto or false)"
+            ) from None
+        return False, f"moerl: metrics.{key}=auto: {module} does not import here ({e}), so the run goes without it"
+    return True, None
 
 
 class MetricsLogger:
@@ -124,7 +149,13 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
 
 def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
     """A PNG of reward / accuracy and of the rollout-vs-trainer mismatch (R3 on and off) per step."""
-    import matplotlib
+    from moerl.errors import ConfigError
+
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ConfigError(f"drawing a run's curves needs matplotlib, which does not import here ({e}); "
+                          "pip install matplotlib") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

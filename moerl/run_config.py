@@ -306,7 +306,21 @@ class WandbSection:
 
 @dataclass(slots=True)
 class MetricsSection:
+    # TensorBoard scalars in run_dir/tensorboard. auto: where tensorboard is installed (said once where it is not);
+    # true: a run where it is not installed is refused before it starts; false: metrics.jsonl (and W&B) only
+    tensorboard: bool | Literal["auto"] = "auto"
+    # the run's curves as run_dir/curves.png at its end (matplotlib), with the same auto / true / false
+    plot: bool | Literal["auto"] = "auto"
     wandb: WandbSection = field(default_factory=WandbSection)
+
+    def __post_init__(self) -> None:
+        require(
+            "config key 'metrics.{}'",
+            (
+                (name, value, isinstance(value, bool) or value == "auto", f"allowed: auto, true, false{quoted(value)}")
+                for name, value in (("tensorboard", self.tensorboard), ("plot", self.plot))
+            ),
+        )
 
 
 @dataclass(slots=True)
@@ -428,7 +442,9 @@ MUTABLE = (
     "cluster.cpus_per_engine",
     "cluster.engine_restarts",
     "cluster.runtime_env",
-    "metrics.wandb.project",  # where the metrics go does not change them
+    "metrics.tensorboard",  # where the metrics go does not change them
+    "metrics.plot",
+    "metrics.wandb.project",
     "metrics.wandb.entity",
     "metrics.wandb.mode",
 )
