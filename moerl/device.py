@@ -102,16 +102,37 @@ def host_tensor(values: list, dtype: type = np.int64) -> torch.Tensor:
 
 def to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """Host tensors on ``device`` in one copy: on CUDA packed into one pinned buffer and sent non-blocking (a copy
-    from pageable memory, one per tensor, would wait for the stream each time); on the CPU as they are."""
+    from pageable memory, one per tensor, would wait for the stream each time); on the CPU as they are. On CUDA the
+    results are views of one buffer (``packed_copy``): a compiled graph taking them sees inputs that alias."""
     if device.type != "cuda":
         return tensors
+    return packed_copy(tensors, device)
+
+
+def packed_copy(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """``tensors`` (on one device) on ``device`` as views of one buffer, made by one copy: each at an offset aligned
+    for its element size. From the host the buffer is pinned and the copy non-blocking; a CPU ``device`` gets the
+    same views (what a CUDA step's inputs look like, on any host)."""
     spans, end = [], 0
-    for t in tensors:  # each at an offset aligned for its element size (views of the buffer as its dtype)
+    for t in tensors:
         end = -(-end // 8) * 8
         spans.append((end, t.numel() * t.element_size()))
         end += spans[-1][1]
-    host = torch.empty(end, dtype=torch.uint8, pin_memory=True)
+    source = tensors[0].device if tensors else torch.device("cpu")
+    pinned = source.type == "cpu" and device.type == "cuda"
+    buf = torch.empty(end, dtype=torch.uint8, device=source, pin_memory=pinned)
     for t, (at, size) in zip(tensors, spans, strict=True):
-        host[at : at + size].copy_(t.contiguous().flatten().view(torch.uint8))
-    buf = host.to(device, non_blocking=True)
+        buf[at : at + size].copy_(t.contiguous().flatten().view(torch.uint8))
+    buf = buf.to(device, non_blocking=pinned)
     return [buf[at : at + size].view(t.dtype).view(t.shape) for t, (at, size) in zip(tensors, spans, strict=True)]
+
+
+def from_device(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Device tensors on the host in one copy, the host waiting for it once (a read per tensor would wait each
+    time): on CUDA packed into one buffer on the device, copied, and cut into host tensors of the same dtypes and
+    shapes; CPU tensors as they are. None stays None."""
+    present = [t for t in tensors if t is not None]
+    if not any(t.device.type == "cuda" for t in present):
+        return tensors
+    back = iter(packed_copy(present, torch.device("cpu")))
+    return [None if t is None else next(back) for t in tensors]

@@ -355,6 +355,17 @@ class SimCuda:
         for name, answer in answers.items():
             self._stack.callback(setattr, torch.cuda, name, getattr(torch.cuda, name))
             setattr(torch.cuda, name, answer)
+        # a tensor from numpy memory is made by no ATen op and no torch function the modes see: marked on the host
+        # here, or it would take the mark of a freed device tensor that had its address
+        from_numpy = torch.from_numpy
+        self._stack.callback(setattr, torch, "from_numpy", from_numpy)
+
+        def host_from_numpy(array):
+            out = from_numpy(array)
+            self.where.mark(out, False)
+            return out
+
+        torch.from_numpy = host_from_numpy
         self._stack.enter_context(_Dispatch(self.where, self.syncs, self.pinned))
         self._stack.enter_context(_Function(self.where, self.syncs, self.pinned))
         return self

@@ -171,6 +171,37 @@ def test_the_samplers_one_call_draws_the_torch_ops_tokens(rows, vocab, dtype, mo
     assert not torch.allclose(hotter, want_logp, rtol=0, atol=1e-5)
 
 
+def _whole_vocabulary_scan(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The oracle: a float64 cumulative sum over the whole vocabulary and one search in it."""
+    cdf = probs.double().cumsum(-1)
+    total = cdf[:, -1]
+    point = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, point[:, None], right=True).squeeze(1)
+
+
+@pytest.mark.parametrize("vocab", [40, 1024, 5000, 151936])
+def test_the_two_level_search_draws_the_whole_vocabulary_scans_tokens(vocab):
+    """``inverse_cdf`` (block sums, then a scan inside one block: no [M, V] float64 tensor) picks the tokens the
+    float64 scan of the whole vocabulary picks for the same uniforms, masked (zero-probability) tokens never; a row
+    of NaN gets a token in range. The control: uniforms moved by 1% of the mass pick other tokens."""
+    from moerl.engine.sampler import inverse_cdf
+
+    g = torch.Generator().manual_seed(vocab)
+    rows = 64
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    logits[::4, ::3] = float("-inf")  # every fourth row: a third of its tokens masked out, as top-k / top-p do
+    probs = logits.softmax(-1)
+    u = torch.rand(rows, generator=g, dtype=torch.float64)
+    u[:4] = torch.tensor([0.0, 1 - 2**-53, 0.5, 1e-12], dtype=torch.float64)  # the ends of the range
+    picked = inverse_cdf(probs, u)
+    assert torch.equal(picked, _whole_vocabulary_scan(probs, u))
+    assert bool((probs.gather(1, picked[:, None]) > 0).all())
+    moved = _whole_vocabulary_scan(probs, (u + 1e-2).clamp(max=1 - 2**-53))
+    assert not torch.equal(picked, moved)
+    nan = torch.full((2, vocab), float("nan"))
+    assert bool(((inverse_cdf(nan, u[:2]) >= 0) & (inverse_cdf(nan, u[:2]) < vocab)).all())
+
+
 def test_top_p_keeps_the_nucleus(hf_checkpoints):
     engine = LLMEngine(
         hf_checkpoints["Qwen3MoeForCausalLM"][0], EngineConfig(max_num_seqs=8, max_model_len=64), dtype=torch.float32

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
@@ -15,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from moerl.allocator import reuse_freed_memory
-from moerl.device import host_tensor, to_device
+from moerl.device import from_device, host_tensor, to_device
 from moerl.dynamo import remembered_seconds
 from moerl.engine.adapters import AdapterSlots
 from moerl.engine.compiled import CompiledDecode, decode_graph_key
@@ -334,13 +333,22 @@ class LLMEngine:
             torch.cuda.empty_cache()
 
     def _step(self, hook: Callable[[Sequence, int, str | None], None] | None = None) -> int:
-        """One scheduled batch through the model: its inputs, the forward, the routing and cache positions recorded,
-        the next tokens sampled for the sequences that have one due; returns how many were sampled."""
+        """One scheduled batch through the model: its inputs, the forward, the next tokens sampled on the device for
+        the sequences that have one due, then one copy to the host (tokens, logprobs, each row's logit sum for the
+        finite check, the routed experts) that the cache positions, routes and tokens are recorded from; returns how
+        many were sampled."""
         kind, batch = self.scheduler.next_batch()
         inputs, adapters = self._prepare(batch)
+        t0 = time.perf_counter()
         logits, routed = self._run(kind, inputs, adapters)
-        to_sample = self._record(kind, batch, routed)
-        return self._sample(to_sample, logits, hook) if to_sample else 0
+        to_sample = self._advance(kind, batch)
+        drawn = self._draw(to_sample, logits) if to_sample else (None, None, None, None)
+        routed, tokens, logprobs, sums = from_device([routed, *drawn[1:]])  # the step's one wait for the device
+        if kind == "decode":  # from the inputs on the device to the results on the host
+            self.decode_seconds += time.perf_counter() - t0
+            self.decode_tokens += len(batch)
+        self._keep_routes(kind, batch, routed)
+        return self._take(to_sample, drawn[0], tokens, logprobs, sums, hook) if to_sample else 0
 
     def _prepare(self, batch: list[tuple[Sequence, int]]) -> tuple[list[torch.Tensor], torch.Tensor | int | None]:
         """The step's inputs on the device (token ids, positions, block tables, lengths, cache rows to write, state
@@ -387,9 +395,8 @@ class LLMEngine:
 
     def _run(self, kind: str, inputs: list[torch.Tensor], adapters) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The forward of a ``prefill`` or ``decode`` step (a decode through the compiled step where it is on): the
-        logits of each row's last place, and the experts its tokens were routed to (on the host) when captured."""
+        logits of each row's last place, and the experts its tokens were routed to when captured (on the device)."""
         ids, positions, tables, lengths, write_rows, state_slots = inputs
-        t0 = time.perf_counter()
         if kind == "decode" and self.compiled is not None:
             logits, routed = self.compiled.step(ids, positions, tables, adapters)
         elif (
@@ -408,51 +415,47 @@ class LLMEngine:
                 logits_index=lengths - 1,
             )
             logits, routed = out.logits, out.routed
-        if routed is not None:
-            routed = routed.to(torch.uint8 if self.model.config.num_experts <= 256 else torch.int16).cpu()
-        if kind == "decode":  # on a GPU the copy above waits for the forward (without R3 capture: its launch only)
-            self.decode_seconds += time.perf_counter() - t0
-            self.decode_tokens += ids.shape[0]
+        if routed is not None:  # on the device: it reaches the host with the step's tokens
+            routed = routed.to(torch.uint8 if self.model.config.num_experts <= 256 else torch.int16)
         return logits, routed
 
-    def _record(self, kind: str, batch: list[tuple[Sequence, int]], routed) -> list[tuple[Sequence, int]]:
-        """Advance each sequence past the tokens the step cached and keep their routing; returns the sequences to
-        sample a token for, with their row: every decoding one, and the samples of a prompt now fully cached."""
+    def _advance(self, kind: str, batch: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        """Advance each sequence past the tokens the step cached; returns the sequences to sample a token for, with
+        their row: every decoding one, and the samples of a prompt now fully cached."""
         if kind == "decode":
-            # each row's experts a numpy view of the step's record (torch's unbind takes 30 us for 64 rows)
-            rows = list(routed[:, 0].numpy()) if routed is not None else ()
-            for r, (s, _) in enumerate(batch):
+            for s, _ in batch:
                 s.num_cached += 1
-                if rows:
-                    s.routed.append(rows[r])
             return [(s, r) for r, (s, _) in enumerate(batch)]
         to_sample: list[tuple[Sequence, int]] = []
         done = []
         for r, (s, n) in enumerate(batch):
             s.num_cached += n
-            if routed is not None:
-                s.group.prompt_routed.append(routed[r, :n])
             if s.num_cached == len(s.group.prompt):
                 done.append(s.group)
                 to_sample += [(seq, r) for seq in s.group.seqs]
         self.scheduler.prompts_done(done)
         return to_sample
 
-    def _sample(self, to_sample: list[tuple[Sequence, int]], logits: torch.Tensor, hook) -> int:
-        """A token (and its logprob) for each of ``to_sample`` from its row of ``logits``, sampled on the device (only
-        tokens come to the host); a non-finite row fails its request. Finished sequences leave the scheduler."""
+    def _keep_routes(self, kind: str, batch: list[tuple[Sequence, int]], routed: torch.Tensor | None) -> None:
+        """Keep the experts the step's tokens were routed to (host ``routed`` [B, C, L_moe, k]) with their sequences:
+        a decode row's as a numpy view (torch's unbind takes 30 us for 64 rows), a prompt chunk's as a tensor."""
+        if routed is None:
+            return
+        if kind == "decode":
+            for (s, _), row in zip(batch, routed[:, 0].numpy(), strict=True):
+                s.routed.append(row)
+            return
+        for r, (s, n) in enumerate(batch):
+            s.group.prompt_routed.append(routed[r, :n])
+
+    def _draw(self, to_sample: list[tuple[Sequence, int]], logits: torch.Tensor) -> tuple:
+        """A token and its logprob for each of ``to_sample`` from its row of ``logits``, sampled on the device, and
+        each row's logit sum (not finite: a non-finite row, or finite ones overflowing it; ``_take`` looks closer):
+        (the rows' logits, tokens, logprobs, sums). A non-finite row samples some token that ``_take`` drops."""
         seqs = [s for s, _ in to_sample]
         rows = [r for _, r in to_sample]
         if rows != list(range(len(logits))):
             logits = logits[to_device([torch.tensor(rows)], self.device)[0]]
-        # one reduction a step, on the rows being sampled only (a quarter of isfinite().all()'s time): a sum that is
-        # not finite (a non-finite row, or finite ones overflowing it) is looked at row by row
-        if not math.isfinite(float(logits.sum())):
-            finite = logits.isfinite().all(-1).cpu()
-            if not bool(finite.all()):
-                seqs, logits = self._fail_non_finite(seqs, logits, finite)
-                if not seqs:
-                    return 0
         tokens, logprobs = sample(
             logits,
             [s.group.params for s in seqs],
@@ -461,8 +464,27 @@ class LLMEngine:
             min(self.eos_ids) if self.eos_ids else None,
             self.generator,
         )
-        picked = torch.stack([tokens.double(), logprobs.double()]).tolist()  # one copy to the host (ids < 2^53)
-        for s, tok, lp in zip(seqs, map(int, picked[0]), picked[1], strict=True):
+        return logits, tokens, logprobs, logits.sum(-1, dtype=torch.float32)
+
+    def _take(
+        self,
+        to_sample: list[tuple[Sequence, int]],
+        logits: torch.Tensor,
+        tokens: torch.Tensor,
+        logprobs: torch.Tensor,
+        sums: torch.Tensor,
+        hook,
+    ) -> int:
+        """Append the sampled tokens (host) to their sequences; a row with non-finite logits fails its request
+        instead. Finished sequences leave the scheduler. Returns how many tokens were taken."""
+        seqs = [s for s, _ in to_sample]
+        tokens, logprobs = tokens.tolist(), logprobs.tolist()
+        if not np.isfinite(sums.numpy()).all():  # rare: which rows are not finite, read from the device once more
+            finite = logits.isfinite().all(-1).cpu()
+            if not bool(finite.all()):
+                keep = self._fail_non_finite(seqs, logits, finite)
+                seqs, tokens, logprobs = ([x[i] for i in keep] for x in (seqs, tokens, logprobs))
+        for s, tok, lp in zip(seqs, tokens, logprobs, strict=True):
             s.tokens.append(tok)
             s.logprobs.append(lp)
             reason = self._stop_reason(s, tok)
@@ -472,11 +494,9 @@ class LLMEngine:
                 hook(s, tok, reason)
         return len(seqs)
 
-    def _fail_non_finite(
-        self, seqs: list[Sequence], logits: torch.Tensor, finite: torch.Tensor
-    ) -> tuple[list[Sequence], torch.Tensor]:
+    def _fail_non_finite(self, seqs: list[Sequence], logits: torch.Tensor, finite: torch.Tensor) -> list[int]:
         """Fail every request with a non-finite row (all its samples end, their blocks are freed and zeroed);
-        return the other sequences and their logits."""
+        return the rows of the other sequences."""
         failed: set[Group] = set()
         for i in (~finite).nonzero().flatten().tolist():
             s, g = seqs[i], seqs[i].group
@@ -493,8 +513,7 @@ class LLMEngine:
             for seq in g.seqs:
                 if seq.finish_reason is None:
                     self.scheduler.finish(seq, "error", zero=True)
-        keep = [i for i, s in enumerate(seqs) if s.group not in failed]
-        return [seqs[i] for i in keep], logits[keep]
+        return [i for i, s in enumerate(seqs) if s.group not in failed]
 
     def _stop_reason(self, s: Sequence, token: int) -> str | None:
         p = s.group.params

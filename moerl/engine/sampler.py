@@ -96,17 +96,40 @@ def sample(
     tokens = None if every else masked.argmax(-1)  # temperature 0: greedy (no row of a sampled batch needs it)
     if drawn:
         u, rows = on_device[-1], slice(None) if every else on_device[-2]
-        cdf = masked[rows].softmax(-1).double().cumsum(-1)
-        total = cdf[:, -1]
-        # u < 1, so the point lies below the total mass (nextafter: never equal to it after rounding): the first
-        # token whose cumulative mass exceeds it has a nonzero probability
-        point = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-        picked = torch.searchsorted(cdf, point[:, None], right=True).squeeze(1)
+        picked = inverse_cdf(masked[rows].softmax(-1), u)
         if every:
             tokens = picked
         else:
             tokens[rows] = picked
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+
+BLOCK = 1024  # tokens a block of ``inverse_cdf``'s first level
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """For each row of ``probs`` [M, V] (fp32) the first token whose cumulative mass (in fp64) exceeds ``u`` [M]
+    (float64 in [0, 1)) times the row's total. The rule of a float64 cumulative sum over the whole vocabulary, found
+    in two levels so that no [M, V] float64 tensor is made or scanned: the mass of each block of ``BLOCK`` tokens
+    (fp32 read, fp64 sums), their cumulative sum, the block the point falls in, then the cumulative sum inside it.
+    The sums differ from one long scan's only by fp64 reassociation. A row that is not finite gets a token in range."""
+    m, v = probs.shape
+    full = v - v % BLOCK
+    sums = probs[:, :full].view(m, -1, BLOCK).sum(-1, dtype=torch.float64)
+    if full < v:
+        sums = torch.cat([sums, probs[:, full:].sum(-1, keepdim=True, dtype=torch.float64)], 1)
+    ends = sums.cumsum(-1)  # [M, blocks]: the mass up to each block's end
+    total = ends[:, -1]
+    # u < 1, so the point lies below the total mass (nextafter: never equal to it after rounding): the first
+    # token whose cumulative mass exceeds it has a nonzero probability
+    point = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))[:, None]
+    block = torch.searchsorted(ends, point, right=True).clamp_(max=ends.shape[1] - 1)  # [M, 1]
+    before = torch.where(block > 0, ends.gather(1, (block - 1).clamp(min=0)), 0.0)
+    cols = block * BLOCK + torch.arange(BLOCK, device=probs.device)
+    inside = probs.gather(1, cols.clamp(max=v - 1)).masked_fill_(cols >= v, 0)
+    cdf = before + inside.double().cumsum(-1)
+    inside_block = torch.searchsorted(cdf, point, right=True).clamp_(max=BLOCK - 1)
+    return (block * BLOCK + inside_block).squeeze(1).clamp_(max=v - 1)
 
 
 def _stops(p: SamplingParams, eos_id: int | None) -> list[int]:
