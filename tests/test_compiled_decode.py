@@ -446,3 +446,97 @@ def test_an_fp32_cpu_decode_graph_is_compiled_not_taken_from_inductors_disk_cach
 
     assert cache_hits(torch.float32) == 0
     assert cache_hits(torch.bfloat16) > 0
+
+
+def _graph_count(engine) -> "torch._dynamo.testing.CompileCounter":
+    """The compiled step's graph traced by a backend that counts what dynamo traces (and runs it eager)."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    engine.compiled._graph = dynamo.unducked(torch.compile(engine.compiled._forward, dynamic=True, backend=counter))
+    return counter
+
+
+def _shrinking(n: int = 4) -> list[Request]:
+    """Prompts of 10 tokens ending after 2, 3, 4 and 12 tokens: decode batches of 4, 3, 2 and 1 rows (padded to
+    buckets 4 and 2, or not), block tables of 1 then 2 blocks."""
+    return [
+        Request(list(range(5, 15)), SamplingParams(max_tokens=(2, 3, 4, 12)[i], ignore_eos=True, seed=i))
+        for i in range(n)
+    ]
+
+
+def test_inputs_that_alias_as_cudas_do_reach_one_graph(monkeypatch):
+    """On CUDA a step's inputs arrive as views of one buffer (``moerl.device.to_device``); forced so on the CPU, the
+    compiled step still traces one graph for 4, 3, 2 and 1 rows and tables of 1 and 2 blocks: it copies them into
+    buffers of its own per padded shape, reused step after step. The control: the inputs passed on as the step did
+    before (views where no row pads, new tensors where rows pad) trace the graph again."""
+    from moerl.device import packed_copy
+    from moerl.engine import engine as engine_module
+
+    model = init_model("qwen3_moe", "tiny", overrides={"num_hidden_layers": 2}, dtype=torch.float32)
+    monkeypatch.setattr(engine_module, "to_device", packed_copy)
+
+    def as_they_came(ids, positions, tables, adapters):
+        rows = compiled_decode.bucket(ids.shape[0]) - ids.shape[0]
+        if rows:
+            ids = torch.cat([ids, ids.new_zeros(rows, 1)])
+            positions = torch.cat([positions, positions.new_zeros(rows, 1)])
+            tables = torch.cat([tables, tables.new_full((rows, tables.shape[1]), engine.cache.scratch_block)])
+        return [ids, positions, tables, adapters]
+
+    graphs = {}
+    for how in ("copied", "as they came"):
+        engine = LLMEngine(model, EngineConfig(max_num_seqs=4, max_model_len=64, compile_decode=True))
+        if how == "as they came":
+            engine.compiled._inputs = as_they_came
+        counter = _graph_count(engine)
+        seen, graph = [], engine.compiled._graph
+        engine.compiled._graph = lambda *inputs, graph=graph: seen.append(tuple(map(id, inputs))) or graph(*inputs)
+        engine.generate(_shrinking())
+        graphs[how] = counter.frame_count
+        if how == "copied":  # each padded shape's inputs the same tensors every step
+            assert len(seen) > 10 and len(set(seen)) == len(engine.compiled._static) == 2, set(seen)
+    assert graphs["copied"] == 1 and graphs["as they came"] > 1, graphs
+
+
+def test_a_compiled_decode_step_waits_for_the_device_once(monkeypatch):
+    """On the simulated device (torch.compile runs the step's code eager under it) a compiled decode step reads
+    nothing on the host (its view of the cache is made with its write rows, no search for them), and the engine's
+    step waits for the device once: tokens, logprobs, logit sums and R3 rows in one copy. The control: a view that
+    searches for its write rows (the step before) reads the device inside every compiled step."""
+    from simdevice import SimCuda
+
+    def syncs(view=None) -> tuple[list[int], float]:
+        with SimCuda() as sim:
+            # bf16: CUDA's grouped GEMM has its kernel (fp32 falls back to a loop over offsets read on the host)
+            model = init_model("qwen3_moe", "tiny", overrides={"num_hidden_layers": 2}, dtype=torch.bfloat16)
+            cfg = EngineConfig(max_num_seqs=4, max_model_len=64, compile_decode=True, capture_routing=True)
+            engine = LLMEngine(model.to("cuda"), cfg)
+            if view is not None:
+                monkeypatch.setattr(compiled_decode, "StepView", view)
+            inside, step = [], engine.compiled.step
+
+            def counted(*args):
+                before = sum(sim.syncs.values())
+                out = step(*args)
+                inside.append(sum(sim.syncs.values()) - before)
+                return out
+
+            engine.compiled.step = counted
+            engine.generate(_shrinking()[:2])  # warm: the first step
+            sim.syncs.clear()
+            steps = engine.steps
+            engine.generate(_shrinking())
+            return inside, sum(sim.syncs.values()) / (engine.steps - steps)
+
+    inside, per_step = syncs()
+    assert len(inside) > 10 and set(inside) == {0} and per_step == 1, (inside, per_step)
+
+    class SearchingView(compiled_decode.StepView):
+        def __init__(self, *args, write_rows=None, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    inside, per_step = syncs(SearchingView)
+    assert min(inside) >= 1 and per_step > 1, (inside, per_step)

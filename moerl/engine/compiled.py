@@ -9,9 +9,12 @@ once shared a symbol with the cache's 16-token blocks and was compiled again for
 kept MX weights' shapes static), so one compilation covers every bucket on the CPU. On CUDA it asks for CUDA graphs
 (``mode="reduce-overhead"``, one per bucket): the KV cache pools the graph writes are marked static (mutated inputs
 that are not make cudagraph trees skip the graph), and nothing in the graph reads the device on the host (the
-grouped GEMM's offsets come from a search on the device). Padding rows decode token 0 at position 0 into the cache's
-scratch block, never into a sequence's. Prefill stays eager, and so does any batch larger than ``max_num_seqs``
-(which the scheduler never forms).
+grouped GEMM's offsets come from a search on the device; the step's view of the cache is made inside the graph, where
+every row's write row is known). The graph's inputs are the token ids, positions, block tables and adapter slots,
+copied into buffers kept per padded shape (``StaticInputs``): each its own tensor, whatever the engine hands over (on
+CUDA views of one buffer: inputs that alias in one step and not in the next would be traced twice). Padding rows
+decode token 0 at position 0 into the cache's scratch block, never into a sequence's. Prefill stays eager, and so
+does any batch larger than ``max_num_seqs`` (which the scheduler never forms).
 
 Inside the graph the routed experts take the dense path (every expert on every token, ``Experts._dense``) where
 that is cheap, and on CUDA where the grouped GEMM has no kernel for the dtype (torch's fallback reads offsets on the
@@ -103,7 +106,8 @@ class CompiledDecode:
         for pool in cache.pools():
             torch._dynamo.mark_static(pool)
             torch._dynamo.mark_static_address(pool)
-        cuda = device.type == "cuda"
+        self.cuda = cuda = device.type == "cuda"
+        self._static: dict[tuple[int, int, bool], StaticInputs] = {}  # the inputs of each padded shape
         # an fp32 CPU graph not from inductor's on-disk cache: the one it hands back runs 0.6x the one it compiles
         # (tiny, 12.3k against 19.4k tokens/s; bf16 the same either way; BENCHMARKS.md, issue 42's fourteenth
         # session), for ~5 s more of the first call
@@ -113,7 +117,11 @@ class CompiledDecode:
         self.first, self.setting = True, setting  # the first step compiles the graph (said on the console)
         self.key = decode_graph_key(model, cache, capture)  # what the first step takes is remembered under it
 
-    def _forward(self, ids, positions, view: StepView, adapters) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, ids, positions, tables, adapters) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The graph: the step's view of the cache (every row writes one key, so its write rows are known: no
+        search for them, no host read) and the model's forward over it."""
+        rows = torch.arange(ids.shape[0], device=ids.device)
+        view = StepView(self.cache, tables, positions, torch.ones_like(rows), write_rows=rows, graph=True)
         out = self.model(ids, positions=positions, capture=self.capture, cache=view, adapters=adapters)
         return out.logits[:, 0], out.routed
 
@@ -123,21 +131,8 @@ class CompiledDecode:
         """One decode step for rows ``ids`` / ``positions`` [B, 1] with block tables [B, nb] (and LoRA slots
         ``adapters`` [B], -1 = none): logits [B, V] and the chosen experts [B, 1, L_moe, k] (None without
         capture)."""
-        b, nb = tables.shape
-        device = ids.device
-        rows, cols = bucket(b) - b, (1 << (nb - 1).bit_length()) - nb if device.type == "cuda" else 0
-        if cols:  # extra columns repeat each row's first block: masked, as the eager step pads short tables
-            tables = torch.cat([tables, tables[:, :1].expand(b, cols)], dim=1)
-        if rows:
-            ids = torch.cat([ids, ids.new_zeros(rows, 1)])
-            positions = torch.cat([positions, positions.new_zeros(rows, 1)])
-            tables = torch.cat([tables, tables.new_full((rows, tables.shape[1]), self.cache.scratch_block)])
-            if adapters is not None:
-                adapters = torch.cat([adapters, adapters.new_full((rows,), -1)])
-        lengths = torch.ones(b + rows, dtype=torch.long, device=device)
-        view = StepView(self.cache, tables, positions, lengths, graph=True)
-        for t, dim in ((view._base, 3), (view._key_pos, 2), (view.read, 0), (view.key_slots, 1)):  # keys: symbolic
-            torch._dynamo.mark_dynamic(t, dim)
+        b = ids.shape[0]
+        inputs = self._inputs(ids, positions, tables, adapters)
         if self.first:  # the modules as the graph is compiled for them (a later swap recompiles it: see below)
             modules = list(self.model.modules())
             self._mx = [m for m in modules if isinstance(m, MXLinear | MXExperts)]
@@ -151,5 +146,49 @@ class CompiledDecode:
             m.refresh_packed()
         compiling, self.first = self.first, False
         with first_compile(STEP, "rollout.compile_decode", self.setting, compiling, self.key):
-            logits, routed = self._graph(ids, positions, view, adapters)
+            logits, routed = self._graph(*inputs)
         return logits[:b], routed[:b] if routed is not None else None
+
+    def _inputs(self, ids, positions, tables, adapters) -> list[torch.Tensor | None]:
+        """The step's inputs copied into the padded buffers of its shape (``StaticInputs``)."""
+        b, nb = tables.shape
+        # at least 2 columns: a size-1 dimension would be specialised into a graph of its own
+        width = max(2, (1 << (nb - 1).bit_length()) if self.cuda else nb)
+        key = (bucket(b), width, adapters is not None)
+        if key not in self._static:
+            self._static[key] = StaticInputs(key[0], width, adapters is not None, self.cache.scratch_block, ids.device)
+        return self._static[key].fill(ids, positions, tables, adapters)
+
+
+class StaticInputs:
+    """The inputs of the compiled step for one padded shape (rows, table width), each a tensor of its own kept
+    across steps. The graph sees the same kind of tensors every step: on CUDA a step's inputs arrive as views of one
+    buffer (``moerl.device.to_device``), and a graph traced for inputs that alias (or not) would be traced again
+    for the other pattern, each a compilation of its own. Padding rows decode token 0 at position 0 into the cache's
+    scratch block, with no adapter; extra columns repeat each row's first block (masked, as the eager step pads short
+    tables). Padding rows are written only where a step has fewer real rows than the one before."""
+
+    def __init__(self, rows: int, width: int, adapters: bool, scratch: int, device: torch.device):
+        self.ids = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.tables = torch.full((rows, width), scratch, dtype=torch.long, device=device)
+        self.adapters = torch.full((rows,), -1, dtype=torch.long, device=device) if adapters else None
+        self.scratch, self.real = scratch, 0  # rows the last step filled
+
+    def fill(self, ids, positions, tables, adapters) -> list[torch.Tensor | None]:
+        b, nb = tables.shape
+        self.ids[:b].copy_(ids)
+        self.positions[:b].copy_(positions)
+        self.tables[:b, :nb].copy_(tables)
+        if nb < self.tables.shape[1]:
+            self.tables[:b, nb:].copy_(tables[:, :1].expand(b, self.tables.shape[1] - nb))
+        if self.adapters is not None:
+            self.adapters[:b].copy_(adapters)
+        if b < self.real:  # rows the last step used that pad this one
+            self.ids[b : self.real].zero_()
+            self.positions[b : self.real].zero_()
+            self.tables[b : self.real].fill_(self.scratch)
+            if self.adapters is not None:
+                self.adapters[b : self.real].fill_(-1)
+        self.real = b
+        return [self.ids, self.positions, self.tables, self.adapters]

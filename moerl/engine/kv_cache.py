@@ -116,6 +116,9 @@ class KVCache:
         self.nbytes = sum(t.numel() * t.element_size() for t in self.k + self.v + self.index)
         self._k_shapes, self._v_shapes = [t.shape for t in self.k], [t.shape for t in self.v]
         self.dtype, self.device = dtype, device
+        # decode reads the pools in place where the paged kernel runs (``StepView.attend``): known once, here, not
+        # asked again in each step's view (a compiled step makes its view inside the graph)
+        self.paged = dtype in KINDS and torch.device(device).type == "cpu" and kernel() is not None
         self.sliding_window = cfg.sliding_window
         self.heads, self.rows = heads, n  # every attention pool's [heads, rows, d]
         self.attention = [i for i, t in enumerate(cfg.layer_types) if keeps_keys(t)]
@@ -216,8 +219,7 @@ class StepView:
             self.key_slots = key_slots.view(b, s)  # the paged kernel's table in the graph: blocks of one slot
             self.read, self.width = (torch.arange(heads, device=dev)[:, None] * n + key_slots[None, :]).reshape(-1), 1
         self.b = b
-        # decode reads the pools in place where the kernel runs (``attend``); decided here, outside a compiled graph
-        self.paged = cache.dtype in KINDS and torch.device(cache.device).type == "cpu" and kernel() is not None
+        self.paged = cache.paged  # decode reads the pools in place (``attend``)
         self._q_pos, self._key_pos, self._real = positions[:, :, None], torch.arange(s, device=dev)[None, None, :], real
         # the mask [B, 1, C, S], made on first use: a step the paged kernel attends never needs it (nor ``read``)
         self._base: torch.Tensor | None = self._mask_base() if graph else None
