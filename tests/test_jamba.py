@@ -147,3 +147,106 @@ def test_a_peft_adapter_on_the_mamba_projections_reproduces_moerl_in_peft(checkp
 
 def test_vllm_engines_and_compiled_decode_refuse_mamba1_layers_by_name(checkpoint):
     assert_vllm_and_compiled_decode_refuse(checkpoint[0], ARCH)
+
+
+# -- export of merged weights (adapters PEFT cannot hold: dense MLPs) ------------------------------------------------
+
+
+def _checkpoint_names(directory) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(directory / "model.safetensors", "pt") as handle:
+        return set(handle.keys())
+
+
+def test_lora_on_dense_mlps_exports_merged_weights_transformers_loads_first_time_and_again(checkpoint, tmp_path):
+    """The LoRA mode's export with an adapter on the dense MLPs (which PEFT cannot hold): merged weights, every tensor
+    once under the checkpoint's own names (per expert, as transformers saves Jamba), that transformers loads with none
+    missing or unexpected and whose logits are moerl's with the adapters (fp32 1e-4), far from the base's. A second
+    export into the same run directory (a resumed run's end), after the adapters moved, replaces it whole."""
+    from test_export import IDS, _trained_policy
+    from transformers import AutoModelForCausalLM
+
+    from moerl.model.lora import lora_modules
+
+    path = checkpoint[0]
+    pol = _trained_policy(path, "per_expert", ["in_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts"])
+    run_dir = tmp_path / "run"
+    for turn in ("first", "resumed"):
+        exported = pol.mode.export(pol, run_dir)
+        assert set(exported) == {"merged", "adapter_note"}, exported
+        assert "layers.0.mlp.gate_proj" in exported["adapter_note"]
+        assert _checkpoint_names(run_dir / "merged") == _checkpoint_names(path), turn
+        merged = run_dir / "merged"
+        hf, info = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"], (turn, info)
+        with torch.no_grad():
+            ours, plain, theirs = pol.model(IDS, adapters=0).logits, pol.model(IDS).logits, hf.eval()(IDS).logits
+        assert (theirs - ours).abs().max() <= 1e-4, turn
+        assert (theirs - plain).abs().max() > 1e-3, turn
+        with torch.no_grad():  # the adapters move on before the resumed run's end
+            for lora in lora_modules(pol.model).values():
+                for p in lora.parameters():
+                    p.mul_(1.5)
+
+
+def test_a_bridge_that_writes_a_tensor_twice_is_refused_by_name_before_anything_is_deleted(checkpoint, tmp_path):
+    """Negative control of the fix: Jamba's catch-all ``feed_forward.{x}`` rule writing again (as before) would put
+    each expert tensor out twice (per expert and whole, one memory): refused naming the moerl tensor and both names,
+    and the export already in the directory is left as it was."""
+    import dataclasses
+
+    from run_helpers import tree_hash
+
+    from moerl.bridges import export_model
+    from moerl.bridges.checkpoint import write_model
+    from moerl.bridges.find import get_bridge
+    from moerl.errors import CheckpointError
+
+    model = load_model(checkpoint[0], dtype=torch.float32)
+    export_model(model, tmp_path / "out")
+    before = tree_hash(tmp_path / "out")
+    bridge = get_bridge(model.hf_config)
+    writing = [dataclasses.replace(r, write=True) if r.hf.endswith("feed_forward.{x}") else r for r in bridge.rules]
+    assert writing != list(bridge.rules)
+    with pytest.raises(CheckpointError, match=r"moerl tensor 'layers\.1\.mlp\.(experts\.\w+|router\.weight)' would "
+                       r"be written twice, as 'model\.layers\.1\.feed_forward\.[\w.]+' and as"):  # fmt: skip
+        write_model(model, dataclasses.replace(bridge, rules=tuple(writing)), tmp_path / "out")
+    assert tree_hash(tmp_path / "out") == before
+    assert not (tmp_path / "fresh").exists()
+    with pytest.raises(CheckpointError, match="would be written twice"):
+        write_model(model, dataclasses.replace(bridge, rules=tuple(writing)), tmp_path / "fresh")
+    assert not (tmp_path / "fresh").exists()
+
+
+def test_a_lora_run_ends_with_exit_0_and_merged_weights_on_its_first_run_and_on_resume(checkpoint, tmp_path):
+    """``moerl train`` with LoRA on every layer (dense MLPs too: merged weights, not a PEFT adapter) exits 0 and its
+    merged checkpoint loads in transformers with no tensor missing or unexpected; ``--resume`` with more steps ends
+    the same way, the merged weights rewritten whole (measured: ~13 s a run on 2 cores)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from moerl.tokenizer import save_tokenizer
+
+    model, run_dir = tmp_path / "model", tmp_path / "run"
+    shutil.copytree(checkpoint[0], model)
+    save_tokenizer(model)
+    example = Path(__file__).parents[1] / "examples" / "lora_arithmetic.yaml"
+    args = [str(example), f"model.path={model}", f"run_dir={run_dir}", "model.sft_steps=0", "env.eval_problems=0"]
+    args += ["rollout.prompts_per_step=4", "rollout.group_size=4", "policy.dtype=float32", "rollout.dtype=float32"]
+    for steps, resume in ((2, []), (3, ["--resume"])):
+        done = subprocess.run(
+            [sys.executable, "-m", "moerl.cli", "train", *args, f"train.steps={steps}", *resume],
+            capture_output=True, text=True, timeout=240, env=os.environ | {"GLOO_SOCKET_IFNAME": "lo"},
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert f"moerl: wrote merged weights (the base with the adapters added in: a whole checkpoint, not a PEFT " \
+            f"adapter) to {run_dir / 'merged'}" in done.stderr, done.stderr[-2000:]  # fmt: skip
+        _, info = AutoModelForCausalLM.from_pretrained(run_dir / "merged", output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"], (steps, info)
+        assert _checkpoint_names(run_dir / "merged") == _checkpoint_names(model)

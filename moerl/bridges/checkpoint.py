@@ -389,6 +389,25 @@ def files_held(directory: str | os.PathLike, names: list[str]) -> list[str]:
     return sorted({weight_map[n] for n in names})
 
 
+def _span(t: torch.Tensor, hf_name: str) -> tuple[int, int, int, str]:
+    """(storage, first byte, end byte, name) of contiguous tensor ``t``: the memory it is written from."""
+    return t.untyped_storage().data_ptr(), t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), hf_name
+
+
+def _refuse_overlaps(bridge: Bridge, spans: list[tuple[int, int, int, str]], written_from: dict[str, str]) -> None:
+    """Refuse, naming both names, two checkpoint tensors that share memory (``_span``s): one moerl tensor a bridge's
+    rules write twice (e.g. per expert and whole), which safetensors would refuse only once the old files were gone.
+    Sorted by start, any overlap shows between neighbours."""
+    spans = sorted(spans)
+    for (storage, _, stop, first), (next_storage, start, _, second) in zip(spans, spans[1:], strict=False):
+        if storage == next_storage and start < stop:
+            source = written_from.get(second, second)
+            raise CheckpointError(
+                f"{bridge.architectures[0]} export: moerl tensor {source!r} would be written twice, as {first!r} "
+                f"and as {second!r} (two of the bridge's rules write it); nothing was written"
+            )
+
+
 def write_model(
     model: MoEModel,
     bridge: Bridge,
@@ -403,23 +422,27 @@ def write_model(
     ``state_dict`` replaces the model's own weights (e.g. with LoRA merged in); LoRA tensors are never written.
     """
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     state = state_of(model) if state_dict is None else state_dict
-    tensors = {
-        hf_name: t
-        for name, tensor in state.items()
-        if ".lora." not in name
-        for hf_name, t in to_hf(bridge, name, tensor.detach(), model.config)
-    }
+    written_from: dict[str, str] = {}  # checkpoint name -> the moerl tensor it holds (to name a clash)
+    tensors, spans = {}, []
+    for name, tensor in state.items():
+        if ".lora." not in name:
+            for hf_name, t in to_hf(bridge, name, tensor.detach(), model.config):
+                tensors[hf_name], written_from[hf_name] = t, name
     for hf_name, t in fused(bridge, tensors, model.config).items():
         nbytes = t.numel() * t.element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append({})
             size = 0
-        shards[-1][hf_name] = t.contiguous().cpu()
+        whole = t.contiguous()
+        if whole.numel() and whole.data_ptr() == t.data_ptr():  # the state's own memory, not a copy: may be shared
+            spans.append(_span(whole, hf_name))
+        shards[-1][hf_name] = whole.cpu()
         size += nbytes
+    _refuse_overlaps(bridge, spans, written_from)  # before the old files go: a refused export loses nothing
+    out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("model*.safetensors*"):
         old.unlink()
     meta = {"format": "pt"}

@@ -747,7 +747,13 @@ def _rules(layout: Layout, variant: dict) -> tuple[list[Rule], tuple[Fused, ...]
     if layout.mamba:
         rules += MAMBA_RULES[layout.mamba]
     if layout.block == "feed_forward":  # Jamba: dense MLPs, routers and experts under one name
-        rules.append(Rule("model.layers.{i}.feed_forward.{x}", "layers.{i}.mlp.{x}"))
+        # export writes the dense MLPs by name and the catch-all only loads: writing it too would put each expert
+        # tensor out twice, per expert by the rules above and whole under its moerl name (one memory, two names)
+        rules += [
+            Rule(f"model.layers.{{i}}.feed_forward.{m}.{{x}}", f"layers.{{i}}.mlp.{m}.{{x}}")
+            for m in ("gate_proj", "up_proj", "down_proj")
+        ]
+        rules.append(Rule("model.layers.{i}.feed_forward.{x}", "layers.{i}.mlp.{x}", write=False))
     if layout.linear is not None:
         rules += LINEAR_ATTENTION_RULES
         fused += FUSED if layout.linear == "fused" else ()
