@@ -52,7 +52,7 @@ gpu-check:
 # CUDA wheel and its libraries are a download of several GB
 GPU_STACK := .venv-gpu-stack
 gpu-stack-check: $(GPU_STACK)/.installed
-	PYTHONPATH=. DEV=cpu $(GPU_STACK)/bin/python benchmarks/gpu_check.py
+	PYTHONPATH=. DEV=cpu $(GPU_STACK)/bin/python benchmarks/gpu_check.py; s=$$?; [ $$s -eq 0 ] || [ $$s -eq 2 ]  # 2: INCOMPLETE, as the MXFP8 line skips without torchao
 
 $(GPU_STACK)/.installed:
 	python3 -m venv $(GPU_STACK)
