@@ -5,8 +5,11 @@ path that is neither are named errors saying what to do."""
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -28,8 +31,8 @@ def hub(tmp_path_factory):
     return home
 
 
-def _generate(hub, model: str, *extra: str) -> subprocess.CompletedProcess:
-    env = os.environ | {"HF_HOME": str(hub), "HF_HUB_OFFLINE": "1"}
+def _generate(hub, model: str, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = os.environ | {"HF_HOME": str(hub), "HF_HUB_OFFLINE": "1"} | (env or {})
     args = [sys.executable, "-m", "moerl.cli", "generate", model, "--prompt", "12+7=", "--max-tokens", "8"]
     args += ["--temperature", "1.0", *extra]  # seeded samples: another model samples other text
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
@@ -80,3 +83,62 @@ def test_a_run_takes_a_hub_id_as_model_path(hub, monkeypatch, tmp_path):
     cfg = load_config(RunConfig, None, [f"model.path={tmp_path / 'nowhere'}"])
     with pytest.raises(ConfigError, match=r"model.path='.*nowhere' does not exist: give a checkpoint directory or a"):
         ensure_model(cfg, tmp_path / "run", fresh=True)
+
+
+@pytest.mark.parametrize("revision", ["..", "../../etc", "v1 ", "refs//pr", ".hidden", "a:b", ""])
+def test_a_revision_that_is_no_ref_name_is_named_before_the_cache_is_read(hub, revision):
+    """huggingface_hub makes a path of the revision (``refs/<revision>``): ``..`` read the repository's directory as
+    a file (IsADirectoryError); git's ref-name rules refuse it, and the rest, by name."""
+    out = _generate(hub, "owner/tiny", "--revision", revision)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == (
+        f"moerl: error: --revision {revision!r} (of owner/tiny): not a branch, tag or commit name (git refuses "
+        "'..', a leading '.' or '/', spaces and ~^:?*[\\ in one)\n"
+    )
+    from moerl.hub import checkpoint_dir
+
+    with pytest.raises(ConfigError, match=r"^model.revision='\.\.' \(of owner/tiny\): not a branch"):
+        checkpoint_dir("owner/tiny", "..")
+
+
+@pytest.fixture
+def silent_hub():
+    """A real TCP server on a local port that accepts every connection and never answers: (its URL, the
+    connections it accepted)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    held, stop = [], threading.Event()
+
+    def accept():
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}", held
+    stop.set()
+    thread.join()
+    for conn in held:
+        conn.close()
+    server.close()
+
+
+def test_a_hub_that_accepts_and_never_answers_is_named_with_its_deadline(silent_hub, tmp_path):
+    """Not in the cache and online: the id goes to the hub (HF_ENDPOINT), whose silence ends at the deadline
+    (HF_HUB_DOWNLOAD_TIMEOUT seconds per request) in one line naming the id, the endpoint and the deadline."""
+    url, held = silent_hub
+    env = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": url, "HF_HUB_DOWNLOAD_TIMEOUT": "1", "HF_HUB_ETAG_TIMEOUT": "1"}
+    start = time.monotonic()
+    out = _generate(tmp_path / "hf_home", "nobody/x", env=env)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert held, "the request never reached the hub"  # control: the wait that hung is the one that ended
+    assert out.stderr.splitlines()[-1] == (
+        f"moerl: error: model_dir='nobody/x': the Hugging Face hub at {url} did not answer within 1 s "
+        "(HF_HUB_DOWNLOAD_TIMEOUT) while fetching nobody/x@main; check HF_ENDPOINT and the network, raise "
+        "HF_HUB_DOWNLOAD_TIMEOUT for a slow hub, or fetch it yourself (hf download nobody/x) and give its directory"
+    )
+    assert "Traceback" not in out.stderr
+    assert time.monotonic() - start < 120  # the deadline is the behaviour: seconds, where it used to hang forever
