@@ -413,3 +413,95 @@ def test_rejected_requests_say_so(engine):
     assert outs[1].error.startswith("request 1: n=5 samples exceed EngineConfig.max_num_seqs=4")
     assert [o.error_kind for o in outs] == ["rejected", "rejected", None]
     assert outs[2].outputs[0].finish_reason == "length"
+
+
+def _peft_saved(base_path, out, task_type) -> None:
+    """A LoRA on the attention of transformers' model of ``base_path``, saved by PEFT itself (its own
+    adapter_config.json: ``base_model_name_or_path``, and ``auto_mapping`` where ``task_type`` is None)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    lora = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False, task_type=task_type
+    )
+    get_peft_model(base, lora).save_pretrained(out)
+
+
+def test_an_adapter_of_another_family_is_refused_by_name_and_one_of_this_family_loads(hf_checkpoints, tmp_path):
+    """Mixtral's attention has Qwen3-MoE's tensor names and shapes, so its adapters would load onto Qwen3-MoE (the
+    control: one that says nothing of its base does). One that names its base is refused, naming both
+    architectures, from what moerl writes (``auto_mapping``) and from what PEFT writes (its base's config.json, or
+    its own ``auto_mapping``), the slots left as they were; adapters of Qwen3-MoE bases (this checkpoint, another
+    one of the family) load."""
+    import json
+    import shutil
+
+    mixtral = hf_checkpoints["MixtralForCausalLM"][0]
+    other = EngineConfig(max_num_seqs=2, max_model_len=32, max_loras=1, max_lora_rank=4, lora_targets=["q_proj"])
+    foreign = LLMEngine(mixtral, other, dtype=torch.float32)
+    foreign.add_adapter("m", adapter_tensors(foreign, 0.1, seed=1))
+    write_peft_adapter(foreign.model, tmp_path / "moerl", base=str(mixtral))
+    _peft_saved(mixtral, tmp_path / "peft", "CAUSAL_LM")
+    _peft_saved(mixtral, tmp_path / "peft_auto", None)
+    cfg = json.loads((tmp_path / "moerl" / "adapter_config.json").read_text())
+    assert cfg["auto_mapping"]["base_model_class"] == "MixtralForCausalLM"
+    assert json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["auto_mapping"] is None
+
+    engine = _lora_engine(hf_checkpoints)
+    engine.add_adapter("a", adapter_tensors(engine, 0.1, seed=0))
+    before = _slots(engine)
+    said = {
+        "moerl": r"auto_mapping\.base_model_class 'MixtralForCausalLM'",
+        "peft": rf"base_model_name_or_path '{re.escape(str(mixtral))}', whose config\.json says MixtralForCausalLM",
+        "peft_auto": r"auto_mapping\.base_model_class 'MixtralForCausalLM'",
+    }
+    for made, by in said.items():
+        with pytest.raises(CheckpointError) as refused:
+            engine.add_adapter("a", tmp_path / made)
+        want = rf"adapter_config\.json: the adapter was made for a MixtralForCausalLM model \({by}\), not for this "
+        assert re.search(want + r"Qwen3MoeForCausalLM model; load it onto a MixtralForCausalLM checkpoint", str(
+            refused.value
+        )), (made, str(refused.value))  # fmt: skip
+        assert all(torch.equal(before[k], v) for k, v in _slots(engine).items()), made
+    # the control: the same adapter saying nothing of its base loads, its names and shapes being Qwen3-MoE's too
+    silent = tmp_path / "silent"
+    shutil.copytree(tmp_path / "moerl", silent)
+    (silent / "adapter_config.json").write_text(
+        json.dumps(cfg | {"auto_mapping": None, "base_model_name_or_path": None})
+    )
+    engine.add_adapter("a", silent)
+    assert not all(torch.equal(before[k], v) for k, v in _slots(engine).items())
+
+    qwen = hf_checkpoints[ARCH][0]
+    sibling = tmp_path / "sibling"  # another checkpoint of the family (a fine-tune, a copy elsewhere)
+    shutil.copytree(qwen, sibling)
+    write_peft_adapter(engine.model, tmp_path / "own", slot=0, base=str(qwen))
+    write_peft_adapter(engine.model, tmp_path / "sibling_adapter", slot=0, base=str(sibling))
+    _peft_saved(qwen, tmp_path / "own_peft", None)
+    for made in ("own", "sibling_adapter", "own_peft"):
+        engine.add_adapter("a", tmp_path / made)
+    assert engine.adapters.names == {"a": 0}
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "said"),
+    [
+        ("auto_mapping", "MixtralForCausalLM", "auto_mapping must be an object with a base_model_class string"),
+        ("auto_mapping", {"parent_library": "transformers"}, "auto_mapping must be an object with a base_model_class"),
+        ("base_model_name_or_path", 3, "base_model_name_or_path must be a string, got int"),
+    ],
+)
+def test_an_adapter_config_naming_its_base_wrongly_is_refused_by_name(field, value, said, hf_checkpoints, tmp_path):
+    import json
+
+    engine = _lora_engine(hf_checkpoints)
+    engine.add_adapter("a", adapter_tensors(engine, 0.1, seed=0))
+    write_peft_adapter(engine.model, tmp_path, slot=0)
+    cfg = json.loads((tmp_path / "adapter_config.json").read_text())
+    (tmp_path / "adapter_config.json").write_text(json.dumps(cfg | {field: value}))
+    before = _slots(engine)
+    with pytest.raises(CheckpointError, match=rf"adapter_config\.json: {re.escape(said)}"):
+        engine.add_adapter("a", tmp_path)
+    assert all(torch.equal(before[k], v) for k, v in _slots(engine).items())
+

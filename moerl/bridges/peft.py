@@ -69,7 +69,9 @@ def read_peft_adapter(path: str | os.PathLike, model) -> dict[str, torch.Tensor]
     for f in (cfg_file, weights):
         if not f.exists():
             raise CheckpointError(f"{f} does not exist: not a PEFT adapter directory")
-    scale = _scaler(_read_config(cfg_file))
+    cfg = _read_config(cfg_file)
+    _check_base(cfg_file, cfg, model)
+    scale = _scaler(cfg)
     modules = _load_modules(weights)
     rd = _Reading(weights.name, model, get_bridge(model.hf_config), dict(model.named_parameters()), scale)
     out: dict[str, torch.Tensor] = {}
@@ -116,6 +118,61 @@ def _read_config(cfg_file: Path) -> dict:
     if cfg.get("use_dora"):
         raise CheckpointError(f"{cfg_file}: DoRA adapters are not supported")
     return cfg
+
+
+def _check_base(cfg_file: Path, cfg: dict, model) -> None:
+    """Refuse, naming both architectures, an adapter made for another architecture than ``model``'s: LoRA tensor
+    names and shapes can coincide across families (attention projections), so an adapter of one would load silently
+    onto the other. Its architecture is the base model class PEFT's ``auto_mapping`` records (moerl writes it), else
+    the ``architectures`` of its base's config.json (``base_model_name_or_path``: a checkpoint directory, or a hub id
+    in the Hugging Face cache); where neither says (a base moved or never fetched here), the adapter loads."""
+    ours = (model.hf_config.get("architectures") or ["?"])[0]
+    for theirs, said_by in _adapter_archs(cfg_file, cfg):
+        if theirs != ours:
+            raise CheckpointError(
+                f"{cfg_file}: the adapter was made for a {theirs} model ({said_by}), not for this {ours} model; "
+                f"load it onto a {theirs} checkpoint"
+            )
+
+
+def _adapter_archs(cfg_file: Path, cfg: dict) -> list[tuple[str, str]]:
+    """The architectures adapter config ``cfg`` names, each with the field that names it."""
+    found = []
+    mapping = cfg.get("auto_mapping")
+    if mapping is not None:
+        if not isinstance(mapping, dict) or not isinstance(mapping.get("base_model_class"), str):
+            raise CheckpointError(f"{cfg_file}: auto_mapping must be an object with a base_model_class string")
+        found.append((mapping["base_model_class"], f"auto_mapping.base_model_class {mapping['base_model_class']!r}"))
+    base = cfg.get("base_model_name_or_path")
+    if base is not None and not isinstance(base, str):
+        raise CheckpointError(f"{cfg_file}: base_model_name_or_path must be a string, got {type(base).__name__}")
+    archs = _base_archs(base) if base else None
+    if archs:
+        found.append((archs[0], f"base_model_name_or_path {base!r}, whose config.json says {archs[0]}"))
+    return found
+
+
+def _base_archs(base: str) -> list[str] | None:
+    """The ``architectures`` of checkpoint ``base``'s config.json (a directory, or a hub id with a config.json in
+    the Hugging Face cache, read without a network call), or None where it is not here to read (or unreadable: the
+    base is not what is being loaded, so its own faults do not refuse the adapter)."""
+    from moerl.bridges.checkpoint import read_config
+    from moerl.hub import HUB_ID
+
+    config = Path(base).expanduser() / "config.json"
+    if not config.is_file() and HUB_ID.match(base):
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(base, "config.json")
+        config = Path(cached) if isinstance(cached, str) else config
+    if not config.is_file():
+        return None
+    try:
+        hf = read_config(config.parent)
+    except CheckpointError:
+        return None
+    archs = hf.get("architectures") if isinstance(hf, dict) else None
+    return archs if isinstance(archs, list) and archs and all(isinstance(a, str) for a in archs) else None
 
 
 def _scaler(cfg: dict) -> Callable[[str, int], float]:
@@ -306,6 +363,7 @@ def write_peft_adapter(model, out_dir: str | os.PathLike, slot: int = 0, base: s
     gate_up = "up_proj" if model.config.activation == "relu2" else "gate_up_proj"  # un-gated experts: the up rows
     config = _peft_config(bridge, target_modules, linear_ranks, expert_ranks, gate_up)
     config["base_model_name_or_path"] = base
+    config["auto_mapping"] = _auto_mapping(model.hf_config)  # the architecture: read_peft_adapter checks it
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
@@ -367,6 +425,18 @@ def _write_experts(model, bridge: Bridge, path: str, lora, slot: int) -> tuple[i
         tensors[f"{PREFIX}{name}.lora_A.weight"] = a.reshape(e * rank, a.shape[-1]).contiguous()  # expert-major
         tensors[f"{PREFIX}{name}.lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], rank * e).contiguous()
     return rank, tensors
+
+
+def _auto_mapping(hf_config: dict) -> dict[str, str]:
+    """PEFT's record of the base model class (the architecture) and the transformers module that defines it."""
+    import transformers
+
+    arch = (hf_config.get("architectures") or ["?"])[0]
+    try:
+        library = getattr(transformers, arch).__module__
+    except (AttributeError, ImportError):  # a family transformers does not have (yet): the package itself
+        library = "transformers"
+    return {"base_model_class": arch, "parent_library": library}
 
 
 def _peft_config(
