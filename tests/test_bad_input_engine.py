@@ -505,3 +505,47 @@ def test_an_adapter_config_naming_its_base_wrongly_is_refused_by_name(field, val
         engine.add_adapter("a", tmp_path)
     assert all(torch.equal(before[k], v) for k, v in _slots(engine).items())
 
+
+# -- empty prompts in rollouts -------------------------------------------------------------------------------------
+
+
+def _generator(tmp_path, env, max_model_len: int = 32):
+    from moerl.presets import init_model
+    from moerl.rollout.generator import Generator
+    from moerl.run_config import AlgoSection, RolloutSection
+
+    init_model("qwen3_moe", "tiny", tmp_path / "model", seed=0)
+    engine = LLMEngine(tmp_path / "model", EngineConfig(max_num_seqs=8, max_model_len=max_model_len), torch.float32)
+    rollout = RolloutSection(max_tokens=4, max_model_len=max_model_len)
+    return Generator(env, engine, rollout, AlgoSection(), seed=0, eval_problems=0, lora=False)
+
+
+def test_an_empty_prompt_in_a_rollout_is_named_without_the_context_hint(tmp_path):
+    """Single-turn: a rejected rollout stops the step naming its prompt; an empty one is not told to raise the
+    context window (the control: a prompt too long for it still is)."""
+    from moerl.envs import make_env
+    from moerl.envs.base import Problem
+
+    gen = _generator(tmp_path, make_env("arithmetic", max_operand=4, ops="+", num_terms=2))
+    with pytest.raises(ConfigError, match=r"^rollout of '' failed: request 1: empty prompt$"):
+        gen.generate([Problem("1+1=", 2), Problem("", 0)], gen.sampling(2, 1.0, 2, seed=0))
+    with pytest.raises(ConfigError, match=r"does not fit the context window .*\(raise rollout\.max_model_len\?\)$"):
+        gen.generate([Problem("1+1=", 2), Problem("1+" * 20, 0)], gen.sampling(2, 1.0, 2, seed=0))
+
+
+def test_an_empty_prompt_fails_its_multi_turn_episodes_alone(tmp_path):
+    """Multi-turn: the episodes of an empty prompt end as failed (reward 0, the error kept, its group dropped by
+    training), not as cut by the context window, and the other episodes take their turns (the control: a prompt too
+    long for the context still ends "context")."""
+    from moerl.envs.base import Problem
+    from moerl.envs.tool import CalculatorToolEnv
+
+    gen = _generator(tmp_path, CalculatorToolEnv(max_turns=2))
+    good = CalculatorToolEnv().problems(1, seed=0)[0]
+    problems = [good, Problem("", good.answer), Problem("1+" * 20, good.answer)]
+    episodes = gen.generate(problems, gen.sampling(3, 1.0, 2, seed=0))
+    by_group = {g: [e for e in episodes if e.group == g] for g in range(3)}
+    assert all(e.finish_reason != "error" and len(e.tokens) > e.num_prompt for e in by_group[0])
+    assert all(e.finish_reason == "error" and e.reward == 0.0 for e in by_group[1])
+    assert all(re.fullmatch(r"request \d+: empty prompt", e.reward_error) for e in by_group[1])
+    assert all(e.finish_reason == "context" for e in by_group[2])

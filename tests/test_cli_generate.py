@@ -100,7 +100,6 @@ def test_on_token_reports_every_token_and_the_finish(ckpt):
     ("extra", "message"),
     [
         (["--temperature", "-1"], r"SamplingParams\.temperature=-1\.0: must be >= 0"),
-        (["--prompt", ""], r"request 1: empty prompt"),
         (["--max-tokens", "0"], r"SamplingParams\.max_tokens=0: must be >= 1"),
         (["--top-p", "0"], r"SamplingParams\.top_p=0\.0: must lie in \(0, 1\]"),
         (["--top-k", "-2"], r"SamplingParams\.top_k=-2: must be >= 0"),
@@ -128,6 +127,19 @@ def test_a_prompt_longer_than_the_context_fails_alone(ckpt, capsys):
         r"window \(EngineConfig\.max_model_len=16\)",
         err.splitlines()[-1],
     ), err
+
+
+def test_an_empty_prompt_fails_alone_and_is_named(ckpt, capsys):
+    """An empty prompt among good ones: the others generate (the engine's greedy tokens), and the error names the
+    empty one by its place and text, as for a prompt too long for the context."""
+    args = [ckpt, "--prompt", "1+1=", "--prompt", "", "--prompt", "2+2=", "--max-tokens", 4, "--dtype", "float32"]
+    code, out, err = run(args, capsys)
+    assert code == 2
+    engine = LLMEngine(ckpt, dtype=torch.float32)
+    assert out == expected(
+        engine.generate(["1+1=", "2+2="], SamplingParams(temperature=0, max_tokens=4)), ["1+1=", "2+2="], 1
+    )
+    assert err.splitlines()[-1] == "moerl: error: prompt 1 '': request 1: empty prompt", err
 
 
 def test_the_context_defaults_to_the_models(ckpt, capsys):

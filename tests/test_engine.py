@@ -379,10 +379,24 @@ def test_invalid_sampling_params_name_the_field(field, value, rule):
         SamplingParams(**{field: value})
 
 
+def test_an_empty_prompt_fails_alone_and_the_others_generate(hf_checkpoints):
+    """An empty prompt (nothing to start from) is rejected on its own, as a prompt too long for the context is: the
+    other requests give what they give without it, bit for bit; the cache is left clean."""
+    engine = LLMEngine(hf_checkpoints["Qwen3MoeForCausalLM"][0], EngineConfig(max_num_seqs=2, max_model_len=32))
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    outs = engine.generate([[5, 6], [], [7, 8, 9], torch.tensor([], dtype=torch.long)], greedy)
+    alone = engine.generate([[5, 6], [7, 8, 9]], greedy)
+    for i in (1, 3):
+        assert outs[i].error == f"request {i}: empty prompt" and outs[i].error_kind == "rejected"
+        assert outs[i].outputs == [] and outs[i].prompt_token_ids == []
+    for out, want in zip([outs[0], outs[2]], alone, strict=True):
+        assert out.error is None and out.outputs[0].token_ids == want.outputs[0].token_ids
+        assert torch.equal(out.outputs[0].logprobs, want.outputs[0].logprobs)
+    assert engine.scheduler.blocks.num_free == engine.cache.num_blocks
+
+
 def test_bad_requests_raise_before_anything_runs(hf_checkpoints):
     engine = LLMEngine(hf_checkpoints["Qwen3MoeForCausalLM"][0], EngineConfig(max_num_seqs=2, max_model_len=32))
-    with pytest.raises(RequestError, match="request 1: empty prompt"):
-        engine.generate([[5, 6], []])
     with pytest.raises(RequestError, match=r"request 0: prompt token 500 outside the vocabulary \[0, 128\)"):
         engine.generate([[5, 500]])
     with pytest.raises(RequestError, match="adapter 'x' asked for, but EngineConfig.max_loras=0"):

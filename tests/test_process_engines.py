@@ -2,6 +2,7 @@
 mode through shared memory, routers read back bit for bit, named errors, no orphans."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -151,8 +152,11 @@ def test_process_engines_give_the_inprocess_rollouts_bit_for_bit_before_and_afte
 def test_errors_keep_their_type_and_a_dead_engine_is_named(model):
     pool = _pool(model, "process", 2)
     try:
-        with pytest.raises(RequestError, match=r"request \d+: empty prompt"):
-            pool.generate([Request([], SamplingParams())] + _requests())
+        with pytest.raises(RequestError, match=r"request \d+: prompt token 500 outside the vocabulary"):
+            pool.generate([Request([5, 500], SamplingParams())] + _requests())
+        outs = pool.generate(_requests()[:3] + [Request("", SamplingParams())] + _requests()[3:])
+        assert re.fullmatch(r"request \d+: empty prompt", outs[3].error) and outs[3].error_kind == "rejected"
+        assert all(o.error is None and o.outputs for i, o in enumerate(outs) if i != 3)  # an empty prompt fails alone
         assert len(pool.generate(_requests())) == 7  # both engines still answer in step
         victim = pool.engines[1]
         os.kill(victim.proc.pid, signal.SIGKILL)

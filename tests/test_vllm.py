@@ -421,6 +421,14 @@ def test_prompts_longer_than_the_context_window_fail_alone(engine):
     assert outs[1].error is None and outs[1].outputs[0].token_ids
 
 
+def test_an_empty_prompt_fails_alone_as_on_the_native_engine(engine):
+    outs = engine.generate(
+        [Request("1+1=", SamplingParams()), Request("", SamplingParams()), Request([], SamplingParams())]
+    )
+    assert [(o.error, o.error_kind) for o in outs[1:]] == [(f"request {i}: empty prompt", "rejected") for i in (1, 2)]
+    assert outs[0].error is None and outs[0].outputs[0].token_ids
+
+
 def test_what_vllm_on_a_cpu_cannot_do_is_refused_by_name(model, engine, monkeypatch, tmp_path):
     with pytest.raises(ConfigError, match=r"adapter 'other': this vLLM engine serves no adapters"):
         engine.generate([Request([5, 6, 7], SamplingParams(max_tokens=2), adapter="other")])

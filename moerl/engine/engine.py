@@ -233,8 +233,9 @@ class LLMEngine:
         if not isinstance(p, SamplingParams):
             raise RequestError(f"request {rid}: params must be a SamplingParams, not {type(p).__name__}")
         prompt = self._token_ids(req.prompt, rid)
-        if not prompt:
-            raise RequestError(f"request {rid}: empty prompt")
+        if not prompt:  # nothing to start from: it fails alone, as a prompt too long for the context does
+            error = f"request {rid}: empty prompt"
+            return RequestOutput(rid, prompt, [], self.weight_version, error=error, error_kind="rejected")
         vocab = self.model.config.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
@@ -282,8 +283,8 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         """Run every request to completion; outputs come back in request order.
 
-        Bad requests (empty prompt, non-integer or out-of-vocabulary token, unknown adapter) raise RequestError
-        before anything runs. A request that cannot run here (prompt longer than the context window, more than the
+        Bad requests (non-integer or out-of-vocabulary token, unknown adapter) raise RequestError before anything
+        runs. A request that cannot run here (empty prompt, prompt longer than the context window, more than the
         cache) fails alone, and so does one whose logits turn non-finite: see ``RequestOutput.error``.
 
         ``on_token(request_index, sample_index, token_id, finish_reason)`` (streaming) is called after every

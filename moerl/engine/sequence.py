@@ -38,7 +38,7 @@ class Completion:
 @dataclass(slots=True)
 class RequestOutput:
     """What one request produced. ``error`` says why it failed (None: it did not), naming the request;
-    ``error_kind`` is "rejected" (it never ran: the prompt does not fit the context window or the cache) or
+    ``error_kind`` is "rejected" (it never ran: the prompt is empty or does not fit the context window or the cache) or
     "non_finite" (its logits went NaN / inf while it ran: its completions so far come back, ending in "error")."""
 
     request_id: str

@@ -135,9 +135,8 @@ class Generator:
             episodes = []
             for g, (problem, out) in enumerate(zip(problems, outs, strict=True)):
                 if out.error_kind == "rejected":
-                    raise ConfigError(
-                        f"rollout of {problem.prompt!r} failed: {out.error} (raise rollout.max_model_len?)"
-                    )
+                    hint = " (raise rollout.max_model_len?)" if out.prompt_token_ids else ""  # not an empty one
+                    raise ConfigError(f"rollout of {problem.prompt!r} failed: {out.error}{hint}")
                 if out.error is not None:  # failed while running (non-finite logits): training drops the group
                     episodes += [Episode.failed(first_group + g, out.error)] * params[g].n
                     continue
@@ -215,7 +214,7 @@ class Generator:
     def _take_turn(self, e: Episode, state, out, last: bool) -> tuple[bool, object]:
         """Episode ``e`` after one turn's engine output ``out``: the model's tokens appended (trained on), then the
         environment's answer (not trained on). Returns whether the episode goes on, and the environment's state."""
-        if out.error_kind == "rejected":  # the context filled up: the episode ends unfinished
+        if out.error_kind == "rejected" and out.prompt_token_ids:  # the context filled up: the episode ends unfinished
             e.reward, e.finish_reason = 0.0, "context"
             return False, state
         if out.error is not None:  # failed while running: its group is dropped and counted

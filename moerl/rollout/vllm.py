@@ -212,11 +212,12 @@ class VLLMEngine:
         for i, r in enumerate(requests):
             ids = self.tokenizer(r.prompt)["input_ids"] if isinstance(r.prompt, str) else [int(t) for t in r.prompt]
             rid = r.request_id or str(i)
-            if len(ids) >= self.max_model_len:  # rejected alone, as the native engine does
-                error = (
-                    f"request {rid}: prompt of {len(ids)} tokens does not fit the context window "
-                    f"(EngineConfig.max_model_len={self.max_model_len})"
-                )
+            why = None if ids else "empty prompt"  # rejected alone, as the native engine does
+            if len(ids) >= self.max_model_len:
+                why = f"prompt of {len(ids)} tokens does not fit the context window "
+                why += f"(EngineConfig.max_model_len={self.max_model_len})"
+            if why is not None:
+                error = f"request {rid}: {why}"
                 outs[i] = RequestOutput(rid, ids, [], self.weight_version, error=error, error_kind="rejected")
                 continue
             if r.adapter is not None and r.adapter != self.adapter:
