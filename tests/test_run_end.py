@@ -1,13 +1,16 @@
 """How runs end: ``moerl train`` on several ranks exits 0 within a bound after its last step, its exported results
 load where they are meant to (transformers, PEFT, moerl), and nothing is left behind: no process of the run's
-session, no new /dev/shm segment. One case per path: a hybrid family (fused projections: merged weights instead of a
-PEFT adapter) at ep=2, a Qwen3-MoE LoRA run at pp=2 with engine processes, an MLA family's full run at dp=2 with
-vLLM rollouts."""
+session, no /dev/shm segment the run made (another process's, made meanwhile, is not the run's). One case per path:
+a hybrid family (fused projections: merged weights instead of a PEFT adapter) at ep=2, a Qwen3-MoE LoRA run at pp=2
+with engine processes, an MLA family's full run at dp=2 with vLLM rollouts."""
 
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -53,6 +56,49 @@ def _shm() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
+# the creator's pid in a segment's name: moerl's SharedBuffer (``<tag>-<pid>-<12 hex>``), torch's (``torch_<pid>_...``)
+SEGMENT_PID = re.compile(r"[\w.]+-(\d+)-[0-9a-f]{12}|torch_(\d+)_.*")
+
+
+def _record_session(proc: subprocess.Popen) -> set[int]:
+    """The pids of ``proc``'s session (it was started in a session of its own), recorded while it runs: polled every
+    0.1 s by a thread that stops when ``proc`` ends (the ranks and engines that make segments live for seconds)."""
+    pids = {proc.pid}
+
+    def poll() -> None:
+        while proc.poll() is None:
+            pids.update(int(line.split()[0]) for line in _session_processes(proc.pid))
+            time.sleep(0.1)
+
+    threading.Thread(target=poll, daemon=True).start()
+    return pids
+
+
+def _mapped_by_a_live_process(name: str) -> bool:
+    """Whether a live process maps /dev/shm segment ``name`` (read from each process's maps)."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and f"/dev/shm/{name}" in (entry / "maps").read_text():
+                return True
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return False
+
+
+def _segments_left(before: set[str], run: set[int]) -> set[str]:
+    """The /dev/shm segments a run whose processes were ``run`` (all ended now) made and left, not every segment new
+    since ``before``: another process (the other test worker, another job) makes and removes its own meanwhile. A
+    name with its creator's pid (``SEGMENT_PID``) is the run's when that pid was one of the run's; one without
+    (vLLM's ``psm_*``) is the run's unless a live process maps it (a live one is not the run's)."""
+    left = set()
+    for name in _shm() - before:
+        m = SEGMENT_PID.fullmatch(name)
+        creator = int(m.group(1) or m.group(2)) if m else None
+        if creator in run or (creator is None and not _mapped_by_a_live_process(name)):
+            left.add(name)
+    return left
+
+
 @pytest.mark.parametrize(("arch", "layout", "made"), CASES, ids=[c[0] for c in CASES])
 def test_a_run_on_several_ranks_ends_cleanly_with_its_results_loadable(arch, layout, made, tmp_path):
     from moerl.presets import init_model
@@ -70,6 +116,7 @@ def test_a_run_on_several_ranks_ends_cleanly_with_its_results_loadable(arch, lay
         start_new_session=True,
         env=os.environ | {"GLOO_SOCKET_IFNAME": "lo"},
     )
+    run_pids = _record_session(proc)
     try:
         out, err = proc.communicate(timeout=BOUND_S)
     except subprocess.TimeoutExpired:
@@ -79,7 +126,7 @@ def test_a_run_on_several_ranks_ends_cleanly_with_its_results_loadable(arch, lay
     assert proc.returncode == 0, err[-4000:]
     assert "training done" in err
     assert _session_processes(proc.pid) == [], "processes of the run outlived it"
-    assert _shm() - shm_before == set(), "shared-memory segments outlived the run"
+    assert _segments_left(shm_before, run_pids) == set(), "shared-memory segments outlived the run"
 
     saved = json.loads((run_dir / "checkpoint" / "checkpoint.json").read_text())
     assert saved["state"]["step"] == 2
@@ -110,6 +157,56 @@ def test_a_run_on_several_ranks_ends_cleanly_with_its_results_loadable(arch, lay
         assert len(files) == 2 and all(f.is_file() for f in files)
         tensors = [t for f in files for t in load_file(f).values()]
         assert tensors and all(torch.isfinite(t).all() for t in tensors if t.is_floating_point())
+
+
+# what a leaking run leaves and what another process makes meanwhile: a moerl buffer (its creator's pid in the name)
+# and a segment named as multiprocessing's (vLLM's kind: no pid), made without its resource tracker (a process of
+# its own that would unlink the leak)
+_SEGMENTS = """
+import mmap, os, secrets, sys, time
+from moerl.rollout.shm import SharedBuffer
+buf, name = SharedBuffer.create(64), f"psm_{secrets.token_hex(4)}"
+fd = os.open(f"/dev/shm/{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+os.ftruncate(fd, 64)
+mp = mmap.mmap(fd, 64)
+print(buf.path.rsplit("/", 1)[1], name, flush=True)
+if sys.argv[1] == "leak":
+    time.sleep(0.5)  # a process of the run lives for seconds, as its ranks and engines do
+else:
+    sys.stdin.read()  # mapped until the test is done with it
+    buf.unlink(); os.unlink(f"/dev/shm/{name}")
+"""
+
+
+@pytest.mark.skipif(not os.access("/dev/shm", os.W_OK), reason="no writable /dev/shm on this host")
+def test_the_segments_a_run_left_are_told_from_those_another_process_made_meanwhile():
+    """The check of the run-end test against itself, with real processes: a "run" (its own session, a child
+    making segments and leaving them) ends while another process, outside it, holds segments of both kinds it made
+    meanwhile. ``_segments_left`` names exactly the run's; the whole of /dev/shm holds the other's too (what the
+    test compared before, which failed beside another job)."""
+    before = _shm()
+    other = subprocess.Popen(
+        [sys.executable, "-c", _SEGMENTS, "hold"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    leaked: list[str] = []
+    try:
+        held = other.stdout.readline().split()
+        assert len(held) == 2, held
+        leader = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {_SEGMENTS!r}, 'leak'], check=True)"
+        run = subprocess.Popen(
+            [sys.executable, "-c", leader], stdout=subprocess.PIPE, text=True, start_new_session=True
+        )
+        run_pids = _record_session(run)
+        out, _ = run.communicate(timeout=BOUND_S)
+        leaked = out.split()
+        assert run.returncode == 0 and len(leaked) == 2 and _session_processes(run.pid) == []
+        assert _segments_left(before, run_pids) == set(leaked)
+        assert set(held) <= _shm() - before  # the other process's segments are there, and not counted
+    finally:
+        other.communicate(timeout=BOUND_S)
+        for name in leaked:
+            Path("/dev/shm", name).unlink(missing_ok=True)
+    assert not set(held) & _shm()
 
 
 # -- preemption: a scheduler's SIGTERM ------------------------------------------------------------------------------
