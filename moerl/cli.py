@@ -297,16 +297,21 @@ def cmd_train(args) -> None:
     print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
 
 
-def _bytes(text: str, key: str) -> int:
-    """``80GB``, ``141GB``, ``96GiB`` (or a plain number of bytes) as bytes."""
+def _bytes(text: str, key: str, unit: str = "") -> int:
+    """``80GB``, ``141GB``, ``96GiB`` (or a plain number of bytes) as bytes, at least one: ``key`` (and ``unit``,
+    the suffix its value had, e.g. ``/s``) name it in errors."""
+    import math
     import re
 
-    m = re.fullmatch(r"\s*([0-9.]+)\s*(|B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)\s*", str(text))
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(|B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)\s*", str(text))
     if m is None:
-        raise ConfigError(f"{key} {text!r}: a size such as 80GB, 141GB or 96GiB")
+        raise ConfigError(f"{key} {text + unit!r}: a size such as 80GB{unit}, 141GB{unit} or 96GiB{unit}")
     scale = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
     scale |= {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
-    return int(float(m.group(1)) * scale[m.group(2)])
+    value = float(m.group(1)) * scale[m.group(2)]
+    if not (math.isfinite(value) and value >= 1):  # 0 fits nothing; a zero bandwidth would divide by it
+        raise ConfigError(f"{key} {text + unit!r}: must be at least 1 byte{unit}")
+    return int(value)
 
 
 def cmd_plan(args) -> None:
@@ -314,7 +319,7 @@ def cmd_plan(args) -> None:
     from moerl.plan.plan import Machine, cores, plan, render
 
     cfg = run_config(args)
-    link = _bytes(args.link.removesuffix("/s"), "--link")
+    link = _bytes(args.link.removesuffix("/s"), "--link", "/s" if args.link.endswith("/s") else "")
     machine = Machine(args.gpus, _bytes(args.gpu_memory, "--gpu-memory"), args.nodes, args.usable, link)
     if args.workers < 0:
         raise ConfigError(f"--workers {args.workers}: must be >= 0 (0: one per core)")

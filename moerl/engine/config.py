@@ -146,3 +146,13 @@ class EngineConfig:
                 "EngineConfig.release_cache=True with compile_decode=True: not built (a captured decode graph holds "
                 "the cache's addresses); set one of them False"
             )
+
+
+def check_context(max_model_len: int, mcfg, key: str = "EngineConfig.max_model_len") -> None:
+    """Refuse a context window longer than the model's (``max_position_embeddings`` of ModelConfig ``mcfg``): the
+    native engine's rule at its start, which ``moerl plan`` applies to ``rollout.max_model_len`` as ``moerl train``
+    meets it. ``key`` names the setting."""
+    if max_model_len > mcfg.max_position_embeddings:
+        raise ConfigError(
+            f"{key}={max_model_len}: exceeds the model's max_position_embeddings={mcfg.max_position_embeddings}"
+        )

@@ -18,7 +18,7 @@ from moerl.device import from_device, host_tensor, to_device
 from moerl.dynamo import remembered_seconds
 from moerl.engine.adapters import AdapterSlots
 from moerl.engine.compiled import CompiledDecode, decode_graph_key
-from moerl.engine.config import EngineConfig, SamplingParams, int_or_none
+from moerl.engine.config import EngineConfig, SamplingParams, check_context, int_or_none
 from moerl.engine.direct import DirectDecode
 from moerl.engine.kv_cache import KVCache, LinearStates, StepView, bytes_per_block
 from moerl.engine.sampler import sample, sequence_generator
@@ -68,11 +68,7 @@ class LLMEngine:
                 "EngineConfig.compile_decode with recurrent layers (Gated DeltaNet, Mamba): not built (their decode "
                 "steps run eager)"
             )
-        if cfg.max_model_len > mcfg.max_position_embeddings:
-            raise ConfigError(
-                f"EngineConfig.max_model_len={cfg.max_model_len}: exceeds the model's max_position_embeddings="
-                f"{mcfg.max_position_embeddings}"
-            )
+        check_context(cfg.max_model_len, mcfg)
         device = model.embed_tokens.weight.device
         num_blocks = cache_blocks(cfg, mcfg, model.dtype, device)
         # "auto" may compile later (``compile_decode()``): the padding rows' scratch block is there from the start

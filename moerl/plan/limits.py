@@ -3,8 +3,8 @@ tensor parallelism), and the smallest layout of the given GPUs that fits."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
+import heapq
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import torch
@@ -15,6 +15,7 @@ from moerl.modes import mode_of
 from moerl.run_config import RunConfig
 
 TRACED_CANDIDATES = 2  # layouts traced at most while looking for one that fits (each is a plan of its own)
+MAX_GPUS = 2**16  # the most GPUs moerl plans for: the layout search and why_none_fits's count reach this far
 
 
 def check_limits(cfg: ModelConfig, run: RunConfig, machine, engine) -> list[str]:
@@ -72,45 +73,86 @@ def _largest_layer(cfg: ModelConfig) -> tuple[int, int]:
     return layer, expert
 
 
-def candidates(cfg: ModelConfig, run: RunConfig, gpus: int) -> list[tuple[int, int, int]]:
-    """Every (dp, ep, pp) of at most ``gpus`` ranks the model can take, fewest GPUs first, then the most experts
-    split, then the fewest stages."""
+def expert_splits(cfg: ModelConfig) -> list[int]:
+    """The expert splits (``ep``) the model takes: the divisors of its experts per MoE layer (1 for a model without:
+    a split of no experts only copies)."""
+    return [ep for ep in range(1, cfg.num_experts + 1) if cfg.num_experts % ep == 0] or [1]
+
+
+def stage_counts(cfg: ModelConfig, run: RunConfig) -> range:
+    """The pipeline depths (``pp``) the model takes: stages of at least one layer (two per rank interleaved)."""
     per_rank = 2 if run.parallel.schedule == "interleaved_1f1b" else 1
-    out = []
-    for n in range(1, gpus + 1):
-        for ep in range(1, n + 1):
-            if n % ep or cfg.num_experts % ep:
-                continue
-            for pp in range(1, n // ep + 1):
-                if (n // ep) % pp or pp * per_rank > cfg.num_layers:
-                    continue
-                out.append((n // ep // pp, ep, pp))
-    return sorted(out, key=lambda lay: (math.prod(lay), -lay[1], lay[2]))
+    return range(1, max(1, cfg.num_layers // per_rank) + 1)
+
+
+Layout = tuple[int, int, int]  # (dp, ep, pp)
+
+
+def candidates(cfg: ModelConfig, run: RunConfig, gpus: int, budget: int | None = None) -> Iterator[Layout]:
+    """Every (dp, ep, pp) of at most ``gpus`` ranks the model can take, fewest GPUs first, then the most experts
+    split, then the fewest stages; with ``budget``, only those whose ``at_rest_floor`` is within it. Made lazily, one
+    stream of data-parallel sizes per (ep, pp) merged in order: a search that stops early never makes the rest (a
+    listing of them all grows with ``gpus`` times the splits times the depths)."""
+    state = None if budget is None else _state(cfg, run)
+    streams = [_stream(ep, pp, gpus, state, budget) for ep in expert_splits(cfg) for pp in stage_counts(cfg, run)]
+    for _, _, _, layout in heapq.merge(*streams):
+        yield layout
+
+
+def _stream(ep: int, pp: int, gpus: int, state: tuple | None, budget: int | None) -> Iterator[tuple]:
+    """``candidates``' layouts of one (ep, pp), dp rising from the first whose floor is within ``budget``, each
+    behind its sort key."""
+    most = gpus // (ep * pp)
+    first = 1 if state is None else _first_within(lambda dp: _floor(state, (dp, ep, pp)), most, budget)
+    for dp in range(first, most + 1):
+        yield dp * ep * pp, -ep, pp, (dp, ep, pp)
+
+
+def _first_within(floor: Callable[[int], int], most: int, budget: int) -> int:
+    """The smallest ``dp`` in [1, ``most``] whose ``floor(dp)`` is within ``budget`` (a floor never rises with dp:
+    bisection), or ``most + 1`` where none is."""
+    lo, hi = 1, most + 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if floor(mid) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _state(cfg: ModelConfig, run: RunConfig) -> tuple[int, int, bool]:
+    """(routed-expert parameters, the other parameters, whether the run keeps fp32 masters): what ``_floor`` splits."""
+    from moerl.model.transformer import MoEModel
+
+    with torch.device("meta"):
+        model = MoEModel(cfg, torch.bfloat16)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    return experts, sum(p.numel() for p in model.parameters()) - experts, mode_of(run.policy.mode).masters
+
+
+def _floor(state: tuple[int, int, bool], layout: tuple[int, int, int]) -> int:
+    """``at_rest_floor`` of ``layout`` from ``_state``'s counts."""
+    experts, rest, masters = state
+    dp, ep, pp = layout
+    if not masters:  # lora: a bf16 base, experts split by ep, the rest whole on its stage
+        return 2 * (experts // ep + rest) // pp
+    return 16 * (experts + rest) // (dp * ep * pp)  # fp32 masters, gradients and two moments
 
 
 def at_rest_floor(cfg: ModelConfig, run: RunConfig, layout: tuple[int, int, int]) -> int:
     """A floor under any rank's bytes at rest in ``layout``: the trained state split perfectly over its ranks, a
     frozen base (lora) over its stages and expert slices. A layout whose floor exceeds the budget cannot fit."""
-    from moerl.model.transformer import MoEModel
-
-    dp, ep, pp = layout
-    with torch.device("meta"):
-        model = MoEModel(cfg, torch.bfloat16)
-    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-    rest = sum(p.numel() for p in model.parameters()) - experts
-    if not mode_of(run.policy.mode).masters:  # lora: a bf16 base, experts split by ep, the rest whole on its stage
-        return 2 * (experts // ep + rest) // pp
-    return 16 * (experts + rest) // (dp * ep * pp)  # fp32 masters, gradients and two moments
+    return _floor(_state(cfg, run), layout)
 
 
 def propose_layout(cfg: ModelConfig, run: RunConfig, machine, fits: Callable[[RunConfig], bool]):
     """The first of ``candidates`` (a ``(dp, ep, pp)``) for which ``fits(run with that layout)`` (its plan: every
-    rank fits; layouts below the at-rest floor skipped), or None (then the limits say why)."""
+    rank fits; layouts below the at-rest floor skipped), or None (then the limits say why). At most
+    ``TRACED_CANDIDATES`` plans are made, a refused one (ConfigError) counted too: each costs a plan."""
     traced = 0
-    for layout in candidates(cfg, run, machine.gpus):
+    for layout in candidates(cfg, run, machine.gpus, machine.budget):
         if layout == (run.parallel.dp, run.parallel.ep, run.parallel.pp):
-            continue
-        if at_rest_floor(cfg, run, layout) > machine.budget:
             continue
         dp, ep, pp = layout
         trial = replace(run, parallel=replace(run.parallel, dp=dp, ep=ep, pp=pp, stages=[]))
@@ -118,7 +160,7 @@ def propose_layout(cfg: ModelConfig, run: RunConfig, machine, fits: Callable[[Ru
             if fits(trial):
                 return layout
         except ConfigError:
-            continue
+            pass
         traced += 1
         if traced >= TRACED_CANDIDATES:
             break
@@ -129,12 +171,19 @@ def why_none_fits(cfg: ModelConfig, run: RunConfig, machine, roles: list) -> lis
     """Why no layout of ``machine``'s GPUs fits: the trained state's floor (how many such GPUs it needs at least),
     and activations that no split of the layers brings down (a micro-batch's sequence itself too long)."""
     out = []
-    for n in (2**k for k in range(0, 17)):
-        floors = [at_rest_floor(cfg, run, lay) for lay in candidates(cfg, run, n) if math.prod(lay) == n]
+    state = _state(cfg, run)
+    shapes = [(ep, pp) for ep in expert_splits(cfg) for pp in stage_counts(cfg, run)]
+    for n in (2**k for k in range(MAX_GPUS.bit_length())):  # 1, 2, 4, ... MAX_GPUS
+        floors = [_floor(state, (n // (ep * pp), ep, pp)) for ep, pp in shapes if n % (ep * pp) == 0]
         if floors and min(floors) <= machine.budget:
             if n > machine.gpus:
                 out.append(f"the weights, masters and optimizer state alone need at least {n} GPUs of this size")
             break
+    else:
+        out.append(
+            f"the weights, masters and optimizer state alone need more than {MAX_GPUS} GPUs of this size (the most "
+            "moerl plans for)"
+        )
     acts = max((r.trace.peak.bytes["activations"] for r in roles), default=0)
     if acts > machine.budget:
         b, t = run.policy.micro_batch_size, run.rollout.max_model_len

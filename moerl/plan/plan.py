@@ -24,6 +24,7 @@ import torch
 
 from moerl.errors import ConfigError
 from moerl.model.config import ModelConfig
+from moerl.plan.limits import MAX_GPUS
 from moerl.plan.memory import CATEGORIES
 from moerl.plan.rank import RankTrace, trace_rank
 from moerl.run_config import RunConfig
@@ -74,6 +75,12 @@ class Machine:
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.nodes < 1 or self.gpus % self.nodes:
             raise ConfigError(f"--gpus {self.gpus} on --nodes {self.nodes}: needs whole GPUs per node (gpus >= 1)")
+        if self.gpus > MAX_GPUS:
+            raise ConfigError(f"--gpus {self.gpus}: moerl plans for at most {MAX_GPUS} GPUs")
+        if not self.memory >= 1:
+            raise ConfigError(f"--gpu-memory {self.memory} bytes: a GPU's memory must be more than 0")
+        if not (self.link > 0 and math.isfinite(self.link)):
+            raise ConfigError(f"--link {self.link} bytes/s: a link's bandwidth must be more than 0")
         if not 0 < self.usable <= 1:
             raise ConfigError(f"--usable {self.usable}: must lie in (0, 1]")
 
@@ -170,6 +177,7 @@ def _trace_rank(cfg: ModelConfig, run: RunConfig, rank: int, hf: dict) -> RankTr
 
 def plan_with(run: RunConfig, machine: Machine, colocated: bool, propose: bool, tracer: Tracer) -> Plan:
     """``plan``, its ranks traced by ``tracer`` (in this process or a pool's)."""
+    from moerl.engine.config import check_context
     from moerl.parallel.plan import check_layout
     from moerl.plan.limits import check_limits, propose_layout, why_none_fits
     from moerl.plan.sync import engine_bytes, sync_bytes
@@ -177,6 +185,8 @@ def plan_with(run: RunConfig, machine: Machine, colocated: bool, propose: bool, 
     start = time.perf_counter()
     run = plan_dtype(run)
     name, hf, cfg = resolve_model(run)
+    if run.rollout.engine == "native":  # train's native engine refuses a window longer than the model's at its start
+        check_context(run.rollout.max_model_len, cfg, key="rollout.max_model_len")
     params = _count_params(cfg)
     out = Plan(name, params, run, machine, colocated)
     check_layout(run.parallel.dp, run.parallel.ep, run.parallel.pp, cfg, run.parallel.schedule, run.parallel.stages)
