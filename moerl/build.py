@@ -3,6 +3,7 @@ generator that drives them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -17,16 +18,17 @@ from moerl.rollout.generator import Generator
 from moerl.run_config import RunConfig
 
 
-def ensure_model(cfg: RunConfig, run_dir: Path, fresh: bool) -> Path:
+def ensure_model(cfg: RunConfig, run_dir: Path, fresh: bool, stopped: Callable[[], str | None] | None = None) -> Path:
     """The checkpoint to start from: ``model.path``; a random model of ``model.arch`` / ``preset`` / ``seed``
-    warmed up for ``model.sft_steps`` (from ``model.base_cache``, built there on first use); or that random model
-    itself in the run directory, written by a ``fresh`` run (a resume reuses it, or writes the same one again)."""
+    warmed up for ``model.sft_steps`` (from ``model.base_cache``, built there on first use; ``stopped``: a
+    scheduler's signal, which stops the warm-up: ``moerl.warmup.warm_up``); or that random model itself in the run
+    directory, written by a ``fresh`` run (a resume reuses it, or writes the same one again)."""
     if cfg.model.path is not None:
         return checkpoint_dir(cfg.model.path, cfg.model.revision)
     if cfg.model.sft_steps:  # a warmed-up random model, shared by the runs of this recipe
         from moerl.warmup import warmed_base
 
-        return warmed_base(cfg, make_env(cfg.env.name, **cfg.env.kwargs))
+        return warmed_base(cfg, make_env(cfg.env.name, **cfg.env.kwargs), stopped=stopped)
     path = run_dir / "base_model"
     if fresh or not (path / "config.json").exists():
         from moerl.presets import init_model

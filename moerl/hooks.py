@@ -43,7 +43,8 @@ class Evaluations:
 
 class Saves:
     """The run's checkpoint in ``directory``: after the last step, every ``train.checkpoint_every`` steps, and at a
-    scheduler's signal (then the run stops: Preempted); at Ctrl-C, the last complete step (one process)."""
+    scheduler's signal (then the run stops: Preempted); at Ctrl-C, the last complete step (one process; the loop's
+    ``CtrlC`` lets no step stop half-trained)."""
 
     def __init__(self, policy: Policy, directory: Path, every: int, total: int, preempt: Preemption):
         self.policy, self.directory, self.every, self.total, self.preempt = policy, directory, every, total, preempt
@@ -59,21 +60,29 @@ class Saves:
                 f"Continue with: {resume_command()}"
             )
 
-    def interrupted(self) -> None:
-        """Ctrl-C: save the last complete step (a second Ctrl-C stops the save and keeps the last checkpoint). A run
-        on several ranks does not: each rank would need the others."""
+    def interrupted(self, cut: int | None = None) -> None:
+        """Ctrl-C: save the last complete step (a second Ctrl-C stops the save and keeps the last checkpoint). Not
+        where a second Ctrl-C ``cut`` step ``cut`` (1-based) after its training began (the state is no complete
+        step's), nor in a run on several ranks (each rank would need the others)."""
         if self.policy.layout.ranks > 1:
+            return
+        if cut is not None:
+            print(f"moerl: stopped by a second Ctrl-C before step {cut} was complete: nothing of it is saved; "
+                  f"{self._kept()}", file=sys.stderr, flush=True)  # fmt: skip
             return
         print(f"moerl: interrupted after step {self.policy.stop_state['step']}; saving it (Ctrl-C again: stop the "
               "save, keep the last checkpoint)", file=sys.stderr, flush=True)  # fmt: skip
         try:
             saved = self.policy.save_stop_checkpoint().removeprefix("; ")
         except KeyboardInterrupt:  # the save writes aside and renames: the last complete one is intact
-            found, _ = recover_checkpoint(self.directory)
-            kept = f"the last checkpoint ({self.directory}) is kept" if found else "there is no earlier checkpoint"
-            print(f"moerl: save stopped by a second Ctrl-C; {kept}", file=sys.stderr, flush=True)
+            print(f"moerl: save stopped by a second Ctrl-C; {self._kept()}", file=sys.stderr, flush=True)
             raise
         print(f"moerl: {saved}; continue with --resume", file=sys.stderr, flush=True)
+
+    def _kept(self) -> str:
+        """What a stop without a save leaves (an interrupted save's complete checkpoint put back in place)."""
+        found, _ = recover_checkpoint(self.directory)
+        return f"the last checkpoint ({self.directory}) is kept" if found else "there is no earlier checkpoint"
 
 
 class AutoTune:

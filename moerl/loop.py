@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import shlex
 import sys
 import time
 from contextlib import contextmanager
@@ -22,7 +23,7 @@ import torch
 from moerl.algo import learn
 from moerl.build import build_engine, build_generator, ensure_model
 from moerl.config import to_dict
-from moerl.console import Console, FlatRewards, say_evaluation
+from moerl.console import Console, FlatRewards, resume_command, say_evaluation
 from moerl.console import say as console_say
 from moerl.cores import CoreShare
 from moerl.envs import make_env
@@ -31,7 +32,7 @@ from moerl.hooks import AutoTune, Evaluations, Saves, results
 from moerl.logs import library_logs
 from moerl.metrics import MetricsLogger, optional, wandb_module
 from moerl.parallel.world import World, broadcast_json, init_world, stalled
-from moerl.preempt import Preemption, Quiet
+from moerl.preempt import CtrlC, Preemption, Quiet
 from moerl.rollout.ahead import RolloutsAhead
 from moerl.rollout.episode import drop_stale
 from moerl.rollout.generator import Generator
@@ -39,6 +40,7 @@ from moerl.run_config import RunConfig
 from moerl.rundir import CHECKPOINT, RunDir
 from moerl.sync import sync_policy
 from moerl.trainer import Policy
+from moerl.trainer.checkpoint import rng_state
 from moerl.trainer.driver import DistributedPolicy, serve
 from moerl.trainer.losses import make_policy_loss
 
@@ -122,22 +124,34 @@ def _seed(seed: int) -> None:
 
 def _train(cfg: RunConfig, run: RunDir, world: World, engines) -> dict:
     env = make_env(cfg.env.name, **cfg.env.kwargs)
-    model_path = ensure_model(cfg, run.path, fresh=not run.resume)
-    _seed(cfg.train.seed)
-    if world.size == 1:
-        policy = Policy(model_path, cfg.policy)
-    else:
-        broadcast_json(str(model_path))
-        policy = DistributedPolicy(model_path, cfg.policy, world)
+    with Preemption(cfg.train.preempt_grace_s) as preempt:
+        model_path = _first_model(cfg, run, preempt)
+        _seed(cfg.train.seed)
+        if world.size == 1:
+            policy = Policy(model_path, cfg.policy)
+        else:
+            broadcast_json(str(model_path))
+            policy = DistributedPolicy(model_path, cfg.policy, world)
+        try:
+            with CtrlC() as ctrl_c:
+                return _train_policy(cfg, run, env, model_path, policy, engines, preempt, ctrl_c)
+        finally:
+            policy.close()
+
+
+def _first_model(cfg: RunConfig, run: RunDir, preempt: Preemption) -> Path:
+    """The checkpoint the run starts from (``moerl.build.ensure_model``). A scheduler's signal during a warm-up stops
+    the run before it has begun (nothing to save): it says how to go on."""
     try:
-        with Preemption(cfg.train.preempt_grace_s) as preempt:
-            return _train_policy(cfg, run, env, model_path, policy, engines, preempt)
-    finally:
-        policy.close()
+        return ensure_model(cfg, run.path, fresh=not run.resume, stopped=lambda: preempt.signal_name)
+    except Preempted as e:
+        # with --overwrite the previous run is still there (the run had not begun): only the same command starts anew
+        again = shlex.join(["moerl", *sys.argv[1:]]) if run.overwrite else resume_command()
+        raise Preempted(f"{e}. Continue with: {again}") from None
 
 
 def _train_policy(
-    cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Policy, engines, preempt: Preemption
+    cfg: RunConfig, run: RunDir, env, model_path: Path, policy: Policy, engines, preempt: Preemption, ctrl_c: CtrlC
 ) -> dict:
     engine = build_engine(cfg, model_path, engines)
     gen = build_generator(cfg, env, engine)
@@ -160,7 +174,8 @@ def _train_policy(
         run.begin()  # everything that can refuse the run has passed: now its records are written
         start, total = run.start_step, cfg.train.steps
         saves = Saves(policy, run.path / CHECKPOINT, cfg.train.checkpoint_every, total, preempt)
-        policy.stop_checkpoint_dir, policy.stop_state = saves.directory, {"step": start}
+        policy.stop_checkpoint_dir, policy.before_update = saves.directory, ctrl_c.hold
+        _reached(policy, start)
         loss_fn = make_policy_loss(cfg.algo.loss)
         purge = start + 1 if run.resume else None  # one row per step, 0 first
         metrics = MetricsLogger(run.path, tensorboard, purge_step=purge, wandb=cfg.metrics.wandb, config=to_dict(cfg))
@@ -177,11 +192,13 @@ def _train_policy(
             tune = AutoTune(cfg, engine, start, asynchronous=ahead is not None)
             t_prev = time.perf_counter()  # samples/s over wall time, step end to step end (evaluation included)
             for step in console.steps():
-                policy.stop_state = {"step": step}  # a TrainingStopped saves the state after the last complete step
+                ctrl_c.begin(step)  # Ctrl-C stops at once until the step's first optimizer step, then at its end
                 console.say(cores.check())
                 row = rl_step(cfg, gen, policy, loss_fn, step, ahead)
+                ctrl_c.hold()  # the step is in the state (a skipped one too): its row is written before a Ctrl-C stops
                 console.say(flat.after(step, row))
-                policy.stop_state = {"step": step + 1}  # the weights are this step's now, whether the engine takes them
+                # the weights are this step's now, whether the engine takes them (the RNG streams: as they are)
+                policy.stop_state, policy.stop_rng = {"step": step + 1}, None
                 try:
                     row |= push(gen, policy, sync, step, ahead, row, t_prev)
                 except EngineError:
@@ -194,11 +211,13 @@ def _train_policy(
                 console.say(*tune.after(policy, step, row))
                 console.step_done(step, row)
                 saves.after(step)
+                _reached(policy, step + 1)
+                ctrl_c.step_done()  # a Ctrl-C held since the step's training began stops here
                 t_prev = time.perf_counter()
         except EngineError as e:  # an engine process died: stop with the trained state saved
             raise TrainingStopped(f"{e}{policy.save_stop_checkpoint()}") from e
         except KeyboardInterrupt:
-            saves.interrupted()
+            saves.interrupted(cut=ctrl_c.step + 1 if ctrl_c.mid_step else None)
             raise
     finally:
         cores.restore()
@@ -211,6 +230,12 @@ def _train_policy(
         engine.close()
     print("moerl: training done; exporting the results and drawing the curves", file=sys.stderr, flush=True)
     return results(cfg, run.path, policy, plot)
+
+
+def _reached(policy: Policy, step: int) -> None:
+    """The run has completed ``step`` steps: until the next step's optimizer steps begin, a stop saves this state, with
+    the RNG streams as they are now (what the run goes on from), not as the step in progress has drawn them."""
+    policy.stop_state, policy.stop_rng = {"step": step}, rng_state()
 
 
 def rl_step(cfg: RunConfig, gen: Generator, policy: Policy, loss_fn, step: int, ahead=None) -> dict:

@@ -1,6 +1,7 @@
 """A run directory, owned: one process at a time (a lock held for the run's lifetime), no run started over another
 without ``overwrite``, and a resume that is the same run (the recorded config, changes only where allowed, recorded
-with the step they took effect, metrics cut back to the checkpoint).
+with the step they took effect, metrics cut back to the checkpoint). A resume of a directory that holds no run yet
+(its run stopped before it began, in its warm-up say) starts it, so a requeued job goes on.
 
 Opening a run checks everything before it writes anything: a refused start or resume leaves the directory as it was.
 """
@@ -161,6 +162,9 @@ class RunDir:
 
     def _check(self) -> None:
         present = holds_run(self.path)
+        if self.resume and not present:  # stopped before it began (in its warm-up, say): going on is starting it
+            self.resume = False
+            self.notes.append("--resume: no run here yet (one stopped before its first step records none): starting it")
         if not self.resume:
             if present and not self.overwrite:
                 raise RunDirError(
@@ -199,6 +203,8 @@ class RunDir:
         if self.lock.stale_holder:
             log(f"took over the stale lock of {self.path} left by an exited process ({self.lock.stale_holder})")
         if not self.resume:
+            for note in self.notes:
+                log(f"{self.path}: {note}")
             removed = [n for n in RUN_FILES + OUTPUTS if (self.path / n).exists()] if self.overwrite else []
             for name in removed:
                 p = self.path / name

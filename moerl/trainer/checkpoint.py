@@ -61,12 +61,20 @@ def shards_of_save(path: str | os.PathLike) -> Path:
     return _aside(Path(path), ".tmp") / SHARDS
 
 
-def save_checkpoint(path: str | os.PathLike, policy, state: dict | None = None) -> Path:
+def rng_state() -> dict:
+    """The RNG streams a checkpoint holds, as they are now: torch's, each CUDA device's (where CUDA is in use),
+    numpy's and Python's."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    return {"torch": torch.get_rng_state(), "cuda": cuda, "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def save_checkpoint(path: str | os.PathLike, policy, state: dict | None = None, rng: dict | None = None) -> Path:
     """Write a resumable checkpoint to ``path``, replacing the one there atomically (see the module docstring). A
-    disk that is full or read-only is a CheckpointError naming it; the last complete checkpoint stays."""
+    disk that is full or read-only is a CheckpointError naming it; the last complete checkpoint stays. ``rng``: the
+    RNG streams to save (``rng_state``, taken where ``state`` was reached), else those of now."""
     path = Path(path)
     try:
-        return _save(path, policy, state)
+        return _save(path, policy, state, rng or rng_state())
     except (OSError, SafetensorError) as e:  # safetensors reports the OS's error as its own
         shutil.rmtree(_aside(path, ".tmp"), ignore_errors=True)  # the partial save; the complete one is untouched
         where = path.parent if path.parent.exists() else Path(".")
@@ -78,7 +86,7 @@ def save_checkpoint(path: str | os.PathLike, policy, state: dict | None = None) 
         ) from None
 
 
-def _save(path: Path, policy, state: dict | None) -> Path:
+def _save(path: Path, policy, state: dict | None, rng: dict) -> Path:
     tmp, old = _aside(path, ".tmp"), _aside(path, ".old")
     recover_checkpoint(path)  # a crash of an earlier save: put its complete checkpoint back in place first
     shutil.rmtree(tmp, ignore_errors=True)
@@ -100,16 +108,15 @@ def _save(path: Path, policy, state: dict | None) -> Path:
         for idx, st in opt["state"].items():
             for key, value in st.items():
                 tensors[f"optim/{names[idx]}/{key}"] = value.contiguous()
-    tensors["rng/torch"] = torch.get_rng_state()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # dropout and sampling on the GPUs draw from these
-        tensors |= {f"rng/cuda/{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())}
-    np_state = np.random.get_state()
+    tensors["rng/torch"] = rng["torch"]
+    tensors |= {f"rng/cuda/{i}": s for i, s in enumerate(rng["cuda"])}  # dropout and sampling on the GPUs draw these
+    np_state, py_state = rng["numpy"], rng["python"]
     save_file(tensors, tmp / TENSORS)
     _fsync(tmp / TENSORS)
     _crash_point("tensors written")
     meta = {
         **policy.state_dict(),
-        "python_random": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+        "python_random": [py_state[0], list(py_state[1]), py_state[2]],
         "numpy_random": [np_state[0], np_state[1].tolist(), *np_state[2:]],
         "state": state or {},
         "tensors_bytes": (tmp / TENSORS).stat().st_size,

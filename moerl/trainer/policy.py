@@ -85,6 +85,9 @@ class Policy:
         self.nan_streak = 0
         self.stop_checkpoint_dir: Path | None = None  # where to save before TrainingStopped
         self.stop_state: dict = {}  # the caller's state saved with it (the loop's step)
+        # the RNG streams saved with it, taken where stop_state was reached (None: those of the save's moment)
+        self.stop_rng: dict | None = None
+        self.before_update: Callable[[], None] | None = None  # called as each train_step begins (the loop's Ctrl-C)
 
     def state_dict(self) -> dict:
         """The policy's state beside its tensors (those: ``full_state``, or each rank's ``save_shards``), JSON-able:
@@ -232,6 +235,8 @@ class Policy:
         """One optimizer step over ``batch`` (micro-batched). ``loss_fn(logprobs, micro_batch, entropy)`` returns
         (loss, metrics), normalised by the whole batch (``micro_batch.total_tokens`` / ``total_seqs``) so the
         accumulated gradient is the full batch's. A non-finite loss or gradient skips the step."""
+        if self.before_update is not None:
+            self.before_update()
         trained = self.trained
         for p in [*trained.values(), *self.trainable.values()]:
             p.grad = None
@@ -329,8 +334,8 @@ class Policy:
         return model
 
     def save_stop_checkpoint(self) -> str:
-        """Before a TrainingStopped: save the current state to ``stop_checkpoint_dir`` (with ``stop_state``) if its
-        weights are finite; returns the sentence the error message ends with."""
+        """Before a TrainingStopped: save the current state to ``stop_checkpoint_dir`` (with ``stop_state`` and the
+        RNG streams ``stop_rng``) if its weights are finite; returns the sentence the error message ends with."""
         if self.stop_checkpoint_dir is None:
             return ""
         bad = self.nonfinite_weight()
@@ -343,7 +348,7 @@ class Policy:
             return ""
         from moerl.trainer.checkpoint import save_checkpoint
 
-        save_checkpoint(self.stop_checkpoint_dir, self, state=self.stop_state)
+        save_checkpoint(self.stop_checkpoint_dir, self, state=self.stop_state, rng=self.stop_rng)
         return f"; checkpoint of the last good state saved to {self.stop_checkpoint_dir}"
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
