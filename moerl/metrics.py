@@ -5,6 +5,7 @@ GPU machine's own python may have neither, and a run that does not ask for them 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import math
 import os
@@ -24,16 +25,28 @@ def optional(key: str, setting: bool | str) -> tuple[bool, str | None]:
     if setting is False:
         return False, None
     module, package = LIBRARIES[key]
+    _, e = import_or_error(module)
+    if e is None:
+        return True, None
+    if setting is True:
+        raise ConfigError(
+            f"config key 'metrics.{key}'=true: {module} does not import here ({e}); pip install {package} "
+            f"(or set metrics.{key} to auto or false)"
+        )
+    return False, f"moerl: metrics.{key}=auto: {module} does not import here ({e}), so the run goes without it"
+
+
+def import_or_error(module: str):
+    """(the module, None), or (None, a line saying why it does not import). An install broken in another way than
+    being absent (a TypeError or AttributeError from a mismatched dependency at import) is told the same way, its
+    kind named, never a traceback out of moerl."""
     try:
-        importlib.import_module(module)
+        return importlib.import_module(module), None
     except ImportError as e:
-        if setting is True:
-            raise ConfigError(
-                f"config key 'metrics.{key}'=true: {module} does not import here ({e}); pip install {package} "
-                f"(or set metrics.{key} to auto or false)"
-            ) from None
-        return False, f"moerl: metrics.{key}=auto: {module} does not import here ({e}), so the run goes without it"
-    return True, None
+        return None, str(e)
+    except Exception as e:  # noqa: BLE001 - whatever a broken install raises while it imports
+        first = str(e).splitlines()[0] if str(e) else ""
+        return None, f"importing it raised {type(e).__name__}: {first}"
 
 
 class MetricsLogger:
@@ -90,14 +103,17 @@ def wandb_module(section):
         return None
     from moerl.errors import ConfigError
 
-    try:
-        import wandb
-    except ImportError:
-        raise ConfigError(
-            f"config key 'metrics.wandb.project'={section.project!r}: Weights & Biases is not installed here; "
-            "pip install 'moerl[wandb]' (or set metrics.wandb.project to \"\" to log without it)"
-        ) from None
-    return wandb
+    wandb, error = import_or_error("wandb")
+    if wandb is not None:
+        return wandb
+    key = f"config key 'metrics.wandb.project'={section.project!r}"
+    off = 'set metrics.wandb.project to "" to log without it'
+    if importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"{key}: Weights & Biases is not installed here; pip install 'moerl[wandb]' (or {off})")
+    raise ConfigError(
+        f"{key}: Weights & Biases is installed but does not import ({error}); reinstall it (pip install "
+        f"--force-reinstall 'moerl[wandb]') or {off}"
+    )
 
 
 def _wandb_run(run_dir: Path, section, config: dict):
@@ -141,6 +157,8 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
             if n == len(lines):
                 break
             raise ConfigError(f"{path} line {n} is not valid JSON") from None
+        except RecursionError:  # json's decoder recurses once per level of nesting
+            raise ConfigError(f"{path} line {n} is JSON nested too deep to read") from None
         if not (isinstance(row, dict) and isinstance(row.get("step"), int)):
             raise ConfigError(f"{path} line {n} is not a metrics row (a JSON object with an integer 'step')")
         rows.append(row)
@@ -148,14 +166,14 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
 
 
 def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
-    """A PNG of reward / accuracy and of the rollout-vs-trainer mismatch (R3 on and off) per step."""
-    from moerl.errors import ConfigError
+    """A PNG of reward / accuracy and of the rollout-vs-trainer mismatch (R3 on and off) per step, written to ``out``
+    (default ``run_dir/curves.png``); a path it cannot write is a RunDirError naming it."""
+    from moerl.errors import ConfigError, RunDirError
 
-    try:
-        import matplotlib
-    except ImportError as e:
-        raise ConfigError(f"drawing a run's curves needs matplotlib, which does not import here ({e}); "
-                          "pip install matplotlib") from None
+    matplotlib, error = import_or_error("matplotlib")
+    if matplotlib is None:
+        raise ConfigError(f"drawing a run's curves needs matplotlib, which does not import here ({error}); "
+                          "pip install matplotlib")  # fmt: skip
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -188,6 +206,13 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -
     ax2.legend()
     fig.tight_layout()
     out = Path(out) if out is not None else Path(run_dir) / "curves.png"
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    try:
+        fig.savefig(out, dpi=100)
+    except OSError as e:  # a read-only run directory, a directory where the file goes, a full disk
+        raise RunDirError(
+            f"cannot write the curves to {out} ({e.strerror or e}): pass --out with a path you can write, e.g. "
+            "--out curves.png"
+        ) from None
+    finally:
+        plt.close(fig)
     return out

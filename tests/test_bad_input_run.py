@@ -14,6 +14,7 @@ from run_helpers import metric_rows, run_cfg, tree_hash
 from moerl.cli import main
 from moerl.errors import ConfigError, RunDirError
 from moerl.loop import train
+from moerl.metrics import METRICS
 from moerl.rundir import RunDir, RunLock
 
 
@@ -310,3 +311,53 @@ def test_a_ray_run_without_ray_names_the_extra(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "moerl: error: cluster.backend: ray needs Ray, which is not installed here" in err
     assert "pip install -e '.[ray]'" in err and not (tmp_path / "run").exists()
+
+
+ROWS = [{"step": s, "reward_mean": 0.1 * s, "accuracy": 0.1, "mismatch_k3_r3": 1e-6, "mismatch_k3_no_r3": 1e-4}
+        for s in range(3)]  # fmt: skip
+READ_ONLY = 'mount --bind "$1" "$1" && mount -o remount,ro,bind "$1"'  # "$1" read-only in this mount namespace
+
+
+def test_plot_on_a_read_only_run_directory_names_the_file_and_suggests_out(tmp_path):
+    """A real read-only directory (a read-only bind mount in a mount namespace of the command's own: even root may
+    not write there): one line naming the file, exit 2, the directory as it was; ``--out`` elsewhere draws."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / METRICS).write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    namespace = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c"]
+    probe = subprocess.run([*namespace, READ_ONLY, "sh", str(run)], capture_output=True, text=True, timeout=60)
+    if probe.returncode:
+        pytest.skip(f"no mount namespace here to make a directory read-only: {probe.stderr.strip()}")
+    before = tree_hash(run)
+    command = f'{READ_ONLY} && exec "$2" -m moerl.cli plot "$1" ${{3:+--out "$3"}}'
+    plot = [*namespace, command, "sh", str(run), sys.executable]
+    out = subprocess.run(plot, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == (
+        f"moerl: error: cannot write the curves to {run / 'curves.png'} (Read-only file system): pass --out with a "
+        "path you can write, e.g. --out curves.png\n"
+    )
+    assert tree_hash(run) == before
+    elsewhere = subprocess.run([*plot, str(tmp_path / "c.png")], capture_output=True, text=True, timeout=300)
+    assert elsewhere.returncode == 0, elsewhere.stderr  # control: the same command with --out draws
+    assert (tmp_path / "c.png").stat().st_size > 0 and tree_hash(run) == before
+
+
+def test_plot_where_a_directory_holds_the_files_name_is_named(tmp_path, capsys):
+    (tmp_path / METRICS).write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    (tmp_path / "curves.png").mkdir()
+    assert main(["plot", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (
+        f"moerl: error: cannot write the curves to {tmp_path / 'curves.png'} (Is a directory): pass --out with a path "
+        "you can write, e.g. --out curves.png\n"
+    )
+    assert main(["plot", str(tmp_path), "--out", str(tmp_path / "c.png")]) == 0
+    assert capsys.readouterr().out == f"{tmp_path / 'c.png'}\n"
+
+
+def test_plot_of_metrics_nested_too_deep_is_named_by_line(tmp_path, capsys):
+    (tmp_path / METRICS).write_text(json.dumps(ROWS[0]) + "\n" + "[" * 200_000 + "]" * 200_000 + "\n{}\n")
+    assert main(["plot", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"moerl: error: {tmp_path / METRICS} line 2 is JSON nested too deep to read\n"
+    assert not (tmp_path / "curves.png").exists()

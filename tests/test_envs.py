@@ -377,6 +377,37 @@ def test_math_env_errors(tmp_path):
         MathEnv(tmp_path / "x.csv")
 
 
+def _hostile_jsonl(tmp_path) -> dict[str, tuple]:
+    """Data files a good line opens and a hostile second line follows: name -> (file, the error naming it)."""
+    good = json.dumps(RECORDS[0]).encode() + b"\n"
+    latin1 = tmp_path / "latin1.jsonl"  # a Latin-1 "e acute" where UTF-8 was due
+    latin1.write_bytes(good + b'{"question": "Caf\xe9?", "answer": "1"}\n')
+    deep = tmp_path / "deep.jsonl"  # json's decoder recurses once per level: RecursionError
+    deep.write_bytes(good + b"[" * 200_000 + b"]" * 200_000 + b"\n")
+    return {
+        "latin1": (latin1, f"{latin1}:2: not UTF-8 (byte 0xe9 at column 18)"),
+        "deep": (deep, f"{deep}:2: JSON nested too deep to read (a record is an object of two strings)"),
+    }
+
+
+@pytest.mark.parametrize("case", ["latin1", "deep"])
+def test_a_math_data_line_not_utf8_or_nested_too_deep_is_named_by_file_and_line(case, tmp_path, capsys):
+    """The env itself, and ``moerl sft`` and ``moerl train`` on it: one line, exit 2, nothing written."""
+    from moerl.cli import main
+
+    path, message = _hostile_jsonl(tmp_path)[case]
+    with pytest.raises(ConfigError) as e:
+        MathEnv(path)
+    assert str(e.value) == message
+    out = tmp_path / "sft"
+    assert main(["sft", str(out), "--env", "math", "--env-kwargs", json.dumps({"path": str(path)})]) == 2
+    assert capsys.readouterr().err == f"moerl: error: {message}\n" and not out.exists()
+    run = tmp_path / "run"
+    assert main(["train", f"run_dir={run}", "env.name=math", f"env.kwargs.path={path}", "train.steps=1"]) == 2
+    assert capsys.readouterr().err == f"moerl: error: {message}\n"
+    assert not run.exists() or not any(run.iterdir())  # nothing written in the run directory
+
+
 # ---- calculator tool ----
 
 

@@ -1,7 +1,9 @@
 """TensorBoard and matplotlib are optional (``metrics.tensorboard`` / ``metrics.plot``: auto, true, false): a GPU
 machine's own python may have neither, and ``moerl train`` must still start there. The libraries are made absent
-the way a python without them is: their import fails (``sys.modules[name] = None``)."""
+the way a python without them is: their import fails (``sys.modules[name] = None``); an install broken another way
+(its import raises TypeError) is a real package of that name first on ``sys.path``."""
 
+import re
 import sys
 
 import pytest
@@ -9,7 +11,7 @@ from run_helpers import metric_rows
 
 from moerl.cli import main
 from moerl.errors import ConfigError
-from moerl.metrics import plot_run
+from moerl.metrics import optional, plot_run
 
 ABSENT = ("tensorboard", "torch.utils.tensorboard", "matplotlib", "matplotlib.pyplot")
 
@@ -85,3 +87,37 @@ def test_a_setting_other_than_auto_true_false_is_named(value):
     named = r"'metrics\.tensorboard'.*(allowed: auto, true, false|bool \(true or false\) or one of 'auto')"
     with pytest.raises(ConfigError, match=named):
         load_config(RunConfig, None, [f"metrics.tensorboard={value}"])
+
+
+def _broken(name: str, tmp_path, monkeypatch) -> None:
+    """Package ``name`` installed but raising TypeError as it imports (as a mismatched protobuf makes wandb do): a
+    real package first on ``sys.path``, what was imported of the real one forgotten for the test."""
+    package = tmp_path / "site" / name
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text('raise TypeError("Descriptors cannot be created directly.")\n')
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    for loaded in [m for m in sys.modules if m == name or m.startswith(f"{name}.")]:
+        monkeypatch.delitem(sys.modules, loaded)
+
+
+def test_a_wandb_that_fails_to_import_is_named_with_how_to_fix_or_turn_it_off(warm_model, tmp_path, monkeypatch, capfd):
+    _broken("wandb", tmp_path, monkeypatch)
+    run = tmp_path / "run"
+    assert main(_args(run, warm_model, "metrics.wandb.project=p", "metrics.wandb.mode=offline")) == 2
+    assert capfd.readouterr().err.splitlines()[-1] == (
+        "moerl: error: config key 'metrics.wandb.project'='p': Weights & Biases is installed but does not import "
+        "(importing it raised TypeError: Descriptors cannot be created directly.); reinstall it (pip install "
+        "--force-reinstall 'moerl[wandb]') or set metrics.wandb.project to \"\" to log without it"
+    )
+    assert not any(run.rglob("*"))  # refused before the run wrote anything
+
+
+def test_a_plot_library_that_fails_to_import_is_told_as_a_missing_one(tmp_path, monkeypatch):
+    _broken("matplotlib", tmp_path, monkeypatch)
+    told = "matplotlib does not import here (importing it raised TypeError: Descriptors cannot be created directly.)"
+    with pytest.raises(ConfigError, match=re.escape(f"config key 'metrics.plot'=true: {told}; pip install")):
+        optional("plot", True)
+    assert optional("plot", "auto") == (False, f"moerl: metrics.plot=auto: {told}, so the run goes without it")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "reward_mean": 0.5}\n')
+    with pytest.raises(ConfigError, match=re.escape(f"needs matplotlib, which {told.removeprefix('matplotlib ')}")):
+        plot_run(tmp_path)

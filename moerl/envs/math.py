@@ -39,6 +39,21 @@ def _check_record(rec: object, where: str) -> tuple[str, str]:
     return q, str(a)
 
 
+def _jsonl_record(raw: bytes, where: str) -> tuple[str, str]:
+    """The record of one ``.jsonl`` line (``raw`` bytes) at ``where`` (file:line)."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{where}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where}: not valid JSON ({e})") from None
+    except RecursionError:  # json's decoder recurses once per level of nesting
+        raise ConfigError(f"{where}: JSON nested too deep to read (a record is an object of two strings)") from None
+    return _check_record(rec, where)
+
+
 def load_records(path: str | os.PathLike) -> list[tuple[str, str]]:
     """``(question, answer)`` pairs of a ``.jsonl`` or ``.parquet`` file; ConfigError naming the file and the line
     (jsonl, 1-based) or row (parquet, 1-based) of a bad record."""
@@ -46,17 +61,8 @@ def load_records(path: str | os.PathLike) -> list[tuple[str, str]]:
     if not path.is_file():
         raise ConfigError(f"math: no such file {path}")
     if path.suffix == ".jsonl":
-        out = []
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ConfigError(f"{path}:{lineno}: not valid JSON ({e})") from e
-                out.append(_check_record(rec, f"{path}:{lineno}"))
-        return out
+        with path.open("rb") as f:  # bytes: a line that is not UTF-8 is named with its number, as bad JSON is
+            return [_jsonl_record(raw, f"{path}:{lineno}") for lineno, raw in enumerate(f, 1) if raw.strip()]
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
