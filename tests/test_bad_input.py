@@ -170,6 +170,38 @@ def test_config_json_not_json(ckpt):
         load_model(ckpt)
 
 
+@pytest.mark.parametrize(
+    ("text", "told"),
+    [
+        ("[1, 2]", "holds a JSON array; a model's config.json is an object"),
+        ('"qwen3_moe"', "holds a JSON string; a model's config.json is an object"),
+        ("null", "holds a JSON null; a model's config.json is an object"),
+        ("[" * 200_000 + "]" * 200_000, "is JSON nested too deep to read"),
+    ],
+)
+def test_a_config_json_that_is_not_an_object_is_named_by_every_command(tmp_path, capsys, text, told):
+    """Each command that reads the config names the file (an array used to end in AttributeError, deep nesting in
+    RecursionError, generate's in the tokenizer's TypeError): a checkpoint with its tokenizer, as init-model writes
+    one."""
+    from moerl.cli import main
+    from moerl.presets import init_model
+
+    ckpt = tmp_path / "ckpt"
+    init_model("qwen3_moe", "tiny", ckpt)
+    (ckpt / "config.json").write_text(text)
+    with pytest.raises(CheckpointError, match=re.escape(f"{ckpt / 'config.json'} {told}")):
+        load_model(ckpt)
+    for argv in (
+        ["plan", f"model.path={ckpt}", "--gpus", "1", "--workers", "1"],
+        ["train", f"model.path={ckpt}", f"run_dir={tmp_path / 'run'}", "train.steps=1"],
+        ["check-arch", str(ckpt)],
+        ["generate", str(ckpt), "--prompt", "12+7="],
+        ["eval", str(ckpt), "--problems", "2"],
+    ):
+        assert main(argv) == 2, argv
+        assert capsys.readouterr().err == f"moerl: error: {ckpt / 'config.json'} {told}\n", argv
+
+
 def test_truncated_safetensors(ckpt):
     data = (ckpt / "model.safetensors").read_bytes()
     (ckpt / "model.safetensors").write_bytes(data[: len(data) // 2])

@@ -55,6 +55,8 @@ def _read_json(file: Path):
         return loads_config(data.decode())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{file} is not valid JSON: {e}") from None
+    except RecursionError:  # json's decoder recurses once per level of nesting
+        raise CheckpointError(f"{file} is JSON nested too deep to read") from None
 
 
 def read_config(path: str | os.PathLike) -> dict:
@@ -68,9 +70,17 @@ def read_config(path: str | os.PathLike) -> dict:
     if not cfg_file.exists():
         raise CheckpointError(f"{cfg_file} does not exist: not a Hugging Face checkpoint directory")
     hf = _read_json(cfg_file)
-    if isinstance(hf, dict) and is_multimodal(hf):  # its language model: moerl.bridges.multimodal
+    if not isinstance(hf, dict):  # every reader of a config asks it for fields by name
+        raise CheckpointError(f"{cfg_file} holds a JSON {_json_kind(hf)}; a model's config.json is an object")
+    if is_multimodal(hf):  # its language model: moerl.bridges.multimodal
         return text_config(hf, str(cfg_file))
     return hf
+
+
+def _json_kind(value) -> str:
+    """JSON's name for the kind of a parsed ``value`` (array, string, ...)."""
+    kinds = ((bool, "true / false"), (list, "array"), (str, "string"), (int | float, "number"), (type(None), "null"))
+    return next((name for kind, name in kinds if isinstance(value, kind)), "object")
 
 
 def _renamer(path: Path):
@@ -90,6 +100,8 @@ def load_tokenizer(path: str | os.PathLike):
         file = path / name
         if file.exists():
             _read_json(file)
+    if (path / "config.json").exists():  # transformers finds the tokenizer's class through it: a bad one is named
+        read_config(path)
     from transformers import AutoTokenizer
 
     try:
