@@ -76,17 +76,27 @@ def _snapshot(repo: str, revision: str | None, key: str) -> Path:
 
 
 def _bound_hub_waits() -> None:
-    """Give every request of huggingface_hub's shared HTTP session a deadline. Some of its calls (``repo_info``,
+    """Give every request of huggingface_hub's shared HTTP sessions a deadline. Some of its calls (``repo_info``,
     ``list_repo_tree``, which ``snapshot_download`` makes first) pass ``timeout=None`` and take no timeout argument
     through ``snapshot_download``: against a hub that accepts a connection and never answers they would wait
     forever. A request hook (httpx's public ``event_hooks``) fills in ``HF_HUB_DOWNLOAD_TIMEOUT``, which
-    huggingface_hub documents as the default timeout of requests that give none, wherever a request has none."""
-    from huggingface_hub import get_session
+    huggingface_hub documents as the default timeout of requests that give none, wherever a request has none. The
+    hook goes on the session of now and, through huggingface_hub's client factory, on every session it makes after
+    (it makes a new one after a failed connection)."""
+    from huggingface_hub import get_session, set_client_factory
+    from huggingface_hub.utils._http import default_client_factory
 
-    session = get_session()
+    if get_session().event_hooks["request"].count(_fill_deadline):
+        return
+    set_client_factory(lambda: _with_deadline(default_client_factory()))  # closes the session of now
+
+
+def _with_deadline(session):
+    """``session`` with ``_fill_deadline`` among its request hooks."""
     hooks = session.event_hooks
     if _fill_deadline not in hooks["request"]:
         session.event_hooks = {**hooks, "request": [*hooks["request"], _fill_deadline]}
+    return session
 
 
 def _fill_deadline(request) -> None:

@@ -27,7 +27,7 @@ from moerl.console import Console, FlatRewards, resume_command, say_evaluation
 from moerl.console import say as console_say
 from moerl.cores import CoreShare
 from moerl.envs import make_env
-from moerl.errors import EngineError, Preempted, TrainingStopped
+from moerl.errors import EngineError, MoerlError, Preempted, TrainingStopped
 from moerl.hooks import AutoTune, Evaluations, Saves, results
 from moerl.logs import library_logs
 from moerl.metrics import MetricsLogger, optional, wandb_module
@@ -92,11 +92,15 @@ def _run(cfg: RunConfig, resume: bool, overwrite: bool, engines) -> dict | None:
             world.close()
             return None
         run = RunDir.open(cfg, resume=resume, overwrite=overwrite)
+        refused = False  # bad input found before the run began: the directories made for it go again
         try:
             with library_logs(run.path):  # vLLM's, torchao's, ... log lines: the run's libraries.log
                 summary = _train(cfg, run, world, engines)
+        except MoerlError as e:
+            refused = not isinstance(e, Preempted)
+            raise
         finally:
-            run.close()
+            run.close(refused)
     except Preempted:  # saved; the other ranks were told to stop: leave the group with them
         world.close()
         raise

@@ -137,6 +137,8 @@ class RunDir:
         self.checkpoint: Path | None = None  # where the complete checkpoint to resume from lies now
         self.changes: dict[str, dict] = {}
         self.notes: list[str] = []
+        self.made: Path | None = None  # the topmost directory ``open`` made (None: the run directory was there)
+        self.begun = False  # ``begin`` wrote the run's records
 
     @classmethod
     def open(cls, cfg: RunConfig, resume: bool = False, overwrite: bool = False) -> RunDir:
@@ -147,11 +149,13 @@ class RunDir:
             raise RunDirError(f"run directory {str(path)!r} exists and is not a directory")
         if resume and not path.is_dir():
             raise RunDirError(f"--resume: run directory {str(path)!r} does not exist")
+        made = _first_missing(path)  # the topmost directory this run makes, if it makes any
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise RunDirError(f"run directory {str(path)!r} cannot be created: {e.strerror or e}") from None
         run = cls(path, cfg, resume, overwrite)
+        run.made = made
         run.lock.acquire()
         try:
             run._check()
@@ -200,6 +204,7 @@ class RunDir:
     def begin(self, log=None) -> None:
         """Write the run's records (call after everything that can refuse the run has passed)."""
         log = log or (lambda msg: print(f"moerl: {msg}", file=sys.stderr))
+        self.begun = True
         if self.lock.stale_holder:
             log(f"took over the stale lock of {self.path} left by an exited process ({self.lock.stale_holder})")
         if not self.resume:
@@ -228,14 +233,38 @@ class RunDir:
         if dropped:
             log(f"{self.path / METRICS}: dropped {dropped} row(s) logged after the checkpoint's step {self.start_step}")
 
-    def close(self) -> None:
+    def close(self, refused: bool = False) -> None:
+        """Release the lock. A run ``refused`` before it began (bad input: nothing of it is written) takes back the
+        directories ``open`` made for it, where they are still empty; a run stopped before it began (a signal in
+        its warm-up) keeps its directory, for ``--resume``."""
         self.lock.release()
+        if not (refused and not self.begun and self.made is not None):
+            return
+        d = self.path
+        while True:  # from the run directory up to the topmost one made, each only where empty
+            try:
+                d.rmdir()
+            except OSError:
+                return
+            if d == self.made:
+                return
+            d = d.parent
 
     def __enter__(self) -> RunDir:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The topmost directory of ``path`` that does not exist yet (None: ``path`` exists)."""
+    missing = None
+    for d in [path, *path.parents]:
+        if d.exists():
+            return missing
+        missing = d
+    return missing
 
 
 def truncate_metrics(run_dir: Path, step: int) -> int:

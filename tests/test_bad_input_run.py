@@ -361,3 +361,18 @@ def test_plot_of_metrics_nested_too_deep_is_named_by_line(tmp_path, capsys):
     assert main(["plot", str(tmp_path)]) == 2
     assert capsys.readouterr().err == f"moerl: error: {tmp_path / METRICS} line 2 is JSON nested too deep to read\n"
     assert not (tmp_path / "curves.png").exists()
+
+
+def test_a_refused_new_run_takes_back_the_directories_it_made(warm_model, tmp_path, monkeypatch):
+    """Bad input found once the run directory is open (W&B asked for, not installed): the directories made for the
+    run are gone again, nothing of them left; a run directory that was there before stays, as it was."""
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    over = {"metrics.wandb.project": "p", "env.eval_problems": 0}
+    with pytest.raises(ConfigError, match="Weights & Biases is not installed"):
+        train(run_cfg(tmp_path / "a" / "b" / "run", warm_model, steps=1, **over))
+    assert not (tmp_path / "a").exists()
+    (tmp_path / "kept").mkdir()
+    before = tree_hash(tmp_path / "kept")
+    with pytest.raises(ConfigError, match="Weights & Biases is not installed"):
+        train(run_cfg(tmp_path / "kept", warm_model, steps=1, **over))
+    assert (tmp_path / "kept").is_dir() and tree_hash(tmp_path / "kept") == before

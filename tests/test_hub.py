@@ -142,3 +142,18 @@ def test_a_hub_that_accepts_and_never_answers_is_named_with_its_deadline(silent_
     )
     assert "Traceback" not in out.stderr
     assert time.monotonic() - start < 120  # the deadline is the behaviour: seconds, where it used to hang forever
+
+
+def test_a_session_the_hub_makes_again_keeps_the_deadline():
+    """huggingface_hub closes its session after a failed connection and makes a new one: that one's requests get
+    the deadline too (the control: a session made before moerl bounded the waits has no hook)."""
+    import huggingface_hub
+
+    from moerl.hub import _bound_hub_waits, _fill_deadline
+
+    huggingface_hub.set_client_factory(huggingface_hub.utils._http.default_client_factory)  # as a fresh process
+    assert _fill_deadline not in huggingface_hub.get_session().event_hooks["request"]
+    _bound_hub_waits()
+    assert _fill_deadline in huggingface_hub.get_session().event_hooks["request"]
+    huggingface_hub.close_session()  # what a failed connection makes it do
+    assert huggingface_hub.get_session().event_hooks["request"].count(_fill_deadline) == 1
