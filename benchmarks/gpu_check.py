@@ -388,16 +388,16 @@ def plan_vs_step(mode: str) -> tuple[bool, str]:
                 return None, f"refused by name: {str(e)[:100]}"
             raise
         batch, loss = worst_batch(cfg, run, traced_rows(run, World())), make_policy_loss(run.algo.loss)
-        pol.train_step(batch, loss)
+        pol.train_step(batch, loss, entropy=run.algo.loss.entropy)
         if CUDA:
             sync()
             torch.cuda.reset_peak_memory_stats()
-            pol.train_step(batch, loss)
+            pol.train_step(batch, loss, entropy=run.algo.loss.entropy)
             sync()
             measured, what = torch.cuda.max_memory_allocated() - before, "max_memory_allocated over what others hold"
         else:
             with Memory(held(pol)) as memory:
-                pol.train_step(batch, loss)
+                pol.train_step(batch, loss, entropy=run.algo.loss.entropy)
             measured, what = memory.peak.total, "live tensors"
     off = abs(planned - measured) / measured
     return off <= 0.10, f"planned {planned / 2**20:.0f} MiB, {what} {measured / 2**20:.0f} MiB ({off:.1%} apart)"

@@ -118,7 +118,8 @@ def _ppo_epochs(cfg: RunConfig, policy: Policy, loss_fn, batch: Batch, step: int
         order = torch.randperm(len(batch), generator=gen)
         for idx in order.chunk(a.mini_batches):
             mb = _mini_batch(batch, idx)
-            train_metrics.append(policy.train_step(mb, loss_fn, replay=a.r3, entropy=True, temperature=temperature))
+            step = policy.train_step(mb, loss_fn, replay=a.r3, entropy=a.loss.entropy, temperature=temperature)
+            train_metrics.append(step)
     return train_metrics
 
 

@@ -396,6 +396,13 @@ class RunConfig:
                 f"config key 'rollout.group_size'=1 with algo.advantage={a.advantage!r}: a group baseline of one "
                 "sample makes every advantage 0 (no learning signal); use group_size >= 2 or reinforce_pp"
             )
+        budget = self.policy.max_tokens_per_micro_batch
+        if budget and budget < r.max_model_len:
+            raise ConfigError(
+                f"config key 'policy.max_tokens_per_micro_batch'={budget}: a sequence may hold rollout.max_model_len="
+                f"{r.max_model_len} tokens, more than a micro-batch may; raise it to at least that, or lower "
+                "rollout.max_model_len (splitting a sequence over ranks, context parallelism, is not built)"
+            )
 
 
 # Fields a resumed run may change (applied from the resume on, and recorded with the step): how long, how fast,
@@ -413,6 +420,9 @@ MUTABLE = (
     "policy.optim.total_steps",
     "policy.optim.min_lr_ratio",
     "policy.micro_batch_size",
+    "policy.max_tokens_per_micro_batch",  # how a step's samples split: its loss is the same (normalised by the batch)
+    "policy.logits_chunk",  # chunked and whole logits compute the same logprobs to fp32 rounding
+    "policy.activation_checkpointing",  # a recomputed block replays its forward's experts: the same step
     "policy.max_nan_steps",
     "policy.compile",  # compiled and eager blocks compute the same step to fp32 rounding (tests/test_trainer_compile)
     "policy.device",  # a checkpoint's tensors are on no device: a run may move between CPU and GPU (dtype auto

@@ -7,10 +7,11 @@ safetensors).
 
 Extras: ``layout=shared_outer`` (expert adapters), ``schedule=S`` (pipeline), ``load=DIR`` (a checkpoint loaded
 first), ``dump`` (write the state as loaded and stop), ``steps=N``, ``save=DIR`` (a checkpoint saved after the first
-step). Negative controls: ``mean``, FSDP's default mean over ranks instead of moerl's sum; ``perturb``, the last
-expert of the first MoE layer moved by 1e-3 on the rank that holds it (the last ep rank); ``wrong_columns``, the
-last pipeline stage replays the first stage's MoE layers' columns instead of its own; ``untie``, a tied embedding's
-two pipeline copies each keep their own gradient."""
+step), ``ac=full|selective`` (activation checkpointing), ``tokens=N`` (micro-batches of at most N tokens, no row
+limit). Negative controls: ``mean``, FSDP's default mean over ranks
+instead of moerl's sum; ``perturb``, the last expert of the first MoE layer moved by 1e-3 on the rank that holds it
+(the last ep rank); ``wrong_columns``, the last pipeline stage replays the first stage's MoE layers' columns instead
+of its own; ``untie``, a tied embedding's two pipeline copies each keep their own gradient."""
 
 import json
 import sys
@@ -80,7 +81,16 @@ def step(world, ckpt: str, mode: str, dtype: str, out: str, *extra: str) -> None
     mean = "mean" in extra
     torch.manual_seed(0)  # the same adapters on every rank
     lora = LoraConfig(layout="shared_outer" if "layout=shared_outer" in extra else "per_expert")
-    cfg = PolicyConfig(mode=mode, dtype=dtype, micro_batch_size=2, optim=OptimConfig(lr=LR), lora=lora)
+    opt = dict(e.split("=", 1) for e in extra if "=" in e)
+    cfg = PolicyConfig(
+        mode=mode,
+        dtype=dtype,
+        micro_batch_size=0 if "tokens" in opt else 2,  # a token budget alone cuts the micro-batches
+        max_tokens_per_micro_batch=int(opt.get("tokens", 0)),
+        optim=OptimConfig(lr=LR),
+        lora=lora,
+        activation_checkpointing=opt.get("ac", "none"),
+    )
     policy = Policy(ckpt, cfg, world)
     if mean:
         from moerl.parallel.fsdp import fsdp_units
@@ -94,7 +104,6 @@ def step(world, ckpt: str, mode: str, dtype: str, out: str, *extra: str) -> None
         policy.layout.pipeline.modules[-1].columns = list(range(len(policy.layout.pipeline.modules[-1].columns)))
     if "untie" in extra:
         policy.layout.pipeline.tied = False
-    opt = dict(e.split("=", 1) for e in extra if "=" in e)
     if "load" in opt:
         policy.load(opt["load"])
     if "dump" in extra:  # the state as loaded

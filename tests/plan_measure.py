@@ -22,10 +22,10 @@ def measure(ckpt: str, run: RunConfig, world) -> dict[str, int]:
     policy = Policy(ckpt, replace(run.policy, compile=False, device="cpu"), world)
     batch = worst_batch(policy.model.config, run, traced_rows(run, world))
     loss = make_policy_loss(run.algo.loss)
-    policy.train_step(batch, loss, replay=run.algo.r3, entropy=True)
+    policy.train_step(batch, loss, replay=run.algo.r3, entropy=run.algo.loss.entropy)
     memory = Memory(held(policy))
     with memory:
-        policy.train_step(batch, loss, replay=run.algo.r3, entropy=True)
+        policy.train_step(batch, loss, replay=run.algo.r3, entropy=run.algo.loss.entropy)
         memory.regard(gradients(policy), "gradients")
     return dict(memory.peak.bytes)
 

@@ -10,7 +10,7 @@ from tolerances import logprobs_agree
 from moerl.errors import ReplayError
 from moerl.model.lora import LoraConfig
 from moerl.trainer import Batch, OptimConfig, Policy, PolicyConfig
-from moerl.trainer.logprobs import next_token_logprobs
+from moerl.trainer.logprobs import LogprobHead
 from moerl.trainer.losses import sft_loss
 from moerl.trainer.packing import plan_packing
 
@@ -86,9 +86,10 @@ def test_packed_forward_equals_the_padded_forward(arch, dtype, hf_checkpoints):
     pk = plan_packing(batch.attention_mask)
     with torch.no_grad():
         ids = pk.pack(batch.input_ids, 0)
-        out = packed.model(ids, positions=pk.positions, attention_mask=(pk.segment > 0).long())
         keep = torch.nn.functional.pad((pk.segment[:, 1:] == pk.segment[:, :-1]) & (pk.segment[:, 1:] > 0), (1, 0))
-        leaky = pk.unpack(next_token_logprobs(out.logits, ids, keep, 1.0, False)[0], batch.input_ids.shape)
+        head = LogprobHead(ids, keep, 1.0, False)
+        out = packed.model(ids, positions=pk.positions, attention_mask=(pk.segment > 0).long(), head=head)
+        leaky = pk.unpack(out.head[0], batch.input_ids.shape)
     want = padded.forward_logprobs(batch, replay=False)[0]
     assert not logprobs_agree(leaky, want, dtype)
 

@@ -87,6 +87,12 @@ CASES = [
     ("2,1,2", "full", "float32", (), 1e-6),
     ("1,2,2", "full", "float32", ("schedule=interleaved_1f1b",), 1e-6),
     ("1,2,2", "lora", "float32", ("layout=shared_outer",), 1e-6),
+    # activation checkpointing on the ranks, and micro-batches by a token budget (shares balanced by tokens), each
+    # against one process's plain step (no recomputation, fixed micro-batches of 2 rows)
+    ("1,2,1", "full", "float32", ("ac=full",), 1e-6),
+    ("1,1,2", "lora", "float32", ("ac=selective",), 1e-6),
+    ("2,1,1", "full", "float32", ("tokens=30",), 1e-6),
+    ("1,1,2", "full", "float32", ("tokens=36",), 1e-6),
 ]
 
 # How far a step on several ranks may be from one process's. A rank runs its GEMMs on other row counts and expert
@@ -147,8 +153,9 @@ def test_one_step_on_several_ranks_is_one_process_step(one_process, several_rank
     two layers per rank (interleaved 1F1B: one layer per stage, stages 0 and 2 on rank 0), 4 micro-batches of 2
     rows (one a stand-in), each stage replaying its own MoE layers' columns. Four ranks (pp=2 with dp=2 or ep=2):
     a pipeline per data rank, each on its share of the rows, each stage sharded over its two data ranks. Each
-    equals one process's step within the tolerances above."""
-    one, t1 = one_process(mode, dtype, *extra)
+    equals one process's step within the tolerances above, also where its blocks recompute their activations in
+    the backward (``ac=``) or its micro-batches are cut by tokens (``tokens=``): against one process's plain step."""
+    one, t1 = one_process(mode, dtype, *(e for e in extra if not e.startswith(("ac=", "tokens="))))  # plain step
     two, t2 = several_ranks(layout, mode, dtype, *extra)
     differences = _step_differences(one, t1, two, t2, mode, dtype, rtol)
     assert not differences, differences

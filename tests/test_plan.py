@@ -184,7 +184,7 @@ def _split(cfg, mode: str, dp: int, ep: int, pp: int, schedule: str, rank: int, 
     from moerl.modes import mode_of
     from moerl.parallel.layout import LayoutConfig, parallelize
     from moerl.parallel.world import fake_world
-    from moerl.trainer.logprobs import token_logprobs
+    from moerl.trainer.logprobs import batch_head
 
     world = fake_world(dp, ep, pp, rank, schedule=schedule, stages=stages)
     with torch.device("meta"):
@@ -194,7 +194,7 @@ def _split(cfg, mode: str, dp: int, ep: int, pp: int, schedule: str, rank: int, 
             attach_lora(model, LoraConfig(), dtype=torch.float32)
             for n, p in model.named_parameters():
                 p.requires_grad_(".lora." in n)
-    split = LayoutConfig(mode_of(mode).masters, torch.bfloat16, 8, token_logprobs)
+    split = LayoutConfig(mode_of(mode).masters, torch.bfloat16, 8, batch_head)
     return world, model, parallelize(model, world, split)
 
 

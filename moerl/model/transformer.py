@@ -54,6 +54,9 @@ class DecoderLayer(nn.Module):
         self.layer = layer
         # ``block`` compiled for training (moerl.trainer.compile); None: eager
         self.compiled: Callable | None = None
+        # ``recompute(layer, run, x, cos, sin, mask, replay, chosen)`` runs a training forward's block so that it is
+        # computed again in the backward (moerl.parallel.checkpointing); None: its activations are kept
+        self.recompute: Callable | None = None
 
     def mix(self, x, cos, sin, mask, cache=None, chosen=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The attention half of the layer: (the residual stream after attention, the MLP's input; None in a layer
@@ -77,11 +80,14 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x, cos, sin, mask, replay=None, cache=None, chosen=None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        run = self.block
         # a training forward whose input carries a gradient: LoRA's first layer (frozen embeddings below it) runs
         # eager rather than compiling a second graph for an input without one
         if self.compiled is not None and cache is None and self.training and x.requires_grad:
-            return self.compiled(x, cos, sin, mask, replay, None, chosen)
-        return self.block(x, cos, sin, mask, replay, cache, chosen)
+            run = self.compiled
+        if self.recompute is not None and cache is None and self.training and torch.is_grad_enabled():
+            return self.recompute(self, run, x, cos, sin, mask, replay, chosen)
+        return run(x, cos, sin, mask, replay, cache, chosen)
 
     def block(
         self, x, cos, sin, mask, replay=None, cache=None, chosen=None
@@ -107,6 +113,7 @@ class ModelOutput:
     logits: torch.Tensor | None  # [B, T, V] in the model dtype (None from a pipeline stage before the last)
     routed: torch.Tensor | None = None  # [B, T, L_moe, k] int64 chosen experts, when capture or replay
     hidden: torch.Tensor | None = None  # [B, T, H] a pipeline stage's output to the next
+    head: object = None  # what the caller's ``head`` made of the final hidden states (in place of the logits)
 
 
 class MoEModel(nn.Module):
@@ -227,6 +234,7 @@ class MoEModel(nn.Module):
         cache: KVCacheView | None = None,
         logits_index: torch.Tensor | None = None,
         hidden: torch.Tensor | None = None,
+        head=None,
     ) -> ModelOutput:
         """Logits for ``input_ids`` [B, T].
 
@@ -240,6 +248,9 @@ class MoEModel(nn.Module):
         logits_index: [B] one position per row: logits come back as [B, V] for those positions only.
         hidden: [B, T, H] the previous pipeline stage's output, in place of the embedded ``input_ids``; a stage
         without the final norm returns its hidden states as ``ModelOutput.hidden``.
+        head: ``head(model, x)`` takes the final normed hidden states [B, T, H] in place of the whole logits (the
+        trainer's logprobs in chunks: ``moerl.trainer.logprobs.LogprobHead``); inside this call, so the parameters
+        it reads through ``logits`` are gathered (FSDP) as the forward's are. Its result is ``ModelOutput.head``.
         """
         b, t = input_ids.shape if hidden is None else hidden.shape[:2]
         if self.adapter_ctx is not None:
@@ -288,9 +299,16 @@ class MoEModel(nn.Module):
         if logits_index is not None:
             x = x[torch.arange(b, device=x.device), logits_index]
         x = self.norm(x)
+        if head is not None:
+            return ModelOutput(None, routed, head=head(self, x))
+        return ModelOutput(self.logits(x), routed)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The head: logits [..., V] of final normed hidden states [..., H] (the tied embedding where the model ties
+        it, scaled where the config scales them)."""
         logits = (
             self.lm_head(x) if self.lm_head is not None else F.linear(x, self.embed_tokens.weight, self.lm_head_bias)
         )
         if self.config.logits_scaling != 1.0:
             logits = logits / self.config.logits_scaling
-        return ModelOutput(logits, routed)
+        return logits

@@ -19,10 +19,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from moerl.errors import ConfigError
+from moerl.parallel.checkpointing import apply_checkpointing
 from moerl.parallel.expert import shard_experts, whole_experts
 from moerl.parallel.fsdp import clip_grads, gathered, shard_model
 from moerl.parallel.pipeline import Pipeline, Step, plan_stages, prune
-from moerl.parallel.rows import gather_rows, micro_batches, share, sum_over_ranks
+from moerl.parallel.rows import Split, gather_rows, share, split_rows, sum_over_ranks
 from moerl.parallel.world import World, agreed_min, full, like
 
 Forward = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]  # (micro-batch) -> (logprobs, entropy or None)
@@ -33,13 +35,16 @@ Loss = Callable[..., tuple[torch.Tensor, dict[str, float]]]  # (logprobs, micro-
 class LayoutConfig:
     """What the split needs to know of the training: whether the model's own weights train through fp32 masters
     (``masters``: they are sharded and gathered in ``dtype``; else only what trains is sharded, e.g. adapters), the
-    compute dtype, the micro-batch size, and the pipeline's last-stage head ``(logits, micro-batch, temperature,
-    entropy) -> (logprobs, entropy or None)``."""
+    compute dtype, the micro-batch size, and the pipeline's last-stage head: ``head(micro-batch, temperature,
+    entropy)`` gives the ``head`` the last stage's model takes (its result: (logprobs, entropy or None))."""
 
     masters: bool
     dtype: torch.dtype
     micro_batch_size: int
     head: Callable
+    checkpointing: str = "none"  # each decoder block recomputed in the backward: none | full | selective
+    max_tokens: int = 0  # tokens a micro-batch may hold (0: micro_batch_size alone cuts them)
+    packed: bool = True  # whether micro-batches run packed (their tokens, not rows x width, count)
 
 
 def storage_dtype(world: World, masters: bool, dtype: torch.dtype) -> torch.dtype:
@@ -52,6 +57,14 @@ def parallelize(model: torch.nn.Module, world: World, cfg: LayoutConfig) -> Layo
     """Split ``model`` (in place) over ``world`` and return its Layout. Trainable flags must be set before: FSDP
     leaves frozen parameters replicated."""
     layout = Layout(model, world, cfg)
+    if cfg.checkpointing != "none":
+        if model.config.index_shared_layers:
+            raise ConfigError(
+                f"policy.activation_checkpointing={cfg.checkpointing} with a model whose layers reuse an earlier "
+                f"indexer's choice (index_shared_layers {model.config.index_shared_layers}): recomputing them is not "
+                "built; set it to none"
+            )
+        apply_checkpointing(model, cfg.checkpointing)
     if world.pp > 1:
         plan = plan_stages(model, world, world.schedule, world.stages)
         prune(model, plan)
@@ -176,12 +189,16 @@ class Layout:
         if self.pipeline is not None and stages:
             return self._pipeline_forward(step)
         batch, parts = step.batch, []
-        for mb, real in micro_batches(self.world, batch, self.cfg.micro_batch_size):
+        split = self._split(batch)
+        for mb, real in split.micro:
             out = forward(mb)
             if real:  # a stand-in row only keeps the ranks' collectives in step
                 parts.append(out)
-        lp = gather_rows(self.world, [p[0] for p in parts], batch)
-        return lp, (gather_rows(self.world, [p[1] for p in parts], batch) if step.entropy else None)
+        lp = gather_rows(self.world, [p[0] for p in parts], batch, split.shares)
+        return lp, (gather_rows(self.world, [p[1] for p in parts], batch, split.shares) if step.entropy else None)
+
+    def _split(self, batch) -> Split:
+        return split_rows(self.world, batch, self.cfg.micro_batch_size, self.cfg.max_tokens, self.cfg.packed)
 
     def backward(self, step: Step, forward: Forward, loss_fn: Loss) -> tuple[float, dict[str, float]]:
         """Forward and backward of every row of ``step.batch`` (each rank its share); the loss and metric sums over
@@ -194,7 +211,7 @@ class Layout:
 
     def _accumulate(self, step: Step, forward: Forward, loss_fn: Loss) -> tuple[float, dict[str, float]]:
         batch, total, metrics = step.batch, 0.0, {}
-        for mb, real in micro_batches(self.world, batch, self.cfg.micro_batch_size):
+        for mb, real in self._split(batch).micro:
             lp, ent = forward(mb)
             loss, m = loss_fn(lp, mb, ent)
             if not real:  # a stand-in row: it only keeps FSDP's collectives in step
@@ -211,10 +228,24 @@ class Layout:
         rows = torch.arange(n, device=batch.input_ids.device)[share(self.world, self.world.data_rank, n)]
         return rows, math.ceil(n / self.world.data_size)
 
+    def _pipeline_size(self, batch) -> int:
+        """Rows a pipeline micro-batch holds: ``micro_batch_size`` and, with a token budget, as many rows as it
+        takes at the batch's width (a pipeline runs rows padded, unpacked)."""
+        size, budget, width = self.cfg.micro_batch_size, self.cfg.max_tokens, batch.input_ids.shape[1]
+        if budget:
+            if width > budget:
+                raise ConfigError(
+                    f"policy.max_tokens_per_micro_batch={budget}: a pipeline's micro-batch holds rows of the batch's "
+                    f"width, {width} tokens, more than it may; raise it, or shorten rollout.max_model_len (splitting "
+                    "a sequence over ranks, context parallelism, is not built)"
+                )
+            size = min(size, budget // width) if size else budget // width
+        return size or len(batch)
+
     def _pipeline_forward(self, step: Step) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, pipe = step.batch, self.pipeline
         rows, width = self._pipeline_rows(batch)
-        out = pipe.run(step, rows, width, self.cfg.micro_batch_size, self.cfg.dtype)
+        out = pipe.run(step, rows, width, self._pipeline_size(batch), self.cfg.dtype)
         lp, ent = (out if step.entropy else (out, None)) if out is not None else (None, None)
         shape = (len(rows), batch.input_ids.shape[1])
         lp = gather_rows(self.world, [pipe.from_last(lp, shape)], batch)
@@ -236,7 +267,7 @@ class Layout:
                 metrics[k] = metrics.get(k, 0.0) + float(v) * real / len(batch)
             return value
 
-        pipe.run(step, rows, width, self.cfg.micro_batch_size, self.cfg.dtype, loss)
+        pipe.run(step, rows, width, self._pipeline_size(batch), self.cfg.dtype, loss)
         return tuple(pipe.share_json([total, metrics]))
 
     # --- gradients ----------------------------------------------------------------------------------------------

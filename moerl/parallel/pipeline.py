@@ -184,7 +184,7 @@ class StageModule(nn.Module):
     def __init__(self, view: MoEModel, columns: list[int], first: bool, last: bool, logprobs):
         super().__init__()
         self.view, self.columns, self.first, self.last = view, columns, first, last
-        self.logprobs = logprobs  # (logits, micro-batch, temperature, entropy) -> (logprobs, entropy or None)
+        self.logprobs = logprobs  # (micro-batch, temperature, entropy) -> the head of the last stage's forward
         self.step: Step | None = None
         self.queue: list[torch.Tensor] = []
 
@@ -195,12 +195,14 @@ class StageModule(nn.Module):
         replay = None
         if step.replay and mb.replay is not None and self.columns:
             replay = mb.replay.index_select(2, torch.tensor(self.columns, device=mb.replay.device))
+        head = self.logprobs(mb, step.temperature, step.entropy) if self.last else None
         out = self.view(
-            mb.input_ids, attention_mask=mb.attention_mask, replay=replay, adapters=step.adapters, hidden=hidden
-        )
+            mb.input_ids, attention_mask=mb.attention_mask, replay=replay, adapters=step.adapters, hidden=hidden,
+            head=head,
+        )  # fmt: skip
         if not self.last:
             return out.hidden
-        lp, ent = self.logprobs(out.logits, mb, step.temperature, step.entropy)
+        lp, ent = out.head
         return (lp, ent) if step.entropy else lp
 
 

@@ -6,10 +6,12 @@ forward, so the ranks' forwards must pair up). A batch is anything with ``len``,
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from moerl.errors import ConfigError
 from moerl.parallel.world import World
 
 
@@ -19,6 +21,73 @@ def share(world: World, rank: int, n: int) -> slice:
     base, extra = divmod(n, world.data_size)
     start = rank * base + min(rank, extra)
     return slice(start, start + base + (rank < extra))
+
+
+@dataclass(slots=True)
+class Split:
+    """How a batch's rows go through a step: every data rank's contiguous share (``shares``) and this rank's
+    micro-batches, each flagged real (a stand-in only keeps the ranks' collectives in step: its result is dropped)."""
+
+    shares: list[slice]
+    micro: list[tuple[object, bool]]
+
+
+def split_rows(world: World, batch, size: int, max_tokens: int = 0, packed: bool = True) -> Split:
+    """``batch``'s rows in micro-batches of at most ``size`` rows (0: any number) and, with ``max_tokens``, at most
+    that many tokens: a packed micro-batch holds its rows' tokens, an unpacked one rows x the batch's width. With a
+    token budget the data ranks' shares are balanced by tokens, and each share is cut where the next row would pass
+    a limit. Every rank runs as many micro-batches as the rank that needs the most; the others add stand-ins (the
+    batch's first row). A row that alone passes the budget is refused by name (its sequence would need splitting
+    over ranks: context parallelism, not built)."""
+    if not max_tokens:
+        return Split([share(world, r, len(batch)) for r in range(world.data_size)], micro_batches(world, batch, size))
+    costs = row_costs(batch, packed)
+    worst = max(range(len(costs)), key=costs.__getitem__, default=None)
+    if worst is not None and costs[worst] > max_tokens:
+        raise ConfigError(
+            f"policy.max_tokens_per_micro_batch={max_tokens}: row {worst} of the batch holds {costs[worst]} tokens"
+            f"{'' if packed else ' (padded, unpacked)'}, more than a micro-batch may; raise it, or shorten "
+            "rollout.max_model_len / rollout.max_tokens (splitting a sequence over ranks, context parallelism, "
+            "is not built)"
+        )
+    shares = balanced_shares(costs, world.data_size)
+    runs = [cut(costs[s], size, max_tokens) for s in shares]
+    count = max(1, *map(len, runs))
+    mine, start = runs[world.data_rank], shares[world.data_rank].start
+    micro = [(batch.rows(slice(start + a, start + b)), True) for a, b in mine]
+    micro += [(batch.rows(slice(0, 1)), False)] * (count - len(mine))
+    return Split(shares, micro)
+
+
+def row_costs(batch, packed: bool) -> list[int]:
+    """What each row of ``batch`` costs a micro-batch, in tokens: its own (packed rows) or the batch's width."""
+    if packed:
+        return batch.attention_mask.sum(1).tolist()
+    return [batch.input_ids.shape[1]] * len(batch)
+
+
+def balanced_shares(costs: list[int], parts: int) -> list[slice]:
+    """``parts`` contiguous runs of rows whose costs are near even: each boundary at the row where the running cost
+    first reaches its part's even share of the total."""
+    total, bounds, run, i = sum(costs), [0], 0, 0
+    for p in range(1, parts):
+        while i < len(costs) and run + costs[i] / 2 < total * p / parts:  # a row goes where most of it lies
+            run += costs[i]
+            i += 1
+        bounds.append(i)
+    bounds.append(len(costs))
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def cut(costs: list[int], size: int, max_tokens: int) -> list[tuple[int, int]]:
+    """Runs (start, stop) of rows with at most ``size`` rows (0: any) and ``max_tokens`` tokens each, in order."""
+    runs, start, tokens = [], 0, 0
+    for i, c in enumerate(costs):
+        if i > start and ((size and i - start >= size) or tokens + c > max_tokens):
+            runs.append((start, i))
+            start, tokens = i, 0
+        tokens += c
+    return runs + [(start, len(costs))] if costs else runs
 
 
 def micro_batches(world: World, batch, size: int) -> list[tuple[object, bool]]:
@@ -37,17 +106,19 @@ def micro_batches(world: World, batch, size: int) -> list[tuple[object, bool]]:
     return out
 
 
-def gather_rows(world: World, parts: list[torch.Tensor], batch) -> torch.Tensor:
-    """Per-row results [rows, T] of every rank's share, in row order, on every rank."""
+def gather_rows(world: World, parts: list[torch.Tensor], batch, shares: list[slice] | None = None) -> torch.Tensor:
+    """Per-row results [rows, T] of every rank's share (``shares``: by count where not given), in row order, on
+    every rank."""
     mine = torch.cat(parts) if parts else torch.zeros(0, batch.input_ids.shape[1], device=batch.input_ids.device)
     if world.data_size == 1:
         return mine
     n = len(batch)
-    width = math.ceil(n / world.data_size)
+    shares = shares or [share(world, r, n) for r in range(world.data_size)]
+    counts = [len(range(n)[s]) for s in shares]
+    width = max(counts)
     padded = torch.cat([mine, mine.new_zeros(width - len(mine), *mine.shape[1:])])
     pieces = [torch.empty_like(padded) for _ in range(world.data_size)]
     dist.all_gather(pieces, padded, group=world.group("data"))
-    counts = [len(range(n)[share(world, r, n)]) for r in range(world.data_size)]
     return torch.cat([p[:c] for p, c in zip(pieces, counts, strict=True)])
 
 

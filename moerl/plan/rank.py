@@ -244,7 +244,8 @@ def _trace(cfg: ModelConfig, run: RunConfig, rank: int, hf: dict | None, gpu: bo
             workspace = gemm_workspace(capability(torch.device("cuda"))) if gpu else 0
             scratch = [torch.empty(workspace, dtype=torch.uint8) for _ in range(GEMM_THREADS)] if gpu else []
             with Memory(held(policy) | {"activations": scratch}) as memory:
-                policy.train_step(batch, make_policy_loss(run.algo.loss), replay=run.algo.r3, entropy=True)
+                loss = run.algo.loss
+                policy.train_step(batch, make_policy_loss(loss), replay=run.algo.r3, entropy=loss.entropy)
                 memory.regard(gradients(policy), "gradients")
             engine = Elsewhere()
             grads = [g for g in gradients(policy) if g is not None]

@@ -11,6 +11,7 @@ from moerl.device import device_name
 from moerl.model.lora import LoraConfig
 from moerl.model.mx import SCALE_MODES
 from moerl.modes import MODES, mode_of
+from moerl.parallel.checkpointing import CHECKPOINTING
 from moerl.precision import DTYPE_NAMES, dtype_name
 from moerl.trainer.compile import check as check_compile
 from moerl.trainer.optim import SCHEDULES
@@ -55,7 +56,12 @@ class PolicyConfig:
     mode: Literal[tuple(MODES)] = "lora"
     lora: LoraConfig = field(default_factory=LoraConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    micro_batch_size: int = 8  # sequences per forward / backward (gradients accumulate over a mini-batch)
+    # sequences per forward / backward at most (gradients accumulate over a mini-batch); 0: as many as
+    # max_tokens_per_micro_batch lets in
+    micro_batch_size: int = 8
+    # tokens per forward / backward at most (a packed micro-batch's tokens, an unpacked one's rows x width); the data
+    # ranks' shares balanced by tokens; 0: micro_batch_size alone cuts the micro-batches
+    max_tokens_per_micro_batch: int = 0
     # compute dtype (lora: the frozen base; full: the model copy): auto | bfloat16 | float32
     dtype: Literal[DTYPE_NAMES] = "auto"
     device: str = "auto"  # auto (CUDA where present) | cpu | cuda | cuda:N (moerl.device)
@@ -63,6 +69,12 @@ class PolicyConfig:
     max_nan_steps: int = 3  # consecutive non-finite steps that stop training
     mx_scale_mode: Literal[SCALE_MODES] = "rceil"  # mxfp8: floor | rceil
     packing: bool = True  # forwards run on the micro-batch's sequences packed into fewer rows (moerl.trainer.packing)
+    # tokens whose logits exist at once: the head, log-softmax, logprob and entropy run in chunks of this many
+    # tokens, each computed again in the backward (moerl.trainer.logprobs); 0: a micro-batch's logits all at once
+    logits_chunk: int = 2048
+    # each decoder block's activations computed again in the backward instead of kept (moerl.parallel.checkpointing):
+    # none | full (only the blocks' inputs kept) | selective (their attention outputs kept too)
+    activation_checkpointing: Literal[CHECKPOINTING] = "none"
     # the training forward / backward compiled by decoder block (moerl.trainer.compile): auto (the loop decides from
     # its first steps' times, and keeps them where faster) | True | False
     compile: bool | Literal["auto"] = "auto"
@@ -72,8 +84,34 @@ class PolicyConfig:
         dtype_name(self.dtype, key="PolicyConfig.dtype")  # auto: bf16 where native, else fp32 (moerl.precision)
         device_name(self.device, key="policy.device")  # what this host lacks is refused where the policy is built
         rules = (
-            ("micro_batch_size", self.micro_batch_size, self.micro_batch_size >= 1, "must be >= 1"),
+            ("micro_batch_size", self.micro_batch_size, self.micro_batch_size >= 0, "must be >= 0"),
+            (
+                "max_tokens_per_micro_batch",
+                self.max_tokens_per_micro_batch,
+                self.max_tokens_per_micro_batch >= 0,
+                "must be >= 0 (0: micro_batch_size alone cuts the micro-batches)",
+            ),
+            (
+                "micro_batch_size",
+                self.micro_batch_size,
+                self.micro_batch_size >= 1 or self.max_tokens_per_micro_batch >= 1,
+                "0 (no row limit) needs a token limit: set policy.max_tokens_per_micro_batch",
+            ),
             ("max_nan_steps", self.max_nan_steps, self.max_nan_steps >= 1, "must be >= 1"),
+            ("logits_chunk", self.logits_chunk, self.logits_chunk >= 0, "must be >= 0 (0: all at once)"),
+            (
+                "activation_checkpointing",
+                self.activation_checkpointing,
+                self.activation_checkpointing in CHECKPOINTING,
+                f"allowed: {', '.join(CHECKPOINTING)}",
+            ),
+            (
+                "activation_checkpointing",
+                self.activation_checkpointing,
+                self.activation_checkpointing == "none" or self.compile is not True,
+                "with policy.compile=true: compiled blocks that recompute in the backward are not built; set "
+                "policy.compile to auto or false (auto stays eager under checkpointing)",
+            ),
             (
                 "mx_scale_mode",
                 self.mx_scale_mode,

@@ -31,7 +31,10 @@ def memory_named(policy, stage: str, batch: Batch, before_step: bool = False):
         if w.size > 1:
             where += f" (pipeline rank {w.stage}, expert slice {w.ep_rank}, data-parallel rank {w.dp_rank})"
         rows, cols = batch.input_ids.shape
-        mb = policy.cfg.micro_batch_size
+        mb, budget = policy.cfg.micro_batch_size, policy.cfg.max_tokens_per_micro_batch
+        cut = " and ".join(
+            [f"{mb} rows"] * bool(mb) + [f"{budget} tokens (policy.max_tokens_per_micro_batch)"] * bool(budget)
+        )
         saved = ""
         if before_step and w.size == 1:
             saved = policy.save_stop_checkpoint()
@@ -40,9 +43,9 @@ def memory_named(policy, stage: str, batch: Batch, before_step: bool = False):
             saved = f"; nothing saved (last good checkpoint: {kept})"
         raise OutOfMemory(
             f"{where} ran out of memory in the {stage} of a batch of {rows} rows x {cols} tokens "
-            f"({int(batch.attention_mask.bool().sum())} real), micro-batches of {mb} rows ({_first_line(e)}); "
-            f"lower policy.micro_batch_size (now {mb}) or the lengths (rollout.max_tokens, "
-            f"rollout.max_model_len){saved}"
+            f"({int(batch.attention_mask.bool().sum())} real), micro-batches of at most {cut} ({_first_line(e)}); "
+            f"lower {'policy.max_tokens_per_micro_batch' if budget else 'policy.micro_batch_size'} (now "
+            f"{budget or mb}) or the lengths (rollout.max_tokens, rollout.max_model_len){saved}"
         ) from None
 
 

@@ -11,6 +11,7 @@ import torch
 from moerl.config import require
 from moerl.errors import ConfigError
 from moerl.trainer.batch import Batch
+from moerl.trainer.logprobs import ENTROPY_METRIC
 from moerl.trainer.mismatch import KINDS as MISMATCH_KINDS
 from moerl.trainer.mismatch import LEVELS as MISMATCH_LEVELS
 from moerl.trainer.mismatch import mismatch_metrics, mismatch_weights
@@ -56,6 +57,12 @@ class PolicyLossConfig:
     mismatch_cap: float = 2.0  # tis: the importance weight's cap
     mismatch_low: float = 0.5  # mis / icepop: weights below this are masked
     mismatch_high: float = 2.0  # mis / icepop: weights above this are masked
+
+    @property
+    def entropy(self) -> bool | str:
+        """What a training step computes of each token's entropy for this loss (``Policy.train_step``'s
+        ``entropy``): differentiable for an entropy bonus, else its value alone (a metric)."""
+        return True if self.entropy_coef > 0 else ENTROPY_METRIC
 
     def __post_init__(self) -> None:
         choices = (

@@ -28,7 +28,7 @@ from moerl.trainer.compile import BLOCKS, compile_blocks, pays, uncompile_blocks
 from moerl.trainer.compile import check as check_compile
 from moerl.trainer.config import PolicyConfig
 from moerl.trainer.faults import check_weights, memory_named, skip_nonfinite
-from moerl.trainer.logprobs import packed_logprobs, token_logprobs
+from moerl.trainer.logprobs import batch_head, packed_logprobs, token_logprobs
 from moerl.trainer.optim import MasterWeights, adamw, lr_schedule
 from moerl.trainer.packing import plan_packing
 
@@ -68,9 +68,17 @@ class Policy:
         mode.prepare(self.model, cfg)
         self.ref_model = mode.reference(self.model, cfg, dtype)  # replicated when the policy is sharded
         self.all_names = [n for n, p in self.model.named_parameters() if p.requires_grad]  # of the whole model
-        self.layout = parallelize(
-            self.model, world, LayoutConfig(mode.masters, dtype, cfg.micro_batch_size, head=token_logprobs)
+        head = partial(batch_head, chunk=cfg.logits_chunk)  # a pipeline's last stage: its logprobs in chunks
+        split = LayoutConfig(
+            mode.masters,
+            dtype,
+            cfg.micro_batch_size,
+            head,
+            cfg.activation_checkpointing,
+            cfg.max_tokens_per_micro_batch,
+            cfg.packing,
         )
+        self.layout = parallelize(self.model, world, split)
         self.trainable = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         check_compile(cfg.compile, self.layout.ranks, mode)
         self.compiled = cfg.compile is True and compile_blocks(self.model) > 0
@@ -123,8 +131,10 @@ class Policy:
     def compile_if_it_pays(self, steps_left: int, seconds_train: float) -> bool:
         """``policy.compile: auto``: compile the training blocks now if ``steps_left`` steps of ``seconds_train``
         each repay it (``moerl.trainer.compile.pays``; one process, not mxfp8: see ``compile.check``). True if this
-        call compiled them."""
+        call compiled them. Blocks recomputed in the backward (``activation_checkpointing``) stay eager."""
         if self.compiled or self.cfg.compile != "auto" or self.layout.ranks > 1 or self.mode.untraced:
+            return False
+        if self.cfg.activation_checkpointing != "none":
             return False
         if not pays(steps_left, seconds_train, self.compile_price()[0]):
             return False
@@ -164,12 +174,10 @@ class Policy:
         if adapters is not None and "adapter_slots" in mb.extras:  # a slot per row (-1: none), see below
             adapters = mb.extras["adapter_slots"]
         pk = plan_packing(mb.attention_mask) if self.cfg.packing else None
+        chunk = self.cfg.logits_chunk
         if pk is not None:
-            return packed_logprobs(model, mb, pk, replay, adapters, temperature, entropy)
-        out = model(
-            mb.input_ids, attention_mask=mb.attention_mask, replay=mb.replay if replay else None, adapters=adapters
-        )
-        return token_logprobs(out.logits, mb, temperature, entropy)
+            return packed_logprobs(model, mb, pk, replay, adapters, temperature, entropy, chunk)
+        return token_logprobs(model, mb, replay, adapters, temperature, entropy, chunk)
 
     def _forward(self, model, step: Step):
         """One micro-batch's (logprobs, entropy) through a whole ``model`` (the policy's or the reference)."""
@@ -230,11 +238,17 @@ class Policy:
         return lp[:b], lp[b:]
 
     def train_step(
-        self, batch: Batch, loss_fn: LossFn, replay: bool = True, temperature: float = 1.0, entropy: bool = False
+        self,
+        batch: Batch,
+        loss_fn: LossFn,
+        replay: bool = True,
+        temperature: float = 1.0,
+        entropy: bool | str = False,
     ) -> dict[str, float]:
         """One optimizer step over ``batch`` (micro-batched). ``loss_fn(logprobs, micro_batch, entropy)`` returns
         (loss, metrics), normalised by the whole batch (``micro_batch.total_tokens`` / ``total_seqs``) so the
-        accumulated gradient is the full batch's. A non-finite loss or gradient skips the step."""
+        accumulated gradient is the full batch's. A non-finite loss or gradient skips the step. ``entropy``: each
+        token's entropy for the loss, differentiable (True) or its value alone (``logprobs.ENTROPY_METRIC``)."""
         if self.before_update is not None:
             self.before_update()
         trained = self.trained
