@@ -186,11 +186,19 @@ def why_none_fits(cfg: ModelConfig, run: RunConfig, machine, roles: list) -> lis
         )
     acts = max((r.trace.peak.bytes["activations"] for r in roles), default=0)
     if acts > machine.budget:
-        b, t = run.policy.micro_batch_size, run.rollout.max_model_len
+        from moerl.plan.rank import micro_rows
+
+        b, t = micro_rows(run), run.rollout.max_model_len
+        options = []
+        if run.policy.activation_checkpointing != "full":
+            options.append(f"policy.activation_checkpointing=full (now {run.policy.activation_checkpointing})")
+        if not run.policy.logits_chunk:
+            options.append("policy.logits_chunk=2048 (now 0: the whole logits at once)")
+        if b > 1:
+            options.append(f"fewer rows a micro-batch (policy.micro_batch_size / max_tokens_per_micro_batch: {b} now)")
+        more = "; or " + ", ".join(options) if options else ""
         out.append(
             f"one micro-batch of {b} x {t} tokens holds {acts / 2**30:.0f} GiB of activations on a rank: lower "
-            "policy.micro_batch_size or rollout.max_model_len, or split the sequence over ranks (context "
-            "parallelism) or recompute activations in the backward (activation checkpointing): moerl builds "
-            "neither yet"
+            f"rollout.max_model_len{more} (splitting a sequence over ranks, context parallelism, is not built)"
         )
     return out

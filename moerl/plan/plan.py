@@ -26,7 +26,7 @@ from moerl.errors import ConfigError
 from moerl.model.config import ModelConfig
 from moerl.plan.limits import MAX_GPUS
 from moerl.plan.memory import CATEGORIES
-from moerl.plan.rank import RankTrace, trace_rank
+from moerl.plan.rank import RankTrace, micro_rows, trace_rank
 from moerl.run_config import RunConfig
 
 MODELS = Path(__file__).parent / "models"  # real configs shipped with moerl (config.json only, no weights)
@@ -117,6 +117,9 @@ class Plan:
     sync_bytes: dict[str, int] = field(default_factory=dict)
     limits: list[str] = field(default_factory=list)
     proposal: tuple[int, int, int] | None = None
+    # a setting that makes the run fit where its own do not: (the override, the layout that fits with it, or None
+    # for the run's own layout)
+    option: tuple[str, tuple[int, int, int] | None] | None = None
     seconds: float = 0.0
 
     @property
@@ -219,9 +222,25 @@ def plan_with(run: RunConfig, machine: Machine, colocated: bool, propose: bool, 
 
             out.proposal = propose_layout(cfg, run, machine, fits)
         if out.proposal is None:
+            out.option = _with_recomputation(run, machine, colocated, tracer)
+        if out.proposal is None and out.option is None:
             out.limits += why_none_fits(cfg, run, machine, out.roles)
     out.seconds = time.perf_counter() - start
     return out
+
+
+def _with_recomputation(run: RunConfig, machine: Machine, colocated: bool, tracer: Tracer):
+    """Where the run's own settings fit no layout and it keeps its activations: the same run with each decoder
+    block recomputed in the backward (``policy.activation_checkpointing=full``), planned on its layout and, failing
+    that, on the layouts a proposal searches; (the override, the layout that fits or None for its own), else None."""
+    if run.policy.activation_checkpointing == "full":
+        return None
+    option = "policy.activation_checkpointing=full"
+    trial = replace(run, policy=replace(run.policy, activation_checkpointing="full"))
+    planned = plan_with(trial, machine, colocated, True, tracer)
+    if planned.fits:
+        return option, None
+    return (option, planned.proposal) if planned.proposal is not None else None
 
 
 def _count_params(cfg: ModelConfig) -> int:
@@ -245,9 +264,11 @@ def render(p: Plan) -> str:
         f"layout dp {dp} x ep {ep} x pp {pp} ({run.parallel.schedule if pp > 1 else 'no pipeline'}) on "
         f"{m.gpus} GPUs x {m.memory / 1e9:.0f} GB ({m.nodes} node{'s' * (m.nodes > 1)}); usable {m.usable:.0%} = "
         f"{_gib(m.budget)} GiB",
-        f"step: micro-batch {run.policy.micro_batch_size} x {run.rollout.max_model_len} tokens (every sequence at "
+        f"step: micro-batch {micro_rows(run)} x {run.rollout.max_model_len} tokens (every sequence at "
         f"rollout.max_model_len), packing {'on' if run.policy.packing else 'off'}, R3 {'on' if run.algo.r3 else 'off'}"
-        f"; engine {'on the same GPU' if p.colocated else 'on GPUs of its own'}",
+        f", activation checkpointing {run.policy.activation_checkpointing}, logits in chunks of "
+        f"{run.policy.logits_chunk or 'all'} tokens; engine "
+        f"{'on the same GPU' if p.colocated else 'on GPUs of its own'}",
     ]
     if p.roles:
         head = ["rank", "stages", *CATEGORIES, "sync", "engine", "total", "fits", "largest"]
@@ -283,6 +304,12 @@ def render(p: Plan) -> str:
         lines.append(
             f"smallest layout that fits: parallel.dp={pdp} parallel.ep={pep} parallel.pp={ppp} ({pdp * pep * ppp} GPUs)"
         )
+    elif p.option is not None:
+        option, layout = p.option
+        where = "on this layout" if layout is None else (
+            f"on parallel.dp={layout[0]} parallel.ep={layout[1]} parallel.pp={layout[2]} ({math.prod(layout)} GPUs)"
+        )
+        lines.append(f"with {option}: fits {where}")
     elif not p.fits:
         lines.append(f"no layout of these {m.gpus} GPUs was found to fit")
     lines += [f"limit: {text}" for text in p.limits]

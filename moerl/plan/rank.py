@@ -77,11 +77,22 @@ def step_rows(run: RunConfig) -> int:
     return math.ceil(run.rollout.prompts_per_step * run.rollout.group_size / run.algo.mini_batches)
 
 
+def micro_rows(run: RunConfig) -> int:
+    """Rows of one micro-batch at the run's longest sequences: ``policy.micro_batch_size``, or as many as
+    ``policy.max_tokens_per_micro_batch`` lets in at ``rollout.max_model_len`` tokens each where fewer (or where
+    the rows are not bounded)."""
+    size, budget = run.policy.micro_batch_size, run.policy.max_tokens_per_micro_batch
+    if budget:
+        fit = max(1, budget // run.rollout.max_model_len)
+        size = min(size, fit) if size else fit
+    return size
+
+
 def traced_rows(run: RunConfig, world: World) -> int:
     """Rows the trace runs: two micro-batches per data rank (or the pipeline's micro-batches in flight), at most the
     step's."""
     in_flight = world.pp * (2 if world.schedule == "interleaved_1f1b" else 1)
-    per_rank = run.policy.micro_batch_size * max(2, run.parallel.microbatches, in_flight)
+    per_rank = micro_rows(run) * max(2, run.parallel.microbatches, in_flight)
     return min(step_rows(run), per_rank * world.data_size)
 
 
