@@ -396,6 +396,8 @@ class RunConfig:
                 f"config key 'rollout.group_size'=1 with algo.advantage={a.advantage!r}: a group baseline of one "
                 "sample makes every advantage 0 (no learning signal); use group_size >= 2 or reinforce_pp"
             )
+        if self.policy.max_tokens_per_micro_batch is None:  # the default: the context window where longer
+            self.policy.max_tokens_per_micro_batch = max(self.policy.token_budget, r.max_model_len)
         budget = self.policy.max_tokens_per_micro_batch
         if budget and budget < r.max_model_len:
             raise ConfigError(

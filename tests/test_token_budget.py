@@ -72,7 +72,7 @@ def test_a_row_over_the_budget_is_refused_by_name(worlds):
     with pytest.raises(ConfigError, match=r"row 0 of the batch holds 40 tokens \(padded, unpacked\)"):
         split_rows(worlds(1, 0), _batch(LENGTHS), 0, 39, False)
     with pytest.raises(ConfigError, match=r"micro_batch_size=0: 0 \(no row limit\) needs a token limit"):
-        PolicyConfig(micro_batch_size=0)
+        PolicyConfig(micro_batch_size=0, max_tokens_per_micro_batch=0)
     with pytest.raises(ConfigError, match=r"max_tokens_per_micro_batch=-1: must be >= 0"):
         PolicyConfig(max_tokens_per_micro_batch=-1)
 
@@ -105,6 +105,17 @@ def test_a_step_in_token_budget_micro_batches_is_the_fixed_split_step(tmp_path, 
     other = Batch(batch.input_ids, batch.attention_mask, batch.loss_mask, extras=flipped)
     _, moved = _step(tmp_path / "m", packing, 0, 100 if packing else 200, other)
     assert _off(moved, want) > 1e3 * TOL
+
+
+def test_the_default_budget_holds_the_context_window():
+    """Left null, a run's budget is 16384 tokens, or its context window where that is longer; a PolicyConfig of its
+    own takes 16384."""
+    from moerl.config import load_config
+    from moerl.run_config import RunConfig
+
+    assert load_config(RunConfig, None, []).policy.max_tokens_per_micro_batch == 16384
+    assert load_config(RunConfig, None, ["rollout.max_model_len=40000"]).policy.max_tokens_per_micro_batch == 40000
+    assert PolicyConfig().token_budget == 16384 and PolicyConfig().micro_batch_size == 0
 
 
 def test_a_budget_under_the_context_window_is_refused_before_the_run():

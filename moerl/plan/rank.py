@@ -81,7 +81,7 @@ def micro_rows(run: RunConfig) -> int:
     """Rows of one micro-batch at the run's longest sequences: ``policy.micro_batch_size``, or as many as
     ``policy.max_tokens_per_micro_batch`` lets in at ``rollout.max_model_len`` tokens each where fewer (or where
     the rows are not bounded)."""
-    size, budget = run.policy.micro_batch_size, run.policy.max_tokens_per_micro_batch
+    size, budget = run.policy.micro_batch_size, run.policy.token_budget
     if budget:
         fit = max(1, budget // run.rollout.max_model_len)
         size = min(size, fit) if size else fit

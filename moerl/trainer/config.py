@@ -50,6 +50,12 @@ class OptimConfig:
         require("optim.{}", rules)
 
 
+# a micro-batch's tokens where the config leaves it (policy.max_tokens_per_micro_batch: null): a default run's step
+# in one or a few micro-batches (the tiny preset's RL step ran ~1.9x slower in micro-batches of 8 sequences than of
+# 64 or 128), a long sequence's activations bounded
+TOKENS_PER_MICRO_BATCH = 16384
+
+
 @dataclass(slots=True)
 class PolicyConfig:
     # what trains: lora (adapters, base frozen) | full (bf16 / fp32 compute) | mxfp8
@@ -58,10 +64,11 @@ class PolicyConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     # sequences per forward / backward at most (gradients accumulate over a mini-batch); 0: as many as
     # max_tokens_per_micro_batch lets in
-    micro_batch_size: int = 8
-    # tokens per forward / backward at most (a packed micro-batch's tokens, an unpacked one's rows x width); the data
-    # ranks' shares balanced by tokens; 0: micro_batch_size alone cuts the micro-batches
-    max_tokens_per_micro_batch: int = 0
+    micro_batch_size: int = 0
+    # tokens per forward / backward at most (a packed micro-batch's tokens, an unpacked one's rows x width), at least
+    # rollout.max_model_len; the data ranks' shares balanced by tokens. null: 16384, or rollout.max_model_len where
+    # longer; 0: micro_batch_size alone cuts them
+    max_tokens_per_micro_batch: int | None = None
     # compute dtype (lora: the frozen base; full: the model copy): auto | bfloat16 | float32
     dtype: Literal[DTYPE_NAMES] = "auto"
     device: str = "auto"  # auto (CUDA where present) | cpu | cuda | cuda:N (moerl.device)
@@ -79,6 +86,13 @@ class PolicyConfig:
     # its first steps' times, and keeps them where faster) | True | False
     compile: bool | Literal["auto"] = "auto"
 
+    @property
+    def token_budget(self) -> int:
+        """``max_tokens_per_micro_batch`` as a number (null: ``TOKENS_PER_MICRO_BATCH``; a run config sets it to its
+        context window where that is longer)."""
+        budget = self.max_tokens_per_micro_batch
+        return TOKENS_PER_MICRO_BATCH if budget is None else budget
+
     def __post_init__(self) -> None:
         mode = mode_of(self.mode, key="PolicyConfig.mode")
         dtype_name(self.dtype, key="PolicyConfig.dtype")  # auto: bf16 where native, else fp32 (moerl.precision)
@@ -88,13 +102,13 @@ class PolicyConfig:
             (
                 "max_tokens_per_micro_batch",
                 self.max_tokens_per_micro_batch,
-                self.max_tokens_per_micro_batch >= 0,
-                "must be >= 0 (0: micro_batch_size alone cuts the micro-batches)",
+                self.max_tokens_per_micro_batch is None or self.max_tokens_per_micro_batch >= 0,
+                "must be >= 0 (0: micro_batch_size alone cuts the micro-batches; null: 16384 or the context window)",
             ),
             (
                 "micro_batch_size",
                 self.micro_batch_size,
-                self.micro_batch_size >= 1 or self.max_tokens_per_micro_batch >= 1,
+                self.micro_batch_size >= 1 or self.max_tokens_per_micro_batch != 0,
                 "0 (no row limit) needs a token limit: set policy.max_tokens_per_micro_batch",
             ),
             ("max_nan_steps", self.max_nan_steps, self.max_nan_steps >= 1, "must be >= 1"),

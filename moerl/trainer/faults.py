@@ -31,7 +31,7 @@ def memory_named(policy, stage: str, batch: Batch, before_step: bool = False):
         if w.size > 1:
             where += f" (pipeline rank {w.stage}, expert slice {w.ep_rank}, data-parallel rank {w.dp_rank})"
         rows, cols = batch.input_ids.shape
-        mb, budget = policy.cfg.micro_batch_size, policy.cfg.max_tokens_per_micro_batch
+        mb, budget = policy.cfg.micro_batch_size, policy.cfg.token_budget
         cut = " and ".join(
             [f"{mb} rows"] * bool(mb) + [f"{budget} tokens (policy.max_tokens_per_micro_batch)"] * bool(budget)
         )

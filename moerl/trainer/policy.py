@@ -75,7 +75,7 @@ class Policy:
             cfg.micro_batch_size,
             head,
             cfg.activation_checkpointing,
-            cfg.max_tokens_per_micro_batch,
+            cfg.token_budget,
             cfg.packing,
         )
         self.layout = parallelize(self.model, world, split)
