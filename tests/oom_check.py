@@ -37,7 +37,8 @@ def address_space() -> int:
 def main(ckpt: str, out: str, dp: str, capped: str) -> None:
     out_dir = Path(out)
     world = init_world(int(dp))
-    policy = Policy(ckpt, PolicyConfig(mode="full", dtype="float32", micro_batch_size=16), world)
+    cfg = PolicyConfig(mode="full", dtype="float32", micro_batch_size=16, max_tokens_per_micro_batch=0)  # 16 rows
+    policy = Policy(ckpt, cfg, world)
     policy.stop_checkpoint_dir = out_dir / "stop"
     loss = make_policy_loss(PolicyLossConfig())
     policy.train_step(batch(4, 16), loss, replay=False)

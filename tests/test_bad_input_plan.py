@@ -105,8 +105,9 @@ def test_the_smallest_layout_that_fits_is_proposed_after_at_most_two_plans():
     one between dp 2's need and ep 2's gets dp 2; one below both stops after those two plans."""
     from moerl.plan.plan import plan
 
-    def run(*over):
-        return load_config(RunConfig, None, ["policy.mode=full", *over])
+    def run(*over):  # micro-batches of 8 rows: the layouts' needs apart by their state, not one batch's activations
+        rows = ["policy.micro_batch_size=8", "policy.max_tokens_per_micro_batch=0"]
+        return load_config(RunConfig, None, ["policy.mode=full", *rows, *over])
 
     def need(*over) -> int:
         return max(r.need for r in plan(run(*over), Machine(2, memory=10**12), propose=False).roles)

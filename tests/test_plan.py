@@ -120,11 +120,11 @@ def test_the_plan_of_every_rank_holds_the_measured_step(measured_ranks, layout, 
 
 
 def test_a_wrong_plan_is_caught(measured_ranks):
-    """Negative controls: the plan of a doubled micro-batch, or of dp=1 (no FSDP) for a dp=2 run, misses the
-    measured step by more than the tolerance, in the categories it should."""
+    """Negative controls: the plan of sequences twice as long (twice the micro-batch's tokens), or of dp=1 (no FSDP)
+    for a dp=2 run, misses the measured step by more than the tolerance, in the categories it should."""
     layout, case = RANKS[0][0], RANKS[0][1][0]
     measured = measured_ranks[layout, case][0]
-    doubled = _planned(layout, case + " policy.micro_batch_size=16", 0)
+    doubled = _planned(layout, case + " rollout.max_model_len=256", 0)
     assert any(c.startswith("activations") for c in _off(doubled, measured))
     assert doubled["activations"] > 1.5 * measured["activations"]
     unsharded = _planned("1,1,1", case, 0)

@@ -83,7 +83,8 @@ def test_a_gpu_ranks_plan_holds_cublas_workspaces_for_its_two_gemm_threads(gpu):
     from moerl.run_config import RunConfig
 
     hf, cfg = preset_config("qwen3_moe", "tiny")
-    run = load_config(RunConfig, None, ["policy.mode=full", "rollout.max_model_len=64"])
+    rows = ["policy.micro_batch_size=8", "policy.max_tokens_per_micro_batch=0"]  # a small step: 8 x 64 tokens
+    run = load_config(RunConfig, None, ["policy.mode=full", "rollout.max_model_len=64", *rows])
     trace = trace_rank(cfg, run, 0, hf, gpu=gpu)
     workspaces = GEMM_THREADS * gemm_workspace((9, 0))
     assert workspaces == 64 * 2**20  # measured on an H200: a step's first GEMMs in a process made 64 MiB

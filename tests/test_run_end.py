@@ -352,7 +352,7 @@ def test_a_rank_out_of_memory_is_named_with_what_to_lower(tmp_path):
     assert done.returncode == 2, done.stderr[-3000:]
     said = (one / "oom.txt").read_text()
     assert said.startswith("the trainer ran out of memory in the forward and backward of a training step of a batch "
-                           "of 16 rows x 4096 tokens (65536 real), micro-batches of 16 rows (")  # fmt: skip
+                           "of 16 rows x 4096 tokens (65536 real), micro-batches of at most 16 rows (")  # fmt: skip
     assert "can't allocate memory" in said and "lower policy.micro_batch_size (now 16) or the lengths" in said
     assert said.endswith(f"checkpoint of the last good state saved to {one / 'stop'}")
     saved, before = load_file(one / "stop" / "checkpoint.safetensors"), load_file(one / "before.safetensors")

@@ -62,7 +62,7 @@ def split_rows(world: World, batch, size: int, max_tokens: int = 0, packed: bool
 def row_costs(batch, packed: bool) -> list[int]:
     """What each row of ``batch`` costs a micro-batch, in tokens: its own (packed rows) or the batch's width."""
     if packed:
-        return batch.attention_mask.sum(1).tolist()
+        return batch.row_lengths()
     return [batch.input_ids.shape[1]] * len(batch)
 
 

@@ -24,12 +24,21 @@ class Batch:
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     total_tokens: int = 0
     total_seqs: int = 0
+    # each row's tokens, read where the rows are made (on the host): a micro-batch's token budget is cut from them
+    # without reading the device (None: read from attention_mask when asked)
+    lengths: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not self.total_tokens:
             self.total_tokens = int(self.loss_mask.sum())
         if not self.total_seqs:
             self.total_seqs = int((self.loss_mask.sum(1) > 0).sum())
+        if self.lengths is None and self.attention_mask.device.type == "cpu":
+            self.lengths = self.attention_mask.sum(1).tolist()
+
+    def row_lengths(self) -> list[int]:
+        """Each row's tokens (from the host where known)."""
+        return self.lengths if self.lengths is not None else self.attention_mask.sum(1).tolist()
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -39,10 +48,11 @@ class Batch:
         pick = {
             f.name: getattr(self, f.name)
             for f in fields(self)
-            if f.name not in ("extras", "total_tokens", "total_seqs")
+            if f.name not in ("extras", "total_tokens", "total_seqs", "lengths")
         }
         pick = {k: (v[idx] if isinstance(v, torch.Tensor) else v) for k, v in pick.items()}
-        return replace(self, **pick, extras={k: v[idx] for k, v in self.extras.items()})
+        lengths = self.lengths[idx] if isinstance(idx, slice) and self.lengths is not None else None
+        return replace(self, **pick, extras={k: v[idx] for k, v in self.extras.items()}, lengths=lengths)
 
     def to(self, device: torch.device) -> Batch:
         """This batch with every tensor on ``device`` (the batch itself when they are there already)."""

@@ -233,6 +233,7 @@ class Policy:
             {"adapter_slots": torch.tensor([self.adapters] * b + [-1] * b, device=batch.input_ids.device)},
             total_tokens=batch.total_tokens,
             total_seqs=batch.total_seqs,
+            lengths=None if batch.lengths is None else batch.lengths * 2,
         )
         lp = self.forward_logprobs(both, replay=routed is not None, temperature=temperature)[0]
         return lp[:b], lp[b:]
