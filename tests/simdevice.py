@@ -31,6 +31,8 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from moerl.plan.fake import backward_under
+
 CUDA = torch.device("cuda", 0)
 CPU = torch.device("cpu")
 aten = torch.ops.aten
@@ -271,37 +273,8 @@ class _Function(TorchFunctionMode):
 
     def _backward(self, name: str, args, kwargs) -> None:
         """Run the autograd engine with this mode on, so the Python backward of custom autograd functions sees the
-        devices as the forward did (a mode is off inside its own handler, so ``func`` would run them without it).
-        The engine call is torch.autograd.backward's own, after its checks."""
-        from torch.autograd.graph import _engine_run_backward
-
-        if name == "Tensor.backward":
-            params = dict(zip(("gradient", "retain_graph", "create_graph", "inputs"), args[1:], strict=False))
-            params |= kwargs
-            tensors, grads = (args[0],), (params.get("gradient"),)
-        else:
-            params = dict(zip(("grad_tensors", "retain_graph", "create_graph"), args[1:], strict=False)) | kwargs
-            tensors = (args[0],) if isinstance(args[0], torch.Tensor) else tuple(args[0])
-            grads = params.get("grad_tensors") or (None,) * len(tensors)
-            grads = (grads,) if isinstance(grads, torch.Tensor) else tuple(grads)
-        grads = tuple(torch.ones_like(t) if g is None else g for t, g in zip(tensors, grads, strict=True))
-        create = bool(params.get("create_graph", False))
-        retain = params.get("retain_graph")
-        inputs = params.get("inputs") or ()
-        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-        torch._C._push_on_torch_function_stack(self)
-        try:
-            _engine_run_backward(
-                tensors,
-                grads,
-                create if retain is None else retain,
-                create,
-                inputs,
-                allow_unreachable=True,
-                accumulate_grad=True,
-            )
-        finally:
-            torch._C._pop_torch_function_stack()
+        devices as the forward did (a mode is off inside its own handler)."""
+        backward_under(self, name == "Tensor.backward", args, kwargs)
 
     def _target(self, name: str, args, kwargs):
         """The device a factory or a move makes its result on (None: no such call)."""

@@ -228,6 +228,33 @@ def _cuda_rms_norm(x, normalized_shape, weight=None, eps=None):
     return _FusedRMSNorm.apply(x, weight, len(normalized_shape))
 
 
+def backward_under(mode: TorchFunctionMode, tensor_method: bool, args, kwargs) -> None:
+    """``Tensor.backward`` (``tensor_method``) or ``torch.autograd.backward`` of ``args`` / ``kwargs`` with ``mode`` on
+    the torch-function stack: a mode is off inside its own handler, so the Python a backward runs (custom functions'
+    backwards, a checkpointed block computed again) would run without it. The engine is called as
+    ``torch.autograd.backward`` calls it, after its checks."""
+    from torch.autograd.graph import _engine_run_backward
+
+    if tensor_method:
+        params = dict(zip(("gradient", "retain_graph", "create_graph", "inputs"), args[1:], strict=False)) | kwargs
+        tensors, grads = (args[0],), (params.get("gradient"),)
+    else:
+        params = dict(zip(("grad_tensors", "retain_graph", "create_graph"), args[1:], strict=False)) | kwargs
+        tensors = (args[0],) if isinstance(args[0], torch.Tensor) else tuple(args[0])
+        grads = params.get("grad_tensors") or (None,) * len(tensors)
+        grads = (grads,) if isinstance(grads, torch.Tensor) else tuple(grads)
+    grads = tuple(torch.ones_like(t) if g is None else g for t, g in zip(tensors, grads, strict=True))
+    create, retain = bool(params.get("create_graph", False)), params.get("retain_graph")
+    inputs = params.get("inputs") or ()
+    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    torch._C._push_on_torch_function_stack(mode)
+    try:
+        _engine_run_backward(tensors, grads, create if retain is None else retain, create, inputs,
+                             allow_unreachable=True, accumulate_grad=True)  # fmt: skip
+    finally:
+        torch._C._pop_torch_function_stack()
+
+
 class _Reads(TorchFunctionMode):
     """The Python half of ``Shapes``: host reads that reach no ATen op (``tolist``, ``numpy``) answered from the
     known values."""
@@ -239,8 +266,8 @@ class _Reads(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if func in (torch.Tensor.backward, torch.autograd.backward):
-            return self._backward(func, args, kwargs)
+        if func in (torch.Tensor.backward, torch.autograd.backward):  # a recomputed block must take the GPU paths too
+            return backward_under(self, func is torch.Tensor.backward, args, kwargs)
         if name in HOST_READS and args and isinstance(args[0], torch.Tensor):
             value = self.shapes.value(args[0])
             if value is None:
@@ -260,31 +287,6 @@ class _Reads(TorchFunctionMode):
         if name == "isfinite" and isinstance(out, FakeTensor) and out not in self.shapes.values:
             self.shapes.assume(out, True)  # a composite of several ops: assumed here, where it is one call
         return out
-
-    def _backward(self, func, args, kwargs) -> None:
-        """The backward with this mode on: a mode is off inside its own handler, so the Python the backward runs
-        (a checkpointed block computed again, custom functions' backwards) would take the CPU's paths the forward
-        did not (``gpu_planned``). The engine is called as ``torch.autograd.backward`` calls it."""
-        from torch.autograd.graph import _engine_run_backward
-
-        if func is torch.Tensor.backward:
-            params = dict(zip(("gradient", "retain_graph", "create_graph", "inputs"), args[1:], strict=False)) | kwargs
-            tensors, grads = (args[0],), (params.get("gradient"),)
-        else:
-            params = dict(zip(("grad_tensors", "retain_graph", "create_graph"), args[1:], strict=False)) | kwargs
-            tensors = (args[0],) if isinstance(args[0], torch.Tensor) else tuple(args[0])
-            grads = params.get("grad_tensors") or (None,) * len(tensors)
-            grads = (grads,) if isinstance(grads, torch.Tensor) else tuple(grads)
-        grads = tuple(torch.ones_like(t) if g is None else g for t, g in zip(tensors, grads, strict=True))
-        create, retain = bool(params.get("create_graph", False)), params.get("retain_graph")
-        inputs = params.get("inputs") or ()
-        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-        torch._C._push_on_torch_function_stack(self)
-        try:
-            _engine_run_backward(tensors, grads, create if retain is None else retain, create, inputs,
-                                 allow_unreachable=True, accumulate_grad=True)  # fmt: skip
-        finally:
-            torch._C._pop_torch_function_stack()
 
     def _scalar_indices(self, index):
         """An index with its known 0-d integer tensors as the ints they hold."""
