@@ -3,8 +3,8 @@
 
 Each contender runs in a fresh process of its own, rounds interleaved in a rotating order: a warm-up step, then
 ``--steps`` timed steps (median), then one step under ``moerl.plan.memory.Memory`` for the peak of live tensors above
-the policy's own (weights, masters, optimizer state: what every contender holds alike). Prints each contender's
-median step time and peak, and their ratios to the first contender.
+the policy's own (weights, masters, optimizer state: what every contender holds alike), and of it the activations
+(the rest: the gradients). Prints each contender's median step time and peaks, and their ratios to the first.
 
     python benchmarks/long_step.py [--preset small] [--mode lora] [--tokens 8192] [--rounds 3] [--steps 2]
         [--contenders plain recompute+chunks]
@@ -26,7 +26,7 @@ import torch
 from contender import run_contender
 
 from moerl.plan.memory import Memory
-from moerl.plan.rank import held
+from moerl.plan.rank import gradients, held
 from moerl.presets import init_model
 from moerl.trainer import Batch, OptimConfig, Policy, PolicyConfig
 from moerl.trainer.losses import sft_loss
@@ -58,8 +58,10 @@ def child(args) -> dict:
         times.append(time.perf_counter() - start)
     with Memory(held(policy)) as memory:
         policy.train_step(batch, sft_loss)
-    at_rest = sum(memory.peak.bytes[k] for k in ("weights", "masters", "optimizer") if k in memory.peak.bytes)
-    return {"seconds": statistics.median(times), "peak": memory.peak.total - at_rest, "total": memory.peak.total}
+        memory.regard(gradients(policy), "gradients")
+    at_rest = sum(memory.peak.bytes[k] for k in ("weights", "masters", "optimizer"))
+    peak = memory.peak
+    return {"seconds": statistics.median(times), "peak": peak.total - at_rest, "activations": peak.bytes["activations"]}
 
 
 def main() -> None:
@@ -94,13 +96,17 @@ def main() -> None:
     base_s = statistics.median(x["seconds"] for x in results[base])
     base_peak = statistics.median(x["peak"] for x in results[base])
     print(f"\n{args.preset} {args.mode} {args.dtype}, one packed row of {args.tokens} tokens, {args.rounds} rounds")
-    print("| contender | step s (min..max) | peak above the policy, MiB | step vs first | peak vs first |")
-    print("|---|---|---|---|---|")
+    base_acts = statistics.median(x["activations"] for x in results[base])
+    print("| contender | step s (min..max) | peak above the policy at rest, MiB (of it activations) | step vs first "
+          "| peak vs first | activations vs first |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
     for c, rows in results.items():
         s = [x["seconds"] for x in rows]
         peak = statistics.median(x["peak"] for x in rows)
-        print(f"| {c} | {statistics.median(s):.2f} ({min(s):.2f}..{max(s):.2f}) | {peak / 2**20:,.0f} | "
-              f"{statistics.median(s) / base_s:.2f}x | {peak / base_peak:.2f} |")  # fmt: skip
+        acts = statistics.median(x["activations"] for x in rows)
+        print(f"| {c} | {statistics.median(s):.2f} ({min(s):.2f}..{max(s):.2f}) | {peak / 2**20:,.0f} "
+              f"({acts / 2**20:,.0f}) | {statistics.median(s) / base_s:.2f}x | {peak / base_peak:.2f} | "
+              f"{acts / base_acts:.2f} |")  # fmt: skip
 
 
 if __name__ == "__main__":
