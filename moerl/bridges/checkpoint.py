@@ -410,14 +410,22 @@ def _refuse_overlaps(bridge: Bridge, spans: list[tuple[int, int, int, str]], wri
     """Refuse, naming both names, two checkpoint tensors that share memory (``_span``s): one moerl tensor a bridge's
     rules write twice (e.g. per expert and whole), which safetensors would refuse only once the old files were gone.
     Sorted by start, any overlap shows between neighbours."""
+    order = {name: i for i, (*_, name) in enumerate(spans)}
     spans = sorted(spans)
-    for (storage, _, stop, first), (next_storage, start, _, second) in zip(spans, spans[1:], strict=False):
-        if storage == next_storage and start < stop:
-            source = written_from.get(second, second)
-            raise CheckpointError(
-                f"{bridge.architectures[0]} export: moerl tensor {source!r} would be written twice, as {first!r} "
-                f"and as {second!r} (two of the bridge's rules write it); nothing was written"
-            )
+    clashes = [
+        (first, second)
+        for (storage, _, stop, first), (next_storage, start, _, second) in zip(spans, spans[1:], strict=False)
+        if storage == next_storage and start < stop
+    ]
+    if clashes:
+        # Memory addresses order the search; the export's own order picks the one named, the same on every run.
+        first, second = min(clashes, key=lambda c: max(order[c[0]], order[c[1]]))
+        first, second = sorted((first, second), key=order.get)
+        source = written_from.get(second, second)
+        raise CheckpointError(
+            f"{bridge.architectures[0]} export: moerl tensor {source!r} would be written twice, as {first!r} "
+            f"and as {second!r} (two of the bridge's rules write it); nothing was written"
+        )
 
 
 def write_model(
