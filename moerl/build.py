@@ -8,13 +8,17 @@ from pathlib import Path
 
 import torch
 
+from moerl.chat import ChatTemplate
 from moerl.device import resolve_device
 from moerl.engine import EngineConfig
 from moerl.envs import make_env
+from moerl.envs.rewards import Scorer, reward_fns
+from moerl.envs.user import load_code
 from moerl.hub import checkpoint_dir
 from moerl.modes import mode_of
 from moerl.rollout import make_engine
 from moerl.rollout.generator import Generator
+from moerl.rollout.prompts import Prompts
 from moerl.run_config import RunConfig
 
 
@@ -38,9 +42,20 @@ def ensure_model(cfg: RunConfig, run_dir: Path, fresh: bool, stopped: Callable[[
 
 
 def build_generator(cfg: RunConfig, env, engine) -> Generator:
-    """The run's Generator: ``env``'s problems on ``engine``, given the run's config sections it reads."""
+    """The run's Generator: ``env``'s problems on ``engine``, given the run's config sections it reads: the reward
+    functions of ``env.rewards`` (else the environment's own reward) and the chat template of ``env.chat``."""
     seed, held_out, lora = cfg.train.seed, cfg.env.eval_problems, mode_of(cfg.policy.mode).adapter_slot is not None
-    return Generator(env, engine, cfg.rollout, cfg.algo, seed=seed, eval_problems=held_out, lora=lora)
+    e = cfg.env
+    fns = reward_fns(e.rewards, load_code)
+    scorer = Scorer(env, fns, cfg.algo.reward_timeout_s, tuple(e.reasoning_tags) or None)
+    chat = None
+    if e.chat.template:
+        where = cfg.model.path or "the model"
+        chat = ChatTemplate(engine.tokenizer, e.chat.system, e.chat.kwargs, where=where)
+    prompts = Prompts(engine.tokenizer, chat)
+    return Generator(
+        env, engine, cfg.rollout, cfg.algo, seed=seed, eval_problems=held_out, lora=lora, scorer=scorer, prompts=prompts
+    )
 
 
 def shares_the_trainers_gpu(cfg: RunConfig) -> bool:

@@ -195,6 +195,10 @@ def cmd_eval(args) -> None:
         raise ConfigError(f"--problems {args.problems}: must be >= 1")
     env, kwargs = _env_from_args(args)
     problems = held_out(env, args.problems, seed=args.seed)
+    chat = next((p for p in problems if not isinstance(p.prompt, str)), None)
+    if chat is not None:
+        raise ConfigError(f"moerl eval: {chat.name()}: its prompt is a list of chat messages; moerl eval takes text "
+                          "prompts (a run evaluates chat prompts with env.chat.template: true)")  # fmt: skip
     turns = getattr(env, "max_turns", 1)  # a multi-turn episode's context holds every turn and the env's replies
     engine, _ = _engine(args, [p.prompt for p in problems], (args.max_tokens + 16) * turns, min(len(problems), 64))
     rollout = RolloutSection(max_tokens=args.max_tokens, max_model_len=engine.config.max_model_len)
@@ -343,7 +347,11 @@ def cmd_plot(args) -> None:
 
 def _env_arguments(s: argparse.ArgumentParser) -> None:
     """``--env`` and ``--env-kwargs`` (read by ``_env_from_args``)."""
-    s.add_argument("--env", default="arithmetic", help="the environment: arithmetic | countdown | math | calculator")
+    s.add_argument(
+        "--env",
+        default="arithmetic",
+        help="the environment: arithmetic | countdown | math | calculator | dataset | reasoning_gym, or file.py:Class",
+    )
     s.add_argument(
         "--env-kwargs",
         default="{}",

@@ -145,11 +145,16 @@ def from_dict(cls, data: dict, prefix: str = ""):
 
 def to_dict(obj) -> dict:
     """The config as nested dicts under its config keys (what ``from_dict`` reads back)."""
-    out = {}
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        out[config_key(f.name)] = to_dict(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
-    return out
+    return {config_key(f.name): _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+
+
+def _plain(value):
+    """A config value as YAML writes it: sections (in lists too, as ``env.rewards``) as dicts."""
+    if dataclasses.is_dataclass(value):
+        return to_dict(value)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return copy.deepcopy(value)
 
 
 def set_dotted(data: dict, dotted: str, value) -> None:

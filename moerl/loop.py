@@ -199,6 +199,7 @@ def _train_policy(
                 ctrl_c.begin(step)  # Ctrl-C stops at once until the step's first optimizer step, then at its end
                 console.say(cores.check())
                 row = rl_step(cfg, gen, policy, loss_fn, step, ahead)
+                console.say(*gen.scorer.failures.take())  # a reward function that failed, named once
                 ctrl_c.hold()  # the step is in the state (a skipped one too): its row is written before a Ctrl-C stops
                 console.say(flat.after(step, row))
                 # the weights are this step's now, whether the engine takes them (the RNG streams: as they are)

@@ -9,7 +9,9 @@ from typing import Literal
 
 from moerl.config import config_key, finite, quoted, require
 from moerl.device import device_name
-from moerl.envs import ENVS, check_env_kwargs
+from moerl.envs import check_env_kwargs, env_class
+from moerl.envs.rewards import reward_fns
+from moerl.envs.user import load_code
 from moerl.errors import ConfigError
 from moerl.modes import mode_of
 from moerl.precision import DTYPE_NAMES
@@ -199,20 +201,65 @@ class AlgoSection:
 
 
 @dataclass(slots=True)
+class RewardSection:
+    # the reward function: file.py:name or package.module:name, called as fn(completion, **fields) with the problem's
+    # other fields (a dataset record's fields besides its prompt); returns a number
+    fn: str = ""
+    weight: float = 1.0  # its weight in the sum
+
+
+@dataclass(slots=True)
+class ChatSection:
+    # render prompts with the tokenizer's own chat template (text as one user message, or a record's list of
+    # messages), the template's end-of-turn token ending the model's turn; a multi-turn environment's turns too
+    template: bool = False
+    system: str | None = None  # a system message put first where a prompt has none
+    kwargs: dict = field(default_factory=dict)  # the template's own arguments, e.g. {enable_thinking: false}
+
+
+@dataclass(slots=True)
 class EnvSection:
-    name: Literal[tuple(ENVS)] = "arithmetic"  # arithmetic | countdown | math | calculator (moerl.envs)
+    # a built-in (arithmetic | countdown | math | calculator | dataset | reasoning_gym), your class by path
+    # (my_tasks.py:MyEnv or package.module:MyEnv), or a name an installed package registers (entry points moerl.envs)
+    name: str = "arithmetic"
     kwargs: dict = field(default_factory=dict)  # the environment's arguments, e.g. {max_operand: 19, ops: "+"}
+    # reward functions scoring single-turn completions in place of the environment's own reward, summed by weight:
+    # [{fn: my_rewards.py:correct, weight: 1.0}, {fn: my_rewards.py:brief, weight: 0.2}]
+    rewards: list[RewardSection] = field(default_factory=list)
+    # [open, close] of a reasoning block, e.g. ["<think>", "</think>"]: rewards (and environment steps) see the
+    # completion without it, the answer after it
+    reasoning_tags: list[str] = field(default_factory=list)
+    chat: ChatSection = field(default_factory=ChatSection)
     eval_problems: int = 64  # distinct held-out problems evaluated greedily (0: no evaluation)
 
     def __post_init__(self) -> None:
+        tags = self.reasoning_tags
         require(
             "config key 'env.{}'",
             (
-                ("name", self.name, self.name in ENVS, f"allowed: {', '.join(ENVS)}"),
                 ("eval_problems", self.eval_problems, self.eval_problems >= 0, "must be >= 0"),
+                (
+                    "reasoning_tags",
+                    tags,
+                    not tags or (len(tags) == 2 and all(isinstance(t, str) and t for t in tags)),
+                    "must be [open, close], two non-empty strings (or [] for none)",
+                ),
             ),
         )
         self.kwargs = check_env_kwargs(self.name, self.kwargs)
+        cls = env_class(self.name)
+        multi_turn = hasattr(cls, "start")
+        if self.rewards and multi_turn:
+            raise ConfigError(
+                f"config key 'env.rewards': environment {self.name!r} is multi-turn (its step gives the reward); "
+                "env.rewards scores single-turn completions"
+            )
+        reward_fns(self.rewards, load_code)  # each loads and is a function with a finite weight
+        if not self.rewards and not multi_turn and isinstance(cls, type) and not hasattr(cls, "reward"):
+            raise ConfigError(
+                f"config key 'env.rewards': environment {self.name!r} has no reward of its own; name reward "
+                "functions here ([{fn: my_rewards.py:correct, weight: 1.0}, ...])"
+            )
 
 
 @dataclass(slots=True)
@@ -376,6 +423,11 @@ class RunConfig:
     def __post_init__(self) -> None:
         r, a = self.rollout, self.algo
         r.check_placement(self.cluster.backend)
+        if self.env.chat.template and self.model.path is None:
+            raise ConfigError(
+                "config key 'env.chat.template'=true: the random model (model.path unset) has moerl's character "
+                "tokenizer, which has no chat template; set model.path to a checkpoint whose tokenizer has one"
+            )
         mode = mode_of(self.policy.mode)
         check_compile(self.policy.compile, self.parallel.size, mode)
         mode.check_run(r.engine, self.parallel.size)

@@ -15,6 +15,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -23,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from moerl.cores import CoreShare
+from moerl.envs.user import code_fingerprint
 from moerl.errors import ConfigError, Preempted
 
 EXAMPLES = 4000  # (prompt, target) pairs drawn from the train split; batches are sampled from them
@@ -75,9 +77,12 @@ def warm_up(
 
 
 def recipe(arch: str, preset: str, seed: int, env_name: str, env_kwargs: dict, steps: int) -> str:
-    """The cache directory name of a warmed base: readable parts and a hash of everything that makes it."""
+    """The cache directory name of a warmed base: readable parts and a hash of everything that makes it (for an
+    environment of the user's file, the file's content too: an edited task is another recipe)."""
     key = json.dumps([arch, preset, seed, env_name, env_kwargs, steps, EXAMPLES, BATCH, LR], sort_keys=True)
-    return f"{arch}-{preset}-seed{seed}-{env_name}-sft{steps}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+    key += code_fingerprint(env_name)
+    readable = re.sub(r"[^A-Za-z0-9_.-]+", "_", env_name.rsplit("/", 1)[-1])  # a path's file name and class
+    return f"{arch}-{preset}-seed{seed}-{readable}-sft{steps}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
 
 def warmed_base(cfg, env, log=None, stopped: Callable[[], str | None] | None = None) -> Path:

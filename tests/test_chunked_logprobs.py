@@ -18,6 +18,8 @@ TOL = 1e-6  # fp32, relative to the values' size: the same ops on the same rows;
 
 def _off(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max().clamp(min=1)).item()
+
+
 WIDE = {"num_hidden_layers": 2, "vocab_size": 4096}  # a vocabulary wide enough that the logits weigh
 
 

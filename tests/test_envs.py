@@ -453,7 +453,8 @@ def test_make_env(tmp_path):
     assert isinstance(env, ArithmeticEnv) and env.max_operand == 5
     assert isinstance(make_env("countdown"), CountdownEnv) and isinstance(make_env("calculator"), CalculatorToolEnv)
     assert isinstance(make_env("math", path=_write_jsonl(tmp_path / "m.jsonl", RECORDS)), MathEnv)
-    with pytest.raises(ConfigError, match="'gsm8k'; allowed: arithmetic, calculator, countdown, math"):
+    allowed = "allowed: arithmetic, countdown, math, calculator, dataset, reasoning_gym, a file.py:Class"
+    with pytest.raises(ConfigError, match=f"unknown environment 'gsm8k'; {allowed}"):
         make_env("gsm8k")
     with pytest.raises(ConfigError, match="'countdown'.*bogus"):
         make_env("countdown", bogus=1)

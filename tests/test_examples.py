@@ -23,6 +23,7 @@ LEARNING = [
     "countdown_gspo",
     "calculator_tool",
     "math_cispo",
+    "reasoning_gym",
 ]
 # measured (AVX512-BF16 host, fp32), first three steps -> last three: lora 0.30 -> 0.50, full 0.26 -> 0.50, mxfp8
 # 0.33 -> 0.63, hybrid 0.16 -> 0.27 (40 warm-up steps: after 120 it rose 0.71 -> 0.82 on one host, 0.78 -> 0.81 on

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import json
 import math
 import numbers
 import pickle
@@ -34,11 +35,26 @@ TEST_FRACTION = 0.1
 
 @dataclass(slots=True)
 class Problem:
-    """One task: the prompt text, the gold answer the reward compares against, and free-form metadata."""
+    """One task: the prompt (text, or a list of chat messages ``{"role": ..., "content": ...}`` that the tokenizer's
+    chat template renders), the gold answer the reward compares against, free-form metadata, and where the problem
+    came from (``file:line`` of a dataset record; empty for a generated problem)."""
 
-    prompt: str
+    prompt: str | list[dict]
     answer: object
     meta: dict = field(default_factory=dict)
+    where: str = ""
+
+    def name(self) -> str:
+        """The problem in an error message: its record's place, or its prompt."""
+        if self.where:
+            return f"record {self.where}"
+        text = prompt_key(self.prompt)
+        return f"problem {text[:60]!r}" + ("..." if len(text) > 60 else "")
+
+
+def prompt_key(prompt: str | list[dict]) -> str:
+    """A prompt as one string (a list of messages as its JSON): what splits and de-duplication hash."""
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, ensure_ascii=False)
 
 
 @runtime_checkable
@@ -110,9 +126,23 @@ def sample_problems(
         if len(out) == n:
             return out
         p = make(rng)
-        if split_of(p.prompt, test_fraction) == split:
+        if split_of(prompt_key(p.prompt), test_fraction) == split:
             out.append(p)
     raise ConfigError(f"{name}: could not draw {n} {split} problems; widen the config (the problem space is too small)")
+
+
+def draw(env, n: int, seed: int, split: str) -> list[Problem]:
+    """``env.problems(n, seed, split)``, checked: ConfigError naming the environment where it returns anything but a
+    list of ``n`` Problems (a user's environment)."""
+    got = env.problems(n, seed=seed, split=split)
+    bad = next((p for p in got if not isinstance(p, Problem)), None) if isinstance(got, list) else got
+    if bad is not None or len(got) != n:
+        what = f"{type(bad).__name__} {bad!r:.80}" if bad is not None else f"{len(got)} problems"
+        raise ConfigError(
+            f"environment {getattr(env, 'name', type(env).__name__)!r}: problems(n={n}, split={split!r}) returned "
+            f"{what}; it must return a list of n moerl.envs.Problem"
+        )
+    return got
 
 
 def held_out(env, n: int, seed: int) -> list[Problem]:
@@ -121,8 +151,8 @@ def held_out(env, n: int, seed: int) -> list[Problem]:
     problem space is smaller (a 400-problem space holds ~40 test problems at the default fraction)."""
     found: dict[str, Problem] = {}
     for draws in (n, 4 * n, 16 * n):  # repeats thin out the draws: more of them find the rest of a small space
-        for p in env.problems(draws, seed=seed, split="test"):
-            found.setdefault(p.prompt, p)
+        for p in draw(env, draws, seed, "test"):
+            found.setdefault(prompt_key(p.prompt), p)
         if len(found) >= n:
             break
     return list(found.values())[:n]
@@ -179,11 +209,17 @@ def _outcome(fn: Callable, args: tuple, as_reward: bool) -> tuple[str, Any]:
     try:
         value = fn(*args)
     except BaseException as e:  # any failure of a reward function is a 0 reward
-        return "error", f"{type(e).__name__}: {e}"
+        return "error", f"raised {type(e).__name__}: {e}"
     if not as_reward:
         return "ok", value
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-    return ("ok", float(value)) if ok else ("error", f"reward is {value!r}, not a finite number")
+    return ("ok", float(value)) if ok else ("error", f"returned {_short(value)}, not a finite number")
+
+
+def _short(value: object) -> str:
+    """``repr(value)``, cut to 80 characters (a reward that returns the whole completion is named, not echoed)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 class _Worker:

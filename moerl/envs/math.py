@@ -6,13 +6,11 @@ Each record has ``question`` and ``answer``. A GSM8K answer ends with ``#### <nu
 
 from __future__ import annotations
 
-import json
 import os
-import random
 import threading
-from pathlib import Path
 
-from moerl.envs.base import Problem, check_split, split_of
+from moerl.envs.base import Problem
+from moerl.envs.records import read_records, shuffled_indices, split_pools
 from moerl.errors import ConfigError
 
 FIELDS = ("question", "answer")
@@ -39,42 +37,10 @@ def _check_record(rec: object, where: str) -> tuple[str, str]:
     return q, str(a)
 
 
-def _jsonl_record(raw: bytes, where: str) -> tuple[str, str]:
-    """The record of one ``.jsonl`` line (``raw`` bytes) at ``where`` (file:line)."""
-    try:
-        line = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{where}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
-    try:
-        rec = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{where}: not valid JSON ({e})") from None
-    except RecursionError:  # json's decoder recurses once per level of nesting
-        raise ConfigError(f"{where}: JSON nested too deep to read (a record is an object of two strings)") from None
-    return _check_record(rec, where)
-
-
 def load_records(path: str | os.PathLike) -> list[tuple[str, str]]:
     """``(question, answer)`` pairs of a ``.jsonl`` or ``.parquet`` file; ConfigError naming the file and the line
     (jsonl, 1-based) or row (parquet, 1-based) of a bad record."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"math: no such file {path}")
-    if path.suffix == ".jsonl":
-        with path.open("rb") as f:  # bytes: a line that is not UTF-8 is named with its number, as bad JSON is
-            return [_jsonl_record(raw, f"{path}:{lineno}") for lineno, raw in enumerate(f, 1) if raw.strip()]
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            table = pq.read_table(path)
-        except Exception as e:
-            raise ConfigError(f"{path}: cannot read parquet ({e})") from e
-        missing = [k for k in FIELDS if k not in table.column_names]
-        if missing:
-            raise ConfigError(f"{path}: missing column(s) {missing}; has {table.column_names}")
-        return [_check_record(rec, f"{path}: row {i}") for i, rec in enumerate(table.select(FIELDS).to_pylist(), 1)]
-    raise ConfigError(f"math: {path} must be a .jsonl or .parquet file")
+    return [_check_record(rec, where) for where, rec in read_records(path, "math", "an object of two strings", FIELDS)]
 
 
 class MathEnv:
@@ -95,13 +61,8 @@ class MathEnv:
         test_fraction: float = 0.1,
     ) -> None:
         self.path, self.test_path, self.instruction, self.test_fraction = path, test_path, instruction, test_fraction
-        records = load_records(path)
-        if test_path is None:
-            self.pools = {s: [r for r in records if split_of(r[0], test_fraction) == s] for s in ("train", "test")}
-        else:
-            test = load_records(test_path)
-            seen = {q for q, _ in test}
-            self.pools = {"train": [r for r in records if r[0] not in seen], "test": test}
+        test = None if test_path is None else load_records(test_path)
+        self.pools = split_pools(load_records(path), lambda r: r[0], test, test_fraction)
 
     def __reduce__(self) -> tuple:
         """Pickle as the config, not the records (``safe_reward`` sends the env to a worker process)."""
@@ -110,16 +71,10 @@ class MathEnv:
     def problems(self, n: int, seed: int, split: str = "train") -> list[Problem]:
         """``n`` problems of ``split`` in an order shuffled by ``seed``; the pool repeats (reshuffled) if ``n`` is
         larger than it."""
-        check_split(split)
         pool = self.pools[split]
-        if n > 0 and not pool:
-            raise ConfigError(f"math: the {split} split of {self.path} is empty")
-        rng, order = random.Random(f"{self.name}:{split}:{seed}"), []
-        while len(order) < n:
-            order += rng.sample(range(len(pool)), len(pool))
         return [
             Problem(pool[i][0] + self.instruction, gold_answer(pool[i][1]), {"index": i, "split": split})
-            for i in order[:n]
+            for i in shuffled_indices(pool, n, self.name, str(self.path), split, seed)
         ]
 
     def sft_examples(self, n: int, seed: int) -> list[tuple[str, str]]:

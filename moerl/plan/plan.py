@@ -306,8 +306,12 @@ def render(p: Plan) -> str:
         )
     elif p.option is not None:
         option, layout = p.option
-        where = "on this layout" if layout is None else (
-            f"on parallel.dp={layout[0]} parallel.ep={layout[1]} parallel.pp={layout[2]} ({math.prod(layout)} GPUs)"
+        where = (
+            "on this layout"
+            if layout is None
+            else (
+                f"on parallel.dp={layout[0]} parallel.ep={layout[1]} parallel.pp={layout[2]} ({math.prod(layout)} GPUs)"
+            )
         )
         lines.append(f"with {option}: fits {where}")
     elif not p.fits:

@@ -15,9 +15,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from moerl.engine import Request, SamplingParams
-from moerl.envs.base import Problem, env_step, held_out, safe_call, safe_rewards, wilson_interval
+from moerl.envs.base import Problem, draw, env_step, held_out, safe_call, wilson_interval
+from moerl.envs.rewards import Scorer, answer_text
 from moerl.errors import ConfigError
 from moerl.rollout.episode import Episode, drop_failed_groups, groups, keep_informative
+from moerl.rollout.prompts import Prompts
 from moerl.run_config import AlgoSection, RolloutSection
 from moerl.sync.weights import ADAPTER
 from moerl.trainer.advantages import CUT
@@ -87,7 +89,8 @@ class Generator:
     """Turns problems into scored episodes on ``engine`` for the environment ``env``: sampling and the step's size
     from ``rollout``, reward timeout and dynamic sampling from ``algo``. Problems and sampling seeds are a function
     of the run's ``seed``; ``evaluate`` scores ``eval_problems`` held-out problems; ``lora``: requests use the
-    trained adapter."""
+    trained adapter. ``scorer`` scores single-turn completions (default: the environment's own reward) and says
+    what failed (``scorer.failures``); ``prompts`` makes the engine's prompts (default: the text as it is)."""
 
     def __init__(
         self,
@@ -99,17 +102,28 @@ class Generator:
         seed: int,
         eval_problems: int,
         lora: bool,
+        scorer: Scorer | None = None,
+        prompts: Prompts | None = None,
     ):
         self.env, self.engine = env, engine
         self.rollout, self.algo, self.seed, self.eval_problems = rollout, algo, seed, eval_problems
         self.adapter = ADAPTER if lora else None
         self.turns = EngineTurns()
+        self.scorer = scorer or Scorer(env, [], algo.reward_timeout_s)
+        self.prompts = prompts or Prompts(engine.tokenizer)
 
     def sampling(self, count: int, temperature: float, n: int, seed: int) -> list[SamplingParams]:
         """One SamplingParams per problem (seeds ``seed``, ``seed + 1``, ...), the rest from ``rollout``."""
-        r = self.rollout
+        r, stops = self.rollout, self.prompts.stop_token_ids
         return [
-            SamplingParams(temperature=temperature, top_p=r.top_p, max_tokens=r.max_tokens, n=n, seed=seed + i)
+            SamplingParams(
+                temperature=temperature,
+                top_p=r.top_p,
+                max_tokens=r.max_tokens,
+                n=n,
+                seed=seed + i,
+                stop_token_ids=stops,
+            )
             for i in range(count)
         ]
 
@@ -120,18 +134,13 @@ class Generator:
         ``priority``: before any generation waiting for the engine (evaluation while rollouts run ahead)."""
         if hasattr(self.env, "start"):
             return self._multi_turn(problems, params, first_group, priority)
+        pairs = zip(problems, params, strict=True)
+        requests = [Request(self.prompts.request(p), sp, adapter=self.adapter) for p, sp in pairs]
         with self.turns.turn(priority):
-            outs = self.engine.generate(
-                [Request(p.prompt, sp, adapter=self.adapter) for p, sp in zip(problems, params, strict=True)]
-            )
+            outs = self.engine.generate(requests)
             scored = [(problem, out) for problem, out in zip(problems, outs, strict=True) if out.error is None]
-            rewards = iter(
-                safe_rewards(
-                    self.env.reward,
-                    [(problem, c.text) for problem, out in scored for c in out.outputs],
-                    timeout_s=self.algo.reward_timeout_s,
-                )
-            )  # one round trip to the reward worker for the whole call
+            # one round trip to the reward worker per reward function for the whole call
+            rewards = iter(self.scorer.score([(problem, c.text) for problem, out in scored for c in out.outputs]))
             episodes = []
             for g, (problem, out) in enumerate(zip(problems, outs, strict=True)):
                 if out.error_kind == "rejected":
@@ -176,14 +185,14 @@ class Generator:
         for turn in range(self.env.max_turns):
             if not live:
                 break
-            reqs = [self._turn_request(e, sp, s + turn) for e, _, sp, s in live]
+            reqs = [self._turn_request(e, sp, s + turn) for e, _, sp, s, _ in live]
             still = []
             with self.turns.turn(priority):
                 outs = self.engine.generate(reqs)
-                for (e, state, sp, s), out in zip(live, outs, strict=True):
-                    goes_on, state = self._take_turn(e, state, out, last=turn == self.env.max_turns - 1)
+                for (e, state, sp, s, problem), out in zip(live, outs, strict=True):
+                    goes_on, state = self._take_turn(e, state, out, problem, last=turn == self.env.max_turns - 1)
                     if goes_on:
-                        still.append((e, state, sp, s))
+                        still.append((e, state, sp, s, problem))
             live = still
         for e in episodes:
             e.version = max(e.version, 0)
@@ -193,25 +202,31 @@ class Generator:
 
     def _start_episodes(self, problems: list[Problem], params: list[SamplingParams], first_group: int) -> list:
         """One live episode per sample: (episode holding the prompt, environment state, sampling params, the
-        episode's seed); versions -1 until a turn sets them."""
-        tok, live = self.engine.tokenizer, []
+        episode's seed, its problem); versions -1 until a turn sets them."""
+        live = []
         for g, (problem, sp) in enumerate(zip(problems, params, strict=True)):
             for j in range(sp.n):
-                ids = tok(problem.prompt)["input_ids"]
+                ids = self.prompts.ids(problem)
                 ep = Episode(first_group + g, ids, len(ids), [0] * len(ids), [0.0] * len(ids), None, 0.0, "stop", None)
                 ep.version = -1
-                live.append((ep, self.env.start(problem), sp, sp.seed * 31 + j))
+                live.append((ep, self.env.start(problem), sp, sp.seed * 31 + j, problem))
         return live
 
     def _turn_request(self, e: Episode, sp: SamplingParams, seed: int) -> Request:
         """The next turn of episode ``e``: one completion of its tokens so far."""
         return Request(
             e.tokens,
-            SamplingParams(temperature=sp.temperature, top_p=sp.top_p, max_tokens=sp.max_tokens, seed=seed),
+            SamplingParams(
+                temperature=sp.temperature,
+                top_p=sp.top_p,
+                max_tokens=sp.max_tokens,
+                seed=seed,
+                stop_token_ids=sp.stop_token_ids,
+            ),
             adapter=self.adapter,
         )
 
-    def _take_turn(self, e: Episode, state, out, last: bool) -> tuple[bool, object]:
+    def _take_turn(self, e: Episode, state, out, problem: Problem, last: bool) -> tuple[bool, object]:
         """Episode ``e`` after one turn's engine output ``out``: the model's tokens appended (trained on), then the
         environment's answer (not trained on). Returns whether the episode goes on, and the environment's state."""
         if out.error_kind == "rejected" and out.prompt_token_ids:  # the context filled up: the episode ends unfinished
@@ -226,25 +241,28 @@ class Generator:
         e.rollout_logprobs += c.logprobs.tolist()
         e.routed, e.finish_reason = c.routed_experts, c.finish_reason
         e.version = out.weight_version if e.version < 0 else min(e.version, out.weight_version)
-        message, reward, state = self._env_step(e, state, c.text)
+        message, reward, state = self._env_step(e, state, c.text, problem)
         if message is None or last:
             e.reward = float(reward or 0.0)
             return False, state
-        extra = self.engine.tokenizer(message, add_special_tokens=False)["input_ids"]
+        extra = self.prompts.turn(message, c.token_ids)
         e.tokens = e.tokens + extra
         e.loss_mask += [0] * len(extra)
         e.rollout_logprobs += [0.0] * len(extra)
         e.routed = None  # covered again by the next turn's request
         return True, state
 
-    def _env_step(self, e: Episode, state, text: str) -> tuple[str | None, float | None, object]:
+    def _env_step(self, e: Episode, state, text: str, problem: Problem) -> tuple[str | None, float | None, object]:
         """The environment's answer to ``text``: (message, reward, new state). The step runs in the reward worker,
         bounded by the reward timeout: one that raises or hangs ends the episode with reward 0, counted in
         ``e.reward_error``, and the run goes on."""
+        text = answer_text(text, self.scorer.reasoning)
         kind, value = safe_call(env_step, self.env, state, text, timeout_s=self.algo.reward_timeout_s)
         if kind == "ok":
             return value
         e.reward_error = kind
+        name = f"environment {getattr(self.env, 'name', type(self.env).__name__)}'s step"
+        self.scorer.failures.add(name, problem, kind, value, "the episode ends with reward 0")
         return None, 0.0, state
 
     def room(self) -> str | None:
@@ -252,13 +270,15 @@ class Generator:
         the first step's prompts and the held-out ones, tokenized as the engine does: a ConfigError where the
         longest leaves none, a warning (returned, to be said once) naming the numbers where completions will be cut
         at the context window, None where every one fits."""
-        tokenizer, r = self.engine.tokenizer, self.rollout
-        if tokenizer is None:
-            return None
-        problems = self.env.problems(r.prompts_per_step, seed=self.seed * 1_000_003 * 101, split="train")
+        r = self.rollout
+        problems = draw(self.env, r.prompts_per_step, self.seed * 1_000_003 * 101, "train")
         if self.eval_problems > 0:
             problems += held_out(self.env, self.eval_problems, seed=self.seed)
-        longest = max(len(tokenizer(p.prompt)["input_ids"]) for p in problems)
+        if not hasattr(self.env, "start"):
+            self.scorer.check(problems[0])  # reward functions that cannot take the records' fields: refused now
+        if self.engine.tokenizer is None:
+            return None
+        longest = max(len(self.prompts.ids(p)) for p in problems)
         need = longest + r.max_tokens
         if longest >= r.max_model_len:
             raise ConfigError(
@@ -285,7 +305,7 @@ class Generator:
         seed = self.seed * 1_000_003 + step
         while len({e.group for e in episodes}) < r.prompts_per_step:
             want = r.prompts_per_step - len({e.group for e in episodes})
-            problems = self.env.problems(want, seed=seed * 101 + refills, split="train")
+            problems = draw(self.env, want, seed * 101 + refills, "train")
             params = self.sampling(len(problems), r.temperature, r.group_size, seed=(seed * 101 + refills) * 7919)
             new = self.generate(problems, params, first_group=len(episodes) and max(e.group for e in episodes) + 1)
             samples += len(new)
