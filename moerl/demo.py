@@ -103,6 +103,7 @@ def run_demo(
     log(f"  moerl generate {sft_model} --adapter {cfg.run_dir}/adapter --prompt '{prompt}'   # the trained adapter")
     log(f"  moerl eval {sft_model} --adapter {cfg.run_dir}/adapter --env arithmetic --env-kwargs '{kwargs}' "
         f"--max-tokens {cfg.rollout.max_tokens} --dtype float32   # the held-out accuracy again")  # fmt: skip
+    log(f"  moerl serve {sft_model} --adapter {cfg.run_dir}/adapter   # the OpenAI API on 127.0.0.1:8000")
     log(f"  moerl plot {cfg.run_dir}                           # the reward and mismatch curves (curves.png)")
     log(f"  moerl demo --rl-steps 600 --overwrite --run-dir {run_dir}   # a longer run")
     return summary
