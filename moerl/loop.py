@@ -232,6 +232,7 @@ def _train_policy(
                   file=sys.stderr, flush=True)  # fmt: skip
         if metrics is not None:
             metrics.close()
+        gen.close()
         engine.close()
     print("moerl: training done; exporting the results and drawing the curves", file=sys.stderr, flush=True)
     return results(cfg, run.path, policy, plot)

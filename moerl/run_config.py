@@ -219,7 +219,7 @@ class ChatSection:
 
 @dataclass(slots=True)
 class EnvSection:
-    # a built-in (arithmetic | countdown | math | calculator | dataset | reasoning_gym), your class by path
+    # a built-in (arithmetic | countdown | math | calculator | dataset | reasoning_gym | verifiers), your class by path
     # (my_tasks.py:MyEnv or package.module:MyEnv), or a name an installed package registers (entry points moerl.envs)
     name: str = "arithmetic"
     kwargs: dict = field(default_factory=dict)  # the environment's arguments, e.g. {max_operand: 19, ops: "+"}
@@ -248,12 +248,19 @@ class EnvSection:
         )
         self.kwargs = check_env_kwargs(self.name, self.kwargs)
         cls = env_class(self.name)
-        multi_turn = hasattr(cls, "start")
+        multi_turn = hasattr(cls, "start") or hasattr(cls, "run_episodes")  # the environment scores its episodes
         if self.rewards and multi_turn:
             raise ConfigError(
-                f"config key 'env.rewards': environment {self.name!r} is multi-turn (its step gives the reward); "
-                "env.rewards scores single-turn completions"
+                f"config key 'env.rewards': environment {self.name!r} scores its own episodes (a multi-turn one's "
+                "step, a verifiers one's rewards); env.rewards scores single-turn completions"
             )
+        if hasattr(cls, "run_episodes"):  # its agents' prompts and its rewards are the environment's own
+            for key, value in (("reasoning_tags", self.reasoning_tags), ("chat.system", self.chat.system)):
+                if value:
+                    raise ConfigError(
+                        f"config key 'env.{key}'={value!r}: environment {self.name!r} runs agents that bring their own "
+                        "prompts and rewards; leave it out"
+                    )
         reward_fns(self.rewards, load_code)  # each loads and is a function with a finite weight
         if not self.rewards and not multi_turn and isinstance(cls, type) and not hasattr(cls, "reward"):
             raise ConfigError(

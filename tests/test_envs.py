@@ -453,7 +453,7 @@ def test_make_env(tmp_path):
     assert isinstance(env, ArithmeticEnv) and env.max_operand == 5
     assert isinstance(make_env("countdown"), CountdownEnv) and isinstance(make_env("calculator"), CalculatorToolEnv)
     assert isinstance(make_env("math", path=_write_jsonl(tmp_path / "m.jsonl", RECORDS)), MathEnv)
-    allowed = "allowed: arithmetic, countdown, math, calculator, dataset, reasoning_gym, a file.py:Class"
+    allowed = "allowed: arithmetic, countdown, math, calculator, dataset, reasoning_gym, verifiers, a file.py:Class"
     with pytest.raises(ConfigError, match=f"unknown environment 'gsm8k'; {allowed}"):
         make_env("gsm8k")
     with pytest.raises(ConfigError, match="'countdown'.*bogus"):

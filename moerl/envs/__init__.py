@@ -1,8 +1,8 @@
 """RL environments: problems to prompt with and rewards for the completions.
 
 ``make_env(name, **kwargs)`` builds one: a built-in by name (``arithmetic``, ``countdown``, ``math``, ``calculator``,
-``dataset``, ``reasoning_gym``), the user's class by path (``my_tasks.py:MyEnv``, ``package.module:MyEnv``), or a
-name an installed package registers in the ``moerl.envs`` entry-point group.
+``dataset``, ``reasoning_gym``, ``verifiers``), the user's class by path (``my_tasks.py:MyEnv``,
+``package.module:MyEnv``), or a name an installed package registers in the ``moerl.envs`` entry-point group.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from moerl.envs.math import MathEnv
 from moerl.envs.reasoning_gym import ReasoningGymEnv
 from moerl.envs.tool import CalculatorToolEnv
 from moerl.envs.user import ENTRY_POINTS, installed_envs, is_code_path, load_code, load_installed
+from moerl.envs.verifiers import VerifiersEnv
 from moerl.errors import ConfigError
 
 ENVS: dict[str, type] = {
@@ -29,6 +30,7 @@ ENVS: dict[str, type] = {
     "calculator": CalculatorToolEnv,
     "dataset": DatasetEnv,
     "reasoning_gym": ReasoningGymEnv,
+    "verifiers": VerifiersEnv,
 }
 
 
@@ -121,6 +123,7 @@ __all__ = [
     "MultiTurnEnvironment",
     "Problem",
     "ReasoningGymEnv",
+    "VerifiersEnv",
     "check_env",
     "check_env_kwargs",
     "env_class",

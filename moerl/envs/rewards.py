@@ -93,7 +93,12 @@ class Scorer:
                 f"config key 'env.rewards': environment {name!r} is multi-turn (its step gives the reward); "
                 "env.rewards scores single-turn completions"
             )
-        if not fns and not hasattr(env, "start") and not callable(getattr(env, "reward", None)):
+        if fns and hasattr(env, "run_episodes"):
+            raise ConfigError(
+                f"config key 'env.rewards': environment {name!r} runs agents whose rollouts its own rewards score"
+            )
+        agents = hasattr(env, "run_episodes")
+        if not fns and not hasattr(env, "start") and not agents and not callable(getattr(env, "reward", None)):
             raise ConfigError(
                 f"config key 'env.rewards': environment {name!r} has no reward of its own; name reward functions "
                 "here ([{fn: my_rewards.py:correct, weight: 1.0}, ...])"

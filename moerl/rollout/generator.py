@@ -18,6 +18,7 @@ from moerl.engine import Request, SamplingParams
 from moerl.envs.base import Problem, draw, env_step, held_out, safe_call, wilson_interval
 from moerl.envs.rewards import Scorer, answer_text
 from moerl.errors import ConfigError
+from moerl.rollout.agents import AgentRollouts
 from moerl.rollout.episode import Episode, drop_failed_groups, groups, keep_informative
 from moerl.rollout.prompts import Prompts
 from moerl.run_config import AlgoSection, RolloutSection
@@ -111,6 +112,15 @@ class Generator:
         self.turns = EngineTurns()
         self.scorer = scorer or Scorer(env, [], algo.reward_timeout_s)
         self.prompts = prompts or Prompts(engine.tokenizer)
+        self.agents = None  # an agent environment's rollouts: through the OpenAI server over the engine
+        if hasattr(env, "run_episodes"):
+            kwargs = self.prompts.chat.kwargs if self.prompts.chat is not None else None
+            self.agents = AgentRollouts(engine, self.adapter, kwargs)
+
+    def close(self) -> None:
+        """Stop what the generator started (an agent environment's server); the engine is its owner's."""
+        if self.agents is not None:
+            self.agents.close()
 
     def sampling(self, count: int, temperature: float, n: int, seed: int) -> list[SamplingParams]:
         """One SamplingParams per problem (seeds ``seed``, ``seed + 1``, ...), the rest from ``rollout``."""
@@ -134,6 +144,9 @@ class Generator:
         ``priority``: before any generation waiting for the engine (evaluation while rollouts run ahead)."""
         if hasattr(self.env, "start"):
             return self._multi_turn(problems, params, first_group, priority)
+        if self.agents is not None:  # the engine is the agents' alone (through the server) until they are done
+            with self.turns.turn(priority):
+                return self.agents.generate(self.env, problems, params, first_group, self.scorer.failures)
         pairs = zip(problems, params, strict=True)
         requests = [Request(self.prompts.request(p), sp, adapter=self.adapter) for p, sp in pairs]
         with self.turns.turn(priority):
@@ -274,7 +287,7 @@ class Generator:
         problems = draw(self.env, r.prompts_per_step, self.seed * 1_000_003 * 101, "train")
         if self.eval_problems > 0:
             problems += held_out(self.env, self.eval_problems, seed=self.seed)
-        if not hasattr(self.env, "start"):
+        if not hasattr(self.env, "start") and self.agents is None:
             self.scorer.check(problems[0])  # reward functions that cannot take the records' fields: refused now
         if self.engine.tokenizer is None:
             return None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,14 +25,28 @@ from moerl.serve.stream import TextPieces, event, events, started
 FINISH = {"stop": "stop", "length": "length", "context": "length"}
 
 
+SESSION = "x-session-id"  # the header an agent harness names its rollout with (verifiers sends it)
+
+Record = Callable[[str | None, RequestOutput], None]
+
+
 class OpenAIServer:
     """The API for ``engine`` (its tokenizer renders and decodes) serving model ``name``; requests use LoRA adapter
-    ``adapter`` where given. ``batcher``: the engine's one driver (``Batcher``); ``app``: the FastAPI application."""
+    ``adapter`` where given. ``batcher``: the engine's one driver (``Batcher``); ``app``: the FastAPI application.
+    ``record(session, output)`` sees what the engine made for every answered request, with the request's
+    ``X-Session-ID`` header (None without one): a run joins an agent's requests to its episode by it."""
 
-    def __init__(self, engine, name: str, adapter: str | None = None, batcher: Batcher | None = None) -> None:
+    def __init__(
+        self,
+        engine,
+        name: str,
+        adapter: str | None = None,
+        batcher: Batcher | None = None,
+        record: Record | None = None,
+    ) -> None:
         if engine.tokenizer is None:
             raise ConfigError("the OpenAI server needs the checkpoint's tokenizer (it renders and decodes text)")
-        self.engine, self.name, self.adapter = engine, name, adapter
+        self.engine, self.name, self.adapter, self.record = engine, name, adapter, record
         self.tokenizer = engine.tokenizer
         self.batcher = batcher or Batcher(engine)
         self._chats: dict[str, ChatTemplate] = {}
@@ -90,11 +105,16 @@ class OpenAIServer:
             raise OpenAIError(status, out.error, kind="invalid_request_error" if status == 400 else "server_error")
         return out
 
-    async def _run(self, requests: list[EngineRequest]) -> list[RequestOutput]:
+    async def _run(self, requests: list[EngineRequest], session: str | None) -> list[RequestOutput]:
         outs = await asyncio.gather(*(asyncio.wrap_future(self.batcher.submit(r)) for r in requests))
-        return [self._check(out) for out in outs]
+        return [self._recorded(self._check(out), session) for out in outs]
 
-    async def _stream(self, request: EngineRequest, chat: bool, usage: bool) -> StreamingResponse:
+    def _recorded(self, out: RequestOutput, session: str | None) -> RequestOutput:
+        if self.record is not None:
+            self.record(session, out)
+        return out
+
+    async def _stream(self, request: EngineRequest, chat: bool, usage: bool, session: str | None) -> StreamingResponse:
         """``request`` answered as server-sent events (``stream: true``)."""
         queue, future, first = await started(self.batcher, request)
         if first is None:  # over before its first token: a refused request is answered with its error status
@@ -109,7 +129,7 @@ class OpenAIServer:
             return head | {"choices": [choice | {"logprobs": None, "finish_reason": reason}]}
 
         def finished(out: RequestOutput) -> list[dict]:
-            self._check(out)
+            self._recorded(self._check(out), session)
             ends = [chunk(c.index, pieces[c.index].last(c.text), FINISH[c.finish_reason]) for c in out.outputs]
             return ends + ([head | {"choices": [], "usage": self._usage([out])}] if usage else [])
 
@@ -135,7 +155,7 @@ class OpenAIServer:
         completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    async def chat(self, req: ChatRequest) -> dict | StreamingResponse:
+    async def chat(self, req: ChatRequest, http: Request) -> dict | StreamingResponse:
         self._check_model(req.model)
         req.refuse_unimplemented()
         chat = self._chat(req.chat_template_kwargs)
@@ -147,8 +167,9 @@ class OpenAIServer:
         params = self._params(req, req.limit(), list(chat.end_of_turn))
         request = EngineRequest(prompt, params, adapter=self.adapter, request_id=rid)
         if req.stream:
-            return await self._stream(request, True, bool((req.stream_options or {}).get("include_usage")))
-        (out,) = await self._run([request])
+            usage = bool((req.stream_options or {}).get("include_usage"))
+            return await self._stream(request, True, usage, http.headers.get(SESSION))
+        (out,) = await self._run([request], http.headers.get(SESSION))
         choices = []
         for c in out.outputs:
             choice = {
@@ -174,7 +195,7 @@ class OpenAIServer:
             body["prompt_token_ids"] = list(out.prompt_token_ids)
         return body
 
-    async def completions(self, req: CompletionRequest) -> dict | StreamingResponse:
+    async def completions(self, req: CompletionRequest, http: Request) -> dict | StreamingResponse:
         self._check_model(req.model)
         req.refuse_unimplemented()
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -184,8 +205,9 @@ class OpenAIServer:
         if req.stream:
             if len(reqs) > 1:
                 raise refused("prompt", "a list of prompts streams one prompt a request only (stream: true)")
-            return await self._stream(reqs[0], False, bool((req.stream_options or {}).get("include_usage")))
-        outs = await self._run(reqs)
+            usage = bool((req.stream_options or {}).get("include_usage"))
+            return await self._stream(reqs[0], False, usage, http.headers.get(SESSION))
+        outs = await self._run(reqs, http.headers.get(SESSION))
         choices = []
         for out in outs:
             for c in out.outputs:
