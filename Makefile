@@ -31,7 +31,7 @@ TEST_WORKERS ?= 2
 # dtype auto picks (MOERL_AUTO_DTYPE=bfloat16 or float32 runs the suite as the other kind of host would)
 test: $(TEST_STAMP)
 	$(PY) -m moerl.precision
-	$(PY) -m ruff check moerl tests benchmarks
+	$(PY) -m ruff check moerl moerl_chat tests benchmarks
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15  # the slowest tests, to keep CI within its budget
 	DEV=cpu $(PY) benchmarks/gpu_check.py  # the GPU check's dry run: it must work before device time is spent
 	$(MAKE) docs
