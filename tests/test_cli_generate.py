@@ -216,12 +216,12 @@ def test_the_demo_ends_with_next_steps_that_work(tmp_path, capsys):
     lines = []
     run_demo(str(tmp_path / "demo"), sft_steps=4, rl_steps=2, log=lines.append)
     nxt = lines[lines.index("[demo] next:") + 1 :]
-    assert [line.split()[1] for line in nxt] == ["generate", "eval", "plot", "demo"]
+    assert [line.split()[1] for line in nxt] == ["generate", "eval", "serve", "plot", "demo"]
     adapter = tmp_path / "demo" / "rl" / "adapter"
     base = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
     assert base == str((tmp_path / "demo" / "sft_model").resolve())
     printed = {}
-    for line in nxt[:3]:
+    for line in [nxt[0], nxt[1], nxt[3]]:  # generate, eval, plot (serve runs until stopped: below)
         capsys.readouterr()
         argv = shlex.split(line.split("#")[0])[1:]
         assert main(argv) == 0, capsys.readouterr().err
@@ -233,3 +233,29 @@ def test_the_demo_ends_with_next_steps_that_work(tmp_path, capsys):
         and f"-> {printed['eval'].split(' on ')[0].removeprefix('held-out accuracy ')} after" in shown[0]
     )
     assert (tmp_path / "demo" / "rl" / "curves.png").exists()
+    _serves_as_printed(nxt[2])
+
+
+def _serves_as_printed(line: str) -> None:
+    """The demo's serve line, on a free port (``--port 0`` added): it serves the trained adapter's base under the
+    directory's name and stops on SIGTERM."""
+    import os
+    import shlex
+    import signal
+    import subprocess
+    import sys
+
+    import openai
+
+    argv = [*shlex.split(line.split("#")[0])[1:], "--port", "0"]
+    proc = subprocess.Popen([sys.executable, "-m", "moerl.cli", *argv], stderr=subprocess.PIPE, text=True,
+                            env=os.environ | {"OMP_NUM_THREADS": "1"})  # fmt: skip
+    try:
+        first = proc.stderr.readline()
+        assert first.startswith("moerl serve: sft_model at http://127.0.0.1:"), first + proc.stderr.read()
+        client = openai.OpenAI(base_url=first.split(" at ")[1].split()[0], api_key="unused", max_retries=0)
+        assert client.completions.create(model="sft_model", prompt="1+2=", max_tokens=2).choices[0].text is not None
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    assert proc.returncode == 0

@@ -582,9 +582,7 @@ def test_a_run_with_vllm_rollouts_learns(mode, warm_model, tmp_path, monkeypatch
     from moerl.loop import train
 
     fixed = ArithmeticEnv(**EASY).problems(4, seed=3)  # four problems: a rise in reward is learning, not luck
-    monkeypatch.setattr(
-        ArithmeticEnv, "problems", lambda self, n, seed, split="train": (fixed * n)[:n] if split == "train" else fixed
-    )
+    monkeypatch.setattr(ArithmeticEnv, "problems", lambda self, n, seed, split="train": (fixed * n)[:n])
     over = {"rollout.engine": "vllm", "rollout.vllm_args": EAGER, "policy.optim.lr": 1e-3}
     over |= {"rollout.prompts_per_step": 4, "env.eval_problems": 4}
     if mode == "mxfp8":
