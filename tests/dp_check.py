@@ -8,10 +8,11 @@ safetensors).
 Extras: ``layout=shared_outer`` (expert adapters), ``schedule=S`` (pipeline), ``load=DIR`` (a checkpoint loaded
 first), ``dump`` (write the state as loaded and stop), ``steps=N``, ``save=DIR`` (a checkpoint saved after the first
 step), ``ac=full|selective`` (activation checkpointing), ``tokens=N`` (micro-batches of at most N tokens, no row
-limit). Negative controls: ``mean``, FSDP's default mean over ranks
-instead of moerl's sum; ``perturb``, the last expert of the first MoE layer moved by 1e-3 on the rank that holds it
-(the last ep rank); ``wrong_columns``, the last pipeline stage replays the first stage's MoE layers' columns instead
-of its own; ``untie``, a tied embedding's two pipeline copies each keep their own gradient."""
+limit), ``reads`` (each rank writes what it read of the checkpoint to OUT.reads<rank>.json, and stops). Negative
+controls: ``mean``, FSDP's default mean over ranks instead of moerl's sum; ``perturb``, the last expert of the first
+MoE layer moved by 1e-3 on the rank that holds it (the last ep rank); ``wrong_columns``, the last pipeline stage
+replays the first stage's MoE layers' columns instead of its own; ``untie``, a tied embedding's two pipeline copies
+each keep their own gradient."""
 
 import json
 import sys
@@ -92,6 +93,10 @@ def step(world, ckpt: str, mode: str, dtype: str, out: str, *extra: str) -> None
         activation_checkpointing=opt.get("ac", "none"),
     )
     policy = Policy(ckpt, cfg, world)
+    if "reads" in extra:  # what each rank read of the checkpoint, and stop
+        with open(f"{out}.reads{world.rank}.json", "w") as f:
+            json.dump({"ep_rank": world.ep_rank, "reads": policy.checkpoint_reads}, f)
+        return
     if mean:
         from moerl.parallel.fsdp import fsdp_units
 

@@ -681,3 +681,31 @@ def test_a_hybrid_model_trains_on_several_ranks_as_in_one_process(hybrid, tmp_pa
     two, t2 = _step(path, "full", "float32", tmp_path / "two.json", layout)
     differences = _step_differences(one, t1, two, t2, "full", "float32", 1e-6)
     assert not differences, differences
+
+
+def test_four_ranks_at_ep_4_each_read_only_their_share_of_the_experts(model, tmp_path):
+    """Each expert-parallel rank reads the checkpoint's tensors every rank holds and the tensors of its own experts
+    only (experts 2r, 2r+1 of the 8 on rank r): a quarter of the expert bytes. The control: the same four ranks at
+    dp 4 (no expert parallelism) each read every tensor."""
+    from safetensors import safe_open
+
+    with safe_open(str(model / "model.safetensors"), framework="pt") as f:
+        sizes = {n: f.get_slice(n).get_shape() for n in f.keys()}
+    nbytes = {n: math.prod(shape) * 4 for n, shape in sizes.items()}  # fp32 checkpoint
+    expert_of = {n: int(m.group(1)) for n in sizes if (m := re.search(r"\.experts\.(\d+)\.", n))}
+    assert len(set(expert_of.values())) == 8 and sum(nbytes[n] for n in expert_of) > sum(nbytes.values()) / 2
+    for layout in ("1,4,1", "4,1,1"):
+        out = tmp_path / layout.replace(",", "")
+        _launch(4, [str(CHECK), str(model), "lora", "float32", str(out), layout, "reads"])
+        for rank in range(4):
+            got = json.loads(Path(f"{out}.reads{rank}.json").read_text())
+            read = dict(got["reads"])
+            assert read == {n: nbytes[n] for n in read}  # each tensor read whole, once
+            if layout == "4,1,1":
+                assert set(read) == set(sizes)
+                continue
+            r = got["ep_rank"]
+            assert {expert_of[n] for n in read if n in expert_of} == {2 * r, 2 * r + 1}
+            assert set(read) - set(expert_of) == set(sizes) - set(expert_of)  # what every rank holds
+            experts_read = sum(b for n, b in read.items() if n in expert_of)
+            assert experts_read * 4 == sum(nbytes[n] for n in expert_of)

@@ -18,6 +18,7 @@ from moerl.bridges.multimodal import is_multimodal, text_config, text_name
 from moerl.bridges.quantized import dequantize, pairs, quantization
 from moerl.errors import CheckpointError
 from moerl.model.config import ModelConfig
+from moerl.model.moe import EXPERT_WEIGHTS
 from moerl.model.size import check_buildable, check_fits
 from moerl.model.swap import state_of
 from moerl.model.transformer import MoEModel
@@ -134,9 +135,10 @@ def _weight_files(path: Path) -> list[Path]:
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {path}")
 
 
-def iter_tensors(path: Path) -> Iterator[tuple[str, Path, callable]]:
+def iter_tensors(path: Path, reads: list | None = None) -> Iterator[tuple[str, Path, callable]]:
     """(name, file, loader) for every tensor (named for the bridge: ``_renamer``); the loader reads that one tensor
-    only."""
+    only, or (``loader(rows)``, rows a slice) only those rows of its first dim. ``reads`` gets (name, bytes) of each
+    read."""
     rename = _renamer(path)
     for file in _weight_files(path):
         try:
@@ -148,11 +150,14 @@ def iter_tensors(path: Path) -> Iterator[tuple[str, Path, callable]]:
             if (ours := rename(name)) is None:
                 continue
 
-            def load(handle=handle, name=name, file=file):
+            def load(rows: slice | None = None, handle=handle, name=name, file=file, ours=ours):
                 try:
-                    return handle.get_tensor(name)
+                    t = handle.get_tensor(name) if rows is None else handle.get_slice(name)[rows]
                 except (SafetensorError, OSError, ValueError, RuntimeError) as e:
                     raise CheckpointError(f"tensor {name!r} in {file} cannot be read (corrupt file?): {e}") from None
+                if reads is not None:
+                    reads.append((ours, t.numel() * t.element_size()))
+                return t
 
             yield ours, file, load
 
@@ -165,9 +170,9 @@ def unfused(bridge: Bridge, name: str, load, cfg: ModelConfig) -> list[tuple[str
         if groups is not None:
             cache: list = []
 
-            def part(j: int, f=f):
+            def part(j: int, rows: slice | None = None, f=f):
                 if not cache:
-                    cache.extend(f.split(load(), cfg))
+                    cache.extend(f.split(load() if rows is None else load(rows), cfg))
                 return cache[j]
 
             return [(p.format(**groups), partial(part, j)) for j, p in enumerate(f.parts)]
@@ -197,13 +202,21 @@ def _stored_as(bridge: Bridge, name: str) -> str:
     return name
 
 
-def _destination(params: dict, rule: Rule, groups: dict) -> tuple[str, torch.Tensor] | None:
+def _destination(
+    params: dict, rule: Rule, groups: dict, shares: dict[str, range] | None = None
+) -> tuple[str, torch.Tensor | None] | None:
+    """(moerl name, destination view) of a checkpoint tensor, None where no parameter takes it; the view is None for
+    an expert outside the share its parameter holds (``shares``: name -> the experts held)."""
     target = rule.moerl.format(**groups)
     if target not in params:
         return None
     dest = params[target]
     if "e" in groups:
-        e = int(groups["e"])
+        e, share = int(groups["e"]), (shares or {}).get(target)
+        if share is not None:
+            if e not in share:
+                return target, None
+            e -= share.start
         if e >= dest.shape[0]:
             return None
         dest = dest[e]
@@ -213,11 +226,14 @@ def _destination(params: dict, rule: Rule, groups: dict) -> tuple[str, torch.Ten
     return target, dest
 
 
-def resolve(bridge: Bridge, params: dict, name: str) -> tuple[Rule, dict, str, torch.Tensor] | None:
-    """(rule, placeholder values, moerl parameter name, destination view) for HF tensor ``name``, or None."""
+def resolve(
+    bridge: Bridge, params: dict, name: str, shares: dict[str, range] | None = None
+) -> tuple[Rule, dict, str, torch.Tensor | None] | None:
+    """(rule, placeholder values, moerl parameter name, destination view) for HF tensor ``name``, or None; the view
+    is None for an expert another rank holds (``shares``, see ``_destination``)."""
     for rule in bridge.all_rules:
         groups = match(rule._hf_re, name)
-        if groups is not None and (place := _destination(params, rule, groups)):
+        if groups is not None and (place := _destination(params, rule, groups, shares)):
             return rule, groups, *place
     return None
 
@@ -262,9 +278,11 @@ def check_shapes(path: Path, bridge: Bridge, cfg: ModelConfig, params: dict, hf:
             _check_shape(name, file, shape, dest, target)
 
 
-def _place(bridge: Bridge, params: dict, name: str, file: Path, hf: dict) -> tuple[Rule, str, torch.Tensor]:
+def _place(
+    bridge: Bridge, params: dict, name: str, file: Path, hf: dict, shares: dict[str, range] | None = None
+) -> tuple[Rule, str, torch.Tensor | None]:
     """(rule, moerl parameter name, destination view) of checkpoint tensor ``name``; CheckpointError if none."""
-    place = resolve(bridge, params, name)
+    place = resolve(bridge, params, name, shares)
     if place is None:
         raise CheckpointError(
             f"unexpected tensor {name!r} in {file.name}: no parameter of this "
@@ -286,11 +304,33 @@ def _dequantized(q: dict, name: str, data, scales) -> torch.Tensor:
     return dequantize(q, name, data(), scales())
 
 
+def expert_share(num_experts: int, rank: int, ranks: int) -> range:
+    """The experts rank ``rank`` of ``ranks`` expert-parallel ranks holds: a contiguous ``num_experts // ranks``."""
+    n = num_experts // ranks
+    return range(rank * n, rank * n + n)
+
+
+def _keep_share(model: MoEModel, share: range) -> dict[str, range]:
+    """Cut every MoE layer's per-expert tensors (meta, not yet allocated) to the experts of ``share``; returns the
+    names of those cut, each with its share."""
+    out = {}
+    for i in model.moe_layer_ids:
+        experts = model.layers[i].mlp.experts
+        for attr in EXPERT_WEIGHTS:
+            p = getattr(experts, attr, None)
+            if p is not None:
+                setattr(experts, attr, torch.nn.Parameter(p.narrow(0, share.start, len(share)), p.requires_grad))
+                out[f"layers.{i}.mlp.experts.{attr}"] = share
+    return out
+
+
 def read_model(
     path: str | os.PathLike,
     bridge: Bridge,
     dtype: torch.dtype = torch.bfloat16,
     device: str | torch.device = "cpu",
+    experts: tuple[int, int] | None = None,
+    reads: list | None = None,
 ) -> MoEModel:
     """Read a HF checkpoint directory (single or sharded safetensors) into a MoEModel through ``bridge`` (which
     bridge a checkpoint takes: ``moerl.bridges.find``).
@@ -298,6 +338,10 @@ def read_model(
     The model is allocated once, empty, and each checkpoint tensor is copied into its place as it is read
     (per-expert tensors into their slice of the 3D experts), so no second full copy is held. Quantized checkpoints
     (FP8 blocks, MXFP4 experts: ``moerl.bridges.quantized``) are dequantized tensor by tensor on the way.
+
+    ``experts`` = (rank, ranks): the model holds only that expert-parallel rank's share of every layer's experts
+    (``expert_share``) and reads only it: a per-expert tensor of another rank's expert is never opened, a tensor of
+    all experts is read by its rows (a quantized one whole, then cut). ``reads`` gets (name, bytes) of each read.
     """
     path = Path(path)
     hf = read_config(path)
@@ -306,30 +350,41 @@ def read_model(
     check_buildable(cfg)
     with torch.device("meta"):
         model = MoEModel(cfg, dtype)
-    check_fits(model, device, str(path))
     check_shapes(path, bridge, cfg, dict(model.named_parameters()) | dict(model.named_buffers()), hf)
+    shares = _keep_share(model, expert_share(cfg.num_experts, *experts)) if experts is not None else {}
+    check_fits(model, device, str(path))
     model.to_empty(device=device)
     model.init_rope()
     model.hf_config = hf
     params = dict(model.named_parameters()) | dict(model.named_buffers())
     filled = dict.fromkeys(params, 0)
     seen: set[str] = set()
-    entries = list(iter_tensors(path))
+    entries = list(iter_tensors(path, reads))
     quantized, consumed = pairs([name for name, _, _ in entries], q)
     loaders = {name: load for name, _, load in entries}
     firsts = {data: logical for logical, (data, _) in quantized.items()}
     with torch.no_grad():
         for name, file, load in entries:
+            rows = True  # a tensor of all experts is read by the rows of this rank's share
             if name in consumed:  # one half of a quantized pair: read with its partner, under the logical name
                 if name not in firsts:
                     continue
                 name, (data, scale) = firsts[name], quantized[firsts[name]]
-                load = partial(_dequantized, q, name, loaders[data], loaders[scale])
+                load, rows = partial(_dequantized, q, name, loaders[data], loaders[scale]), False
             for part, read in unfused(bridge, name, load, cfg):  # a fused tensor: its parts
                 if bridge.ignore(part, cfg) or (cfg.tie_word_embeddings and part == "lm_head.weight"):
                     continue
-                rule, target, dest = _place(bridge, params, part, file, hf)
-                tensor = read()
+                rule, target, dest = _place(bridge, params, part, file, hf, shares)
+                if dest is None:  # an expert another rank holds
+                    seen.add(part)
+                    continue
+                share = shares.get(target) if dest.dim() == params[target].dim() else None  # all experts
+                if share is None:
+                    tensor = read()
+                elif rows:
+                    tensor = read(slice(share.start, share.stop))
+                else:
+                    tensor = read().narrow(0, share.start, len(share))
                 if rule.load is not None:
                     tensor = rule.load(tensor, cfg)
                 _check_shape(part, file, tensor.shape, dest, target)
@@ -340,7 +395,7 @@ def read_model(
         _stored_as(bridge, hf_name)
         for target, n in filled.items()
         if n < params[target].numel()
-        for hf_name, _ in to_hf(bridge, target, params[target], cfg)
+        for hf_name, _ in to_hf(bridge, target, params[target], cfg, shares.get(target))
         if hf_name not in seen
     ]
     missing = list(dict.fromkeys(missing))  # a fused tensor's parts: named once

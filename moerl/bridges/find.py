@@ -40,11 +40,14 @@ def load_model(
     dtype: torch.dtype = torch.bfloat16,
     device: str | torch.device = "cpu",
     bridge: Bridge | None = None,
+    experts: tuple[int, int] | None = None,
+    reads: list | None = None,
 ) -> MoEModel:
     """Load a HF checkpoint directory into a MoEModel (``moerl.bridges.checkpoint.read_model``) through its bridge,
-    or ``bridge``."""
+    or ``bridge``; ``experts`` = (rank, ranks): only that expert-parallel rank's share of the experts; ``reads``
+    gets (tensor name, bytes) of what was read."""
     bridge = bridge or get_bridge(read_config(path), source=str(Path(path) / "config.json"))
-    return read_model(path, bridge, dtype, device)
+    return read_model(path, bridge, dtype, device, experts, reads)
 
 
 def export_model(

@@ -546,7 +546,8 @@ def attach_lora(
             with torch.no_grad():
                 _init_A(new.lora.lora_A, generator)
         else:
-            e, rows, h = mod.gate_up_proj.shape
+            # every expert's adapters, also where the weights hold one rank's share: the init is the layout's own
+            e, (_, rows, h) = mod.num_experts, mod.gate_up_proj.shape
             new = swapped(mod, LoraExperts)
             with torch.device(mod.gate_up_proj.device):
                 new.lora = ExpertLora(

@@ -199,6 +199,9 @@ class Route:
         self.gate = weights.reshape(-1)[order, None].to(dtype)
 
 
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")  # per expert, dim 0
+
+
 class Experts(nn.Module):
     """E experts as 3D tensors: ``gate_up_proj`` [E, 2I, H] (gate rows first; un-gated ``relu2`` experts: [E, I, H],
     the up rows alone), ``down_proj`` [E, H, I].

@@ -21,11 +21,9 @@ import torch.distributed as dist
 from torch import nn
 
 from moerl.errors import ConfigError
-from moerl.model.moe import Experts
+from moerl.model.moe import EXPERT_WEIGHTS, Experts
 from moerl.parallel.plan import check_layout
 from moerl.parallel.world import World
-
-EXPERT_WEIGHTS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 
 
 def _all_to_all(rows: torch.Tensor, out_counts: list[int], in_counts: list[int], group) -> torch.Tensor:
@@ -128,7 +126,8 @@ def shard_experts(model: nn.Module, world: World) -> dict[str, int]:
         experts = model.layers[i].mlp.experts
         for module, attr, dim in _sliced_tensors(experts):
             p = getattr(module, attr)
-            setattr(module, attr, nn.Parameter(p.detach().narrow(dim, first, n).clone(), p.requires_grad))
+            if p.shape[dim] == total:  # else loaded as this rank's share already (read_model's experts)
+                setattr(module, attr, nn.Parameter(p.detach().narrow(dim, first, n).clone(), p.requires_grad))
             prefix = f"layers.{i}.mlp.experts" + (".lora" if module is not experts else "")
             sliced[f"{prefix}.{attr}"] = dim
         experts.ep = ExpertDispatch(experts, first, total, world.group("ep"), world.ep)

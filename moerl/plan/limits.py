@@ -29,12 +29,14 @@ def check_limits(cfg: ModelConfig, run: RunConfig, machine, engine) -> list[str]
             f"{budget / 2**30:.0f} GiB): serve it with vLLM split over GPUs (rollout.engine=vllm, "
             "rollout.vllm_args.tensor_parallel_size=N); moerl drives vLLM engines, tested on CPU builds only"
         )
-    whole = _bf16_bytes(cfg)
-    if whole > budget:
+    ep = run.parallel.ep if not run.policy.reference else 1  # a reference copy needs every expert
+    loaded = _loaded_bytes(cfg, ep)
+    if loaded > budget:
+        share = f"its 1/{ep} of the experts" if ep > 1 else "every expert"
         out.append(
-            f"each trainer rank loads the whole checkpoint ({whole / 2**30:.0f} GiB in bf16) before the layout splits "
-            "it: that much host memory per rank (loading only a rank's tensors, moerl.bridges.checkpoint.names_held, "
-            "is not wired into Policy yet)"
+            f"each trainer rank loads the non-expert weights whole and {share} ({loaded / 2**30:.0f} GiB in bf16) "
+            "before FSDP shards them: more than a GPU holds; raise parallel.ep (loading only a pipeline stage's own "
+            "layers is not built)"
         )
     layer, expert = _largest_layer(cfg)
     if layer > budget:
@@ -50,11 +52,17 @@ def check_limits(cfg: ModelConfig, run: RunConfig, machine, engine) -> list[str]
     return out
 
 
-def _bf16_bytes(cfg: ModelConfig) -> int:
+def _loaded_bytes(cfg: ModelConfig, ep: int) -> int:
+    """What a trainer rank loads of the checkpoint (bf16): every weight but the routed experts whole, and its
+    ``1/ep`` share of those (``moerl.bridges.checkpoint.read_model``'s experts)."""
     from moerl.model.transformer import MoEModel
 
     with torch.device("meta"):
-        return sum(p.numel() * 2 for p in MoEModel(cfg, torch.bfloat16).parameters())
+        model = MoEModel(cfg, torch.bfloat16)
+    routed = {id(p) for i in model.moe_layer_ids for p in model.layers[i].mlp.experts.parameters()}
+    params = list(model.parameters())
+    whole = sum(p.numel() * 2 for p in params if id(p) not in routed)
+    return whole + sum(p.numel() * 2 for p in params if id(p) in routed) // ep
 
 
 def _largest_layer(cfg: ModelConfig) -> tuple[int, int]:

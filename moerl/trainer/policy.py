@@ -62,7 +62,10 @@ class Policy:
         world = world or World()
         self.device = resolve_device(cfg.device, key="policy.device")
         self.dtype = dtype = compute_dtype(cfg.dtype, self.device)
-        build = build or partial(load_model, checkpoint)
+        # an expert-parallel rank reads its share of the experts only; a reference copy needs them all
+        share = (world.ep_rank, world.ep) if world.ep > 1 and not cfg.reference else None
+        self.checkpoint_reads: list[tuple[str, int]] = []  # (tensor, bytes) this rank read of the checkpoint
+        build = build or partial(load_model, checkpoint, experts=share, reads=self.checkpoint_reads)
         self.mode = mode = MODES[cfg.mode]
         self.model = build(dtype=storage_dtype(world, mode.masters, dtype), device=self.device).eval()
         mode.prepare(self.model, cfg)
