@@ -249,7 +249,7 @@ def test_an_environment_installed_packages_register_is_found_by_name(tmp_path, m
         (["env.name=dataset", 'env.kwargs={"path": "data.jsonl"}'], r"'env.rewards': environment 'dataset' has no"),
         (
             ["env.name=my_tasks.py:AskTwice", "env.rewards=[{fn: my_rewards.py:correct}]"],
-            r"'env.rewards': environment 'my_tasks.py:AskTwice' is multi-turn",
+            r"'env.rewards': environment 'my_tasks.py:AskTwice' scores its own episodes",
         ),
         (["env.rewards=[{fn: my_rewards.py:nope}]"], r"'env.rewards\[0\].fn'='my_rewards.py:nope': my_rewards\.py has"),
         (["env.rewards=[{fn: my_rewards.py:not_a_function}]"], r"'env.rewards\[0\].fn'=.*names a int, not a func"),

@@ -350,9 +350,10 @@ def read_model(
     check_buildable(cfg)
     with torch.device("meta"):
         model = MoEModel(cfg, dtype)
-    check_shapes(path, bridge, cfg, dict(model.named_parameters()) | dict(model.named_buffers()), hf)
+    whole = dict(model.named_parameters()) | dict(model.named_buffers())  # every tensor at its checkpoint shape
     shares = _keep_share(model, expert_share(cfg.num_experts, *experts)) if experts is not None else {}
-    check_fits(model, device, str(path))
+    check_fits(model, device, str(path))  # what this process holds
+    check_shapes(path, bridge, cfg, whole, hf)
     model.to_empty(device=device)
     model.init_rope()
     model.hf_config = hf
