@@ -88,7 +88,7 @@ def _bound_hub_waits() -> None:
 
     if get_session().event_hooks["request"].count(_fill_deadline):
         return
-    set_client_factory(lambda: _with_deadline(default_client_factory()))  # closes the session of now
+    set_client_factory(lambda: _with_deadline(default_client_factory()))  # replaces the open HTTP client
 
 
 def _with_deadline(session):

@@ -67,3 +67,22 @@ def fix_four_problems() -> None:
     from moerl.envs.arithmetic import ArithmeticEnv
 
     fix_problems(ArithmeticEnv(**EASY).problems(4, seed=3))
+
+
+def random_adapter(ckpt, out) -> None:
+    """A PEFT adapter of ``ckpt`` at ``out`` (rank 4 on attention and the experts, seeded random factors: its
+    greedy answers differ from the base model's), as moerl exports one."""
+    import torch
+
+    from moerl.bridges import load_model
+    from moerl.bridges.peft import write_peft_adapter
+    from moerl.model.lora import LoraConfig, attach_lora, lora_modules
+
+    model = load_model(ckpt, dtype=torch.float32)
+    attach_lora(model, LoraConfig(rank=4, alpha=8, targets=["q_proj", "k_proj", "v_proj", "o_proj", "experts"]))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for lora in lora_modules(model).values():
+            for p in lora.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    write_peft_adapter(model, out)

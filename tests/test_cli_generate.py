@@ -5,6 +5,7 @@ import shutil
 
 import pytest
 import torch
+from run_helpers import random_adapter
 
 from moerl.bridges.checkpoint import load_tokenizer
 from moerl.cli import main
@@ -181,18 +182,8 @@ def test_a_checkpoint_without_a_tokenizer_is_a_named_error(ckpt, tmp_path, capsy
 def test_generate_applies_a_trained_adapter_greedily_by_default(ckpt, tmp_path, capsys):
     """``moerl generate CKPT --adapter DIR`` (a PEFT directory as moerl exports it): greedy by default, the engine's
     tokens with that adapter; negative control: the base model's greedy tokens differ."""
-    from moerl.bridges import load_model
-    from moerl.bridges.peft import write_peft_adapter
-    from moerl.model.lora import LoraConfig, attach_lora, lora_modules
 
-    model = load_model(ckpt, dtype=torch.float32)
-    attach_lora(model, LoraConfig(rank=4, alpha=8, targets=["q_proj", "k_proj", "v_proj", "o_proj", "experts"]))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for lora in lora_modules(model).values():
-            for p in lora.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    write_peft_adapter(model, tmp_path / "adapter")
+    random_adapter(ckpt, tmp_path / "adapter")
     args = [ckpt, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--max-tokens", 10, "--dtype", "float32"]
     code, out, err = run([*args, "--adapter", tmp_path / "adapter"], capsys)
     assert code == 0, err

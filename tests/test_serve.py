@@ -16,6 +16,7 @@ import openai
 import pytest
 import torch
 from chat_tokenizer import build_chat_tokenizer, chat_model
+from run_helpers import random_adapter
 from transformers import AutoModelForCausalLM
 
 from moerl.engine import EngineConfig, LLMEngine
@@ -260,19 +261,9 @@ def _serve(argv: list) -> tuple[subprocess.Popen, str]:
 def test_moerl_serve_answers_with_the_adapter_on_loopback_and_stops_on_sigterm(ckpt, tmp_path):
     """``moerl serve CKPT --adapter DIR``: listens on 127.0.0.1, serves the directory's name, answers as the engine
     with that adapter does (greedy; negative control: the base model answers otherwise), exits 0 on SIGTERM."""
-    from moerl.bridges import load_model
-    from moerl.bridges.peft import write_peft_adapter
     from moerl.engine import Request, SamplingParams
-    from moerl.model.lora import LoraConfig, attach_lora, lora_modules
 
-    model = load_model(ckpt, dtype=torch.float32)
-    attach_lora(model, LoraConfig(rank=4, alpha=8, targets=["q_proj", "k_proj", "v_proj", "o_proj", "experts"]))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for lora in lora_modules(model).values():
-            for p in lora.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    write_peft_adapter(model, tmp_path / "adapter")
+    random_adapter(ckpt, tmp_path / "adapter")
     engine = LLMEngine(ckpt, EngineConfig(max_loras=1, max_lora_rank=4), dtype=torch.float32)
     engine.add_adapter("a", tmp_path / "adapter")
     greedy = SamplingParams(temperature=0, max_tokens=8)
