@@ -622,6 +622,7 @@ def _compiled_decode(sim) -> tuple[bool, str]:
     where = f" ({'; '.join(in_step.where)})" if in_step.where and per_step != 1 else ""
     speed = f"{t_eager / t_fast:.2f}x eager" if CUDA else "no speed (simulated, eager)"
     return ok, (
+        f"compile_scope {fast.compiled.scope}, {_captures({'fast': fast})}; "
         f"grouped experts in the graph {grouped}, cudagraph skips {skips}, graphs compiled after warm-up "
         f"{recompiles}, host syncs in the compiled step {in_graph.count}, per engine step {per_step:.2f}{where} (a "
         f"planted one counted {planted.count}); k3 vs eager forward {k3:.1e} (bound {bound:.0e}), max|dlp| "
@@ -699,23 +700,28 @@ SMALL_MOE = {
 SHARED_OUTER_TARGET = 0.95
 
 
-def lora_decode(seqs: int, tokens: int, rounds: int) -> tuple[bool | str, str]:
+def lora_decode(seqs: int, tokens: int, rounds: int, layers: int = 0, compile: bool = False) -> tuple[bool | str, str]:
     """Decode at ``seqs`` concurrent sequences: base vs per_expert vs shared_outer LoRA (rank 16 on every projection
     and expert, through the engine's adapter slot), ``rounds`` rounds interleaved (each layout once a round; medians),
     as tokens/s and as a fraction of the HBM roofline (``_step_bytes``). The adapters must change the logprobs (the
-    adapter path ran). On the GPU shared_outer must reach ``SHARED_OUTER_TARGET`` of base; the dry run says INFO."""
-    shape = QWEN3_30B_A3B if CUDA else SMALL_MOE
+    adapter path ran). On the GPU shared_outer must reach ``SHARED_OUTER_TARGET`` of base; the dry run says INFO.
+    ``layers``: the model's depth (0: the shape's own); ``compile``: each engine decodes through its step compiled
+    layer by layer (one graph every layer runs; on CUDA the step captured as CUDA graphs). The three engines share
+    one base model's tensors (Qwen3-30B-A3B's 48 layers are 61 GB in bf16: one copy fits an H100, three do not)."""
+    shape = (QWEN3_30B_A3B if CUDA else SMALL_MOE) | ({"num_hidden_layers": layers} if layers else {})
     bw = next((b for n, b in HBM_BYTES_PER_S.items() if CUDA and n in torch.cuda.get_device_name()), None)
     engines, adapters = {}, {}
+    base = _random_model(shape)
+    compiled = {"compile_decode": True, "compile_scope": "layer"} if compile else {}
     for layout in ("base", "per_expert", "shared_outer"):
         lora = {} if layout == "base" else {"max_loras": 1, "max_lora_rank": 16, "lora_layout": layout}
-        torch.manual_seed(0)  # the same base weights under each layout
-        config = EngineConfig(max_num_seqs=seqs, max_model_len=64 + tokens, **lora)
-        engine = LLMEngine(_random_model(shape), config)
+        config = EngineConfig(max_num_seqs=seqs, max_model_len=64 + tokens, **lora, **compiled)
+        engine = LLMEngine(_sharing(base), config)  # the same base tensors under each layout (one copy in memory)
         if layout != "base":
-            g = torch.Generator().manual_seed(0)
+            g = torch.Generator(DEV).manual_seed(0)
             shapes = slot_tensors(engine.model, 0)
-            engine.add_adapter("a", {k: torch.randn(v.shape, generator=g) * 0.1 for k, v in shapes.items()})
+            factors = {k: torch.randn(v.shape, generator=g, device=DEV) * 0.1 for k, v in shapes.items()}
+            engine.add_adapter("a", factors)
             adapters[layout] = "a"
         engines[layout] = engine
     greedy = {}
@@ -741,10 +747,29 @@ def lora_decode(seqs: int, tokens: int, rounds: int) -> tuple[bool | str, str]:
     ok: bool | str = (shared >= SHARED_OUTER_TARGET) if CUDA else "INFO"
     applied = moved > 1e-4
     target = f"shared_outer >= {SHARED_OUTER_TARGET}x base" if CUDA else "no target off the GPU"
+    graphs = f"; compiled layer by layer, {_captures(engines)}" if compile else ""
     return (ok if applied else False), (
-        f"{'; '.join(parts)}; {rounds} rounds interleaved, medians (spread: min-max over median); {target}; the "
+        f"{shape['num_hidden_layers']} layers{graphs}; {'; '.join(parts)}; "
+        f"{rounds} rounds interleaved, medians (spread: min-max over median); {target}; the "
         f"adapters moved the logprobs by {moved:.1e} (must exceed 1e-4)"
     )
+
+
+def _captures(engines: dict) -> str:
+    """What the engines' compiled steps hold: CUDA graphs captured (one per padded shape) on the GPU."""
+    from moerl.engine.cuda_graphs import StepGraphs
+
+    held = [e.compiled._graph.captures for e in engines.values() if isinstance(e.compiled._graph, StepGraphs)]
+    return f"CUDA graphs captured {held}" if held else "no CUDA graphs (not on CUDA)"
+
+
+def _sharing(model):
+    """A module tree of its own (an engine attaches its adapters and sets its flags on it) over ``model``'s very
+    parameter and buffer tensors."""
+    import copy
+
+    memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return copy.deepcopy(model, memo)
 
 
 def _random_model(overrides: dict, dtype: torch.dtype = DT, device: str = DEV):
@@ -808,6 +833,9 @@ def main() -> int:
         # the long compiles last: a line cut by its limit leaves the others their time
         check("compiled trainer blocks vs eager", compiled_trainer, ckpt, limit=150)
         check("compiled decode, grouped experts, CUDA graphs", compiled_decode, limit=240)
+        torch._dynamo.reset()  # the layer graph's code starts its recompile budget afresh
+        deep = (32, 64, 3, 48) if CUDA else (4, 4, 2, 2)
+        check("LoRA decode, Qwen3-30B-A3B shapes, compiled layer by layer", lora_decode, *deep, True, limit=300)
     result = verdict()
     counts = {k: sum(line["status"] == k for line in LINES) for k in ("PASS", "FAIL", "SKIP", "INFO")}
     named = {k: [line["name"] for line in LINES if line["status"] == k] for k in ("FAIL", "SKIP")}

@@ -16,6 +16,11 @@ back to a loop over ``offs.cpu()`` (anything but bf16 on sm90 / sm100), and copi
 device (a CUDA stream syncs before such a copy: only a pinned source copied with ``non_blocking=True`` does not; a
 CPU index tensor of a device tensor is copied so too).
 
+CUDA graphs (``torch.cuda.CUDAGraph``, ``torch.cuda.graph``): a capture records every ATen op it runs, with its
+very tensors, and refuses a host sync as CUDA does while a stream captures; the outputs the ops made are then
+spoiled (NaN), as a capture computes nothing; a replay runs the recorded ops again on the same tensors, writing what
+they make into the recorded outputs (views stay views; in-place writes write again).
+
 What it cannot show: the speed, kernels that exist on the CPU only, the alignment rules of CUDA kernels.
 """
 
@@ -94,12 +99,17 @@ def _tensors(tree) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
+class CaptureError(RuntimeError):
+    """A host sync while a CUDA graph captures (CUDA: "operation not permitted when stream is capturing")."""
+
+
 class _Where:
     """Which storages are on the simulated device (by address; every tensor made while simulating is recorded)."""
 
     def __init__(self):
         self.state: dict[int, bool] = {}
         self.reading = False  # inside a Python-level read (SYNCS), counted there
+        self.capture: list | None = None  # the ops a CUDA graph capture has recorded so far (None: not capturing)
 
     def on(self, t: torch.Tensor) -> bool:
         storage = t.untyped_storage()  # its device is the real one (``t.device`` is what the simulation reports)
@@ -119,11 +129,14 @@ def _pageable(src: torch.Tensor, blocking: bool, pinned: set[int]) -> str | None
     return None
 
 
-def _count(syncs: Counter, what: str) -> None:
-    """One host sync, by the innermost moerl line (not this module's) of the stack that made it."""
+def _count(syncs: Counter, what: str, where_: _Where | None = None) -> None:
+    """One host sync, by the innermost moerl line (not this module's) of the stack that made it; refused while a
+    CUDA graph captures."""
     stack = traceback.extract_stack()
     caller = next((f for f in reversed(stack) if "/moerl/" in f.filename and "simdevice" not in f.filename), None)
     where = f"{caller.filename.rsplit('/moerl/', 1)[1]}:{caller.lineno}" if caller else "outside moerl"
+    if where_ is not None and where_.capture is not None:
+        raise CaptureError(f"{what} at {where} while capturing a CUDA graph: operation not permitted")
     syncs[(what, where)] += 1
 
 
@@ -193,8 +206,10 @@ class _Dispatch(TorchDispatchMode):
                     )
         why = self._sync(func, args, kwargs, ins, dev)
         if why is not None:
-            _count(self.syncs, why)
+            _count(self.syncs, why, self.where)
         out = func(*args, **kwargs)
+        if self.where.capture is not None:
+            self.where.capture.append((_kind(func, ins, out), func, args, kwargs, out))
         if func in (aten.copy_.default, aten.set_.source_Storage_storage_offset, aten.set_.source_Tensor):
             return out  # the destination stays where it is
         if func is aten._to_copy.default and kwargs.get("device") is not None:
@@ -292,7 +307,63 @@ class _Function(TorchFunctionMode):
         return kwargs.get("device")
 
     def _count(self, what: str) -> None:
-        _count(self.syncs, what)
+        _count(self.syncs, what, self.where)
+
+
+def _kind(func, ins: list[torch.Tensor], out) -> str:
+    """How a replay runs a recorded op: "write" (in place: again), "view" (its outputs view its inputs: not at all)
+    or "new" (again, into the recorded outputs). An op that may view or copy (``to``, ``reshape``) is what it did."""
+    returns = [r.alias_info for r in func._schema.returns]
+    if any(a is not None and a.is_write for a in returns):
+        return "write"
+    held = {t.untyped_storage().data_ptr() for t in ins}
+    outs = _tensors(out)
+    return "view" if outs and all(t.untyped_storage().data_ptr() in held for t in outs) else "new"
+
+
+class _Graph:
+    """``torch.cuda.CUDAGraph`` on the simulated device: the recorded ops of its capture, run again by ``replay``."""
+
+    def __init__(self, *args, **kwargs):
+        self.ops: list | None = None
+        self.where: _Where | None = None  # set by the capture
+
+    def pool(self) -> tuple[int, int]:
+        return (0, id(self))
+
+    def replay(self) -> None:
+        if self.ops is None:
+            raise RuntimeError("CUDAGraph.replay: nothing captured")
+        for kind, func, args, kwargs, out in self.ops:
+            if kind == "view":  # it still views what it viewed
+                continue
+            made = func(*args, **kwargs)  # an in-place op writes again; a new result goes where the graph's is
+            if kind == "new":
+                for old, new in zip(_tensors(out), _tensors(made), strict=True):
+                    self.where.mark(new, self.where.on(old))  # made where the graph's output is: no transfer
+                    old.copy_(new)
+
+
+class _Capture:
+    """``torch.cuda.graph(g, pool=...)`` on the simulated device."""
+
+    def __init__(self, where: _Where, graph: _Graph, pool=None, **kwargs):
+        self.where, self.graph = where, graph
+
+    def __enter__(self):
+        if self.where.capture is not None:
+            raise RuntimeError("torch.cuda.graph: a capture is already under way")
+        self.where.capture = []
+        return self
+
+    def __exit__(self, *exc) -> None:
+        ops, self.where.capture = self.where.capture, None
+        self.graph.ops, self.graph.where = ops, self.where
+        if exc[0] is None:  # a capture computes nothing: what the ops made holds no values until a replay
+            for kind, _, _, _, out in ops:
+                if kind == "new":
+                    for t in _tensors(out):
+                        t.fill_(float("nan") if t.is_floating_point() else -(2**30) if t.dtype != torch.bool else 0)
 
 
 class SimCuda:
@@ -324,6 +395,8 @@ class SimCuda:
                 name="simulated GPU", uuid="GPU-simulated-0", total_memory=2 * self.free_memory, major=CAPABILITY[0]
             ),
             "get_device_name": lambda device=None: "simulated GPU",
+            "CUDAGraph": _Graph,
+            "graph": lambda graph, pool=None, **kwargs: _Capture(self.where, graph, pool, **kwargs),
         }
         for name, answer in answers.items():
             self._stack.callback(setattr, torch.cuda, name, getattr(torch.cuda, name))

@@ -512,7 +512,9 @@ def test_a_compiled_decode_step_waits_for_the_device_once(monkeypatch):
         with SimCuda() as sim:
             # bf16: CUDA's grouped GEMM has its kernel (fp32 falls back to a loop over offsets read on the host)
             model = init_model("qwen3_moe", "tiny", overrides={"num_hidden_layers": 2}, dtype=torch.bfloat16)
-            cfg = EngineConfig(max_num_seqs=4, max_model_len=64, compile_decode=True, capture_routing=True)
+            cfg = EngineConfig(
+                max_num_seqs=4, max_model_len=64, compile_decode=True, compile_scope="step", capture_routing=True
+            )
             engine = LLMEngine(model.to("cuda"), cfg)
             if view is not None:
                 monkeypatch.setattr(compiled_decode, "StepView", view)
@@ -540,3 +542,138 @@ def test_a_compiled_decode_step_waits_for_the_device_once(monkeypatch):
 
     inside, per_step = syncs(SearchingView)
     assert min(inside) >= 1 and per_step > 1, (inside, per_step)
+
+
+def test_a_step_compiled_layer_by_layer_runs_one_graph_for_every_layer(monkeypatch):
+    """``compile_scope="layer"`` (a deep model's, CUDA's): four MoE layers run one inductor graph, for every bucket and
+    table width, with LoRA slots mixed per row; same tokens and routing as the eager engine, fp32 logprobs within
+    1e-5. Negative control: a view that takes its layer's pools by the layer's number (what the whole-step graph
+    does) makes a graph per layer."""
+    from torch._dynamo.testing import CompileCounter
+    from torch._dynamo.utils import counters
+
+    from moerl.model.lora import slot_tensors
+
+    four = {"num_hidden_layers": 4}
+    donor = _lora_engine_model("shared_outer", four)
+    cfg = {"max_num_seqs": 16, "max_model_len": 64, "max_loras": 2, "max_lora_rank": 4, "lora_layout": "shared_outer"}
+
+    def engine(**more) -> LLMEngine:
+        model = init_model("qwen3_moe", "tiny", overrides=four, dtype=torch.float32)
+        made = LLMEngine(model, EngineConfig(**cfg, **more), dtype=torch.float32)
+        made.add_adapter("a", slot_tensors(donor, 0))
+        made.add_adapter("b", slot_tensors(donor, 1))
+        return made
+
+    def requests():
+        return [Request(r.prompt, r.params, adapter=("a", "b", None)[i % 3]) for i, r in enumerate(_requests())]
+
+    reference = engine().generate(requests())
+    torch._dynamo.reset()  # the layer graph's code as no earlier test left it
+    layered = engine(compile_decode=True, compile_scope="layer")
+    assert layered.compiled.scope == "layer" and not isinstance(layered.compiled._graph, compiled_decode.StepGraphs)
+    graphs = counters["stats"]["unique_graphs"]
+    assert _compare(reference, layered.generate(requests())) < 1e-5
+    assert counters["stats"]["unique_graphs"] - graphs == 1
+
+    class ByNumber(compiled_decode.StepView):
+        def __init__(self, *args, layer_pools=None, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    for view, want in ((compiled_decode.StepView, 1), (ByNumber, 4)):
+        monkeypatch.setattr(compiled_decode, "StepView", view)
+        counted = engine(compile_decode=True, compile_scope="layer")
+        counter = CompileCounter()
+        torch._dynamo.reset()
+        counted.compiled._layer_graph = torch.compile(counted.compiled._layer, dynamic=True, backend=counter)
+        counted.generate(requests())
+        assert counter.frame_count == want, (view, counter.frame_count)
+
+
+def test_scopes_by_depth_and_device_and_the_scope_refusals():
+    """``compile_scope="auto"``: the whole step up to STEP_GRAPH_MAX_LAYERS layers on the CPU, a layer graph past
+    them and on CUDA; a model whose indexer layers share their choice takes the step (a layer graph is refused by
+    name); an unknown scope is refused by name."""
+    from types import SimpleNamespace
+
+    from test_model_config import INDEXED
+
+    from moerl.model.config import ModelConfig
+    from moerl.presets import preset_config
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    shallow, deep = (
+        SimpleNamespace(config=preset_config("qwen3_moe", "tiny", {"num_hidden_layers": n})[1]) for n in (2, 9)
+    )
+    assert compiled_decode.STEP_GRAPH_MAX_LAYERS == 8
+    scope = compiled_decode.decode_scope
+    assert (scope(shallow, cpu), scope(deep, cpu), scope(shallow, cuda)) == ("step", "layer", "layer")
+    assert scope(deep, cpu, "step") == "step" and scope(shallow, cpu, "layer") == "layer"
+    shared = SimpleNamespace(config=ModelConfig(**INDEXED, index_shared_layers=[1]))  # GLM-5's shared indexer
+    assert scope(shared, cuda) == "step"
+    with pytest.raises(ConfigError, match="compile_scope='layer' with index_shared_layers"):
+        scope(shared, cpu, "layer")
+    with pytest.raises(ConfigError, match="EngineConfig.compile_scope.*allowed: 'auto', 'step', 'layer'"):
+        EngineConfig(compile_scope="model")
+
+
+def test_on_cuda_the_layered_step_is_captured_once_a_shape_and_replays_without_a_sync(monkeypatch):
+    """On the simulated device (its CUDA graphs record a capture's ops and replay them on the same tensors;
+    torch.compile runs eager under it), bf16 with R3 and mixed LoRA slots: the step is captured once per padded
+    shape, replays with no host sync inside (one a step, the engine's copy back), gives what the whole-step engine
+    gives bit for bit, and follows a weight update. Negative control: a view that searches for its write rows (a
+    host sync) cannot be captured: the simulated CUDA refuses it, as CUDA refuses a sync while capturing."""
+    from simdevice import CaptureError, SimCuda
+
+    from moerl.model.lora import slot_tensors
+
+    donor = _lora_engine_model("per_expert")
+    cfg = {"max_num_seqs": 4, "max_model_len": 64, "compile_decode": True, "max_loras": 2, "max_lora_rank": 4}
+
+    def requests():
+        return [Request(r.prompt, r.params, adapter=("a", "b", None)[i % 3]) for i, r in enumerate(_shrinking())]
+
+    with SimCuda() as sim:
+
+        def engine(scope: str) -> LLMEngine:
+            model = init_model("qwen3_moe", "tiny", overrides=LORA_LAYERS, dtype=torch.bfloat16).to("cuda")
+            made = LLMEngine(model, EngineConfig(**cfg, compile_scope=scope))
+            for slot, name in enumerate("ab"):
+                made.add_adapter(name, {k: v.to(torch.bfloat16) for k, v in slot_tensors(donor, slot).items()})
+            return made
+
+        whole, layered = engine("step"), engine("auto")
+        graphs = layered.compiled._graph
+        assert layered.compiled.scope == "layer" and isinstance(graphs, compiled_decode.StepGraphs)
+        inside, step = [], graphs.step
+
+        def counted(*args):
+            before = sum(sim.syncs.values())
+            out = step(*args)
+            inside.append(sum(sim.syncs.values()) - before)
+            return out
+
+        graphs.step = counted
+        assert _compare(whole.generate(requests()), layered.generate(requests()), tol=1e-30) == 0
+        assert graphs.captures == len(layered.compiled._static) == 2 and set(inside) == {0}
+        sim.syncs.clear()
+        steps = layered.steps
+        layered.generate(requests())  # replays only
+        assert graphs.captures == 2 and sum(sim.syncs.values()) == layered.steps - steps
+        g = torch.Generator().manual_seed(5)
+        update = {
+            n: torch.randn(p.shape, generator=g).to(p.dtype) * 0.02
+            for n, p in whole.model.named_parameters()
+            if n.endswith("q_proj.weight")
+        }
+        for made in (whole, layered):
+            made.update_weights(update, version=1)
+        assert _compare(whole.generate(requests()), layered.generate(requests()), tol=1e-30) == 0
+
+        class SearchingView(compiled_decode.StepView):
+            def __init__(self, *args, write_rows=None, **kwargs):
+                super().__init__(*args, **kwargs)
+
+        monkeypatch.setattr(compiled_decode, "StepView", SearchingView)
+        with pytest.raises(CaptureError, match="nonzero.*while capturing a CUDA graph"):
+            engine("layer").generate(requests())

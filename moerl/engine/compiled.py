@@ -1,5 +1,11 @@
 """The compiled decode step (``EngineConfig.compile_decode``): one ``torch.compile`` graph for every decode batch.
 
+What one graph covers (``EngineConfig.compile_scope``): the whole step ("step", described below), or one decoder
+layer that every layer of the model runs ("layer": the layer's pools are its inputs, not looked up by its number,
+so 48 layers compile as one). The layer scope is a deep model's (a whole step's graph compiles in time that grows
+with its depth) and CUDA's: there the whole step, layers and the eager glue between them, is captured as one CUDA
+graph per padded shape (``moerl.engine.cuda_graphs``), a launch a step.
+
 A decode step runs hundreds of small ops whose per-op cost, not arithmetic, decides its speed on a small model (CPU)
 and whose launches dominate on a GPU. Here the batch is padded to a bucket size (``BUCKETS``, at least 2: a size-1
 dimension would be specialised into a graph of its own) and, on CUDA, the block tables to a power of two (each shape
@@ -33,7 +39,9 @@ from __future__ import annotations
 import torch
 
 from moerl.dynamo import first_compile, graph_key, price, unducked
+from moerl.engine.cuda_graphs import StepGraphs
 from moerl.engine.kv_cache import KVCache, StepView
+from moerl.errors import ConfigError
 from moerl.model.grouped import device_kernel
 from moerl.model.mx import MXExperts, MXLinear, refresh_kept
 from moerl.model.transformer import MoEModel
@@ -50,6 +58,10 @@ DENSE_MAX_FLOPS_PER_TOKEN = 1e6
 # (benchmarks/compile_decode_run.py) the step saved 15% for 18 s: it paid after 273 steps, where this rule waits for
 # 540. COMPILE_SECONDS prices a graph never compiled here; one that was is priced at its last first call
 # (moerl.dynamo's ledger)
+# ``compile_scope: auto`` compiles the whole step as one graph up to this many decoder layers; a deeper model one
+# graph that every layer runs (a whole step's graph compiles in time that grows with its layers: ~80 s for two
+# layers on an H200 from a cold cache, BENCHMARKS.md "The first GPU run")
+STEP_GRAPH_MAX_LAYERS = 8
 STEP = "the engine's decode step"  # what the console calls it
 GAIN = 0.12
 COMPILE_SECONDS = 30.0
@@ -75,10 +87,24 @@ def decode_price(remembered: float | None) -> tuple[float, str]:
     return price(remembered, COMPILE_SECONDS)
 
 
-def decode_graph_key(model: MoEModel, cache: KVCache, capture: bool) -> str:
+def decode_graph_key(model: MoEModel, cache: KVCache, capture: bool, scope: str = "step") -> str:
     """The decode step's graph identity across runs (``moerl.dynamo.graph_key``): the model, the cache's pools (static
-    in the graph: another size is another graph) and whether it captures the routing."""
-    return graph_key(STEP, model, capture, [tuple(pool.shape) for pool in cache.pools()])
+    in the graph: another size is another graph), whether it captures the routing and what one graph covers."""
+    return graph_key(STEP, model, capture, [tuple(pool.shape) for pool in cache.pools()], scope)
+
+
+def decode_scope(model: MoEModel, device: torch.device, setting: str = "auto") -> str:
+    """What one compiled graph of the decode step covers (``EngineConfig.compile_scope``): "step" or "layer"."""
+    if model.config.index_shared_layers:  # layers hand the keys they chose on: a list each layer's graph would see
+        if setting == "layer":  # grow, one graph per length
+            raise ConfigError(
+                "EngineConfig.compile_scope='layer' with index_shared_layers (indexer layers sharing their choice): "
+                "not built; take 'step'"
+            )
+        return "step"
+    if setting != "auto":
+        return setting
+    return "layer" if device.type == "cuda" or model.config.num_layers > STEP_GRAPH_MAX_LAYERS else "step"
 
 
 def dense_experts_pay(model: MoEModel) -> bool:
@@ -90,10 +116,11 @@ def dense_experts_pay(model: MoEModel) -> bool:
 class CompiledDecode:
     """Runs decode steps of ``model`` over ``cache`` through one compiled graph (see the module docstring)."""
 
-    def __init__(self, model: MoEModel, cache: KVCache, capture: bool, setting: bool | str = True):
+    def __init__(self, model: MoEModel, cache: KVCache, capture: bool, setting: bool | str = True, scope: str = "auto"):
         if cache.scratch_block is None:
             raise ValueError("CompiledDecode needs a KVCache built with scratch=True")
         device, dtype = model.embed_tokens.weight.device, model.dtype
+        self.scope = decode_scope(model, device, scope)
         # on CUDA the grouped GEMM goes into the graph only where it has its kernel (no host read): bf16 on sm90 /
         # sm100; elsewhere the dense path, which reads every expert as the grouped GEMMs of a decode batch nearly do
         dense = dense_experts_pay(model) or (device.type == "cuda" and not device_kernel(dtype, device))
@@ -103,19 +130,32 @@ class CompiledDecode:
         # the pools the graph writes keep their shapes and addresses (release_cache is refused with compile_decode):
         # marked static, CUDA graphs write them in place (an unmarked mutated input makes cudagraph trees skip the
         # graph), and no pool's size becomes a symbol of its own
+        self.cuda = cuda = device.type == "cuda"
         for pool in cache.pools():
             torch._dynamo.mark_static(pool)
-            torch._dynamo.mark_static_address(pool)
-        self.cuda = cuda = device.type == "cuda"
+            if self.scope == "step":
+                torch._dynamo.mark_static_address(pool)
         self._static: dict[tuple[int, int, bool], StaticInputs] = {}  # the inputs of each padded shape
         # an fp32 CPU graph not from inductor's on-disk cache: the one it hands back runs 0.6x the one it compiles
-        # (tiny, 12.3k against 19.4k tokens/s; bf16 the same either way; BENCHMARKS.md, issue 42's fourteenth
-        # session), for ~5 s more of the first call
+        # (BENCHMARKS.md, "Compiled decode"), for ~5 s more of the first call
         options = {"fx_graph_cache": False} if not cuda and dtype == torch.float32 else None
-        mode = "reduce-overhead" if cuda else None
-        self._graph = unducked(torch.compile(self._forward, dynamic=True, mode=mode, options=options))
+        if self.scope == "step":
+            mode = "reduce-overhead" if cuda else None
+            self._graph = unducked(torch.compile(self._forward, dynamic=True, mode=mode, options=options))
+        else:  # one graph for every layer; on CUDA the whole step (its eager glue too) captured as one CUDA graph
+            if model.adapter_ctx is not None:
+                model.adapter_ctx.slots_as_tensor = True
+            self._layer_graph = torch.compile(self._layer, dynamic=True, options=options)
+            self._graph = StepGraphs(unducked(self._layered)) if cuda else unducked(self._layered)
         self.first, self.setting = True, setting  # the first step compiles the graph (said on the console)
-        self.key = decode_graph_key(model, cache, capture)  # what the first step takes is remembered under it
+        # what the first step takes is remembered under it
+        self.key = decode_graph_key(model, cache, capture, self.scope)
+
+    def weights_changed(self) -> None:
+        """Weights or adapters were written: CUDA graphs captured over the step are captured again at their next
+        step (the writes are in place, but a tensor made anew would leave a captured graph reading the old one)."""
+        if isinstance(self._graph, StepGraphs):
+            self._graph.reset()
 
     def _forward(self, ids, positions, tables, adapters) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The graph: the step's view of the cache (every row writes one key, so its write rows are known: no
@@ -124,6 +164,22 @@ class CompiledDecode:
         view = StepView(self.cache, tables, positions, torch.ones_like(rows), write_rows=rows, graph=True)
         out = self.model(ids, positions=positions, capture=self.capture, cache=view, adapters=adapters)
         return out.logits[:, 0], out.routed
+
+    def _layered(self, ids, positions, tables, adapters) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step with every decoder layer run by the layer graph (``compile_scope="layer"``): the embedding, the
+        head and the routes' stacking eager around them."""
+        rows = torch.arange(ids.shape[0], device=ids.device)
+        layers = LayerSteps(self._layer_graph, self.cache, tables, positions, rows)
+        out = self.model(ids, positions=positions, capture=self.capture, cache=layers, adapters=adapters)
+        return out.logits[:, 0], out.routed
+
+    def _layer(self, layer, x, cos, sin, replay, chosen, tables, positions, rows, k, v, index):
+        """The layer graph: ``layer``'s block over its own pools ``k`` / ``v`` / ``index`` (inputs, so every layer
+        of one structure runs the same graph) and its own view of the step, made inside (as ``_forward`` makes it)."""
+        view = StepView(
+            self.cache, tables, positions, torch.ones_like(rows), write_rows=rows, graph=True, layer_pools=(k, v, index)
+        )
+        return layer.block(x, cos, sin, None, replay, view, chosen)
 
     def step(
         self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, adapters: torch.Tensor | None = None
@@ -158,6 +214,21 @@ class CompiledDecode:
         if key not in self._static:
             self._static[key] = StaticInputs(key[0], width, adapters is not None, self.cache.scratch_block, ids.device)
         return self._static[key].fill(ids, positions, tables, adapters)
+
+
+class LayerSteps:
+    """A decode step's cache as the model's layers see it under ``compile_scope="layer"``: each layer is run by the
+    layer graph (``KVCacheView.run_layer``), given the step's tables, positions and write rows and its own pools."""
+
+    runs_layers = True
+
+    def __init__(self, graph, cache: KVCache, tables: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor):
+        self.graph, self.cache, self.tables, self.positions, self.rows = graph, cache, tables, positions, rows
+
+    def run_layer(self, layer, x, cos, sin, replay, chosen) -> tuple[torch.Tensor, torch.Tensor | None]:
+        i = layer.layer
+        pools = self.cache.k[i], self.cache.v[i], self.cache.index[i]
+        return self.graph(layer, x, cos, sin, replay, chosen, self.tables, self.positions, self.rows, *pools)
 
 
 class StaticInputs:

@@ -119,6 +119,10 @@ class EngineConfig:
     # decode steps through one torch.compile graph (moerl.engine.compiled); "auto": eager until compile_decode()
     # (never where the eager step runs as bound kernel calls, moerl.engine.direct: faster than the graph)
     compile_decode: bool | str = False
+    # what one compiled graph covers: "step" the whole decode step, "layer" one decoder layer that every layer runs
+    # (its compile does not grow with the depth; on CUDA the step is then captured as one CUDA graph a bucket);
+    # "auto": "layer" on CUDA and past a few layers (moerl.engine.compiled.decode_scope), else "step"
+    compile_scope: str = "auto"
     # the KV cache holds memory only inside generate(): a trainer on the same device gets it back between calls
     release_cache: bool = False
     seed: int = 0
@@ -135,6 +139,12 @@ class EngineConfig:
                 compiled,
                 isinstance(compiled, bool) or compiled == "auto",
                 "allowed: True, False, 'auto'",
+            ),
+            (
+                "compile_scope",
+                self.compile_scope,
+                self.compile_scope in ("auto", "step", "layer"),
+                "allowed: 'auto', 'step', 'layer'",
             ),
             ("kv_cache_memory", memory, isinstance(memory, int | float) and 0 < memory <= 1, "must lie in (0, 1]"),
             ("release_cache", self.release_cache, isinstance(self.release_cache, bool), "must be True or False"),

@@ -17,7 +17,7 @@ from moerl.allocator import reuse_freed_memory
 from moerl.device import from_device, host_tensor, to_device
 from moerl.dynamo import remembered_seconds
 from moerl.engine.adapters import AdapterSlots
-from moerl.engine.compiled import CompiledDecode, decode_graph_key
+from moerl.engine.compiled import CompiledDecode, decode_graph_key, decode_scope
 from moerl.engine.config import EngineConfig, SamplingParams, check_context, int_or_none
 from moerl.engine.direct import DirectDecode
 from moerl.engine.kv_cache import KVCache, LinearStates, StepView, bytes_per_block
@@ -114,7 +114,9 @@ class LLMEngine:
             return False
         if self.compiled is None and self.cache.scratch_block is not None:
             cfg = self.config
-            self.compiled = CompiledDecode(self.model, self.cache, cfg.capture_routing, cfg.compile_decode)
+            self.compiled = CompiledDecode(
+                self.model, self.cache, cfg.capture_routing, cfg.compile_decode, cfg.compile_scope
+            )
         return self.compiled is not None
 
     @property
@@ -123,7 +125,8 @@ class LLMEngine:
         ``compile_decode: auto`` prices compiling it at that (``moerl.dynamo.price``)."""
         if self.cache.scratch_block is None:  # an engine that cannot compile its decode step
             return None
-        return remembered_seconds(decode_graph_key(self.model, self.cache, self.config.capture_routing))
+        scope = decode_scope(self.model, self.device, self.config.compile_scope)
+        return remembered_seconds(decode_graph_key(self.model, self.cache, self.config.capture_routing, scope))
 
     # -- adapters and weights ------------------------------------------------------------------------------
 
@@ -132,12 +135,14 @@ class LLMEngine:
         if self.adapters is None:
             raise ConfigError("EngineConfig.max_loras=0: this engine has no adapter slots")
         self.adapters.add(name, source)
+        self._weights_changed()
 
     def remove_adapter(self, name: str) -> None:
         """Free adapter ``name``'s slot; an unknown name is a RequestError listing the loaded ones."""
         if self.adapters is None:
             raise ConfigError(f"remove_adapter({name!r}): EngineConfig.max_loras=0: this engine has no adapter slots")
         self.adapters.remove(name)
+        self._weights_changed()
 
     def stage_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Check and hold one bucket of named tensors (moerl names) until ``commit_weights``.
@@ -172,6 +177,11 @@ class LLMEngine:
             params[name].copy_(t)
         self._staged = {}
         self.weight_version = version
+        self._weights_changed()
+
+    def _weights_changed(self) -> None:
+        if self.compiled is not None:
+            self.compiled.weights_changed()
 
     def discard_staged(self) -> None:
         """Drop what was staged but not committed (start of a new update, or an aborted one)."""

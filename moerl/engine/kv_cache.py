@@ -184,6 +184,8 @@ class StepView:
     rest is padding); ``block_tables`` [B, nb]; keys are visible up to each query's own position.
     """
 
+    runs_layers = False  # the model runs its layers (``KVCacheView``)
+
     def __init__(
         self,
         cache: KVCache,
@@ -193,11 +195,15 @@ class StepView:
         write_rows: torch.Tensor | None = None,
         state_slots: torch.Tensor | None = None,
         graph: bool = False,
+        layer_pools: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ):
         """``write_rows``: the flat [B * C] indices of the real new tokens, when the caller has them (else found
         here: a host sync). ``state_slots`` [B]: each row's slot of the linear-attention states (LinearStates).
-        ``graph``: the view a compiled step traces (keys read one by one, see ``update``)."""
-        self.cache, self.block_tables = cache, block_tables
+        ``graph``: the view a compiled step traces (keys read one by one, see ``update``). ``layer_pools``: the
+        key, value and indexer-key pools of the one layer this view serves, whatever layer number it is called with
+        (a graph compiled once for every layer takes its layer's pools as inputs, not by a number it would be
+        specialised on)."""
+        self.cache, self.block_tables, self.layer_pools = cache, block_tables, layer_pools
         self.lengths, self.state_slots = lengths, state_slots
         b, c = positions.shape
         bs = cache.block_size
@@ -243,9 +249,16 @@ class StepView:
             self.read = (head_base + self.block_tables.reshape(1, -1)).reshape(-1)
         return self.read
 
+    def pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The key, value and indexer-key (empty: no indexer) pools ``layer`` reads and writes."""
+        if self.layer_pools is not None:
+            return self.layer_pools
+        return self.cache.k[layer], self.cache.v[layer], self.cache.index[layer]
+
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store this step's real k / v [B, C, H, d] at their slots of the layer's pools."""
-        for pool, new in ((self.cache.k[layer], k), (self.cache.v[layer], v)):
+        kp, vp, _ = self.pools(layer)
+        for pool, new in ((kp, k), (vp, v)):
             h, _, d = pool.shape
             rows = new.reshape(-1, h, d)[self.write_rows].transpose(0, 1).reshape(-1, d)  # [H * n, d]
             pool.view(-1, d).index_copy_(0, self.write_at, rows)  # dim-0 gathers and scatters are the fast ones
@@ -254,7 +267,8 @@ class StepView:
         self._write(layer, k, v)
         read = self._reads()
         out = []
-        for which, pool in ((0, self.cache.k[layer]), (1, self.cache.v[layer])):
+        kp, vp, _ = self.pools(layer)
+        for which, pool in ((0, kp), (1, vp)):
             h, _, d = pool.shape
             src = pool.view(-1, self.width * d)
             if torch.compiler.is_compiling():
@@ -278,7 +292,7 @@ class StepView:
         if self._pos is None:  # a padded row reads key 0
             self._pos = torch.where(self._real[:, 0], self._q_pos[:, 0, 0], 0)
         window = self.cache.sliding_window if sliding and self.cache.sliding_window else 0
-        pools = (q.reshape(b, hq, d), self.cache.k[layer], self.cache.v[layer])
+        pools = (q.reshape(b, hq, d), *self.pools(layer)[:2])
         if self.key_slots is not None:  # the graph's view: its key length symbolic, the blocks per row are not
             self._write(layer, k, v)
             out = paged_decode(*pools, self.key_slots, self._pos, sinks, 1, window, scale)
@@ -296,7 +310,7 @@ class StepView:
     def update_index(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
         """Store this step's indexer keys [B, C, d] (DeepSeek sparse attention) in their single-head pool; return
         every visible key [B, S, d], in the key order ``update`` returns (row = position)."""
-        pool = self.cache.index[layer]
+        pool = self.pools(layer)[2]
         d = pool.shape[2]
         flat = pool.view(-1, d)
         flat.index_copy_(0, self._write_slots, keys.reshape(-1, d)[self.write_rows])

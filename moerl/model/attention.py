@@ -21,7 +21,15 @@ from moerl.model.rope import apply_rope
 
 
 class KVCacheView(Protocol):
-    """What attention needs from a KV cache for one forward (the rollout engine implements it)."""
+    """What attention needs from a KV cache for one forward (the rollout engine implements it). A view whose
+    ``runs_layers`` is true runs each decoder layer itself (``run_layer``: the engine's decode step compiled layer by
+    layer), handing the layer a view of its own."""
+
+    runs_layers: bool
+
+    def run_layer(self, layer, x, cos, sin, replay, chosen) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``layer``'s ``block`` over this step (a DecoderLayer's output and chosen experts)."""
+        ...
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's k/v [B, C, Hkv, d]; return every visible key/value, head-major [B, Hkv, S, d]."""

@@ -80,6 +80,8 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x, cos, sin, mask, replay=None, cache=None, chosen=None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if cache is not None and cache.runs_layers:  # the engine runs the block (its decode step's layer graph)
+            return cache.run_layer(self, x, cos, sin, replay, chosen)
         run = self.block
         # a training forward whose input carries a gradient: LoRA's first layer (frozen embeddings below it) runs
         # eager rather than compiling a second graph for an input without one
