@@ -33,7 +33,6 @@ test: $(TEST_STAMP)
 	$(PY) -m moerl.precision
 	$(PY) -m ruff check moerl moerl_chat tests benchmarks
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15  # the slowest tests, to keep CI within its budget
-	DEV=cpu $(PY) benchmarks/gpu_check.py  # the GPU check's dry run: it must work before device time is spent
 	$(MAKE) docs
 
 # the docs site (mkdocs.yml, docs/) into site/, strict: a broken link or a page missing from the nav fails. Two pages are

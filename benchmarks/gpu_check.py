@@ -725,9 +725,14 @@ def lora_decode(seqs: int, tokens: int, rounds: int, layers: int = 0, compile: b
             adapters[layout] = "a"
         engines[layout] = engine
     greedy = {}
-    for layout, engine in engines.items():  # warm, and the logprobs the adapters must move
+    for layout, engine in engines.items():  # warm (every round's shapes), and the logprobs the adapters must move
+        for r in range(rounds) if compile else ():
+            engine.generate(requests(seqs, tokens, (adapters.get(layout),), seed=1 + r))
         outs = engine.generate(requests(seqs, 2, adapters=(adapters.get(layout),), seed=0, temperature=0.0))
         greedy[layout] = torch.cat([o.outputs[0].logprobs[:1] for o in outs])
+    from torch._dynamo.utils import counters
+
+    compiled_before = counters["stats"]["unique_graphs"]
     moved = min((greedy[x] - greedy["base"]).abs().max().item() for x in ("per_expert", "shared_outer"))
     times = {layout: [] for layout in engines}
     for r in range(rounds):
@@ -747,7 +752,8 @@ def lora_decode(seqs: int, tokens: int, rounds: int, layers: int = 0, compile: b
     ok: bool | str = (shared >= SHARED_OUTER_TARGET) if CUDA else "INFO"
     applied = moved > 1e-4
     target = f"shared_outer >= {SHARED_OUTER_TARGET}x base" if CUDA else "no target off the GPU"
-    graphs = f"; compiled layer by layer, {_captures(engines)}" if compile else ""
+    late = counters["stats"]["unique_graphs"] - compiled_before
+    graphs = f"; compiled layer by layer, {_captures(engines)}, graphs compiled in the rounds {late}" if compile else ""
     return (ok if applied else False), (
         f"{shape['num_hidden_layers']} layers{graphs}; {'; '.join(parts)}; "
         f"{rounds} rounds interleaved, medians (spread: min-max over median); {target}; the "
