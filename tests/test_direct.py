@@ -1,5 +1,5 @@
 """The CPU engine's decode step as bound kernel calls (``moerl.engine.direct``) against the modules' forward it
-replaces: the same tokens, logprobs and chosen experts bit for bit (bf16 on AMX, fp32 with torch's GEMMs), weights
+replaces: the same tokens, logprobs and chosen experts bit for bit (bf16 on BF16_DOT, fp32 with torch's GEMMs), weights
 synced in place seen, and the models it does not bind named."""
 
 import pytest
@@ -14,8 +14,10 @@ from moerl.model.mx import apply_mxfp8
 from moerl.presets import init_model
 
 pytestmark = pytest.mark.skipif(packed_module.kernel() is None, reason="the kernels do not build here")
-AMX = pytest.mark.skipif(not packed_module.amx(), reason="no AMX here: a bf16 step runs bound on AMX only")
-DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=AMX)]
+BF16_DOT = pytest.mark.skipif(
+    not packed_module.bf16_dot(), reason="no bf16 dot products here: a bf16 step runs bound on them only"
+)
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=BF16_DOT)]
 
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "experts")  # every module of a MoE-only model
@@ -95,7 +97,7 @@ def test_a_weight_synced_in_place_between_steps_is_seen_by_the_next(tiny, dtype)
         assert torch.equal(after, modules())
 
 
-@AMX
+@BF16_DOT
 def test_a_cache_released_between_calls_is_bound_again(tiny):
     """``release_cache``: the pools are made again for each call; the bound step follows them (the modules' tokens)."""
     cfg = EngineConfig(max_num_seqs=4, max_model_len=64, release_cache=True)
@@ -105,7 +107,7 @@ def test_a_cache_released_between_calls_is_bound_again(tiny):
     assert _same(first, _generate(engine, direct)) and _same(first, _generate(engine, None))
 
 
-@AMX
+@BF16_DOT
 @pytest.mark.parametrize("layout", ["shared_outer", "per_expert"])
 def test_adapters_in_a_bound_step_give_the_modules_tokens_bit_for_bit(tiny, layout):
     """Rows of two adapters and rows of none in one batch, then every row on one adapter (the single-slot path): the
@@ -134,18 +136,18 @@ def test_adapters_in_a_bound_step_give_the_modules_tokens_bit_for_bit(tiny, layo
         assert not _same(bound, run(direct, [None] * 5))
 
 
-@AMX
+@BF16_DOT
 def test_models_the_bound_step_does_not_run_are_named(tiny, tmp_path):
     """Adapters on an fp32 model's projections (their delta is ``lora_add``'s, not bound), MXFP8 swapped in after the
     engine is built, q / k / v biases: each refused with its reason (the modules run it), and the swap is seen at the
     next step."""
     cfg = EngineConfig(max_num_seqs=2, max_model_len=32, max_loras=1)
     fp32 = LLMEngine(tiny, cfg, dtype=torch.float32)
-    assert "adapters on projections off AMX" in refusal(fp32.model, fp32.cache)
+    assert "adapters on projections off BF16_DOT" in refusal(fp32.model, fp32.cache)
     ids, positions, tables = torch.tensor([[7]]), torch.tensor([[0]]), torch.tensor([[0]])
     engine = LLMEngine(tiny, EngineConfig(max_num_seqs=2, max_model_len=32), dtype=torch.bfloat16)
     with torch.inference_mode():
-        assert fp32.direct.step(ids, positions, tables) is None and "off AMX" in fp32.direct.why
+        assert fp32.direct.step(ids, positions, tables) is None and "off BF16_DOT" in fp32.direct.why
         assert engine.direct.step(ids, positions, tables) is not None
         apply_mxfp8(engine.model)
         assert engine.direct.step(ids, positions, tables) is None and "projection" in engine.direct.why

@@ -18,10 +18,10 @@ from moerl.bridges import load_model
 from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
 from moerl.model.attention import FP32_SDPA_MAX_KEYS, attend
 from moerl.model.linear import Linear
-from moerl.model.moe import AMX_MAX_ROWS, PACKED_MAX_ROWS, Experts
+from moerl.model.moe import BF16_DOT_MAX_ROWS, PACKED_MAX_ROWS, Experts
 from moerl.model.packed import (
-    amx_linear,
-    amx_linear_packs,
+    bf16_linear,
+    bf16_linear_packs,
     kernel,
     linear_panels,
     moe_decode,
@@ -198,13 +198,13 @@ def _moe_oracle(x, idx, gate, gate_up, down) -> torch.Tensor:
 
 
 def expert_path(monkeypatch, path: str) -> None:
-    """Run bf16 experts on AMX's tiles (``amx``; skipped where the CPU or Linux has none) or on vector FMAs."""
-    if path == "amx" and not packed_module.amx():
+    """Run bf16 experts on AMX's tiles (``bf16_dot``; skipped where the CPU or Linux has none) or on vector FMAs."""
+    if path == "bf16_dot" and not packed_module.bf16_dot():
         pytest.skip("no AMX here (the CPU lacks AMX-BF16, or Linux refuses its tile state)")
-    monkeypatch.setattr(packed_module, "_amx", path == "amx")
+    monkeypatch.setattr(packed_module, "_bf16_dot", path == "bf16_dot")
 
 
-PATHS = [(torch.float32, "vector"), (torch.bfloat16, "vector"), (torch.bfloat16, "amx")]  # (dtype, expert path)
+PATHS = [(torch.float32, "vector"), (torch.bfloat16, "vector"), (torch.bfloat16, "bf16_dot")]  # (dtype, expert path)
 
 
 @pytest.mark.parametrize(("dtype", "path"), PATHS)
@@ -234,8 +234,8 @@ def test_the_experts_in_one_call_compute_what_each_expert_does(tokens, skewed, s
     gate = torch.rand(tokens, k, generator=gen).softmax(-1)
     with torch.no_grad():
         got = moe_decode(x, idx, gate, pack(gate_up, True), pack(down, False))
-        if path == "amx" and tokens > 1:
-            monkeypatch.setattr(packed_module, "_amx", False)
+        if path == "bf16_dot" and tokens > 1:
+            monkeypatch.setattr(packed_module, "_bf16_dot", False)
             assert not torch.equal(got, moe_decode(x, idx, gate, pack(gate_up, True), pack(down, False)))
     want = _moe_oracle(x, idx, gate, gate_up, down)
     tol = (1e-5 if dtype == torch.float32 else 2**-8) * want.abs().max()
@@ -270,11 +270,11 @@ def test_an_engines_silu_experts_decode_in_one_call():
         assert silu._one_call(x, idx) and not relu2._one_call(x, idx)
         many = (PACKED_MAX_ROWS + 1) * silu.num_experts
         assert not silu._one_call(torch.randn(many, 256), torch.zeros(many, 2, dtype=torch.long))
-        # bf16 experts on AMX: a prefill's rows too, up to AMX_MAX_ROWS (token, expert) rows
+        # bf16 experts on AMX: a prefill's rows too, up to BF16_DOT_MAX_ROWS (token, expert) rows
         silu.to(torch.bfloat16)
         rows = torch.randn(many, 256).bfloat16()
-        assert silu._one_call(rows, torch.zeros(many, 2, dtype=torch.long)) == packed_module.amx()
-        most = AMX_MAX_ROWS // 2 + 1
+        assert silu._one_call(rows, torch.zeros(many, 2, dtype=torch.long)) == packed_module.bf16_dot()
+        most = BF16_DOT_MAX_ROWS // 2 + 1
         assert not silu._one_call(torch.randn(most, 256).bfloat16(), torch.zeros(most, 2, dtype=torch.long))
 
 
@@ -282,7 +282,7 @@ def test_a_prefills_bf16_experts_in_one_call_compute_what_torchs_path_does(monke
     """A bf16 prefill's experts on AMX (``moe_decode`` for more rows than the vector kernel takes) against the grouped
     path on torch's GEMMs of the same weights: within 2^-7 of the largest output (each path rounds its activations
     once to bf16). The control: down_proj 3% off is caught."""
-    expert_path(monkeypatch, "amx")
+    expert_path(monkeypatch, "bf16_dot")
     experts = _experts("silu").to(torch.bfloat16)
     experts.k_major()
     gen = torch.Generator().manual_seed(4)
@@ -561,11 +561,11 @@ def test_short_bf16_attention_on_a_cpu_runs_in_fp32(keys, fp32):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("lead", [(3, 5), (40,), (1, 1), (2, 32)])
 def test_a_bf16_projection_on_amx_computes_what_torch_does(lead, bias):
-    """``amx_linear`` (a decode step's bf16 rows on AMX's tiles from the weight's packed panels) against the fp32
+    """``bf16_linear`` (a decode step's bf16 rows on AMX's tiles from the weight's packed panels) against the fp32
     product of the same bf16 values: the sum rounded once to bf16 (within 2^-8 of each output, plus 1e-3 for the sums'
     order), rows not a multiple of AMX's 16 included (copied beside spare rows; whole blocks are read in place). The
     control: one weight row a few bf16 steps off is caught."""
-    if not packed_module.amx():
+    if not packed_module.bf16_dot():
         pytest.skip("no AMX here (the CPU lacks AMX-BF16, or Linux refuses its tile state)")
     gen = torch.Generator().manual_seed(9)
     layer = torch.nn.Linear(256, 192, bias=bias).bfloat16()
@@ -574,7 +574,7 @@ def test_a_bf16_projection_on_amx_computes_what_torch_does(lead, bias):
     x = torch.randn(*lead, 256, generator=gen).bfloat16()
     b = layer.bias.float() if bias else None
     want = F.linear(x.float(), layer.weight.float(), b)
-    got = amx_linear(x, linear_panels(layer, layer.weight), layer.bias)
+    got = bf16_linear(x, linear_panels(layer, layer.weight), layer.bias)
     assert got.dtype == torch.bfloat16 and got.shape == (*lead, 192)
     assert ((got.float() - want).abs() <= want.abs() * 2**-8 + 1e-3).all()
     with torch.no_grad():
@@ -588,7 +588,7 @@ def test_projections_side_by_side_give_each_ones_bits_and_follow_a_weight_update
     own call bit for bit (each column's sums are the same, only more columns), with a bias beside a layer without one
     (zeros); a weight written in place (a sync) is packed again before the next call: the fused result follows it
     (the control: the result from before the write no longer matches)."""
-    if not packed_module.amx():
+    if not packed_module.bf16_dot():
         pytest.skip("no AMX here (the CPU lacks AMX-BF16, or Linux refuses its tile state)")
     nt = 2 * vector_width()
     gen = torch.Generator().manual_seed(3)
@@ -602,15 +602,15 @@ def test_projections_side_by_side_give_each_ones_bits_and_follow_a_weight_update
     x = torch.randn(40, 1, 128, generator=gen).bfloat16()
 
     def each():
-        return [amx_linear(x, linear_panels(m, m.weight), m.bias) for m in layers]
+        return [bf16_linear(x, linear_panels(m, m.weight), m.bias) for m in layers]
 
     with torch.inference_mode():
-        fused = amx_linear(x, *packed_module.fused_linear(owner, layers))
+        fused = bf16_linear(x, *packed_module.fused_linear(owner, layers))
         assert fused.shape == (40, 1, 8 * nt)
         assert all(torch.equal(a, b) for a, b in zip(fused.split([4 * nt, 2 * nt, 2 * nt], -1), each(), strict=True))
         with torch.no_grad():
             layers[1].weight.mul_(1.5)
-        again = amx_linear(x, *packed_module.fused_linear(owner, layers))
+        again = bf16_linear(x, *packed_module.fused_linear(owner, layers))
         assert all(torch.equal(a, b) for a, b in zip(again.split([4 * nt, 2 * nt, 2 * nt], -1), each(), strict=True))
         assert not torch.equal(again, fused)
 
@@ -618,14 +618,14 @@ def test_projections_side_by_side_give_each_ones_bits_and_follow_a_weight_update
 def test_amx_projections_name_what_they_do_not_take():
     """Only bf16 weights of whole panels and K a multiple of 32 run on AMX; rows that do not match are named."""
     nt = 2 * vector_width()
-    assert not amx_linear_packs(torch.randn(2 * nt, 64))  # fp32
-    assert not amx_linear_packs(torch.randn(2 * nt + 1, 64).bfloat16())
-    assert not amx_linear_packs(torch.randn(2 * nt, 48).bfloat16())
-    assert amx_linear_packs(torch.randn(2 * nt, 64).bfloat16()) == packed_module.amx()
-    if packed_module.amx():
+    assert not bf16_linear_packs(torch.randn(2 * nt, 64))  # fp32
+    assert not bf16_linear_packs(torch.randn(2 * nt + 1, 64).bfloat16())
+    assert not bf16_linear_packs(torch.randn(2 * nt, 48).bfloat16())
+    assert bf16_linear_packs(torch.randn(2 * nt, 64).bfloat16()) == packed_module.bf16_dot()
+    if packed_module.bf16_dot():
         layer = torch.nn.Linear(64, 2 * nt, bias=False).bfloat16()
-        with pytest.raises(ValueError, match=r"amx_linear: rows torch.bfloat16 \(3, 32\)"):
-            amx_linear(torch.randn(3, 32).bfloat16(), linear_panels(layer, layer.weight), None)
+        with pytest.raises(ValueError, match=r"bf16_linear: rows torch.bfloat16 \(3, 32\)"):
+            bf16_linear(torch.randn(3, 32).bfloat16(), linear_panels(layer, layer.weight), None)
 
 
 def test_an_engines_bf16_projections_run_on_amx(tmp_path):
@@ -637,13 +637,13 @@ def test_an_engines_bf16_projections_run_on_amx(tmp_path):
     engine = LLMEngine(path, EngineConfig(max_num_seqs=2, max_model_len=32), dtype=torch.bfloat16)
     projections = [m for m in engine.model.modules() if type(m) is Linear]
     assert len(projections) == 4 * engine.model.config.num_layers
-    assert all(m.packed == packed_module.amx() for m in projections)
+    assert all(m.packed == packed_module.bf16_dot() for m in projections)
     assert not any(m.packed for m in load_model(path, dtype=torch.bfloat16).modules() if hasattr(m, "packed"))
     params = SamplingParams(temperature=0.0, max_tokens=8)
     got = engine.generate([[5, 6, 7, 8]], params)[0].outputs[0].token_ids
     # q / k / v of a layer as one call from their panels side by side (fused_linear), where AMX runs
     fused = ["fused weight" in layer.self_attn.__dict__.get("_packed", {}) for layer in engine.model.layers]
-    assert all(f == packed_module.amx() for f in fused)
+    assert all(f == packed_module.bf16_dot() for f in fused)
     engine.direct = None  # the modules' decode (the bound step, moerl.engine.direct, binds the panels themselves)
     for m in projections:
         m.packed = False
@@ -653,7 +653,7 @@ def test_an_engines_bf16_projections_run_on_amx(tmp_path):
 def test_a_compiled_graph_runs_the_amx_projection_on_the_panels_made_before_it():
     """In a compiled graph a packed projection is one op on the panels ``refresh_packed`` made outside it: the same
     result as the eager call; panels spoiled (the weight unchanged) change the graph's result (the control)."""
-    if not packed_module.amx():
+    if not packed_module.bf16_dot():
         pytest.skip("no AMX here (the CPU lacks AMX-BF16, or Linux refuses its tile state)")
     layer = Linear(128, 64, bias=False).bfloat16()
     layer.packed = True
@@ -714,17 +714,17 @@ def test_qk_norms_and_rope_in_one_call_give_the_torch_paths_bits(d, norm, dtype,
 
 
 def test_moerl_amx_0_keeps_the_vector_kernels():
-    """``MOERL_AMX=0``: the process never asks for AMX's tile state and its bf16 experts and projections take the
+    """``MOERL_BF16_DOT=0``: the process never asks for AMX's tile state and its bf16 experts and projections take the
     vector FMAs (the decode still runs: one greedy token of a bf16 engine)."""
     code = (
-        "import torch; from moerl.model.packed import amx; assert not amx(); "
+        "import torch; from moerl.model.packed import bf16_dot; assert not bf16_dot(); "
         "from moerl.presets import init_model; from moerl.engine import LLMEngine, EngineConfig, SamplingParams; "
         "import tempfile; d = tempfile.mkdtemp(); init_model('qwen3_moe', 'tiny', d); "
         "e = LLMEngine(d, EngineConfig(max_num_seqs=2, max_model_len=32), dtype=torch.bfloat16); "
         "assert not any(getattr(m, 'packed', False) for m in e.model.modules() if type(m).__name__ == 'Linear'); "
         "print(len(e.generate([[5, 6, 7]], SamplingParams(max_tokens=1))[0].outputs[0].token_ids))"
     )
-    env = os.environ | {"MOERL_AMX": "0", "OMP_NUM_THREADS": "1"}
+    env = os.environ | {"MOERL_BF16_DOT": "0", "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "1", done.stderr[-2000:]
 
@@ -754,7 +754,7 @@ def test_the_bf16_kernels_without_amx_pass_the_tiles_tests():
     tests the tiles pass (the experts' and projections' float64 / fp32 oracles with their controls, and the bound
     step bit for bit with the modules), none skipped."""
     env = os.environ | {"MOERL_KERNEL_FLAGS": "-mno-amx-tile -mno-amx-bf16 -mno-amx-int8", "OMP_NUM_THREADS": "1"}
-    check = "from moerl.model.packed import kernel; assert kernel().moerl_amx() == 2"  # 2: vdpbf16ps, not tiles
+    check = "from moerl.model.packed import kernel; assert kernel().moerl_bf16_dot() == 2"  # 2: vdpbf16ps, not tiles
     done = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     here = Path(__file__).parent
@@ -762,7 +762,7 @@ def test_the_bf16_kernels_without_amx_pass_the_tiles_tests():
         str(here / "test_packed.py"),
         str(here / "test_direct.py"),
         "-k",
-        "(amx or one_call or bound or bf16_projection) and not without_amx",
+        "(bf16_dot or one_call or bound or bf16_projection) and not without_amx",
     ]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", *tests]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)

@@ -11,7 +11,7 @@ from test_packed import PATHS, expert_path
 import moerl.model.packed as packed_module
 from moerl.bridges import load_model
 from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
-from moerl.model.packed import amx, amx_linear, kernel, linear_panels, lora_add, moe_decode, pack
+from moerl.model.packed import bf16_dot, bf16_linear, kernel, linear_panels, lora_add, moe_decode, pack
 from moerl.presets import init_model
 
 pytestmark = pytest.mark.skipif(kernel() is None, reason="the packed kernels do not build here (no C compiler)")
@@ -158,7 +158,7 @@ BIG = {"num_hidden_layers": 2, "hidden_size": 256, "moe_intermediate_size": 384}
 def test_an_engines_adapters_decode_in_the_kernels(layout, dtype, tmp_path, monkeypatch):
     """An engine's own CPU model (loaded by path) decodes two adapters and no adapter in one batch through the
     kernels (its experts' one call with the adapters' deltas; its projections' ``lora_add``, or in bf16 on AMX the
-    GEMM and the delta in one ``amx_linear``: seen called), each request equal to its fp32 merged model (k3 <= 1e-6
+    GEMM and the delta in one ``bf16_linear``: seen called), each request equal to its fp32 merged model (k3 <= 1e-6
     in fp32, 1e-3 in bf16, as tests/test_engine_lora.py) and the base model beyond it for an adapter's requests."""
     import moerl.model.linear as linear_module
     import moerl.model.lora as lora_module
@@ -174,11 +174,11 @@ def test_an_engines_adapters_decode_in_the_kernels(layout, dtype, tmp_path, monk
         return wrapped
 
     monkeypatch.setattr(moe_module, "moe_decode", spy(moe_module.moe_decode, "experts", 5))
-    on_amx = dtype == "bfloat16" and amx()
-    linear = "amx_linear" if on_amx else "lora_add"
-    monkeypatch.setattr(lora_module, linear, spy(getattr(lora_module, linear), "linear", 3 if on_amx else None))
-    if on_amx:  # q / k / v with their adapters in one call (fused_projections), o_proj its own
-        monkeypatch.setattr(linear_module, "amx_linear", spy(linear_module.amx_linear, "fused", 3))
+    on_bf16_dot = dtype == "bfloat16" and bf16_dot()
+    linear = "bf16_linear" if on_bf16_dot else "lora_add"
+    monkeypatch.setattr(lora_module, linear, spy(getattr(lora_module, linear), "linear", 3 if on_bf16_dot else None))
+    if on_bf16_dot:  # q / k / v with their adapters in one call (fused_projections), o_proj its own
+        monkeypatch.setattr(linear_module, "bf16_linear", spy(linear_module.bf16_linear, "fused", 3))
     path = tmp_path / "big"
     init_model("qwen3_moe", "tiny", path, overrides=BIG)
     targets = ("q_proj", "k_proj", "v_proj", "o_proj", "experts")  # this preset has no dense MLP layer
@@ -200,7 +200,7 @@ def test_an_engines_adapters_decode_in_the_kernels(layout, dtype, tmp_path, monk
     base = load_model(path, dtype=torch.float32)
     outs = engine.generate(reqs)
     assert calls["experts"] >= 7 * len(engine.model.moe_layer_ids)
-    assert calls["linear"] + 3 * calls["fused"] >= 7 * 4 * 2 and (calls["fused"] >= 7 * 2) == on_amx
+    assert calls["linear"] + 3 * calls["fused"] >= 7 * 4 * 2 and (calls["fused"] >= 7 * 2) == on_bf16_dot
     tol = K3[dtype]
     for req, out in zip(reqs, outs, strict=True):
         oracle = base if req.adapter is None else adapters[req.adapter][1]
@@ -220,10 +220,10 @@ def test_an_engines_adapters_decode_in_the_kernels(layout, dtype, tmp_path, monk
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("per_row", [False, True])
 def test_a_bf16_projections_adapters_join_its_amx_sums(per_row, bias):
-    """``amx_linear`` with LoRA slots (the base GEMM on AMX and each row's delta in one call) against a float64
+    """``bf16_linear`` with LoRA slots (the base GEMM on AMX and each row's delta in one call) against a float64
     product: the sums rounded once to bf16 (2^-8 of each output plus 1e-3), a row without a slot exactly the plain
     call's. Control: the slots rolled by one row (one slot: the next slot). Bad slots and factors are named."""
-    if not amx():
+    if not bf16_dot():
         pytest.skip("no AMX here (the CPU lacks AMX-BF16, or Linux refuses its tile state)")
     gen = torch.Generator().manual_seed(8)
     k, n = 128, 96
@@ -245,18 +245,18 @@ def test_a_bf16_projections_adapters_join_its_amx_sums(per_row, bias):
         return out.view(5, 7, n)
 
     panels = linear_panels(layer, layer.weight)
-    got = amx_linear(x, panels, layer.bias, [slots, *factors])
+    got = bf16_linear(x, panels, layer.bias, [slots, *factors])
     want = oracle(slots)
     assert got.dtype == torch.bfloat16 and got.shape == (5, 7, n)
     assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-3).all()
-    plain = amx_linear(x, panels, layer.bias).reshape(35, n)
+    plain = bf16_linear(x, panels, layer.bias).reshape(35, n)
     assert torch.equal(got.reshape(35, n)[slots < 0], plain[slots < 0])
     other = oracle(slots.roll(1) if per_row else (slots + 1) % S)
     assert not ((got.double() - other).abs() <= other.abs() * 2**-8 + 1e-3).all()
-    with pytest.raises(ValueError, match=r"amx_linear: a LoRA slot outside -1..2 \(max 3\)"):
-        amx_linear(x, panels, None, [torch.full((35,), 3), *factors])
-    with pytest.raises(ValueError, match=r"amx_linear: LoRA slots, scale, A, B\^T panels for 35 rows of \[128\]"):
-        amx_linear(x, panels, None, [slots[:34], *factors])
+    with pytest.raises(ValueError, match=r"bf16_linear: a LoRA slot outside -1..2 \(max 3\)"):
+        bf16_linear(x, panels, None, [torch.full((35,), 3), *factors])
+    with pytest.raises(ValueError, match=r"bf16_linear: LoRA slots, scale, A, B\^T panels for 35 rows of \[128\]"):
+        bf16_linear(x, panels, None, [slots[:34], *factors])
 
 
 def _lora_layers(ctx, gen: torch.Generator, outs: tuple[int, ...], k: int = 128) -> tuple:
@@ -283,7 +283,7 @@ def test_projections_with_adapters_in_one_call_give_each_ones_bits():
     gives each layer's own call bit for bit; an adapter written in place is taken up by the next call (against each
     layer's call again; the control: the first result no longer matches). Layers whose scales differ (one scale a
     slot in the kernel) are not fused: None, and each runs its own call."""
-    if not amx():
+    if not bf16_dot():
         pytest.skip("no AMX here (the CPU lacks AMX-BF16, or Linux refuses its tile state)")
     from moerl.model.linear import fused_projections
     from moerl.model.lora import LoraContext
@@ -302,22 +302,22 @@ def test_projections_with_adapters_in_one_call_give_each_ones_bits():
         again = fused_projections(owner, layers, x)
         assert all(torch.equal(a, layer(x)) for a, layer in zip(again, layers, strict=True))
         assert not torch.equal(again[2], fused[2]) and torch.equal(again[0], fused[0])
-        args, _, tile_r0 = owner._fused_amx_memo[2]  # each panel's first shrink: 0, r, 2r by layer
+        args, _, tile_r0 = owner._fused_bf16_memo[2]  # each panel's first shrink: 0, r, 2r by layer
         assert tile_r0.tolist() == [0] * 4 + [R] * 2 + [2 * R] * 2
         panels = packed_module.fused_linear(owner, layers)[0]
-        with pytest.raises(ValueError, match=r"amx_linear: LoRA slots, scale, A, B\^T panels for 12 rows of \[128\]"):
-            packed_module.amx_lora(args, panels, tile_r0 + 1)  # the last layer's shrinks past A's rank rows
+        with pytest.raises(ValueError, match=r"bf16_linear: LoRA slots, scale, A, B\^T panels for 12 rows of \[128\]"):
+            packed_module.bf16_lora(args, panels, tile_r0 + 1)  # the last layer's shrinks past A's rank rows
         with torch.no_grad():
             layers[1].lora.scale[2] = 3.0
         assert fused_projections(owner, layers, x) is None
 
 
 def test_a_lora_projections_kernel_arguments_are_made_again_when_a_factor_changes():
-    """An engine's bf16 ``LoraLinear`` keeps its ``amx_linear`` arguments (panels, factors, the checked struct) from
+    """An engine's bf16 ``LoraLinear`` keeps its ``bf16_linear`` arguments (panels, factors, the checked struct) from
     step to step: the same ones while nothing changes, made again when an adapter load writes a factor in place or
     the rows change. Each output against a float64 product of the factors of the moment (2^-8 of each output plus
     1e-3); control: the output after the write differs from the one before beyond that."""
-    if not amx():
+    if not bf16_dot():
         pytest.skip("no AMX here (the CPU lacks AMX-BF16, or Linux refuses its tile state)")
     from moerl.model.lora import LoraContext
 
@@ -337,12 +337,12 @@ def test_a_lora_projections_kernel_arguments_are_made_again_when_a_factor_change
     ctx.set(1, 8, 1)
     with torch.inference_mode():
         first = layer(x)
-        memo = layer._amx_memo
-        assert close(first, oracle(x)) and close(layer(x), oracle(x)) and layer._amx_memo is memo
+        memo = layer._bf16_memo
+        assert close(first, oracle(x)) and close(layer(x), oracle(x)) and layer._bf16_memo is memo
         with torch.no_grad():
             layer.lora.lora_B[1].mul_(-1.0)  # an adapter load writes its slot in place
         second = layer(x)
-        assert layer._amx_memo is not memo and close(second, oracle(x)) and not close(first, oracle(x))
+        assert layer._bf16_memo is not memo and close(second, oracle(x)) and not close(first, oracle(x))
         fewer = x[:5]
         ctx.set(1, 5, 1)
         assert close(layer(fewer), oracle(fewer))

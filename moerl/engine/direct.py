@@ -1,7 +1,7 @@
 """The CPU engine's eager decode step as kernel calls bound once per batch size.
 
-An engine's own bf16 CPU model on AMX or AVX512-BF16 (``packed.amx``; ``MoEModel.decode_layout``) runs a decode step
-as eight C kernel calls a layer (q / k / v, q / k norm + RoPE, paged attention, o_proj, residual + norm, router,
+An engine's own bf16 CPU model on AMX or AVX512-BF16 (``packed.bf16_dot``; ``MoEModel.decode_layout``) runs a decode
+step as eight C kernel calls a layer (q / k / v, q / k norm + RoPE, paged attention, o_proj, residual + norm, router,
 routed experts, residual + next norm). Through the modules each call pays tens of microseconds of Python around it
 (its checks, its buffers, its arguments made again): a quarter of small's step, 40% of tiny's (BENCHMARKS.md, issue
 42's fifteenth session). Here the arguments are made once for a batch size, pointing into buffers kept with them, and
@@ -10,11 +10,12 @@ the modules' forward, so the logits and the chosen experts are that forward's bi
 slots join the same calls as they join the modules' (each row's slot copied into the bound slots).
 
 The model it binds (``refusal`` says why another is not): every layer pre-norm RMSNorm attention (q / k / v and
-o_proj on AMX without biases, per-head q / k norms or none, full rotate-half RoPE) then a MoE of packed SiLU experts
-(no shared or zero experts, no biases) under a softmax top-k router of one call (``Router._one_call``), residual
-multipliers of 1; adapters, where attached, on all of q / k / v or none. Anything else runs the modules. Weights and
-adapters written in place are seen (their versions are checked each step, and the kept panels and factors made
-again); a module swapped since (``moerl.model.swap``), another thread count or a cache allocated again binds again.
+o_proj on the bf16 dot products without biases, per-head q / k norms or none, full rotate-half RoPE) then a MoE of
+packed SiLU experts (no shared or zero experts, no biases) under a softmax top-k router of one call
+(``Router._one_call``), residual multipliers of 1; adapters, where attached, on all of q / k / v or none. Anything else
+runs the modules. Weights and adapters written in place are seen (their versions are checked each step, and the kept
+panels and factors made again); a module swapped since (``moerl.model.swap``), another thread count or a cache
+allocated again binds again.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from moerl.model.moe import Experts, MoE
 from moerl.model.norms import RMSNorm
 from moerl.model.packed import (
     add_rms_norm_args,
-    amx,
-    amx_linear_args,
+    bf16_dot,
+    bf16_linear_args,
     fused_linear,
     kernel,
     linear_panels,
@@ -59,7 +60,7 @@ def refusal(model: MoEModel, cache: KVCache) -> str | None:
     cfg = model.config
     if not model.laid_out or kernel() is None or model.dtype not in (torch.float32, torch.bfloat16):
         return "not an engine's own fp32 or bf16 CPU model"
-    if model.dtype == torch.bfloat16 and not amx():
+    if model.dtype == torch.bfloat16 and not bf16_dot():
         return "a bf16 model on a CPU without AMX or AVX512-BF16"
     if cache.dtype != model.dtype:
         return "a cache in another dtype than the model's"
@@ -82,11 +83,11 @@ def _layer_refusal(layer) -> str | None:
     if not all(isinstance(n, RMSNorm) for n in norms) or type(a) is not Attention or type(moe) is not MoE:
         return "another norm, attention or MoE class"
     projections = (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
-    on_amx = a.q_proj.weight.dtype == torch.bfloat16  # fp32: torch's GEMM, as the modules' F.linear
-    if any(type(m) not in (Linear, LoraLinear) or m.packed != on_amx or m.bias is not None for m in projections):
-        return "a projection with a bias, or a bf16 one not on AMX"
-    if any(type(m) is LoraLinear and not (m.lora.one_call and on_amx) for m in projections):
-        return "adapters on projections off AMX, or not laid out for decode (MoEModel.decode_layout)"
+    on_bf16_dot = a.q_proj.weight.dtype == torch.bfloat16  # fp32: torch's GEMM, as the modules' F.linear
+    if any(type(m) not in (Linear, LoraLinear) or m.packed != on_bf16_dot or m.bias is not None for m in projections):
+        return "a projection with a bias, or a bf16 one not on the bf16 dot products"
+    if any(type(m) is LoraLinear and not (m.lora.one_call and on_bf16_dot) for m in projections):
+        return "adapters on projections off the bf16 dot products, or not laid out for decode (MoEModel.decode_layout)"
     if len({type(m) for m in projections[:3]}) > 1:
         return "adapters on some of q / k / v only"
     if a.output_gate or a.clip_qkv is not None:
@@ -110,7 +111,7 @@ class _Bound:
     rows: int
     width: int  # the tables' blocks a row
     x: torch.Tensor  # [rows, H] the residual stream
-    h: torch.Tensor  # [rows rounded up to 16, H] each norm's output (AMX reads 16 rows a block)
+    h: torch.Tensor  # [rows rounded up to 16, H] each norm's output (the kernel reads 16 rows a block)
     pos: torch.Tensor  # [rows] int64
     slots: torch.Tensor  # [rows] int64: the pool row this step's key goes to
     tables: torch.Tensor  # [rows, width] int64
@@ -278,10 +279,10 @@ class DirectDecode:
         return bound
 
     def _qkv(self, attn: Attention, h: torch.Tensor, b: int, slots: torch.Tensor | None, calls: list, keep: list, buf):
-        """The calls of q / k / v for rows ``h`` (``slots``: each row's adapter): on AMX one call from their panels
-        side by side (``fused_projections``' call, adapters joined), else torch's GEMM each (fp32, the modules'
-        ``F.linear``). Returns q, k, v [b, heads, d] (views of what the calls write), or None where the adapters do
-        not run as one call (``why``). ``buf(name, *shape, dtype=)``: a buffer the layers share."""
+        """The calls of q / k / v for rows ``h`` (``slots``: each row's adapter): on the bf16 dot products one call
+        from their panels side by side (``fused_projections``' call, adapters joined), else torch's GEMM each (fp32,
+        the modules' ``F.linear``). Returns q, k, v [b, heads, d] (views of what the calls write), or None where the
+        adapters do not run as one call (``why``). ``buf(name, *shape, dtype=)``: a buffer the layers share."""
         layers, d, dt = (attn.q_proj, attn.k_proj, attn.v_proj), attn.head_dim, h.dtype
         if not attn.q_proj.packed:
             outs = [buf(f"qkv {i}", b, m.out_features, dtype=dt) for i, m in enumerate(layers)]
@@ -292,24 +293,24 @@ class DirectDecode:
         adapters = xa = None
         if slots is not None and type(attn.q_proj) is LoraLinear:
             loras = [m.lora for m in layers]
-            made = loras[0].fused_amx_args(attn, loras, panels, slots)
+            made = loras[0].fused_bf16_args(attn, loras, panels, slots)
             if made is None:
                 self.why = "q / k / v adapters that do not run as one call (their scales or ranks differ)"
                 return None
             adapters, xa = made[1], buf("xa", b, made[1].r)
             keep.append(made)
-        calls.append((kernel().moerl_amx_linear, amx_linear_args(h, b, panels, qkv, adapters, xa)))
+        calls.append((kernel().moerl_bf16_linear, bf16_linear_args(h, b, panels, qkv, adapters, xa)))
         return [t.view(b, -1, d) for t in qkv.split([m.out_features for m in layers], dim=1)]
 
     def _o_proj(self, o, seen: torch.Tensor, b: int, a: torch.Tensor, slots, calls: list, keep: list, buf) -> None:
-        """The call of o_proj from attention's rows ``seen`` into ``a``: on AMX (its adapters joined), else torch's
-        GEMM (fp32)."""
+        """The call of o_proj from attention's rows ``seen`` into ``a``: on the bf16 dot products (its adapters
+        joined), else torch's GEMM (fp32)."""
         if not o.packed:
             calls.append((partial(torch.mm, out=a), (seen[:b], o.weight.t())))
             return
         panels, adapters, xa = linear_panels(o, o.weight), None, None
         if slots is not None and type(o) is LoraLinear:
-            panels, *made = o.amx_lora_args(slots)
+            panels, *made = o.bf16_lora_args(slots)
             adapters, xa = made[1], buf("xa", b, made[1].r)
             keep.append(made)
-        calls.append((kernel().moerl_amx_linear, amx_linear_args(seen, b, panels, a, adapters, xa)))
+        calls.append((kernel().moerl_bf16_linear, bf16_linear_args(seen, b, panels, a, adapters, xa)))

@@ -148,7 +148,7 @@ class Attention(nn.Module):
         return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v of ``x``: on an engine's own CPU model one AMX call where all three run there
+        """q, k, v of ``x``: on an engine's own CPU model one bf16 dot-product call where all three run there
         (``fused_projections``)."""
         fused = fused_projections(self, (self.q_proj, self.k_proj, self.v_proj), x) if self.one_call else None
         return fused if fused is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))

@@ -100,7 +100,7 @@ typedef struct {
   const float *gu_a, *gu_b, *dn_a, *dn_bt, *scale;
   const int64_t* slot;
   int S, E, r, shared;
-  /* layers of one input run as one (amx_linear): panel t's delta takes rb of the r shrinks, from tile_r0[t] on, and
+  /* layers of one input run as one (bf16_linear): panel t's delta takes rb of the r shrinks, from tile_r0[t] on, and
      gate-up B holds rb rank rows a panel (NULL: all r) */
   const int32_t* tile_r0;
   int rb;
@@ -194,7 +194,7 @@ static inline __attribute__((always_inline)) void group_mm_task(const float* x, 
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-#define AMX 1
+#define BF16_DOT 1
 #ifndef PREFETCH_K
 #define PREFETCH_K 64
 #endif
@@ -207,9 +207,9 @@ typedef struct {
 } tile_config;
 
 /* Ask Linux for AMX's tile state (once per process; oneDNN asks the same): 1 where this thread may use it */
-int moerl_amx(void) { return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0; }
+int moerl_bf16_dot(void) { return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0; }
 
-static inline void amx_begin(void) {
+static inline void dot_begin(void) {
   tile_config cfg = {0};
   cfg.palette = 1;
   for (int i = 0; i < 5; i++) { cfg.colsb[i] = 64; cfg.rows[i] = 16; }
@@ -218,7 +218,7 @@ static inline void amx_begin(void) {
 
 /* group_mm_task on AMX: x and w bf16 (w in K-pairs), K a multiple of 32, blocks of 16 rows (rows read past a group
    belong to the next one or to the buffer's 16 spare rows: their sums are never stored) */
-static inline __attribute__((always_inline)) void amx_task(const uint16_t* x, const uint16_t* w, const int32_t* offs,
+static inline __attribute__((always_inline)) void dot_task(const uint16_t* x, const uint16_t* w, const int32_t* offs,
                                                            const float* scale, int K, int N, int mode, void* y, int t,
                                                            const lora_t* L, const int32_t* tok, const float* xa,
                                                            const int yb) {
@@ -246,16 +246,16 @@ static inline __attribute__((always_inline)) void amx_task(const uint16_t* x, co
     store_rows(a0, a1, m0, mb, 16, g, tile, N, mode, scale, y, L, tok, xa, yb);
   }
 }
-static inline void amx_end(void) { _tile_release(); }
+static inline void dot_end(void) { _tile_release(); }
 #elif defined(__AVX512BF16__) && VW == 16
-#define AMX 1
+#define BF16_DOT 1
 /* No AMX, AVX512-BF16's vdpbf16ps instead (AMD Zen 4 and later): the same panels and rows, each lane of a pair row
    one column's two K rows, times the row's two bf16 of x broadcast; sums in fp32 as the tiles' (products exact,
    denormal inputs as zero). Blocks of up to 8 rows, each count its own loop (decode's experts hold a few rows: no
    sums of rows that are not there), no tile state to ask for. */
-int moerl_amx(void) { return 2; }
-static inline void amx_begin(void) {}
-static inline void amx_end(void) {}
+int moerl_bf16_dot(void) { return 2; }
+static inline void dot_begin(void) {}
+static inline void dot_end(void) {}
 #define DP_BLOCK(R)                                                                                \
   do {                                                                                             \
     const uint16_t* xr[R];                                                                         \
@@ -279,7 +279,7 @@ static inline void amx_end(void) {}
     for (int m = 0; m < R; m++) { a0[m] = (vf)s0[m]; a1[m] = (vf)s1[m]; }                          \
     store_rows(a0, a1, m0, mb, R, g, tile, N, mode, scale, y, L, tok, xa, yb);                     \
   } while (0)
-static inline __attribute__((always_inline)) void amx_task(const uint16_t* x, const uint16_t* w, const int32_t* offs,
+static inline __attribute__((always_inline)) void dot_task(const uint16_t* x, const uint16_t* w, const int32_t* offs,
                                                            const float* scale, int K, int N, int mode, void* y, int t,
                                                            const lora_t* L, const int32_t* tok, const float* xa,
                                                            const int yb) {
@@ -301,11 +301,11 @@ static inline __attribute__((always_inline)) void amx_task(const uint16_t* x, co
   }
 }
 #else
-#define AMX 0
-int moerl_amx(void) { return 0; }
-static inline void amx_begin(void) {}
-static inline void amx_end(void) {}
-static inline void amx_task(const uint16_t* x, const uint16_t* w, const int32_t* offs, const float* scale, int K,
+#define BF16_DOT 0
+int moerl_bf16_dot(void) { return 0; }
+static inline void dot_begin(void) {}
+static inline void dot_end(void) {}
+static inline void dot_task(const uint16_t* x, const uint16_t* w, const int32_t* offs, const float* scale, int K,
                             int N, int mode, void* y, int t, const lora_t* L, const int32_t* tok, const float* xa,
                             const int yb) {}
 #endif
@@ -374,8 +374,8 @@ static inline void expand(vf* acc, int cb, const float* u, const float* bt, int 
    [N][k] and routing weights gate [N][k] (fp32; rounded to x's dtype first, as the torch path rounds them) -> out
    [N][H] in x's dtype, each token's k rows summed in fp32 and rounded once. The pairs sorted by expert (a stable
    counting sort), then in one parallel region (its threads woken once, where the torch path takes a dozen ops):
-   their rows gathered, the packed gate-up GEMM with the activation, the packed down GEMM, each token's sum. With amx
-   (bf16 rows and weights, H and I multiples of 32): the GEMMs on AMX's tiles, the gathered rows and the activations
+   their rows gathered, the packed gate-up GEMM with the activation, the packed down GEMM, each token's sum. With dot
+   (bf16 rows and weights, H and I multiples of 32): the GEMMs on the bf16 dot products, the gathered rows and the activations
    bf16 (the activations rounded once, as torch's bf16 experts round them); else fp32 FMAs on rows widened to fp32.
    With L (LoRA slots): the gate-up shrinks (one per token where A is shared, else per row) before the gate-up GEMM,
    which adds each row's expand as r more K rows; the down shrinks beside the down GEMM; their expand in each token's
@@ -395,19 +395,19 @@ int64_t moerl_moe_work(int N, int k, int H, int I, int R, int shared) {
 static inline __attribute__((always_inline)) void moe_body(const void* x, int N, int k, int E, int H, int I,
                                                            const void* gu, const void* dn, void* out, int xb,
                                                            float* work, const int32_t* ints, const lora_t* L,
-                                                           const int wb, const int amx) {
+                                                           const int wb, const int dot) {
   int P = N * k, R = L ? L->r : 0;
   const int32_t *offs = ints, *tok = ints + 2 * E, *where = ints + 2 * E + P, *ex = ints + 2 * E + 2 * P;
   float *scale = work, *xa = work + P, *ha = xa + (int64_t)(L && L->shared ? N : P) * R;
   float* rows = work + moe_head(N, k, R, L && L->shared);  /* fp32: the gathered rows, then the down rows */
   float* h = rows + (int64_t)P * H;                         /* fp32: the activations */
-  uint16_t* rows16 = (uint16_t*)h;                          /* amx: bf16 rows [P + 16][H], activations [P + 16][I] */
+  uint16_t* rows16 = (uint16_t*)h;                          /* dot: bf16 rows [P + 16][H], activations [P + 16][I] */
   uint16_t* h16 = rows16 + (int64_t)(P + 16) * H;
-  if (amx) amx_begin();
+  if (dot) dot_begin();
   #pragma omp for schedule(static)
   for (int r = 0; r < P; r++) {
     int64_t src = (int64_t)tok[r] * H, dst = (int64_t)r * H;
-    if (amx) memcpy(rows16 + dst, (const uint16_t*)x + src, (size_t)H * 2);
+    if (dot) memcpy(rows16 + dst, (const uint16_t*)x + src, (size_t)H * 2);
     else {
       int i = 0;
       for (; i + VW <= H; i += VW) *(vfu*)(rows + dst + i) = ldv(x, src + i, xb);
@@ -416,7 +416,7 @@ static inline __attribute__((always_inline)) void moe_body(const void* x, int N,
     if (L && !L->shared) {
       int64_t s = L->slot[tok[r]];
       const float* a = L->gu_a + ((s * E + ex[r]) * R) * H;
-      if (s >= 0) shrink(amx ? (const void*)rows16 : rows, dst, amx, H, a, R, L->scale[s], xa + (int64_t)r * R);
+      if (s >= 0) shrink(dot ? (const void*)rows16 : rows, dst, dot, H, a, R, L->scale[s], xa + (int64_t)r * R);
     }
   }
   if (L && L->shared) {
@@ -428,21 +428,21 @@ static inline __attribute__((always_inline)) void moe_body(const void* x, int N,
   }
   #pragma omp for schedule(dynamic, 8)  /* runs of adjacent panels: long streams, balanced */
   for (int t = 0; t < E * (2 * I / NT); t++)
-    if (amx) amx_task(rows16, gu, offs, scale, H, 2 * I, 2, h16, t, L, tok, xa, 1);
+    if (dot) dot_task(rows16, gu, offs, scale, H, 2 * I, 2, h16, t, L, tok, xa, 1);
     else group_mm_task(rows, gu, offs, scale, H, 2 * I, 2, h, t, L, tok, xa, wb, 0);
   #pragma omp for schedule(dynamic, 8) nowait  /* the down rows written over the gathered ones (read by now) */
   for (int t = 0; t < E * (H / NT); t++)
-    if (amx) amx_task(h16, dn, offs, NULL, I, H, 0, rows, t, NULL, NULL, NULL, 0);
+    if (dot) dot_task(h16, dn, offs, NULL, I, H, 0, rows, t, NULL, NULL, NULL, 0);
     else group_mm_task(h, dn, offs, NULL, I, H, 0, rows, t, NULL, NULL, NULL, wb, 0);
   if (L) {
     #pragma omp for schedule(static) nowait
     for (int r = 0; r < P; r++) {
       int64_t s = L->slot[tok[r]];
       const float* a = L->dn_a + ((s * E + ex[r]) * R) * I;
-      if (s >= 0) shrink(amx ? (const void*)h16 : h, (int64_t)r * I, amx, I, a, R, L->scale[s], ha + r * R);
+      if (s >= 0) shrink(dot ? (const void*)h16 : h, (int64_t)r * I, dot, I, a, R, L->scale[s], ha + r * R);
     }
   }
-  if (amx) amx_end();
+  if (dot) dot_end();
   #pragma omp barrier
   #pragma omp for schedule(static)
   for (int n = 0; n < N; n++) {
@@ -582,7 +582,7 @@ void moerl_sample(const void* logits, int lb, int N, int V, const float* temps, 
 
 int moerl_moe_decode(const void* x, const int64_t* idx, const float* gate, int N, int k, int E, int H, int I,
                      const void* gu, const void* dn, int wb, void* out, int xb, float* work, int32_t* ints,
-                     const lora_t* L, int amx, int threads) {
+                     const lora_t* L, int dot, int threads) {
   int P = N * k;
   int32_t *offs = ints, *next = ints + E, *tok = ints + 2 * E, *where = ints + 2 * E + P, *ex = ints + 2 * E + 2 * P;
   float* scale = work;
@@ -602,8 +602,8 @@ int moerl_moe_decode(const void* x, const int64_t* idx, const float* gate, int N
     where[p] = r;
     scale[r] = rd1(gate[p], xb);
   }
-  amx = AMX && amx && wb && xb && H % 32 == 0 && I % 32 == 0;
-  if (amx) {
+  dot = BF16_DOT && dot && wb && xb && H % 32 == 0 && I % 32 == 0;
+  if (dot) {
     #pragma omp parallel num_threads(threads)
     moe_body(x, N, k, E, H, I, gu, dn, out, xb, work, ints, L, 1, 1);
   } else if (wb) {
@@ -651,13 +651,13 @@ int moerl_lora_add(const void* x, const void* y, const int64_t* slot, int64_t si
   return 0;
 }
 
-/* A dense layer's rows on AMX: y [M][N] (yb: bf16) = x [M][K] @ w, x bf16 with 16 spare rows after its M, w one bf16
-   panel set [N / NT][K][NT] in K-pairs, K a multiple of 32 (the caller checks; -1 where the build has no AMX). With
+/* A dense layer's rows on the bf16 dot products: y [M][N] (yb: bf16) = x [M][K] @ w, x bf16 with 16 spare rows after its M, w one bf16
+   panel set [N / NT][K][NT] in K-pairs, K a multiple of 32 (the caller checks; -1 where the build has no bf16 dot products). With
    L (LoRA slots, E = 1, shared): each row's delta scale (x A^T) B^T joins its sums before they are stored, A [S][r][K]
    and B^T in panels [S][N / NT][r][NT] (fp32), the shrinks into xa [M][r]. Returns -2 for a slot past the adapters'. */
-int moerl_amx_linear(const uint16_t* x, const uint16_t* w, int M, int K, int N, void* y, int yb, const lora_t* L,
+int moerl_bf16_linear(const uint16_t* x, const uint16_t* w, int M, int K, int N, void* y, int yb, const lora_t* L,
                      float* xa, int threads) {
-  if (!AMX) return -1;
+  if (!BF16_DOT) return -1;
   if (L)
     for (int m = 0; m < M; m++)
       if (L->slot[m] >= L->S) return -2;
@@ -672,15 +672,15 @@ int moerl_amx_linear(const uint16_t* x, const uint16_t* w, int M, int K, int N, 
         if (s >= 0) shrink(x, (int64_t)m * K, 1, K, L->gu_a + s * L->r * K, L->r, L->scale[s], xa + (int64_t)m * L->r);
       }
     }
-    amx_begin();
+    dot_begin();
     if (yb) {
       #pragma omp for schedule(static)
-      for (int t = 0; t < tasks; t++) amx_task(x, w, offs, NULL, K, N, 0, y, t, L, NULL, xa, 1);
+      for (int t = 0; t < tasks; t++) dot_task(x, w, offs, NULL, K, N, 0, y, t, L, NULL, xa, 1);
     } else {
       #pragma omp for schedule(static)
-      for (int t = 0; t < tasks; t++) amx_task(x, w, offs, NULL, K, N, 0, y, t, L, NULL, xa, 0);
+      for (int t = 0; t < tasks; t++) dot_task(x, w, offs, NULL, K, N, 0, y, t, L, NULL, xa, 0);
     }
-    amx_end();
+    dot_end();
   }
   return 0;
 }

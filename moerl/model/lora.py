@@ -31,8 +31,8 @@ from moerl.model.moe import Experts, Route
 from moerl.model.packed import (
     LORA_PARTS,
     _panel_view,
-    amx_linear,
-    amx_lora,
+    bf16_linear,
+    bf16_lora,
     graph_panels,
     kept_call,
     kept_copy,
@@ -160,8 +160,8 @@ class LinearLora(nn.Module):
         """scale * B @ A for merging: [out, in]."""
         return self.lora_B[slot] @ self.lora_A[slot] * self.scale[slot]
 
-    def amx_factors(self) -> list[torch.Tensor]:
-        """[scale [S], A [S, r, in], B^T's panels [S, out / NT, r, NT]] in fp32 as ``amx_linear`` takes them, kept
+    def bf16_factors(self) -> list[torch.Tensor]:
+        """[scale [S], A [S, r, in], B^T's panels [S, out / NT, r, NT]] in fp32 as ``bf16_linear`` takes them, kept
         beside the adapter while it is unchanged."""
         f32, (s, out, r) = torch.float32, self.lora_B.shape
         return [
@@ -170,22 +170,22 @@ class LinearLora(nn.Module):
             kept_copy(self, "B panels", self.lora_B, _b_panels_view, f32, panels_shape(s, r, out)),
         ]
 
-    def fused_amx(self, owner: nn.Module, loras: list[LinearLora], panels: torch.Tensor, rows: int) -> tuple | None:
-        """``amx_linear``'s LoRA arguments (list, struct) for layers of one input run as one call
+    def fused_bf16(self, owner: nn.Module, loras: list[LinearLora], panels: torch.Tensor, rows: int) -> tuple | None:
+        """``bf16_linear``'s LoRA arguments (list, struct) for layers of one input run as one call
         (``fused_projections``), this adapter first among ``loras``: their A stacked along the rank [S, n r, in] (one
         shrink of every layer's ranks), their B^T panels side by side, each panel's delta from its own layer's r
-        shrinks (``amx_lora``'s ``tile_r0``: the same r terms in the same order as its own call), kept on ``owner``
+        shrinks (``bf16_lora``'s ``tile_r0``: the same r terms in the same order as its own call), kept on ``owner``
         while the slots and factors stay. None where their scales differ (one scale a slot in the kernel) or another
         context or rank."""
         slots = self.ctx.row_slots(rows)
         sources = tuple(t for m in loras for t in (m.lora_A, m.lora_B, m.scale))
         made = kept_call(
-            owner, "_fused_amx_memo", slots, sources, lambda: self.fused_amx_args(owner, loras, panels, slots)
+            owner, "_fused_bf16_memo", slots, sources, lambda: self.fused_bf16_args(owner, loras, panels, slots)
         )
         return made[:2] if made is not None else None  # the struct points into tile_r0: kept with it
 
-    def fused_amx_args(self, owner: nn.Module, loras: list[LinearLora], panels: torch.Tensor, slots: torch.Tensor):
-        """``fused_amx``'s (list, struct, tile_r0) for rows of ``slots`` [N] int64, made now (None where the scales
+    def fused_bf16_args(self, owner: nn.Module, loras: list[LinearLora], panels: torch.Tensor, slots: torch.Tensor):
+        """``fused_bf16``'s (list, struct, tile_r0) for rows of ``slots`` [N] int64, made now (None where the scales
         differ, or another context or rank); the struct points into the list and tile_r0."""
         if not all(m.ctx is self.ctx and m.lora_A.shape[:2] == self.lora_A.shape[:2] for m in loras):
             return None
@@ -199,7 +199,7 @@ class LinearLora(nn.Module):
         first = [i * r for i, m in enumerate(loras) for _ in range(m.lora_B.shape[1] // nt)]
         tile_r0 = torch.tensor(first, dtype=torch.int32)
         args = [slots, kept_copy(owner, "fused scale", self.scale, _same, f32), a, b]
-        return args, amx_lora(args, panels, tile_r0), tile_r0
+        return args, bf16_lora(args, panels, tile_r0), tile_r0
 
     def decode_factors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(A [S, r, in], B^T [S, r, out], scale [S]) in fp32 as ``lora_add`` takes them, kept beside the adapter
@@ -222,8 +222,8 @@ class LoraLinear(Linear):
         if not lora.ctx.active:
             return super().forward(x)
         if self._one_call():
-            if self._amx_eager(x):  # the base GEMM and the delta in one call
-                return amx_linear(x, *self._amx_args(lora.ctx.row_slots(x.numel() // x.shape[-1])))
+            if self._bf16_eager(x):  # the base GEMM and the delta in one call
+                return bf16_linear(x, *self._bf16_args(lora.ctx.row_slots(x.numel() // x.shape[-1])))
             slots = lora.ctx.single if lora.ctx.token_slots is None else lora.ctx.token_slots
             return lora_add(x, super().forward(x), slots, *lora.decode_factors())  # three ops of a few rows -> one
         return lora(x, super().forward(x))
@@ -235,24 +235,24 @@ class LoraLinear(Linear):
         dropping = lora.training and isinstance(lora.dropout, nn.Dropout)
         return lora.one_call and not dropping and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
 
-    def amx_part(self, x: torch.Tensor) -> tuple[bool, nn.Module | None]:
+    def bf16_part(self, x: torch.Tensor) -> tuple[bool, nn.Module | None]:
         if not self.lora.ctx.active:
-            return super().amx_part(x)
-        return self._one_call() and self._amx_eager(x), self.lora
+            return super().bf16_part(x)
+        return self._one_call() and self._bf16_eager(x), self.lora
 
-    def _amx_args(self, slots: torch.Tensor) -> tuple:
-        """``amx_linear``'s arguments after the rows: the weight's panels, the bias, the LoRA list and its checked
+    def _bf16_args(self, slots: torch.Tensor) -> tuple:
+        """``bf16_linear``'s arguments after the rows: the weight's panels, the bias, the LoRA list and its checked
         kernel struct, kept while the slots and the weight and factors stay (``kept_call``)."""
         lora = self.lora
         sources = (self.weight, lora.lora_A, lora.lora_B, lora.scale)
-        panels, args, struct = kept_call(self, "_amx_memo", slots, sources, lambda: self.amx_lora_args(slots))
+        panels, args, struct = kept_call(self, "_bf16_memo", slots, sources, lambda: self.bf16_lora_args(slots))
         return panels, self.bias, args, struct
 
-    def amx_lora_args(self, slots: torch.Tensor) -> tuple:
+    def bf16_lora_args(self, slots: torch.Tensor) -> tuple:
         """(the weight's panels, the LoRA list for rows of ``slots`` [N] int64, its checked struct), made now."""
-        args = [slots, *self.lora.amx_factors()]
+        args = [slots, *self.lora.bf16_factors()]
         panels = linear_panels(self, self.weight)
-        return panels, args, amx_lora(args, panels)
+        return panels, args, bf16_lora(args, panels)
 
 
 class ExpertLora(nn.Module):

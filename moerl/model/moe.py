@@ -14,7 +14,7 @@ from moerl.model.grouped import Groups, group_mm, streams_weights
 from moerl.model.linear import Linear
 from moerl.model.packed import (
     KINDS,
-    amx,
+    bf16_dot,
     graph_panels,
     moe_decode,
     packed_group_mm,
@@ -27,10 +27,10 @@ from moerl.model.packed import (
 # the packed kernel's rows of a group sit in registers against each panel of its weight: past this many a group
 # (prefill), MKL's blocked GEMM over the K-major weight is the faster one (BENCHMARKS.md, issue 42 part 2)
 PACKED_MAX_ROWS = 32
-# bf16 experts on AMX take 16 rows a block against a panel kept in cache: a prefill's experts in one call too (small's
-# 1,024-token prefill 5.7 -> 2.4 ms a layer), up to this many (token, expert) rows (the call's fp32 scratch grows
-# with them)
-AMX_MAX_ROWS = 4096
+# bf16 experts on the bf16 dot products take 16 rows a block against a panel kept in cache: a prefill's experts in one
+# call too (small's 1,024-token prefill 5.7 -> 2.4 ms a layer), up to this many (token, expert) rows (the call's fp32
+# scratch grows with them)
+BF16_DOT_MAX_ROWS = 4096
 
 
 class Router(nn.Module):
@@ -264,9 +264,10 @@ class Experts(nn.Module):
     def _one_call(self, x: torch.Tensor, idx: torch.Tensor) -> bool:
         """Whether a decode step's experts run as one kernel call, eager or in the compiled step
         (``moerl.model.packed.moe_decode``: sort, gather, both GEMMs and the sum, where the grouped path takes a dozen
-        ops): packed SiLU-gated experts without biases or zero experts; bf16 ones on AMX for a prefill too."""
-        on_amx = x.dtype == self.down_proj.dtype == torch.bfloat16 and amx()
-        limit = AMX_MAX_ROWS if on_amx else PACKED_MAX_ROWS * self.num_experts
+        ops): packed SiLU-gated experts without biases or zero experts; bf16 ones on the bf16 dot products for a
+        prefill too."""
+        on_bf16_dot = x.dtype == self.down_proj.dtype == torch.bfloat16 and bf16_dot()
+        limit = BF16_DOT_MAX_ROWS if on_bf16_dot else PACKED_MAX_ROWS * self.num_experts
         if not self.plain_silu or not self._packs(x, limit):
             return False
         return torch.compiler.is_compiling() or idx.numel() <= limit

@@ -48,7 +48,7 @@ SOURCE = (Path(__file__).parent / "kernels.c").read_text()  # the kernels, C
 
 KINDS = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' weight and cache dtypes, as their flag
 _lib: ctypes.CDLL | None | bool = False  # False: not built yet; None: it does not build here
-_amx: bool | None = None  # amx(), asked once
+_bf16_dot: bool | None = None  # bf16_dot(), asked once
 build_error = ""  # the compiler's complaint where it ran and failed (tests/test_engine.py shows it)
 
 
@@ -97,16 +97,16 @@ def _build() -> ctypes.CDLL | None:
     return built
 
 
-def amx() -> bool:
-    """Whether bf16 experts (``moe_decode``) and projections (``amx_linear``) run on the CPU's bf16 dot products:
+def bf16_dot() -> bool:
+    """Whether bf16 experts (``moe_decode``) and projections (``bf16_linear``) run on the CPU's bf16 dot products:
     AMX's tiles (the kernel built for a CPU with AMX-BF16, Linux granting this process the tile state) or, on a CPU
-    with AVX512-BF16 and no AMX (AMD Zen 4 and later), vdpbf16ps on the same panels. ``MOERL_AMX=0`` keeps the fp32
+    with AVX512-BF16 and no AMX (AMD Zen 4 and later), vdpbf16ps on the same panels. ``MOERL_BF16_DOT=0`` keeps the fp32
     vector FMAs on widened rows (as an AVX2 or AVX-512 CPU without bf16 runs)."""
-    global _amx
-    if _amx is None:
+    global _bf16_dot
+    if _bf16_dot is None:
         lib = kernel()
-        _amx = lib is not None and os.environ.get("MOERL_AMX", "1") != "0" and bool(lib.moerl_amx())
-    return _amx
+        _bf16_dot = lib is not None and os.environ.get("MOERL_BF16_DOT", "1") != "0" and bool(lib.moerl_bf16_dot())
+    return _bf16_dot
 
 
 def _cpu_flags(cpuinfo: str) -> str:
@@ -264,13 +264,13 @@ def packed_group_mm(
     return y
 
 
-AMX_LINEAR_MAX_ROWS = 1024  # decode's and short prefills' rows; longer prefills keep torch's GEMM
+BF16_LINEAR_MAX_ROWS = 1024  # decode's and short prefills' rows; longer prefills keep torch's GEMM
 
 
-def amx_linear_packs(weight: torch.Tensor) -> bool:
-    """Whether a linear layer's ``weight`` [N, K] runs on ``amx_linear``: bf16 on a CPU with AMX (``amx``), N a
-    multiple of a panel, K of AMX's 32."""
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2 or not amx():
+def bf16_linear_packs(weight: torch.Tensor) -> bool:
+    """Whether a linear layer's ``weight`` [N, K] runs on ``bf16_linear``: bf16 on a CPU with bf16 dot products
+    (``bf16_dot``), N a multiple of a panel, K of 32 (AMX's tile depth)."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2 or not bf16_dot():
         return False
     return weight.shape[0] % (2 * vector_width()) == 0 and weight.shape[1] % 32 == 0
 
@@ -285,7 +285,7 @@ def linear_panels(owner: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
 def fused_linear(
     owner: torch.nn.Module, layers: tuple[torch.nn.Linear, ...]
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Linear layers of one input side by side, as one layer ``amx_linear`` runs: their weights' panels [1, sum(N) /
+    """Linear layers of one input side by side, as one layer ``bf16_linear`` runs: their weights' panels [1, sum(N) /
     NT, K, NT] (each N a multiple of a panel) and their biases [sum(N)] (None where none has one; zeros for a layer
     without one beside one with), kept on ``owner`` while no weight or bias changes."""
     k = layers[0].in_features
@@ -303,8 +303,8 @@ def fused_linear(
     return panels, kept_copy(owner, "fused bias", biases, cat)
 
 
-def amx_lora(lora: list[torch.Tensor], panels: torch.Tensor, tile_r0: torch.Tensor | None = None) -> _Lora:
-    """``amx_linear``'s ``lora`` list checked against the weight's ``panels``, as the kernel's struct (it points into
+def bf16_lora(lora: list[torch.Tensor], panels: torch.Tensor, tile_r0: torch.Tensor | None = None) -> _Lora:
+    """``bf16_linear``'s ``lora`` list checked against the weight's ``panels``, as the kernel's struct (it points into
     the list's tensors: keep them while it is used). ``tile_r0`` (int32, a panel's first shrink; layers run as one,
     ``fused_projections``): each panel's delta takes B's rank rows (fewer than A's) from its own shrinks on."""
     _, tiles, k, nt = panels.shape
@@ -324,58 +324,61 @@ def amx_lora(lora: list[torch.Tensor], panels: torch.Tensor, tile_r0: torch.Tens
         good = good and tile_r0.dtype == torch.int32 and tile_r0.shape == (tiles,) and tile_r0.is_contiguous()
         good = good and bool(((tile_r0 >= 0) & (tile_r0 + rb <= r)).all())
     if not good:
-        raise ValueError(_amx_lora_error(lora, slot.shape[0], k, tiles * nt))
+        raise ValueError(_bf16_lora_error(lora, slot.shape[0], k, tiles * nt))
     ptrs = (a.data_ptr(), b.data_ptr(), 0, 0, scale.data_ptr(), slot.data_ptr())
     if tile_r0 is None:
         return _Lora(*ptrs, s, 1, r, 1)
     return _Lora(*ptrs, s, 1, r, 1, tile_r0.data_ptr(), rb)
 
 
-def _amx_lora_error(lora: list[torch.Tensor], m: int, k: int, n: int) -> str:
+def _bf16_lora_error(lora: list[torch.Tensor], m: int, k: int, n: int) -> str:
     shapes = ", ".join(f"{t.dtype} {tuple(t.shape)}" for t in lora)
-    return f"amx_linear: LoRA slots, scale, A, B^T panels for {m} rows of [{k}] -> [{n}]: {shapes}"
+    return f"bf16_linear: LoRA slots, scale, A, B^T panels for {m} rows of [{k}] -> [{n}]: {shapes}"
 
 
-def amx_linear(
+def bf16_linear(
     x: torch.Tensor,
     panels: torch.Tensor,
     bias: torch.Tensor | None,
     lora: list[torch.Tensor] | None = None,
     prepared: _Lora | None = None,
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` of bf16 rows ``x`` [..., K] on AMX's tiles from the weight's ``linear_panels``:
-    one kernel call, the sums in fp32 (with the bias) rounded once to bf16. ``lora``: adapter slots whose delta joins
-    the sums, [each row's slot [rows] int64 (-1: none), then fp32: scales [S], A [S, r, K], B^T's panels [S, N / NT,
-    r, NT] (``pack`` of B^T)]; ``prepared``: its ``amx_lora`` struct, made before (checked there)."""
+    """``F.linear(x, weight, bias)`` of bf16 rows ``x`` [..., K] on the bf16 dot products (AMX's tiles or
+    AVX512-BF16) from the weight's ``linear_panels``: one kernel call, the sums in fp32 (with the bias) rounded once
+    to bf16. ``lora``: adapter slots whose delta joins the sums, [each row's slot [rows] int64 (-1: none), then fp32:
+    scales [S], A [S, r, K], B^T's panels [S, N / NT, r, NT] (``pack`` of B^T)]; ``prepared``: its ``bf16_lora``
+    struct, made before (checked there)."""
     _, tiles, k, nt = panels.shape
     n = tiles * nt
     if x.dtype != torch.bfloat16 or x.shape[-1] != k or panels.dtype != torch.bfloat16:
-        raise ValueError(f"amx_linear: rows {x.dtype} {tuple(x.shape)}, panels {panels.dtype} {tuple(panels.shape)}")
+        raise ValueError(f"bf16_linear: rows {x.dtype} {tuple(x.shape)}, panels {panels.dtype} {tuple(panels.shape)}")
     rows = x.reshape(-1, k)
     m = rows.shape[0]
     adapters, xa = None, None
     if lora is not None:
         if tuple(lora[0].shape) != (m,):
-            raise ValueError(_amx_lora_error(lora, m, k, n))
-        adapters = prepared if prepared is not None else amx_lora(lora, panels)
+            raise ValueError(_bf16_lora_error(lora, m, k, n))
+        adapters = prepared if prepared is not None else bf16_lora(lora, panels)
         xa = torch.empty(m, adapters.r)
     if m % 16 == 0 and rows.is_contiguous():  # whole blocks of 16 rows: read in place (a decode step's 64)
         padded = rows
-    else:  # AMX reads 16 rows a block: spare rows past the last
+    else:  # the kernel reads 16 rows a block: spare rows past the last
         padded = torch.empty(m + 16, k, dtype=torch.bfloat16)
         padded[:m].copy_(rows)
     y = torch.empty(m, n, dtype=torch.bfloat16 if bias is None else torch.float32)
-    rc = kernel().moerl_amx_linear(*amx_linear_args(padded, m, panels, y, adapters, xa))
+    rc = kernel().moerl_bf16_linear(*bf16_linear_args(padded, m, panels, y, adapters, xa))
     if rc == -2:
-        raise ValueError(f"amx_linear: a LoRA slot outside -1..{adapters.S - 1} (max {int(lora[0].max())})")
+        raise ValueError(f"bf16_linear: a LoRA slot outside -1..{adapters.S - 1} (max {int(lora[0].max())})")
     if bias is not None:
         y = (y + bias).to(torch.bfloat16)
     return y.view(*x.shape[:-1], n)
 
 
-def amx_linear_args(rows: torch.Tensor, m: int, panels: torch.Tensor, y: torch.Tensor, adapters=None, xa=None) -> tuple:
-    """``moerl_amx_linear``'s arguments: ``m`` bf16 rows (read 16 a block: ``rows`` holds whole blocks) times the
-    ``panels`` into ``y`` [m, N] (bf16, or fp32 sums a bias is added to after), ``adapters`` an ``amx_lora`` struct
+def bf16_linear_args(
+    rows: torch.Tensor, m: int, panels: torch.Tensor, y: torch.Tensor, adapters=None, xa=None
+) -> tuple:
+    """``moerl_bf16_linear``'s arguments: ``m`` bf16 rows (read 16 a block: ``rows`` holds whole blocks) times the
+    ``panels`` into ``y`` [m, N] (bf16, or fp32 sums a bias is added to after), ``adapters`` an ``bf16_lora`` struct
     with its shrink buffer ``xa`` [m, r]: what the eager call and a bound decode step (``moerl.engine.direct``) pass."""
     _, tiles, k, nt = panels.shape
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
@@ -391,13 +394,13 @@ def amx_linear_args(rows: torch.Tensor, m: int, panels: torch.Tensor, y: torch.T
     )
 
 
-@torch.library.custom_op("moerl::amx_linear", mutates_args=())
-def amx_linear_op(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``amx_linear`` as one op a compiled graph calls."""
-    return amx_linear(x, panels, bias)
+@torch.library.custom_op("moerl::bf16_linear", mutates_args=())
+def bf16_linear_op(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``bf16_linear`` as one op a compiled graph calls."""
+    return bf16_linear(x, panels, bias)
 
 
-@amx_linear_op.register_fake
+@bf16_linear_op.register_fake
 def _(x, panels, bias):
     return x.new_empty(*x.shape[:-1], panels.shape[1] * panels.shape[3])
 
@@ -718,7 +721,7 @@ def moe_decode_args(x, idx, gate, gate_up, down, out, work, ints, adapters=None)
         ptr(work.data_ptr()),
         ptr(ints.data_ptr()),
         ctypes.byref(adapters) if adapters else None,
-        i32(amx()),
+        i32(bf16_dot()),
         i32(torch.get_num_threads()),
     )
 

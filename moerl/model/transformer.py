@@ -20,7 +20,7 @@ from moerl.model.linear import Linear
 from moerl.model.mixers import build_mixer, is_recurrent
 from moerl.model.moe import MLP, MoE, mlp_activation
 from moerl.model.norms import RMSNorm, layer_norm
-from moerl.model.packed import amx_linear_packs, kernel
+from moerl.model.packed import bf16_linear_packs, kernel
 from moerl.model.rope import inv_freq_and_scale, rope_cos_sin
 
 
@@ -176,8 +176,8 @@ class MoEModel(nn.Module):
     def decode_layout(self) -> None:
         """The CPU engine's own model, laid out for decode: every MoE layer's expert weights as ``Experts.k_major``
         makes them, its RMSNorms, LoRA slots on linear layers and attention's q / k norms with RoPE one kernel call
-        each (``RMSNorm.one_call``, ``LinearLora.one_call``, ``Attention.one_call``), its bf16 projections on AMX
-        (``Linear.packed``), where the C kernels build. Adapters attached later: call it again."""
+        each (``RMSNorm.one_call``, ``LinearLora.one_call``, ``Attention.one_call``), its bf16 projections on the bf16
+        dot products (``Linear.packed``), where the C kernels build. Adapters attached later: call it again."""
         self.laid_out = True
         for i in self.moe_layer_ids:
             self.layers[i].mlp.experts.k_major()
@@ -185,8 +185,10 @@ class MoEModel(nn.Module):
             for m in self.modules():
                 if hasattr(m, "one_call"):  # RMSNorm, LinearLora, Attention (norm_rope)
                     m.one_call = True
-                if isinstance(m, Linear) and m.takes_packed:  # bf16 on AMX: one kernel call from packed panels
-                    m.packed = amx_linear_packs(m.weight)
+                if (
+                    isinstance(m, Linear) and m.takes_packed
+                ):  # bf16 on the bf16 dot products: one kernel call from packed panels
+                    m.packed = bf16_linear_packs(m.weight)
 
     def set_expert_path(self, grouped: bool) -> None:
         """Pick the grouped-GEMM expert path (default) or the per-expert reference loop."""
