@@ -47,22 +47,16 @@ from moerl.model.mx import MXExperts, MXLinear, refresh_kept
 from moerl.model.transformer import MoEModel
 
 BUCKETS = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128)  # then multiples of 64
-# per token, all experts' GEMMs at most this many FLOPs: the dense path beats sort / gather / scatter. Measured
-# on the CPU (64 rows, fp32): tiny preset (0.4 MFLOP) 3.4 ms per compiled step dense vs 6.3 grouped; small
-# (12.6 MFLOP) 140 ms dense vs 68 grouped
+# per token, all experts' GEMMs at most this many FLOPs: below it every expert on every token costs less than the
+# grouped path's sort / gather / scatter (BENCHMARKS.md, "Constants")
 DENSE_MAX_FLOPS_PER_TOKEN = 1e6
-# ``compile_decode: auto``: the share of decode time the compiled step saves and what compiling costs, measured
-# (BENCHMARKS.md, "Compiled decode"): 1.14-1.19x fp32 decode on tiny / small, 1.16x LoRA, 1.58x MXFP8, 1.66x bf16
-# (the lowest, 0.12 saved, taken); 8-23 s to compile with inductor's cache warm, up to 40 s cold on 2 cores (a
-# slower host: 20-29 s warm, 60-90 s cold, benchmarks/compile_cost.py). In a LoRA run on tiny
-# (benchmarks/compile_decode_run.py) the step saved 15% for 18 s: it paid after 273 steps, where this rule waits for
-# 540. COMPILE_SECONDS prices a graph never compiled here; one that was is priced at its last first call
-# (moerl.dynamo's ledger)
 # ``compile_scope: auto`` compiles the whole step as one graph up to this many decoder layers; a deeper model one
-# graph that every layer runs (a whole step's graph compiles in time that grows with its layers: ~80 s for two
-# layers on an H200 from a cold cache, BENCHMARKS.md "The first GPU run")
+# graph that every layer runs (a whole step's graph compiles in time that grows with its layers)
 STEP_GRAPH_MAX_LAYERS = 8
 STEP = "the engine's decode step"  # what the console calls it
+# ``compile_decode: auto``: the share of decode time the compiled step saves (the lowest measured, so compiling is never
+# promised more than it gives) and what compiling costs where no earlier compile of the graph says (BENCHMARKS.md,
+# "Constants"); one compiled here before is priced at its last first call (moerl.dynamo's ledger)
 GAIN = 0.12
 COMPILE_SECONDS = 30.0
 

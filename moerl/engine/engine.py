@@ -108,7 +108,7 @@ class LLMEngine:
         engine whose config is False, or that cannot compile (linear-attention layers, ``release_cache``), stays
         eager. ``on=False``: the eager step again (the loop's trial found the compiled one no faster). Under "auto" an
         engine whose decode steps run as bound kernel calls (``moerl.engine.direct``) stays eager: its graph would
-        run the modules' ops, slower than those calls (BENCHMARKS.md, issue 42's fifteenth session)."""
+        run the modules' ops, slower than those calls."""
         if not on or (self.config.compile_decode == "auto" and self.direct is not None and self.direct.runs()):
             self.compiled = None
             return False

@@ -51,9 +51,8 @@ class KVCacheView(Protocol):
         ...
 
 
-# CPU SDPA in bf16 pays ~35 us per (row, head) whatever the length (its blocks' set-up): up to this many keys the
-# same attention in fp32 is faster, forward + backward (62 x 4 heads of 22 tokens: 9.1 -> 1.4 ms; 192 keys 1.1x;
-# 384 keys 0.5x; BENCHMARKS.md, issue 42's eleventh session), and its bf16 inputs are exact in fp32
+# CPU SDPA in bf16 pays a fixed set-up per (row, head) whatever the length: up to this many keys the same attention in
+# fp32 is faster, forward + backward (BENCHMARKS.md, "Constants"), and its bf16 inputs are exact in fp32
 FP32_SDPA_MAX_KEYS = 192
 
 

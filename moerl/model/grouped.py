@@ -84,9 +84,9 @@ def streams_weights(w: torch.Tensor) -> bool:
     return w.dtype == torch.float32 and w.shape[-2] * w.shape[-1] * 4 > PAD_MAX_FP32_BYTES
 
 
-# a CPU GEMM in bf16 / fp16 is oneDNN's, which compiles a kernel for each new shape (~1 ms, 20x the GEMM of a
-# training step's expert group; BENCHMARKS.md, issue 42's eleventh session): a group's rows padded to a multiple of
-# this repeat their shapes across steps, so the kernels come from its cache
+# a CPU GEMM in bf16 / fp16 is oneDNN's, which compiles a kernel for each new shape, costlier than the GEMM of a
+# training step's expert group (BENCHMARKS.md, "Constants"): a group's rows padded to a multiple of this repeat their
+# shapes across steps, so the kernels come from its cache
 BUCKET_ROWS = 64
 
 

@@ -28,8 +28,7 @@ from moerl.model.packed import (
 # (prefill), MKL's blocked GEMM over the K-major weight is the faster one (BENCHMARKS.md, issue 42 part 2)
 PACKED_MAX_ROWS = 32
 # bf16 experts on the bf16 dot products take 16 rows a block against a panel kept in cache: a prefill's experts in one
-# call too (small's 1,024-token prefill 5.7 -> 2.4 ms a layer), up to this many (token, expert) rows (the call's fp32
-# scratch grows with them)
+# call too (BENCHMARKS.md, "Constants"), up to this many (token, expert) rows (the call's fp32 scratch grows with them)
 BF16_DOT_MAX_ROWS = 4096
 
 
@@ -241,7 +240,7 @@ class Experts(nn.Module):
                 p.data = p.data.transpose(1, 2).contiguous().transpose(1, 2)
         gate_up, down = self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)
         # experts of any size and dtype: decode's experts then run as one kernel call (``moe_decode``), where the
-        # grouped path takes a dozen ops (tiny's fp32 decode 1.19x, BENCHMARKS.md, issue 42's twelfth session)
+        # grouped path takes a dozen ops
         self.packed = packs(gate_up, self.gated) and packs(down, False)
 
     @property
