@@ -48,15 +48,15 @@ from moerl.model.transformer import MoEModel
 
 BUCKETS = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128)  # then multiples of 64
 # per token, all experts' GEMMs at most this many FLOPs: below it every expert on every token costs less than the
-# grouped path's sort / gather / scatter (BENCHMARKS.md, "Constants")
+# grouped path's sort / gather / scatter
 DENSE_MAX_FLOPS_PER_TOKEN = 1e6
 # ``compile_scope: auto`` compiles the whole step as one graph up to this many decoder layers; a deeper model one
 # graph that every layer runs (a whole step's graph compiles in time that grows with its layers)
 STEP_GRAPH_MAX_LAYERS = 8
 STEP = "the engine's decode step"  # what the console calls it
 # ``compile_decode: auto``: the share of decode time the compiled step saves (the lowest measured, so compiling is never
-# promised more than it gives) and what compiling costs where no earlier compile of the graph says (BENCHMARKS.md,
-# "Constants"); one compiled here before is priced at its last first call (moerl.dynamo's ledger)
+# promised more than it gives) and what compiling costs where no earlier compile of the graph says; one compiled here
+# before is priced at its last first call (moerl.dynamo's ledger)
 GAIN = 0.12
 COMPILE_SECONDS = 30.0
 
@@ -130,15 +130,13 @@ class CompiledDecode:
             if self.scope == "step":
                 torch._dynamo.mark_static_address(pool)
         self._static: dict[tuple[int, int, bool], StaticInputs] = {}  # the inputs of each padded shape
-        # an fp32 CPU graph not from inductor's on-disk cache: the one it hands back runs 0.6x the one it compiles
-        # (BENCHMARKS.md, "Compiled decode"), for ~5 s more of the first call
+        # an fp32 CPU graph not from inductor's on-disk cache: the one it hands back runs slower than the one it
+        # compiles, which costs the first call a few seconds more
         options = {"fx_graph_cache": False} if not cuda and dtype == torch.float32 else None
         if self.scope == "step":
             mode = "reduce-overhead" if cuda else None
             self._graph = unducked(torch.compile(self._forward, dynamic=True, mode=mode, options=options))
         else:  # one graph for every layer; on CUDA the whole step (its eager glue too) captured as one CUDA graph
-            if model.adapter_ctx is not None:
-                model.adapter_ctx.slots_as_tensor = True
             self._layer_graph = torch.compile(self._layer, dynamic=True, options=options)
             self._graph = StepGraphs(unducked(self._layered)) if cuda else unducked(self._layered)
         self.first, self.setting = True, setting  # the first step compiles the graph (said on the console)
@@ -155,7 +153,7 @@ class CompiledDecode:
         """The graph: the step's view of the cache (every row writes one key, so its write rows are known: no
         search for them, no host read) and the model's forward over it."""
         rows = torch.arange(ids.shape[0], device=ids.device)
-        view = StepView(self.cache, tables, positions, torch.ones_like(rows), write_rows=rows, graph=True)
+        view = self._view(tables, positions, rows)
         out = self.model(ids, positions=positions, capture=self.capture, cache=view, adapters=adapters)
         return out.logits[:, 0], out.routed
 
@@ -164,16 +162,26 @@ class CompiledDecode:
         head and the routes' stacking eager around them."""
         rows = torch.arange(ids.shape[0], device=ids.device)
         layers = LayerSteps(self._layer_graph, self.cache, tables, positions, rows)
-        out = self.model(ids, positions=positions, capture=self.capture, cache=layers, adapters=adapters)
+        ctx = self.model.adapter_ctx
+        if ctx is not None:  # the slots reach the layer graph as a tensor, whatever their mix this step
+            ctx.slots_as_tensor = True
+        try:
+            out = self.model(ids, positions=positions, capture=self.capture, cache=layers, adapters=adapters)
+        finally:
+            if ctx is not None:
+                ctx.slots_as_tensor = False
         return out.logits[:, 0], out.routed
 
     def _layer(self, layer, x, cos, sin, replay, chosen, tables, positions, rows, k, v, index):
         """The layer graph: ``layer``'s block over its own pools ``k`` / ``v`` / ``index`` (inputs, so every layer
         of one structure runs the same graph) and its own view of the step, made inside (as ``_forward`` makes it)."""
-        view = StepView(
-            self.cache, tables, positions, torch.ones_like(rows), write_rows=rows, graph=True, layer_pools=(k, v, index)
-        )
-        return layer.block(x, cos, sin, None, replay, view, chosen)
+        return layer.block(x, cos, sin, None, replay, self._view(tables, positions, rows, (k, v, index)), chosen)
+
+    def _view(self, tables, positions, rows, layer_pools=None) -> StepView:
+        """The step's view of the cache as a graph makes it: every row writes one key, at its row (no search for
+        the write rows, no host read)."""
+        ones = torch.ones_like(rows)
+        return StepView(self.cache, tables, positions, ones, write_rows=rows, graph=True, layer_pools=layer_pools)
 
     def step(
         self, ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, adapters: torch.Tensor | None = None
@@ -220,8 +228,7 @@ class LayerSteps:
         self.graph, self.cache, self.tables, self.positions, self.rows = graph, cache, tables, positions, rows
 
     def run_layer(self, layer, x, cos, sin, replay, chosen) -> tuple[torch.Tensor, torch.Tensor | None]:
-        i = layer.layer
-        pools = self.cache.k[i], self.cache.v[i], self.cache.index[i]
+        pools = self.cache.layer_pools(layer.layer)
         return self.graph(layer, x, cos, sin, replay, chosen, self.tables, self.positions, self.rows, *pools)
 
 

@@ -3,11 +3,11 @@
 An engine's own bf16 CPU model on AMX or AVX512-BF16 (``packed.bf16_dot``; ``MoEModel.decode_layout``) runs a decode
 step as eight C kernel calls a layer (q / k / v, q / k norm + RoPE, paged attention, o_proj, residual + norm, router,
 routed experts, residual + next norm). Through the modules each call pays tens of microseconds of Python around it (its
-checks, its buffers, its arguments made again), a large share of a small model's step (BENCHMARKS.md, "Constants"). Here
-the arguments are made once for a batch size, pointing into buffers kept with them, and a step copies its inputs in and
-makes the calls in turn: the same kernels, in the same order, on the same values as the modules' forward, so the logits
-and the chosen experts are that forward's bit for bit (tests/test_direct.py). LoRA slots join the same calls as they
-join the modules' (each row's slot copied into the bound slots).
+checks, its buffers, its arguments made again), a large share of a small model's step. Here the arguments are made once
+for a batch size, pointing into buffers kept with them, and a step copies its inputs in and makes the calls in turn: the
+same kernels, in the same order, on the same values as the modules' forward, so the logits and the chosen experts are
+that forward's bit for bit (tests/test_direct.py). LoRA slots join the same calls as they join the modules' (each row's
+slot copied into the bound slots).
 
 The model it binds (``refusal`` says why another is not): every layer pre-norm RMSNorm attention (q / k / v and
 o_proj on the bf16 dot products without biases, per-head q / k norms or none, full rotate-half RoPE) then a MoE of

@@ -134,6 +134,10 @@ class KVCache:
             buf = self._gathered[which] = blocks.new_empty(n)
         return buf[:n].view(rows, -1)
 
+    def layer_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``layer``'s key, value and indexer-key pools (empty where the layer keeps none)."""
+        return self.k[layer], self.v[layer], self.index[layer]
+
     def pools(self) -> list[torch.Tensor]:
         """Every attention layer's key and value pool (and indexer key pool, where the model has indexers)."""
         indexed = [self.index[i] for i in self.attention if self.index[i].shape[1]]
@@ -251,9 +255,7 @@ class StepView:
 
     def pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The key, value and indexer-key (empty: no indexer) pools ``layer`` reads and writes."""
-        if self.layer_pools is not None:
-            return self.layer_pools
-        return self.cache.k[layer], self.cache.v[layer], self.cache.index[layer]
+        return self.layer_pools if self.layer_pools is not None else self.cache.layer_pools(layer)
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store this step's real k / v [B, C, H, d] at their slots of the layer's pools."""

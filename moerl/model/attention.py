@@ -52,7 +52,7 @@ class KVCacheView(Protocol):
 
 
 # CPU SDPA in bf16 pays a fixed set-up per (row, head) whatever the length: up to this many keys the same attention in
-# fp32 is faster, forward + backward (BENCHMARKS.md, "Constants"), and its bf16 inputs are exact in fp32
+# fp32 is faster, forward + backward, and its bf16 inputs are exact in fp32
 FP32_SDPA_MAX_KEYS = 192
 
 

@@ -85,8 +85,8 @@ def streams_weights(w: torch.Tensor) -> bool:
 
 
 # a CPU GEMM in bf16 / fp16 is oneDNN's, which compiles a kernel for each new shape, costlier than the GEMM of a
-# training step's expert group (BENCHMARKS.md, "Constants"): a group's rows padded to a multiple of this repeat their
-# shapes across steps, so the kernels come from its cache
+# training step's expert group: a group's rows padded to a multiple of this repeat their shapes across steps, so
+# the kernels come from its cache
 BUCKET_ROWS = 64
 
 

@@ -28,7 +28,7 @@ from moerl.model.packed import (
 # (prefill), MKL's blocked GEMM over the K-major weight is the faster one (BENCHMARKS.md, issue 42 part 2)
 PACKED_MAX_ROWS = 32
 # bf16 experts on the bf16 dot products take 16 rows a block against a panel kept in cache: a prefill's experts in one
-# call too (BENCHMARKS.md, "Constants"), up to this many (token, expert) rows (the call's fp32 scratch grows with them)
+# call too, up to this many (token, expert) rows (the call's fp32 scratch grows with them)
 BF16_DOT_MAX_ROWS = 4096
 
 
