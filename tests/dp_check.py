@@ -95,7 +95,9 @@ def step(world, ckpt: str, mode: str, dtype: str, out: str, *extra: str) -> None
     policy = Policy(ckpt, cfg, world)
     if "reads" in extra:  # what each rank read of the checkpoint, and stop
         with open(f"{out}.reads{world.rank}.json", "w") as f:
-            json.dump({"ep_rank": world.ep_rank, "reads": policy.checkpoint_reads}, f)
+            pipe = policy.layout.pipeline
+            held = sorted(pipe.plan.layers) if pipe is not None else list(range(policy.model.config.num_layers))
+            json.dump({"ep_rank": world.ep_rank, "layers": held, "reads": policy.checkpoint_reads}, f)
         return
     if mean:
         from moerl.parallel.fsdp import fsdp_units

@@ -683,29 +683,44 @@ def test_a_hybrid_model_trains_on_several_ranks_as_in_one_process(hybrid, tmp_pa
     assert not differences, differences
 
 
-def test_four_ranks_at_ep_4_each_read_only_their_share_of_the_experts(model, tmp_path):
+def test_four_ranks_each_read_only_their_stage_and_their_share_of_the_experts(model, tmp_path):
     """Each expert-parallel rank reads the checkpoint's tensors every rank holds and the tensors of its own experts
-    only (experts 2r, 2r+1 of the 8 on rank r): a quarter of the expert bytes. The control: the same four ranks at
-    dp 4 (no expert parallelism) each read every tensor."""
+    only: at ep 4, experts 2r, 2r+1 of the 8 on rank r (a quarter of the expert bytes); at ep 2 x pp 2, also only its
+    stage's layers (the embedding on the first stage, the final norm and head on the last), the ranks together reading
+    every tensor once per expert group. The control: the same four ranks at dp 4 each read every tensor."""
     from safetensors import safe_open
 
     with safe_open(str(model / "model.safetensors"), framework="pt") as f:
         sizes = {n: f.get_slice(n).get_shape() for n in f.keys()}
     nbytes = {n: math.prod(shape) * 4 for n, shape in sizes.items()}  # fp32 checkpoint
     expert_of = {n: int(m.group(1)) for n in sizes if (m := re.search(r"\.experts\.(\d+)\.", n))}
+    layer_of = {n: int(m.group(1)) for n in sizes if (m := re.search(r"layers\.(\d+)\.", n))}
     assert len(set(expert_of.values())) == 8 and sum(nbytes[n] for n in expert_of) > sum(nbytes.values()) / 2
-    for layout in ("1,4,1", "4,1,1"):
+    last = max(layer_of.values())
+    assert last >= 1
+    for layout in ("1,4,1", "1,2,2", "4,1,1"):
         out = tmp_path / layout.replace(",", "")
         _launch(4, [str(CHECK), str(model), "lora", "float32", str(out), layout, "reads"])
+        ep = int(layout.split(",")[1])
+        together: dict[str, int] = {}
         for rank in range(4):
             got = json.loads(Path(f"{out}.reads{rank}.json").read_text())
             read = dict(got["reads"])
             assert read == {n: nbytes[n] for n in read}  # each tensor read whole, once
+            for n in read:
+                together[n] = together.get(n, 0) + 1
             if layout == "4,1,1":
                 assert set(read) == set(sizes)
                 continue
-            r = got["ep_rank"]
-            assert {expert_of[n] for n in read if n in expert_of} == {2 * r, 2 * r + 1}
-            assert set(read) - set(expert_of) == set(sizes) - set(expert_of)  # what every rank holds
-            experts_read = sum(b for n, b in read.items() if n in expert_of)
-            assert experts_read * 4 == sum(nbytes[n] for n in expert_of)
+            r, layers = got["ep_rank"], set(got["layers"])
+            share = set(range(r * 8 // ep, (r + 1) * 8 // ep))
+            assert {layer_of[n] for n in read if n in layer_of} == layers
+            assert {expert_of[n] for n in read if n in expert_of} == share
+            held = {n for n in sizes if layer_of.get(n, -1) in layers or n not in layer_of}
+            held -= {n for n in held if n.startswith("model.embed_tokens") and 0 not in layers}
+            held -= {n for n in held if n.split(".")[-2] in ("norm", "lm_head") and last not in layers}
+            assert set(read) - set(expert_of) == held - set(expert_of)  # what every rank of its stage holds
+            experts_read = sum(b for n, b in read.items() if n in expert_of and layer_of[n] in layers)
+            assert experts_read * ep == sum(nbytes[n] for n in expert_of if layer_of[n] in layers)
+        if layout == "1,2,2":  # each tensor by its stage's ranks: twice if every expert group holds it, else once
+            assert together == {n: 1 if n in expert_of else 2 for n in sizes}

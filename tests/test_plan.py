@@ -335,21 +335,24 @@ def test_a_stage_without_moe_layers_holds_no_expert_slice_and_no_r3_column():
 def test_a_rank_opens_only_the_checkpoint_files_of_what_it_holds(tmp_path):
     """A Qwen3-30B-A3B checkpoint index of its real tensor names (16 files): each rank of a dp 1 x ep 8 x pp 2 world
     names only tensors of its stage's layers and its experts; together the ranks name every tensor; a rank opens
-    about half of the files (its stage's)."""
+    about half of the files (its stage's); the plan's figure of what a rank loads is the most loaded rank's."""
     from moerl.bridges import get_bridge
     from moerl.bridges.checkpoint import files_held, names_held, to_hf
     from moerl.model.transformer import MoEModel
+    from moerl.plan.limits import _loaded_bytes
     from moerl.plan.plan import MODELS
 
     hf = json.loads((MODELS / "qwen3-30b-a3b" / "config.json").read_text())
     cfg, bridge = _model_config("qwen3-30b-a3b"), get_bridge(hf)
     with torch.device("meta"):
         whole = MoEModel(cfg, torch.bfloat16)
-    names = [hf_name for n, t in whole.named_parameters() for hf_name, _ in to_hf(bridge, n, t, cfg)]
+    sizes = {hf_name: h.numel() * 2 for n, t in whole.named_parameters() for hf_name, h in to_hf(bridge, n, t, cfg)}
+    names = list(sizes)
     per_file = math.ceil(len(names) / 16)
     weight_map = {n: f"model-{i // per_file + 1:05d}-of-00016.safetensors" for i, n in enumerate(names)}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     seen: dict[str, int] = {}
+    most = 0  # the bytes (bf16) of the most loaded rank
     for stage in range(2):
         for ep_rank in range(8):
             world, model, layout = _split(cfg, "full", 1, 8, 2, "1f1b", stage * 8 + ep_rank)
@@ -362,8 +365,13 @@ def test_a_rank_opens_only_the_checkpoint_files_of_what_it_holds(tmp_path):
             assert len(files_held(tmp_path, held)) <= 9
             for n in held:
                 seen[n] = seen.get(n, 0) + 1
+            most = max(most, sum(sizes[n] for n in held))
             world.close()
     assert set(seen) == set(names)
+    # the plan's host-memory limit counts what the most loaded of these ranks reads
+    run = load_config(RunConfig, None, ["model.path=qwen3-30b-a3b", "parallel.ep=8", "parallel.pp=2"])
+    assert _loaded_bytes(cfg, run, 8, 2) == most
+    assert _loaded_bytes(cfg, run, 8, 1) > 1.8 * most  # the control: one stage holds every layer
     with pytest.raises(Exception, match="no tensor 'model.layers.99"):
         files_held(tmp_path, ["model.layers.99.mlp.gate.weight"])
 

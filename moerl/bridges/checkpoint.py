@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
@@ -331,6 +331,7 @@ def read_model(
     device: str | torch.device = "cpu",
     experts: tuple[int, int] | None = None,
     reads: list | None = None,
+    keep: Callable[[MoEModel], object] | None = None,
 ) -> MoEModel:
     """Read a HF checkpoint directory (single or sharded safetensors) into a MoEModel through ``bridge`` (which
     bridge a checkpoint takes: ``moerl.bridges.find``).
@@ -341,7 +342,10 @@ def read_model(
 
     ``experts`` = (rank, ranks): the model holds only that expert-parallel rank's share of every layer's experts
     (``expert_share``) and reads only it: a per-expert tensor of another rank's expert is never opened, a tensor of
-    all experts is read by its rows (a quantized one whole, then cut). ``reads`` gets (name, bytes) of each read.
+    all experts is read by its rows (a quantized one whole, then cut). ``keep(model)``, called on the model while it
+    is still on the meta device, removes what this rank does not hold (e.g. other pipeline stages' layers:
+    ``moerl.parallel.pipeline.HeldStages``): those tensors are neither allocated nor read. ``reads`` gets (name,
+    bytes) of each read.
     """
     path = Path(path)
     hf = read_config(path)
@@ -352,12 +356,15 @@ def read_model(
         model = MoEModel(cfg, dtype)
     whole = dict(model.named_parameters()) | dict(model.named_buffers())  # every tensor at its checkpoint shape
     shares = _keep_share(model, expert_share(cfg.num_experts, *experts)) if experts is not None else {}
+    if keep is not None:
+        keep(model)
     check_fits(model, device, str(path))  # what this process holds
     check_shapes(path, bridge, cfg, whole, hf)
     model.to_empty(device=device)
     model.init_rope()
     model.hf_config = hf
     params = dict(model.named_parameters()) | dict(model.named_buffers())
+    places = whole | params  # a tensor another rank holds resolves to its meta tensor, and is skipped
     filled = dict.fromkeys(params, 0)
     seen: set[str] = set()
     entries = list(iter_tensors(path, reads))
@@ -375,8 +382,8 @@ def read_model(
             for part, read in unfused(bridge, name, load, cfg):  # a fused tensor: its parts
                 if bridge.ignore(part, cfg) or (cfg.tie_word_embeddings and part == "lm_head.weight"):
                     continue
-                rule, target, dest = _place(bridge, params, part, file, hf, shares)
-                if dest is None:  # an expert another rank holds
+                rule, target, dest = _place(bridge, places, part, file, hf, shares)
+                if dest is None or target not in params:  # an expert or a layer another rank holds
                     seen.add(part)
                     continue
                 share = shares.get(target) if dest.dim() == params[target].dim() else None  # all experts

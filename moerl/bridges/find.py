@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -42,12 +43,14 @@ def load_model(
     bridge: Bridge | None = None,
     experts: tuple[int, int] | None = None,
     reads: list | None = None,
+    keep: Callable[[MoEModel], object] | None = None,
 ) -> MoEModel:
     """Load a HF checkpoint directory into a MoEModel (``moerl.bridges.checkpoint.read_model``) through its bridge,
-    or ``bridge``; ``experts`` = (rank, ranks): only that expert-parallel rank's share of the experts; ``reads``
-    gets (tensor name, bytes) of what was read."""
+    or ``bridge``; ``experts`` = (rank, ranks): only that expert-parallel rank's share of the experts; ``keep``:
+    removes from the meta model what this rank does not hold (never read); ``reads`` gets (tensor name, bytes) of
+    what was read."""
     bridge = bridge or get_bridge(read_config(path), source=str(Path(path) / "config.json"))
-    return read_model(path, bridge, dtype, device, experts, reads)
+    return read_model(path, bridge, dtype, device, experts, reads, keep)
 
 
 def export_model(

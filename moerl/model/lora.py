@@ -17,12 +17,15 @@ Expert layouts (DESIGN "Expert adapters"):
 from __future__ import annotations
 
 import math
+import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from moerl.device import on_gpu
 from moerl.model.grouped import Groups, device_kernel, group_mm
@@ -495,12 +498,28 @@ def _add(y: torch.Tensor, delta: torch.Tensor, rows: torch.Tensor | None) -> tor
     return y + delta.to(y.dtype) if rows is None else y.index_add(0, rows, delta.to(y.dtype))
 
 
-def _init_A(t: torch.Tensor, generator: torch.Generator | None) -> None:
+def _streams(generator: torch.Generator | None) -> Callable[[str], torch.Generator]:
+    """A random stream for each module path, from one draw of ``generator`` (default: torch's), made at the first
+    stream asked for: a model that holds some layers only (a pipeline stage loaded alone) draws their adapters as the
+    whole model does."""
+    base: list[int] = []
+
+    def stream(path: str) -> torch.Generator:
+        if not base:
+            base.append(int(torch.randint(2**62, (1,), generator=generator)))
+        return torch.Generator().manual_seed((base[0] + zlib.crc32(path.encode())) % 2**63)
+
+    return stream
+
+
+def _init_A(path: str, stream: Callable[[str], torch.Generator], *tensors: torch.Tensor) -> None:
     # PEFT's default: kaiming-uniform(a=sqrt(5)) on A, i.e. U(-1/sqrt(fan_in), 1/sqrt(fan_in)); B stays zero
-    if t.is_meta:  # shapes only (a plan's): no values to draw
+    if tensors[0].is_meta or is_fake(tensors[0]):  # shapes only (a plan's): no values to draw
         return
-    bound = 1 / math.sqrt(t.shape[-1])
-    t.copy_(torch.rand(t.shape, generator=generator) * 2 * bound - bound)
+    generator = stream(path)
+    for t in tensors:
+        bound = 1 / math.sqrt(t.shape[-1])
+        t.copy_(torch.rand(t.shape, generator=generator) * 2 * bound - bound)
 
 
 def lora_candidates(model: nn.Module) -> list[str]:
@@ -532,6 +551,7 @@ def attach_lora(
     ctx = LoraContext()
     expert_rank = max(1, cfg.rank // mcfg.top_k) if cfg.expert_rank_norm else cfg.rank
     used, swaps = set(), []
+    stream = _streams(generator)
     for path, mod in model.named_modules():
         hit = [t for t in targets if path == t or path.endswith("." + t)]
         if not hit or not isinstance(mod, Linear | Experts):
@@ -547,7 +567,7 @@ def attach_lora(
                 new.lora = LinearLora(ctx, cfg.slots, cfg.rank, mod.in_features, mod.out_features, cfg.dropout, dtype)
             new.lora.scale.fill_(cfg.scale(cfg.rank))
             with torch.no_grad():
-                _init_A(new.lora.lora_A, generator)
+                _init_A(path, stream, new.lora.lora_A)
         else:
             # every expert's adapters, also where the weights hold one rank's share: the init is the layout's own
             e, (_, rows, h) = mod.num_experts, mod.gate_up_proj.shape
@@ -558,8 +578,7 @@ def attach_lora(
                 )
             new.lora.scale.fill_(cfg.scale(expert_rank))
             with torch.no_grad():
-                _init_A(new.lora.gate_up_A, generator)
-                _init_A(new.lora.down_A, generator)
+                _init_A(path, stream, new.lora.gate_up_A, new.lora.down_A)
         swaps.append((path, new))
         used.update(hit)
     unmatched = [t for t in targets if t not in used]

@@ -18,6 +18,7 @@ class Mode:
     masters = True  # the model's own weights train, through fp32 masters (sharded, and gathered in the compute dtype)
     adapter_slot: int | None = None  # the engine adapter slot the policy's forwards use; None: no adapters
     untraced: str | None = None  # why torch.compile cannot trace the training forward, if it cannot
+    reference_copy = True  # ``policy.reference`` keeps a whole frozen copy (every rank loads the whole model for it)
 
     def prepare(self, model: torch.nn.Module, cfg) -> None:
         """Make ``model`` (just loaded) this mode's: its modules, and which parameters train (``cfg``: PolicyConfig)."""

@@ -22,6 +22,7 @@ class LoRA(Mode):
     name = "lora"
     masters = False  # the adapters are fp32 themselves
     adapter_slot = 0
+    reference_copy = False  # the reference is the policy's own model, adapters off
 
     def prepare(self, model, cfg) -> None:
         model.requires_grad_(False)

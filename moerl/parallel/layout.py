@@ -23,7 +23,7 @@ from moerl.errors import ConfigError
 from moerl.parallel.checkpointing import apply_checkpointing
 from moerl.parallel.expert import shard_experts, whole_experts
 from moerl.parallel.fsdp import clip_grads, gathered, shard_model
-from moerl.parallel.pipeline import Pipeline, Step, plan_stages, prune
+from moerl.parallel.pipeline import Pipeline, Plan, Step, plan_stages, prune
 from moerl.parallel.rows import Split, gather_rows, share, split_rows, sum_over_ranks
 from moerl.parallel.world import World, agreed_min, full, like
 
@@ -45,6 +45,7 @@ class LayoutConfig:
     checkpointing: str = "none"  # each decoder block recomputed in the backward: none | full | selective
     max_tokens: int = 0  # tokens a micro-batch may hold (0: micro_batch_size alone cuts them)
     packed: bool = True  # whether micro-batches run packed (their tokens, not rows x width, count)
+    stages: Plan | None = None  # the pipeline stages the model was loaded with (``HeldStages``); None: plan them
 
 
 def storage_dtype(world: World, masters: bool, dtype: torch.dtype) -> torch.dtype:
@@ -66,7 +67,7 @@ def parallelize(model: torch.nn.Module, world: World, cfg: LayoutConfig) -> Layo
             )
         apply_checkpointing(model, cfg.checkpointing)
     if world.pp > 1:
-        plan = plan_stages(model, world, world.schedule, world.stages)
+        plan = cfg.stages or plan_stages(model, world, world.schedule, world.stages)
         prune(model, plan)
         layout.pipeline = Pipeline(model, plan, world, world.schedule, world.microbatches, cfg.head, layout.device)
         layout.copies = {"embed_tokens.weight"} if layout.pipeline.copy else set()

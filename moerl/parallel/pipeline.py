@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +64,8 @@ def split_layers(model: MoEModel, n_stages: int, given: list[int] | None = None)
                 "indexer layer before it chose (index_shared_layers); start each stage at a layer with an indexer"
             )
         return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
-    cost = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
+    # adapters not counted: a rank plans its stages before they are attached (HeldStages) as after
+    cost = [sum(p.numel() for n, p in layer.named_parameters() if ".lora." not in n) for layer in model.layers]
     cost[0] += model.embed_tokens.weight.numel()
     cost[-1] += sum(p.numel() for m in (model.norm, model.lm_head) if m is not None for p in m.parameters())
     if model.config.tie_word_embeddings:  # the last stage's copy of the embedding, for its head
@@ -134,6 +136,20 @@ def plan_stages(model: MoEModel, world: World, schedule: str, given: list[int] |
     n_stages = world.pp * per_rank
     ranges = split_layers(model, n_stages, given)
     return Plan([world.stage + k * world.pp for k in range(per_rank)], ranges)
+
+
+class HeldStages:
+    """What a pipeline rank loads of a checkpoint (``read_model``'s ``keep``): on the model still on the meta device,
+    this rank's stages are planned and the others pruned, so their layers are neither allocated nor read. ``plan``
+    is then the plan ``parallelize`` splits by: the pruned model cannot be planned again."""
+
+    def __init__(self, world: World):
+        self.world = world
+        self.plan: Plan | None = None
+
+    def __call__(self, model: MoEModel) -> None:
+        self.plan = plan_stages(model, self.world, self.world.schedule, self.world.stages)
+        prune(model, self.plan)
 
 
 def prune(model: MoEModel, plan: Plan) -> MoEModel:
@@ -308,6 +324,19 @@ class Pipeline:
         buf = t.contiguous() if t is not None else torch.empty(shape, dtype=dtype, device=self.device)
         dist.broadcast(buf, src, group=self.group)
         return buf
+
+    def whole_names(self, own: list[str]) -> list[str]:
+        """Every stage's names (``own``: this rank's), in the whole model's order: the embedding, the layers by
+        number, then the rest (a collective over this pipeline: a rank loaded with its stages only knows its own)."""
+        me, every = dist.get_rank(self.group), []
+        for src in range(self.world.pp):
+            every += broadcast_json(own if src == me else None, dist.get_global_rank(self.group, src), self.group)
+
+        def place(name: str) -> tuple[int, int]:
+            layer = re.match(r"layers\.(\d+)\.", name)
+            return (1, int(layer.group(1))) if layer else (0, 0) if name.startswith("embed_tokens.") else (2, 0)
+
+        return sorted(dict.fromkeys(every), key=place)  # stable: a layer's names keep their order
 
     def share_json(self, value=None):
         """The last stage's JSON-able ``value`` on every rank of this pipeline (bytes, not pickles)."""

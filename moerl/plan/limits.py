@@ -29,14 +29,15 @@ def check_limits(cfg: ModelConfig, run: RunConfig, machine, engine) -> list[str]
             f"{budget / 2**30:.0f} GiB): serve it with vLLM split over GPUs (rollout.engine=vllm, "
             "rollout.vllm_args.tensor_parallel_size=N); moerl drives vLLM engines, tested on CPU builds only"
         )
-    ep = run.parallel.ep if not run.policy.reference else 1  # a reference copy needs every expert
-    loaded = _loaded_bytes(cfg, ep)
+    whole = run.policy.reference and mode_of(run.policy.mode).reference_copy  # a reference copy needs every tensor
+    ep, pp = (1, 1) if whole else (run.parallel.ep, run.parallel.pp)
+    loaded = _loaded_bytes(cfg, run, ep, pp)
     if loaded > budget:
-        share = f"its 1/{ep} of the experts" if ep > 1 else "every expert"
+        what = "the whole model" if whole else f"its pipeline stage's weights and its 1/{ep} of their experts"
         out.append(
-            f"each trainer rank loads the non-expert weights whole and {share} ({loaded / 2**30:.0f} GiB in bf16) "
-            "before FSDP shards them: more than a GPU holds; raise parallel.ep (loading only a pipeline stage's own "
-            "layers is not built)"
+            f"each trainer rank loads {what} ({loaded / 2**30:.0f} GiB in bf16) before FSDP shards them: more than a "
+            "GPU holds; "
+            + ("the frozen reference copy (policy.reference) is loaded whole" if whole else "raise parallel.ep or .pp")
         )
     layer, expert = _largest_layer(cfg)
     if layer > budget:
@@ -52,17 +53,38 @@ def check_limits(cfg: ModelConfig, run: RunConfig, machine, engine) -> list[str]
     return out
 
 
-def _loaded_bytes(cfg: ModelConfig, ep: int) -> int:
-    """What a trainer rank loads of the checkpoint (bf16): every weight but the routed experts whole, and its
-    ``1/ep`` share of those (``moerl.bridges.checkpoint.read_model``'s experts)."""
+def _loaded_bytes(cfg: ModelConfig, run: RunConfig, ep: int, pp: int) -> int:
+    """What the most loaded trainer rank reads of the checkpoint (bf16): its pipeline stages' layers (with the
+    embedding on the first stage, the norm and head on the last), each weight but the routed experts whole and its
+    ``1/ep`` share of those (``moerl.bridges.checkpoint.read_model``'s experts and ``keep``)."""
     from moerl.model.transformer import MoEModel
+    from moerl.parallel.pipeline import split_layers, stages_per_rank
 
     with torch.device("meta"):
         model = MoEModel(cfg, torch.bfloat16)
     routed = {id(p) for i in model.moe_layer_ids for p in model.layers[i].mlp.experts.parameters()}
-    params = list(model.parameters())
-    whole = sum(p.numel() * 2 for p in params if id(p) not in routed)
-    return whole + sum(p.numel() * 2 for p in params if id(p) in routed) // ep
+
+    def size(params) -> int:
+        return sum(p.numel() * 2 // (ep if id(p) in routed else 1) for p in params)
+
+    if pp == 1:
+        return size(model.parameters())
+    per_rank = stages_per_rank(run.parallel.schedule)
+    ranges = split_layers(model, pp * per_rank, run.parallel.stages)
+    last = len(ranges) - 1
+    ends = {
+        "first": list(model.embed_tokens.parameters()),
+        "last": [p for m in (model.norm, model.lm_head) if m is not None for p in m.parameters()]
+        + (list(model.embed_tokens.parameters()) if cfg.tie_word_embeddings else []),
+    }
+    most = 0
+    for rank in range(pp):
+        stages = [rank + k * pp for k in range(per_rank)]
+        params = [p for s in stages for i in ranges[s] for p in model.layers[i].parameters()]
+        params += ends["first"] if 0 in stages else []
+        params += ends["last"] if last in stages else []
+        most = max(most, size(params))
+    return most
 
 
 def _largest_layer(cfg: ModelConfig) -> tuple[int, int]:

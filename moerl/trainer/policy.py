@@ -19,7 +19,7 @@ from moerl.errors import ConfigError
 from moerl.finite import first_nonfinite
 from moerl.modes import MODES
 from moerl.parallel.layout import LayoutConfig, parallelize, storage_dtype
-from moerl.parallel.pipeline import Step
+from moerl.parallel.pipeline import HeldStages, Step
 from moerl.parallel.world import World, local
 from moerl.precision import compute_dtype
 from moerl.trainer import compile as blocks_compile
@@ -62,15 +62,17 @@ class Policy:
         world = world or World()
         self.device = resolve_device(cfg.device, key="policy.device")
         self.dtype = dtype = compute_dtype(cfg.dtype, self.device)
-        # an expert-parallel rank reads its share of the experts only; a reference copy needs them all
-        share = (world.ep_rank, world.ep) if world.ep > 1 and not cfg.reference else None
-        self.checkpoint_reads: list[tuple[str, int]] = []  # (tensor, bytes) this rank read of the checkpoint
-        build = build or partial(load_model, checkpoint, experts=share, reads=self.checkpoint_reads)
         self.mode = mode = MODES[cfg.mode]
+        # a rank reads its pipeline stages and its share of the experts only; a whole reference copy needs them all
+        part = not (cfg.reference and mode.reference_copy)
+        share = (world.ep_rank, world.ep) if world.ep > 1 and part else None
+        stages = HeldStages(world) if world.pp > 1 and part and build is None else None
+        self.checkpoint_reads: list[tuple[str, int]] = []  # (tensor, bytes) this rank read of the checkpoint
+        build = build or partial(load_model, checkpoint, experts=share, reads=self.checkpoint_reads, keep=stages)
         self.model = build(dtype=storage_dtype(world, mode.masters, dtype), device=self.device).eval()
         mode.prepare(self.model, cfg)
         self.ref_model = mode.reference(self.model, cfg, dtype)  # replicated when the policy is sharded
-        self.all_names = [n for n, p in self.model.named_parameters() if p.requires_grad]  # of the whole model
+        all_names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         head = partial(batch_head, chunk=cfg.logits_chunk)  # a pipeline's last stage: its logprobs in chunks
         split = LayoutConfig(
             mode.masters,
@@ -80,8 +82,11 @@ class Policy:
             cfg.activation_checkpointing,
             cfg.token_budget,
             cfg.packing,
+            stages.plan if stages is not None else None,
         )
         self.layout = parallelize(self.model, world, split)
+        # of the whole model: a rank loaded with its stages only asks the others
+        self.all_names = all_names if stages is None else self.layout.pipeline.whole_names(all_names)
         self.trainable = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         check_compile(cfg.compile, self.layout.ranks, mode)
         self.compiled = cfg.compile is True and compile_blocks(self.model) > 0
