@@ -326,6 +326,31 @@ def train_steps(ckpt: Path, mode: str, packing: bool) -> tuple[bool | None, str]
     )
 
 
+def offloaded_steps(ckpt: Path) -> tuple[bool, str]:
+    """``policy.cpu_offload`` on the device: three full-mode steps with the fp32 masters and the optimizer state in
+    pinned host memory give the plain steps' losses (AdamW on the host rounds as on the device, to the last bits), the
+    masters on the host and the weights on the device."""
+    batch, runs = _train_batch(), {}
+    for offload in (False, True):
+        torch.manual_seed(0)
+        pol = _policy(ckpt, "full", cpu_offload=offload)
+        losses = []
+        sync()
+        start = time.perf_counter()
+        for _ in range(3):
+            losses.append(pol.train_step(batch, sft_loss)["loss"])
+        sync()
+        runs[offload] = losses, (time.perf_counter() - start) / 3, pol
+    (plain, t_plain, _), (offloaded, t_off, pol) = runs[False], runs[True]
+    host = all(m.device.type == "cpu" and (m.is_pinned() or not CUDA) for m in pol.master.master.values())
+    device = all(p.device.type == torch.device(DEV).type for p in pol.trainable.values())
+    gap = max(abs(a - b) / abs(b) for a, b in zip(offloaded, plain, strict=True))
+    return host and device and gap <= 1e-3, (
+        f"losses {gap:.1e} from the plain steps' (tol 1e-3); masters in {'pinned ' * CUDA}host memory: {host}, "
+        f"weights on the device: {device}; {t_off * 1e3:.0f} vs {t_plain * 1e3:.0f} ms/step"
+    )
+
+
 def compiled_trainer(ckpt: Path) -> tuple[bool | None, str]:
     """The trainer's compiled decoder blocks (``policy.compile=True``) against eager on the device: two LoRA steps'
     losses and gradient norms, and the graphs it compiled."""
@@ -828,6 +853,7 @@ def main() -> int:
         for mode in ("lora", "full", "mxfp8"):
             check(f"train step {mode}", train_steps, ckpt, mode, False)
         check("train step lora, packed", train_steps, ckpt, "lora", True)
+        check("train step full, masters and optimizer in host memory", offloaded_steps, ckpt)
         check("engine mixed adapter slots vs trainer", engine_lora_slots, ckpt)
         check("weight sync to an engine process over CUDA IPC", ipc_sync, ckpt, state, limit=90)
         state.clear()  # what the lines above kept: freed before the measured and the long lines

@@ -8,11 +8,12 @@ safetensors).
 Extras: ``layout=shared_outer`` (expert adapters), ``schedule=S`` (pipeline), ``load=DIR`` (a checkpoint loaded
 first), ``dump`` (write the state as loaded and stop), ``steps=N``, ``save=DIR`` (a checkpoint saved after the first
 step), ``ac=full|selective`` (activation checkpointing), ``tokens=N`` (micro-batches of at most N tokens, no row
-limit), ``reads`` (each rank writes what it read of the checkpoint to OUT.reads<rank>.json, and stops). Negative
-controls: ``mean``, FSDP's default mean over ranks instead of moerl's sum; ``perturb``, the last expert of the first
-MoE layer moved by 1e-3 on the rank that holds it (the last ep rank); ``wrong_columns``, the last pipeline stage
-replays the first stage's MoE layers' columns instead of its own; ``untie``, a tied embedding's two pipeline copies
-each keep their own gradient."""
+limit), ``offload`` (``policy.cpu_offload``: FSDP2's CPUOffloadPolicy), ``reads`` (each rank writes what it read of
+the checkpoint to OUT.reads<rank>.json, and stops). Negative controls: ``mean``, FSDP's default mean over ranks
+instead of moerl's sum; ``perturb``, the last expert of the first MoE layer moved by 1e-3 on the rank that holds it
+(the last ep rank); ``wrong_columns``, the last pipeline stage replays the first stage's MoE layers' columns instead
+of its own; ``untie``, a tied embedding's two pipeline copies each keep their own gradient.
+"""
 
 import json
 import sys
@@ -91,6 +92,7 @@ def step(world, ckpt: str, mode: str, dtype: str, out: str, *extra: str) -> None
         optim=OptimConfig(lr=LR),
         lora=lora,
         activation_checkpointing=opt.get("ac", "none"),
+        cpu_offload="offload" in extra,
     )
     policy = Policy(ckpt, cfg, world)
     if "reads" in extra:  # what each rank read of the checkpoint, and stop

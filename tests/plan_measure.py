@@ -12,7 +12,7 @@ from dataclasses import replace
 from moerl.config import load_config
 from moerl.parallel.world import init_world
 from moerl.plan.memory import Memory
-from moerl.plan.rank import gradients, held, traced_rows, worst_batch
+from moerl.plan.rank import count_the_step, held, traced_rows, worst_batch
 from moerl.run_config import RunConfig
 from moerl.trainer import Policy
 from moerl.trainer.losses import make_policy_loss
@@ -25,8 +25,10 @@ def measure(ckpt: str, run: RunConfig, world) -> dict[str, int]:
     policy.train_step(batch, loss, replay=run.algo.r3, entropy=run.algo.loss.entropy)
     memory = Memory(held(policy))
     with memory:
+        hooks = count_the_step(policy, memory)
         policy.train_step(batch, loss, replay=run.algo.r3, entropy=run.algo.loss.entropy)
-        memory.regard(gradients(policy), "gradients")
+        for hook in hooks:
+            hook.remove()
     return dict(memory.peak.bytes)
 
 

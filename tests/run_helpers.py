@@ -86,3 +86,18 @@ def random_adapter(ckpt, out) -> None:
             for p in lora.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
     write_peft_adapter(model, out)
+
+
+def stepped_grads(policy) -> dict:
+    """The gradients each later optimizer step of ``policy`` steps with, by trained name, in the optimizer's order:
+    cloned as the step begins (the policy drops them once it has stepped)."""
+    out: dict = {}
+    names = {id(p): n for n, p in policy.trained.items()}
+
+    def keep(optimizer, args, kwargs) -> None:
+        out.clear()
+        for group in optimizer.param_groups:
+            out.update({names[id(p)]: p.grad.clone() for p in group["params"] if p.grad is not None})
+
+    policy.optimizer.register_step_pre_hook(keep)
+    return out

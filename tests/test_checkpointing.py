@@ -8,6 +8,7 @@ Combinations not built are refused by name. Expert and pipeline parallel: tests/
 import pytest
 import torch
 from dp_check import fixed_batch
+from run_helpers import stepped_grads
 from torch.utils.checkpoint import CheckpointError, checkpoint
 
 from moerl.errors import ConfigError
@@ -35,8 +36,9 @@ def _step(path, mode: str, how: str, replay: bool, batch=None) -> tuple[dict, di
     mcfg = pol.model.config
     batch = batch or fixed_batch(len(mcfg.moe_layers), mcfg.top_k, mcfg.num_experts)
     batch.extras["old_logprobs"] = pol.forward_logprobs(batch, replay=replay)[0]
+    grads = stepped_grads(pol)
     stats = pol.train_step(batch, make_policy_loss(PolicyLossConfig()), replay=replay)
-    return stats, {n: p.grad.clone() for n, p in pol.trained.items() if p.grad is not None}
+    return stats, dict(grads)
 
 
 def _off(got: dict, want: dict) -> float:

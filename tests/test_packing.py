@@ -5,6 +5,7 @@ adapter slots; a negative control shows the tolerance catches sequences that see
 import pytest
 import torch
 from hf_models import ARCHS
+from run_helpers import stepped_grads
 from tolerances import logprobs_agree
 
 from moerl.errors import ReplayError
@@ -117,13 +118,14 @@ def test_packed_train_step_equals_the_padded_step(mode, hf_checkpoints):
         for name, t in pols[0].trainable.items():
             pols[1].trainable[name].copy_(t)
     batch = ragged_batch(replay_of=pols[0].model)
+    grads = [stepped_grads(pol) for pol in pols]
     stats = [pol.train_step(batch, sft_loss, temperature=0.7) for pol in pols]
     assert abs(stats[0]["loss"] - stats[1]["loss"]) < 1e-6
     assert abs(stats[0]["grad_norm"] - stats[1]["grad_norm"]) < 1e-5 * stats[0]["grad_norm"]
     # the gradients the optimizer stepped with (AdamW's first step is about lr * sign(g): its result would flip
     # on gradients that are rounding noise)
-    grads = [[p.grad for p in pol.optimizer.param_groups[0]["params"]] for pol in pols]
-    for want, got in zip(*grads, strict=True):
+    assert grads[0].keys() == grads[1].keys() == pols[0].trained.keys()
+    for want, got in zip(*(g.values() for g in grads), strict=True):
         assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
     if mode == "lora":  # trained adapters (B != 0 now), on alternate rows only
         batch.extras["adapter_slots"] = torch.tensor([0, -1] * (len(batch) // 2))

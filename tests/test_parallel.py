@@ -93,6 +93,10 @@ CASES = [
     ("1,1,2", "lora", "float32", ("ac=selective",), 1e-6),
     ("2,1,1", "full", "float32", ("tokens=30",), 1e-6),
     ("1,1,2", "full", "float32", ("tokens=36",), 1e-6),
+    # the trained state in host memory (FSDP2's CPUOffloadPolicy; on a CPU the host is the device, so this shows the
+    # offloaded path's numbers, not where they live: tests/test_offload.py does, on the simulated device)
+    ("2,1,1", "full", "float32", ("offload",), 1e-6),
+    ("1,2,1", "full", "bfloat16", ("offload",), 1e-4),
 ]
 
 # How far a step on several ranks may be from one process's. A rank runs its GEMMs on other row counts and expert
@@ -154,8 +158,10 @@ def test_one_step_on_several_ranks_is_one_process_step(one_process, several_rank
     rows (one a stand-in), each stage replaying its own MoE layers' columns. Four ranks (pp=2 with dp=2 or ep=2):
     a pipeline per data rank, each on its share of the rows, each stage sharded over its two data ranks. Each
     equals one process's step within the tolerances above, also where its blocks recompute their activations in
-    the backward (``ac=``) or its micro-batches are cut by tokens (``tokens=``): against one process's plain step."""
-    one, t1 = one_process(mode, dtype, *(e for e in extra if not e.startswith(("ac=", "tokens="))))  # plain step
+    the backward (``ac=``), its micro-batches are cut by tokens (``tokens=``) or its trained state is offloaded
+    (``offload``): against one process's plain step."""
+    plain = [e for e in extra if not e.startswith(("ac=", "tokens=")) and e != "offload"]
+    one, t1 = one_process(mode, dtype, *plain)
     two, t2 = several_ranks(layout, mode, dtype, *extra)
     differences = _step_differences(one, t1, two, t2, mode, dtype, rtol)
     assert not differences, differences

@@ -7,6 +7,7 @@ fixed ones' within 1e-6 (fp32; control: another learning signal misses it). Seve
 
 import pytest
 import torch
+from run_helpers import stepped_grads
 
 from moerl.errors import ConfigError
 from moerl.parallel.rows import split_rows
@@ -82,8 +83,10 @@ def _step(path, packing: bool, size: int, budget: int, batch: Batch) -> tuple[di
                        packing=packing, optim=OptimConfig(lr=1e-2))  # fmt: skip
     pol = Policy(path, cfg)
     batch.extras["old_logprobs"] = pol.forward_logprobs(batch, replay=False)[0]
+    grads = stepped_grads(pol)
     stats = pol.train_step(batch, make_policy_loss(PolicyLossConfig()), replay=False)
-    return stats, {n: p.grad.clone() for n, p in pol.trained.items()}
+    assert grads.keys() == pol.trained.keys()
+    return stats, dict(grads)
 
 
 def _off(got: dict, want: dict) -> float:

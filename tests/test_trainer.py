@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from run_helpers import stepped_grads
 
 from moerl.errors import ConfigError, ReplayError
 from moerl.model.lora import LoraConfig
@@ -228,8 +229,10 @@ def test_one_forward_gives_the_replayed_and_the_reference_logprobs(layout, hf_ch
 
 def _step_gradient(pol, batch) -> tuple[float, torch.Tensor]:
     """One train step's loss and the gradient the optimizer stepped with, all trained tensors as one vector."""
+    grads = stepped_grads(pol)
     loss = pol.train_step(batch, sft_loss)["loss"]
-    return loss, torch.cat([p.grad.flatten().float() for p in pol.optimizer.param_groups[0]["params"]])
+    assert grads.keys() == pol.trained.keys()
+    return loss, torch.cat([g.flatten().float() for g in grads.values()])
 
 
 COSINE_BOUND = {"lora": 0.999, "full": 0.999, "mxfp8": 0.98}
@@ -274,5 +277,5 @@ def test_master_grads_are_each_steps_bf16_grads_widened():
         m = masters.master["w"]
         assert m.grad.dtype == torch.float32 and torch.equal(m.grad, g.float()) and params["w"].grad is None
         seen.append(m.grad.data_ptr())
-        m.grad = None  # as a step's start drops them
+        m.grad = None  # as a step drops them once it has stepped
     assert seen[0] == seen[1]

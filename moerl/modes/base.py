@@ -50,19 +50,25 @@ class Mode:
         for name, master in policy.master.master.items():
             if name in layout.copies:  # sent by the stage that holds the original
                 continue
-            t = layout.whole(name, master.detach())
+            own = policy.master.model_params[name]
             if ".router." in name:
-                yield name, t.float()
+                yield name, layout.whole(name, master.detach()).float()
+            elif own.dtype == policy.dtype and not isinstance(own, DTensor) and self.sends_rounded(policy, name):
+                # the model holds round(master) already (one process, an expert slice): gathered as it is, in half
+                # its master's bytes and from the device where the master is in host memory
+                yield name, layout.whole(name, own.detach())
             else:
-                yield from self.weight_form(policy, name, t, dense)
+                yield from self.weight_form(policy, name, layout.whole(name, master.detach()), dense)
         for name, buf in policy.model.named_buffers():  # e.g. the selection-only router bias
             yield name, buf.detach().clone()
 
+    def sends_rounded(self, policy, name: str) -> bool:
+        """Whether a sync sends weight ``name`` as its master rounded to the compute dtype (``weight_form``'s)."""
+        return True
+
     def weight_form(self, policy, name: str, master: torch.Tensor, dense: str | None):
         """The sync's tensors for weight ``name`` from its whole fp32 ``master``: the compute dtype."""
-        own = policy.master.model_params[name]  # in one process the model holds round(master) already
-        whole = not isinstance(own, DTensor) and own.dtype == policy.dtype and own.shape == master.shape
-        yield name, own.detach() if whole else master.to(policy.dtype)
+        yield name, master.to(policy.dtype)
 
     def export(self, policy, run_dir: Path) -> dict[str, str]:
         """Write what the run made beside its checkpoint; returns what was written by kind. Nothing by default:

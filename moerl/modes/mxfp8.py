@@ -24,6 +24,11 @@ class MXFP8(Full):
     def engine_mx(self, cfg) -> str | None:
         return cfg.mx_scale_mode
 
+    def sends_rounded(self, policy, name: str) -> bool:
+        from moerl.model.mx import quantized_weight
+
+        return not quantized_weight(name, policy.model)  # a GEMM weight is quantized from its fp32 master
+
     def weight_form(self, policy, name: str, master: torch.Tensor, dense: str | None):
         from moerl.model.mx import BLOCK, MX_SCALE, mx_fake_quant, mx_quantize, quantized_weight
 

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from moerl.parallel.world import World
@@ -31,12 +31,16 @@ def shard_model(
     mesh: DeviceMesh | None = None,
     keep=frozenset(),
     root: torch.nn.Module | None = None,
+    offload: bool = False,
 ) -> None:
     """Shard ``model`` in place over ``mesh`` (default: every rank): one FSDP unit per block, the routers, the root
     (``root``: a module that runs ``model``, e.g. a pipeline stage). ``masters``: the parameters are fp32 masters,
     gathered in ``compute_dtype`` (the routers in fp32, units of their own); else they are sharded as they are.
-    Parameters in ``keep`` (expert-parallel slices) stay this rank's plain tensors."""
+    Parameters in ``keep`` (expert-parallel slices) stay this rank's plain tensors. ``offload``: the shards and their
+    gradients live in host memory (FSDP2's ``CPUOffloadPolicy``; the optimizer steps them there), gathered onto the
+    device for each unit's forward and backward."""
     root = root if root is not None else model
+    where = {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())} if offload else {}
     frozen = {p for p in model.parameters() if not p.requires_grad} | set(keep)
     if masters:  # the parameters are the fp32 masters: gathered in the compute dtype
         mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
@@ -48,9 +52,10 @@ def shard_model(
             continue
         router = getattr(getattr(block, "mlp", None), "router", None)
         if router is not None and masters:
-            fully_shard(router, mesh=mesh, mp_policy=fp32)
-        fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=(frozen & set(block.parameters())) or None)
-    fully_shard(root, mesh=mesh, mp_policy=mp, ignored_params=frozen or None)
+            fully_shard(router, mesh=mesh, mp_policy=fp32, **where)
+        ignored = (frozen & set(block.parameters())) or None
+        fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=ignored, **where)
+    fully_shard(root, mesh=mesh, mp_policy=mp, ignored_params=frozen or None, **where)
     for unit in fsdp_units(root):
         unit.set_gradient_divide_factor(1.0)  # a sum (the losses are normalised globally)
         unit.set_force_sum_reduction_for_comms(True)  # plain SUM collectives: gloo has no pre-multiplied sum

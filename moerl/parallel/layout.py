@@ -46,6 +46,7 @@ class LayoutConfig:
     max_tokens: int = 0  # tokens a micro-batch may hold (0: micro_batch_size alone cuts them)
     packed: bool = True  # whether micro-batches run packed (their tokens, not rows x width, count)
     stages: Plan | None = None  # the pipeline stages the model was loaded with (``HeldStages``); None: plan them
+    offload: bool = False  # FSDP's shards and their gradients in host memory (``policy.cpu_offload``)
 
 
 def storage_dtype(world: World, masters: bool, dtype: torch.dtype) -> torch.dtype:
@@ -84,7 +85,7 @@ def parallelize(model: torch.nn.Module, world: World, cfg: LayoutConfig) -> Layo
     keep = {dict(model.named_parameters())[n] for n in layout.sliced}
     for root in layout.roots:  # the model, or each pipeline stage as its own FSDP root
         view = root.view if layout.pipeline is not None else root
-        shard_model(view, cfg.dtype, cfg.masters, world.data_mesh, keep, root=root)
+        shard_model(view, cfg.dtype, cfg.masters, world.data_mesh, keep, root=root, offload=cfg.offload)
     return layout
 
 

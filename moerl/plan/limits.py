@@ -151,22 +151,26 @@ def _first_within(floor: Callable[[int], int], most: int, budget: int) -> int:
     return lo
 
 
-def _state(cfg: ModelConfig, run: RunConfig) -> tuple[int, int, bool]:
-    """(routed-expert parameters, the other parameters, whether the run keeps fp32 masters): what ``_floor`` splits."""
+def _state(cfg: ModelConfig, run: RunConfig) -> tuple[int, int, bool, bool]:
+    """(routed-expert parameters, the other parameters, whether the run keeps fp32 masters, whether they are in host
+    memory): what ``_floor`` splits."""
     from moerl.model.transformer import MoEModel
 
     with torch.device("meta"):
         model = MoEModel(cfg, torch.bfloat16)
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-    return experts, sum(p.numel() for p in model.parameters()) - experts, mode_of(run.policy.mode).masters
+    masters = mode_of(run.policy.mode).masters
+    return experts, sum(p.numel() for p in model.parameters()) - experts, masters, masters and run.policy.cpu_offload
 
 
-def _floor(state: tuple[int, int, bool], layout: tuple[int, int, int]) -> int:
+def _floor(state: tuple[int, int, bool, bool], layout: tuple[int, int, int]) -> int:
     """``at_rest_floor`` of ``layout`` from ``_state``'s counts."""
-    experts, rest, masters = state
+    experts, rest, masters, offload = state
     dp, ep, pp = layout
     if not masters:  # lora: a bf16 base, experts split by ep, the rest whole on its stage
         return 2 * (experts // ep + rest) // pp
+    if offload:  # the expert slices' bf16 weights; the rest, the masters and the optimizer state in host memory
+        return 2 * experts // (ep * pp)
     return 16 * (experts + rest) // (dp * ep * pp)  # fp32 masters, gradients and two moments
 
 
@@ -202,17 +206,19 @@ def why_none_fits(cfg: ModelConfig, run: RunConfig, machine, roles: list) -> lis
     and activations that no split of the layers brings down (a micro-batch's sequence itself too long)."""
     out = []
     state = _state(cfg, run)
+    masters, offload = state[2:]
+    host = "; policy.cpu_offload=true keeps the masters and optimizer state in host memory" * (masters and not offload)
     shapes = [(ep, pp) for ep in expert_splits(cfg) for pp in stage_counts(cfg, run)]
     for n in (2**k for k in range(MAX_GPUS.bit_length())):  # 1, 2, 4, ... MAX_GPUS
         floors = [_floor(state, (n // (ep * pp), ep, pp)) for ep, pp in shapes if n % (ep * pp) == 0]
         if floors and min(floors) <= machine.budget:
             if n > machine.gpus:
-                out.append(f"the weights, masters and optimizer state alone need at least {n} GPUs of this size")
+                out.append(f"the weights, masters and optimizer state alone need at least {n} GPUs of this size{host}")
             break
     else:
         out.append(
             f"the weights, masters and optimizer state alone need more than {MAX_GPUS} GPUs of this size (the most "
-            "moerl plans for)"
+            f"moerl plans for){host}"
         )
     acts = max((r.trace.peak.bytes["activations"] for r in roles), default=0)
     if acts > machine.budget:

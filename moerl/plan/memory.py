@@ -3,8 +3,9 @@ for a real run's (a dispatch-mode count of storages, not the process's RSS or an
 
 What a trainer rank holds at rest is named when counting starts (``held``: its weights, fp32 masters and optimizer
 state); everything made after that is an activation (activations proper, temporaries, gathered FSDP weights,
-exchange buffers) until the caller names it otherwise (``regard``: the gradients once a backward has made them). The
-peak is the largest total seen, with its split by category at that moment.
+exchange buffers) until the caller names it otherwise (``regard``: the gradients once a backward has made them;
+``made_as``: e.g. what an optimizer step in host memory makes). The peak is the largest total on the device seen, with
+its split by category at that moment; host memory ("host") is counted beside it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-CATEGORIES = ("weights", "masters", "optimizer", "gradients", "activations")
+CATEGORIES = ("weights", "masters", "optimizer", "gradients", "activations", "host")
+ON_DEVICE = CATEGORIES[:-1]  # "host": what a rank keeps in host memory (``policy.cpu_offload``), off the GPU's count
 
 
 @dataclass(slots=True)
@@ -31,13 +33,14 @@ class Breakdown:
 
     @property
     def total(self) -> int:
-        return sum(self.bytes.values())
+        """The bytes on the device (host memory left out)."""
+        return sum(self.bytes[c] for c in ON_DEVICE)
 
     def copy(self) -> Breakdown:
         return Breakdown(dict(self.bytes))
 
     def largest(self) -> str:
-        return max(self.bytes, key=self.bytes.get)
+        return max(ON_DEVICE, key=self.bytes.get)
 
 
 def storage(t: torch.Tensor) -> torch.UntypedStorage:
@@ -55,6 +58,7 @@ class Memory(TorchDispatchMode):
         self._of: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> serial
         self._entries: dict[int, list] = {}  # serial -> [weakref to the storage, bytes, category, made at]
         self.now, self.peak = Breakdown(), Breakdown()
+        self.made_as = "activations"  # the category of what is made from now on (until ``regard`` says otherwise)
         self._peak_serial = 0
         self._resize = None
         for category, tensors in held.items():
@@ -84,7 +88,7 @@ class Memory(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if isinstance(out, torch.Tensor):
             if storage(out) not in self._of:
-                self._add(storage(out), "activations")
+                self._add(storage(out), self.made_as)
             return out
         if not isinstance(out, tuple | list):  # a device, a scalar: no storage
             return out
@@ -92,7 +96,7 @@ class Memory(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 st = storage(t)
                 if st not in self._of:
-                    self._add(st, "activations")
+                    self._add(st, self.made_as)
         return out
 
     def regard(self, tensors: Iterable[torch.Tensor | None], category: str) -> None:
@@ -135,7 +139,7 @@ class Memory(TorchDispatchMode):
         serial = self._of.get(st)
         if serial is None:
             if after:
-                self._add(st, "activations")
+                self._add(st, self.made_as)
             return
         entry = self._entries[serial]
         entry[1] += after - before

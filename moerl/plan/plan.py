@@ -24,8 +24,9 @@ import torch
 
 from moerl.errors import ConfigError
 from moerl.model.config import ModelConfig
+from moerl.modes import mode_of
 from moerl.plan.limits import MAX_GPUS
-from moerl.plan.memory import CATEGORIES
+from moerl.plan.memory import CATEGORIES, ON_DEVICE
 from moerl.plan.rank import RankTrace, micro_rows, trace_rank
 from moerl.run_config import RunConfig
 
@@ -100,7 +101,7 @@ class Role:
 
     @property
     def largest(self) -> str:
-        parts = dict(self.trace.peak.bytes) | {"engine": self.engine}
+        parts = {c: self.trace.peak.bytes[c] for c in ON_DEVICE} | {"engine": self.engine}
         return max(parts, key=parts.get)
 
 
@@ -178,8 +179,11 @@ def _trace_rank(cfg: ModelConfig, run: RunConfig, rank: int, hf: dict) -> RankTr
     return trace_rank(cfg, run, rank, hf)
 
 
-def plan_with(run: RunConfig, machine: Machine, colocated: bool, propose: bool, tracer: Tracer) -> Plan:
-    """``plan``, its ranks traced by ``tracer`` (in this process or a pool's)."""
+def plan_with(
+    run: RunConfig, machine: Machine, colocated: bool, propose: bool, tracer: Tracer, options: bool = True
+) -> Plan:
+    """``plan``, its ranks traced by ``tracer`` (in this process or a pool's); ``options``: where no layout fits,
+    try the settings that save memory (``_with_option``)."""
     from moerl.engine.config import check_context
     from moerl.parallel.plan import check_layout
     from moerl.plan.limits import check_limits, propose_layout, why_none_fits
@@ -221,26 +225,33 @@ def plan_with(run: RunConfig, machine: Machine, colocated: bool, propose: bool, 
                 return plan_with(trial, machine, colocated, False, tracer).fits
 
             out.proposal = propose_layout(cfg, run, machine, fits)
-        if out.proposal is None:
-            out.option = _with_recomputation(run, machine, colocated, tracer)
+        if out.proposal is None and options:
+            out.option = _with_option(run, machine, colocated, tracer)
         if out.proposal is None and out.option is None:
             out.limits += why_none_fits(cfg, run, machine, out.roles)
     out.seconds = time.perf_counter() - start
     return out
 
 
-def _with_recomputation(run: RunConfig, machine: Machine, colocated: bool, tracer: Tracer):
-    """Where the run's own settings fit no layout and it keeps its activations: the same run with each decoder
-    block recomputed in the backward (``policy.activation_checkpointing=full``), planned on its layout and, failing
-    that, on the layouts a proposal searches; (the override, the layout that fits or None for its own), else None."""
-    if run.policy.activation_checkpointing == "full":
-        return None
-    option = "policy.activation_checkpointing=full"
-    trial = replace(run, policy=replace(run.policy, activation_checkpointing="full"))
-    planned = plan_with(trial, machine, colocated, True, tracer)
-    if planned.fits:
-        return option, None
-    return (option, planned.proposal) if planned.proposal is not None else None
+def _with_option(run: RunConfig, machine: Machine, colocated: bool, tracer: Tracer):
+    """Where the run's own settings fit no layout: the same run with the settings that save memory and that it has
+    not on, one then both (each decoder block recomputed in the backward; the trained state in host memory, for
+    modes with masters), planned on its layout and, failing that, on the layouts a proposal searches; (the
+    overrides as the user writes them, the layout that fits or None for its own) of the first that fits, else None."""
+    policy = run.policy
+    options = []
+    if policy.activation_checkpointing != "full":
+        options.append({"activation_checkpointing": "full"})
+    if mode_of(policy.mode).masters and not policy.cpu_offload:
+        options.append({"cpu_offload": True})
+    if len(options) == 2:
+        options.append(options[0] | options[1])
+    for over in options:
+        planned = plan_with(replace(run, policy=replace(policy, **over)), machine, colocated, True, tracer, False)
+        if planned.fits or planned.proposal is not None:
+            text = " ".join(f"policy.{k}={str(v).lower()}" for k, v in over.items())
+            return text, planned.proposal
+    return None
 
 
 def _count_params(cfg: ModelConfig) -> int:
@@ -267,7 +278,8 @@ def render(p: Plan) -> str:
         f"step: micro-batch {micro_rows(run)} x {run.rollout.max_model_len} tokens (every sequence at "
         f"rollout.max_model_len), packing {'on' if run.policy.packing else 'off'}, R3 {'on' if run.algo.r3 else 'off'}"
         f", activation checkpointing {run.policy.activation_checkpointing}, logits in chunks of "
-        f"{run.policy.logits_chunk or 'all'} tokens; engine "
+        f"{run.policy.logits_chunk or 'all'} tokens{'; masters and optimizer in host memory' * run.policy.cpu_offload}"
+        "; engine "
         f"{'on the same GPU' if p.colocated else 'on GPUs of its own'}",
     ]
     if p.roles:

@@ -15,6 +15,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from moerl.device import capability, gpu_paths
 from moerl.model.config import ModelConfig
@@ -124,13 +125,36 @@ def worst_batch(cfg: ModelConfig, run: RunConfig, rows: int, length: int | None 
 
 def held(policy) -> dict[str, list[torch.Tensor]]:
     """What ``policy`` holds at rest, by category: its models' parameters and buffers, separate fp32 masters, the
-    optimizer's state."""
+    optimizer's state; with ``policy.cpu_offload`` the masters, the optimizer's state and FSDP's trained shards (the
+    masters themselves) are host memory."""
     models = [m for m in (policy.model, policy.ref_model) if m is not None]
     weights = [t for m in models for t in (*m.parameters(), *m.buffers())]
     ids = {id(t) for t in weights}
     masters = [] if policy.master is None else [p for p in policy.master.parameters() if id(p) not in ids]
     state = [v for st in policy.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-    return {"weights": weights, "masters": masters, "optimizer": state}
+    if not policy.cfg.cpu_offload:
+        return {"weights": weights, "masters": masters, "optimizer": state}
+    shards = [p for p in policy.model.parameters() if isinstance(p, DTensor) and p.requires_grad]
+    shard_ids = {id(p) for p in shards}
+    return {"weights": [t for t in weights if id(t) not in shard_ids], "host": [*shards, *masters, *state]}
+
+
+def count_the_step(policy, memory: Memory) -> list:
+    """Hooks on ``policy``'s optimizer (remove them after): as its step begins, the gradients it steps are counted
+    as gradients (the policy drops them after the step), or as host memory where the optimizer runs there
+    (``policy.cpu_offload``), as is what its step makes."""
+    host = policy.cfg.cpu_offload
+
+    def before(optimizer, args, kwargs) -> None:
+        memory.regard([p.grad for p in policy.trained.values()], "host" if host else "gradients")
+        memory.regard([p.grad for p in policy.trainable.values()], "gradients")
+        if host:
+            memory.made_as = "host"
+
+    def after(optimizer, args, kwargs) -> None:
+        memory.made_as = "activations"
+
+    return [policy.optimizer.register_step_pre_hook(before), policy.optimizer.register_step_post_hook(after)]
 
 
 def gradients(policy) -> list[torch.Tensor | None]:
@@ -256,8 +280,10 @@ def _trace(cfg: ModelConfig, run: RunConfig, rank: int, hf: dict | None, gpu: bo
             scratch = [torch.empty(workspace, dtype=torch.uint8) for _ in range(GEMM_THREADS)] if gpu else []
             with Memory(held(policy) | {"activations": scratch}) as memory:
                 loss = run.algo.loss
+                hooks = count_the_step(policy, memory)
                 policy.train_step(batch, make_policy_loss(loss), replay=run.algo.r3, entropy=loss.entropy)
-                memory.regard(gradients(policy), "gradients")
+                for hook in hooks:
+                    hook.remove()
             engine = Elsewhere()
             grads = [g for g in gradients(policy) if g is not None]
             # sync_policy's stream, its values unchecked

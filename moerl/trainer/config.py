@@ -82,6 +82,10 @@ class PolicyConfig:
     # each decoder block's activations computed again in the backward instead of kept (moerl.parallel.checkpointing):
     # none | full (only the blocks' inputs kept) | selective (their attention outputs kept too)
     activation_checkpointing: Literal[CHECKPOINTING] = "none"
+    # full / mxfp8: the fp32 masters, their gradients and the optimizer state in host memory, the optimizer step run
+    # there (FSDP2's CPUOffloadPolicy for sharded weights); the GPU keeps the weights in the compute dtype. On a CPU
+    # policy the host is the device: nothing moves
+    cpu_offload: bool = False
     # the training forward / backward compiled by decoder block (moerl.trainer.compile): auto (the loop decides from
     # its first steps' times, and keeps them where faster) | True | False
     compile: bool | Literal["auto"] = "auto"
@@ -125,6 +129,13 @@ class PolicyConfig:
                 self.activation_checkpointing == "none" or self.compile is not True,
                 "with policy.compile=true: compiled blocks that recompute in the backward are not built; set "
                 "policy.compile to auto or false (auto stays eager under checkpointing)",
+            ),
+            (
+                "cpu_offload",
+                self.cpu_offload,
+                not self.cpu_offload or mode.masters,
+                f"with policy.mode={self.mode}: not built (its trained adapters and their optimizer state are small: "
+                "they stay on the GPU); set it to false, or train in full or mxfp8 mode",
             ),
             (
                 "mx_scale_mode",

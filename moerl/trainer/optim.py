@@ -7,6 +7,8 @@ import math
 import torch
 from torch.distributed.tensor import DTensor
 
+from moerl.device import on_gpu
+
 SCHEDULES = ("constant", "cosine")
 
 
@@ -41,18 +43,27 @@ def lr_schedule(optimizer: torch.optim.Optimizer, o, at: int) -> torch.optim.lr_
 
 class MasterWeights:
     """fp32 master copies of a low-precision model's parameters: the optimizer steps the masters, the model gets
-    them back rounded. fp32 parameters (the router) are their own masters."""
+    them back rounded. fp32 parameters (the router) are their own masters.
 
-    def __init__(self, params: dict[str, torch.nn.Parameter], initial: dict[str, torch.Tensor] | None = None):
+    ``host`` (``policy.cpu_offload``): every master of a parameter held on a GPU is a copy in host memory (pinned,
+    so that the copies back to the GPU do not wait), its gradient is copied there and the optimizer steps it there;
+    a parameter already in host memory (FSDP's offloaded shards, or a CPU policy's) keeps the rule above."""
+
+    def __init__(
+        self, params: dict[str, torch.nn.Parameter], initial: dict[str, torch.Tensor] | None = None, host: bool = False
+    ):
         """``initial``: fp32 starting values of some masters (default: the parameter's own, upcast)."""
         self.model_params = params
         self.master = {}
+        self.host = host
         initial = initial or {}
         for name, p in params.items():
-            if p.dtype == torch.float32:
+            away = host and _on_device(p)
+            if p.dtype == torch.float32 and not away:
                 self.master[name] = p
             else:
-                self.master[name] = torch.nn.Parameter(initial.get(name, p.detach()).float().clone())
+                value = initial.get(name, p.detach())
+                self.master[name] = torch.nn.Parameter(_host(value) if away else value.float().clone())
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return list(self.master.values())
@@ -69,7 +80,9 @@ class MasterWeights:
         expert weight's size comes from the kernel page by page (10 ms for small's [16, 512, 512] inside a step,
         0.5 ms copied into a kept one); CUDA's caching allocator keeps its blocks anyway, and a kept buffer would
         hold memory through the next forward."""
-        if grad.device.type != "cpu" or type(grad) is not torch.Tensor or grad.shape != master.shape:
+        if master.device != grad.device:  # into host memory: fp32 on the way
+            return grad.to(master.device, torch.float32)
+        if on_gpu(grad) or type(grad) is not torch.Tensor or grad.shape != master.shape:
             return grad.float()  # on a GPU, or sharded (a DTensor)
         kept = self.__dict__.setdefault("_grads", {})
         if name not in kept:
@@ -81,4 +94,15 @@ class MasterWeights:
         for name, p in self.model_params.items():
             m = self.master[name]
             if m is not p:
-                p.copy_(m)
+                p.copy_(m, non_blocking=m.is_pinned())  # from pinned host memory: queued, not waited for
+
+
+def _on_device(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory is on an accelerator (a DTensor's: its local shard's)."""
+    return (t.to_local() if isinstance(t, DTensor) else t).device.type != "cpu"
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """An fp32 copy of ``t`` in host memory, pinned where CUDA can pin it."""
+    out = torch.empty(t.shape, dtype=torch.float32, pin_memory=torch.cuda.is_available())
+    return out.copy_(t)

@@ -83,6 +83,7 @@ class Policy:
             cfg.token_budget,
             cfg.packing,
             stages.plan if stages is not None else None,
+            cfg.cpu_offload,
         )
         self.layout = parallelize(self.model, world, split)
         # of the whole model: a rank loaded with its stages only asks the others
@@ -93,7 +94,8 @@ class Policy:
         self.compile_pending = self.compiled  # the next training step compiles them (said on the console)
         self._graph_key: tuple[tuple, str] | None = None  # (the call it is for, the key)
         self._call: tuple = (False, False, 1.0)  # the last train_step's: replayed, entropy, temperature
-        self.master = MasterWeights(self.trainable, self.layout.initial) if mode.masters else None
+        self.master = MasterWeights(self.trainable, self.layout.initial, cfg.cpu_offload) if mode.masters else None
+        self.layout.initial = {}  # the masters hold them now
         self.optimizer = adamw(list(self.trained.values()), cfg.optim)
         self.scheduler = lr_schedule(self.optimizer, cfg.optim, 0)
         self.step = 0
@@ -290,6 +292,8 @@ class Policy:
         self.scheduler.step()
         if self.master is not None:
             self.master.master_to_model()
+        for p in trained.values():  # spent: kept, they would hold memory through the weight sync and the rollouts
+            p.grad = None
         self.nan_streak = 0
         self.step += 1
         return {**done, "skipped": 0.0, "nan_skipped": float(self.nan_skipped), **metrics}
