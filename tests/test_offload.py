@@ -72,6 +72,36 @@ def test_an_offloaded_step_is_the_plain_step_with_its_state_in_host_memory(tiny)
     assert max(float((other[n] - want[n]).abs().max() / want[n].abs().max()) for n in want) > 1e-4
 
 
+def test_an_offloaded_checkpoint_resumes_in_a_plain_policy_and_back(tiny, tmp_path):
+    """The state in host memory is the state: a checkpoint of an offloaded policy on the device loads into a plain
+    policy on the CPU with the same masters and moments, and back into an offloaded one."""
+    from moerl.trainer.checkpoint import load_checkpoint, save_checkpoint
+
+    def state(pol) -> dict[str, torch.Tensor]:
+        moments = {f"{i}/{k}": v for i, st in pol.optimizer.state_dict()["state"].items() for k, v in st.items()}
+        return {n: m.detach().cpu().clone() for n, m in pol.master.master.items()} | moments
+
+    def policy(offload: bool, device: str) -> Policy:
+        return Policy(tiny, PolicyConfig(mode="full", dtype="bfloat16", device=device, cpu_offload=offload))
+
+    with SimCuda():
+        pol = policy(True, "cuda")
+        pol.train_step(_batch(pol.model.config), sft_loss)
+        save_checkpoint(tmp_path / "a", pol)
+        want = state(pol)
+    plain = policy(False, "cpu")
+    load_checkpoint(tmp_path / "a", plain)
+    got = state(plain)
+    assert got.keys() == want.keys() and all(torch.equal(got[k].cpu(), want[k].cpu()) for k in want)
+    save_checkpoint(tmp_path / "b", plain)
+    with SimCuda() as sim:
+        back = policy(True, "cuda")
+        load_checkpoint(tmp_path / "b", back)
+        assert not any(sim.on_device(m) for m in back.master.master.values())
+        again = state(back)
+    assert all(torch.equal(again[k].cpu(), want[k].cpu()) for k in want)
+
+
 def test_offloading_adapters_is_refused_by_name():
     with pytest.raises(ConfigError, match=r"PolicyConfig.cpu_offload=True: with policy.mode=lora: not built"):
         PolicyConfig(mode="lora", cpu_offload=True)

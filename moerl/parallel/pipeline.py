@@ -179,9 +179,10 @@ def tied_copy(model: MoEModel, plan: Plan) -> bool:
 class Step:
     """What every stage of one pipeline call reads: the batch and the forward's options."""
 
-    def __init__(self, batch, replay: bool, adapters, temperature: float, entropy: bool):
+    def __init__(self, batch, replay: bool, adapters, temperature: float, entropy: bool, unpadded: bool = False):
+        """``unpadded``: no row of ``batch`` has padding (the model then attends plainly causally, with no mask)."""
         self.batch, self.replay, self.adapters = batch, replay, adapters
-        self.temperature, self.entropy = temperature, entropy
+        self.temperature, self.entropy, self.unpadded = temperature, entropy, unpadded
 
     def rows(self, rows: torch.Tensor):
         """The micro-batch of row indices ``rows`` (-1: a stand-in row, its loss mask zero)."""
@@ -213,7 +214,8 @@ class StageModule(nn.Module):
             replay = mb.replay.index_select(2, torch.tensor(self.columns, device=mb.replay.device))
         head = self.logprobs(mb, step.temperature, step.entropy) if self.last else None
         out = self.view(
-            mb.input_ids, attention_mask=mb.attention_mask, replay=replay, adapters=step.adapters, hidden=hidden,
+            mb.input_ids, attention_mask=None if step.unpadded else mb.attention_mask, replay=replay,
+            adapters=step.adapters, hidden=hidden,
             head=head,
         )  # fmt: skip
         if not self.last:

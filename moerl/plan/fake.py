@@ -52,6 +52,7 @@ METADATA = {torch.ops.prim.device.default, aten.sym_size.default, aten.sym_strid
 MASK_INDEXED = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
 SCALAR_READS = {aten._local_scalar_dense.default, aten.item.default}
 MAX_VALUE_NUMEL = 2**25  # elements of an op's outputs the trace computes for real (larger ones: fake only)
+ASSUMED_MAX_NUMEL = 2**16  # elements of a finiteness test the plan gives an assumed value (``Shapes.assume``)
 MADE_FROM_HOST = {"frombuffer", "from_numpy"}  # tensors over host memory: real, not fake
 HOST_READS = {"tolist", "numpy", "__array__"}  # Tensor methods that read data without an ATen op of their own
 
@@ -354,7 +355,11 @@ class Shapes:
         raise PlanError(f"{func} of an integer the plan does not know (a shape or a branch would depend on it)")
 
     def assume(self, t: torch.Tensor, value: bool) -> None:
-        """``t`` (a finiteness test of floats the plan cannot compute) as ``value``: the plan's floats are finite."""
+        """``t`` (a finiteness test of floats the plan cannot compute) as ``value``: the plan's floats are finite.
+        A test of more than ``ASSUMED_MAX_NUMEL`` elements keeps no value: the host reads only small ones (a check's
+        flags), and computing on large ones (an MX quantizer tests every GEMM input) took most of an MXFP8 plan."""
+        if t.numel() > ASSUMED_MAX_NUMEL:
+            return
         with no_dispatch():
             self.values[t] = torch.full(t.shape, value, dtype=torch.bool)
 

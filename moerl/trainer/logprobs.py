@@ -69,12 +69,17 @@ def batch_head(mb: Batch, temperature: float, entropy: bool, chunk: int = 0) -> 
     return LogprobHead(mb.input_ids, mb.attention_mask, temperature, entropy, chunk)
 
 
-def token_logprobs(model, mb: Batch, replay: bool, adapters, temperature: float, entropy: bool, chunk: int = 0):
+def token_logprobs(
+    model, mb: Batch, replay: bool, adapters, temperature: float, entropy: bool, chunk: int = 0, causal: bool = False
+):
     """fp32 logprobs [B, T] of ``mb``'s tokens (0 at position 0 and on padding) through ``model`` as the rows are,
-    and each position's entropy when ``entropy``."""
+    and each position's entropy when ``entropy``. ``causal``: the rows have no padding (the caller knows it on the
+    host), so the model attends plainly causally and makes no [T, T] mask (1 GiB at 32k tokens, for every row in
+    flight)."""
     head = batch_head(mb, temperature, entropy, chunk)
     replayed = mb.replay if replay else None
-    return model(mb.input_ids, attention_mask=mb.attention_mask, replay=replayed, adapters=adapters, head=head).head
+    mask = None if causal else mb.attention_mask
+    return model(mb.input_ids, attention_mask=mask, replay=replayed, adapters=adapters, head=head).head
 
 
 def packed_logprobs(

@@ -180,18 +180,20 @@ class Policy:
         """The engine adapter slot the policy's forwards use (lora), else None."""
         return self.mode.adapter_slot
 
-    def _logprobs(self, model, mb: Batch, replay: bool, adapters, temperature: float, entropy: bool):
+    def _logprobs(self, model, mb: Batch, step: Step):
+        adapters = step.adapters
         if adapters is not None and "adapter_slots" in mb.extras:  # a slot per row (-1: none), see below
             adapters = mb.extras["adapter_slots"]
-        pk = plan_packing(mb.attention_mask) if self.cfg.packing else None
-        chunk = self.cfg.logits_chunk
+        # rows without padding have nothing to pack, and attend plainly causally
+        pk = plan_packing(mb.attention_mask) if self.cfg.packing and not step.unpadded else None
+        how = (step.replay, adapters, step.temperature, step.entropy, self.cfg.logits_chunk)
         if pk is not None:
-            return packed_logprobs(model, mb, pk, replay, adapters, temperature, entropy, chunk)
-        return token_logprobs(model, mb, replay, adapters, temperature, entropy, chunk)
+            return packed_logprobs(model, mb, pk, *how)
+        return token_logprobs(model, mb, *how, causal=step.unpadded)
 
     def _forward(self, model, step: Step):
         """One micro-batch's (logprobs, entropy) through a whole ``model`` (the policy's or the reference)."""
-        return lambda mb: self._logprobs(model, mb, step.replay, step.adapters, step.temperature, step.entropy)
+        return lambda mb: self._logprobs(model, mb, step)
 
     @torch.no_grad()
     def forward_logprobs(
@@ -211,6 +213,7 @@ class Policy:
         if isinstance(replay, torch.Tensor):
             batch = replace(batch, replay=replay)
             replay = True
+        unpadded = bool(batch.attention_mask.all())  # on the host, where the batch comes from: no device sync
         home, batch = batch.input_ids.device, batch.to(self.device)  # results go back where the batch came from
         model, adapters = self.model, self.adapters
         if reference:
@@ -219,7 +222,7 @@ class Policy:
                 if self.ref_model is None:
                     raise ConfigError(f"reference logprobs in mode {self.cfg.mode!r} need PolicyConfig.reference=True")
                 model = self.ref_model
-        step = Step(batch, replay, adapters, temperature, entropy)
+        step = Step(batch, replay, adapters, temperature, entropy, unpadded)
         # the frozen reference copy is whole on every rank: it runs outside the pipeline stages
         with memory_named(self, "forward (logprobs)", batch):
             lp, ent = self.layout.forward(step, self._forward(model, step), stages=model is self.model)
@@ -266,7 +269,8 @@ class Policy:
         for p in [*trained.values(), *self.trainable.values()]:
             p.grad = None
         self.model.train()
-        step = Step(batch.to(self.device), replay, self.adapters, temperature, entropy)
+        unpadded = bool(batch.attention_mask.all())  # on the host, where the batch comes from: no device sync
+        step = Step(batch.to(self.device), replay, self.adapters, temperature, entropy, unpadded)
         self._call = (replay and batch.replay is not None, entropy, temperature)
         compiling, self.compile_pending = self.compile_pending, False
         try:
