@@ -125,7 +125,10 @@ def test_why_none_fits_counts_the_gpus_the_state_needs():
     need = min(at_rest_floor(cfg, run, lay) for lay in candidates(cfg, run, 4) if math.prod(lay) == 4)
     assert need < min(at_rest_floor(cfg, run, lay) for lay in candidates(cfg, run, 2))
     told = why_none_fits(cfg, run, Machine(2, memory=need, usable=1.0), [])
-    assert told == ["the weights, masters and optimizer state alone need at least 4 GPUs of this size"]
+    assert told == [
+        "the weights, masters and optimizer state alone need at least 4 GPUs of this size; policy.cpu_offload=true "
+        "keeps the masters and optimizer state in host memory"
+    ]
     assert why_none_fits(cfg, run, Machine(4, memory=need, usable=1.0), []) == []
 
 

@@ -23,7 +23,7 @@ from moerl.errors import ConfigError
 from moerl.parallel.checkpointing import apply_checkpointing
 from moerl.parallel.expert import shard_experts, whole_experts
 from moerl.parallel.fsdp import clip_grads, gathered, shard_model
-from moerl.parallel.pipeline import Pipeline, Plan, Step, plan_stages, prune
+from moerl.parallel.pipeline import HeldStages, Pipeline, Plan, Step, plan_stages, prune
 from moerl.parallel.rows import Split, gather_rows, share, split_rows, sum_over_ranks
 from moerl.parallel.world import World, agreed_min, full, like
 
@@ -53,6 +53,12 @@ def storage_dtype(world: World, masters: bool, dtype: torch.dtype) -> torch.dtyp
     """The dtype to load the model in: a sharded model whose weights train through ``masters`` holds the fp32
     masters as its own parameters (FSDP gathers them in the compute dtype); otherwise the compute dtype."""
     return torch.float32 if world.data_size > 1 and masters else dtype
+
+
+def held_stages(world: World) -> HeldStages | None:
+    """What a rank of ``world`` keeps of a checkpoint as it loads it (``read_model``'s ``keep``): its pipeline
+    stages, planned on the model still on the meta device; None where one stage holds every layer."""
+    return HeldStages(world) if world.pp > 1 else None
 
 
 def parallelize(model: torch.nn.Module, world: World, cfg: LayoutConfig) -> Layout:

@@ -55,7 +55,6 @@ class MasterWeights:
         """``initial``: fp32 starting values of some masters (default: the parameter's own, upcast)."""
         self.model_params = params
         self.master = {}
-        self.host = host
         initial = initial or {}
         for name, p in params.items():
             away = host and _on_device(p)

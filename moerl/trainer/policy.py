@@ -18,8 +18,8 @@ from moerl.dynamo import first_compile, graph_key, price, remembered_seconds
 from moerl.errors import ConfigError
 from moerl.finite import first_nonfinite
 from moerl.modes import MODES
-from moerl.parallel.layout import LayoutConfig, parallelize, storage_dtype
-from moerl.parallel.pipeline import HeldStages, Step
+from moerl.parallel.layout import LayoutConfig, held_stages, parallelize, storage_dtype
+from moerl.parallel.pipeline import Step
 from moerl.parallel.world import World, local
 from moerl.precision import compute_dtype
 from moerl.trainer import compile as blocks_compile
@@ -66,7 +66,7 @@ class Policy:
         # a rank reads its pipeline stages and its share of the experts only; a whole reference copy needs them all
         part = not (cfg.reference and mode.reference_copy)
         share = (world.ep_rank, world.ep) if world.ep > 1 and part else None
-        stages = HeldStages(world) if world.pp > 1 and part and build is None else None
+        stages = held_stages(world) if part and build is None else None
         self.checkpoint_reads: list[tuple[str, int]] = []  # (tensor, bytes) this rank read of the checkpoint
         build = build or partial(load_model, checkpoint, experts=share, reads=self.checkpoint_reads, keep=stages)
         self.model = build(dtype=storage_dtype(world, mode.masters, dtype), device=self.device).eval()
