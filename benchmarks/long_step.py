@@ -26,7 +26,7 @@ import torch
 from contender import run_contender
 
 from moerl.plan.memory import Memory
-from moerl.plan.rank import gradients, held
+from moerl.plan.rank import count_the_step, held
 from moerl.presets import init_model
 from moerl.trainer import Batch, OptimConfig, Policy, PolicyConfig
 from moerl.trainer.losses import sft_loss
@@ -57,8 +57,10 @@ def child(args) -> dict:
         policy.train_step(batch, sft_loss)
         times.append(time.perf_counter() - start)
     with Memory(held(policy)) as memory:
+        hooks = count_the_step(policy, memory)
         policy.train_step(batch, sft_loss)
-        memory.regard(gradients(policy), "gradients")
+        for hook in hooks:
+            hook.remove()
     at_rest = sum(memory.peak.bytes[k] for k in ("weights", "masters", "optimizer"))
     peak = memory.peak
     return {"seconds": statistics.median(times), "peak": peak.total - at_rest, "activations": peak.bytes["activations"]}

@@ -58,7 +58,7 @@ def _loaded_bytes(cfg: ModelConfig, run: RunConfig, ep: int, pp: int) -> int:
     embedding on the first stage, the norm and head on the last), each weight but the routed experts whole and its
     ``1/ep`` share of those (``moerl.bridges.checkpoint.read_model``'s experts and ``keep``)."""
     from moerl.model.transformer import MoEModel
-    from moerl.parallel.pipeline import split_layers, stages_per_rank
+    from moerl.plan.depth import my_stages, stage_ranges
 
     with torch.device("meta"):
         model = MoEModel(cfg, torch.bfloat16)
@@ -69,8 +69,7 @@ def _loaded_bytes(cfg: ModelConfig, run: RunConfig, ep: int, pp: int) -> int:
 
     if pp == 1:
         return size(model.parameters())
-    per_rank = stages_per_rank(run.parallel.schedule)
-    ranges = split_layers(model, pp * per_rank, run.parallel.stages)
+    ranges = stage_ranges(cfg, run)
     last = len(ranges) - 1
     ends = {
         "first": list(model.embed_tokens.parameters()),
@@ -78,8 +77,8 @@ def _loaded_bytes(cfg: ModelConfig, run: RunConfig, ep: int, pp: int) -> int:
         + (list(model.embed_tokens.parameters()) if cfg.tie_word_embeddings else []),
     }
     most = 0
-    for rank in range(pp):
-        stages = [rank + k * pp for k in range(per_rank)]
+    for stage in range(pp):
+        stages = my_stages(run, stage * run.parallel.dp * run.parallel.ep, len(ranges))
         params = [p for s in stages for i in ranges[s] for p in model.layers[i].parameters()]
         params += ends["first"] if 0 in stages else []
         params += ends["last"] if last in stages else []

@@ -157,10 +157,6 @@ def count_the_step(policy, memory: Memory) -> list:
     return [policy.optimizer.register_step_pre_hook(before), policy.optimizer.register_step_post_hook(after)]
 
 
-def gradients(policy) -> list[torch.Tensor | None]:
-    return [p.grad for p in (*policy.trained.values(), *policy.trainable.values())]
-
-
 def make_state(policy) -> None:
     """The state as after a first step: FSDP's units set up (their shards re-made as their first forward does) and
     the optimizer's moments made; the weights unchanged in shape."""
@@ -285,9 +281,8 @@ def _trace(cfg: ModelConfig, run: RunConfig, rank: int, hf: dict | None, gpu: bo
                 for hook in hooks:
                     hook.remove()
             engine = Elsewhere()
-            grads = [g for g in gradients(policy) if g is not None]
-            # sync_policy's stream, its values unchecked
-            with Memory(held(policy) | {"gradients": grads, "activations": scratch}) as sync:
+            # sync_policy's stream, its values unchecked (the step dropped its gradients)
+            with Memory(held(policy) | {"activations": scratch}) as sync:
                 for bucket in buckets(policy.sync_tensors(), run.rollout.sync_bucket_mb * 2**20):
                     engine.stage_weights(bucket)
             stages = list(policy.layout.pipeline.plan.stages) if policy.layout.pipeline is not None else [0]
