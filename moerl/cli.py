@@ -327,7 +327,7 @@ def cmd_train(args) -> None:
     if par.size > 1:  # a layout the model cannot take is refused before any rank starts
         mcfg = model_config(model.path, model.arch, model.preset)
         if mcfg is not None:
-            check_layout(par.dp, par.ep, par.pp, mcfg, par.schedule, par.stages)
+            check_layout(par.dp, par.ep, par.pp, mcfg, par.schedule, par.stages, par.cp)
     if cfg.cluster.backend == "ray":  # the ranks and engines as Ray actors
         from moerl.cluster import run_on_ray
 

@@ -84,6 +84,7 @@ def _run(cfg: RunConfig, resume: bool, overwrite: bool, engines) -> dict | None:
         schedule=par.schedule,
         microbatches=par.microbatches,
         stages=par.stages or None,
+        cp=par.cp,
     )
     try:
         if not world.driver:  # a trainer rank: it trains on its shard of what rank 0 announces

@@ -306,11 +306,13 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 
 @dataclass(slots=True)
 class ParallelSection:
-    """How the trainer is split across ranks: dp (FSDP2 data parallel) x ep (experts) x pp (pipeline stages)."""
+    """How the trainer is split across ranks: dp (FSDP2 data parallel) x ep (experts) x pp (pipeline stages) x cp
+    (context parallel: each sequence's tokens)."""
 
     dp: int = 1  # data-parallel ranks (FSDP2)
     ep: int = 1  # expert-parallel ranks (the experts split across them)
     pp: int = 1  # pipeline stages
+    cp: int = 1  # context-parallel ranks: each sequence's tokens split over them (attention by all-to-all over heads)
     microbatches: int = 0  # pipeline micro-batches per call (0: one per stage, more if policy.micro_batch_size needs)
     schedule: Literal[SCHEDULES] = "1f1b"  # pipeline schedule: 1f1b | gpipe | interleaved_1f1b (two stages per rank)
     stages: list[int] = field(default_factory=list)  # layers per pipeline stage ([]: balanced by parameter count)
@@ -320,7 +322,7 @@ class ParallelSection:
 
     @property
     def size(self) -> int:
-        return self.dp * self.ep * self.pp
+        return self.dp * self.ep * self.pp * self.cp
 
     def __post_init__(self) -> None:
         require(
@@ -330,6 +332,7 @@ class ParallelSection:
                 # not built yet: refused rather than ignored
                 ("ep", self.ep, isinstance(self.ep, int) and self.ep >= 1, "must be >= 1"),
                 ("pp", self.pp, isinstance(self.pp, int) and self.pp >= 1, "must be >= 1"),
+                ("cp", self.cp, isinstance(self.cp, int) and self.cp >= 1, "must be >= 1"),
                 ("microbatches", self.microbatches, self.microbatches >= 0, "must be >= 0 (0: one per stage)"),
                 ("schedule", self.schedule, self.schedule in SCHEDULES, f"allowed: {', '.join(SCHEDULES)}"),
                 ("timeout_s", self.timeout_s, finite(self.timeout_s) and self.timeout_s > 0, "must be > 0 (seconds)"),
@@ -456,13 +459,16 @@ class RunConfig:
                 "sample makes every advantage 0 (no learning signal); use group_size >= 2 or reinforce_pp"
             )
         if self.policy.max_tokens_per_micro_batch is None:  # the default: the context window where longer
-            self.policy.max_tokens_per_micro_batch = max(self.policy.token_budget, r.max_model_len)
-        budget = self.policy.max_tokens_per_micro_batch
-        if budget and budget < r.max_model_len:
+            # a rank's: with context parallelism it holds its share of the longest sequence
+            longest = -(-r.max_model_len // self.parallel.cp)
+            self.policy.max_tokens_per_micro_batch = max(self.policy.token_budget, longest)
+        budget, cp = self.policy.max_tokens_per_micro_batch, self.parallel.cp
+        if budget and budget * cp < r.max_model_len:
+            split = f" split over parallel.cp={cp} ranks" if cp > 1 else ""
             raise ConfigError(
                 f"config key 'policy.max_tokens_per_micro_batch'={budget}: a sequence may hold rollout.max_model_len="
-                f"{r.max_model_len} tokens, more than a micro-batch may; raise it to at least that, or lower "
-                "rollout.max_model_len (splitting a sequence over ranks, context parallelism, is not built)"
+                f"{r.max_model_len} tokens, more than a micro-batch may{split} (the budget is a rank's); raise it, "
+                "raise parallel.cp (a sequence's tokens split over ranks), or lower rollout.max_model_len"
             )
 
 
@@ -499,6 +505,7 @@ MUTABLE = (
     "parallel.dp",  # a checkpoint holds whole tensors: any dp or ep size loads it
     "parallel.ep",
     "parallel.pp",
+    "parallel.cp",
     "parallel.schedule",
     "parallel.microbatches",
     "parallel.stages",

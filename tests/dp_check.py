@@ -1,18 +1,20 @@
 """One trainer step on a fixed batch, run by every rank of a torchrun launch (or alone):
-``python dp_check.py CKPT MODE DTYPE OUT DP,EP,PP [extras]``, or several on one launch (one world, the cases in turn:
-``python dp_check.py --cases CKPT DP,EP,PP SCHEDULE CASES.json``, a list of ``[mode, dtype, out, [extras]]``; they
-share the launch's schedule). Rank 0 writes the step's numbers, the logprobs before
-and after it, and after it the whole weights (w/), optimizer state (o/) and weight-sync tensors (s/), to OUT (JSON +
+``python dp_check.py CKPT MODE DTYPE OUT DP,EP,PP[,CP] [extras]``, or several on one launch (one world, the cases in
+turn: ``python dp_check.py --cases CKPT DP,EP,PP[,CP] SCHEDULE CASES.json``, a list of ``[mode, dtype, out,
+[extras]]``; they share the launch's schedule). Rank 0 writes the step's numbers, the logprobs before and after it,
+and after it the whole weights (w/), optimizer state (o/) and weight-sync tensors (s/), to OUT (JSON +
 safetensors).
 
 Extras: ``layout=shared_outer`` (expert adapters), ``schedule=S`` (pipeline), ``load=DIR`` (a checkpoint loaded
 first), ``dump`` (write the state as loaded and stop), ``steps=N``, ``save=DIR`` (a checkpoint saved after the first
 step), ``ac=full|selective`` (activation checkpointing), ``tokens=N`` (micro-batches of at most N tokens, no row
 limit), ``offload`` (``policy.cpu_offload``: FSDP2's CPUOffloadPolicy), ``reads`` (each rank writes what it read of
-the checkpoint to OUT.reads<rank>.json, and stops). Negative controls: ``mean``, FSDP's default mean over ranks
+the checkpoint to OUT.reads<rank>.json, and stops), ``model=DIR`` (that checkpoint instead of CKPT). Negative
+controls: ``mean``, FSDP's default mean over ranks
 instead of moerl's sum; ``perturb``, the last expert of the first MoE layer moved by 1e-3 on the rank that holds it
 (the last ep rank); ``wrong_columns``, the last pipeline stage replays the first stage's MoE layers' columns instead
-of its own; ``untie``, a tied embedding's two pipeline copies each keep their own gradient.
+of its own; ``untie``, a tied embedding's two pipeline copies each keep their own gradient; ``cp_local``, with
+context parallelism each rank's attention layers attend within its own part of the tokens (the plain core).
 """
 
 import json
@@ -59,8 +61,14 @@ def _write(world, policy, out: str, tensors: dict, stats: dict | None = None) ->
             json.dump({"loss": stats["loss"], "grad_norm": stats["grad_norm"]} if stats else {}, f)
 
 
+def world_of(layout: str, schedule: str):
+    """This launch's world of ``layout`` (``dp,ep,pp`` or ``dp,ep,pp,cp``)."""
+    dp, ep, pp, cp = ([int(n) for n in layout.split(",")] + [1])[:4]
+    return init_world(dp, ep, pp, cp=cp, schedule=schedule)
+
+
 def main(ckpt: str, mode: str, dtype: str, out: str, layout: str, *extra: str) -> None:
-    world = init_world(*(int(n) for n in layout.split(",")), schedule=schedule_of(extra))
+    world = world_of(layout, schedule_of(extra))
     step(world, ckpt, mode, dtype, out, *extra)
     world.close()
 
@@ -71,7 +79,7 @@ def schedule_of(extra) -> str:
 
 def cases(ckpt: str, layout: str, schedule: str, spec: str) -> None:
     """Every case of ``spec`` (JSON: ``[mode, dtype, out, [extras]]``) on one world: a launch's start-up once."""
-    world = init_world(*(int(n) for n in layout.split(",")), schedule=schedule)
+    world = world_of(layout, schedule)
     for mode, dtype, out, extra in json.loads(open(spec).read()):
         assert schedule_of(extra) == schedule, (extra, schedule)
         step(world, ckpt, mode, dtype, out, *extra)
@@ -94,7 +102,7 @@ def step(world, ckpt: str, mode: str, dtype: str, out: str, *extra: str) -> None
         activation_checkpointing=opt.get("ac", "none"),
         cpu_offload="offload" in extra,
     )
-    policy = Policy(ckpt, cfg, world)
+    policy = Policy(opt.get("model", ckpt), cfg, world)
     if "reads" in extra:  # what each rank read of the checkpoint, and stop
         with open(f"{out}.reads{world.rank}.json", "w") as f:
             pipe = policy.layout.pipeline
@@ -111,6 +119,13 @@ def step(world, ckpt: str, mode: str, dtype: str, out: str, *extra: str) -> None
             policy.model.layers[policy.model.moe_layer_ids[0]].mlp.experts.gate_up_proj[-1] += 1e-3
     if "wrong_columns" in extra and policy.layout.pipeline.last:
         policy.layout.pipeline.modules[-1].columns = list(range(len(policy.layout.pipeline.modules[-1].columns)))
+    if "cp_local" in extra:
+        from moerl.model.attention import attend
+
+        policy.layout.runner(policy.model)  # installs the split cores: put the plain ones back
+        for module in policy.model.modules():
+            if hasattr(module, "core"):
+                module.core = attend
     if "untie" in extra:
         policy.layout.pipeline.tied = False
     if "load" in opt:

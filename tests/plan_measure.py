@@ -1,5 +1,5 @@
 """The memory a real trainer rank holds in a training step, counted on real tensors, beside which ``moerl plan``'s
-figure for the same rank is checked: ``python plan_measure.py CKPT OUT DP,EP,PP CASE [CASE ...]``, alone or on each
+figure for the same rank is checked: ``python plan_measure.py CKPT OUT DP,EP,PP[,CP] CASE [CASE ...]``, alone or on each
 rank of a torchrun launch; a CASE is key=value overrides joined by spaces (one argument). For each case every rank
 builds the run's Policy from CKPT on its real world (gloo), trains two steps on the plan's worst-case batch (the
 first makes the optimizer's state) and writes the second step's peak split by category (``moerl.plan.memory``) to
@@ -33,14 +33,16 @@ def measure(ckpt: str, run: RunConfig, world) -> dict[str, int]:
 
 
 def main(ckpt: str, out: str, layout: str, *cases: str) -> None:
-    dp, ep, pp = (int(n) for n in layout.split(","))
+    dp, ep, pp, cp = ([int(n) for n in layout.split(",")] + [1])[:4]
     world = None
     for i, case in enumerate(cases):
-        over = [f"parallel.dp={dp}", f"parallel.ep={ep}", f"parallel.pp={pp}", *case.split()]
+        over = [f"parallel.dp={dp}", f"parallel.ep={ep}", f"parallel.pp={pp}", f"parallel.cp={cp}", *case.split()]
         run = load_config(RunConfig, None, over)
         if world is None:
             p = run.parallel
-            world = init_world(dp, ep, pp, schedule=p.schedule, microbatches=p.microbatches, stages=p.stages or None)
+            world = init_world(
+                dp, ep, pp, cp=cp, schedule=p.schedule, microbatches=p.microbatches, stages=p.stages or None
+            )
         with open(f"{out}.case{i}.rank{world.rank}.json", "w") as f:
             json.dump(measure(ckpt, run, world), f)
     world.close()

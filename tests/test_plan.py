@@ -36,8 +36,8 @@ def tiny(tmp_path_factory):
 
 
 def _run(layout: str, case: str) -> RunConfig:
-    dp, ep, pp = layout.split(",")
-    over = [f"parallel.dp={dp}", f"parallel.ep={ep}", f"parallel.pp={pp}", *case.split()]
+    dp, ep, pp, cp = ([*layout.split(","), "1"])[:4]
+    over = [f"parallel.dp={dp}", f"parallel.ep={ep}", f"parallel.pp={pp}", f"parallel.cp={cp}", *case.split()]
     return load_config(RunConfig, None, over)
 
 
@@ -88,6 +88,8 @@ BF16 = "policy.dtype=bfloat16"
 RANKS = [  # one launch per layout, its cases in turn
     ("2,1,1", [f"policy.mode=full {BF16}", f"policy.mode=lora {BF16} policy.packing=false"]),
     ("1,2,2", ["policy.mode=lora policy.dtype=bfloat16", "policy.mode=mxfp8 policy.dtype=bfloat16"]),
+    # each row's tokens split over two context-parallel ranks (dp,ep,pp,cp)
+    ("1,1,1,2", [f"policy.mode=full {BF16}", f"policy.mode=lora {BF16} policy.activation_checkpointing=full"]),
 ]
 
 
@@ -120,8 +122,9 @@ def test_the_plan_of_every_rank_holds_the_measured_step(measured_ranks, layout, 
 
 
 def test_a_wrong_plan_is_caught(measured_ranks):
-    """Negative controls: the plan of sequences twice as long (twice the micro-batch's tokens), or of dp=1 (no FSDP)
-    for a dp=2 run, misses the measured step by more than the tolerance, in the categories it should."""
+    """Negative controls: the plan of sequences twice as long (twice the micro-batch's tokens), of dp=1 (no FSDP)
+    for a dp=2 run, or of cp=1 for a cp=2 run, misses the measured step by more than the tolerance, in the categories
+    it should."""
     layout, case = RANKS[0][0], RANKS[0][1][0]
     measured = measured_ranks[layout, case][0]
     doubled = _planned(layout, case + " rollout.max_model_len=256", 0)
@@ -131,6 +134,10 @@ def test_a_wrong_plan_is_caught(measured_ranks):
     off = {c.split(":")[0] for c in _off(unsharded, measured)}
     assert {"weights", "optimizer"} <= off or {"masters", "optimizer"} <= off, off
     assert unsharded["optimizer"] > 1.8 * measured["optimizer"]
+    # the plan of cp 1 for a cp 2 run: each rank's activations of the whole rows, not of its half of their tokens
+    layout, case = RANKS[2][0], RANKS[2][1][0]
+    whole = _planned("1,1,1", case, 0)
+    assert any(c.startswith("activations") for c in _off(whole, measured_ranks[layout, case][0]))
 
 
 @pytest.mark.parametrize(

@@ -38,7 +38,7 @@ def test_the_limit_line_names_what_is_left_to_try():
     assert not p.fits and p.option is None
     line = next(t for t in p.limits if "holds" in t and "of activations" in t)
     assert "policy.activation_checkpointing=full (now none)" in line and "policy.logits_chunk=2048 (now 0" in line
-    assert "context parallelism, is not built" in line
+    assert "parallel.cp above 1 (each sequence's tokens split over that many ranks)" in line
 
 
 @pytest.mark.parametrize(

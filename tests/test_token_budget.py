@@ -78,6 +78,21 @@ def test_a_row_over_the_budget_is_refused_by_name(worlds):
         PolicyConfig(max_tokens_per_micro_batch=-1)
 
 
+def test_with_context_parallelism_the_budget_is_a_ranks_share_of_a_micro_batch():
+    """At cp 2 a micro-batch's tokens are split over two ranks: a budget of 20 a rank lets in the 40-token row (and
+    micro-batches of up to 40 tokens); a row over twice the budget is refused, naming the split."""
+    try:
+        world = fake_world(1, rank=0, cp=2)
+        split = split_rows(world, _batch(LENGTHS), 0, 20, True)
+        assert max(int(mb.attention_mask.sum()) for mb, _ in split.micro) <= 40
+        assert sum(len(mb) for mb, real in split.micro if real) == len(LENGTHS)
+        with pytest.raises(ConfigError, match=r"=19: row 6 of the batch holds 40 tokens, more than a micro-batch may "
+                           r"split over parallel.cp=2 ranks; raise it, raise parallel.cp"):  # fmt: skip
+            split_rows(world, _batch(LENGTHS), 0, 19, True)
+    finally:
+        fake_world()
+
+
 def _step(path, packing: bool, size: int, budget: int, batch: Batch) -> tuple[dict, dict]:
     cfg = PolicyConfig(mode="full", dtype="float32", micro_batch_size=size, max_tokens_per_micro_batch=budget,
                        packing=packing, optim=OptimConfig(lr=1e-2))  # fmt: skip
@@ -119,6 +134,9 @@ def test_the_default_budget_holds_the_context_window():
     assert load_config(RunConfig, None, []).policy.max_tokens_per_micro_batch == 16384
     assert load_config(RunConfig, None, ["rollout.max_model_len=40000"]).policy.max_tokens_per_micro_batch == 40000
     assert PolicyConfig().token_budget == 16384 and PolicyConfig().micro_batch_size == 0
+    # a rank's budget: at cp 4 a 131072-token window is 32768 tokens a rank
+    cp4 = ["rollout.max_model_len=131072", "parallel.cp=4"]
+    assert load_config(RunConfig, None, cp4).policy.max_tokens_per_micro_batch == 32768
 
 
 def test_a_budget_under_the_context_window_is_refused_before_the_run():
@@ -129,3 +147,10 @@ def test_a_budget_under_the_context_window_is_refused_before_the_run():
     with pytest.raises(ConfigError, match=r"max_tokens_per_micro_batch'=64: a sequence may hold rollout.max_model_len"):
         load_config(RunConfig, None, over)
     assert load_config(RunConfig, None, ["policy.max_tokens_per_micro_batch=128", "rollout.max_model_len=128"])
+    # split over two context-parallel ranks, a 64-token budget a rank holds the 128-token window; over three it
+    # would not (two ranks of 64 hold 128, not 129)
+    assert load_config(RunConfig, None, [*over, "parallel.cp=2"])
+    with pytest.raises(ConfigError, match=r"more than a micro-batch may split over parallel.cp=2 ranks"):
+        load_config(
+            RunConfig, None, ["policy.max_tokens_per_micro_batch=64", "rollout.max_model_len=129", "parallel.cp=2"]
+        )

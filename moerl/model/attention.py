@@ -114,6 +114,9 @@ class Attention(nn.Module):
         self.scale = cfg.attn_scale or d**-0.5
         self.sliding = cfg.layer_types[layer] == "sliding"
         self.layer = layer
+        # attention over the q / k / v this layer made (``attend``'s signature): split-sequence training puts one that
+        # exchanges heads for tokens in its place (moerl.parallel.context)
+        self.core = attend
         self.one_call = False  # an engine's own CPU model: q / k norms and RoPE in one kernel call (_norm_rope)
 
     def forward(self, x, cos, sin, mask, cache: KVCacheView | None = None) -> torch.Tensor:
@@ -143,7 +146,7 @@ class Attention(nn.Module):
                 mask = cache.mask(self.sliding)
             else:
                 k, v = k.transpose(1, 2), v.transpose(1, 2)
-            out = attend(q.transpose(1, 2), k, v, mask, self.scale, self.sinks)
+            out = self.core(q.transpose(1, 2), k, v, mask, self.scale, self.sinks)
         return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -221,6 +224,7 @@ class MLAttention(nn.Module):
         # in GLM-5's shared layers, the keys the last indexer layer before it chose
         self.reuses_keys = layer in cfg.index_shared_layers
         self.indexer = Indexer(cfg) if cfg.index_topk and not self.reuses_keys else None
+        self.core = attend  # as Attention's
 
     def forward(self, x, cos, sin, mask, cache: KVCacheView | None = None, chosen: list | None = None) -> torch.Tensor:
         """``chosen``: a model with shared indexer layers passes one list through a forward's layers; an indexer
@@ -261,7 +265,7 @@ class MLAttention(nn.Module):
                     "none ran before it in this forward: a pipeline stage must start at a layer with an indexer"
                 )
             mask = chosen[0]
-        return self.o_proj(attend(q.transpose(1, 2), k, v, mask, self.scale))
+        return self.o_proj(self.core(q.transpose(1, 2), k, v, mask, self.scale, None))
 
 
 def build_mask(attention_mask: torch.Tensor | None, b: int, t: int, window: int | None, device) -> torch.Tensor:

@@ -58,13 +58,18 @@ class Mode:
                 # its master's bytes and from the device where the master is in host memory
                 yield name, layout.whole(name, own.detach())
             else:
-                yield from self.weight_form(policy, name, layout.whole(name, master.detach()), dense)
+                yield from self.whole_form(policy, name, master.detach(), dense)
         for name, buf in policy.model.named_buffers():  # e.g. the selection-only router bias
             yield name, buf.detach().clone()
 
     def sends_rounded(self, policy, name: str) -> bool:
         """Whether a sync sends weight ``name`` as its master rounded to the compute dtype (``weight_form``'s)."""
         return True
+
+    def whole_form(self, policy, name: str, master: torch.Tensor, dense: str | None):
+        """The sync's tensors for weight ``name`` from this rank's part of its fp32 ``master``: ``weight_form`` of
+        the whole master (a collective where the model is split)."""
+        yield from self.weight_form(policy, name, policy.layout.whole(name, master), dense)
 
     def weight_form(self, policy, name: str, master: torch.Tensor, dense: str | None):
         """The sync's tensors for weight ``name`` from its whole fp32 ``master``: the compute dtype."""

@@ -44,7 +44,7 @@ class _Exchange(torch.autograd.Function):
         return _all_to_all(grad, in_counts, out_counts, ctx.group), None, None, None
 
 
-def _exchange(rows: torch.Tensor, out_counts: list[int], in_counts: list[int], group) -> torch.Tensor:
+def exchange(rows: torch.Tensor, out_counts: list[int], in_counts: list[int], group) -> torch.Tensor:
     """``rows`` split by ``in_counts`` to the ranks of ``group``; returns what they sent here (``out_counts``).
     Differentiable: the backward sends the gradients back the way the rows came."""
     if rows.requires_grad:
@@ -82,9 +82,9 @@ class ExpertDispatch:
         got = torch.empty_like(sent)
         dist.all_to_all_single(got, sent, group=self.group)
         sent, got = sent.tolist(), got.tolist()
-        rows = _exchange(x.index_select(0, token), got, sent, self.group)
-        gate = _exchange(weights.reshape(-1)[order], got, sent, self.group)
-        local = _exchange(expert % self.local, got, sent, self.group)
+        rows = exchange(x.index_select(0, token), got, sent, self.group)
+        gate = exchange(weights.reshape(-1)[order], got, sent, self.group)
+        local = exchange(expert % self.local, got, sent, self.group)
         self._back = (x, token, sent, got)
         return rows, local[:, None], gate[:, None]
 
@@ -92,7 +92,7 @@ class ExpertDispatch:
         """The results of the pairs this rank ran, back to their tokens' ranks and summed per token."""
         x, token, sent, got = self._back
         self._back = None
-        back = _exchange(y, sent, got, self.group)
+        back = exchange(y, sent, got, self.group)
         return torch.zeros_like(x).index_add_(0, token, back)
 
 

@@ -88,8 +88,9 @@ def clip_grads(
     """Clip the gradients of ``params`` to a global L2 norm of ``max_norm`` over every rank; returns the norm before.
 
     FSDP shards are disjoint parts of a whole; expert slices (ids in ``expert_slices``) are disjoint across the ep
-    group and replicated across dp; other plain tensors are replicated across the data group; ``copies`` (a tied
-    embedding's copy on the last pipeline stage) are counted where the original is. Each part counts once.
+    group and replicated across dp and cp; other plain tensors are replicated across the data group and cp;
+    ``copies`` (a tied embedding's copy on the last pipeline stage) are counted where the original is. Each part
+    counts once.
     """
     device = next((p.grad.device for p in params if p.grad is not None), torch.device("cpu"))
     total = torch.zeros((), dtype=torch.float64, device=device)  # where the gradients are: one backend's collective
@@ -98,7 +99,7 @@ def clip_grads(
             continue
         if isinstance(p.grad, DTensor):
             g = p.grad.to_local()
-        elif world.dp_rank == 0 and (id(p) in expert_slices or world.data_rank == 0):
+        elif world.dp_rank == 0 and world.cp_rank == 0 and (id(p) in expert_slices or world.data_rank == 0):
             g = p.grad
         else:
             continue

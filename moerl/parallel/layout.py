@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from moerl.errors import ConfigError
 from moerl.parallel.checkpointing import apply_checkpointing
+from moerl.parallel.context import ContextSplit, check_context
 from moerl.parallel.expert import shard_experts, whole_experts
 from moerl.parallel.fsdp import clip_grads, gathered, shard_model
 from moerl.parallel.pipeline import HeldStages, Pipeline, Plan, Step, plan_stages, prune
@@ -52,7 +53,7 @@ class LayoutConfig:
 def storage_dtype(world: World, masters: bool, dtype: torch.dtype) -> torch.dtype:
     """The dtype to load the model in: a sharded model whose weights train through ``masters`` holds the fp32
     masters as its own parameters (FSDP gathers them in the compute dtype); otherwise the compute dtype."""
-    return torch.float32 if world.data_size > 1 and masters else dtype
+    return torch.float32 if world.shard_size > 1 and masters else dtype
 
 
 def held_stages(world: World) -> HeldStages | None:
@@ -64,6 +65,7 @@ def held_stages(world: World) -> HeldStages | None:
 def parallelize(model: torch.nn.Module, world: World, cfg: LayoutConfig) -> Layout:
     """Split ``model`` (in place) over ``world`` and return its Layout. Trainable flags must be set before: FSDP
     leaves frozen parameters replicated."""
+    check_context(world.cp, world.pp, model.config)
     layout = Layout(model, world, cfg)
     if cfg.checkpointing != "none":
         if model.config.index_shared_layers:
@@ -78,7 +80,7 @@ def parallelize(model: torch.nn.Module, world: World, cfg: LayoutConfig) -> Layo
         prune(model, plan)
         layout.pipeline = Pipeline(model, plan, world, world.schedule, world.microbatches, cfg.head, layout.device)
         layout.copies = {"embed_tokens.weight"} if layout.pipeline.copy else set()
-    if world.data_size == 1:
+    if world.shard_size == 1:
         return layout
     if world.ep > 1:
         layout.sliced = shard_experts(model, world)
@@ -105,6 +107,7 @@ class Layout:
         self.sliced: dict[str, int] = {}  # expert-parallel slices: parameter name -> expert dim
         self.copies: set[str] = set()  # weights held as a copy of another stage's (a tied embedding's)
         self.initial: dict[str, torch.Tensor] = {}  # fp32 values of slices now held in the compute dtype
+        self._split_models: dict[int, ContextSplit] = {}  # cp > 1: each model's forward on this rank's tokens
 
     @property
     def ranks(self) -> int:
@@ -189,6 +192,15 @@ class Layout:
         yield model
 
     # --- running batches ----------------------------------------------------------------------------------------
+
+    def runner(self, model: torch.nn.Module):
+        """What runs ``model``'s trainer forwards (the policy's or a reference copy): the model itself, or with
+        context parallelism its forward on this rank's part of the tokens (``ContextSplit``)."""
+        if self.world.cp == 1:
+            return model
+        if id(model) not in self._split_models:
+            self._split_models[id(model)] = ContextSplit(model, self.world)
+        return self._split_models[id(model)]
 
     def forward(self, step: Step, forward: Forward, stages: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logprobs [B, T] (and entropies) of every row of ``step.batch``, on every rank. ``forward(micro-batch)``
@@ -282,13 +294,15 @@ class Layout:
 
     def reduce_grads(self, trained: dict[str, torch.Tensor]) -> None:
         """What the schedule and FSDP leave to do for the gradients of ``trained`` (the optimizer's tensors by name):
-        expert slices, replicated over dp, summed over it in fp32; a tied embedding's two ends given the sum of
-        both."""
-        if self.world.dp > 1:
+        expert slices, replicated over dp and cp, summed over them in fp32; a tied embedding's two ends given the sum
+        of both."""
+        for dim in ("dp", "cp"):
+            if getattr(self.world, dim) == 1:
+                continue
             for name in self.sliced:
                 p = trained.get(name)
                 if p is not None and p.grad is not None:
-                    dist.all_reduce(p.grad, group=self.world.group("dp"))
+                    dist.all_reduce(p.grad, group=self.world.group(dim))
         if self.pipeline is not None:
             self.pipeline.tie_grads(trained.get("embed_tokens.weight"))
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from moerl.errors import ConfigError
 from moerl.model.config import ModelConfig
+from moerl.model.mixers import is_recurrent
 
 
 def model_config(path: str | None, arch: str, preset: str) -> ModelConfig | None:
@@ -27,9 +28,16 @@ def model_config(path: str | None, arch: str, preset: str) -> ModelConfig | None
 
 
 def check_layout(
-    dp: int, ep: int, pp: int, cfg: ModelConfig, schedule: str = "1f1b", stages: list[int] | None = None
+    dp: int,
+    ep: int,
+    pp: int,
+    cfg: ModelConfig,
+    schedule: str = "1f1b",
+    stages: list[int] | None = None,
+    cp: int = 1,
 ) -> None:
     """Refuse, by name, a layout this model cannot take (or moerl does not build)."""
+    check_context(cp, pp, cfg)
     if cfg.num_experts % ep:
         raise ConfigError(f"parallel.ep={ep} must divide the model's {cfg.num_experts} experts per MoE layer")
     if pp == 1:
@@ -44,4 +52,31 @@ def check_layout(
         raise ConfigError(
             f"parallel.stages={stages}: needs {n_stages} layer counts of at least 1 that add up to the model's "
             f"{cfg.num_layers} layers"
+        )
+
+
+def check_context(cp: int, pp: int, cfg: ModelConfig) -> None:
+    """Refuse, by name, a context-parallel layout this model cannot take (or moerl does not build)."""
+    if cp == 1:
+        return
+    recurrent = sorted({kind for kind in cfg.layer_types if is_recurrent(kind)})
+    if recurrent:
+        raise ConfigError(
+            f"parallel.cp={cp} with a model whose {', '.join(recurrent)} layers keep a state across the sequence: "
+            "splitting their tokens over ranks is not built; set parallel.cp=1"
+        )
+    if cfg.index_topk:
+        raise ConfigError(
+            f"parallel.cp={cp} with DeepSeek sparse attention (index_topk={cfg.index_topk}): its indexer scores every "
+            "key for each query, which split tokens do not have; set parallel.cp=1"
+        )
+    if cfg.num_heads % cp:
+        raise ConfigError(
+            f"parallel.cp={cp} must divide the model's {cfg.num_heads} attention heads (each cp rank attends over "
+            "whole rows for its share of the heads)"
+        )
+    if pp > 1:
+        raise ConfigError(
+            f"parallel.cp={cp} with parallel.pp={pp}: context parallelism across pipeline stages is not "
+            "built; set one of them to 1"
         )

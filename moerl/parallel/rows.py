@@ -37,18 +37,20 @@ def split_rows(world: World, batch, size: int, max_tokens: int = 0, packed: bool
     that many tokens: a packed micro-batch holds its rows' tokens, an unpacked one rows x the batch's width. With a
     token budget the data ranks' shares are balanced by tokens, and each share is cut where the next row would pass
     a limit. Every rank runs as many micro-batches as the rank that needs the most; the others add stand-ins (the
-    batch's first row). A row that alone passes the budget is refused by name (its sequence would need splitting
-    over ranks: context parallelism, not built)."""
+    batch's first row). The budget is a rank's: with context parallelism (cp ranks share a micro-batch's tokens) a
+    micro-batch holds cp times as many. A row that alone passes that is refused by name."""
     if not max_tokens:
         return Split([share(world, r, len(batch)) for r in range(world.data_size)], micro_batches(world, batch, size))
     costs = row_costs(batch, packed)
     worst = max(range(len(costs)), key=costs.__getitem__, default=None)
+    per_rank = max_tokens
+    max_tokens *= world.cp
     if worst is not None and costs[worst] > max_tokens:
+        split = f" split over parallel.cp={world.cp} ranks" if world.cp > 1 else ""
         raise ConfigError(
-            f"policy.max_tokens_per_micro_batch={max_tokens}: row {worst} of the batch holds {costs[worst]} tokens"
-            f"{'' if packed else ' (padded, unpacked)'}, more than a micro-batch may; raise it, or shorten "
-            "rollout.max_model_len / rollout.max_tokens (splitting a sequence over ranks, context parallelism, "
-            "is not built)"
+            f"policy.max_tokens_per_micro_batch={per_rank}: row {worst} of the batch holds {costs[worst]} tokens"
+            f"{'' if packed else ' (padded, unpacked)'}, more than a micro-batch may{split}; raise it, raise "
+            "parallel.cp (a sequence's tokens split over ranks), or shorten rollout.max_model_len / rollout.max_tokens"
         )
     shares = balanced_shares(costs, world.data_size)
     runs = [cut(costs[s], size, max_tokens) for s in shares]

@@ -27,9 +27,11 @@ from moerl.parallel.ends import EndWatch
 
 @dataclass(slots=True)
 class World:
-    """This rank's place: ``size = pp x dp x ep`` ranks, numbered stage-major, then data-parallel, then expert
-    (``rank = (stage * dp + dp_index) * ep + ep_index``). The dp x ep ranks of a stage take different rows of a
-    batch (the data group); the ep ranks of a data-parallel replica split each MoE layer's experts."""
+    """This rank's place: ``size = pp x dp x ep x cp`` ranks, numbered stage-major, then data-parallel, then expert,
+    then context (``rank = ((stage * dp + dp_index) * ep + ep_index) * cp + cp_index``). The dp x ep ranks of a stage
+    take different rows of a batch (the data group); the ep ranks of a data-parallel replica split each MoE layer's
+    experts; the cp ranks of a data rank take the same rows and split their tokens (``moerl.parallel.context``). FSDP
+    shards over all dp x ep x cp ranks of a stage."""
 
     rank: int = 0
     size: int = 1
@@ -40,15 +42,19 @@ class World:
     microbatches: int = 0  # pipeline micro-batches per call (0: one per stage, or as micro_batch_size needs)
     stages: list[int] | None = None  # layers per pipeline stage (None: balanced by parameter count)
     mesh: DeviceMesh | None = None  # dims ("pp", "dp", "ep"); None for one process
-    data_mesh: DeviceMesh | None = None  # this stage's dp x ep ranks as one dimension: FSDP shards over it
+    data_mesh: DeviceMesh | None = None  # this stage's dp x ep x cp ranks as one dimension: FSDP shards over it
+    cp: int = 1  # context-parallel ranks: one sequence's tokens split over them
+    rows_mesh: DeviceMesh | None = None  # this stage's dp x ep ranks of this cp index: the data group
     # this rank's coordinates, from ``rank``
     stage: int = field(init=False)  # its pipeline rank (its first stage)
-    data_rank: int = field(init=False)  # its index in the data group (dp x ep)
+    data_rank: int = field(init=False)  # its index in the data group (dp x ep): which rows it takes
     dp_rank: int = field(init=False)
     ep_rank: int = field(init=False)
+    cp_rank: int = field(init=False)  # which part of each sequence's tokens it takes
 
     def __post_init__(self) -> None:
-        self.stage, self.data_rank = divmod(self.rank, self.dp * self.ep)
+        self.stage, within = divmod(self.rank, self.dp * self.ep * self.cp)
+        self.data_rank, self.cp_rank = divmod(within, self.cp)
         self.dp_rank, self.ep_rank = divmod(self.data_rank, self.ep)
 
     @property
@@ -58,7 +64,13 @@ class World:
 
     @property
     def data_size(self) -> int:
+        """The data group's ranks (dp x ep): how many shares a batch's rows are split into."""
         return self.dp * self.ep
+
+    @property
+    def shard_size(self) -> int:
+        """The ranks FSDP shards a stage over (dp x ep x cp)."""
+        return self.dp * self.ep * self.cp
 
     def close(self) -> None:
         """Leave the process group (every rank, once its work is done): its connections close in order instead of
@@ -73,11 +85,11 @@ class World:
             dist.destroy_process_group()
 
     def group(self, dim: str):
-        """The process group of mesh dimension ``dim`` (``pp``, ``dp``, ``ep``, or ``data`` = dp x ep) of this
-        rank; None (the default group) for one process."""
+        """The process group of mesh dimension ``dim`` (``pp``, ``dp``, ``ep``, ``cp``, or ``data`` = dp x ep) of
+        this rank; None (the default group) for one process."""
         if self.mesh is None:
             return None
-        return self.data_mesh.get_group() if dim == "data" else self.mesh.get_group(dim)
+        return self.rows_mesh.get_group() if dim == "data" else self.mesh.get_group(dim)
 
 
 QUIET_CTRL_C = "MOERL_QUIET_CTRL_C"
@@ -182,13 +194,13 @@ def mesh_device(name: str, ranks_here: int) -> str:
 
 
 def init_world(
-    dp: int = 1, ep: int = 1, pp: int = 1, timeout_s: float = 1800.0, device: str = "auto", **pipeline
+    dp: int = 1, ep: int = 1, pp: int = 1, timeout_s: float = 1800.0, device: str = "auto", cp: int = 1, **pipeline
 ) -> World:
     """Join the process group of this launch (a no-op for one rank outside a launcher); checks its size and builds
-    the ``(pp, dp, ep)`` mesh on ``device``'s kind (``policy.device``: ``mesh_device``). ``timeout_s``: how long a
+    the ``(pp, dp, ep, cp)`` mesh on ``device``'s kind (``policy.device``: ``mesh_device``). ``timeout_s``: how long a
     collective waits for the other ranks before it fails (``stalled`` names the rank that stopped). ``pipeline``:
     World's schedule, microbatches and stages."""
-    size = dp * ep * pp
+    size = dp * ep * pp * cp
     if size == 1 and not under_launcher():
         return World()
     kind = mesh_device(device, int(os.environ.get("LOCAL_WORLD_SIZE", size)))
@@ -207,14 +219,15 @@ def init_world(
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     if dist.get_world_size() != size:
         raise ConfigError(
-            f"parallel.dp x parallel.ep x parallel.pp = {size} ranks, but the launcher started "
+            f"parallel.dp x parallel.ep x parallel.pp{' x parallel.cp' if cp > 1 else ''} = {size} ranks, but the "
+            "launcher started "
             f"{dist.get_world_size()}; start it with --nproc-per-node={size} (or let moerl start the ranks: run it "
             "without torchrun)"
         )
-    return _on_mesh(dist.get_rank(), dp, ep, pp, kind, pipeline)
+    return _on_mesh(dist.get_rank(), dp, ep, pp, cp, kind, pipeline)
 
 
-def fake_world(dp: int = 1, ep: int = 1, pp: int = 1, rank: int = 0, **pipeline) -> World:
+def fake_world(dp: int = 1, ep: int = 1, pp: int = 1, rank: int = 0, cp: int = 1, **pipeline) -> World:
     """Rank ``rank`` of a world of ``dp x ep x pp`` ranks inside this one process, on torch's ``fake`` process group
     (every collective returns at once, with this rank's own data): the real layout code at any world size with no
     rank started and no data crossing (``moerl.plan``). Replaces the process group this process had, if any; one
@@ -224,13 +237,13 @@ def fake_world(dp: int = 1, ep: int = 1, pp: int = 1, rank: int = 0, **pipeline)
     if dist.is_initialized():
         dist.destroy_process_group()
     _forget_meshes()
-    size = dp * ep * pp
+    size = dp * ep * pp * cp
     if size == 1:
         return World(**pipeline)
     if not 0 <= rank < size:
-        raise ConfigError(f"rank {rank} of a world of {size} ranks (dp {dp} x ep {ep} x pp {pp})")
+        raise ConfigError(f"rank {rank} of a world of {size} ranks (dp {dp} x ep {ep} x pp {pp} x cp {cp})")
     dist.init_process_group("fake", rank=rank, world_size=size, store=dist.HashStore())
-    return _on_mesh(rank, dp, ep, pp, "cpu", pipeline)
+    return _on_mesh(rank, dp, ep, pp, cp, "cpu", pipeline)
 
 
 def _forget_meshes() -> None:
@@ -247,11 +260,13 @@ def _forget_meshes() -> None:
         clear()
 
 
-def _on_mesh(rank: int, dp: int, ep: int, pp: int, kind: str, pipeline: dict) -> World:
-    """World ``rank`` with its ``(pp, dp, ep)`` mesh on ``kind`` (the process group already formed)."""
-    mesh = init_device_mesh(kind, (pp, dp, ep), mesh_dim_names=("pp", "dp", "ep"))
-    data = mesh["dp", "ep"]._flatten("data")
-    return World(rank, dp * ep * pp, dp, ep, pp, mesh=mesh, data_mesh=data, **pipeline)
+def _on_mesh(rank: int, dp: int, ep: int, pp: int, cp: int, kind: str, pipeline: dict) -> World:
+    """World ``rank`` with its ``(pp, dp, ep, cp)`` mesh on ``kind`` (the process group already formed)."""
+    mesh = init_device_mesh(kind, (pp, dp, ep, cp), mesh_dim_names=("pp", "dp", "ep", "cp"))
+    shards = mesh["dp", "ep", "cp"]._flatten("shard")
+    rows = mesh["dp", "ep"]._flatten("data") if cp > 1 else shards
+    size = dp * ep * pp * cp
+    return World(rank, size, dp, ep, pp, mesh=mesh, data_mesh=shards, cp=cp, rows_mesh=rows, **pipeline)
 
 
 def stalled(error: BaseException, timeout_s: float) -> TrainingStopped | None:

@@ -1,5 +1,5 @@
-"""What ``moerl plan`` says beyond a figure: parts of a layout that moerl does not build (tensor, context and expert
-tensor parallelism), and the smallest layout of the given GPUs that fits."""
+"""What ``moerl plan`` says beyond a figure: parts of a layout that moerl does not build (tensor and expert tensor
+parallelism), and the smallest layout of the given GPUs that fits."""
 
 from __future__ import annotations
 
@@ -123,6 +123,7 @@ def candidates(cfg: ModelConfig, run: RunConfig, gpus: int, budget: int | None =
     stream of data-parallel sizes per (ep, pp) merged in order: a search that stops early never makes the rest (a
     listing of them all grows with ``gpus`` times the splits times the depths)."""
     state = None if budget is None else _state(cfg, run)
+    gpus //= run.parallel.cp  # the run's context-parallel ranks are each data rank's
     streams = [_stream(ep, pp, gpus, state, budget) for ep in expert_splits(cfg) for pp in stage_counts(cfg, run)]
     for _, _, _, layout in heapq.merge(*streams):
         yield layout
@@ -150,22 +151,24 @@ def _first_within(floor: Callable[[int], int], most: int, budget: int) -> int:
     return lo
 
 
-def _state(cfg: ModelConfig, run: RunConfig) -> tuple[int, int, bool, bool]:
+def _state(cfg: ModelConfig, run: RunConfig) -> tuple[int, int, bool, bool, int]:
     """(routed-expert parameters, the other parameters, whether the run keeps fp32 masters, whether they are in host
-    memory): what ``_floor`` splits."""
+    memory, its context-parallel ranks): what ``_floor`` splits."""
     from moerl.model.transformer import MoEModel
 
     with torch.device("meta"):
         model = MoEModel(cfg, torch.bfloat16)
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     masters = mode_of(run.policy.mode).masters
-    return experts, sum(p.numel() for p in model.parameters()) - experts, masters, masters and run.policy.cpu_offload
+    rest = sum(p.numel() for p in model.parameters()) - experts
+    return experts, rest, masters, masters and run.policy.cpu_offload, run.parallel.cp
 
 
-def _floor(state: tuple[int, int, bool, bool], layout: tuple[int, int, int]) -> int:
-    """``at_rest_floor`` of ``layout`` from ``_state``'s counts."""
-    experts, rest, masters, offload = state
+def _floor(state: tuple[int, int, bool, bool, int], layout: tuple[int, int, int]) -> int:
+    """``at_rest_floor`` of ``layout`` from ``_state``'s counts (FSDP shards over the cp ranks too)."""
+    experts, rest, masters, offload, cp = state
     dp, ep, pp = layout
+    dp *= cp
     if not masters:  # lora: a bf16 base, experts split by ep, the rest whole on its stage
         return 2 * (experts // ep + rest) // pp
     if offload:  # the expert slices' bf16 weights; the rest, the masters and the optimizer state in host memory
@@ -186,7 +189,7 @@ def propose_layout(cfg: ModelConfig, run: RunConfig, machine, fits: Callable[[Ru
     traced = 0
     for layout in candidates(cfg, run, machine.gpus, machine.budget):
         if layout == (run.parallel.dp, run.parallel.ep, run.parallel.pp):
-            continue
+            continue  # the run's context-parallel size kept: the layout is its other dimensions
         dp, ep, pp = layout
         trial = replace(run, parallel=replace(run.parallel, dp=dp, ep=ep, pp=pp, stages=[]))
         try:
@@ -205,11 +208,12 @@ def why_none_fits(cfg: ModelConfig, run: RunConfig, machine, roles: list) -> lis
     and activations that no split of the layers brings down (a micro-batch's sequence itself too long)."""
     out = []
     state = _state(cfg, run)
-    masters, offload = state[2:]
+    masters, offload = state[2:4]
     host = "; policy.cpu_offload=true keeps the masters and optimizer state in host memory" * (masters and not offload)
     shapes = [(ep, pp) for ep in expert_splits(cfg) for pp in stage_counts(cfg, run)]
     for n in (2**k for k in range(MAX_GPUS.bit_length())):  # 1, 2, 4, ... MAX_GPUS
-        floors = [_floor(state, (n // (ep * pp), ep, pp)) for ep, pp in shapes if n % (ep * pp) == 0]
+        cp = run.parallel.cp
+        floors = [_floor(state, (n // (ep * pp * cp), ep, pp)) for ep, pp in shapes if n % (ep * pp * cp) == 0]
         if floors and min(floors) <= machine.budget:
             if n > machine.gpus:
                 out.append(f"the weights, masters and optimizer state alone need at least {n} GPUs of this size{host}")
@@ -231,9 +235,10 @@ def why_none_fits(cfg: ModelConfig, run: RunConfig, machine, roles: list) -> lis
             options.append("policy.logits_chunk=2048 (now 0: the whole logits at once)")
         if b > 1:
             options.append(f"fewer rows a micro-batch (policy.micro_batch_size / max_tokens_per_micro_batch: {b} now)")
-        more = "; or " + ", ".join(options) if options else ""
+        cp = run.parallel.cp
+        options.append(f"parallel.cp above {cp} (each sequence's tokens split over that many ranks)")
         out.append(
             f"one micro-batch of {b} x {t} tokens holds {acts / 2**30:.0f} GiB of activations on a rank: lower "
-            f"rollout.max_model_len{more} (splitting a sequence over ranks, context parallelism, is not built)"
+            f"rollout.max_model_len; or " + ", ".join(options)
         )
     return out

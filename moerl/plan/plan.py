@@ -128,14 +128,24 @@ class Plan:
         return bool(self.roles) and all(r.fits for r in self.roles)
 
 
+# the context-parallel sizes a plan tries where a run's sequences do not fit its ranks (``_with_option``)
+CONTEXT_SPLITS = (2, 4, 8)
+
+
 def layout_of(run: RunConfig) -> tuple[int, int, int]:
     return run.parallel.dp, run.parallel.ep, run.parallel.pp
 
 
+def layout_text(dp: int, ep: int, pp: int, cp: int) -> str:
+    """A layout as the plan says it: ``dp 2 x ep 4 x pp 1`` (and ``x cp N`` where it splits sequences)."""
+    return f"dp {dp} x ep {ep} x pp {pp}" + (f" x cp {cp}" if cp > 1 else "")
+
+
 def roles(run: RunConfig) -> list[int]:
-    """A representative rank of each pipeline stage (data rank 0, expert slice 0): the others of a stage are alike."""
+    """A representative rank of each pipeline stage (data rank 0, expert slice 0, context rank 0): the others of a
+    stage are alike."""
     dp, ep, _ = layout_of(run)
-    return [stage * dp * ep for stage in range(run.parallel.pp)]
+    return [stage * dp * ep * run.parallel.cp for stage in range(run.parallel.pp)]
 
 
 def plan_dtype(run: RunConfig) -> RunConfig:
@@ -196,15 +206,15 @@ def plan_with(
         check_context(run.rollout.max_model_len, cfg, key="rollout.max_model_len")
     params = _count_params(cfg)
     out = Plan(name, params, run, machine, colocated)
-    check_layout(run.parallel.dp, run.parallel.ep, run.parallel.pp, cfg, run.parallel.schedule, run.parallel.stages)
+    par = run.parallel
+    check_layout(par.dp, par.ep, par.pp, cfg, par.schedule, par.stages, par.cp)
     out.sync_bytes = sync_bytes(cfg, run)
     engine = engine_bytes(cfg, run, out.sync_bytes) if run.rollout.engine == "native" else None
     out.limits = check_limits(cfg, run, machine, engine)
-    size = math.prod(layout_of(run))
+    size = par.size
     if size > machine.gpus:
         out.limits.append(
-            f"the layout dp {run.parallel.dp} x ep {run.parallel.ep} x pp {run.parallel.pp} takes {size} GPUs; "
-            f"{machine.gpus} are given"
+            f"the layout {layout_text(par.dp, par.ep, par.pp, par.cp)} takes {size} GPUs; {machine.gpus} are given"
         )
     else:
         for trace in tracer(cfg, run, roles(run), hf):
@@ -235,21 +245,33 @@ def plan_with(
 
 def _with_option(run: RunConfig, machine: Machine, colocated: bool, tracer: Tracer):
     """Where the run's own settings fit no layout: the same run with the settings that save memory and that it has
-    not on, one then both (each decoder block recomputed in the backward; the trained state in host memory, for
-    modes with masters), planned on its layout and, failing that, on the layouts a proposal searches; (the
-    overrides as the user writes them, the layout that fits or None for its own) of the first that fits, else None."""
-    policy = run.policy
+    not on — each decoder block recomputed in the backward, the trained state in host memory (modes with masters),
+    one then both; then each sequence split over more context-parallel ranks (``CONTEXT_SPLITS``, with the blocks
+    recomputed) — planned on its layout and, failing that, on the layouts a proposal searches; (the overrides as the
+    user writes them, the layout that fits or None for its own) of the first that fits, else None. A split the model
+    cannot take (its heads, its layers) is passed over."""
+    policy, par = run.policy, run.parallel
     options = []
     if policy.activation_checkpointing != "full":
-        options.append({"activation_checkpointing": "full"})
+        options.append({"policy.activation_checkpointing": "full"})
     if mode_of(policy.mode).masters and not policy.cpu_offload:
-        options.append({"cpu_offload": True})
+        options.append({"policy.cpu_offload": True})
     if len(options) == 2:
         options.append(options[0] | options[1])
+    recompute = {"policy.activation_checkpointing": "full"} if policy.activation_checkpointing != "full" else {}
+    options += [{"parallel.cp": cp} | recompute for cp in CONTEXT_SPLITS if cp > par.cp and par.pp == 1]
     for over in options:
-        planned = plan_with(replace(run, policy=replace(policy, **over)), machine, colocated, True, tracer, False)
+        trial = replace(
+            run,
+            policy=replace(policy, **{k[7:]: v for k, v in over.items() if k.startswith("policy.")}),
+            parallel=replace(par, **{k[9:]: v for k, v in over.items() if k.startswith("parallel.")}),
+        )
+        try:
+            planned = plan_with(trial, machine, colocated, True, tracer, False)
+        except ConfigError:  # e.g. a context split the model's heads or layers do not take
+            continue
         if planned.fits or planned.proposal is not None:
-            text = " ".join(f"policy.{k}={str(v).lower()}" for k, v in over.items())
+            text = " ".join(f"{k}={str(v).lower()}" for k, v in over.items())
             return text, planned.proposal
     return None
 
@@ -270,13 +292,16 @@ def render(p: Plan) -> str:
     """The plan as the table ``moerl plan`` prints."""
     run, m = p.run, p.machine
     dp, ep, pp = layout_of(run)
+    cp = run.parallel.cp
+    split = f", split over {cp} context-parallel ranks" if cp > 1 else ""
     lines = [
         f"moerl plan: {p.name} ({p.params / 1e9:.1f} B parameters), mode {run.policy.mode}, {run.policy.dtype}; "
-        f"layout dp {dp} x ep {ep} x pp {pp} ({run.parallel.schedule if pp > 1 else 'no pipeline'}) on "
+        f"layout {layout_text(dp, ep, pp, cp)} ({run.parallel.schedule if pp > 1 else 'no pipeline'}) on "
         f"{m.gpus} GPUs x {m.memory / 1e9:.0f} GB ({m.nodes} node{'s' * (m.nodes > 1)}); usable {m.usable:.0%} = "
         f"{_gib(m.budget)} GiB",
         f"step: micro-batch {micro_rows(run)} x {run.rollout.max_model_len} tokens (every sequence at "
-        f"rollout.max_model_len), packing {'on' if run.policy.packing else 'off'}, R3 {'on' if run.algo.r3 else 'off'}"
+        f"rollout.max_model_len{split}), "
+        f"packing {'on' if run.policy.packing else 'off'}, R3 {'on' if run.algo.r3 else 'off'}"
         f", activation checkpointing {run.policy.activation_checkpointing}, logits in chunks of "
         f"{run.policy.logits_chunk or 'all'} tokens{'; masters and optimizer in host memory' * run.policy.cpu_offload}"
         "; engine "
@@ -314,15 +339,18 @@ def render(p: Plan) -> str:
     if p.proposal is not None:
         pdp, pep, ppp = p.proposal
         lines.append(
-            f"smallest layout that fits: parallel.dp={pdp} parallel.ep={pep} parallel.pp={ppp} ({pdp * pep * ppp} GPUs)"
+            f"smallest layout that fits: parallel.dp={pdp} parallel.ep={pep} parallel.pp={ppp} "
+            f"({pdp * pep * ppp * cp} GPUs)"
         )
     elif p.option is not None:
         option, layout = p.option
+        cp = next((int(o.split("=")[1]) for o in option.split() if o.startswith("parallel.cp=")), cp)
         where = (
             "on this layout"
             if layout is None
             else (
-                f"on parallel.dp={layout[0]} parallel.ep={layout[1]} parallel.pp={layout[2]} ({math.prod(layout)} GPUs)"
+                f"on parallel.dp={layout[0]} parallel.ep={layout[1]} parallel.pp={layout[2]} "
+                f"({math.prod(layout) * cp} GPUs)"
             )
         )
         lines.append(f"with {option}: fits {where}")

@@ -84,7 +84,7 @@ def micro_rows(run: RunConfig) -> int:
     the rows are not bounded)."""
     size, budget = run.policy.micro_batch_size, run.policy.token_budget
     if budget:
-        fit = max(1, budget // run.rollout.max_model_len)
+        fit = max(1, budget * run.parallel.cp // run.rollout.max_model_len)  # the budget is a cp rank's
         size = min(size, fit) if size else fit
     return size
 
@@ -263,7 +263,7 @@ def _trace(cfg: ModelConfig, run: RunConfig, rank: int, hf: dict | None, gpu: bo
 
     p = run.parallel
     pipeline = {"schedule": p.schedule, "microbatches": p.microbatches, "stages": p.stages or None}
-    world = fake_world(p.dp, p.ep, p.pp, rank, **pipeline)
+    world = fake_world(p.dp, p.ep, p.pp, rank, cp=p.cp, **pipeline)
     policy_cfg = replace(run.policy, compile=False, device="cpu")
     start = time.perf_counter()
     try:

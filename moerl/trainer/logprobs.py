@@ -32,11 +32,28 @@ class LogprobHead:
     temperature: float
     entropy: bool | str
     chunk: int = 0
+    # ids and keep are each place's target and whether it counts, and the results are per place, unshifted (a part
+    # of the rows' places: ``part``)
+    targets: bool = False
+
+    def part(self, start: int, stop: int) -> LogprobHead:
+        """The head of places ``[start, stop)`` of the rows alone (context parallelism: one rank's part of the
+        tokens): each place's result is its next token's, 0 past the rows' end. ``from_next`` of the parts' results
+        laid side by side is this head's result."""
+        width = stop - start
+        ids, keep = self.ids[:, start + 1 : stop + 1], self.keep[:, start + 1 : stop + 1]
+        ids, keep = (F.pad(z, (0, width - z.shape[1])) for z in (ids, keep))
+        return LogprobHead(ids, keep, self.temperature, self.entropy, self.chunk, targets=True)
+
+    @staticmethod
+    def from_next(lp: torch.Tensor, ent: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This head's results from every place's next-token results [B, T] (``part``'s, side by side)."""
+        return F.pad(lp[:, :-1], (1, 0)), (F.pad(ent[:, :-1], (1, 0)) if ent is not None else None)
 
     def __call__(self, model, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         b, t, h = x.shape
-        rows = x[:, :-1].reshape(-1, h)
-        targets = self.ids[:, 1:].reshape(-1)
+        rows = (x if self.targets else x[:, :-1]).reshape(-1, h)
+        targets = (self.ids if self.targets else self.ids[:, 1:]).reshape(-1)
         n = rows.shape[0]
         if not self.chunk or n <= self.chunk:
             lp, ent = _chunk(model, rows, targets, self.temperature, self.entropy)
@@ -48,6 +65,8 @@ class LogprobHead:
                 parts.append(checkpoint(_chunk, *args, use_reentrant=False) if grad else _chunk(*args))
             lp = torch.cat([p[0] for p in parts])
             ent = torch.cat([p[1] for p in parts]) if self.entropy else None
+        if self.targets:
+            return lp.view(b, t) * self.keep, (ent.view(b, t) * self.keep if ent is not None else None)
         lp = F.pad(lp.view(b, t - 1), (1, 0)) * self.keep
         return lp, (F.pad(ent.view(b, t - 1), (1, 0)) * self.keep if ent is not None else None)
 

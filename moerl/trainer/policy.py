@@ -193,7 +193,8 @@ class Policy:
 
     def _forward(self, model, step: Step):
         """One micro-batch's (logprobs, entropy) through a whole ``model`` (the policy's or the reference)."""
-        return lambda mb: self._logprobs(model, mb, step)
+        run = self.layout.runner(model)
+        return lambda mb: self._logprobs(run, mb, step)
 
     @torch.no_grad()
     def forward_logprobs(
