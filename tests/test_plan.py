@@ -148,8 +148,8 @@ def test_a_wrong_plan_is_caught(measured_ranks):
         ("deepseek_v3", "1,1,2", 0, "policy.mode=full policy.dtype=bfloat16"),  # dense and MoE layers
     ],
 )
-def test_a_deep_rank_extrapolated_from_a_layer_of_each_kind_is_its_whole_trace(arch, layout, rank, case):
-    """moerl.plan.depth: ten layers traced as one layer of each kind plus one more of each, against every layer
+def test_a_deep_rank_extrapolated_from_two_layers_of_each_kind_is_its_whole_trace(arch, layout, rank, case):
+    """moerl.plan.depth: ten layers traced as two layers of each kind plus one more of each, against every layer
     traced (the peak, the step's end and the sync's peak, per category, 0.5%)."""
     from moerl.plan.rank import trace_rank
     from moerl.presets import preset_config

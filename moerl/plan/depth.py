@@ -1,11 +1,14 @@
 """A deep stage's memory from shallow traces: a rank's layers of one kind (attention type, MoE or dense MLP, rotary
 or not) hold the same bytes each, so its memory is linear in how many of each kind it holds.
 
-The rank is traced on a model whose stages are cut down: this rank's stages keep one layer of each kind they hold
-(``base``), and once more with one kind doubled (one trace per kind); the other stages keep one layer. Each category
-of the peak, of the step's end and of the sync's peak is then ``base + sum over kinds of (n - 1) x (doubled -
-base)``. A shallow rank (few layers), or one holding two interleaved stages (their peaks overlap as the schedule
-runs, not linearly in depth), is traced whole. ``tests/test_plan.py`` checks the extrapolation against whole traces.
+The rank is traced on a model whose stages are cut down: this rank's stages keep ``BASE`` layers of each kind they
+hold (fewer where they hold fewer: ``base``), and once more with one kind one layer deeper (one trace per kind);
+the other stages keep one layer. Each category of the peak, of the step's end and of the sync's peak is then ``base +
+sum over kinds of (n - BASE) x (deeper - base)``. The base holds two of a kind, not one: a layer's buffers that live
+once at the peak whatever the depth (FSDP's reduce-scatter of the layer before, in flight) appear from the second
+layer on, and a difference from one layer would count them once per layer. A shallow rank (few layers), or one
+holding two interleaved stages (their peaks overlap as the schedule runs, not linearly in depth), is traced whole.
+``tests/test_plan.py`` checks the extrapolation against whole traces.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from moerl.plan.memory import Breakdown
 from moerl.run_config import RunConfig
 
 Kind = tuple[str, bool, bool, bool]  # (layer type, MoE, rotates nothing, a mixer alone)
+BASE = 2  # layers of each kind the base trace holds (see the module docstring)
 
 
 def kind(cfg: ModelConfig, i: int) -> Kind:
@@ -41,7 +45,7 @@ def stage_ranges(cfg: ModelConfig, run: RunConfig) -> list[range]:
 def my_stages(run: RunConfig, rank: int, n_stages: int) -> list[int]:
     """The stages rank ``rank`` holds (interleaved schedules: two)."""
     p = run.parallel
-    stage = rank // (p.dp * p.ep)
+    stage = rank // (p.dp * p.ep * p.cp)
     return [s for s in range(stage, n_stages, p.pp)]
 
 
@@ -79,7 +83,7 @@ def cut(cfg: ModelConfig, run: RunConfig, ranges: list[range], layers: dict[int,
 
 
 def combine(base: Breakdown, steps: list[tuple[Breakdown, int]]) -> Breakdown:
-    """``base`` plus, for each (doubled trace, extra layers), extra x (doubled - base), per category."""
+    """``base`` plus, for each (deeper trace, extra layers), extra x (deeper - base), per category."""
     out = base.copy()
     for doubled, extra in steps:
         for c in out.bytes:

@@ -211,7 +211,7 @@ def trace_rank(
     """Trace trainer rank ``rank`` of ``run`` (its ``parallel.*`` on a fake world of that size) training a step of
     its worst-case batch; the memory it holds (see the module docstring). ``gpu``: through the code paths moerl
     takes on an sm90 GPU (``moerl.device.gpu_paths``), else the CPU's. ``exact``: trace every layer (default: when
-    the rank holds at most ``EXACT_LAYERS``, or two interleaved stages), else a layer of each kind and extrapolate
+    the rank holds at most ``EXACT_LAYERS``, or two interleaved stages), else two layers of each kind and extrapolate
     (``moerl.plan.depth``)."""
     from moerl.plan import depth
 
@@ -221,15 +221,15 @@ def trace_rank(
         exact = len(held_kinds) > 1 or sum(n for c in held_kinds.values() for n in c.values()) <= EXACT_LAYERS
     if exact:
         return _trace(cfg, run, rank, hf, gpu)
-    one = {s: dict.fromkeys(c, 1) for s, c in held_kinds.items()}
-    base = _trace(*depth.cut(cfg, run, ranges, one), rank, hf, gpu)
+    two = {s: {k: min(n, depth.BASE) for k, n in c.items()} for s, c in held_kinds.items()}
+    base = _trace(*depth.cut(cfg, run, ranges, two), rank, hf, gpu)
     steps = []
     for s, c in held_kinds.items():
         for k, n in c.items():
-            if n > 1:
-                two = {t: dict(v) for t, v in one.items()}
-                two[s][k] = 2
-                steps.append((_trace(*depth.cut(cfg, run, ranges, two), rank, hf, gpu), n - 1))
+            if n > depth.BASE:
+                more = {t: dict(v) for t, v in two.items()}
+                more[s][k] = depth.BASE + 1
+                steps.append((_trace(*depth.cut(cfg, run, ranges, more), rank, hf, gpu), n - depth.BASE))
     return RankTrace(
         rank,
         base.stages,
