@@ -2,7 +2,7 @@
 
 torch's OpenMP threads wait for each other at the end of every parallel region, spinning; with as many threads as
 cores and another CPU-bound process beside them, a region waits for a thread the kernel has descheduled, and a run
-of many small operations (a tiny model's) slows down many times over (measured: BENCHMARKS.md). Between steps the
+of many small operations (a tiny model's) slows down many times over. Between steps the
 loop measures how much CPU time processes outside this one's process tree took over the last interval (their
 ``/proc/<pid>/stat``) and sets torch's thread count to the cores they left: one thread spins against nobody. When
 they stop, the threads come back. Linux only (elsewhere it does nothing).

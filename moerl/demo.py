@@ -18,7 +18,7 @@ from moerl.trainer.losses import PolicyLossConfig
 
 # sums of three digits ("3+5+7="): 1000 problems, a fifth (~200, by prompt hash) held out and never trained on. The
 # digits sit at fixed positions, so what the tiny model learns carries over to problems it has not seen: RL's gain
-# shows on the held-out set (two-digit operands of varying width it only memorises; BENCHMARKS.md)
+# shows on the held-out set (two-digit operands of varying width it only memorises)
 ENV = {"max_operand": 9, "ops": "+", "num_terms": 3, "test_fraction": 0.2}
 
 
@@ -29,7 +29,7 @@ def demo_config(run_dir: Path, model_path: Path, rl_steps: int) -> RunConfig:
         policy=PolicyConfig(
             mode="lora",
             # fp32 on every host: the tiny preset's GEMMs are too small for bf16 to pay even where it is native
-            # (the demo took 74-78 s in bf16, 42-46 s in fp32 on an AVX512-BF16 host: BENCHMARKS.md)
+            # (its conversions cost more than the narrower GEMMs save)
             dtype="float32",
             lora=LoraConfig(rank=8, alpha=16, layout="shared_outer"),
             optim=OptimConfig(lr=1e-3, schedule="constant", grad_clip=1.0),

@@ -95,8 +95,8 @@ class AutoTune:
     resumption); the second and third steps' decoding (warm, their evaluations included) prices the compilation
     (``moerl.engine.compiled.pays``); the fourth step compiles in its first decode, and the fifth and sixth are
     timed: the compiled step stays only if its best tokens per second beats the eager steps' best (the padded
-    batch and the graph's own call can cost more than they save: an fp32 CPU engine decoding through its packed
-    kernels, BENCHMARKS.md), else the engines go back to eager."""
+    batch and the graph's own call can cost more than they save, e.g. an fp32 CPU engine decoding through its packed
+    kernels), else the engines go back to eager."""
 
     def __init__(self, cfg: RunConfig, engine, start: int, asynchronous: bool):
         r, exact = cfg.rollout, cfg.train.deterministic

@@ -1,6 +1,6 @@
 """CPU training's fused ops: RMSNorm, and the attention's q / k norms with RoPE, as autograd functions over the C
-kernels (``kernels.c``), where torch's CPU composites take a dozen small ops forward and more backward (issue 42
-part 3: at the tiny preset's shapes a norm's backward cost ~0.5-0.9 ms, its kernel ~0.02).
+kernels (``kernels.c``), where torch's CPU composites take a dozen small ops forward and more backward: at small
+shapes their per-op overhead, not the arithmetic, is the cost.
 
 The forward runs torch's own ops without recording them (the trainer's logprobs keep their bits: the C forward
 kernels round fp32 differently); the backward is one kernel call, in fp32, each gradient rounded once to its dtype

@@ -21,7 +21,7 @@ class Groups:
     there a single bmm over a capacity-padded ``[groups, max rows, K]`` buffer is faster. ``padded`` says it may be
     used: groups average <= 64 rows and padding at most quadruples the work; large groups (prefill) keep the
     per-group GEMMs. ``group_mm`` also keeps them for fp32 groups whose weight exceeds ``PAD_MAX_FP32_BYTES``: there
-    streaming the weight, not the call, is the cost, and the padded rows add to it (BENCHMARKS.md, issue 42 part 2).
+    streaming the weight, not the call, is the cost, and the padded rows add to it.
 
     Inside a ``torch.compile`` graph the choice depends on the data, so there the grouped GEMM is one opaque op
     (``moerl::group_mm``) that makes it when it runs; its backward is two more such ops (``group_mm`` of the
@@ -72,8 +72,8 @@ class Groups:
         return buf[self.keys, self._plan()[2]]
 
 
-# fp32 on the CPU: one group's weight past this and the per-group GEMMs beat the padded bmm (small's 1 MiB
-# experts in decode: 1.4x, 1.6x K-major; BENCHMARKS.md issue 42 part 2); bf16 keeps the padded bmm (4fe4c66)
+# fp32 on the CPU: one group's weight past this and streaming it bounds the GEMM, so the per-group GEMMs (no padded
+# rows to stream it against) beat the padded bmm; bf16's padded bmm keeps its lead there
 PAD_MAX_FP32_BYTES = 256 * 1024
 
 

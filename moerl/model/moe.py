@@ -25,7 +25,7 @@ from moerl.model.packed import (
 )
 
 # the packed kernel's rows of a group sit in registers against each panel of its weight: past this many a group
-# (prefill), MKL's blocked GEMM over the K-major weight is the faster one (BENCHMARKS.md, issue 42 part 2)
+# (prefill) reuses each panel enough for MKL's blocked GEMM over the K-major weight to be the faster one
 PACKED_MAX_ROWS = 32
 # bf16 experts on the bf16 dot products take 16 rows a block against a panel kept in cache: a prefill's experts in one
 # call too, up to this many (token, expert) rows (the call's fp32 scratch grows with them)
@@ -231,8 +231,8 @@ class Experts(nn.Module):
     def k_major(self) -> None:
         """The CPU engine's decode layout. Where streaming the weights bounds the GEMM (``streams_weights``) the
         weights are stored with their reduction dim outermost ([E, H, 2I] and [E, I, H] in memory; shapes, names and
-        values unchanged), so each expert's ``w.transpose(1, 2)`` is contiguous for MKL's GEMM (prefill; 1.2x over
-        the [E, 2I, H] layout in small's fp32 decode, BENCHMARKS.md issue 42); and decode's GEMMs (a few rows a
+        values unchanged), so each expert's ``w.transpose(1, 2)`` is contiguous for MKL's GEMM (prefill:
+        it streams a contiguous reduction dim faster than a strided one); and decode's GEMMs (a few rows a
         group) run from prepacked panels of them (``moerl.model.packed``, where its kernel builds: a packed copy
         beside each weight, made again after a sync). A weight sync's ``copy_`` writes through both."""
         for p in (self.gate_up_proj, self.down_proj):

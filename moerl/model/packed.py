@@ -1,8 +1,8 @@
-"""CPU kernels of an engine's fp32 or bf16 decode step (issue 42 part 2): the routed experts' GEMMs from prepacked
+"""CPU kernels of an engine's fp32 or bf16 decode step: the routed experts' GEMMs from prepacked
 weights, attention read from the paged KV cache in place, and RMSNorm in one call.
 
 At decode's shapes (a few rows per expert, an expert's weight of a MiB) a grouped GEMM is bound by streaming the
-weights, and MKL's sgemm streams them at a fraction of the rate a plain read does (BENCHMARKS.md, issue 42). The
+weights, and MKL's sgemm, blocked for large GEMMs, streams them at a fraction of the rate a plain read does. The
 expert kernel reads each expert's weight once per step, panel by panel, in the order it is stored: the weight
 [E, K, N] packed once into panels [E, N / NT, K, NT] (NT columns, two CPU vectors), the rows of a group kept in
 registers against each panel. For the gate-up projection each panel holds VW gate columns then the matching VW up

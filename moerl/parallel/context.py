@@ -75,16 +75,21 @@ class SplitAttention:
         return got.view(self.n, b, c, width).permute(1, 2, 0, 3).reshape(b, c, self.n * width)
 
 
+def _gathered(part: torch.Tensor, group, n: int) -> torch.Tensor:
+    """Every rank's ``part`` [B, c, ...] of ``group`` (``n`` ranks), side by side along dim 1."""
+    pieces = [torch.empty_like(part) for _ in range(n)]
+    dist.all_gather(pieces, part.contiguous(), group=group)
+    return torch.cat(pieces, dim=1)
+
+
 class _Gather(torch.autograd.Function):
-    """This rank's part [B, c, ...] -> every rank's parts along dim 1; the backward keeps this rank's part of the
-    gradient (each rank computes the same loss of the whole: its own part's gradient is the part it owes)."""
+    """``_gathered`` whose backward keeps this rank's part of the gradient (each rank computes the same loss of the
+    whole: its own part's gradient is the part it owes)."""
 
     @staticmethod
     def forward(ctx, part, group, n, rank):
         ctx.rank, ctx.c = rank, part.shape[1]
-        pieces = [torch.empty_like(part) for _ in range(n)]
-        dist.all_gather(pieces, part.contiguous(), group=group)
-        return torch.cat(pieces, dim=1)
+        return _gathered(part, group, n)
 
     @staticmethod
     def backward(ctx, grad):
@@ -148,6 +153,4 @@ class ContextSplit:
         w = self.world
         if part.requires_grad:
             return _Gather.apply(part, w.group("cp"), w.cp, w.cp_rank)
-        pieces = [torch.empty_like(part) for _ in range(w.cp)]
-        dist.all_gather(pieces, part.contiguous(), group=w.group("cp"))
-        return torch.cat(pieces, dim=1)
+        return _gathered(part, w.group("cp"), w.cp)

@@ -22,11 +22,10 @@ from moerl.dynamo import unducked
 from moerl.errors import ConfigError
 from moerl.model.mixers import is_recurrent
 
-# measured (BENCHMARKS.md, "Compiled training"): the share of a training step the compiled blocks save on the small
-# preset in bf16 (18% full, 19% LoRA: 0.15 taken; a tiny model in fp32 loses, which the trial after compiling
-# catches) and the compilation's cost on 2 cores from a cold cache (22-27 s; 37-44 s on a slower host, 9-10 s warm:
-# benchmarks/compile_cost.py). COMPILE_SECONDS prices blocks never compiled here; those that were are priced at their
-# last first call (moerl.dynamo's ledger)
+# GAIN: the share of a training step the compiled blocks are taken to save, below what a model large enough to gain
+# saves (a tiny fp32 model loses: the trial after compiling catches it, and goes back to eager). COMPILE_SECONDS: what
+# a compilation from a cold cache is taken to cost on a small host, for blocks never compiled here; those that were
+# are priced at their last first call (moerl.dynamo's ledger). The figures behind both: BENCHMARKS.md
 GAIN = 0.15
 COMPILE_SECONDS = 30.0
 BLOCKS = "the trainer's decoder blocks"  # what the console calls them

@@ -51,8 +51,8 @@ class OptimConfig:
 
 
 # a micro-batch's tokens where the config leaves it (policy.max_tokens_per_micro_batch: null): a default run's step
-# in one or a few micro-batches (the tiny preset's RL step ran ~1.9x slower in micro-batches of 8 sequences than of
-# 64 or 128), a long sequence's activations bounded
+# in one or a few micro-batches (small micro-batches pay each forward's fixed costs many times over), a long
+# sequence's activations bounded
 TOKENS_PER_MICRO_BATCH = 16384
 
 
