@@ -9,7 +9,8 @@ Extras: ``layout=shared_outer`` (expert adapters), ``schedule=S`` (pipeline), ``
 first), ``dump`` (write the state as loaded and stop), ``steps=N``, ``save=DIR`` (a checkpoint saved after the first
 step), ``ac=full|selective`` (activation checkpointing), ``tokens=N`` (micro-batches of at most N tokens, no row
 limit), ``offload`` (``policy.cpu_offload``: FSDP2's CPUOffloadPolicy), ``reads`` (each rank writes what it read of
-the checkpoint to OUT.reads<rank>.json, and stops), ``model=DIR`` (that checkpoint instead of CKPT). Negative
+the checkpoint to OUT.reads<rank>.json, and stops), ``model=DIR`` (that checkpoint instead of CKPT), ``unpacked``
+(``policy.packing=false``: rows as they are, padded). Negative
 controls: ``mean``, FSDP's default mean over ranks
 instead of moerl's sum; ``perturb``, the last expert of the first MoE layer moved by 1e-3 on the rank that holds it
 (the last ep rank); ``wrong_columns``, the last pipeline stage replays the first stage's MoE layers' columns instead
@@ -101,6 +102,7 @@ def step(world, ckpt: str, mode: str, dtype: str, out: str, *extra: str) -> None
         lora=lora,
         activation_checkpointing=opt.get("ac", "none"),
         cpu_offload="offload" in extra,
+        packing="unpacked" not in extra,
     )
     policy = Policy(opt.get("model", ckpt), cfg, world)
     if "reads" in extra:  # what each rank read of the checkpoint, and stop

@@ -102,6 +102,7 @@ CASES = [
     ("1,1,1,2", "full", "float32", (), 1e-6),
     ("1,1,1,2", "lora", "float32", ("ac=full",), 1e-6),
     ("1,1,1,2", "mxfp8", "bfloat16", (), 1e-4),
+    ("1,1,1,2", "full", "float32", ("unpacked",), 1e-6),  # right-padded rows, their 0/1 mask split with them
     ("1,1,1,4", "full", "float32", (), 1e-6),
     ("1,1,1,4", "lora", "float32", ("layout=shared_outer", "tokens=8"), 1e-6),
     ("1,2,1,2", "full", "float32", (), 1e-6),
