@@ -166,10 +166,11 @@ def test_one_step_on_several_ranks_is_one_process_step(one_process, several_rank
     replayed indices send each token to the rank of its experts (adapters of both layouts split with them). pp=2:
     two layers per rank (interleaved 1F1B: one layer per stage, stages 0 and 2 on rank 0), 4 micro-batches of 2
     rows (one a stand-in), each stage replaying its own MoE layers' columns. Four ranks (pp=2 with dp=2 or ep=2):
-    a pipeline per data rank, each on its share of the rows, each stage sharded over its two data ranks. Each
-    equals one process's step within the tolerances above, also where its blocks recompute their activations in
-    the backward (``ac=``), its micro-batches are cut by tokens (``tokens=``) or its trained state is offloaded
-    (``offload``): against one process's plain step."""
+    a pipeline per data rank, each on its share of the rows, each stage sharded over its two data ranks. cp=2 / 4:
+    every row's 12 tokens split over the ranks (6 or 3 each), the attention's heads exchanged for them, the logprobs
+    gathered whole; with ep=2 or dp=2 beside it. Each equals one process's step within the tolerances above, also
+    where its blocks recompute their activations in the backward (``ac=``), its micro-batches are cut by tokens
+    (``tokens=``) or its trained state is offloaded (``offload``): against one process's plain step."""
     plain = [e for e in extra if not e.startswith(("ac=", "tokens=")) and e != "offload"]
     one, t1 = one_process(mode, dtype, *plain)
     two, t2 = several_ranks(layout, mode, dtype, *extra)
