@@ -261,10 +261,12 @@ def _with_option(run: RunConfig, machine: Machine, colocated: bool, tracer: Trac
     recompute = {"policy.activation_checkpointing": "full"} if policy.activation_checkpointing != "full" else {}
     options += [{"parallel.cp": cp} | recompute for cp in CONTEXT_SPLITS if cp > par.cp and par.pp == 1]
     for over in options:
+        by_section: dict[str, dict] = {"policy": {}, "parallel": {}}
+        for key, value in over.items():
+            section, field_name = key.split(".", 1)
+            by_section[section][field_name] = value
         trial = replace(
-            run,
-            policy=replace(policy, **{k[7:]: v for k, v in over.items() if k.startswith("policy.")}),
-            parallel=replace(par, **{k[9:]: v for k, v in over.items() if k.startswith("parallel.")}),
+            run, policy=replace(policy, **by_section["policy"]), parallel=replace(par, **by_section["parallel"])
         )
         try:
             planned = plan_with(trial, machine, colocated, True, tracer, False)

@@ -25,7 +25,7 @@ from moerl.model.mixers import is_recurrent
 # GAIN: the share of a training step the compiled blocks are taken to save, below what a model large enough to gain
 # saves (a tiny fp32 model loses: the trial after compiling catches it, and goes back to eager). COMPILE_SECONDS: what
 # a compilation from a cold cache is taken to cost on a small host, for blocks never compiled here; those that were
-# are priced at their last first call (moerl.dynamo's ledger). The figures behind both: BENCHMARKS.md
+# are priced at their last first call (moerl.dynamo's ledger)
 GAIN = 0.15
 COMPILE_SECONDS = 30.0
 BLOCKS = "the trainer's decoder blocks"  # what the console calls them
