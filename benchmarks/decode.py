@@ -126,7 +126,7 @@ def build(name: str, ckpt: str, num_seqs: int, max_len: int, dtype: str):
     if name in MX:
         from moerl.model.mx import apply_mxfp8
 
-        apply_mxfp8(engine.model, "rceil")
+        apply_mxfp8(engine.model, "rceil", keep=True)
     if adapter:
         engine.add_adapter(adapter, random_adapter(ckpt, LORA_VARIANTS[name.removeprefix("moerl ")][0]))
 

@@ -154,7 +154,7 @@ def test_compiled_mxfp8_decode_matches_the_eager_mxfp8_engine(monkeypatch):
     The graph takes the weights quantized outside it, kept between steps: after a sync it computes with the new
     ones, and skipping the step that re-quantizes them (negative control) leaves it on the old ones."""
     model = init_model("gpt_oss", "tiny", overrides=TWO_LAYERS, dtype=torch.float32)
-    apply_mxfp8(model, "rceil")
+    apply_mxfp8(model, "rceil", keep=True)  # an engine's
     cfg = {"max_num_seqs": 16, "max_model_len": 64}
     eager = LLMEngine(model, EngineConfig(**cfg), dtype=torch.float32)
     reference = eager.generate(_requests())

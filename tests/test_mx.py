@@ -183,14 +183,14 @@ def test_mxfp8_without_torchao_is_refused_by_name(monkeypatch):
 
 
 def test_inference_keeps_quantized_weights_until_they_change():
-    """Without autograd (an engine's forward) MX layers quantize each weight once per weight version: the output is
-    bit for bit the autograd path's, a weight changed in place (a sync's copy) is quantized again, into the kept tensor
-    (the cached result would miss: negative control), and a training forward takes the autograd path."""
+    """Without autograd, an engine's MX layers (``keep=True``) quantize each weight once per weight version: the
+    output is bit for bit the autograd path's, a weight changed in place (a sync's copy) is quantized again, into the
+    kept tensor (the cached result would miss: negative control), and a training forward takes the autograd path."""
     from moerl.model.mx import apply_mxfp8
     from moerl.presets import init_model
 
     model = init_model("qwen3_moe", "tiny", dtype=torch.float32)
-    apply_mxfp8(model, "rceil")
+    apply_mxfp8(model, "rceil", keep=True)
     ids = torch.randint(4, 100, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.enable_grad():
         want = model(ids).logits.detach()  # every GEMM through the autograd functions
@@ -207,3 +207,31 @@ def test_inference_keeps_quantized_weights_until_they_change():
     # quantized again into the same tensor (which a compiled graph reads as its input)
     assert next(iter(q._mx_kept.values()))[1] is kept and not torch.equal(kept, before)
     assert (moved - want).abs().max() > 1e-3
+
+
+def test_a_trainers_mx_layers_quantize_at_every_forward():
+    """A trainer's MX layers (the default, ``keep=False``) keep nothing between forwards: FSDP all-gathers a layer's
+    weights into the same storage each forward without bumping their version counter, which this test does by
+    writing through ``.data``. The next forward without autograd sees the new weights; an engine's layers
+    (``keep=True``) would go on with the stale quantization (negative control: why a trainer must not keep)."""
+    from moerl.model.mx import apply_mxfp8
+    from moerl.presets import init_model
+
+    ids = torch.randint(4, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    outs = {}
+    for keep in (False, True):
+        model = init_model("qwen3_moe", "tiny", dtype=torch.float32, seed=0)
+        apply_mxfp8(model, "rceil", keep=keep)
+        q = model.layers[0].self_attn.q_proj
+        with torch.no_grad():
+            model(ids)
+            version = q.weight._version
+            q.weight.data.mul_(1.5)  # new values at the same address, the version unchanged (as FSDP's all-gather)
+            assert q.weight._version == version
+            outs[keep] = model(ids).logits
+        assert bool(q.__dict__.get("_mx_kept")) == keep
+        with torch.enable_grad():
+            want = model(ids).logits.detach()  # the autograd path quantizes the weights as they are
+        outs[keep] = (outs[keep] - want).abs().max()
+    assert outs[False] == 0
+    assert outs[True] > 1e-3

@@ -85,7 +85,7 @@ def test_mxfp8_sync_sends_quantized_weights_and_engine_matches(hf_checkpoints):
     path = hf_checkpoints[ARCH][0]
     pol = _trained(path, "mxfp8")
     engine = LLMEngine(path, EngineConfig(max_num_seqs=4, max_model_len=48), dtype=torch.float32)
-    apply_mxfp8(engine.model, pol.cfg.mx_scale_mode)
+    apply_mxfp8(engine.model, pol.cfg.mx_scale_mode, keep=True)
     sync_policy(pol, engine, version=2)
     name = "layers.2.mlp.experts.gate_up_proj"
     assert torch.equal(engine.model.get_parameter(name), mx_fake_quant(pol.master.master[name].detach(), -1))

@@ -148,10 +148,6 @@ def kept_quant(owner: torch.nn.Module, w: torch.Tensor, dim: int, mode: str) -> 
     """``mx_fake_quant(w, dim, mode)``, kept on ``owner`` while ``w`` is unchanged. An engine's weights change only
     at a sync (an in-place copy, which bumps the tensor's version counter) but every step quantized them again. One
     entry per weight layout (shape, strides, dim, mode), replaced when the tensor or its version differs."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(w, DTensor):  # a sharded trainer's weight: quantized as it comes
-        return mx_fake_quant(w, dim, mode)
     key = _kept_key(w, dim, mode)
     kept = owner.__dict__.setdefault("_mx_kept", {})
     hit = kept.get(key)
@@ -173,8 +169,9 @@ def weight_quant(owner: torch.nn.Module, w: torch.Tensor, dim: int, mode: str) -
     """``w`` quantized for a forward without autograd (an engine's), or None with autograd (the GEMM's autograd
     function quantizes). Eager: ``kept_quant``. Inside a compiled graph, which cannot check a tensor's version: the
     tensor ``kept_quant`` keeps for ``w``, an input of the graph, which the compiled decode step brings up to date
-    before each step (``refresh_kept``); where none is kept yet, quantized in the graph."""
-    if torch.is_grad_enabled():
+    before each step (``refresh_kept``); where none is kept yet, quantized in the graph. None too where ``owner``
+    keeps nothing (``apply_mxfp8(keep=False)``: a trainer's, quantized at every forward)."""
+    if torch.is_grad_enabled() or not owner.keeps:
         return None
     if not torch.compiler.is_compiling():
         return kept_quant(owner, w, dim, mode)
@@ -182,10 +179,10 @@ def weight_quant(owner: torch.nn.Module, w: torch.Tensor, dim: int, mode: str) -
 
 
 def refresh_kept(modules: Iterable[torch.nn.Module]) -> None:
-    """Bring every quantized weight a compiled forward reads (``weight_quant``) of the MXFP8 ``modules`` among those
-    given up to date with its weight (``kept_quant``: nothing when unchanged, an in-place update after a sync)."""
+    """Bring every quantized weight a compiled forward reads (``weight_quant``) of the keeping MXFP8 ``modules`` among
+    those given up to date with its weight (``kept_quant``: nothing when unchanged, an in-place update after a sync)."""
     for m in modules:
-        if isinstance(m, MXLinear | MXExperts):
+        if isinstance(m, MXLinear | MXExperts) and m.keeps:
             for w, dim in m.graph_weights():
                 kept_quant(m, w, dim, m.mode)
 
@@ -194,6 +191,7 @@ class MXLinear(Linear):
     """A projection whose GEMMs (forward and both backward) take MXFP8 operands; ``mode``: the scale mode."""
 
     mode: str
+    keeps = False  # quantized weights kept between forwards (an engine's: apply_mxfp8(keep=True))
     takes_packed = False  # its GEMMs take MX operands, never the packed bf16 kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -209,6 +207,7 @@ class MXExperts(Experts):
     """Routed experts whose grouped GEMMs (and the reference loop's) take MXFP8 operands."""
 
     mode: str
+    keeps = False  # as MXLinear's
 
     def _gmm(self, x: torch.Tensor, w: torch.Tensor, groups) -> torch.Tensor:
         wq = weight_quant(self, w, 1, self.mode)  # an engine's: once per weight version
@@ -234,9 +233,12 @@ class MXExperts(Experts):
         return [(self.gate_up_proj.transpose(1, 2), 1), (self.down_proj.transpose(1, 2), 1)]
 
 
-def apply_mxfp8(model: torch.nn.Module, mode: str = "rceil") -> None:
+def apply_mxfp8(model: torch.nn.Module, mode: str = "rceil", keep: bool = False) -> None:
     """Swap every projection and the routed experts of ``model`` for their MXFP8 classes (not the router,
-    embeddings, lm_head, norms or the shared-expert gate: plain modules no mode touches)."""
+    embeddings, lm_head, norms or the shared-expert gate: plain modules no mode touches). ``keep``: forwards without
+    autograd quantize each weight once per version of it (``kept_quant``), for an engine, whose weights change only
+    by a sync's in-place copy. Not for a trainer: FSDP writes a layer's gathered weights into the same storage
+    without bumping their version, so a kept quantization would outlive an optimizer step."""
     _mode(mode)
     swaps = []
     for path, mod in model.named_modules():
@@ -250,7 +252,7 @@ def apply_mxfp8(model: torch.nn.Module, mode: str = "rceil") -> None:
                 "only (LoRA and MXFP8 are separate modes, and MXFP8 applies once)"
             )
         new = swapped(mod, MXLinear if isinstance(mod, Linear) else MXExperts)
-        new.mode = mode
+        new.mode, new.keeps = mode, keep
         swaps.append((path, new))
     for path, new in swaps:
         replace_module(model, path, new)

@@ -39,5 +39,5 @@ def build_native(spec: EngineSpec) -> LLMEngine:
     if spec.mx_scale_mode is not None:
         from moerl.model.mx import apply_mxfp8
 
-        apply_mxfp8(engine.model, spec.mx_scale_mode)
+        apply_mxfp8(engine.model, spec.mx_scale_mode, keep=True)
     return engine
