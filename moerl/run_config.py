@@ -77,7 +77,10 @@ class RolloutSection:
     placement: Literal[PLACEMENTS] = "inprocess"
     num_engines: int = 1  # the groups of a step are split across them
     engine_threads: int = 0  # torch threads per engine process (0: this process's threads / num_engines)
-    sync_bucket_mb: int = 64  # weight sync goes in buckets of at most this many MiB
+    # weight sync goes in buckets of at most this many MiB; a sharded trainer's weights split by rows travel in parts
+    # of at most a bucket (fewer, larger transfers run nearer a link's bandwidth; each is a few fp32 copies of its
+    # bytes on the rank that makes it)
+    sync_bucket_mb: int = 256
     # how weights reach engines in other processes: auto (CUDA IPC between GPUs of one node, else shared memory;
     # bytes through Ray between nodes) | shm | inline (in the message) | cuda_ipc | broadcast (NCCL / gloo group)
     weight_transport: Literal[TRANSPORTS] = "auto"

@@ -31,6 +31,7 @@ from moerl.trainer.checkpoint import save_checkpoint, shards_of_save
 from moerl.trainer.losses import PolicyLossConfig, make_policy_loss
 
 LR = 1e-2  # large enough that one AdamW step moves the logprobs visibly
+PART_BYTES = 2**16  # a sync's parts: 2 experts of the tiny model's in bf16, 1 in fp32, 3 in MXFP8 (data + scales)
 
 
 def fixed_batch(num_moe_layers: int, top_k: int, num_experts: int) -> Batch:
@@ -51,7 +52,8 @@ def fixed_batch(num_moe_layers: int, top_k: int, num_experts: int) -> Batch:
 def _write(world, policy, out: str, tensors: dict, stats: dict | None = None) -> None:
     """Rank 0 writes ``tensors``, the policy's whole weights (w/) and optimizer state (o/) and the step's numbers."""
     weights, opt = policy.full_state()
-    sent = {f"s/{n}": t.clone() for n, t in policy.sync_tensors()}  # what a weight sync sends the engine
+    # what a weight sync sends the engine (experts split over ranks in parts of at most PART_BYTES)
+    sent = {f"s/{n}": t.clone() for n, t in policy.sync_tensors(part_bytes=PART_BYTES)}
     names = list(weights)
     tensors |= {f"w/{n}": t.contiguous() for n, t in weights.items()}
     tensors |= {f"o/{names[i]}/{k}": v.contiguous() for i, st in opt["state"].items() for k, v in st.items()}

@@ -2,6 +2,7 @@
 exchanged) gives one process's loss, gradient norm, logprobs and weights; ``moerl train parallel.dp=2`` learns, and
 its checkpoint resumes at another dp or ep size; a rank that dies stops the run, named, with its checkpoint intact."""
 
+import itertools
 import json
 import math
 import os
@@ -174,7 +175,7 @@ def test_one_step_on_several_ranks_is_one_process_step(one_process, several_rank
     plain = [e for e in extra if not e.startswith(("ac=", "tokens=")) and e != "offload"]
     one, t1 = one_process(mode, dtype, *plain)
     two, t2 = several_ranks(layout, mode, dtype, *extra)
-    differences = _step_differences(one, t1, two, t2, mode, dtype, rtol)
+    differences = _step_differences(one, t1, two, t2, mode, dtype, rtol) + _experts_in_parts(t2, layout, mode)
     assert not differences, differences
 
 
@@ -187,8 +188,9 @@ def _step_differences(one, t1, two, t2, mode, dtype, rtol) -> list[str]:
         bad.append(f"loss {two['loss']} vs {one['loss']}")
     if two["grad_norm"] != pytest.approx(one["grad_norm"], rel=rtol):
         bad.append(f"grad norm {two['grad_norm']} vs {one['grad_norm']}")
-    if t1.keys() != t2.keys():
-        bad.append(f"tensors {sorted(set(t1) ^ set(t2))[:5]}")
+    keys1, keys2 = ({k.rpartition("@")[0] or k for k in t} for t in (t1, t2))  # a tensor's parts: the tensor
+    if keys1 != keys2:
+        bad.append(f"tensors {sorted(keys1 ^ keys2)[:5]}")
     if not logprobs_agree(t2["old_logprobs"], t1["old_logprobs"], dtype):
         bad.append("logprobs before the step")
     bad += _sync_differences(t2, mode, dtype)
@@ -245,8 +247,8 @@ def _sync_differences(t: dict, mode: str, dtype: str) -> list[str]:
     """Where what the sharded trainer's weight sync sends (gathered one tensor at a time) is not its whole weights:
     routers fp32 bit for bit, full mode's other weights the masters in the compute dtype, LoRA the adapters of slot
     0. Empty when it is."""
-    sent = {k.removeprefix("s/"): v for k, v in t.items() if k.startswith("s/")}
-    bad = [] if sent else ["nothing sent"]
+    sent, bad = _assembled({k.removeprefix("s/"): v for k, v in t.items() if k.startswith("s/")})
+    bad += [] if sent else ["nothing sent"]
     for name, v in sent.items():
         if mode == "lora":
             if not name.endswith(".scale"):
@@ -267,6 +269,39 @@ def _sync_differences(t: dict, mode: str, dtype: str) -> list[str]:
                 if not (got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))):
                     bad.append(f"sent {weight} (MX)")
     return bad
+
+
+def _assembled(sent: dict) -> tuple[dict, list[str]]:
+    """The sync's tensors with the parts of each (``name@first_row``) joined, and what is wrong with the parts:
+    rows missing or sent twice, a part over dp_check's PART_BYTES."""
+    from dp_check import PART_BYTES
+
+    whole, parts, bad = {}, {}, []
+    for key, v in sent.items():
+        name, _, start = key.rpartition("@")
+        if name:
+            parts.setdefault(name, []).append((int(start), v))
+            if v.numel() * v.element_size() > PART_BYTES and v.shape[0] > 1:
+                bad.append(f"part {key} of {v.numel() * v.element_size()} bytes")
+        else:
+            whole[key] = v
+    for name, pieces in parts.items():
+        pieces.sort(key=lambda p: p[0])
+        if [start for start, _ in pieces] != [0, *itertools.accumulate(v.shape[0] for _, v in pieces[:-1])]:
+            bad.append(f"parts of {name} at rows {[start for start, _ in pieces]}")
+        whole[name] = torch.cat([v.view(torch.uint8) for _, v in pieces]).view(pieces[0][1].dtype)
+    return whole, bad
+
+
+def _experts_in_parts(t: dict, layout: str, mode: str) -> list[str]:
+    """Where a run whose experts are split over ranks (dp, ep or cp above 1: FSDP or expert slices; not LoRA's
+    frozen experts) sent an expert tensor whole."""
+    dp, ep, _, cp = ([int(n) for n in layout.split(",")] + [1])[:4]
+    if mode == "lora" or dp * ep * cp == 1:
+        return []
+    whole = [k for k in t if k.startswith("s/") and ".experts." in k and "@" not in k]
+    parted = [k for k in t if k.startswith("s/") and "@" in k]
+    return [f"sent whole: {whole[:3]}"] * bool(whole) + ["no parts"] * (not parted)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

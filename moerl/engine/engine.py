@@ -27,6 +27,7 @@ from moerl.engine.sequence import Completion, Group, Request, RequestOutput, Seq
 from moerl.errors import CheckpointError, ConfigError, RequestError
 from moerl.model.mixers import recurrent_layers
 from moerl.model.transformer import MoEModel
+from moerl.sync.parts import StagedParts, part_name, split_part
 
 
 class LLMEngine:
@@ -92,6 +93,7 @@ class LLMEngine:
         self.decode_seconds = 0.0  # in decode steps' forwards so far: what compiling them would shorten
         self.decode_tokens = 0  # the rows those steps decoded (compile_decode: auto compares tokens per second)
         self._staged: dict[str, torch.Tensor] = {}
+        self._staged_parts = StagedParts()  # row ranges of tensors a sharded trainer sends in parts
         self.generator = torch.Generator().manual_seed(cfg.seed)
         eos = (tokenizer.eos_token_id if tokenizer is not None else None) or (model.hf_config or {}).get("eos_token_id")
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
@@ -148,34 +150,47 @@ class LLMEngine:
         """Check and hold one bucket of named tensors (moerl names) until ``commit_weights``.
 
         MXFP8 buckets carry ``name`` (E4M3 data) with ``name + MX_SCALE`` (E8M0 scales); they are dequantized here.
+        A key ``name@row`` is a part of tensor ``name``: its rows from ``row`` on (``moerl.sync.parts``).
         """
         from moerl.model.mx import MX_SCALE, mx_dequantize
 
         params = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
-        for name, t in tensors.items():
+        for key, t in tensors.items():
+            name, start = split_part(key)
             if name.endswith(MX_SCALE):
                 continue
             if name not in params:
-                raise CheckpointError(f"update_weights: unexpected tensor {name!r}: the model has no such parameter")
-            if name + MX_SCALE in tensors:
-                t = mx_dequantize(tensors[name + MX_SCALE], t, torch.float32)
-            if tuple(t.shape) != tuple(params[name].shape):
+                raise CheckpointError(f"update_weights: unexpected tensor {key!r}: the model has no such parameter")
+            scale = name + MX_SCALE if start is None else part_name(name + MX_SCALE, start)
+            if scale in tensors:
+                t = mx_dequantize(tensors[scale], t, torch.float32)
+            if start is not None:
+                self._staged_parts.add(name, start, t, params[name].shape)
+            elif tuple(t.shape) != tuple(params[name].shape):
                 raise CheckpointError(
                     f"update_weights: tensor {name!r} has shape {tuple(t.shape)}, the model expects "
                     f"{tuple(params[name].shape)}"
                 )
-            self._staged[name] = t
+            else:
+                self._staged[name] = t
 
     @torch.no_grad()
     def commit_weights(self, version: int) -> None:
         """Apply every staged tensor at once (between generation steps) and tag later outputs with ``version``.
 
-        Tensors are copied into the existing parameters, so the router stays fp32 whatever dtype arrives.
+        Tensors are copied into the existing parameters, so the router stays fp32 whatever dtype arrives. Parts must
+        cover their tensors' rows once each: else nothing is applied (a CheckpointError names the rows).
         """
         params = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
+        try:
+            self._staged_parts.check({n: params[n].shape for n in self._staged_parts.parts})
+        except CheckpointError:
+            self.discard_staged()
+            raise
         for name, t in self._staged.items():
             params[name].copy_(t)
-        self._staged = {}
+        self._staged_parts.apply(params)
+        self.discard_staged()
         self.weight_version = version
         self._weights_changed()
 
@@ -186,6 +201,7 @@ class LLMEngine:
     def discard_staged(self) -> None:
         """Drop what was staged but not committed (start of a new update, or an aborted one)."""
         self._staged = {}
+        self._staged_parts.clear()
 
     def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """Replace model tensors by name, all or nothing, and tag later outputs with ``version``."""

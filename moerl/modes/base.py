@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -42,23 +43,33 @@ class Mode:
         """Whether a weight sync sends an adapter slot (``set_adapter``) rather than staged weight buckets."""
         return False
 
-    def own_tensors(self, policy, dense: str | None) -> Iterator[tuple[str, torch.Tensor]]:
+    def own_tensors(
+        self, policy, dense: str | None, part_bytes: int = 256 * 2**20
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's part of what a weight sync sends (``moerl.sync``), each tensor whole over the data and expert
         groups: the weights in the compute dtype, routers in fp32 bit for bit, then the buffers. ``dense``: the
-        dtype name of an engine that takes plain weights only (vLLM)."""
+        dtype name of an engine that takes plain weights only (vLLM). A weight split over ranks by rows (FSDP's
+        shards, expert slices) travels as row parts of at most ``part_bytes`` (``moerl.sync.parts``), each made by
+        the rank that holds its rows: no rank holds a whole tensor of it for a sync."""
         layout = policy.layout
         for name, master in policy.master.master.items():
             if name in layout.copies:  # sent by the stage that holds the original
                 continue
             own = policy.master.model_params[name]
+            rounded = own.dtype == policy.dtype and not isinstance(own, DTensor) and self.sends_rounded(policy, name)
             if ".router." in name:
                 yield name, layout.whole(name, master.detach()).float()
-            elif own.dtype == policy.dtype and not isinstance(own, DTensor) and self.sends_rounded(policy, name):
-                # the model holds round(master) already (one process, an expert slice): gathered as it is, in half
-                # its master's bytes and from the device where the master is in host memory
+            elif layout.in_rows(name, master) and _nbytes(layout.whole_shape(name, master), policy.dtype) > part_bytes:
+                # split by rows over ranks, and more than a part whole: each rank's rows in turn
+                if rounded:
+                    yield from layout.row_parts(name, own, partial(_as_it_is, name), part_bytes)
+                else:
+                    form = partial(_made, self.weight_form, policy, name, dense)
+                    yield from layout.row_parts(name, master, form, part_bytes)
+            elif rounded:  # the rank holds round(master) already: gathered as it is, in half its master's bytes
                 yield name, layout.whole(name, own.detach())
             else:
-                yield from self.whole_form(policy, name, master.detach(), dense)
+                yield from self.weight_form(policy, name, layout.whole(name, master.detach()), dense)
         for name, buf in policy.model.named_buffers():  # e.g. the selection-only router bias
             yield name, buf.detach().clone()
 
@@ -66,16 +77,24 @@ class Mode:
         """Whether a sync sends weight ``name`` as its master rounded to the compute dtype (``weight_form``'s)."""
         return True
 
-    def whole_form(self, policy, name: str, master: torch.Tensor, dense: str | None):
-        """The sync's tensors for weight ``name`` from this rank's part of its fp32 ``master``: ``weight_form`` of
-        the whole master (a collective where the model is split)."""
-        yield from self.weight_form(policy, name, policy.layout.whole(name, master), dense)
-
     def weight_form(self, policy, name: str, master: torch.Tensor, dense: str | None):
-        """The sync's tensors for weight ``name`` from its whole fp32 ``master``: the compute dtype."""
+        """The sync's tensors for weight ``name`` from its fp32 ``master``, whole or some of its rows (a form works
+        row by row, so a sharded sync makes each rank's rows itself): the compute dtype."""
         yield name, master.to(policy.dtype)
 
     def export(self, policy, run_dir: Path) -> dict[str, str]:
         """Write what the run made beside its checkpoint; returns what was written by kind. Nothing by default:
         the checkpoint is the trained model."""
         return {}
+
+
+def _nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
+    return shape.numel() * dtype.itemsize
+
+
+def _as_it_is(name: str, rows: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    return [(name, rows)]
+
+
+def _made(weight_form, policy, name: str, dense: str | None, rows: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    return list(weight_form(policy, name, rows, dense))

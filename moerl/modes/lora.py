@@ -46,7 +46,7 @@ class LoRA(Mode):
     def sends_adapter(self, dense: str | None) -> bool:
         return not dense
 
-    def own_tensors(self, policy, dense):
+    def own_tensors(self, policy, dense, part_bytes: int = 256 * 2**20):  # adapters and merged weights: whole
         layout = policy.layout
         with layout.gathered_here(base=bool(dense)):  # small: the adapters together (the base experts only to merge)
             if dense:  # the touched weights, merged: one module's at a time

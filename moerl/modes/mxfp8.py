@@ -29,24 +29,6 @@ class MXFP8(Full):
 
         return not quantized_weight(name, policy.model)  # a GEMM weight is quantized from its fp32 master
 
-    def whole_form(self, policy, name: str, master: torch.Tensor, dense: str | None):
-        """An expert-parallel slice is quantized where it is, and its E4M3 data and E8M0 scales gathered (a quarter
-        of its fp32 master's bytes in flight): its blocks run along the last dim, within each expert's rows."""
-        from moerl.model.mx import BLOCK, MX_SCALE, mx_quantize, quantized_weight
-
-        layout = policy.layout
-        dim = layout.sliced.get(name)
-        if dim is None or dim == master.ndim - 1 or dense or master.shape[-1] % BLOCK:
-            yield from super().whole_form(policy, name, master, dense)
-            return
-        if not quantized_weight(name, policy.model):
-            yield from super().whole_form(policy, name, master, dense)
-            return
-        scale, data = mx_quantize(master, policy.cfg.mx_scale_mode)
-        for key, part in ((name, data), (name + MX_SCALE, scale)):
-            # as bytes: gloo gathers no float8 dtypes
-            yield key, layout.whole(name, part.to(layout.device).view(torch.uint8)).view(part.dtype)
-
     def weight_form(self, policy, name: str, master: torch.Tensor, dense: str | None):
         from moerl.model.mx import BLOCK, MX_SCALE, mx_fake_quant, mx_quantize, quantized_weight
 

@@ -26,7 +26,7 @@ from moerl.parallel.expert import shard_experts, whole_experts
 from moerl.parallel.fsdp import clip_grads, gathered, shard_model
 from moerl.parallel.pipeline import HeldStages, Pipeline, Plan, Step, plan_stages, prune
 from moerl.parallel.rows import Split, gather_rows, share, split_rows, sum_over_ranks
-from moerl.parallel.world import World, agreed_min, full, like
+from moerl.parallel.world import World, agreed_min, full, like, local
 
 Forward = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]  # (micro-batch) -> (logprobs, entropy or None)
 Loss = Callable[..., tuple[torch.Tensor, dict[str, float]]]  # (logprobs, micro-batch, entropy) -> (loss, metrics)
@@ -138,6 +138,58 @@ class Layout:
         """The whole tensor of weight ``name`` (or of its optimizer state) from this rank's part ``t``: a collective
         when the model is sharded."""
         return full(self.global_view(name, t))
+
+    def in_rows(self, name: str, t: torch.Tensor) -> bool:
+        """Whether weight ``name`` (``t``: this rank's part) is split over ranks along its first dim (FSDP's shard, or
+        an expert-parallel slice of an MoE layer's experts) and has rows (2-D or more): a sync sends it in parts
+        (``row_parts``), never whole on one rank."""
+        view = self.global_view(name, t)
+        return (
+            isinstance(view, DTensor)
+            and view.ndim >= 2
+            and view.device_mesh.ndim == 1
+            and view.placements == (Shard(0),)
+        )
+
+    def row_parts(
+        self, name: str, t: torch.Tensor, form: Callable[[torch.Tensor], list[tuple[str, torch.Tensor]]], max_bytes: int
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(key@first_row, rows)`` for weight ``name`` (``t``: this rank's part) split over ranks by rows: every
+        rank's rows in turn, at most ``max_bytes`` of them at a time (one row at least), each made by the rank that
+        holds them into what a sync sends (``form``: rows -> ``[(key, tensor of those rows)]``, e.g. MX data and
+        scales). The first rank of the ranks that split ``name`` gets them all and yields them (a collective, as
+        ``whole`` is: that rank is the driver, or the one a pipeline stage streams from); the others send their own
+        rows and yield nothing. See ``moerl.sync.parts``."""
+        from moerl.sync.parts import part_name
+
+        view, mine = self.global_view(name, t), local(t).detach()
+        mesh, rows = view.device_mesh, view.shape[0]
+        group, me, ranks = mesh.get_group(), mesh.get_local_rank(), mesh.size()
+        per = math.ceil(rows / ranks)  # torch.chunk's split: FSDP's and the expert slices' (which divide evenly)
+        if mine.shape[0] != min((me + 1) * per, rows) - min(me * per, rows):
+            raise RuntimeError(f"{name}: rank {me} of {ranks} holds {mine.shape[0]} of its {rows} rows")
+        if not mine.shape[0]:
+            return
+        sample = form(mine.new_empty((1, *mine.shape[1:]), device="meta"))  # the forms' keys, row shapes, dtypes
+        row_bytes = sum(f[0].numel() * f.element_size() for _, f in sample)
+        step = max(1, max_bytes // max(row_bytes, 1))
+        for r in range(ranks) if me == 0 else [me]:
+            first, end = min(r * per, rows), min((r + 1) * per, rows)
+            for a in range(first, end, step):
+                b = min(a + step, end)
+                if r == me:  # made here, a part at a time (offloaded masters: on the device, a part at a time)
+                    parts = form(mine[a - first : b - first].to(self.device))
+                    if me != 0:
+                        for _, part in parts:
+                            dist.send(_wire(part.contiguous()), dist.get_global_rank(group, 0), group=group)
+                        continue
+                else:
+                    parts = [
+                        (k, torch.empty((b - a, *f.shape[1:]), dtype=f.dtype, device=self.device)) for k, f in sample
+                    ]
+                    for _, part in parts:
+                        dist.recv(_wire(part), dist.get_global_rank(group, r), group=group)
+                yield from ((part_name(key, a), part) for key, part in parts)
 
     def laid_out(self, name: str, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """A whole tensor ``value`` of weight ``name`` (or of its optimizer state) as this rank holds ``param``."""
@@ -325,3 +377,8 @@ class Layout:
 def _both(first, second):
     with first, second:
         yield
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a collective sends it: float8 (MXFP8's data and scales) as its bytes, which gloo can send."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu) else t

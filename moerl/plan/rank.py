@@ -283,7 +283,8 @@ def _trace(cfg: ModelConfig, run: RunConfig, rank: int, hf: dict | None, gpu: bo
             engine = Elsewhere()
             # sync_policy's stream, its values unchecked (the step dropped its gradients)
             with Memory(held(policy) | {"activations": scratch}) as sync:
-                for bucket in buckets(policy.sync_tensors(), run.rollout.sync_bucket_mb * 2**20):
+                bucket_bytes = run.rollout.sync_bucket_mb * 2**20
+                for bucket in buckets(policy.sync_tensors(part_bytes=bucket_bytes), bucket_bytes):
                     engine.stage_weights(bucket)
             stages = list(policy.layout.pipeline.plan.stages) if policy.layout.pipeline is not None else [0]
     finally:

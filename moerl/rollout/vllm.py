@@ -23,43 +23,92 @@ import torch
 
 from moerl.engine import Request, RequestOutput
 from moerl.engine.sequence import Completion
-from moerl.errors import ConfigError, EngineError
+from moerl.errors import CheckpointError, ConfigError, EngineError
 from moerl.rollout.shm import ShmWriter
 from moerl.rollout.spec import EngineSpec
 from moerl.rollout.vllm_args import first_lines, import_vllm, llm_args, refuse
 from moerl.rollout.vllm_watch import VLLMWatch, release_shm, shm_segments
+from moerl.sync.parts import split_part
 
 
 class HFStaging:
     """Weight buckets as the checkpoint names them (the names vLLM loads), written into one shared buffer that every
     vLLM engine of a pool maps: the pool hands each engine the same bucket (side by side, in threads), and only the
     first to stage it converts and writes it. A bucket is known by its tensors (name, storage, in-place version),
-    so a bucket changed since is written again."""
+    so a bucket changed since is written again. Parts of expert tensors (``moerl.sync.parts``) become the
+    checkpoint's tensors of their experts; the parts of any other tensor (or of experts the checkpoint holds as one
+    tensor) are joined in host memory first, where the shared buffer holds the update anyway. The rows each tensor's
+    parts cover are checked at commit."""
 
     def __init__(self, bridge, model_config):
         self.bridge, self.model_config = bridge, model_config
         self.writer, self.lock = ShmWriter("moerl-vllm"), threading.Lock()
         self.key, self.layout = None, None
+        self.rows: dict[str, torch.Tensor] = {}  # each parted tensor's rows sent so far in this update
+        self.joining: dict[str, torch.Tensor] = {}  # parts of a tensor the checkpoint holds whole, in host memory
+        self.shapes: dict[str, torch.Size] | None = None  # the model's parameter shapes, once a part arrives
 
-    def put(self, tensors: dict[str, torch.Tensor]) -> dict:
-        """The message fields that locate ``tensors`` (moerl names) in the buffer, under their checkpoint names."""
-        from moerl.bridges.checkpoint import to_hf
+    def put(self, tensors: dict[str, torch.Tensor]) -> dict | None:
+        """The message fields that locate ``tensors`` (moerl names) in the buffer, under their checkpoint names;
+        None where they make no checkpoint tensor yet (parts of a tensor still being joined)."""
         from moerl.model.mx import MX_SCALE
 
-        if any(n.endswith(MX_SCALE) for n in tensors):
+        if any(split_part(n)[0].endswith(MX_SCALE) for n in tensors):
             raise ConfigError("a vLLM engine takes no MXFP8 weights (see rollout.engine=native)")
         key = tuple((n, t.data_ptr(), t._version, tuple(t.shape)) for n, t in tensors.items())
         with self.lock:
             if key != self.key:
-                hf = {h: t for n, x in tensors.items() for h, t in to_hf(self.bridge, n, x, self.model_config)}
-                self.key, self.layout = key, self.writer.put(hf, append=True)
+                hf = {h: t for n, x in tensors.items() for h, t in self._to_hf(n, x)}
+                self.key, self.layout = key, self.writer.put(hf, append=True) if hf else None
             return self.layout
+
+    def _to_hf(self, key: str, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        from moerl.bridges.checkpoint import moerl_rules, to_hf
+
+        name, start = split_part(key)
+        if start is None:
+            return list(to_hf(self.bridge, name, x, self.model_config))
+        shape = self._shape(name, key)
+        rows = self.rows.setdefault(name, torch.zeros(shape[0], dtype=torch.bool))
+        if tuple(x.shape[1:]) != tuple(shape[1:]) or start + x.shape[0] > shape[0] or rows[start:][: x.shape[0]].any():
+            raise CheckpointError(
+                f"update_weights: part {key!r} of shape {tuple(x.shape)} overlaps rows already sent or does not fit "
+                f"the tensor's {tuple(shape)}"
+            )
+        rows[start : start + x.shape[0]] = True
+        rules = moerl_rules(self.bridge, name)
+        if ".experts." in name and all("{e}" in rule.hf for rule, _ in rules):  # the checkpoint's own experts
+            return list(to_hf(self.bridge, name, x, self.model_config, range(start, start + x.shape[0])))
+        whole = self.joining.setdefault(name, torch.empty(shape, dtype=x.dtype))
+        whole[start : start + x.shape[0]].copy_(x)
+        if not rows.all():
+            return []
+        del self.joining[name]
+        return list(to_hf(self.bridge, name, whole, self.model_config))
+
+    def _shape(self, name: str, key: str) -> torch.Size:
+        """Parameter ``name``'s whole shape, from the model built on the meta device (nothing allocated)."""
+        if self.shapes is None:
+            from moerl.model.transformer import MoEModel
+
+            with torch.device("meta"):
+                self.shapes = {n: p.shape for n, p in MoEModel(self.model_config).named_parameters()}
+        if name not in self.shapes:
+            raise CheckpointError(f"update_weights: unexpected tensor {key!r}: the model has no such parameter")
+        return self.shapes[name]
+
+    def check_complete(self) -> None:
+        """Raise, naming the tensor, where this update's parts left rows of a tensor unsent."""
+        for name, rows in self.rows.items():
+            if not rows.all():
+                missing = (~rows).nonzero().flatten().tolist()
+                raise CheckpointError(f"update_weights: tensor {name!r}: rows {missing[:8]} not sent; nothing applied")
 
     def reset(self) -> None:
         """The next bucket starts a new update at byte 0."""
         with self.lock:
             self.writer.reset()
-            self.key = None
+            self.key, self.rows, self.joining = None, {}, {}
 
     def release(self) -> None:
         """Every engine has mapped the buffer: its file goes (nothing left in /dev/shm if this process crashes)."""
@@ -262,12 +311,18 @@ class VLLMEngine:
     def stage_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Hold one bucket of moerl-named tensors (mapped to the checkpoint's names) until ``commit_weights``."""
         layout = self.staging.put(tensors)
-        self._watched(lambda: self.llm.collective_rpc("moerl_stage", args=(layout,)))
+        if layout is not None:
+            self._watched(lambda: self.llm.collective_rpc("moerl_stage", args=(layout,)))
 
     def commit_weights(self, version: int) -> None:
         """Reload every staged tensor into the model at once, between generate calls; tag later outputs. The prefix
         cache is emptied too: its KV blocks were computed with the old weights, and a prompt that shares a cached
         prefix would otherwise attend to them."""
+        try:
+            self.staging.check_complete()
+        except CheckpointError:
+            self.discard_staged()
+            raise
         self.staging.release()  # every bucket was mapped when it was staged
         self._watched(lambda: self.llm.collective_rpc("moerl_commit"))
         if not self.llm.reset_prefix_cache():

@@ -14,6 +14,7 @@ import torch
 from moerl.errors import TrainingStopped
 from moerl.finite import first_nonfinite
 from moerl.model.mx import MX_SCALE
+from moerl.sync.parts import split_part
 
 ADAPTER = "policy"
 
@@ -29,11 +30,11 @@ class SyncStats:
 
 def buckets(tensors, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
     """Groups of named tensors (a dict, or ``(name, tensor)`` pairs in order) of at most ``bucket_bytes`` (a larger
-    tensor travels alone); an MX scale, which follows its data, stays in its data's bucket."""
+    tensor travels alone); an MX scale (or a part of one), which follows its data, stays in its data's bucket."""
     bucket, size = {}, 0
     for name, t in tensors.items() if isinstance(tensors, dict) else tensors:
         nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > bucket_bytes and not name.endswith(MX_SCALE):
+        if bucket and size + nbytes > bucket_bytes and not split_part(name)[0].endswith(MX_SCALE):
             yield bucket
             bucket, size = {}, 0
         bucket[name] = t
@@ -42,12 +43,13 @@ def buckets(tensors, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
         yield bucket
 
 
-def sync_policy(policy, engine, version: int, bucket_bytes: int = 64 * 2**20) -> SyncStats:
+def sync_policy(policy, engine, version: int, bucket_bytes: int = 256 * 2**20) -> SyncStats:
     """Push ``policy``'s weights to ``engine`` and tag them ``version``; applied atomically. Each bucket is checked
-    for non-finite values before it is staged; a bad one discards what was staged, so the engine keeps its weights."""
+    for non-finite values before it is staged; a bad one discards what was staged, so the engine keeps its weights.
+    A sharded policy sends its experts in parts of at most ``bucket_bytes`` (``moerl.sync.parts``)."""
     start = time.perf_counter()
     dense = engine.dense_weights
-    stream = policy.sync_tensors(dense)
+    stream = policy.sync_tensors(dense, part_bytes=bucket_bytes)
     count = nbytes = n_buckets = 0
     try:
         if policy.mode.sends_adapter(dense):

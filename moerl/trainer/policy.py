@@ -333,10 +333,11 @@ class Policy:
         opt["param_groups"] = [{**g, "params": list(range(len(weights)))} for g in opt["param_groups"]]
         return weights, opt
 
-    def sync_tensors(self, dense: str | None = None):
+    def sync_tensors(self, dense: str | None = None, part_bytes: int = 256 * 2**20):
         """The named tensors an engine needs for the current weights, one at a time (see ``moerl.sync``; ``dense``:
-        the dtype of an engine without adapters or MX weights)."""
-        return self.layout.stream(self.mode.own_tensors(self, dense))
+        the dtype of an engine without adapters or MX weights; ``part_bytes``: the most a part of an expert tensor
+        split over ranks holds, ``moerl.sync.parts``)."""
+        return self.layout.stream(self.mode.own_tensors(self, dense, part_bytes))
 
     def save_shards(self, directory) -> None:
         """Write this rank's part of the trained state under ``directory`` (a collective; see
