@@ -46,11 +46,12 @@ class Mode:
     def own_tensors(
         self, policy, dense: str | None, part_bytes: int = 256 * 2**20
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """This rank's part of what a weight sync sends (``moerl.sync``), each tensor whole over the data and expert
-        groups: the weights in the compute dtype, routers in fp32 bit for bit, then the buffers. ``dense``: the
-        dtype name of an engine that takes plain weights only (vLLM). A weight split over ranks by rows (FSDP's
-        shards, expert slices) travels as row parts of at most ``part_bytes`` (``moerl.sync.parts``), each made by
-        the rank that holds its rows: no rank holds a whole tensor of it for a sync."""
+        """This rank's part of what a weight sync sends (``moerl.sync``), each tensor whole over the data and
+        expert groups or in row parts (below): the weights in the compute dtype, routers in fp32 bit for bit,
+        then the buffers. ``dense``: the dtype name of an engine that takes plain weights only (vLLM). A weight
+        split over ranks by rows (FSDP's shards, expert slices) travels as row parts of at most ``part_bytes``
+        (``moerl.sync.parts``), each made by the rank that holds its rows: no rank holds a whole tensor of it
+        for a sync."""
         layout = policy.layout
         for name, master in policy.master.master.items():
             if name in layout.copies:  # sent by the stage that holds the original

@@ -46,7 +46,7 @@ def buckets(tensors, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
 def sync_policy(policy, engine, version: int, bucket_bytes: int = 256 * 2**20) -> SyncStats:
     """Push ``policy``'s weights to ``engine`` and tag them ``version``; applied atomically. Each bucket is checked
     for non-finite values before it is staged; a bad one discards what was staged, so the engine keeps its weights.
-    A sharded policy sends its experts in parts of at most ``bucket_bytes`` (``moerl.sync.parts``)."""
+    A sharded policy sends the weights it splits by rows in parts of at most ``bucket_bytes`` (``moerl.sync.parts``)."""
     start = time.perf_counter()
     dense = engine.dense_weights
     stream = policy.sync_tensors(dense, part_bytes=bucket_bytes)

@@ -335,8 +335,8 @@ class Policy:
 
     def sync_tensors(self, dense: str | None = None, part_bytes: int = 256 * 2**20):
         """The named tensors an engine needs for the current weights, one at a time (see ``moerl.sync``; ``dense``:
-        the dtype of an engine without adapters or MX weights; ``part_bytes``: the most a part of an expert tensor
-        split over ranks holds, ``moerl.sync.parts``)."""
+        the dtype of an engine without adapters or MX weights; ``part_bytes``: the most a part of a weight split over
+        ranks by rows holds, ``moerl.sync.parts``)."""
         return self.layout.stream(self.mode.own_tensors(self, dense, part_bytes))
 
     def save_shards(self, directory) -> None:
