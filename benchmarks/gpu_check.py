@@ -351,6 +351,33 @@ def offloaded_steps(ckpt: Path) -> tuple[bool, str]:
     )
 
 
+def stepped_in_backward(ckpt: Path) -> tuple[bool, str]:
+    """``policy.optimizer_in_backward`` on the device, the masters in host memory: three full-mode steps, each tensor
+    stepped as its gradient arrives, give the losses of the steps taken after the backward (clipping off in both),
+    and the step's peak of device memory above the policy at rest is lower (no whole model's gradients)."""
+    batch, runs = _train_batch(), {}
+    for in_backward in (False, True):
+        torch.manual_seed(0)
+        optim = OptimConfig(lr=3e-3, grad_clip=0.0)
+        pol = _policy(ckpt, "full", cpu_offload=True, micro_batch_size=0, optimizer_in_backward=in_backward,
+                      optim=optim)  # fmt: skip
+        pol.train_step(batch, sft_loss)  # the optimizer state made: the policy at rest after it
+        sync()
+        if CUDA:
+            torch.cuda.reset_peak_memory_stats()
+        rest = torch.cuda.memory_allocated() if CUDA else 0
+        losses = [pol.train_step(batch, sft_loss)["loss"] for _ in range(3)]
+        sync()
+        runs[in_backward] = losses, (torch.cuda.max_memory_allocated() - rest if CUDA else 0)
+    (plain, peak_plain), (stepped, peak) = runs[False], runs[True]
+    gap = max(abs(a - b) / abs(b) for a, b in zip(stepped, plain, strict=True))
+    lower = peak < peak_plain or not CUDA
+    return gap <= 1e-3 and lower, (
+        f"losses {gap:.1e} from the steps after the backward (tol 1e-3); the step's device peak above rest "
+        f"{peak / 2**20:.1f} vs {peak_plain / 2**20:.1f} MiB"
+    )
+
+
 def compiled_trainer(ckpt: Path) -> tuple[bool | None, str]:
     """The trainer's compiled decoder blocks (``policy.compile=True``) against eager on the device: two LoRA steps'
     losses and gradient norms, and the graphs it compiled."""
@@ -854,6 +881,7 @@ def main() -> int:
             check(f"train step {mode}", train_steps, ckpt, mode, False)
         check("train step lora, packed", train_steps, ckpt, "lora", True)
         check("train step full, masters and optimizer in host memory", offloaded_steps, ckpt)
+        check("train step full, optimizer in the backward", stepped_in_backward, ckpt)
         check("engine mixed adapter slots vs trainer", engine_lora_slots, ckpt)
         check("weight sync to an engine process over CUDA IPC", ipc_sync, ckpt, state, limit=90)
         state.clear()  # what the lines above kept: freed before the measured and the long lines

@@ -1,5 +1,6 @@
 """A training step at a long sequence: today's plain step against blocks recomputed in the backward
-(``policy.activation_checkpointing``) and logits in chunks (``policy.logits_chunk``), on one packed row.
+(``policy.activation_checkpointing``), logits in chunks (``policy.logits_chunk``) and the optimizer stepping each
+tensor in the backward (``policy.optimizer_in_backward``), on one packed row.
 
 Each contender runs in a fresh process of its own, rounds interleaved in a rotating order: a warm-up step, then
 ``--steps`` timed steps (median), then one step under ``moerl.plan.memory.Memory`` for the peak of live tensors above
@@ -31,20 +32,22 @@ from moerl.presets import init_model
 from moerl.trainer import Batch, OptimConfig, Policy, PolicyConfig
 from moerl.trainer.losses import sft_loss
 
-# contender -> (activation_checkpointing, logits_chunk)
+# contender -> (activation_checkpointing, logits_chunk, optimizer_in_backward: without clipping, which it excludes)
 CONTENDERS = {
-    "plain": ("none", 0),
-    "chunks": ("none", 2048),
-    "recompute": ("full", 0),
-    "recompute+chunks": ("full", 2048),
-    "selective+chunks": ("selective", 2048),
+    "plain": ("none", 0, False),
+    "chunks": ("none", 2048, False),
+    "recompute": ("full", 0, False),
+    "recompute+chunks": ("full", 2048, False),
+    "selective+chunks": ("selective", 2048, False),
+    "recompute+chunks+in-backward": ("full", 2048, True),
 }
 
 
 def child(args) -> dict:
-    how, chunk = CONTENDERS[args.child]
+    how, chunk, in_backward = CONTENDERS[args.child]
+    optim = OptimConfig(lr=1e-5, grad_clip=0.0 if in_backward else 1.0)
     cfg = PolicyConfig(mode=args.mode, dtype=args.dtype, micro_batch_size=1, activation_checkpointing=how,
-                       logits_chunk=chunk, compile=False, optim=OptimConfig(lr=1e-5))  # fmt: skip
+                       logits_chunk=chunk, compile=False, optim=optim, optimizer_in_backward=in_backward)  # fmt: skip
     policy = Policy(args.ckpt, cfg)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(4, 100, (1, args.tokens), generator=g)

@@ -473,6 +473,27 @@ class RunConfig:
                 f"{r.max_model_len} tokens, more than a micro-batch may{split} (the budget is a rank's); raise it, "
                 "raise parallel.cp (a sequence's tokens split over ranks), or lower rollout.max_model_len"
             )
+        if self.policy.optimizer_in_backward:
+            self._check_in_backward(-(-batch // a.mini_batches))
+
+    def _check_in_backward(self, rows: int) -> None:
+        """``policy.optimizer_in_backward`` steps each tensor in the backward of a step's only micro-batch, in one
+        process: a mini-batch of ``rows`` sequences at their longest must be one micro-batch."""
+        p, longest = self.policy, self.rollout.max_model_len
+        if self.parallel.size > 1:
+            raise ConfigError(
+                f"config key 'policy.optimizer_in_backward'=true with parallel.* making {self.parallel.size} ranks: "
+                "not built (gradients reduced over ranks after the backward); set it to false, or train in one process"
+            )
+        size, budget = p.micro_batch_size, p.max_tokens_per_micro_batch
+        if (size and size < rows) or (budget and budget < rows * longest):
+            raise ConfigError(
+                f"config key 'policy.optimizer_in_backward'=true: a step's {rows} sequences (rollout.prompts_per_step"
+                f" x rollout.group_size / algo.mini_batches) of up to rollout.max_model_len={longest} tokens would "
+                f"split into micro-batches under policy.micro_batch_size={size} and policy.max_tokens_per_micro_batch="
+                f"{budget}, and each tensor steps in the backward of one; set policy.max_tokens_per_micro_batch >= "
+                f"{rows * longest} and policy.micro_batch_size 0 or >= {rows}, or optimizer_in_backward: false"
+            )
 
 
 # Fields a resumed run may change (applied from the resume on, and recorded with the step): how long, how fast,
@@ -493,6 +514,7 @@ MUTABLE = (
     "policy.max_tokens_per_micro_batch",  # how a step's samples split: its loss is the same (normalised by the batch)
     "policy.logits_chunk",  # chunked and whole logits compute the same logprobs to fp32 rounding
     "policy.activation_checkpointing",  # a recomputed block replays its forward's experts: the same step
+    "policy.optimizer_in_backward",  # each tensor's AdamW step, taken as its gradient comes: the same step
     "policy.max_nan_steps",
     "policy.compile",  # compiled and eager blocks compute the same step to fp32 rounding (tests/test_trainer_compile)
     "policy.device",  # a checkpoint's tensors are on no device: a run may move between CPU and GPU (dtype auto

@@ -269,6 +269,10 @@ class Layout:
         lp = gather_rows(self.world, [p[0] for p in parts], batch, split.shares)
         return lp, (gather_rows(self.world, [p[1] for p in parts], batch, split.shares) if step.entropy else None)
 
+    def micro_batches(self, batch) -> int:
+        """How many micro-batches this rank runs ``batch`` in, outside a pipeline."""
+        return len(self._split(batch).micro)
+
     def _split(self, batch) -> Split:
         return split_rows(self.world, batch, self.cfg.micro_batch_size, self.cfg.max_tokens, self.cfg.packed)
 

@@ -5,7 +5,8 @@ What a trainer rank holds at rest is named when counting starts (``held``: its w
 state); everything made after that is an activation (activations proper, temporaries, gathered FSDP weights,
 exchange buffers) until the caller names it otherwise (``regard``: the gradients once a backward has made them;
 ``made_as``: e.g. what an optimizer step in host memory makes). The peak is the largest total on the device seen, with
-its split by category at that moment; host memory ("host") is counted beside it.
+its split by category at that moment; beside it, host memory ("host") at its own peak (a step's gradients reach the
+host after the device's peak has passed).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class Memory(TorchDispatchMode):
         self.now, self.peak = Breakdown(), Breakdown()
         self.made_as = "activations"  # the category of what is made from now on (until ``regard`` says otherwise)
         self._peak_serial = 0
+        self.host_peak = 0
         self._resize = None
         for category, tensors in held.items():
             for t in tensors:
@@ -115,9 +117,10 @@ class Memory(TorchDispatchMode):
             entry[2] = category
             self.now.bytes[was] -= nbytes
             self.now.bytes[category] += nbytes
-            if entry[3] <= self._peak_serial:  # alive, at this size, at the peak
-                self.peak.bytes[was] -= nbytes
-                self.peak.bytes[category] += nbytes
+            if entry[3] <= self._peak_serial:  # alive, at this size, at the peak (the host's: its own, below)
+                self.peak.bytes[was] -= nbytes * (was != "host")
+                self.peak.bytes[category] += nbytes * (category != "host")
+            self._host_seen()
 
     def _add(self, st: torch.UntypedStorage, category: str) -> None:
         if st in self._of:
@@ -129,6 +132,7 @@ class Memory(TorchDispatchMode):
         self.now.bytes[category] += st.nbytes()
         if self.now.total > self.peak.total:
             self._at_peak()
+        self._host_seen()
 
     def _freed(self, serial: int, _ref) -> None:
         entry = self._entries.pop(serial, None)
@@ -149,7 +153,12 @@ class Memory(TorchDispatchMode):
             entry[3] = self._serial  # a regrown storage counts as made now (``regard``'s peak test)
             if self.now.total > self.peak.total:
                 self._at_peak()
+            self._host_seen()
 
     def _at_peak(self) -> None:
-        self.peak = Breakdown(dict(self.now.bytes))
+        self.peak = Breakdown(dict(self.now.bytes) | {"host": self.host_peak})
         self._peak_serial = self._serial
+
+    def _host_seen(self) -> None:
+        if self.now.bytes["host"] > self.host_peak:
+            self.host_peak = self.peak.bytes["host"] = self.now.bytes["host"]

@@ -247,7 +247,8 @@ def _with_option(run: RunConfig, machine: Machine, colocated: bool, tracer: Trac
     """Where the run's own settings fit no layout: the same run with the settings that save memory and that it has
     not on — each decoder block recomputed in the backward, the trained state in host memory (modes with masters),
     one then both; then each sequence split over more context-parallel ranks (``CONTEXT_SPLITS``, with the blocks
-    recomputed) — planned on its layout and, failing that, on the layouts a proposal searches; (the overrides as the
+    recomputed); last, in one process with masters, both and the optimizer stepping in the backward (without
+    clipping) — planned on its layout and, failing that, on the layouts a proposal searches; (the overrides as the
     user writes them, the layout that fits or None for its own) of the first that fits, else None. A split the model
     cannot take (its heads, its layers) is passed over."""
     policy, par = run.policy, run.parallel
@@ -260,11 +261,19 @@ def _with_option(run: RunConfig, machine: Machine, colocated: bool, tracer: Trac
         options.append(options[0] | options[1])
     recompute = {"policy.activation_checkpointing": "full"} if policy.activation_checkpointing != "full" else {}
     options += [{"parallel.cp": cp} | recompute for cp in CONTEXT_SPLITS if cp > par.cp and par.pp == 1]
+    if mode_of(policy.mode).masters and par.size == 1 and not policy.optimizer_in_backward:
+        # last: it gives up clipping; the gradients a full step would hold are stepped and freed in the backward
+        offload = {} if policy.cpu_offload else {"policy.cpu_offload": True}
+        options.append(recompute | offload | {"policy.optimizer_in_backward": True, "policy.optim.grad_clip": 0})
     for over in options:
         by_section: dict[str, dict] = {"policy": {}, "parallel": {}}
         for key, value in over.items():
             section, field_name = key.split(".", 1)
-            by_section[section][field_name] = value
+            if "." in field_name:  # policy.optim.*: the nested section replaced, each key of it once
+                sub, name = field_name.split(".")
+                by_section[section][sub] = replace(getattr(getattr(run, section), sub), **{name: value})
+            else:
+                by_section[section][field_name] = value
         trial = replace(
             run, policy=replace(policy, **by_section["policy"]), parallel=replace(par, **by_section["parallel"])
         )

@@ -139,10 +139,34 @@ def held(policy) -> dict[str, list[torch.Tensor]]:
     return {"weights": [t for t in weights if id(t) not in shard_ids], "host": [*shards, *masters, *state]}
 
 
+class _MastersCounted:
+    """While alive, ``master``'s gradient copies count a parameter's gradient as a gradient, and make its master's
+    as ``category`` (host memory under ``policy.cpu_offload``: there a master's gradient is made in host memory;
+    a plan's CPU-traced policy makes it beside the model's, and counting it on the device would place the step's
+    peak at that copy rather than at the backward's end). ``remove`` ends it."""
+
+    def __init__(self, master, memory: Memory, category: str):
+        self.master, self.memory, self.category = master, memory, category
+        self.to_master = master.grad_to_master
+        master.grad_to_master = self  # the instance's: grads_to_master and the step in the backward call it
+
+    def __call__(self, name: str, kept: bool = True) -> None:
+        self.memory.regard([self.master.model_params[name].grad], "gradients")
+        made, self.memory.made_as = self.memory.made_as, self.category
+        try:
+            self.to_master(name, kept)
+        finally:
+            self.memory.made_as = made
+
+    def remove(self) -> None:
+        del self.master.grad_to_master
+
+
 def count_the_step(policy, memory: Memory) -> list:
-    """Hooks on ``policy``'s optimizer (remove them after): as its step begins, the gradients it steps are counted
-    as gradients (the policy drops them after the step), or as host memory where the optimizer runs there
-    (``policy.cpu_offload``), as is what its step makes."""
+    """Hooks on ``policy``'s optimizer and masters (remove them after): the model's gradients are counted as
+    gradients as they go to the masters, and as its step begins so are the gradients it steps (the policy drops
+    them after the step), or as host memory where the optimizer runs there (``policy.cpu_offload``), as is what its
+    step makes."""
     host = policy.cfg.cpu_offload
 
     def before(optimizer, args, kwargs) -> None:
@@ -154,7 +178,10 @@ def count_the_step(policy, memory: Memory) -> list:
     def after(optimizer, args, kwargs) -> None:
         memory.made_as = "activations"
 
-    return [policy.optimizer.register_step_pre_hook(before), policy.optimizer.register_step_post_hook(after)]
+    hooks = [policy.optimizer.register_step_pre_hook(before), policy.optimizer.register_step_post_hook(after)]
+    if policy.master is not None:
+        hooks.append(_MastersCounted(policy.master, memory, "host" if host else "gradients"))
+    return hooks
 
 
 def make_state(policy) -> None:

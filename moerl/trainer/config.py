@@ -86,6 +86,11 @@ class PolicyConfig:
     # there (FSDP2's CPUOffloadPolicy for sharded weights); the GPU keeps the weights in the compute dtype. On a CPU
     # policy the host is the device: nothing moves
     cpu_offload: bool = False
+    # AdamW steps each trained tensor in the backward, as soon as its gradient is whole, and frees that gradient: a
+    # step never holds the whole model's gradients (a full fine-tune's largest share once its blocks are recomputed;
+    # moerl.trainer.in_backward). One process, a step of one micro-batch, no clipping (policy.optim.grad_clip: 0); a
+    # non-finite gradient skips the tensors from it on, not those stepped before it
+    optimizer_in_backward: bool = False
     # the training forward / backward compiled by decoder block (moerl.trainer.compile): auto (the loop decides from
     # its first steps' times, and keeps them where faster) | True | False
     compile: bool | Literal["auto"] = "auto"
@@ -136,6 +141,13 @@ class PolicyConfig:
                 not self.cpu_offload or mode.masters,
                 f"with policy.mode={self.mode}: not built (its trained adapters and their optimizer state are small: "
                 "they stay on the GPU); set it to false, or train in full or mxfp8 mode",
+            ),
+            (
+                "optimizer_in_backward",
+                self.optimizer_in_backward,
+                not self.optimizer_in_backward or self.optim.grad_clip == 0,
+                f"with policy.optim.grad_clip={self.optim.grad_clip}: clipping needs the whole model's gradient norm "
+                "before any tensor steps; set policy.optim.grad_clip: 0, or optimizer_in_backward: false",
             ),
             (
                 "mx_scale_mode",

@@ -68,20 +68,25 @@ class MasterWeights:
         return list(self.master.values())
 
     def grads_to_master(self) -> None:
-        for name, p in self.model_params.items():
-            m = self.master[name]
-            if m is not p:
-                m.grad = None if p.grad is None else self._fp32_grad(name, p.grad, m)
-                p.grad = None
+        for name in self.model_params:
+            self.grad_to_master(name)
 
-    def _fp32_grad(self, name: str, grad: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+    def grad_to_master(self, name: str, kept: bool = True) -> None:
+        """Parameter ``name``'s gradient onto its master, in fp32 (the parameter's dropped). ``kept``: on a CPU, into
+        a buffer kept across steps (see ``_fp32_grad``); False when gradients must not outlive their step."""
+        p, m = self.model_params[name], self.master[name]
+        if m is not p:
+            m.grad = None if p.grad is None else self._fp32_grad(name, p.grad, m, kept)
+            p.grad = None
+
+    def _fp32_grad(self, name: str, grad: torch.Tensor, master: torch.Tensor, kept: bool = True) -> torch.Tensor:
         """``grad`` in fp32. On a CPU into a buffer kept across steps (laid out as its master): a fresh one of an
         expert weight's size comes from the kernel page by page (10 ms for small's [16, 512, 512] inside a step,
         0.5 ms copied into a kept one); CUDA's caching allocator keeps its blocks anyway, and a kept buffer would
         hold memory through the next forward."""
         if master.device != grad.device:  # into host memory: fp32 on the way
             return grad.to(master.device, torch.float32)
-        if on_gpu(grad) or type(grad) is not torch.Tensor or grad.shape != master.shape:
+        if not kept or on_gpu(grad) or type(grad) is not torch.Tensor or grad.shape != master.shape:
             return grad.float()  # on a GPU, or sharded (a DTensor)
         kept = self.__dict__.setdefault("_grads", {})
         if name not in kept:
@@ -89,9 +94,10 @@ class MasterWeights:
         return kept[name].copy_(grad)
 
     @torch.no_grad()
-    def master_to_model(self) -> None:
-        for name, p in self.model_params.items():
-            m = self.master[name]
+    def master_to_model(self, names=None) -> None:
+        """The masters' values (of ``names``, default all) into the model's parameters, rounded."""
+        for name in self.model_params if names is None else names:
+            p, m = self.model_params[name], self.master[name]
             if m is not p:
                 p.copy_(m, non_blocking=m.is_pinned())  # from pinned host memory: queued, not waited for
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -28,6 +29,7 @@ from moerl.trainer.compile import BLOCKS, compile_blocks, pays, uncompile_blocks
 from moerl.trainer.compile import check as check_compile
 from moerl.trainer.config import PolicyConfig
 from moerl.trainer.faults import check_weights, memory_named, skip_nonfinite
+from moerl.trainer.in_backward import StepInBackward
 from moerl.trainer.logprobs import batch_head, packed_logprobs, token_logprobs
 from moerl.trainer.optim import MasterWeights, adamw, lr_schedule
 from moerl.trainer.packing import plan_packing
@@ -98,6 +100,12 @@ class Policy:
         self.layout.initial = {}  # the masters hold them now
         self.optimizer = adamw(list(self.trained.values()), cfg.optim)
         self.scheduler = lr_schedule(self.optimizer, cfg.optim, 0)
+        if cfg.optimizer_in_backward and self.layout.ranks > 1:
+            raise ConfigError(
+                f"policy.optimizer_in_backward=true on {self.layout.ranks} ranks: not built (sharded and replicated "
+                "gradients are reduced over the ranks after the backward); set it to false, or train in one process"
+            )
+        self.in_backward = StepInBackward(self) if cfg.optimizer_in_backward else None
         self.step = 0
         self.nan_skipped = 0
         self.nan_streak = 0
@@ -272,6 +280,9 @@ class Policy:
         self.model.train()
         unpadded = bool(batch.attention_mask.all())  # on the host, where the batch comes from: no device sync
         step = Step(batch.to(self.device), replay, self.adapters, temperature, entropy, unpadded)
+        in_backward = self.in_backward
+        if in_backward is not None:
+            self._one_micro_batch(step.batch)
         self._call = (replay and batch.replay is not None, entropy, temperature)
         compiling, self.compile_pending = self.compile_pending, False
         try:
@@ -279,29 +290,48 @@ class Policy:
                 with first_compile(
                     BLOCKS, "policy.compile", self.cfg.compile, compiling, self.graph_key if compiling else None
                 ):
-                    total, metrics = self.layout.backward(step, self._forward(self.model, step), loss_fn)
+                    with in_backward.armed() if in_backward is not None else nullcontext():
+                        total, metrics = self.layout.backward(step, self._forward(self.model, step), loss_fn)
         finally:
             self.model.eval()
-        if self.master is not None:
-            self.master.grads_to_master()
-        self.layout.reduce_grads(trained)
-        grad_norm = self.layout.clip_grads(trained, self.cfg.optim.grad_clip or math.inf)
         lr = self.optimizer.param_groups[0]["lr"]
-        done = {"loss": total, "grad_norm": grad_norm, "lr": lr}
-        if not (math.isfinite(total) and math.isfinite(grad_norm)):
+        if in_backward is not None:  # every tensor stepped already, each as its gradient came
+            done = {"loss": total, "grad_norm": in_backward.grad_norm(), "lr": lr}
+        else:
+            if self.master is not None:
+                self.master.grads_to_master()
+            self.layout.reduce_grads(trained)
+            grad_norm = self.layout.clip_grads(trained, self.cfg.optim.grad_clip or math.inf)
+            done = {"loss": total, "grad_norm": grad_norm, "lr": lr}
+        if not (math.isfinite(total) and math.isfinite(done["grad_norm"])):
             skip_nonfinite(self, done)
             return {**done, "skipped": 1.0, "nan_skipped": float(self.nan_skipped), **metrics}
-        with memory_named(self, "optimizer step", batch):
-            self.optimizer.step()
+        if in_backward is None:
+            with memory_named(self, "optimizer step", batch):
+                self.optimizer.step()
         check_weights(self, done)
         self.scheduler.step()
-        if self.master is not None:
+        if self.master is not None and in_backward is None:
             self.master.master_to_model()
         for p in trained.values():  # spent: kept, they would hold memory through the weight sync and the rollouts
             p.grad = None
         self.nan_streak = 0
         self.step += 1
         return {**done, "skipped": 0.0, "nan_skipped": float(self.nan_skipped), **metrics}
+
+    def _one_micro_batch(self, batch: Batch) -> None:
+        """Refuse a step of more than one micro-batch (``policy.optimizer_in_backward`` steps each tensor in the
+        backward: a second micro-batch's gradient would arrive after its step)."""
+        n = self.layout.micro_batches(batch)
+        if n > 1:
+            cfg = self.cfg
+            raise ConfigError(
+                f"policy.optimizer_in_backward=true: this step's {len(batch)} sequences "
+                f"({int(batch.attention_mask.sum())} tokens) split into {n} micro-batches under "
+                f"policy.micro_batch_size={cfg.micro_batch_size} and policy.max_tokens_per_micro_batch="
+                f"{cfg.token_budget}, and each tensor steps in the backward of one; raise them (0: no limit), "
+                "or set optimizer_in_backward: false"
+            )
 
     def nonfinite_weight(self) -> str | None:
         """The name of the first trained tensor (adapter or fp32 master) holding NaN or inf, else None (each rank
