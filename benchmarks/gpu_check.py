@@ -405,10 +405,13 @@ def compiled_trainer(ckpt: Path) -> tuple[bool | None, str]:
     )
 
 
-def plan_vs_step(mode: str) -> tuple[bool, str]:
-    """moerl plan's peak for one training step of the small preset against the device's own: on CUDA
-    ``torch.cuda.max_memory_allocated`` during the second step (the plan traced through the CUDA paths); in the CPU
-    dry run the plan's dispatch count on the real tensors. Within 10% (issue 39 part 2)."""
+RECOMPUTED = "policy.activation_checkpointing=full"
+
+
+def plan_vs_step(mode: str, *settings: str) -> tuple[bool, str]:
+    """moerl plan's peak for one training step of the small preset (with the run config's ``settings``) against the
+    device's own: on CUDA ``torch.cuda.max_memory_allocated`` during the second step (the plan traced through the
+    CUDA paths); in the CPU dry run the plan's dispatch count on the real tensors. Within 10% (issue 39 part 2)."""
     from dataclasses import replace
 
     from moerl.config import load_config
@@ -420,7 +423,7 @@ def plan_vs_step(mode: str) -> tuple[bool, str]:
     from moerl.trainer.losses import make_policy_loss
 
     over = [f"policy.mode={mode}", f"policy.dtype={str(DT).removeprefix('torch.')}", "rollout.max_model_len=512"]
-    run = load_config(RunConfig, None, [*over, "policy.micro_batch_size=4"])
+    run = load_config(RunConfig, None, [*over, "policy.micro_batch_size=4", *settings])
     hf, cfg = preset_config("qwen3_moe", "small")
     planned = trace_rank(cfg, run, 0, hf, gpu=CUDA).peak.total
     # what the earlier checks still hold on the device (the second GPU run: the compiled decode's 3.5 GiB model, kept
@@ -888,6 +891,12 @@ def main() -> int:
         check("LoRA decode, Qwen3-30B-A3B shapes", lora_decode, *((32, 64, 3) if CUDA else (4, 4, 2)), limit=150)
         for mode in ("lora", "full"):
             check(f"moerl plan vs a {mode} step's peak", plan_vs_step, mode)
+        check("moerl plan vs a full step's peak, blocks recomputed", plan_vs_step, "full", RECOMPUTED)
+        # a step of one micro-batch of 4 sequences (2 prompts x 4 samples over 2 mini-batches)
+        in_backward = ("policy.optimizer_in_backward=true", "policy.optim.grad_clip=0", "rollout.prompts_per_step=2",
+                       "rollout.group_size=4", "algo.mini_batches=2")  # fmt: skip
+        check("moerl plan vs a full step's peak, recomputed, stepped in the backward", plan_vs_step, "full",
+              RECOMPUTED, *in_backward)  # fmt: skip
         for placement in ("inprocess", "process"):
             check(f"moerl train, {placement} engine", moerl_train, Path(tmp), placement, limit=150)
         # the long compiles last: a line cut by its limit leaves the others their time

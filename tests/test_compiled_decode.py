@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from moerl import dynamo
+from moerl.cpu import install
 from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
 from moerl.engine import compiled as compiled_decode
 from moerl.errors import ConfigError
@@ -263,7 +264,7 @@ def test_compiled_lora_decode_matches_the_eager_lora_engine(packed):
     for compiled in (False, True):  # each engine its own copy of the base (seeded: the same weights)
         model = init_model("qwen3_moe", "tiny", overrides=overrides, dtype=torch.float32)
         if packed:
-            model.decode_layout()
+            install(model)  # the CPU backend, as an engine that loads its own model installs it
         engine = LLMEngine(model, EngineConfig(**cfg, compile_decode=compiled), dtype=torch.float32)
         assert all(engine.model.layers[i].mlp.experts.packed == packed for i in engine.model.moe_layer_ids)
         engine.add_adapter("a", slot_tensors(donor, 0))
@@ -279,7 +280,7 @@ def test_compiled_lora_decode_matches_the_eager_lora_engine(packed):
 
 
 def test_auto_keeps_a_bound_eager_step_and_true_compiles_it(tmp_path):
-    """An engine whose decode steps run as bound kernel calls (``moerl.engine.direct``, faster than its graph here):
+    """An engine whose decode steps run as bound kernel calls (``moerl.cpu.direct``, faster than its graph here):
     ``compile_decode: auto`` stays eager when told to compile; ``compile_decode: True`` compiles as asked. The control:
     the same engine without the bound step (``direct`` None) compiles under auto."""
     path = tmp_path / "tiny"
@@ -310,8 +311,8 @@ def test_the_loop_compiles_the_decode_step_when_auto_finds_it_pays(warm_model, t
     eager. Engines in processes answer the same commands: tests/test_process_engines.py."""
     from run_helpers import metric_rows, run_cfg
 
+    from moerl.cpu.direct import DirectDecode
     from moerl.engine.compiled import CompiledDecode
-    from moerl.engine.direct import DirectDecode
     from moerl.loop import train
 
     steps, told = [], []
@@ -354,7 +355,7 @@ def test_a_compiled_decode_step_faster_than_eager_is_kept(warm_model, tmp_path, 
     bound step, inside the timed forward), the compiled step decodes faster and stays on for the rest of the run."""
     from run_helpers import run_cfg
 
-    from moerl.engine.direct import DirectDecode
+    from moerl.cpu.direct import DirectDecode
     from moerl.engine.kv_cache import StepView
     from moerl.loop import train
 

@@ -1,4 +1,4 @@
-"""The CPU engine's decode step as bound kernel calls (``moerl.engine.direct``) against the modules' forward it
+"""The CPU engine's decode step as bound kernel calls (``moerl.cpu.direct``) against the modules' forward it
 replaces: the same tokens, logprobs and chosen experts bit for bit (bf16 on BF16_DOT, fp32 with torch's GEMMs), weights
 synced in place seen, and the models it does not bind named."""
 
@@ -7,8 +7,8 @@ import torch
 from test_engine_lora import _trained_adapter
 
 import moerl.model.packed as packed_module
+from moerl.cpu.direct import refusal
 from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
-from moerl.engine.direct import refusal
 from moerl.engine.kv_cache import StepView
 from moerl.model.mx import apply_mxfp8
 from moerl.presets import init_model

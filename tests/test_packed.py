@@ -511,24 +511,35 @@ def test_a_softmax_top_k_router_in_one_call_computes_torchs_rule(rows, experts, 
         router_topk(torch.randn(2, 8), torch.randn(4, 6), None, 2, True, 1.0)
 
 
-def test_an_engine_runs_its_norms_in_one_call(tmp_path):
-    """An engine's own CPU model (``decode_layout``) marks every RMSNorm (layer, q / k, final) to run as one kernel
-    call without autograd; a trainer's model of the same checkpoint keeps torch's composite, and the two decode the
-    same greedy tokens (fp32)."""
+def test_an_engine_runs_its_norms_in_one_call(tmp_path, monkeypatch):
+    """An engine's own CPU model (the CPU backend, ``moerl.cpu.install``) has every RMSNorm (layer, q / k, final)
+    swapped for the backend's, one kernel call without autograd, and the residual add before a pre-norm in the same
+    call; a trainer's model of the same checkpoint keeps the plain module, and the two decode the same greedy tokens
+    (fp32)."""
+    import moerl.cpu.norms as cpu_norms
+    from moerl.cpu.attention import KernelAttention
+    from moerl.cpu.norms import KernelRMSNorm
     from moerl.model.norms import RMSNorm
+    from moerl.model.packed import add_rms_norm
 
     path = tmp_path / "tiny"
     init_model("qwen3_moe", "tiny", path)
     engine = LLMEngine(path, EngineConfig(max_num_seqs=2, max_model_len=32), dtype=torch.float32)
     norms = [m for m in engine.model.modules() if isinstance(m, RMSNorm)]
-    assert norms and all(m.one_call for m in norms)
-    assert all(layer.self_attn.one_call for layer in engine.model.layers)  # q / k norms and RoPE: norm_rope
+    assert norms and all(type(m) is KernelRMSNorm for m in norms)
+    assert all(type(layer.self_attn) is KernelAttention for layer in engine.model.layers)  # q / k norm + RoPE
     assert len(norms) == 4 * engine.model.config.num_layers + 1
+    calls = []
+    monkeypatch.setattr(cpu_norms, "add_rms_norm", lambda *a: calls.append(a) or add_rms_norm(*a))
     layer = engine.model.layers[0]  # the residual add before the MoE and its norm: one call (add_rms_norm)
+    x, a = torch.randn(2, 1, 128), torch.randn(2, 1, 128)
     with torch.no_grad():
-        assert layer.post_attention_layernorm.takes_residual(torch.randn(2, 1, 128), torch.randn(2, 1, 128))
+        s, y = layer.post_attention_layernorm.add_and_norm(x, a)
+    assert len(calls) == 1 and torch.equal(s, x + a)
+    layer.post_attention_layernorm.add_and_norm(x, a)  # with autograd: the plain module's two steps
+    assert len(calls) == 1
     model = load_model(path, dtype=torch.float32)
-    assert not any(m.one_call for m in model.modules() if isinstance(m, RMSNorm))
+    assert not any(type(m) is not RMSNorm for m in model.modules() if isinstance(m, RMSNorm))
     plain = LLMEngine(model, EngineConfig(max_num_seqs=2, max_model_len=32))
     params = SamplingParams(temperature=0.0, max_tokens=8)
     got = engine.generate([[5, 6, 7, 8]], params)[0].outputs[0].token_ids
@@ -644,7 +655,7 @@ def test_an_engines_bf16_projections_run_on_amx(tmp_path):
     # q / k / v of a layer as one call from their panels side by side (fused_linear), where AMX runs
     fused = ["fused weight" in layer.self_attn.__dict__.get("_packed", {}) for layer in engine.model.layers]
     assert all(f == packed_module.bf16_dot() for f in fused)
-    engine.direct = None  # the modules' decode (the bound step, moerl.engine.direct, binds the panels themselves)
+    engine.direct = None  # the modules' decode (the bound step, moerl.cpu.direct, binds the panels themselves)
     for m in projections:
         m.packed = False
     assert got == engine.generate([[5, 6, 7, 8]], params)[0].outputs[0].token_ids

@@ -30,7 +30,9 @@ class AdapterSlots:
         )
         attach_lora(model, lcfg, dtype=model.dtype)
         if model.laid_out:  # the engine's own CPU model: its adapters decode through the kernels too
-            model.decode_layout()
+            from moerl.cpu import install
+
+            install(model)
         self.model, self.layout, self.rank = model, cfg.lora_layout, cfg.max_lora_rank
         self.modules = lora_modules(model)
         with torch.no_grad():

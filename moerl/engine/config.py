@@ -117,7 +117,7 @@ class EngineConfig:
     lora_targets: list[str] | None = None  # None: every linear layer and the experts
     fused_lora: bool = True  # False: the naive per-expert, per-adapter reference path
     # decode steps through one torch.compile graph (moerl.engine.compiled); "auto": eager until compile_decode()
-    # (never where the eager step runs as bound kernel calls, moerl.engine.direct: faster than the graph)
+    # (never where the eager step runs as bound kernel calls, moerl.cpu.direct: faster than the graph)
     compile_decode: bool | str = False
     # what one compiled graph covers: "step" the whole decode step, "layer" one decoder layer that every layer runs
     # (its compile does not grow with the depth; on CUDA the step is then captured as one CUDA graph a bucket);

@@ -19,7 +19,6 @@ from moerl.dynamo import remembered_seconds
 from moerl.engine.adapters import AdapterSlots
 from moerl.engine.compiled import CompiledDecode, decode_graph_key, decode_scope
 from moerl.engine.config import EngineConfig, SamplingParams, check_context, int_or_none
-from moerl.engine.direct import DirectDecode
 from moerl.engine.kv_cache import KVCache, LinearStates, StepView, bytes_per_block
 from moerl.engine.sampler import sample, sequence_generator
 from moerl.engine.scheduler import Scheduler
@@ -59,8 +58,10 @@ class LLMEngine:
 
                 tokenizer = load_tokenizer(path)
             model = load_model(path, dtype=dtype, device=device)
-            if model.embed_tokens.weight.device.type == "cpu":  # a model of its own: laid out for its GEMMs
-                model.decode_layout()
+            if model.embed_tokens.weight.device.type == "cpu":  # a model of its own: the CPU backend's kernels
+                from moerl.cpu import install
+
+                install(model)
         self.model, self.tokenizer = model.eval(), tokenizer
         mcfg = model.config
         recurrent = bool(recurrent_layers(mcfg))
@@ -84,9 +85,13 @@ class LLMEngine:
         self.adapters = AdapterSlots(model, cfg) if cfg.max_loras else None
         model.set_expert_path(grouped=cfg.fused_lora)
         self.compiled: CompiledDecode | None = None
-        # the eager decode step as bound kernel calls where the model is one they run (moerl.engine.direct; None:
-        # the modules always)
-        self.direct = DirectDecode(model, self.cache, cfg.capture_routing)
+        # an engine's own CPU model: the eager decode step as bound kernel calls where the model is one they run
+        # (moerl.cpu.direct); None: the modules always
+        self.direct = None
+        if model.laid_out:
+            from moerl.cpu.direct import DirectDecode
+
+            self.direct = DirectDecode(model, self.cache, cfg.capture_routing)
         if cfg.compile_decode is True:
             self.compile_decode()
         self.weight_version, self.steps = 0, 0
@@ -109,7 +114,7 @@ class LLMEngine:
         run loop calls it once it has measured that compiling pays). Returns whether the compiled step is on: an
         engine whose config is False, or that cannot compile (linear-attention layers, ``release_cache``), stays
         eager. ``on=False``: the eager step again (the loop's trial found the compiled one no faster). Under "auto" an
-        engine whose decode steps run as bound kernel calls (``moerl.engine.direct``) stays eager: its graph would
+        engine whose decode steps run as bound kernel calls (``moerl.cpu.direct``) stays eager: its graph would
         run the modules' ops, slower than those calls."""
         if not on or (self.config.compile_decode == "auto" and self.direct is not None and self.direct.runs()):
             self.compiled = None

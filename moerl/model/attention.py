@@ -14,9 +14,9 @@ from moerl.errors import ConfigError
 from moerl.model.config import ModelConfig
 from moerl.model.fused import NormRopeFn, fuses
 from moerl.model.indexer import Indexer
-from moerl.model.linear import Linear, fused_projections
+from moerl.model.linear import Linear
 from moerl.model.norms import RMSNorm
-from moerl.model.packed import KINDS, norm_rope, rows_of
+from moerl.model.packed import KINDS
 from moerl.model.rope import apply_rope
 
 
@@ -117,7 +117,6 @@ class Attention(nn.Module):
         # attention over the q / k / v this layer made (``attend``'s signature): split-sequence training puts one that
         # exchanges heads for tokens in its place (moerl.parallel.context)
         self.core = attend
-        self.one_call = False  # an engine's own CPU model: q / k norms and RoPE in one kernel call (_norm_rope)
 
     def forward(self, x, cos, sin, mask, cache: KVCacheView | None = None) -> torch.Tensor:
         b, t, _ = x.shape
@@ -133,11 +132,7 @@ class Attention(nn.Module):
         q = q.view(b, t, self.num_heads, self.head_dim)
         k = k.view(b, t, self.num_kv_heads, self.head_dim)
         v = v.view(b, t, self.num_kv_heads, self.head_dim)
-        if self._norm_rope(q, k, cos):
-            qw, kw = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm == "head" else (None, None)
-            norm_rope(q, k, qw, kw, self.q_norm.eps if qw is not None else 0.0, cos, sin)
-        else:
-            q, k = self._norm_and_rotate(q, k, cos, sin)
+        q, k = self._norm_and_rotate(q, k, cos, sin)
         # an fp32 CPU decode step reads the pools in place; else the visible keys and values gathered
         out = cache.attend(self.layer, q, k, v, self.sliding, self.scale, self.sinks) if cache is not None else None
         if out is None:
@@ -150,12 +145,12 @@ class Attention(nn.Module):
         return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v of ``x``: on an engine's own CPU model one bf16 dot-product call where all three run there
-        (``fused_projections``)."""
-        fused = fused_projections(self, (self.q_proj, self.k_proj, self.v_proj), x) if self.one_call else None
-        return fused if fused is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        """q, k, v of ``x`` (a backend's attention may make them in one call)."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def _norm_and_rotate(self, q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k [B, T, heads, D] normed (where the model norms them per head) and rotated (a backend's attention
+        may do both in one call, in place)."""
         if self._plain_rope(q, k, cos) and fuses(q, k, cos, sin):  # CPU training: the backward in one kernel call
             qw, kw = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm == "head" else (None, None)
             if qw is None or (fuses(qw, kw) and qw.dtype == kw.dtype):  # the kernel takes one weight dtype
@@ -173,13 +168,6 @@ class Attention(nn.Module):
         if self.qk_norm_after_rope:  # HunYuan-MoE-V1 (refused with interleaved pairs: they come out reordered)
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k
-
-    def _norm_rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> bool:
-        """Whether ``_norm_and_rotate`` runs as one kernel call (``moerl.model.packed.norm_rope``, in place): an
-        engine's own CPU model without autograd, per-head norms (or none) before a full rotate-half RoPE."""
-        if not self.one_call or torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return False
-        return self._plain_rope(q, k, cos) and rows_of(q) is not None and rows_of(k) is not None
 
     def _plain_rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> bool:
         """Per-head norms (or none) before a full rotate-half RoPE, q / k / cos of one kernel dtype: what the norm +

@@ -21,7 +21,6 @@ from moerl.model.packed import (
     packed_group_mm_op,
     packed_weight,
     packs,
-    router_topk,
 )
 
 # the packed kernel's rows of a group sit in registers against each panel of its weight: past this many a group
@@ -52,7 +51,6 @@ class Router(nn.Module):
             self.e_score_correction_bias = nn.Buffer(torch.zeros(e, dtype=torch.float32))
         else:
             self.e_score_correction_bias = None
-        self.one_call = False  # an engine's own CPU model: a softmax top-k as one kernel call (``_one_call``)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -63,17 +61,10 @@ class Router(nn.Module):
 
     @property
     def softmax_top_k(self) -> bool:
-        """Whether this router's rule is what ``router_topk`` computes: a softmax top-k of the router's own scores
-        (no correction bias, groups or floor of the normalisation)."""
+        """Whether this router's rule is a softmax top-k of the router's own scores (no correction bias, groups or
+        floor of the normalisation): the rule a backend's one-call router computes."""
         plain = self.scoring == "softmax" and not self.topk_before_softmax and self.e_score_correction_bias is None
         return plain and self.n_group <= 1 and not self.norm_min
-
-    def _one_call(self, x: torch.Tensor) -> bool:
-        """Whether this forward runs as one kernel call (``router_topk``, replayed rows too): an engine's own CPU model
-        (``MoEModel.decode_layout``) without autograd, a softmax top-k."""
-        if not self.one_call or torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return False
-        return self.softmax_top_k and x.device.type == "cpu" and x.dtype in KINDS
 
     def _select(self, logits: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """Top-k expert indices [N, k] by the model's rule."""
@@ -151,8 +142,6 @@ class Router(nn.Module):
 
         ``replay`` [N, k] replaces the router's own choice; rows holding -1 keep the router's own choice.
         """
-        if self._one_call(x):
-            return router_topk(x, self.weight, self.bias, self.top_k, self.norm_topk_prob, self.scale, replay)
         logits = F.linear(x.float(), self.weight, self.bias)
         scores = self.scores(logits)
         if replay is None and scores is not None and self.e_score_correction_bias is None and self.n_group <= 1:

@@ -8,7 +8,6 @@ from torch import nn
 
 from moerl.model.config import ModelConfig
 from moerl.model.fused import RmsNormFn, fuses
-from moerl.model.packed import KINDS, add_rms_norm, rms_norm
 
 
 def layer_norm(cfg: ModelConfig, dim: int) -> nn.Module:
@@ -17,32 +16,22 @@ def layer_norm(cfg: ModelConfig, dim: int) -> nn.Module:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm (fused kernel: statistics in fp32, one rounding to the input dtype after the weight). ``one_call``: an
-    engine's own CPU model (``MoEModel.decode_layout``) runs it without autograd as one C call
-    (``moerl.model.packed.rms_norm``), where torch's CPU composite takes eight ops; CPU training runs its backward as
-    one (``moerl.model.fused``)."""
+    """RMSNorm (fused kernel: statistics in fp32, one rounding to the input dtype after the weight); CPU training runs
+    its backward as one (``moerl.model.fused``). An engine's own CPU model runs it as one C call
+    (``moerl.cpu.norms``)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.one_call = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._one_call():
-            return rms_norm(x, self.weight, self.eps)
         if fuses(x, self.weight):
             return RmsNormFn.apply(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
-    def _one_call(self) -> bool:
-        return self.one_call and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-
-    def takes_residual(self, x: torch.Tensor, a: torch.Tensor) -> bool:
-        """Whether ``with_residual`` runs the residual add ``x + a`` and this norm as one kernel call (an engine's
-        own CPU model, rows of one shape and dtype)."""
-        return self._one_call() and x.shape == a.shape and x.dtype == a.dtype in KINDS and x.device.type == "cpu"
-
-    def with_residual(self, x: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + a, this norm of it), bit for bit the add and ``forward``, in one call (``add_rms_norm``)."""
-        return add_rms_norm(x, a, self.weight, self.eps)
+    def add_and_norm(self, x: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + a, this norm of it): a decoder layer's residual add and the pre-norm after it, the two steps a
+        backend's module may take as one."""
+        x = x + a
+        return x, self(x)

@@ -379,7 +379,7 @@ def bf16_linear_args(
 ) -> tuple:
     """``moerl_bf16_linear``'s arguments: ``m`` bf16 rows (read 16 a block: ``rows`` holds whole blocks) times the
     ``panels`` into ``y`` [m, N] (bf16, or fp32 sums a bias is added to after), ``adapters`` an ``bf16_lora`` struct
-    with its shrink buffer ``xa`` [m, r]: what the eager call and a bound decode step (``moerl.engine.direct``) pass."""
+    with its shrink buffer ``xa`` [m, r]: what the eager call and a bound decode step (``moerl.cpu.direct``) pass."""
     _, tiles, k, nt = panels.shape
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     return (

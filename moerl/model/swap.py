@@ -24,7 +24,7 @@ def swapped(module: nn.Module, cls: type[M]) -> M:
 
 def replace_module(model: nn.Module, path: str, new: nn.Module) -> None:
     """Put ``new`` at ``path`` (a dotted module name) of ``model``, counted in its ``swaps`` (what an engine's bound
-    decode step, ``moerl.engine.direct``, checks before each step)."""
+    decode step, ``moerl.cpu.direct``, checks before each step)."""
     parent, _, name = path.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, name, new)
     model.swaps = getattr(model, "swaps", 0) + 1

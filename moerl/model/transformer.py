@@ -70,8 +70,8 @@ class DecoderLayer(nn.Module):
         else:
             a = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, **more)
         norm = self.post_attention_layernorm if self.has_mlp and not self.post_norm else None
-        if m == 1.0 and isinstance(norm, RMSNorm) and norm.takes_residual(x, a):
-            return norm.with_residual(x, a)  # the add and the norm in one kernel call
+        if m == 1.0 and isinstance(norm, RMSNorm):
+            return norm.add_and_norm(x, a)  # one step: a backend's norm takes both in one call
         x = x + (a if m == 1.0 else m * a)  # no extra op per layer where there is no multiplier
         if not self.has_mlp:
             return x, None
@@ -175,15 +175,16 @@ class MoEModel(nn.Module):
 
     def decode_layout(self) -> None:
         """The CPU engine's own model, laid out for decode: every MoE layer's expert weights as ``Experts.k_major``
-        makes them, its RMSNorms, LoRA slots on linear layers and attention's q / k norms with RoPE one kernel call
-        each (``RMSNorm.one_call``, ``LinearLora.one_call``, ``Attention.one_call``), its bf16 projections on the bf16
-        dot products (``Linear.packed``), where the C kernels build. Adapters attached later: call it again."""
+        makes them, LoRA slots on linear layers and attention's q / k norms with RoPE one kernel call each
+        (``LinearLora.one_call``, ``Attention.one_call``), its bf16 projections on the bf16 dot products
+        (``Linear.packed``), where the C kernels build. Adapters attached later: call it again. (The CPU backend's
+        ``moerl.cpu.install`` calls it, and swaps in its modules.)"""
         self.laid_out = True
         for i in self.moe_layer_ids:
             self.layers[i].mlp.experts.k_major()
         if kernel() is not None and self.embed_tokens.weight.device.type == "cpu":
             for m in self.modules():
-                if hasattr(m, "one_call"):  # RMSNorm, LinearLora, Attention (norm_rope)
+                if hasattr(m, "one_call"):  # LinearLora, Attention (norm_rope)
                     m.one_call = True
                 if (
                     isinstance(m, Linear) and m.takes_packed

@@ -12,8 +12,9 @@ slot copied into the bound slots).
 The model it binds (``refusal`` says why another is not): every layer pre-norm RMSNorm attention (q / k / v and
 o_proj on the bf16 dot products without biases, per-head q / k norms or none, full rotate-half RoPE) then a MoE of
 packed SiLU experts (no shared or zero experts, no biases) under a softmax top-k router of one call
-(``Router._one_call``), residual multipliers of 1; adapters, where attached, on all of q / k / v or none. Anything else
-runs the modules. Weights and adapters written in place are seen (their versions are checked each step, and the kept
+(``moerl.cpu.moe.KernelRouter``), residual multipliers of 1; adapters, where attached, on all of q / k / v or
+none. Anything else runs the modules. Weights and adapters written in place are seen (their versions are checked
+each step, and the kept
 panels and factors made again); a module swapped since (``moerl.model.swap``), another thread count or a cache
 allocated again binds again.
 """
@@ -22,11 +23,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from moerl.engine.kv_cache import KVCache
+from moerl.cpu.attention import KernelAttention
+from moerl.cpu.moe import KernelRouter
 from moerl.model.attention import Attention
 from moerl.model.linear import Linear
 from moerl.model.lora import LoraExperts, LoraLinear
@@ -50,6 +53,9 @@ from moerl.model.packed import (
 )
 from moerl.model.rope import rope_cos_sin
 from moerl.model.transformer import DecoderLayer, MoEModel
+
+if TYPE_CHECKING:  # the engine's cache, which the engine that asks for this step passes in
+    from moerl.engine.kv_cache import KVCache
 
 TABLE_STEP = 16  # the bound tables' width grows by this many blocks
 MAX_BOUND = 64  # batch sizes kept bound at once (each ~0.5-1 ms to bind, its buffers a few hundred KiB at 64 rows)
@@ -80,7 +86,7 @@ def _layer_refusal(layer) -> str | None:
         return "not attention then a MoE"
     a, moe = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if not all(isinstance(n, RMSNorm) for n in norms) or type(a) is not Attention or type(moe) is not MoE:
+    if not all(isinstance(n, RMSNorm) for n in norms) or type(a) is not KernelAttention or type(moe) is not MoE:
         return "another norm, attention or MoE class"
     projections = (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
     on_bf16_dot = a.q_proj.weight.dtype == torch.bfloat16  # fp32: torch's GEMM, as the modules' F.linear
@@ -95,8 +101,8 @@ def _layer_refusal(layer) -> str | None:
     if not a.rope_in_one_call:
         return "q / k norms other than per head before RoPE, or interleaved or partial RoPE"
     r, e = moe.router, moe.experts
-    if not (r.one_call and r.softmax_top_k):
-        return "a router other than one call of a softmax top-k (Router._one_call)"
+    if not (type(r) is KernelRouter and r.softmax_top_k):
+        return "a router other than one call of a softmax top-k (moerl.cpu.moe.KernelRouter)"
     if moe.shared_experts is not None or type(e) not in (Experts, LoraExperts):
         return "shared experts, or another experts class"
     if not (e.packed and e.grouped and e.plain_silu) or e.down_proj.dtype != a.q_proj.weight.dtype:

@@ -1,0 +1,30 @@
+"""RMSNorm as one C call in an engine's decode, where torch's CPU composite takes eight ops, and the residual add
+before a pre-norm in the same call."""
+
+from __future__ import annotations
+
+import torch
+
+from moerl.model.norms import RMSNorm
+from moerl.model.packed import KINDS, add_rms_norm, rms_norm
+
+
+def eager_decode() -> bool:
+    """Whether a call runs outside autograd and outside a compiled graph: where the kernels apply."""
+    return not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
+class KernelRMSNorm(RMSNorm):
+    """``RMSNorm`` whose forward without autograd is one kernel call (``rms_norm``: statistics in fp32, one rounding
+    after the weight, as the plain module) and whose ``add_and_norm`` is one more (``add_rms_norm``, bit for bit the
+    add and the norm)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if eager_decode() and x.device.type == "cpu":
+            return rms_norm(x, self.weight, self.eps)
+        return super().forward(x)
+
+    def add_and_norm(self, x: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if eager_decode() and x.shape == a.shape and x.dtype == a.dtype in KINDS and x.device.type == "cpu":
+            return add_rms_norm(x, a, self.weight, self.eps)
+        return super().add_and_norm(x, a)
