@@ -14,9 +14,8 @@ o_proj on the bf16 dot products without biases, per-head q / k norms or none, fu
 packed SiLU experts (no shared or zero experts, no biases) under a softmax top-k router of one call
 (``moerl.cpu.moe.KernelRouter``), residual multipliers of 1; adapters, where attached, on all of q / k / v or
 none. Anything else runs the modules. Weights and adapters written in place are seen (their versions are checked
-each step, and the kept
-panels and factors made again); a module swapped since (``moerl.model.swap``), another thread count or a cache
-allocated again binds again.
+each step, and the kept panels and factors made again); a module swapped since (``moerl.model.swap``), another
+thread count or a cache allocated again binds again.
 """
 
 from __future__ import annotations

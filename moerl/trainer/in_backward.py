@@ -30,9 +30,8 @@ class StepInBackward:
         self.policy = policy
         self.active = False
         self.squares: dict[torch.device, torch.Tensor] = {}  # the running sum of squared gradients, by device
-        self.handles = [
-            p.register_post_accumulate_grad_hook(partial(self._step, name)) for name, p in policy.trainable.items()
-        ]
+        for name, p in policy.trainable.items():  # for the policy's life: disarmed, they return at once
+            p.register_post_accumulate_grad_hook(partial(self._step, name))
 
     @contextmanager
     def armed(self):
@@ -74,7 +73,3 @@ class StepInBackward:
         tensor.grad = None
         if policy.master is not None:
             policy.master.master_to_model([name])
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
