@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from moerl import dynamo
-from moerl.cpu import install
+from moerl.cpu import install, kernel_module
 from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
 from moerl.engine import compiled as compiled_decode
 from moerl.errors import ConfigError
 from moerl.model.mx import apply_mxfp8
 from moerl.model.packed import graph_panels, kernel, packs
+from moerl.model.swap import replace_module
 from moerl.presets import init_model
 
 # GPT-OSS tiny, two layers: sinks, a sliding and a full layer, expert biases, clamped SwiGLU
@@ -63,13 +64,16 @@ def test_compiled_decode_matches_eager_and_sees_weight_updates():
     assert model.moe_layer_ids == [0, 1] and model.layers[0].mlp.experts.dense_in_graph  # small experts: dense
     grouped = model.layers[1].mlp.experts
     grouped.dense_in_graph = False  # before the first decode step compiles the graph
-    # and packed, as an fp32 CPU engine's larger experts are (``Experts.k_major``): the kernel as an op in the graph
-    gate_up, down = grouped.gate_up_proj.transpose(1, 2), grouped.down_proj.transpose(1, 2)
-    grouped.packed = kernel() is not None and packs(gate_up, True) and packs(down, False)
+    # and on panels, as an fp32 CPU engine's larger experts are (the CPU backend's): the kernel as an op in the graph
+    if kernel() is not None:
+        grouped = kernel_module(grouped)
+        replace_module(model, "layers.1.mlp.experts", grouped)
+    packed = getattr(grouped, "has_panels", False)
+    assert packed == (kernel() is not None and packs(grouped.down_proj.transpose(1, 2), False))
     graphs = counters["stats"]["unique_graphs"]
     _compare(reference, fast.generate(_requests()))
     assert counters["stats"]["unique_graphs"] - graphs == 1
-    if grouped.packed:  # the graph reads the panels: spoiled (the weights unchanged), its generation differs
+    if packed:  # the graph reads the panels: spoiled (the weights unchanged), its generation differs
         panels = graph_panels(grouped, "down")
         kept = panels.clone()
         with torch.inference_mode():  # made in the engine's step
@@ -266,7 +270,8 @@ def test_compiled_lora_decode_matches_the_eager_lora_engine(packed):
         if packed:
             install(model)  # the CPU backend, as an engine that loads its own model installs it
         engine = LLMEngine(model, EngineConfig(**cfg, compile_decode=compiled), dtype=torch.float32)
-        assert all(engine.model.layers[i].mlp.experts.packed == packed for i in engine.model.moe_layer_ids)
+        experts = [engine.model.layers[i].mlp.experts for i in engine.model.moe_layer_ids]
+        assert all(getattr(e, "has_panels", False) == packed for e in experts)
         engine.add_adapter("a", slot_tensors(donor, 0))
         engine.add_adapter("b", slot_tensors(donor, 1))
         for i in engine.model.moe_layer_ids[1::2]:  # layer 1's adapted experts as the grouped op

@@ -143,11 +143,11 @@ def test_models_the_bound_step_does_not_run_are_named(tiny, tmp_path):
     next step."""
     cfg = EngineConfig(max_num_seqs=2, max_model_len=32, max_loras=1)
     fp32 = LLMEngine(tiny, cfg, dtype=torch.float32)
-    assert "adapters on projections off BF16_DOT" in refusal(fp32.model, fp32.cache)
+    assert "adapters on projections off the bf16 dot products" in refusal(fp32.model, fp32.cache)
     ids, positions, tables = torch.tensor([[7]]), torch.tensor([[0]]), torch.tensor([[0]])
     engine = LLMEngine(tiny, EngineConfig(max_num_seqs=2, max_model_len=32), dtype=torch.bfloat16)
     with torch.inference_mode():
-        assert fp32.direct.step(ids, positions, tables) is None and "off BF16_DOT" in fp32.direct.why
+        assert fp32.direct.step(ids, positions, tables) is None and "off the bf16 dot products" in fp32.direct.why
         assert engine.direct.step(ids, positions, tables) is not None
         apply_mxfp8(engine.model, keep=True)
         assert engine.direct.step(ids, positions, tables) is None and "projection" in engine.direct.why

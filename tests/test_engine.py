@@ -308,11 +308,11 @@ def test_update_weights_keeps_router_fp32_bit_for_bit_and_tags_version(hf_checkp
 
 def test_an_fp32_engine_keeps_large_experts_k_major_and_decodes_what_the_checkpoint_computes(tmp_path):
     """Experts of over 256 KiB each in fp32 (streaming their weights bounds decode): the engine's own model stores
-    them K-major (``Experts.k_major``: shapes and values unchanged, each GEMM's weight operand contiguous) and decodes
-    from their packed panels (``moerl.model.packed``, made again after a sync); its logprobs and experts are a full
-    forward's of the checkpoint loaded in its own layout (k3 <= 1e-6 fp32). A weight sync writes through the layout:
-    one expert perturbed by update_weights moves the logprobs past the tolerance (the control), and the original
-    weights synced back restore parity."""
+    them K-major (``moerl.cpu.experts.k_major``: shapes and values unchanged, each GEMM's weight operand contiguous)
+    and decodes from their packed panels (the CPU backend's ``KernelExperts``, made again after a sync); its logprobs
+    and experts are a full forward's of the checkpoint loaded in its own layout (k3 <= 1e-6 fp32). A weight sync
+    writes through the layout: one expert perturbed by update_weights moves the logprobs past the tolerance (the
+    control), and the original weights synced back restore parity."""
     from moerl.bridges import load_model
     from moerl.model.grouped import streams_weights
     from moerl.model.packed import kernel, pack
@@ -324,7 +324,8 @@ def test_an_fp32_engine_keeps_large_experts_k_major_and_decodes_what_the_checkpo
     experts = engine.model.layers[0].mlp.experts
     assert streams_weights(experts.gate_up_proj) and streams_weights(experts.down_proj)
     assert experts.gate_up_proj.transpose(1, 2).is_contiguous() and experts.down_proj.transpose(1, 2).is_contiguous()
-    assert experts.packed == (kernel() is not None)  # decode's GEMMs from packed panels where the kernel builds
+    packed = getattr(experts, "has_panels", False)
+    assert packed == (kernel() is not None)  # decode's GEMMs from packed panels where the kernel builds
     reference = load_model(ckpt, dtype=torch.float32)  # as the trainer holds it: [E, 2I, H] contiguous
     assert reference.layers[0].mlp.experts.gate_up_proj.is_contiguous()
     assert torch.equal(reference.layers[0].mlp.experts.gate_up_proj, experts.gate_up_proj)
@@ -344,7 +345,7 @@ def test_an_fp32_engine_keeps_large_experts_k_major_and_decodes_what_the_checkpo
     engine.update_weights({name: original + 0.05 * torch.randn_like(original)}, version=1)
     assert engine.model.get_parameter(name).transpose(1, 2).is_contiguous()  # copied into the layout, not around it
     assert against_reference()[0] > 1e-6
-    if experts.packed:  # the panels were made again from the synced weight
+    if packed:  # the panels were made again from the synced weight
         layer1 = engine.model.layers[1].mlp.experts
         assert torch.equal(layer1._packed["gate_up"][1], pack(layer1.gate_up_proj.transpose(1, 2), True))
     engine.update_weights({name: original}, version=2)

@@ -15,10 +15,13 @@ from test_engine_lora import _logprob_k3, _trained_adapter
 
 import moerl.model.packed as packed_module
 from moerl.bridges import load_model
+from moerl.cpu import kernel_module
+from moerl.cpu.experts import BF16_DOT_MAX_ROWS, PACKED_MAX_ROWS, KernelExperts
+from moerl.cpu.linear import KernelLinear
 from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
 from moerl.model.attention import FP32_SDPA_MAX_KEYS, attend
 from moerl.model.linear import Linear
-from moerl.model.moe import BF16_DOT_MAX_ROWS, PACKED_MAX_ROWS, Experts
+from moerl.model.moe import Experts
 from moerl.model.packed import (
     bf16_linear,
     bf16_linear_packs,
@@ -138,13 +141,13 @@ def _experts(activation: str, bias: bool = False) -> Experts:
 
 @pytest.mark.parametrize(("activation", "bias"), [("silu", False), ("relu2", False), ("swiglu_clamped", True)])
 def test_packed_experts_decode_what_the_grouped_path_does(activation, bias):
-    """An engine's layout (``k_major``: K-major weights and their packed panels) against the same experts in the
+    """An engine's layout (``KernelExperts``: K-major weights and their packed panels) against the same experts in the
     trainer's layout, fp32, no autograd (1e-5 relative: the sums' order differs; the kernel's own control is
     above): SiLU experts take the fused kernel, the others (un-gated relu2, GPT-OSS's clamped SwiGLU with biases)
     the plain one and torch's activation. With autograd, or past PACKED_MAX_ROWS rows a group, torch's GEMM."""
     trainer, engine = _experts(activation, bias), _experts(activation, bias)
-    engine.k_major()
-    assert engine.packed and not trainer.packed
+    engine = kernel_module(engine)
+    assert engine.has_panels and type(trainer) is Experts
     x = torch.randn(40, 256)
     idx = torch.stack([torch.randperm(trainer.num_experts)[:2] for _ in range(40)])
     weights = torch.rand(40, 2).softmax(-1)
@@ -167,11 +170,10 @@ def test_bf16_experts_decode_what_fp32_experts_of_the_same_weights_do():
             p.copy_(p.bfloat16().float())
     engine = _experts("silu").to(torch.bfloat16)
     engine.load_state_dict(trainer.state_dict())
-    engine.k_major()
-    assert engine.packed and not trainer.packed
-    small = Experts(preset_config("qwen3_moe", "tiny")[1]).to(torch.bfloat16)
-    small.k_major()
-    assert small.packed
+    engine = kernel_module(engine)
+    assert engine.has_panels and type(trainer) is Experts
+    small = kernel_module(Experts(preset_config("qwen3_moe", "tiny")[1]).to(torch.bfloat16))
+    assert small.has_panels
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(40, 256, generator=gen).bfloat16()
     idx = torch.stack([torch.randperm(trainer.num_experts, generator=gen)[:2] for _ in range(40)])
@@ -261,9 +263,7 @@ def test_the_experts_in_one_call_name_what_they_do_not_take():
 def test_an_engines_silu_experts_decode_in_one_call():
     """The engine's SiLU experts take the one call without autograd and for decode's rows; with autograd, past
     PACKED_MAX_ROWS rows an expert, or for another activation, the grouped path."""
-    silu, relu2 = _experts("silu"), _experts("relu2")
-    silu.k_major()
-    relu2.k_major()
+    silu, relu2 = kernel_module(_experts("silu")), kernel_module(_experts("relu2"))
     x, idx = torch.randn(40, 256), torch.zeros(40, 2, dtype=torch.long)
     assert not silu._one_call(x, idx)
     with torch.no_grad():
@@ -283,8 +283,7 @@ def test_a_prefills_bf16_experts_in_one_call_compute_what_torchs_path_does(monke
     path on torch's GEMMs of the same weights: within 2^-7 of the largest output (each path rounds its activations
     once to bf16). The control: down_proj 3% off is caught."""
     expert_path(monkeypatch, "bf16_dot")
-    experts = _experts("silu").to(torch.bfloat16)
-    experts.k_major()
+    experts = kernel_module(_experts("silu").to(torch.bfloat16))
     gen = torch.Generator().manual_seed(4)
     n = (PACKED_MAX_ROWS + 8) * experts.num_experts
     x = torch.randn(n, 256, generator=gen).bfloat16()
@@ -293,7 +292,7 @@ def test_a_prefills_bf16_experts_in_one_call_compute_what_torchs_path_does(monke
     with torch.no_grad():
         assert experts._one_call(x, idx)
         got = experts(x, idx, weights)
-        experts.packed = False  # torch's grouped GEMMs
+        experts.has_panels = False  # torch's grouped GEMMs
         want = experts(x, idx, weights).float()
         tol = 2**-7 * want.abs().max()
         assert (got.float() - want).abs().max() <= tol
@@ -304,8 +303,7 @@ def test_a_prefills_bf16_experts_in_one_call_compute_what_torchs_path_does(monke
 def test_a_weight_changed_in_place_is_packed_again():
     """A sync's in-place copy bumps the weight's version: the kept panels are made again from the new values, into
     the same tensor (a compiled graph reads it by address)."""
-    experts = _experts("silu")
-    experts.k_major()
+    experts = kernel_module(_experts("silu"))
     w = experts.down_proj.transpose(1, 2)
     first = packed_weight(experts, "down", experts.down_proj, False)
     before = first.clone()
@@ -316,15 +314,19 @@ def test_a_weight_changed_in_place_is_packed_again():
     assert again is first and torch.equal(again, pack(w, False)) and not torch.equal(again, before)
 
 
-def test_mxfp8_experts_never_take_the_fp32_kernel():
-    from moerl.model.mx import apply_mxfp8
+def test_mxfp8_takes_over_the_backends_experts_and_never_their_fp32_kernel():
+    """MXFP8 applied to an engine's experts the backend holds swaps them as it swaps plain ones (the backend's class
+    stands for ``Experts``): its GEMMs, not the panels'. A class that stands for neither is refused."""
+    from moerl.model.mx import MXExperts, apply_mxfp8
+    from moerl.model.swap import swapped
 
     model = torch.nn.Module()
-    model.experts = _experts("silu")
-    model.experts.k_major()
+    model.experts = kernel_module(_experts("silu"))
+    assert type(model.experts) is KernelExperts
     apply_mxfp8(model)
-    with torch.no_grad():
-        assert model.experts.packed and not model.experts._packs(torch.randn(4, 256))
+    assert type(model.experts) is MXExperts and not hasattr(model.experts, "panels")
+    with pytest.raises(TypeError, match=r"MXExperts does not extend KernelLinear"):
+        swapped(kernel_module(Linear(4, 4)), MXExperts)
 
 
 def test_a_lora_engine_decodes_its_adapters_from_the_packed_base(tmp_path):
@@ -336,7 +338,7 @@ def test_a_lora_engine_decodes_its_adapters_from_the_packed_base(tmp_path):
     targets = ("q_proj", "k_proj", "v_proj", "o_proj", "experts")  # this preset has no dense MLP layer
     tensors, merged = _trained_adapter(path, "shared_outer", rank=4, seed=1, targets=targets)
     engine = LLMEngine(path, EngineConfig(max_num_seqs=4, max_model_len=48, max_loras=1), dtype=torch.float32)
-    assert engine.model.layers[0].mlp.experts.packed
+    assert engine.model.layers[0].mlp.experts.has_panels
     engine.add_adapter("s", tensors)
     prompts = [[5, 9, 14, 3, 22], [40, 41, 42, 43], [7, 7, 8]]
     reqs = [
@@ -345,7 +347,8 @@ def test_a_lora_engine_decodes_its_adapters_from_the_packed_base(tmp_path):
     base = load_model(path, dtype=torch.float32)
     outs = engine.generate(reqs)
     experts = engine.model.layers[1].mlp.experts
-    assert type(experts).__name__ == "LoraExperts" and experts.packed and set(experts._packed) == {"gate_up", "down"}
+    assert type(experts).__name__ == "KernelLoraExperts" and experts.has_panels
+    assert set(experts._packed) == {"gate_up", "down"}
     for out in outs:
         assert _logprob_k3(merged, out) <= 1e-6
         assert _logprob_k3(base, out) > 1e-6
@@ -359,7 +362,7 @@ def test_without_a_compiler_the_engine_keeps_torchs_gemm(tmp_path):
         "import torch; from moerl.engine import LLMEngine, EngineConfig, SamplingParams; "
         "from moerl.model.packed import kernel; assert kernel() is None; "
         f"e = LLMEngine({str(path)!r}, EngineConfig(max_num_seqs=2, max_model_len=32), dtype=torch.float32); "
-        "assert not e.model.layers[0].mlp.experts.packed; "
+        "assert type(e.model.layers[0].mlp.experts).__name__ == 'Experts'; "
         "print(len(e.generate([[5, 6, 7]], SamplingParams(max_tokens=4))[0].outputs[0].token_ids))"
     )
     env = os.environ | {"CC": "no-such-compiler", "OMP_NUM_THREADS": "1"}
@@ -640,16 +643,16 @@ def test_amx_projections_name_what_they_do_not_take():
 
 
 def test_an_engines_bf16_projections_run_on_amx(tmp_path):
-    """An engine's own bf16 model (``decode_layout``) marks its attention projections to run on AMX where the CPU has
-    it (a trainer's model never), q / k / v in one call, and greedy decode gives the tokens of the same engine on
-    torch's GEMMs."""
+    """An engine's own bf16 model (``moerl.cpu.install``) runs its attention projections on AMX where the CPU has it
+    (a trainer's model never), q / k / v in one call, and greedy decode gives the tokens of the same engine on torch's
+    GEMMs."""
     path = tmp_path / "tiny"
     init_model("qwen3_moe", "tiny", path)
     engine = LLMEngine(path, EngineConfig(max_num_seqs=2, max_model_len=32), dtype=torch.bfloat16)
-    projections = [m for m in engine.model.modules() if type(m) is Linear]
+    projections = [m for m in engine.model.modules() if type(m) is KernelLinear]
     assert len(projections) == 4 * engine.model.config.num_layers
-    assert all(m.packed == packed_module.bf16_dot() for m in projections)
-    assert not any(m.packed for m in load_model(path, dtype=torch.bfloat16).modules() if hasattr(m, "packed"))
+    assert all(m.has_panels == packed_module.bf16_dot() for m in projections)
+    assert not any(isinstance(m, KernelLinear) for m in load_model(path, dtype=torch.bfloat16).modules())
     params = SamplingParams(temperature=0.0, max_tokens=8)
     got = engine.generate([[5, 6, 7, 8]], params)[0].outputs[0].token_ids
     # q / k / v of a layer as one call from their panels side by side (fused_linear), where AMX runs
@@ -657,18 +660,18 @@ def test_an_engines_bf16_projections_run_on_amx(tmp_path):
     assert all(f == packed_module.bf16_dot() for f in fused)
     engine.direct = None  # the modules' decode (the bound step, moerl.cpu.direct, binds the panels themselves)
     for m in projections:
-        m.packed = False
+        m.has_panels = False
     assert got == engine.generate([[5, 6, 7, 8]], params)[0].outputs[0].token_ids
 
 
 def test_a_compiled_graph_runs_the_amx_projection_on_the_panels_made_before_it():
-    """In a compiled graph a packed projection is one op on the panels ``refresh_packed`` made outside it: the same
+    """In a compiled graph a projection on panels is one op on the panels ``refresh_panels`` made outside it: the same
     result as the eager call; panels spoiled (the weight unchanged) change the graph's result (the control)."""
     if not packed_module.bf16_dot():
         pytest.skip("no AMX here (the CPU lacks AMX-BF16, or Linux refuses its tile state)")
-    layer = Linear(128, 64, bias=False).bfloat16()
-    layer.packed = True
-    layer.refresh_packed()
+    layer = kernel_module(Linear(128, 64, bias=False).bfloat16())
+    assert layer.has_panels
+    layer.refresh_panels()
     x = torch.randn(5, 1, 128).bfloat16()
     step = torch.compile(lambda rows: layer(rows), fullgraph=True)
     with torch.inference_mode():
@@ -732,7 +735,7 @@ def test_moerl_amx_0_keeps_the_vector_kernels():
         "from moerl.presets import init_model; from moerl.engine import LLMEngine, EngineConfig, SamplingParams; "
         "import tempfile; d = tempfile.mkdtemp(); init_model('qwen3_moe', 'tiny', d); "
         "e = LLMEngine(d, EngineConfig(max_num_seqs=2, max_model_len=32), dtype=torch.bfloat16); "
-        "assert not any(getattr(m, 'packed', False) for m in e.model.modules() if type(m).__name__ == 'Linear'); "
+        "assert not any(m.has_panels for m in e.model.modules() if type(m).__name__ == 'KernelLinear'); "
         "print(len(e.generate([[5, 6, 7]], SamplingParams(max_tokens=1))[0].outputs[0].token_ids))"
     )
     env = os.environ | {"MOERL_BF16_DOT": "0", "OMP_NUM_THREADS": "1"}

@@ -160,9 +160,8 @@ def test_an_engines_adapters_decode_in_the_kernels(layout, dtype, tmp_path, monk
     kernels (its experts' one call with the adapters' deltas; its projections' ``lora_add``, or in bf16 on AMX the
     GEMM and the delta in one ``bf16_linear``: seen called), each request equal to its fp32 merged model (k3 <= 1e-6
     in fp32, 1e-3 in bf16, as tests/test_engine_lora.py) and the base model beyond it for an adapter's requests."""
-    import moerl.model.linear as linear_module
-    import moerl.model.lora as lora_module
-    import moerl.model.moe as moe_module
+    import moerl.cpu.experts as experts_module
+    import moerl.cpu.linear as linear_module
 
     calls = {"experts": 0, "linear": 0, "fused": 0}
 
@@ -173,12 +172,13 @@ def test_an_engines_adapters_decode_in_the_kernels(layout, dtype, tmp_path, monk
 
         return wrapped
 
-    monkeypatch.setattr(moe_module, "moe_decode", spy(moe_module.moe_decode, "experts", 5))
+    monkeypatch.setattr(experts_module, "moe_decode", spy(experts_module.moe_decode, "experts", 5))
     on_bf16_dot = dtype == "bfloat16" and bf16_dot()
     linear = "bf16_linear" if on_bf16_dot else "lora_add"
-    monkeypatch.setattr(lora_module, linear, spy(getattr(lora_module, linear), "linear", 3 if on_bf16_dot else None))
-    if on_bf16_dot:  # q / k / v with their adapters in one call (fused_projections), o_proj its own
-        monkeypatch.setattr(linear_module, "bf16_linear", spy(linear_module.bf16_linear, "fused", 3))
+    lora_at = 3 if on_bf16_dot else None
+    monkeypatch.setattr(linear_module, linear, spy(getattr(linear_module, linear), "linear", lora_at))
+    # q / k / v with their adapters in one call (fused_projections: its LoRA arguments), o_proj its own
+    monkeypatch.setattr(linear_module, "fused_bf16", spy(linear_module.fused_bf16, "fused", None))
     path = tmp_path / "big"
     init_model("qwen3_moe", "tiny", path, overrides=BIG)
     targets = ("q_proj", "k_proj", "v_proj", "o_proj", "experts")  # this preset has no dense MLP layer
@@ -200,7 +200,8 @@ def test_an_engines_adapters_decode_in_the_kernels(layout, dtype, tmp_path, monk
     base = load_model(path, dtype=torch.float32)
     outs = engine.generate(reqs)
     assert calls["experts"] >= 7 * len(engine.model.moe_layer_ids)
-    assert calls["linear"] + 3 * calls["fused"] >= 7 * 4 * 2 and (calls["fused"] >= 7 * 2) == on_bf16_dot
+    own = calls["linear"] - calls["fused"]  # the layers' own calls with adapters; the fused ones run three layers
+    assert own + 3 * calls["fused"] >= 7 * 4 * 2 and (calls["fused"] >= 7 * 2) == on_bf16_dot
     tol = K3[dtype]
     for req, out in zip(reqs, outs, strict=True):
         oracle = base if req.adapter is None else adapters[req.adapter][1]
@@ -260,14 +261,17 @@ def test_a_bf16_projections_adapters_join_its_amx_sums(per_row, bias):
 
 
 def _lora_layers(ctx, gen: torch.Generator, outs: tuple[int, ...], k: int = 128) -> tuple:
-    """bf16 ``LoraLinear`` layers of one input as an engine lays them out (packed, one call), random factors."""
+    """bf16 ``LoraLinear`` layers of one input as an engine lays them out (the backend's, on panels), random
+    factors."""
+    from moerl.cpu import kernel_module
     from moerl.model.lora import LinearLora, LoraLinear
 
     layers = []
     for n in outs:
         layer = LoraLinear(k, n, bias=False).bfloat16()
         layer.lora = LinearLora(ctx, S, R, k, n, 0.0, torch.bfloat16)
-        layer.lora.one_call, layer.packed = True, True
+        layer = kernel_module(layer)
+        assert layer.has_panels
         with torch.no_grad():
             layer.weight.copy_(torch.randn(n, k, generator=gen) * 0.1)
             layer.lora.lora_A.copy_(torch.randn(S, R, k, generator=gen) * 0.2)
@@ -285,7 +289,7 @@ def test_projections_with_adapters_in_one_call_give_each_ones_bits():
     slot in the kernel) are not fused: None, and each runs its own call."""
     if not bf16_dot():
         pytest.skip("no AMX here (the CPU lacks AMX-BF16, or Linux refuses its tile state)")
-    from moerl.model.linear import fused_projections
+    from moerl.cpu.linear import fused_projections
     from moerl.model.lora import LoraContext
 
     gen = torch.Generator().manual_seed(11)

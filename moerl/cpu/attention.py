@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from moerl.cpu.linear import fused_projections
 from moerl.cpu.norms import eager_decode
 from moerl.model.attention import Attention
-from moerl.model.linear import fused_projections
 from moerl.model.packed import norm_rope, rows_of
 
 

@@ -1,6 +1,6 @@
 """The CPU engine's eager decode step as kernel calls bound once per batch size.
 
-An engine's own bf16 CPU model on AMX or AVX512-BF16 (``packed.bf16_dot``; ``MoEModel.decode_layout``) runs a decode
+An engine's own bf16 CPU model on AMX or AVX512-BF16 (``packed.bf16_dot``; ``moerl.cpu.install``) runs a decode
 step as eight C kernel calls a layer (q / k / v, q / k norm + RoPE, paged attention, o_proj, residual + norm, router,
 routed experts, residual + next norm). Through the modules each call pays tens of microseconds of Python around it (its
 checks, its buffers, its arguments made again), a large share of a small model's step. Here the arguments are made once
@@ -28,11 +28,11 @@ import torch
 import torch.nn.functional as F
 
 from moerl.cpu.attention import KernelAttention
+from moerl.cpu.experts import KernelExperts, KernelLoraExperts
+from moerl.cpu.linear import KernelLinear, KernelLoraLinear, fused_bf16_args
 from moerl.cpu.moe import KernelRouter
 from moerl.model.attention import Attention
-from moerl.model.linear import Linear
-from moerl.model.lora import LoraExperts, LoraLinear
-from moerl.model.moe import Experts, MoE
+from moerl.model.moe import MoE
 from moerl.model.norms import RMSNorm
 from moerl.model.packed import (
     add_rms_norm_args,
@@ -63,7 +63,7 @@ MAX_BOUND = 64  # batch sizes kept bound at once (each ~0.5-1 ms to bind, its bu
 def refusal(model: MoEModel, cache: KVCache) -> str | None:
     """Why ``model``'s decode steps cannot run bound (None: they can)."""
     cfg = model.config
-    if not model.laid_out or kernel() is None or model.dtype not in (torch.float32, torch.bfloat16):
+    if model.backend != "cpu" or kernel() is None or model.dtype not in (torch.float32, torch.bfloat16):
         return "not an engine's own fp32 or bf16 CPU model"
     if model.dtype == torch.bfloat16 and not bf16_dot():
         return "a bf16 model on a CPU without AMX or AVX512-BF16"
@@ -89,10 +89,11 @@ def _layer_refusal(layer) -> str | None:
         return "another norm, attention or MoE class"
     projections = (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
     on_bf16_dot = a.q_proj.weight.dtype == torch.bfloat16  # fp32: torch's GEMM, as the modules' F.linear
-    if any(type(m) not in (Linear, LoraLinear) or m.packed != on_bf16_dot or m.bias is not None for m in projections):
+    kinds = (KernelLinear, KernelLoraLinear)
+    if any(type(m) not in kinds or m.has_panels != on_bf16_dot or m.bias is not None for m in projections):
         return "a projection with a bias, or a bf16 one not on the bf16 dot products"
-    if any(type(m) is LoraLinear and not (m.lora.one_call and on_bf16_dot) for m in projections):
-        return "adapters on projections off the bf16 dot products, or not laid out for decode (MoEModel.decode_layout)"
+    if any(type(m) is KernelLoraLinear and not on_bf16_dot for m in projections):
+        return "adapters on projections off the bf16 dot products"
     if len({type(m) for m in projections[:3]}) > 1:
         return "adapters on some of q / k / v only"
     if a.output_gate or a.clip_qkv is not None:
@@ -102,9 +103,9 @@ def _layer_refusal(layer) -> str | None:
     r, e = moe.router, moe.experts
     if not (type(r) is KernelRouter and r.softmax_top_k):
         return "a router other than one call of a softmax top-k (moerl.cpu.moe.KernelRouter)"
-    if moe.shared_experts is not None or type(e) not in (Experts, LoraExperts):
+    if moe.shared_experts is not None or type(e) not in (KernelExperts, KernelLoraExperts):
         return "shared experts, or another experts class"
-    if not (e.packed and e.grouped and e.plain_silu) or e.down_proj.dtype != a.q_proj.weight.dtype:
+    if not (e.has_panels and e.grouped and e.plain_silu) or e.down_proj.dtype != a.q_proj.weight.dtype:
         return "experts not packed SiLU ones without biases, or in another dtype than the projections'"
     return None
 
@@ -268,9 +269,9 @@ class DirectDecode:
                     router_args(h[:b], r.weight, r.bias, r.norm_topk_prob, r.scale, gate, idx, route),
                 )
             )
-            gate_up, down = experts._panels("gate_up"), experts._panels("down")
+            gate_up, down = experts.panels("gate_up"), experts.panels("down")
             adapters = None
-            if lora and type(experts) is LoraExperts:
+            if lora and type(experts) is KernelLoraExperts:
                 made = experts.decode_lora(slots)
                 adapters = made[1]
                 keep.append(made)
@@ -289,16 +290,16 @@ class DirectDecode:
         the modules' ``F.linear``). Returns q, k, v [b, heads, d] (views of what the calls write), or None where the
         adapters do not run as one call (``why``). ``buf(name, *shape, dtype=)``: a buffer the layers share."""
         layers, d, dt = (attn.q_proj, attn.k_proj, attn.v_proj), attn.head_dim, h.dtype
-        if not attn.q_proj.packed:
+        if not attn.q_proj.has_panels:
             outs = [buf(f"qkv {i}", b, m.out_features, dtype=dt) for i, m in enumerate(layers)]
             calls += [(partial(torch.mm, out=y), (h[:b], m.weight.t())) for m, y in zip(layers, outs, strict=True)]
             return [y.view(b, -1, d) for y in outs]
         panels, _ = fused_linear(attn, layers)
         qkv = buf("qkv", b, panels.shape[1] * panels.shape[3], dtype=dt)
         adapters = xa = None
-        if slots is not None and type(attn.q_proj) is LoraLinear:
+        if slots is not None and type(attn.q_proj) is KernelLoraLinear:
             loras = [m.lora for m in layers]
-            made = loras[0].fused_bf16_args(attn, loras, panels, slots)
+            made = fused_bf16_args(attn, loras, panels, slots)
             if made is None:
                 self.why = "q / k / v adapters that do not run as one call (their scales or ranks differ)"
                 return None
@@ -310,11 +311,11 @@ class DirectDecode:
     def _o_proj(self, o, seen: torch.Tensor, b: int, a: torch.Tensor, slots, calls: list, keep: list, buf) -> None:
         """The call of o_proj from attention's rows ``seen`` into ``a``: on the bf16 dot products (its adapters
         joined), else torch's GEMM (fp32)."""
-        if not o.packed:
+        if not o.has_panels:
             calls.append((partial(torch.mm, out=a), (seen[:b], o.weight.t())))
             return
         panels, adapters, xa = linear_panels(o, o.weight), None, None
-        if slots is not None and type(o) is LoraLinear:
+        if slots is not None and type(o) is KernelLoraLinear:
             panels, *made = o.bf16_lora_args(slots)
             adapters, xa = made[1], buf("xa", b, made[1].r)
             keep.append(made)

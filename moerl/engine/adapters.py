@@ -29,7 +29,7 @@ class AdapterSlots:
             rank=cfg.max_lora_rank, alpha=1.0, targets=targets, layout=cfg.lora_layout, slots=cfg.max_loras
         )
         attach_lora(model, lcfg, dtype=model.dtype)
-        if model.laid_out:  # the engine's own CPU model: its adapters decode through the kernels too
+        if model.backend == "cpu":  # the engine's own CPU model: its adapters decode through the kernels too
             from moerl.cpu import install
 
             install(model)

@@ -194,14 +194,14 @@ class CompiledDecode:
         if self.first:  # the modules as the graph is compiled for them (a later swap recompiles it: see below)
             modules = list(self.model.modules())
             self._mx = [m for m in modules if isinstance(m, MXLinear | MXExperts)]
-            self._packed = [m for m in modules if hasattr(m, "refresh_packed")]
+            self._packed = [m for m in modules if hasattr(m, "refresh_panels")]
         # MXFP8 (applied to the engine's model after it is built): the quantized weights the graph reads, made before
         # it first compiles and quantized again (in place) after a sync, outside the graph; the packed experts' and
         # projections' panels (CPU engines) likewise. A module swapped in after the first step has none made: the
         # graph it recompiles for takes torch's ops there
         refresh_kept(self._mx)
         for m in self._packed:
-            m.refresh_packed()
+            m.refresh_panels()
         compiling, self.first = self.first, False
         with first_compile(STEP, "rollout.compile_decode", self.setting, compiling, self.key):
             logits, routed = self._graph(*inputs)

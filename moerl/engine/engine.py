@@ -88,7 +88,7 @@ class LLMEngine:
         # an engine's own CPU model: the eager decode step as bound kernel calls where the model is one they run
         # (moerl.cpu.direct); None: the modules always
         self.direct = None
-        if model.laid_out:
+        if model.backend == "cpu":
             from moerl.cpu.direct import DirectDecode
 
             self.direct = DirectDecode(model, self.cache, cfg.capture_routing)

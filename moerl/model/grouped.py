@@ -80,7 +80,7 @@ PAD_MAX_FP32_BYTES = 256 * 1024
 def streams_weights(w: torch.Tensor) -> bool:
     """Whether a grouped GEMM over ``w`` [G, K, N] is bound by streaming each group's weight (fp32, a group's weight
     past ``PAD_MAX_FP32_BYTES``): it runs per group, unpadded, and stores its weights K-major where it can
-    (``Experts.k_major``)."""
+    (an engine's own CPU model: ``moerl.cpu.experts.k_major``)."""
     return w.dtype == torch.float32 and w.shape[-2] * w.shape[-1] * 4 > PAD_MAX_FP32_BYTES
 
 

@@ -31,20 +31,7 @@ from moerl.device import on_gpu
 from moerl.model.grouped import Groups, device_kernel, group_mm
 from moerl.model.linear import Linear
 from moerl.model.moe import Experts, Route
-from moerl.model.packed import (
-    LORA_PARTS,
-    _panel_view,
-    bf16_linear,
-    bf16_lora,
-    graph_panels,
-    kept_call,
-    kept_copy,
-    linear_panels,
-    lora_add,
-    moe_lora,
-    panels_shape,
-)
-from moerl.model.swap import replace_module, state_of, swapped
+from moerl.model.swap import plain_class, replace_module, state_of, swapped
 
 LAYOUTS = ("per_expert", "shared_outer")
 
@@ -142,7 +129,6 @@ class LinearLora(nn.Module):
         self.lora_B = nn.Parameter(torch.zeros(slots, d_out, rank, dtype=dtype))
         self.scale = nn.Buffer(torch.zeros(slots))
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
-        self.one_call = False  # an engine's own CPU model: the delta in one kernel call (``LoraLinear.forward``)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the base layer's output for ``x``) plus this layer's LoRA delta."""
@@ -163,57 +149,6 @@ class LinearLora(nn.Module):
         """scale * B @ A for merging: [out, in]."""
         return self.lora_B[slot] @ self.lora_A[slot] * self.scale[slot]
 
-    def bf16_factors(self) -> list[torch.Tensor]:
-        """[scale [S], A [S, r, in], B^T's panels [S, out / NT, r, NT]] in fp32 as ``bf16_linear`` takes them, kept
-        beside the adapter while it is unchanged."""
-        f32, (s, out, r) = torch.float32, self.lora_B.shape
-        return [
-            kept_copy(self, "scale", self.scale, _same, f32),
-            kept_copy(self, "A", self.lora_A, _same, f32),
-            kept_copy(self, "B panels", self.lora_B, _b_panels_view, f32, panels_shape(s, r, out)),
-        ]
-
-    def fused_bf16(self, owner: nn.Module, loras: list[LinearLora], panels: torch.Tensor, rows: int) -> tuple | None:
-        """``bf16_linear``'s LoRA arguments (list, struct) for layers of one input run as one call
-        (``fused_projections``), this adapter first among ``loras``: their A stacked along the rank [S, n r, in] (one
-        shrink of every layer's ranks), their B^T panels side by side, each panel's delta from its own layer's r
-        shrinks (``bf16_lora``'s ``tile_r0``: the same r terms in the same order as its own call), kept on ``owner``
-        while the slots and factors stay. None where their scales differ (one scale a slot in the kernel) or another
-        context or rank."""
-        slots = self.ctx.row_slots(rows)
-        sources = tuple(t for m in loras for t in (m.lora_A, m.lora_B, m.scale))
-        made = kept_call(
-            owner, "_fused_bf16_memo", slots, sources, lambda: self.fused_bf16_args(owner, loras, panels, slots)
-        )
-        return made[:2] if made is not None else None  # the struct points into tile_r0: kept with it
-
-    def fused_bf16_args(self, owner: nn.Module, loras: list[LinearLora], panels: torch.Tensor, slots: torch.Tensor):
-        """``fused_bf16``'s (list, struct, tile_r0) for rows of ``slots`` [N] int64, made now (None where the scales
-        differ, or another context or rank); the struct points into the list and tile_r0."""
-        if not all(m.ctx is self.ctx and m.lora_A.shape[:2] == self.lora_A.shape[:2] for m in loras):
-            return None
-        if not all(torch.equal(m.scale, self.scale) for m in loras[1:]):
-            return None
-        f32, r, nt = torch.float32, self.lora_A.shape[1], panels.shape[3]
-        stacked = tuple(m.lora_A for m in loras)
-        a = kept_copy(owner, "fused A", stacked, lambda t: torch.cat(t, dim=1), f32)
-        bs = tuple(m.lora_B for m in loras)
-        b = kept_copy(owner, "fused B panels", bs, lambda t: torch.cat([_b_panels_view(x) for x in t], 1), f32)
-        first = [i * r for i, m in enumerate(loras) for _ in range(m.lora_B.shape[1] // nt)]
-        tile_r0 = torch.tensor(first, dtype=torch.int32)
-        args = [slots, kept_copy(owner, "fused scale", self.scale, _same, f32), a, b]
-        return args, bf16_lora(args, panels, tile_r0), tile_r0
-
-    def decode_factors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(A [S, r, in], B^T [S, r, out], scale [S]) in fp32 as ``lora_add`` takes them, kept beside the adapter
-        while it is unchanged (an adapter load writes its slots in place)."""
-        f32, same = torch.float32, _same
-        return (
-            kept_copy(self, "A", self.lora_A, same, f32),
-            kept_copy(self, "B^T", self.lora_B, lambda b: b.transpose(1, 2), f32),
-            kept_copy(self, "scale", self.scale, same, f32),
-        )
-
 
 class LoraLinear(Linear):
     """A projection with adapter slots: the base product plus the delta of the active slots."""
@@ -221,41 +156,9 @@ class LoraLinear(Linear):
     lora: LinearLora
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lora = self.lora
-        if not lora.ctx.active:
-            return super().forward(x)
-        if self._one_call():
-            if self._bf16_eager(x):  # the base GEMM and the delta in one call
-                return bf16_linear(x, *self._bf16_args(lora.ctx.row_slots(x.numel() // x.shape[-1])))
-            slots = lora.ctx.single if lora.ctx.token_slots is None else lora.ctx.token_slots
-            return lora_add(x, super().forward(x), slots, *lora.decode_factors())  # three ops of a few rows -> one
-        return lora(x, super().forward(x))
-
-    def _one_call(self) -> bool:
-        """Whether the active slots' delta runs in one kernel call (an engine's own CPU model: no autograd, no
-        dropout, not compiling)."""
-        lora = self.lora
-        dropping = lora.training and isinstance(lora.dropout, nn.Dropout)
-        return lora.one_call and not dropping and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-
-    def bf16_part(self, x: torch.Tensor) -> tuple[bool, nn.Module | None]:
         if not self.lora.ctx.active:
-            return super().bf16_part(x)
-        return self._one_call() and self._bf16_eager(x), self.lora
-
-    def _bf16_args(self, slots: torch.Tensor) -> tuple:
-        """``bf16_linear``'s arguments after the rows: the weight's panels, the bias, the LoRA list and its checked
-        kernel struct, kept while the slots and the weight and factors stay (``kept_call``)."""
-        lora = self.lora
-        sources = (self.weight, lora.lora_A, lora.lora_B, lora.scale)
-        panels, args, struct = kept_call(self, "_bf16_memo", slots, sources, lambda: self.bf16_lora_args(slots))
-        return panels, self.bias, args, struct
-
-    def bf16_lora_args(self, slots: torch.Tensor) -> tuple:
-        """(the weight's panels, the LoRA list for rows of ``slots`` [N] int64, its checked struct), made now."""
-        args = [slots, *self.lora.bf16_factors()]
-        panels = linear_panels(self, self.weight)
-        return panels, args, bf16_lora(args, panels)
+            return super().forward(x)
+        return self.lora(x, super().forward(x))
 
 
 class ExpertLora(nn.Module):
@@ -289,22 +192,6 @@ class ExpertLora(nn.Module):
             gu.append(gu_b @ gu_a * s)
             dn.append(dn_b @ dn_a * s)
         return torch.stack(gu), torch.stack(dn)
-
-    def decode_factors(self) -> list[torch.Tensor]:
-        """The fp32 factors ``moe_decode`` takes (``LORA_PARTS`` after the slot: scale, gate-up A, gate-up B's panels,
-        down A, down B^T), kept beside the adapter while it is unchanged; in a compiled graph the copies made before it
-        (``LoraExperts.refresh_packed``)."""
-        if torch.compiler.is_compiling():
-            return [graph_panels(self, name) for name in LORA_PARTS[1:]]
-        f32, same, (s, e, rows, r) = torch.float32, _same, self.gate_up_B.shape
-        return [
-            kept_copy(self, "scale", self.scale, same, f32),
-            kept_copy(self, "gate_up_A", self.gate_up_A, same, f32),
-            # B^T of every (slot, expert) as a gate-up weight of K = r, in its panels
-            kept_copy(self, "gate_up_B", self.gate_up_B, _gate_up_b_view, f32, panels_shape(s * e, r, rows)),
-            kept_copy(self, "down_A", self.down_A, same, f32),
-            kept_copy(self, "down_B^T", self.down_B, lambda b: b.transpose(-1, -2), f32),
-        ]
 
     # -- fused path: inside the grouped expert computation ------------------------------------------------
     def groups(self, token: torch.Tensor, expert: torch.Tensor, by_expert):
@@ -396,8 +283,6 @@ class LoraExperts(Experts):
         lora = self.lora
         if not lora.ctx.active:
             return super()._grouped(x, idx, weights)
-        if self._one_call(x, idx):  # an engine's decode: the deltas inside the experts' one kernel call
-            return self._in_one_call(x, idx, weights, *self._decode_args(lora.ctx.row_slots(x.shape[0])))
         route = Route(idx, weights, self.num_experts, x.dtype, self.zero)
         groups = lora.groups(route.token, route.expert, route.by_expert)
         xs = x.index_select(0, route.token)
@@ -409,31 +294,6 @@ class LoraExperts(Experts):
         if lora.layout == "shared_outer":  # one expand per token, after the routed sum
             return self._down_sum(x, y, route) + delta.to(x.dtype)
         return self._down_sum(x, _add(y, delta, rows), route)
-
-    def _decode_args(self, slots: torch.Tensor) -> tuple[list[torch.Tensor], object]:
-        """``moe_decode``'s LoRA list and its checked kernel struct, kept while the slots and the factors stay
-        (``kept_call``); in a compiled graph the list alone (its op checks it)."""
-        lora = self.lora
-        if torch.compiler.is_compiling():
-            return [slots, *lora.decode_factors()], None
-
-        sources = (lora.scale, lora.gate_up_A, lora.gate_up_B, lora.down_A, lora.down_B)
-        return kept_call(self, "_lora_memo", slots, sources, lambda: self.decode_lora(slots))
-
-    def decode_lora(self, slots: torch.Tensor) -> tuple[list[torch.Tensor], object]:
-        """``moe_decode``'s LoRA list for rows of ``slots`` [N] int64 and its checked struct, made now."""
-        args = [slots.contiguous(), *self.lora.decode_factors()]
-        return args, moe_lora(args, Experts._panels(self, "gate_up"), slots.shape[0])
-
-    def _one_call(self, x: torch.Tensor, idx: torch.Tensor) -> bool:
-        # in a compiled graph: where the adapter's fp32 factors were made before it, as the panels were
-        made = not torch.compiler.is_compiling() or graph_panels(self.lora, LORA_PARTS[-1]) is not None
-        return made and super()._one_call(x, idx)
-
-    def refresh_packed(self) -> None:
-        super().refresh_packed()
-        if self.packed:
-            self.lora.decode_factors()
 
     # the dense path (``Experts._dense``, the compiled decode step's): every adapter slot's deltas, each token's own
     # slot kept by a mask (no sort, gather or data-dependent branch)
@@ -479,18 +339,6 @@ class LoraExperts(Experts):
             return [(ctx.single, torch.arange(token.numel(), device=token.device))]
         row_slot = ctx.token_slots[token]
         return [(int(s), (row_slot == s).nonzero().squeeze(1)) for s in row_slot.unique().tolist() if s >= 0]
-
-
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-def _b_panels_view(b: torch.Tensor) -> torch.Tensor:
-    return _panel_view(b.float().transpose(1, 2), False)  # B [S, out, r] -> B^T [S, r, out]'s fp32 panels
-
-
-def _gate_up_b_view(b: torch.Tensor) -> torch.Tensor:
-    return _panel_view(b.float().transpose(-1, -2).flatten(0, 1), True)  # fp32 panels: K rows, not K-pairs
 
 
 def _add(y: torch.Tensor, delta: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
@@ -556,7 +404,7 @@ def attach_lora(
         hit = [t for t in targets if path == t or path.endswith("." + t)]
         if not hit or not isinstance(mod, Linear | Experts):
             continue
-        if type(mod) not in (Linear, Experts):  # another mode's class (MXFP8), or adapters attached already
+        if plain_class(mod) not in (Linear, Experts):  # another mode's class (MXFP8), or adapters attached already
             raise ConfigError(
                 f"lora: {path} is a {type(mod).__name__}; adapters attach to a plain model's projections and "
                 "experts only (LoRA and MXFP8 are separate modes, and adapters attach once)"

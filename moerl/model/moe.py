@@ -10,25 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moerl.model.config import ModelConfig
-from moerl.model.grouped import Groups, group_mm, streams_weights
+from moerl.model.grouped import Groups, group_mm
 from moerl.model.linear import Linear
-from moerl.model.packed import (
-    KINDS,
-    bf16_dot,
-    graph_panels,
-    moe_decode,
-    packed_group_mm,
-    packed_group_mm_op,
-    packed_weight,
-    packs,
-)
-
-# the packed kernel's rows of a group sit in registers against each panel of its weight: past this many a group
-# (prefill) reuses each panel enough for MKL's blocked GEMM over the K-major weight to be the faster one
-PACKED_MAX_ROWS = 32
-# bf16 experts on the bf16 dot products take 16 rows a block against a panel kept in cache: a prefill's experts in one
-# call too, up to this many (token, expert) rows (the call's fp32 scratch grows with them)
-BF16_DOT_MAX_ROWS = 4096
 
 
 class Router(nn.Module):
@@ -209,88 +192,16 @@ class Experts(nn.Module):
         self.down_proj_bias = nn.Parameter(torch.zeros(e, h)) if cfg.expert_bias else None
         self.grouped = True  # False: the per-expert loop, kept as the reference
         self.dense_in_graph = False  # inside a compiled graph: every expert on every token (see _dense)
-        self.packed = False  # an engine's decode: GEMMs from prepacked weights (``k_major``, ``moerl.model.packed``)
 
     @property
     def zero(self) -> bool:
         """Whether the router also chooses zero-computation experts (slots past ``num_experts``)."""
         return self.zero_slots > 0
 
-    @torch.no_grad()
-    def k_major(self) -> None:
-        """The CPU engine's decode layout. Where streaming the weights bounds the GEMM (``streams_weights``) the
-        weights are stored with their reduction dim outermost ([E, H, 2I] and [E, I, H] in memory; shapes, names and
-        values unchanged), so each expert's ``w.transpose(1, 2)`` is contiguous for MKL's GEMM (prefill:
-        it streams a contiguous reduction dim faster than a strided one); and decode's GEMMs (a few rows a
-        group) run from prepacked panels of them (``moerl.model.packed``, where its kernel builds: a packed copy
-        beside each weight, made again after a sync). A weight sync's ``copy_`` writes through both."""
-        for p in (self.gate_up_proj, self.down_proj):
-            if streams_weights(p) and p.is_contiguous():
-                p.data = p.data.transpose(1, 2).contiguous().transpose(1, 2)
-        gate_up, down = self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)
-        # experts of any size and dtype: decode's experts then run as one kernel call (``moe_decode``), where the
-        # grouped path takes a dozen ops
-        self.packed = packs(gate_up, self.gated) and packs(down, False)
-
     @property
     def gated(self) -> bool:
         """Whether gate_up_proj holds gate rows then up rows (every activation but the un-gated ``relu2``)."""
         return self.activation != "relu2"
-
-    def _packs(self, rows: torch.Tensor, limit: int | None = None) -> bool:
-        """Whether this GEMM runs from the packed weights: an engine's decode (no autograd, a few rows a group:
-        ``limit`` rows at most), eager or in the compiled decode step (whose panels are made before it:
-        ``refresh_packed``)."""
-        if not self.packed or torch.is_grad_enabled() or rows.device.type != "cpu":
-            return False
-        if rows.dtype not in KINDS or self.down_proj.dtype not in KINDS:  # cast since: torch's GEMM
-            return False
-        if torch.compiler.is_compiling():  # decode batches only (max_num_seqs rows at most)
-            return graph_panels(self, "down") is not None
-        return rows.shape[0] <= (limit or PACKED_MAX_ROWS * self.num_experts)
-
-    def _one_call(self, x: torch.Tensor, idx: torch.Tensor) -> bool:
-        """Whether a decode step's experts run as one kernel call, eager or in the compiled step
-        (``moerl.model.packed.moe_decode``: sort, gather, both GEMMs and the sum, where the grouped path takes a dozen
-        ops): packed SiLU-gated experts without biases or zero experts; bf16 ones on the bf16 dot products for a
-        prefill too."""
-        on_bf16_dot = x.dtype == self.down_proj.dtype == torch.bfloat16 and bf16_dot()
-        limit = BF16_DOT_MAX_ROWS if on_bf16_dot else PACKED_MAX_ROWS * self.num_experts
-        if not self.plain_silu or not self._packs(x, limit):
-            return False
-        return torch.compiler.is_compiling() or idx.numel() <= limit
-
-    @property
-    def plain_silu(self) -> bool:
-        """SiLU-gated experts without biases or zero experts: what ``moe_decode`` computes."""
-        plain = self.activation == "silu" and self.gated and not self.zero
-        return plain and self.gate_up_proj_bias is None and self.down_proj_bias is None
-
-    def _packed_mm(
-        self,
-        x: torch.Tensor,
-        name: str,
-        groups: Groups,
-        mode: int,
-        scale: torch.Tensor | None = None,
-        out_dtype: torch.dtype | None = None,
-    ) -> torch.Tensor:
-        """``packed_group_mm`` of rows ``x`` by weight ``name`` (gate_up, down), eager or as a graph's op; the result
-        in ``out_dtype`` (x's by default)."""
-        out_dtype = out_dtype or x.dtype
-        if groups.opaque:
-            return packed_group_mm_op(x, graph_panels(self, name), groups.keys, groups.n_groups, mode, scale, out_dtype)
-        return packed_group_mm(x, self._panels(name), groups.offs, mode, scale, out_dtype)
-
-    def _panels(self, name: str) -> torch.Tensor:
-        """Weight ``name``'s packed panels, up to date with it (``moerl.model.packed.packed_weight``)."""
-        return packed_weight(self, name, getattr(self, f"{name}_proj"), name == "gate_up" and self.gated)
-
-    def refresh_packed(self) -> None:
-        """Make (or pack again after a sync) the panels a compiled graph reads, outside it."""
-        if self.packed:
-            self._panels("gate_up")
-            self._panels("down")
 
     def _gmm(self, x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
         """A grouped GEMM of the experts (what MXFP8 replaces)."""
@@ -299,11 +210,8 @@ class Experts(nn.Module):
     def _expert_mm(
         self, x: torch.Tensor, name: str, groups: Groups, out_dtype: torch.dtype | None = None
     ) -> torch.Tensor:
-        """Rows ``x`` sorted by expert times their experts' weight ``name`` (gate_up, down): from the packed panels
-        where an engine's decode takes them (``_packs``; the result in ``out_dtype``, x's by default), else
-        ``_gmm``."""
-        if self._packs(x):
-            return self._packed_mm(x, name, groups, int(name == "gate_up" and self.gated), out_dtype=out_dtype)
+        """Rows ``x`` sorted by expert times their experts' weight ``name`` (gate_up, down): ``_gmm``. ``out_dtype``:
+        the dtype the caller wants back (x's by default), a backend's GEMM may give it in one step."""
         return self._gmm(x, getattr(self, f"{name}_proj").transpose(1, 2), groups)
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -319,30 +227,14 @@ class Experts(nn.Module):
         return self._loop(x, idx, weights)
 
     def _grouped(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if self._one_call(x, idx):
-            return self._in_one_call(x, idx, weights)
         route = Route(idx, weights, self.num_experts, x.dtype, self.zero)
-        xs = x.index_select(0, route.token)
-        if self._packs(xs) and self.activation == "silu" and self.gate_up_proj_bias is None:
-            # SiLU(gate) * up * the routing weight as each panel's result is stored (``packed``'s mode 2), kept in
-            # fp32 for the down kernel (which widens bf16 rows first anyway)
-            h = self._packed_mm(xs, "gate_up", route.by_expert, 2, route.gate.reshape(-1), torch.float32)
-        else:
-            h = self._hidden(self._expert_mm(xs, "gate_up", route.by_expert), route)
+        h = self._gate_up_hidden(x.index_select(0, route.token), route)
         return self._down_sum(x, self._expert_mm(h, "down", route.by_expert, x.dtype), route)
 
-    def _in_one_call(
-        self,
-        x: torch.Tensor,
-        idx: torch.Tensor,
-        weights: torch.Tensor,
-        lora: list[torch.Tensor] | None = None,
-        prepared=None,
-    ) -> torch.Tensor:
-        """``moe_decode`` on this layer's panels (``lora``: an adapter's slots and factors, LoraExperts'; ``prepared``:
-        their checked kernel struct, ``moe_lora``'s)."""
-        panels = graph_panels if torch.compiler.is_compiling() else Experts._panels
-        return moe_decode(x, idx, weights, panels(self, "gate_up"), panels(self, "down"), lora, prepared)
+    def _gate_up_hidden(self, xs: torch.Tensor, route: Route) -> torch.Tensor:
+        """The expert-sorted rows ``xs`` -> the gate-weighted activations that down_proj takes (``_hidden`` of
+        their gate_up rows)."""
+        return self._hidden(self._expert_mm(xs, "gate_up", route.by_expert), route)
 
     def _hidden(self, h: torch.Tensor, route: Route) -> torch.Tensor:
         """The gate_up rows ``h`` (expert-sorted) -> the gate-weighted activations that down_proj takes."""

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from moerl.model.grouped import Groups, group_mm, group_mm_wgrad
 from moerl.model.linear import Linear
 from moerl.model.moe import Experts
-from moerl.model.swap import replace_module, swapped
+from moerl.model.swap import plain_class, replace_module, swapped
 
 BLOCK = 32
 SCALE_MODES = ("floor", "rceil")
@@ -192,7 +192,6 @@ class MXLinear(Linear):
 
     mode: str
     keeps = False  # quantized weights kept between forwards (an engine's: apply_mxfp8(keep=True))
-    takes_packed = False  # its GEMMs take MX operands, never the packed bf16 kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         wq = weight_quant(self, self.weight, -1, self.mode)  # an engine's: once per weight version
@@ -215,9 +214,6 @@ class MXExperts(Experts):
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return mx_linear(x, w, bias, self.mode)
-
-    def _packs(self, rows: torch.Tensor, limit: int | None = None) -> bool:
-        return False  # the packed kernel is fp32 GEMMs: MXFP8's take quantized operands
 
     def _operand(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         if t is self.gate_up_proj or t is self.down_proj:
@@ -244,7 +240,7 @@ def apply_mxfp8(model: torch.nn.Module, mode: str = "rceil", keep: bool = False)
     for path, mod in model.named_modules():
         if not isinstance(mod, Linear | Experts):
             continue
-        if type(mod) not in (Linear, Experts):  # another mode's class (LoRA), or MXFP8 applied already
+        if plain_class(mod) not in (Linear, Experts):  # another mode's class (LoRA), or MXFP8 applied already
             from moerl.errors import ConfigError
 
             raise ConfigError(

@@ -9,7 +9,7 @@ registers against each panel. For the gate-up projection each panel holds VW gat
 columns, so the activation (SiLU(gate) * up) and the routing weight are applied as the panel's result is stored:
 the [rows, 2I] product never reaches memory. The packed copy is kept beside the parameter (``packed_weight``) and
 made again when the parameter changes (a weight sync's ``copy_`` bumps its version): an engine's experts take twice
-their memory for it, which is why only an engine's own model packs (``Experts.k_major``).
+their memory for it, which is why only an engine's own model packs (``moerl.cpu.experts.KernelExperts``).
 
 The attention kernel (``moerl.engine.kv_cache.StepView.attend``) computes a decode query's scores, softmax (with
 GPT-OSS's sinks and a sliding window) and value sum straight from the head-major pools through the block table,

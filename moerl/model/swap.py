@@ -1,6 +1,9 @@
 """Module swaps: how a mode (LoRA, MXFP8) replaces a plain module of the model from outside, as gpt-fast swaps
 ``nn.Linear`` for its quantized linear. The new module takes over the old one's parameters, buffers, submodules and
-settings as they are (shared, not copied), so names, values and devices stay. And ``state_of``: a module's state as it
+settings as they are (shared, not copied), so names, values and devices stay. A class that stands in for a plain
+one from outside the model (a hardware backend's, ``moerl.cpu``) names that class as ``stands_for``: a mode's swap
+takes over from it as from the plain class, and the backend installs its own class for the mode's afterwards. And
+``state_of``: a module's state as it
 is now, where ``state_dict()`` would change it."""
 
 from __future__ import annotations
@@ -13,9 +16,15 @@ from torch import nn
 M = TypeVar("M", bound=nn.Module)
 
 
+def plain_class(module: nn.Module) -> type[nn.Module]:
+    """The class ``module`` is to the model and its modes: its own, or the plain class a backend's stands for."""
+    return getattr(type(module), "stands_for", type(module))
+
+
 def swapped(module: nn.Module, cls: type[M]) -> M:
-    """A new ``cls`` module (a subclass of ``module``'s class) holding ``module``'s state."""
-    if not issubclass(cls, type(module)):
+    """A new ``cls`` module (a subclass of ``module``'s class, or of the class it stands for) holding ``module``'s
+    state."""
+    if not issubclass(cls, plain_class(module)):
         raise TypeError(f"{cls.__name__} does not extend {type(module).__name__}: it cannot take over its state")
     new = cls.__new__(cls)
     new.__dict__.update({k: v.copy() if isinstance(v, dict) else v for k, v in module.__dict__.items()})

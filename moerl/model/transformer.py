@@ -16,11 +16,9 @@ from torch import nn
 from moerl.errors import ReplayError
 from moerl.model.attention import KVCacheView, build_mask
 from moerl.model.config import ModelConfig
-from moerl.model.linear import Linear
 from moerl.model.mixers import build_mixer, is_recurrent
 from moerl.model.moe import MLP, MoE, mlp_activation
 from moerl.model.norms import RMSNorm, layer_norm
-from moerl.model.packed import bf16_linear_packs, kernel
 from moerl.model.rope import inv_freq_and_scale, rope_cos_sin
 
 
@@ -127,7 +125,7 @@ class MoEModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None = None):
         super().__init__()
         self.config = cfg
-        self.laid_out = False  # decode_layout: an engine's own CPU model
+        self.backend: str | None = None  # the kernels installed on it from outside ("cpu": ``moerl.cpu.install``)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = layer_norm(cfg, cfg.hidden_size)
@@ -172,24 +170,6 @@ class MoEModel(nn.Module):
         for layer in self.layers:
             if layer.is_moe and layer.mlp.router.e_score_correction_bias is not None:
                 layer.mlp.router.e_score_correction_bias.zero_()
-
-    def decode_layout(self) -> None:
-        """The CPU engine's own model, laid out for decode: every MoE layer's expert weights as ``Experts.k_major``
-        makes them, LoRA slots on linear layers and attention's q / k norms with RoPE one kernel call each
-        (``LinearLora.one_call``, ``Attention.one_call``), its bf16 projections on the bf16 dot products
-        (``Linear.packed``), where the C kernels build. Adapters attached later: call it again. (The CPU backend's
-        ``moerl.cpu.install`` calls it, and swaps in its modules.)"""
-        self.laid_out = True
-        for i in self.moe_layer_ids:
-            self.layers[i].mlp.experts.k_major()
-        if kernel() is not None and self.embed_tokens.weight.device.type == "cpu":
-            for m in self.modules():
-                if hasattr(m, "one_call"):  # LinearLora, Attention (norm_rope)
-                    m.one_call = True
-                if (
-                    isinstance(m, Linear) and m.takes_packed
-                ):  # bf16 on the bf16 dot products: one kernel call from packed panels
-                    m.packed = bf16_linear_packs(m.weight)
 
     def set_expert_path(self, grouped: bool) -> None:
         """Pick the grouped-GEMM expert path (default) or the per-expert reference loop."""
