@@ -1,4 +1,4 @@
-"""The engine's prepacked expert kernel (``moerl.model.packed``, issue 42 part 2) against torch's grouped GEMM: the
+"""The engine's prepacked expert kernel (``moerl.cpu.kernels``, issue 42 part 2) against torch's grouped GEMM: the
 routed experts' GEMMs of one fp32 decode step of 64 sequences on small's shapes.
 
 Contenders, each in a fresh process per round, rounds interleaved in a rotating order (median and spread over
@@ -6,7 +6,7 @@ rounds; within a process the median of ``--reps`` passes over every layer):
 
 - ``torch grouped_mm``: the engine before the kernel (``torch._grouped_mm`` on K-major weights: one MKL sgemm per
   expert), SiLU(gate) * up * the routing weight after it, as ``Experts._hidden`` computes them;
-- ``packed``: ``moerl.model.packed``'s kernel as the engine calls it (gate-up with the activation fused, then down);
+- ``packed``: ``moerl.cpu.kernels``'s kernel as the engine calls it (gate-up with the activation fused, then down);
 - ``read``: ``sum`` over the same weights, the bandwidth a kernel streaming them can approach at this size.
 
 Every layer's weights differ (8 layers of 16 experts, 24 MiB a layer: they do not stay in cache between passes);
@@ -65,7 +65,7 @@ def child(args) -> None:
             gate_up[i].sum()
             down[i].sum()
     else:
-        from moerl.model.packed import kernel, pack, packed_group_mm
+        from moerl.cpu.kernels import kernel, pack, packed_group_mm
 
         if kernel() is None:
             print(json.dumps({"ms_per_layer": None}))

@@ -12,11 +12,11 @@ import torch
 
 from moerl import dynamo
 from moerl.cpu import install, kernel_module
+from moerl.cpu.kernels import graph_panels, kernel, packs
 from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
 from moerl.engine import compiled as compiled_decode
 from moerl.errors import ConfigError
 from moerl.model.mx import apply_mxfp8
-from moerl.model.packed import graph_panels, kernel, packs
 from moerl.model.swap import replace_module
 from moerl.presets import init_model
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from test_engine_lora import _trained_adapter
 
-import moerl.model.packed as packed_module
+import moerl.cpu.kernels as packed_module
 from moerl.cpu.direct import refusal
 from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
 from moerl.engine.kv_cache import StepView
@@ -157,3 +157,27 @@ def test_models_the_bound_step_does_not_run_are_named(tiny, tmp_path):
     init_model("qwen2_moe", "tiny", shared)
     engine = LLMEngine(shared, EngineConfig(max_num_seqs=2, max_model_len=32), dtype=torch.bfloat16)
     assert "with a bias" in refusal(engine.model, engine.cache)  # Qwen2-MoE's q / k / v biases
+
+
+def test_a_module_not_the_backends_is_the_refusal_and_the_modules_run(tiny):
+    """The step is assembled from the backend's modules: one module put back to its plain class (a layer's router)
+    is refused by its name and class, and the engine decodes through the modules: the bound step's tokens and
+    experts, its logprobs within 1e-5 (fp32; the plain router sums its logits in another order than the kernel's).
+    The backend's module put back: bound again."""
+    from moerl.model.moe import Router
+    from moerl.model.swap import replace_module, swapped
+
+    cfg = EngineConfig(max_num_seqs=8, max_model_len=96, block_size=8, capture_routing=True)
+    engine = LLMEngine(tiny, cfg, dtype=torch.float32)
+    direct = engine.direct
+    bound = _generate(engine, direct)
+    kernel_router = engine.model.layers[1].mlp.router
+    replace_module(engine.model, "layers.1.mlp.router", swapped(kernel_router, Router))
+    named = "layer 1: mlp.router is a Router, not the CPU backend's"
+    assert refusal(engine.model, engine.cache) == named
+    assert not direct.runs() and direct.why == named
+    modules = _generate(engine, direct)
+    for (tb, lb, rb), (tm, lm, rm) in zip(bound, modules, strict=True):
+        assert tb == tm and torch.equal(rb, rm) and (lb - lm).abs().max() <= 1e-5
+    replace_module(engine.model, "layers.1.mlp.router", kernel_router)
+    assert direct.runs() and direct.why is None

@@ -314,8 +314,8 @@ def test_an_fp32_engine_keeps_large_experts_k_major_and_decodes_what_the_checkpo
     writes through the layout: one expert perturbed by update_weights moves the logprobs past the tolerance (the
     control), and the original weights synced back restore parity."""
     from moerl.bridges import load_model
+    from moerl.cpu.kernels import kernel, pack
     from moerl.model.grouped import streams_weights
-    from moerl.model.packed import kernel, pack
 
     ckpt = tmp_path / "big_experts"
     big = {"num_hidden_layers": 2, "hidden_size": 256, "moe_intermediate_size": 384}  # 768 / 384 KiB an expert
@@ -424,12 +424,12 @@ def test_where_a_compiler_runs_the_kernels_build():
     import subprocess
     import sys
 
-    from moerl.model import packed
+    import moerl.cpu.kernels as packed
 
     if shutil.which(os.environ.get("CC", "gcc")) is None:
         pytest.skip("no C compiler here")
     assert packed.kernel() is not None, packed.build_error
-    code = "from moerl.model import packed; assert packed.kernel() is None; print(repr(packed.build_error))"
+    code = "import moerl.cpu.kernels as packed; assert packed.kernel() is None; print(repr(packed.build_error))"
     env = os.environ | {"CC": "false"}  # the build's tag names its compiler: no kernel built by gcc is found
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -1,16 +1,17 @@
-"""CPU training's fused ops (``moerl.model.fused``): RMSNorm and the attention's q / k norms with RoPE, their
+"""CPU training's fused ops (``moerl.cpu.training``): RMSNorm and the attention's q / k norms with RoPE, their
 forwards bit for bit torch's ops, their backwards (one C call each) against float64 autograd of the torch ops, in fp32
-and bf16; a model's gradients with them against the torch path; where they do not apply."""
+and bf16; a model's gradients with them swapped in against the plain model's (the backend off: torch's ops); where
+they do not apply."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-import moerl.model.attention as attention
-import moerl.model.fused as fused
-import moerl.model.norms as norms
-from moerl.model.fused import NormRopeFn, RmsNormFn, fuses
-from moerl.model.packed import kernel
+import moerl.cpu.training as training
+from moerl.cpu.kernels import kernel
+from moerl.cpu.training import FusedAttention, FusedRMSNorm, NormRopeFn, RmsNormFn, fuses, install_training
+from moerl.model.attention import Attention
+from moerl.model.norms import RMSNorm
 from moerl.model.rope import apply_rope
 from moerl.model.transformer import MoEModel
 from moerl.presets import preset_config
@@ -99,14 +100,22 @@ def test_norm_rope_backward_against_float64(dtype, norm, cos_rows):
 
 
 def test_a_models_gradients_with_the_fused_ops_match_the_torch_path(monkeypatch):
-    """The tiny Qwen3-MoE preset (per-head q / k norms, RoPE) in fp32: one loss's gradients with the fused ops (their
-    kernels called: counted) against the same model with the torch ops, within fp32's tolerance, the loss equal bit
-    for bit (the forwards are torch's ops). Control: a model with one norm's weight perturbed by 1e-2 lies beyond it."""
+    """The tiny Qwen3-MoE preset (per-head q / k norms, RoPE) in fp32: one loss's gradients with the fused ops swapped
+    in (``install_training``; their kernels called: counted) against the plain model, the backend off (torch's ops:
+    no call), within fp32's tolerance, the loss equal bit for bit (the forwards are torch's ops). Control: the
+    model with one norm's weight perturbed by 1e-2 lies beyond it."""
+    import copy
+
     torch.manual_seed(0)
     cfg = preset_config("qwen3_moe", "tiny")[1]
-    model = MoEModel(cfg, torch.float32)
-    for name, p in model.named_parameters():  # norms' weights off 1, to exercise their grads
+    plain = MoEModel(cfg, torch.float32)
+    for name, p in plain.named_parameters():  # norms' weights off 1, to exercise their grads
         p.data.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
+    model = copy.deepcopy(plain)
+    install_training(model)
+    kinds = {type(m) for m in model.modules()}
+    assert {FusedRMSNorm, FusedAttention} <= kinds and not {RMSNorm, Attention} & kinds
+    assert not {FusedRMSNorm, FusedAttention} & {type(m) for m in plain.modules()}
     ids = torch.randint(0, cfg.vocab_size, (2, 24))
 
     def run(m):
@@ -122,13 +131,11 @@ def test_a_models_gradients_with_the_fused_ops_match_the_torch_path(monkeypatch)
             calls[_key] += 1
             return _apply(*args)
 
-        monkeypatch.setattr(getattr(fused, name), "apply", counted)
+        monkeypatch.setattr(getattr(training, name), "apply", counted)
     loss, got = run(model)
     assert calls["norm"] == 2 * cfg.num_layers + 1 and calls["rope"] == cfg.num_layers
-    for module in (norms, attention):  # the torch ops
-        monkeypatch.setattr(module, "fuses", lambda *tensors: False)
-    ref_loss, want = run(model)
-    assert calls["norm"] == 2 * cfg.num_layers + 1 and calls["rope"] == cfg.num_layers
+    ref_loss, want = run(plain)
+    assert calls["norm"] == 2 * cfg.num_layers + 1 and calls["rope"] == cfg.num_layers  # the plain model: none
     assert torch.equal(loss, ref_loss) and got.keys() == want.keys()
     worst = max(_rel(got[n], want[n]) for n in want)
     assert worst < 1e-4, worst

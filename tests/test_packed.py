@@ -1,4 +1,4 @@
-"""The CPU kernels of an engine's fp32 and bf16 decode (``moerl.model.packed``): the prepacked expert kernel against
+"""The CPU kernels of an engine's fp32 and bf16 decode (``moerl.cpu.kernels``): the prepacked expert kernel against
 torch's grouped GEMM, in the experts' forward (plain, un-gated, LoRA, MXFP8 never), after a sync, and where it does
 not build; the paged decode attention against the gather + matmul path."""
 
@@ -13,16 +13,11 @@ import torch
 import torch.nn.functional as F
 from test_engine_lora import _logprob_k3, _trained_adapter
 
-import moerl.model.packed as packed_module
+import moerl.cpu.kernels as packed_module
 from moerl.bridges import load_model
 from moerl.cpu import kernel_module
 from moerl.cpu.experts import BF16_DOT_MAX_ROWS, PACKED_MAX_ROWS, KernelExperts
-from moerl.cpu.linear import KernelLinear
-from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
-from moerl.model.attention import FP32_SDPA_MAX_KEYS, attend
-from moerl.model.linear import Linear
-from moerl.model.moe import Experts
-from moerl.model.packed import (
+from moerl.cpu.kernels import (
     bf16_linear,
     bf16_linear_packs,
     kernel,
@@ -35,6 +30,11 @@ from moerl.model.packed import (
     rms_norm,
     vector_width,
 )
+from moerl.cpu.linear import KernelLinear
+from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
+from moerl.model.attention import FP32_SDPA_MAX_KEYS, attend
+from moerl.model.linear import Linear
+from moerl.model.moe import Experts
 from moerl.precision import cpu_features
 from moerl.presets import init_model, preset_config
 
@@ -360,7 +360,7 @@ def test_without_a_compiler_the_engine_keeps_torchs_gemm(tmp_path):
     init_model("qwen3_moe", "tiny", path, overrides=BIG)
     code = (
         "import torch; from moerl.engine import LLMEngine, EngineConfig, SamplingParams; "
-        "from moerl.model.packed import kernel; assert kernel() is None; "
+        "from moerl.cpu.kernels import kernel; assert kernel() is None; "
         f"e = LLMEngine({str(path)!r}, EngineConfig(max_num_seqs=2, max_model_len=32), dtype=torch.float32); "
         "assert type(e.model.layers[0].mlp.experts).__name__ == 'Experts'; "
         "print(len(e.generate([[5, 6, 7]], SamplingParams(max_tokens=4))[0].outputs[0].token_ids))"
@@ -451,7 +451,7 @@ def test_the_residual_add_and_its_norm_in_one_call_give_each_ops_bits(shape, dty
     ``rms_norm``: the sum and the norm equal bit for bit, fp32 and bf16 rows, fp32 and bf16 weights, a dim that is no
     vector multiple and prefill's many rows (threaded). The control: the branch ``a`` one bf16 step off in one row
     changes both."""
-    from moerl.model.packed import add_rms_norm
+    from moerl.cpu.kernels import add_rms_norm
 
     gen = torch.Generator().manual_seed(shape[-1])
     x, a = ((torch.randn(shape, generator=gen) * 3).to(dtype) for _ in range(2))
@@ -484,8 +484,8 @@ def test_a_softmax_top_k_router_in_one_call_computes_torchs_rule(rows, experts, 
     fp64's; no near-ties in these rows), rows of decode and of a prefill (threaded), hidden sizes no vector multiple,
     replayed experts (R3) in every other row. The control: one expert's router row perturbed by 1% changes the weights
     beyond the tolerance. Rows of another width are named."""
+    from moerl.cpu.kernels import router_topk
     from moerl.model.moe import Router
-    from moerl.model.packed import router_topk
 
     gen = torch.Generator().manual_seed(rows)
     h = 100 if rows == 5 else 512
@@ -521,9 +521,9 @@ def test_an_engine_runs_its_norms_in_one_call(tmp_path, monkeypatch):
     (fp32)."""
     import moerl.cpu.norms as cpu_norms
     from moerl.cpu.attention import KernelAttention
+    from moerl.cpu.kernels import add_rms_norm
     from moerl.cpu.norms import KernelRMSNorm
     from moerl.model.norms import RMSNorm
-    from moerl.model.packed import add_rms_norm
 
     path = tmp_path / "tiny"
     init_model("qwen3_moe", "tiny", path)
@@ -690,7 +690,7 @@ def test_qk_norms_and_rope_in_one_call_give_the_torch_paths_bits(d, norm, dtype,
     rounding kept, no fused multiply-add), heads not a multiple of a vector included, q and k as the column ranges of
     one q / k / v product (``strided``: rows wider than their heads; the v columns between untouched). The control: the
     rows' positions shifted by one miss; q whose rows no one stride steps through is named."""
-    from moerl.model.packed import norm_rope
+    from moerl.cpu.kernels import norm_rope
     from moerl.model.rope import apply_rope
 
     gen = torch.Generator().manual_seed(d)
@@ -720,7 +720,7 @@ def test_qk_norms_and_rope_in_one_call_give_the_torch_paths_bits(d, norm, dtype,
         norm_rope(q, k, qw, None, 1e-6, *cos_sin(pos))
     if strided:
         assert torch.equal(qkv[..., 12 * d :], v)  # the v columns between the rows are left as they were
-        from moerl.model.packed import rows_of
+        from moerl.cpu.kernels import rows_of
 
         assert rows_of(q).stride(0) == 16 * d
         assert rows_of(torch.randn(7, 2, 8, d).transpose(0, 1)) is None  # rows no one stride steps through
@@ -731,7 +731,7 @@ def test_moerl_amx_0_keeps_the_vector_kernels():
     """``MOERL_BF16_DOT=0``: the process never asks for AMX's tile state and its bf16 experts and projections take the
     vector FMAs (the decode still runs: one greedy token of a bf16 engine)."""
     code = (
-        "import torch; from moerl.model.packed import bf16_dot; assert not bf16_dot(); "
+        "import torch; from moerl.cpu.kernels import bf16_dot; assert not bf16_dot(); "
         "from moerl.presets import init_model; from moerl.engine import LLMEngine, EngineConfig, SamplingParams; "
         "import tempfile; d = tempfile.mkdtemp(); init_model('qwen3_moe', 'tiny', d); "
         "e = LLMEngine(d, EngineConfig(max_num_seqs=2, max_model_len=32), dtype=torch.bfloat16); "
@@ -746,8 +746,8 @@ def test_moerl_amx_0_keeps_the_vector_kernels():
 def test_paged_attention_names_new_rows_that_do_not_match():
     """This step's keys / values / slots handed to the eager paged call (``paged_write_decode``) that do not match its
     rows, heads or pools are named, and nothing is written."""
+    from moerl.cpu.kernels import paged_write_decode
     from moerl.engine.kv_cache import KVCache
-    from moerl.model.packed import paged_write_decode
 
     cfg = preset_config("qwen3_moe", "tiny")[1]
     cache = KVCache(cfg, num_blocks=4, block_size=16, dtype=torch.float32)
@@ -768,7 +768,7 @@ def test_the_bf16_kernels_without_amx_pass_the_tiles_tests():
     tests the tiles pass (the experts' and projections' float64 / fp32 oracles with their controls, and the bound
     step bit for bit with the modules), none skipped."""
     env = os.environ | {"MOERL_KERNEL_FLAGS": "-mno-amx-tile -mno-amx-bf16 -mno-amx-int8", "OMP_NUM_THREADS": "1"}
-    check = "from moerl.model.packed import kernel; assert kernel().moerl_bf16_dot() == 2"  # 2: vdpbf16ps, not tiles
+    check = "from moerl.cpu.kernels import kernel; assert kernel().moerl_bf16_dot() == 2"  # 2: vdpbf16ps, not tiles
     done = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     here = Path(__file__).parent

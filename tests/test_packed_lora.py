@@ -1,4 +1,4 @@
-"""LoRA slots in the CPU decode kernels (``moerl.model.packed``): the experts' adapters inside ``moe_decode`` and a
+"""LoRA slots in the CPU decode kernels (``moerl.cpu.kernels``): the experts' adapters inside ``moe_decode`` and a
 linear layer's delta in one call (``lora_add``), each against a float64 loop, with negative controls and the errors
 they name; an engine's own model taking both, eager and in its compiled step."""
 
@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from test_engine_lora import K3, _logprob_k3, _trained_adapter
 from test_packed import PATHS, expert_path
 
-import moerl.model.packed as packed_module
+import moerl.cpu.kernels as packed_module
 from moerl.bridges import load_model
+from moerl.cpu.kernels import bf16_dot, bf16_linear, kernel, linear_panels, lora_add, moe_decode, pack
 from moerl.engine import EngineConfig, LLMEngine, Request, SamplingParams
-from moerl.model.packed import bf16_dot, bf16_linear, kernel, linear_panels, lora_add, moe_decode, pack
 from moerl.presets import init_model
 
 pytestmark = pytest.mark.skipif(kernel() is None, reason="the packed kernels do not build here (no C compiler)")

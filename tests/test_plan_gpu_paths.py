@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moerl.cpu.training import FusedRMSNorm
 from moerl.device import gpu_paths
 from moerl.model.norms import RMSNorm
 from moerl.plan.fake import Shapes
@@ -15,11 +16,11 @@ from moerl.plan.memory import Memory
 ROWS, DIM = 32, 64
 
 
-def _kept_by_a_norm(gpu: bool, weight_dtype: torch.dtype = torch.bfloat16) -> tuple[int, tuple]:
+def _kept_by_a_norm(gpu: bool, weight_dtype: torch.dtype = torch.bfloat16, fused: bool = True) -> tuple[int, tuple]:
     """Bytes a planned RMSNorm's forward leaves alive (its output and what its backward keeps) on a bf16 input that is
     already held, and the shapes its backward gives."""
     with Shapes(), gpu_paths() if gpu else torch.enable_grad():
-        norm = RMSNorm(DIM, 1e-6)
+        norm = (FusedRMSNorm if fused else RMSNorm)(DIM, 1e-6)  # a trainer's on a CPU: the fused one
         norm.weight = torch.nn.Parameter(torch.ones(DIM, dtype=weight_dtype))
         x = torch.randn(ROWS, DIM, dtype=torch.bfloat16, requires_grad=True)
         with Memory({"weights": [norm.weight], "activations": [x]}) as memory:
@@ -38,21 +39,19 @@ def test_a_planned_gpu_norm_keeps_its_output_and_an_fp32_rms_per_row():
     assert grads == ((ROWS, DIM), torch.bfloat16, (DIM,), torch.bfloat16)
 
 
-def test_the_cpus_norm_keeps_another_amount_so_the_gpu_count_is_a_different_path(monkeypatch):
-    """The CPU's RMSNorm (``moerl.model.fused``, where its kernels build) keeps nothing beyond its output for the
-    backward (the input and the weight are held already); torch's composite, where they do not, keeps at least an fp32
-    copy of the input; CUDA's fused kernel keeps its output and an fp32 RMS a row: three counts, a plan takes the one
-    its run takes."""
-    import moerl.model.norms as norms
-    from moerl.model.packed import kernel
+def test_the_cpus_norm_keeps_another_amount_so_the_gpu_count_is_a_different_path():
+    """The CPU trainer's RMSNorm (``moerl.cpu.training``, where its kernels build) keeps nothing beyond its output for
+    the backward (the input and the weight are held already); torch's composite, where they do not, keeps at least an
+    fp32 copy of the input; CUDA's fused kernel keeps its output and an fp32 RMS a row: three counts, a plan takes the
+    one its run takes."""
+    from moerl.cpu.kernels import kernel
 
     cpu, grads = _kept_by_a_norm(gpu=False)
     gpu, _ = _kept_by_a_norm(gpu=True)
     assert grads == ((ROWS, DIM), torch.bfloat16, (DIM,), torch.bfloat16)
     if kernel() is not None:
         assert cpu == ROWS * DIM * 2 and gpu == cpu + ROWS * 4
-    monkeypatch.setattr(norms, "fuses", lambda *tensors: False)  # the kernels do not build here
-    composite, grads = _kept_by_a_norm(gpu=False)
+    composite, grads = _kept_by_a_norm(gpu=False, fused=False)  # the plain norm, as where the kernels do not build
     assert composite >= gpu + ROWS * DIM * 4  # at least an fp32 copy of the input more
     assert grads == ((ROWS, DIM), torch.bfloat16, (DIM,), torch.bfloat16)
 

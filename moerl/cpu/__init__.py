@@ -13,6 +13,7 @@ from torch import nn
 
 from moerl.cpu.attention import KernelAttention
 from moerl.cpu.experts import KernelExperts, KernelLoraExperts, k_major
+from moerl.cpu.kernels import kernel
 from moerl.cpu.linear import KernelLinear, KernelLoraLinear
 from moerl.cpu.moe import KernelRouter
 from moerl.cpu.norms import KernelRMSNorm
@@ -21,7 +22,6 @@ from moerl.model.linear import Linear
 from moerl.model.lora import LoraExperts, LoraLinear
 from moerl.model.moe import Experts, Router
 from moerl.model.norms import RMSNorm
-from moerl.model.packed import kernel
 from moerl.model.swap import replace_module, swapped
 from moerl.model.transformer import MoEModel
 

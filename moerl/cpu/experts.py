@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from moerl.model.grouped import Groups, streams_weights
-from moerl.model.lora import ExpertLora, LoraExperts
-from moerl.model.moe import Experts, Route
-from moerl.model.packed import (
+from moerl.cpu.binding import Binding
+from moerl.cpu.kernels import (
     KINDS,
     LORA_PARTS,
     _panel_view,
@@ -17,7 +15,10 @@ from moerl.model.packed import (
     graph_panels,
     kept_call,
     kept_copy,
+    kernel,
+    moe_buffers,
     moe_decode,
+    moe_decode_args,
     moe_lora,
     packed_group_mm,
     packed_group_mm_op,
@@ -25,6 +26,9 @@ from moerl.model.packed import (
     packs,
     panels_shape,
 )
+from moerl.model.grouped import Groups, streams_weights
+from moerl.model.lora import ExpertLora, LoraExperts
+from moerl.model.moe import Experts, Route
 
 # the packed kernel's rows of a group sit in registers against each panel of its weight: past this many a group
 # (prefill) reuses each panel enough for MKL's blocked GEMM over the K-major weight to be the faster one
@@ -142,6 +146,24 @@ class KernelExperts(Experts):
             gate_up, down = self.panels("gate_up"), self.panels("down")
         return moe_decode(x, idx, weights, gate_up, down, lora, prepared)
 
+    def bound_refusal(self, dtype: torch.dtype) -> str | None:
+        """What of these experts a bound decode step of a ``dtype`` model cannot run."""
+        if not (self.has_panels and self.grouped and self.plain_silu) or self.down_proj.dtype != dtype:
+            return "experts not packed SiLU ones without biases, or in another dtype than the model's"
+        return None
+
+    def bind(self, step: Binding, h: torch.Tensor, idx: torch.Tensor, gate: torch.Tensor, out: torch.Tensor) -> None:
+        """The call of these experts on rows ``h`` routed by ``idx`` / ``gate``, their sum into ``out``."""
+        gate_up, down = self.panels("gate_up"), self.panels("down")
+        adapters = self._bound_adapters(step)
+        work, ints = moe_buffers(step.rows, idx.shape[1], gate_up, down, adapters)
+        work, ints = step.buf("work", *work.shape), step.buf("ints", *ints.shape, dtype=ints.dtype)
+        step.call(kernel().moerl_moe_decode, moe_decode_args(h, idx, gate, gate_up, down, out, work, ints, adapters))
+
+    def _bound_adapters(self, step: Binding):
+        """The adapters' checked kernel struct a bound step's call takes (None: none)."""
+        return None
+
 
 class KernelLoraExperts(LoraExperts, KernelExperts):
     """``LoraExperts`` whose decode step takes the adapters' deltas inside the experts' one call (``moe_decode``'s
@@ -177,6 +199,13 @@ class KernelLoraExperts(LoraExperts, KernelExperts):
         super().refresh_panels()
         if self.has_panels:
             expert_decode_factors(self.lora)
+
+    def _bound_adapters(self, step: Binding):
+        if step.adapters is None:
+            return None
+        made = self.decode_lora(step.adapters)
+        step.keep.append(made)
+        return made[1]
 
 
 def expert_decode_factors(lora: ExpertLora) -> list[torch.Tensor]:

@@ -4,16 +4,17 @@ and adapter slots' deltas inside the same call (bf16) or as one more (``lora_add
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
-from moerl.cpu.norms import eager_decode
-from moerl.model.linear import Linear
-from moerl.model.lora import LinearLora, LoraLinear
-from moerl.model.packed import (
+from moerl.cpu.binding import Binding
+from moerl.cpu.kernels import (
     BF16_LINEAR_MAX_ROWS,
     _panel_view,
     bf16_linear,
+    bf16_linear_args,
     bf16_linear_op,
     bf16_linear_packs,
     bf16_lora,
@@ -21,10 +22,14 @@ from moerl.model.packed import (
     graph_panels,
     kept_call,
     kept_copy,
+    kernel,
     linear_panels,
     lora_add,
     panels_shape,
 )
+from moerl.cpu.norms import eager_decode
+from moerl.model.linear import Linear
+from moerl.model.lora import LinearLora, LoraLinear
 
 
 class KernelLinear(Linear):
@@ -42,9 +47,8 @@ class KernelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._bf16_eager(x):
             return bf16_linear(x, linear_panels(self, self.weight), self.bias)
-        compiling = torch.compiler.is_compiling() and not torch.is_grad_enabled()
-        if self.has_panels and x.dtype == torch.bfloat16 and compiling:
-            panels = graph_panels(self, "weight")
+        if self.has_panels and x.dtype == torch.bfloat16 and torch.compiler.is_compiling():
+            panels = graph_panels(self, "weight") if not torch.is_grad_enabled() else None
             if panels is not None:
                 return bf16_linear_op(x, panels, self.bias)
         return super().forward(x)
@@ -64,6 +68,25 @@ class KernelLinear(Linear):
         """Make (or pack again after a sync) the panels a compiled graph reads, outside it."""
         if self.has_panels:
             linear_panels(self, self.weight)
+
+    def bound_refusal(self, dtype: torch.dtype) -> str | None:
+        """What of this projection a bound decode step of a ``dtype`` model cannot run."""
+        if self.bias is not None or self.has_panels != (dtype == torch.bfloat16):
+            return "a projection with a bias, or a bf16 one not on the bf16 dot products"
+        return None
+
+    def bind(self, step: Binding, rows: torch.Tensor, out: torch.Tensor) -> None:
+        """The call of this projection of ``rows`` (a buffer of at least the step's rows) into ``out``: on the bf16 dot
+        products (adapters joined), else torch's GEMM (fp32, as the module's ``F.linear``)."""
+        if not self.has_panels:
+            step.call(partial(torch.mm, out=out), (rows[: step.rows], self.weight.t()))
+            return
+        panels, adapters, xa = self._bound_panels(step)
+        step.call(kernel().moerl_bf16_linear, bf16_linear_args(rows, step.rows, panels, out, adapters, xa))
+
+    def _bound_panels(self, step: Binding) -> tuple:
+        """(the weight's panels, the adapters' checked kernel struct, its shrink's buffer) a bound call takes."""
+        return linear_panels(self, self.weight), None, None
 
 
 class KernelLoraLinear(LoraLinear, KernelLinear):
@@ -106,6 +129,19 @@ class KernelLoraLinear(LoraLinear, KernelLinear):
         args = [slots, *bf16_factors(self.lora)]
         panels = linear_panels(self, self.weight)
         return panels, args, bf16_lora(args, panels)
+
+    def bound_refusal(self, dtype: torch.dtype) -> str | None:
+        why = super().bound_refusal(dtype)
+        if why is None and dtype != torch.bfloat16:  # fp32: the delta is lora_add's call, not joined to the GEMM
+            return "adapters on projections off the bf16 dot products"
+        return why
+
+    def _bound_panels(self, step: Binding) -> tuple:
+        if step.adapters is None:
+            return super()._bound_panels(step)
+        panels, *made = self.bf16_lora_args(step.adapters)
+        step.keep.append(made)
+        return panels, made[1], step.buf("xa", step.rows, made[1].r)
 
 
 def fused_projections(owner: nn.Module, layers: tuple[nn.Module, ...], x: torch.Tensor) -> list[torch.Tensor] | None:

@@ -30,7 +30,7 @@ eager; the weights come quantized from outside the graph, kept between steps and
 in the graph; every projection computes every slot's shrink in one GEMM and keeps the row's own by a mask
 (``LinearLora``, ``LoraExperts``' deltas on the dense path); on the grouped path adapted experts group their rows by
 (slot, expert), rows without an adapter weighted 0. Padding rows use no adapter. An fp32 CPU engine's packed
-experts (``moerl.model.packed``) run their kernel as one opaque op in the graph, on panels made outside it before
+experts (``moerl.cpu.kernels``) run their kernel as one opaque op in the graph, on panels made outside it before
 each step (in place after a sync), as the MX weights are.
 """
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from moerl.cpu.kernels import KINDS, kernel, paged_decode, paged_write_decode
 from moerl.model.config import ModelConfig
 from moerl.model.mixers import keeps_keys, recurrent_layers, state_shapes
-from moerl.model.packed import KINDS, kernel, paged_decode, paged_write_decode
 
 
 def kv_shape(cfg: ModelConfig) -> tuple[int, int, int]:
@@ -284,7 +284,7 @@ class StepView:
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding: bool, scale: float, sinks
     ) -> torch.Tensor | None:
-        """An fp32 or bf16 CPU decode step's attention read from the pools in place (``moerl.model.packed``'s paged
+        """An fp32 or bf16 CPU decode step's attention read from the pools in place (``moerl.cpu.kernels``'s paged
         kernel, eager or as one op of the compiled step: no gather of the keys and values, no score tensors): store
         k / v [B, 1, Hkv, d], return q [B, 1, Hq, d]'s attention [B, 1, Hq * dv]. None where it does not apply
         (prefill, autograd, another dtype or device, no kernel): the caller takes ``update`` and ``mask``."""

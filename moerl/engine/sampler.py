@@ -7,9 +7,9 @@ import ctypes
 import numpy as np
 import torch
 
+from moerl.cpu.kernels import KINDS, kernel
 from moerl.device import host_tensor, to_device
 from moerl.engine.config import SamplingParams
-from moerl.model.packed import KINDS, kernel
 
 
 class SeededDraws:

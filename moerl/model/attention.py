@@ -12,11 +12,9 @@ from torch import nn
 
 from moerl.errors import ConfigError
 from moerl.model.config import ModelConfig
-from moerl.model.fused import NormRopeFn, fuses
 from moerl.model.indexer import Indexer
 from moerl.model.linear import Linear
 from moerl.model.norms import RMSNorm
-from moerl.model.packed import KINDS
 from moerl.model.rope import apply_rope
 
 
@@ -151,10 +149,6 @@ class Attention(nn.Module):
     def _norm_and_rotate(self, q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k [B, T, heads, D] normed (where the model norms them per head) and rotated (a backend's attention
         may do both in one call, in place)."""
-        if self._plain_rope(q, k, cos) and fuses(q, k, cos, sin):  # CPU training: the backward in one kernel call
-            qw, kw = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm == "head" else (None, None)
-            if qw is None or (fuses(qw, kw) and qw.dtype == kw.dtype):  # the kernel takes one weight dtype
-                return NormRopeFn.apply(q, k, qw, kw, self.q_norm.eps if qw is not None else 0.0, cos, sin)
         if self.qk_norm == "head" and not self.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         r = self.rope_dim
@@ -168,18 +162,6 @@ class Attention(nn.Module):
         if self.qk_norm_after_rope:  # HunYuan-MoE-V1 (refused with interleaved pairs: they come out reordered)
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k
-
-    def _plain_rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> bool:
-        """Per-head norms (or none) before a full rotate-half RoPE, q / k / cos of one kernel dtype: what the norm +
-        RoPE kernels compute."""
-        return self.rope_in_one_call and q.dtype == k.dtype == cos.dtype and q.dtype in KINDS
-
-    @property
-    def rope_in_one_call(self) -> bool:
-        """Per-head q / k norms (or none) before a full rotate-half RoPE of an even head size: what the norm + RoPE
-        kernels compute, whatever the dtype."""
-        plain = self.qk_norm in ("head", "none") and not self.qk_norm_after_rope and not self.interleave
-        return plain and self.rope_dim == self.head_dim and self.head_dim % 2 == 0
 
 
 MLA_NORM_EPS = 1e-6  # the latent norms' epsilon: fixed in DeepSeek's reference code, whatever rms_norm_eps says

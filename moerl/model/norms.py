@@ -7,7 +7,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from moerl.model.config import ModelConfig
-from moerl.model.fused import RmsNormFn, fuses
 
 
 def layer_norm(cfg: ModelConfig, dim: int) -> nn.Module:
@@ -16,9 +15,9 @@ def layer_norm(cfg: ModelConfig, dim: int) -> nn.Module:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm (fused kernel: statistics in fp32, one rounding to the input dtype after the weight); CPU training runs
-    its backward as one (``moerl.model.fused``). An engine's own CPU model runs it as one C call
-    (``moerl.cpu.norms``)."""
+    """RMSNorm (torch's fused op: statistics in fp32, one rounding to the input dtype after the weight). The CPU
+    backend swaps in its own: one C call in an engine's decode (``moerl.cpu.norms``), the backward as one in
+    training (``moerl.cpu.training``)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -26,8 +25,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fuses(x, self.weight):
-            return RmsNormFn.apply(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

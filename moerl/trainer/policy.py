@@ -72,6 +72,10 @@ class Policy:
         self.checkpoint_reads: list[tuple[str, int]] = []  # (tensor, bytes) this rank read of the checkpoint
         build = build or partial(load_model, checkpoint, experts=share, reads=self.checkpoint_reads, keep=stages)
         self.model = build(dtype=storage_dtype(world, mode.masters, dtype), device=self.device).eval()
+        if self.device.type == "cpu":  # CPU training's fused backward ops (moerl.cpu.training), swapped in
+            from moerl.cpu.training import install_training
+
+            install_training(self.model)
         mode.prepare(self.model, cfg)
         self.ref_model = mode.reference(self.model, cfg, dtype)  # replicated when the policy is sharded
         all_names = [n for n, p in self.model.named_parameters() if p.requires_grad]

@@ -1,6 +1,7 @@
 """CPU training's fused ops: RMSNorm, and the attention's q / k norms with RoPE, as autograd functions over the C
 kernels (``kernels.c``), where torch's CPU composites take a dozen small ops forward and more backward: at small
-shapes their per-op overhead, not the arithmetic, is the cost.
+shapes their per-op overhead, not the arithmetic, is the cost. A trainer's CPU model takes them by module swaps
+(``install_training``: ``FusedRMSNorm``, ``FusedAttention``); the model's own modules run torch's ops.
 
 The forward runs torch's own ops without recording them (the trainer's logprobs keep their bits: the C forward
 kernels round fp32 differently); the backward is one kernel call, in fp32, each gradient rounded once to its dtype
@@ -17,9 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
+from moerl.cpu.kernels import KINDS, kernel
 from moerl.device import gpu_planned
-from moerl.model.packed import KINDS, kernel
+from moerl.model.attention import Attention
+from moerl.model.norms import RMSNorm
 from moerl.model.rope import apply_rope
+from moerl.model.swap import replace_module, swapped
 
 
 def fuses(*tensors: torch.Tensor) -> bool:
@@ -132,3 +136,55 @@ class NormRopeFn(torch.autograd.Function):
         )
         dqw, dkw = (p.sum(0).to(w.dtype) if p is not None else None for p, w in ((dqw, qw), (dkw, kw)))
         return dq, dk, dqw, dkw, None, None, None
+
+
+def rope_in_one_call(attn: Attention) -> bool:
+    """Whether ``attn`` norms q / k per head (or not at all) before a full rotate-half RoPE of an even head size: what
+    the norm + RoPE kernels compute, whatever the dtype."""
+    plain = attn.qk_norm in ("head", "none") and not attn.qk_norm_after_rope and not attn.interleave
+    return plain and attn.rope_dim == attn.head_dim and attn.head_dim % 2 == 0
+
+
+def plain_rope(attn: Attention, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> bool:
+    """``rope_in_one_call`` with q / k / cos of one kernel dtype."""
+    return rope_in_one_call(attn) and q.dtype == k.dtype == cos.dtype and q.dtype in KINDS
+
+
+class FusedRMSNorm(RMSNorm):
+    """``RMSNorm`` whose backward on plain CPU tensors is one kernel call (``RmsNormFn``); its forward is torch's."""
+
+    stands_for = RMSNorm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fuses(x, self.weight):
+            return RmsNormFn.apply(x, self.weight, self.eps)
+        return super().forward(x)
+
+
+class FusedAttention(Attention):
+    """``Attention`` whose per-head q / k norms with RoPE take their backward on plain CPU tensors as one kernel call
+    (``NormRopeFn``); its forward is torch's."""
+
+    stands_for = Attention
+
+    def _norm_and_rotate(self, q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        if plain_rope(self, q, k, cos) and fuses(q, k, cos, sin):
+            qw, kw = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm == "head" else (None, None)
+            if qw is None or (fuses(qw, kw) and qw.dtype == kw.dtype):  # the kernel takes one weight dtype
+                return NormRopeFn.apply(q, k, qw, kw, self.q_norm.eps if qw is not None else 0.0, cos, sin)
+        return super()._norm_and_rotate(q, k, cos, sin)
+
+
+TRAINING_SWAPS = {RMSNorm: FusedRMSNorm, Attention: FusedAttention}
+
+
+def install_training(model: torch.nn.Module) -> None:
+    """Swap in the fused training ops on a trainer's model (its RMSNorms, q / k norms included, and attention), where
+    the kernels build. Each runs torch's ops wherever ``fuses`` says no (CUDA, DTensors, no autograd), so installing
+    them on a model that later moves or shards changes nothing there."""
+    if kernel() is None:
+        return
+    for name, module in list(model.named_modules()):
+        cls = TRAINING_SWAPS.get(type(module))
+        if cls is not None:
+            replace_module(model, name, swapped(module, cls))

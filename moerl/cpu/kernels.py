@@ -54,10 +54,13 @@ build_error = ""  # the compiler's complaint where it ran and failed (tests/test
 
 def kernel() -> ctypes.CDLL | None:
     """The built kernel (built on first use, kept on disk by its source, compiler and CPU), or None where it does
-    not build (no C compiler, or not a CPU it compiles for)."""
-    global _lib
+    not build (no C compiler, or not a CPU it compiles for) or is switched off (``MOERL_CPU_KERNELS=0``: the whole
+    CPU backend, its engine's and its trainer's ops, off; torch's ops run, to compare or to rule the kernels out)."""
+    global _lib, build_error
     if _lib is False:
-        _lib = _build()
+        off = os.environ.get("MOERL_CPU_KERNELS", "1") == "0"
+        _lib = None if off else _build()
+        build_error = "switched off (MOERL_CPU_KERNELS=0)" if off else build_error
     return _lib
 
 
