@@ -505,6 +505,9 @@ def moerl_train(tmp: Path, placement: str) -> tuple[bool, str]:
         f"model.base_cache={tmp / 'bases'}",  # the warmed-up model: built by the first of these lines
         f"policy.device={DEV}",
         f"rollout.device={DEV}",
+        # the dtype the bound below is for: "auto" would be bf16 on a CPU with bf16 dot products too
+        f"policy.dtype={str(DT).removeprefix('torch.')}",
+        f"rollout.dtype={str(DT).removeprefix('torch.')}",
         f"rollout.placement={placement}",
         f"rollout.weight_transport={transport}",
         *TRAIN_RUN,
@@ -641,7 +644,7 @@ def _compiled_decode(sim) -> tuple[bool, str]:
     cfg = {"max_num_seqs": seqs, "max_model_len": 64 + tokens, "capture_routing": True}
     eager = LLMEngine(model, EngineConfig(**cfg))
     fast = LLMEngine(model, EngineConfig(**cfg, compile_decode=True))
-    grouped = not any(model.layers[i].mlp.experts.dense_in_graph for i in model.moe_layer_ids)
+    grouped = not any(model.layers[i].mlp.dense for i in model.moe_layer_ids)  # GraphMoE's, once compiled
     if CUDA:
         torch._logging.set_logs(perf_hints=True)  # a cudagraph skip says why
     skips = counters["inductor"]["cudagraph_skips"]

@@ -61,9 +61,9 @@ def test_compiled_decode_matches_eager_and_sees_weight_updates():
     fast = LLMEngine(model, EngineConfig(**cfg, compile_decode="auto"), dtype=torch.float32)
     assert _compare(reference, fast.generate(_requests()), tol=1e-30) == 0 and fast.decode_seconds > 0
     assert fast.compiled is None and fast.compile_decode() and fast.compiled is not None
-    assert model.moe_layer_ids == [0, 1] and model.layers[0].mlp.experts.dense_in_graph  # small experts: dense
+    assert model.moe_layer_ids == [0, 1] and model.layers[0].mlp.dense  # small experts: dense (GraphMoE's)
     grouped = model.layers[1].mlp.experts
-    grouped.dense_in_graph = False  # before the first decode step compiles the graph
+    model.layers[1].mlp.dense = False  # before the first decode step compiles the graph
     # and on panels, as an fp32 CPU engine's larger experts are (the CPU backend's): the kernel as an op in the graph
     if kernel() is not None:
         grouped = kernel_module(grouped)
@@ -164,8 +164,8 @@ def test_compiled_mxfp8_decode_matches_the_eager_mxfp8_engine(monkeypatch):
     eager = LLMEngine(model, EngineConfig(**cfg), dtype=torch.float32)
     reference = eager.generate(_requests())
     fast = LLMEngine(model, EngineConfig(**cfg, compile_decode=True), dtype=torch.float32)
-    assert model.layers[0].mlp.experts.dense_in_graph
-    model.layers[1].mlp.experts.dense_in_graph = False
+    assert model.layers[0].mlp.dense
+    model.layers[1].mlp.dense = False
     _compare(reference, fast.generate(_requests()), tol=1e-3)
 
     # a sync of layer 0's down experts, which only the graph's dense path reads quantized along dim 2 (the eager
@@ -175,7 +175,7 @@ def test_compiled_mxfp8_decode_matches_the_eager_mxfp8_engine(monkeypatch):
     new = model.get_parameter(name).detach() + 0.05 * torch.randn(model.get_parameter(name).shape, generator=g)
     fast.update_weights({name: new}, version=1)
     with monkeypatch.context() as m:
-        m.setattr(compiled_decode, "refresh_kept", lambda model: None)
+        m.setattr(compiled_decode, "refresh_kept", lambda *args: None)
         stale = fast.generate(_requests())
     after = fast.generate(_requests())
     expected = eager.generate(_requests())
@@ -275,7 +275,7 @@ def test_compiled_lora_decode_matches_the_eager_lora_engine(packed):
         engine.add_adapter("a", slot_tensors(donor, 0))
         engine.add_adapter("b", slot_tensors(donor, 1))
         for i in engine.model.moe_layer_ids[1::2]:  # layer 1's adapted experts as the grouped op
-            engine.model.layers[i].mlp.experts.dense_in_graph = False
+            engine.model.layers[i].mlp.dense = False
         graphs = counters["stats"]["unique_graphs"]
         outs.append(engine.generate(requests()))
     assert counters["stats"]["unique_graphs"] - graphs == 1
@@ -429,10 +429,10 @@ def test_the_grouped_gemm_enters_a_cuda_graph_only_where_it_has_its_kernel(monke
         with SimCuda():
             model = init_model("qwen3_moe", "tiny", overrides=big, dtype=dtype).to("cuda")
             engine = LLMEngine(model, EngineConfig(max_num_seqs=4, max_model_len=64, compile_decode=True))
-            chosen[(dtype, capability)] = engine.model.layers[0].mlp.experts.dense_in_graph
+            chosen[(dtype, capability)] = engine.model.layers[0].mlp.dense
     assert chosen == {(torch.bfloat16, (9, 0)): False, (torch.float32, (9, 0)): True, (torch.bfloat16, (8, 0)): True}
     cpu = LLMEngine(init_model("qwen3_moe", "tiny", overrides=big), EngineConfig(max_model_len=64, compile_decode=True))
-    assert not cpu.model.layers[0].mlp.experts.dense_in_graph  # the CPU's grouped GEMM has no such limit
+    assert not cpu.model.layers[0].mlp.dense  # the CPU's grouped GEMM has no such limit
 
 
 def test_an_fp32_cpu_decode_graph_is_compiled_not_taken_from_inductors_disk_cache():

@@ -67,7 +67,7 @@ def _layer_refusal(layer, dtype: torch.dtype) -> str | None:
         if why:
             return why
     moe = layer.mlp
-    if type(moe) is not MoE or moe.shared_experts is not None:
+    if not isinstance(moe, MoE) or moe.shared_experts is not None:
         return "shared experts, or another MoE class"
     for name in ("router", "experts"):
         why = _module_refusal(f"mlp.{name}", getattr(moe, name), dtype)

@@ -43,7 +43,9 @@ from moerl.engine.cuda_graphs import StepGraphs
 from moerl.engine.kv_cache import KVCache, StepView
 from moerl.errors import ConfigError
 from moerl.model.grouped import device_kernel
+from moerl.model.moe import MoE
 from moerl.model.mx import MXExperts, MXLinear, refresh_kept
+from moerl.model.swap import replace_module, swapped
 from moerl.model.transformer import MoEModel
 
 BUCKETS = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128)  # then multiples of 64
@@ -107,6 +109,23 @@ def dense_experts_pay(model: MoEModel) -> bool:
     return 2 * 3 * cfg.num_experts * cfg.moe_intermediate_size * cfg.hidden_size <= DENSE_MAX_FLOPS_PER_TOKEN
 
 
+class GraphMoE(MoE):
+    """``MoE`` whose routed experts, inside the compiled decode step's graph, take their dense path where that pays
+    (``dense``: every expert on every token, no sort, gather or scatter: ``Experts._dense``); outside it (the prefill,
+    an eager step) the experts' own. Swapped in by ``CompiledDecode``; a mode's later swap of the experts keeps it."""
+
+    stands_for = MoE
+    dense = False
+
+    def _get_name(self) -> str:
+        return "MoE"  # as the model prints: its decode graph's identity (``decode_graph_key``) the same swapped or not
+
+    def _experts(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.dense and torch.compiler.is_compiling():
+            return self.experts._dense(x, idx, weights)
+        return super()._experts(x, idx, weights)
+
+
 class CompiledDecode:
     """Runs decode steps of ``model`` over ``cache`` through one compiled graph (see the module docstring)."""
 
@@ -119,7 +138,11 @@ class CompiledDecode:
         # sm100; elsewhere the dense path, which reads every expert as the grouped GEMMs of a decode batch nearly do
         dense = dense_experts_pay(model) or (device.type == "cuda" and not device_kernel(dtype, device))
         for i in model.moe_layer_ids:
-            model.layers[i].mlp.experts.dense_in_graph = dense
+            moe = model.layers[i].mlp
+            if not isinstance(moe, GraphMoE):
+                moe = swapped(moe, GraphMoE)
+                replace_module(model, f"layers.{i}.mlp", moe)
+            moe.dense = dense
         self.model, self.cache, self.capture = model, cache, capture
         # the pools the graph writes keep their shapes and addresses (release_cache is refused with compile_decode):
         # marked static, CUDA graphs write them in place (an unmarked mutated input makes cudagraph trees skip the
@@ -162,14 +185,7 @@ class CompiledDecode:
         head and the routes' stacking eager around them."""
         rows = torch.arange(ids.shape[0], device=ids.device)
         layers = LayerSteps(self._layer_graph, self.cache, tables, positions, rows)
-        ctx = self.model.adapter_ctx
-        if ctx is not None:  # the slots reach the layer graph as a tensor, whatever their mix this step
-            ctx.slots_as_tensor = True
-        try:
-            out = self.model(ids, positions=positions, capture=self.capture, cache=layers, adapters=adapters)
-        finally:
-            if ctx is not None:
-                ctx.slots_as_tensor = False
+        out = self.model(ids, positions=positions, capture=self.capture, cache=layers, adapters=adapters)
         return out.logits[:, 0], out.routed
 
     def _layer(self, layer, x, cos, sin, replay, chosen, tables, positions, rows, k, v, index):
@@ -194,17 +210,25 @@ class CompiledDecode:
         if self.first:  # the modules as the graph is compiled for them (a later swap recompiles it: see below)
             modules = list(self.model.modules())
             self._mx = [m for m in modules if isinstance(m, MXLinear | MXExperts)]
+            self._dense = frozenset(id(m.experts) for m in modules if isinstance(m, GraphMoE) and m.dense)
             self._packed = [m for m in modules if hasattr(m, "refresh_panels")]
         # MXFP8 (applied to the engine's model after it is built): the quantized weights the graph reads, made before
         # it first compiles and quantized again (in place) after a sync, outside the graph; the packed experts' and
         # projections' panels (CPU engines) likewise. A module swapped in after the first step has none made: the
         # graph it recompiles for takes torch's ops there
-        refresh_kept(self._mx)
+        refresh_kept(self._mx, self._dense)
         for m in self._packed:
             m.refresh_panels()
         compiling, self.first = self.first, False
-        with first_compile(STEP, "rollout.compile_decode", self.setting, compiling, self.key):
-            logits, routed = self._graph(*inputs)
+        ctx = self.model.adapter_ctx
+        if ctx is not None:  # the slots reach the graph as a tensor, whatever their mix this step
+            ctx.slots_as_tensor = True
+        try:
+            with first_compile(STEP, "rollout.compile_decode", self.setting, compiling, self.key):
+                logits, routed = self._graph(*inputs)
+        finally:
+            if ctx is not None:
+                ctx.slots_as_tensor = False
         return logits[:b], routed[:b] if routed is not None else None
 
     def _inputs(self, ids, positions, tables, adapters) -> list[torch.Tensor | None]:

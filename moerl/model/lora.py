@@ -49,8 +49,9 @@ class LoraContext:
         self.single: int | None = None  # every token uses this slot
         self.token_slots: torch.Tensor | None = None  # [N] slot per flattened token, -1 = no adapter
         self._filled: dict[tuple[int, int], torch.Tensor] = {}  # row_slots of one slot for all: made once a size
-        # slots given as a tensor stay one (never read on the host): a forward whose layers run one compiled graph
-        # each traces them as inputs, where a slot read as a number would be a graph of its own
+        # slots given as a tensor stay one (never read on the host): a compiled decode step (``moerl.engine.compiled``)
+        # sets it, so its graph takes the slots as an input, where a slot read as a number would break the graph or
+        # make one of its own
         self.slots_as_tensor = False
 
     def set(self, adapters: int | torch.Tensor | None, batch: int, seq: int) -> None:
@@ -61,7 +62,7 @@ class LoraContext:
             self.single = adapters
             return
         adapters = adapters.long()
-        if not on_gpu(adapters) and not torch.compiler.is_compiling() and not self.slots_as_tensor:
+        if not on_gpu(adapters) and not self.slots_as_tensor:
             first = int(adapters.flatten()[0])
             if bool((adapters == first).all()):
                 self.single = first if first >= 0 else None

@@ -191,7 +191,6 @@ class Experts(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, rows)) if cfg.expert_bias else None
         self.down_proj_bias = nn.Parameter(torch.zeros(e, h)) if cfg.expert_bias else None
         self.grouped = True  # False: the per-expert loop, kept as the reference
-        self.dense_in_graph = False  # inside a compiled graph: every expert on every token (see _dense)
 
     @property
     def zero(self) -> bool:
@@ -220,8 +219,6 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, H], idx/weights [N, k] -> sum_k weights * expert_idx(x), [N, H] in x's dtype."""
-        if self.dense_in_graph and torch.compiler.is_compiling():
-            return self._dense(x, idx, weights)
         if self.grouped:
             return self._grouped(x, idx, weights)
         return self._loop(x, idx, weights)
@@ -336,7 +333,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> (output [N, H], chosen experts [N, k])."""
         weights, idx = self.router(x, replay)
-        out = self.experts(x, idx, weights)
+        out = self._experts(x, idx, weights)
         if self.experts.zero:  # zero-computation experts return their input: each adds its gate weight times x
             share = weights.masked_fill(idx < self.experts.num_experts, 0.0).sum(-1, keepdim=True)
             out = out + share.to(x.dtype) * x
@@ -346,3 +343,8 @@ class MoE(nn.Module):
                 shared = torch.sigmoid(self.shared_experts_gate(x)) * shared
             out = out + shared
         return out, idx
+
+    def _experts(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum for rows ``x`` (a compiled decode step's MoE may take their dense path,
+        ``Experts._dense``: ``moerl.engine.compiled.GraphMoE``)."""
+        return self.experts(x, idx, weights)

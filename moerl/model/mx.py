@@ -178,12 +178,13 @@ def weight_quant(owner: torch.nn.Module, w: torch.Tensor, dim: int, mode: str) -
     return owner.__dict__.get("_mx_graph", {}).get(_kept_key(w, dim, mode))
 
 
-def refresh_kept(modules: Iterable[torch.nn.Module]) -> None:
+def refresh_kept(modules: Iterable[torch.nn.Module], dense: frozenset[int] = frozenset()) -> None:
     """Bring every quantized weight a compiled forward reads (``weight_quant``) of the keeping MXFP8 ``modules`` among
-    those given up to date with its weight (``kept_quant``: nothing when unchanged, an in-place update after a sync)."""
+    those given up to date with its weight (``kept_quant``: nothing when unchanged, an in-place update after a sync).
+    ``dense``: the ids of the experts the graph runs on their dense path (``Experts._dense``)."""
     for m in modules:
         if isinstance(m, MXLinear | MXExperts) and m.keeps:
-            for w, dim in m.graph_weights():
+            for w, dim in m.graph_weights(id(m) in dense):
                 kept_quant(m, w, dim, m.mode)
 
 
@@ -197,7 +198,7 @@ class MXLinear(Linear):
         wq = weight_quant(self, self.weight, -1, self.mode)  # an engine's: once per weight version
         return mx_linear(x, self.weight, self.bias, self.mode, wq)
 
-    def graph_weights(self) -> list[tuple[torch.Tensor, int]]:
+    def graph_weights(self, dense: bool = False) -> list[tuple[torch.Tensor, int]]:
         """The (weight, reduction dim) pairs a compiled forward quantizes."""
         return [(self.weight, -1)]
 
@@ -222,9 +223,10 @@ class MXExperts(Experts):
                 return wq
         return mx_fake_quant(t, dim, self.mode)
 
-    def graph_weights(self) -> list[tuple[torch.Tensor, int]]:
-        """The (weight, reduction dim) pairs a compiled forward quantizes: the dense path's or the grouped one's."""
-        if self.dense_in_graph:
+    def graph_weights(self, dense: bool = False) -> list[tuple[torch.Tensor, int]]:
+        """The (weight, reduction dim) pairs a compiled forward quantizes: the dense path's (``dense``) or the grouped
+        one's."""
+        if dense:
             return [(self.gate_up_proj, 2), (self.down_proj, 2)]
         return [(self.gate_up_proj.transpose(1, 2), 1), (self.down_proj.transpose(1, 2), 1)]
 
