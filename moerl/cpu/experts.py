@@ -216,17 +216,13 @@ def expert_decode_factors(lora: ExpertLora) -> list[torch.Tensor]:
         return [graph_panels(lora, name) for name in LORA_PARTS[1:]]
     f32, (s, e, rows, r) = torch.float32, lora.gate_up_B.shape
     return [
-        kept_copy(lora, "scale", lora.scale, _same, f32),
-        kept_copy(lora, "gate_up_A", lora.gate_up_A, _same, f32),
+        kept_copy(lora, "scale", lora.scale, dtype=f32),
+        kept_copy(lora, "gate_up_A", lora.gate_up_A, dtype=f32),
         # B^T of every (slot, expert) as a gate-up weight of K = r, in its panels
         kept_copy(lora, "gate_up_B", lora.gate_up_B, _gate_up_b_view, f32, panels_shape(s * e, r, rows)),
-        kept_copy(lora, "down_A", lora.down_A, _same, f32),
+        kept_copy(lora, "down_A", lora.down_A, dtype=f32),
         kept_copy(lora, "down_B^T", lora.down_B, lambda b: b.transpose(-1, -2), f32),
     ]
-
-
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 def _gate_up_b_view(b: torch.Tensor) -> torch.Tensor:

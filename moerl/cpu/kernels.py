@@ -174,21 +174,22 @@ def kept_copy(
     owner: torch.nn.Module,
     name: str,
     source: torch.Tensor | tuple[torch.Tensor, ...],
-    view: Callable,
+    view: Callable | None = None,
     dtype: torch.dtype | None = None,
     shape: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
-    """A contiguous copy of ``view(source)`` (in ``dtype``, viewed as ``shape``), kept on ``owner`` under ``name``
-    while ``source`` (a tensor, or a tuple of them ``view`` takes as one) is unchanged: an engine's weights change at a
-    sync or an adapter load only, by in-place writes that bump their versions (the view is made only then). Made again
-    into the same tensor: a compiled graph reading it (``graph_panels``) keeps its address and sees the new values."""
+    """A contiguous copy of ``view(source)`` (``source`` itself without a view; in ``dtype``, viewed as ``shape``),
+    kept on ``owner`` under ``name`` while ``source`` (a tensor, or a tuple of them ``view`` takes as one) is unchanged:
+    an engine's weights change at a sync or an adapter load only, by in-place writes that bump their versions (the view
+    is made only then). Made again into the same tensor: a compiled graph reading it (``graph_panels``) keeps its
+    address and sees the new values."""
     kept = owner.__dict__.setdefault("_packed", {})
     sources = source if isinstance(source, tuple) else (source,)
     stamp = (*((t.data_ptr(), t._version, t.shape, t.stride()) for t in sources), dtype)
     hit = kept.get(name)
     if hit is not None and hit[0] == stamp:
         return hit[1]
-    v = view(source)
+    v = view(source) if view is not None else source
     dtype = dtype or v.dtype
     shape = torch.Size(shape or v.shape)
     if hit is not None and hit[1].shape == shape and hit[1].dtype == dtype:  # the same shape: the same tensor

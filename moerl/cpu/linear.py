@@ -166,8 +166,8 @@ def bf16_factors(lora: LinearLora) -> list[torch.Tensor]:
     ``bf16_linear`` takes them, kept beside the adapter while it is unchanged."""
     f32, (s, out, r) = torch.float32, lora.lora_B.shape
     return [
-        kept_copy(lora, "scale", lora.scale, _same, f32),
-        kept_copy(lora, "A", lora.lora_A, _same, f32),
+        kept_copy(lora, "scale", lora.scale, dtype=f32),
+        kept_copy(lora, "A", lora.lora_A, dtype=f32),
         kept_copy(lora, "B panels", lora.lora_B, _b_panels_view, f32, panels_shape(s, r, out)),
     ]
 
@@ -198,7 +198,7 @@ def fused_bf16_args(owner: nn.Module, loras: list[LinearLora], panels: torch.Ten
     b = kept_copy(owner, "fused B panels", bs, lambda t: torch.cat([_b_panels_view(x) for x in t], 1), f32)
     first = [i * r for i, m in enumerate(loras) for _ in range(m.lora_B.shape[1] // nt)]
     tile_r0 = torch.tensor(first, dtype=torch.int32)
-    args = [slots, kept_copy(owner, "fused scale", first_lora.scale, _same, f32), a, b]
+    args = [slots, kept_copy(owner, "fused scale", first_lora.scale, dtype=f32), a, b]
     return args, bf16_lora(args, panels, tile_r0), tile_r0
 
 
@@ -207,14 +207,10 @@ def decode_factors(lora: LinearLora) -> tuple[torch.Tensor, torch.Tensor, torch.
     beside the adapter while it is unchanged (an adapter load writes its slots in place)."""
     f32 = torch.float32
     return (
-        kept_copy(lora, "A", lora.lora_A, _same, f32),
+        kept_copy(lora, "A", lora.lora_A, dtype=f32),
         kept_copy(lora, "B^T", lora.lora_B, lambda b: b.transpose(1, 2), f32),
-        kept_copy(lora, "scale", lora.scale, _same, f32),
+        kept_copy(lora, "scale", lora.scale, dtype=f32),
     )
-
-
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 def _b_panels_view(b: torch.Tensor) -> torch.Tensor:
