@@ -110,3 +110,14 @@ def test_the_model_package_never_imports_the_backend():
             names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             found += [f"{path.name}: {n}" for n in names if n == "moerl.cpu" or n.startswith("moerl.cpu.")]
     assert found == []
+
+
+def test_the_model_package_never_asks_whether_it_is_compiled():
+    """No module of ``moerl/model/`` calls ``is_compiling()``: a graph's form of an op is registered beside it
+    (``torch.compiler.substitute_in_graph``) or swapped in by whoever compiles, not chosen inside the model."""
+    found = []
+    for path in sorted((HERE.parent / "moerl" / "model").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "is_compiling":
+                found.append(f"{path.name}:{node.lineno}")
+    assert found == []

@@ -123,7 +123,7 @@ class KernelExperts(Experts):
         """``packed_group_mm`` of rows ``x`` by weight ``name`` (gate_up, down), eager or as a graph's op; the result
         in ``out_dtype`` (x's by default)."""
         out_dtype = out_dtype or x.dtype
-        if groups.opaque:
+        if torch.compiler.is_compiling():
             return packed_group_mm_op(x, graph_panels(self, name), groups.keys, groups.n_groups, mode, scale, out_dtype)
         return packed_group_mm(x, self.panels(name), groups.offs, mode, scale, out_dtype)
 

@@ -23,19 +23,17 @@ class Groups:
     per-group GEMMs. ``group_mm`` also keeps them for fp32 groups whose weight exceeds ``PAD_MAX_FP32_BYTES``: there
     streaming the weight, not the call, is the cost, and the padded rows add to it.
 
-    Inside a ``torch.compile`` graph the choice depends on the data, so there the grouped GEMM is one opaque op
-    (``moerl::group_mm``) that makes it when it runs; its backward is two more such ops (``group_mm`` of the
-    output's gradient by the transposed weights, ``moerl::group_mm_wgrad``), so a compiled training graph holds it.
+    Inside a ``torch.compile`` graph the choice depends on the data, so there ``group_mm`` is one opaque op
+    (``moerl::group_mm``, its graph form: ``_group_mm_in_graph``) that makes it when it runs; its backward is two
+    more such ops (``group_mm`` of the output's gradient by the transposed weights, ``moerl::group_mm_wgrad``), so a
+    compiled training graph holds it.
     """
 
-    __slots__ = ("offs", "keys", "n_groups", "opaque", "_padding")
+    __slots__ = ("offs", "keys", "n_groups", "_padding")
 
     def __init__(self, keys: torch.Tensor, n_groups: int):
         self.keys, self.n_groups = keys, n_groups
-        self.opaque = torch.compiler.is_compiling()
         self._padding: tuple[bool, int, torch.Tensor | None] | None = None
-        if self.opaque:
-            return
         ends = torch.searchsorted(keys, torch.arange(n_groups, device=keys.device, dtype=keys.dtype), right=True)
         self.offs = ends.to(torch.int32)
 
@@ -117,8 +115,6 @@ def _bucketed(groups: Groups, *rows: torch.Tensor) -> tuple[list[torch.Tensor], 
 
 def group_mm(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
     """Row block g of ``x`` [M, K] (rows sorted by group) times ``w[g]`` [K, N] -> [M, N]."""
-    if groups.opaque:
-        return _group_mm_op(x, w, groups.keys, groups.n_groups)
     if streams_weights(w) or not groups.padded:
         if jits_per_shape(x) and x.shape[0]:
             (buf,), place, ends = _bucketed(groups, x)
@@ -208,3 +204,9 @@ def _backward(ctx, dy: torch.Tensor):
 
 
 _group_mm_op.register_autograd(_backward, setup_context=_save)
+
+
+@torch.compiler.substitute_in_graph(group_mm)
+def _group_mm_in_graph(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """``group_mm`` as a compiled graph traces it: the one op, whose choice of path reads the data when it runs."""
+    return _group_mm_op(x, w, groups.keys, groups.n_groups)

@@ -165,17 +165,22 @@ def kept_quant(owner: torch.nn.Module, w: torch.Tensor, dim: int, mode: str) -> 
     return q
 
 
+@torch.compiler.substitute_in_graph(kept_quant)
+def _kept_quant_in_graph(owner: torch.nn.Module, w: torch.Tensor, dim: int, mode: str) -> torch.Tensor:
+    """``kept_quant`` as a compiled graph traces it, which cannot check a tensor's version: the tensor kept for ``w``,
+    an input of the graph that the compiled decode step brings up to date before each step (``refresh_kept``), or
+    where none is kept yet ``w`` quantized in the graph."""
+    q = owner.__dict__.get("_mx_graph", {}).get(_kept_key(w, dim, mode))
+    return mx_fake_quant(w, dim, mode) if q is None else q
+
+
 def weight_quant(owner: torch.nn.Module, w: torch.Tensor, dim: int, mode: str) -> torch.Tensor | None:
-    """``w`` quantized for a forward without autograd (an engine's), or None with autograd (the GEMM's autograd
-    function quantizes). Eager: ``kept_quant``. Inside a compiled graph, which cannot check a tensor's version: the
-    tensor ``kept_quant`` keeps for ``w``, an input of the graph, which the compiled decode step brings up to date
-    before each step (``refresh_kept``); where none is kept yet, quantized in the graph. None too where ``owner``
-    keeps nothing (``apply_mxfp8(keep=False)``: a trainer's, quantized at every forward)."""
+    """``w`` quantized for a forward without autograd (an engine's, kept: ``kept_quant``), or None with autograd (the
+    GEMM's autograd function quantizes). None too where ``owner`` keeps nothing (``apply_mxfp8(keep=False)``: a
+    trainer's, quantized at every forward)."""
     if torch.is_grad_enabled() or not owner.keeps:
         return None
-    if not torch.compiler.is_compiling():
-        return kept_quant(owner, w, dim, mode)
-    return owner.__dict__.get("_mx_graph", {}).get(_kept_key(w, dim, mode))
+    return kept_quant(owner, w, dim, mode)
 
 
 def refresh_kept(modules: Iterable[torch.nn.Module], dense: frozenset[int] = frozenset()) -> None:
