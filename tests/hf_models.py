@@ -393,5 +393,16 @@ DERIVED_CONFIGS["NemotronHForCausalLM"] = dict(
 DERIVED_CONFIGS["GlmMoeDsaForCausalLM"] = DERIVED_CONFIGS["DeepseekV32ForCausalLM"] | dict(
     model_type="glm_moe_dsa", indexer_types=["full", "shared", "full"]
 )
+# Laguna: sliding layers with a RoPE of their own (all dims at theta 1e4) beside full ones (half the dims at 5e5), a
+# head count per layer, softplus output gates of their own projection (one per head), router logits soft-capped at
+# a cap the tiny router's logits exceed, sigmoid routing with a selection bias, a shared expert, a dense first layer
+DERIVED_CONFIGS["LagunaForCausalLM"] = dict(
+    model_type="laguna", hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    shared_expert_intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, num_attention_heads_per_layer=[4, 8, 2, 4], num_experts=8, num_experts_per_tok=2,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"], sliding_window=4,
+    mlp_layer_types=["dense", "sparse", "sparse", "sparse"], moe_router_logit_softcapping=0.05, gating=True,
+    vocab_size=VOCAB,
+)  # fmt: skip
 DERIVED_ARCHS = list(DERIVED_CONFIGS)
 CONFIGS |= DERIVED_CONFIGS

@@ -172,6 +172,7 @@ KNOBS = {
     "GraniteMoeHybridForCausalLM": ("mamba_norm_groups", 2),  # the gated norm over all channels, not per B / C group
     "JambaForCausalLM": ("nope_layers", []),  # its attention rotates nothing, and no field says so
     "NemotronHForCausalLM": ("nope_layers", []),  # nor does Nemotron-H's
+    "LagunaForCausalLM": ("router_softcap", 0.0),  # its other knobs: tests/test_laguna.py
 }
 
 
@@ -235,7 +236,7 @@ REFUSED = [  # (model_type, config changes, the feature the refusal names)
     ("afmoe", {}, "sandwich norms"),  # by its tensors
     ("mimo_v2_flash", {}, "scaled attention values"),
     ("qwen3_moe", {"v_head_dim": 32}, "latent-attention field.* 'v_head_dim' without latent-attention tensors"),
-    ("mellum", {"layer_types": ["sliding_attention", "full_attention"]}, "a RoPE per layer kind"),
+    ("granitemoe_swa", {"layer_rope_theta": [1e4 * (1 + i) for i in range(32)]}, "a RoPE per layer is not"),
     ("qwen3_moe", {"index_topk": 4}, "indexer field.*'index_topk'.* without indexer tensors"),
 ]
 
@@ -249,6 +250,44 @@ def test_a_family_needing_what_moerl_lacks_is_refused_naming_the_feature(model_t
         hf |= {"num_experts": 8, "num_experts_per_tok": 2}
     with pytest.raises(UnknownArchitectureError, match=feature):
         derived.prove(hf)
+
+
+ROPE_PER_KIND = [  # (model_type, config changes): the sliding layers' RoPE differs from the full ones'
+    ("mellum", {"layer_types": ["sliding_attention", "full_attention"] * 14, "sliding_window": 4}),
+    ("granitemoe_swa", {"layer_rope_theta": [5e5 if i % 4 == 0 else 1e4 for i in range(32)], "sliding_window": 4}),
+]
+
+
+@pytest.mark.parametrize(("model_type", "changes"), ROPE_PER_KIND, ids=[r[0] for r in ROPE_PER_KIND])
+def test_a_rope_per_layer_kind_is_derived_and_proven(model_type, changes):
+    """Mellum's ``rope_parameters`` keyed by layer kind and GraniteMoeSWA's ``layer_rope_theta`` one theta a kind:
+    proven with the sliding layers' own table (the proof's negative control: the same families with one table,
+    below, miss)."""
+    import dataclasses
+
+    from moerl.bridges.base import HFConfig
+
+    hf = _default_config(model_type, **changes)
+    bridge, variant, layout = derived.prove(hf)
+    cfg = bridge.config_from_hf(HFConfig(derived.tiny_config(hf), "tiny"))
+    assert cfg.sliding_rope is not None and cfg.sliding_rope.theta != cfg.rope.theta
+    one_table = dataclasses.replace(layout)
+    real = derived.derive
+
+    def without_sliding_rope(hf, layout, variant):  # the sliding layers rotated by the full ones' table
+        bridge = real(hf, layout, variant)
+        build = bridge.config_from_hf
+        return dataclasses.replace(
+            bridge, config_from_hf=lambda c: dataclasses.replace(build(c), sliding_rope=None, sliding_rope_dim=None)
+        )
+
+    derived.derive = without_sliding_rope
+    try:
+        with pytest.raises(UnknownArchitectureError, match="no variant matches transformers"):
+            derived.prove(hf)
+    finally:
+        derived.derive = real
+    assert one_table == layout
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import torch
 
 from moerl.bridges import HFConfig, bridge_for_arch
 from moerl.errors import ConfigError
-from moerl.model.config import ModelConfig
+from moerl.model.config import ModelConfig, RopeConfig
 from moerl.model.transformer import MoEModel
 
 GQA = dict(
@@ -72,6 +72,24 @@ REFUSED = [
     (MLA, dict(qk_norm_after_rope=True), "qk_norm_after_rope", "not built for attention='mla'"),
     (MLA, dict(v_head_dim=0), "v_head_dim", "must be >= 1"),
     (MLA, dict(attn_output_gate=True), "attn_output_gate", "not built for attention='mla'"),
+    # Laguna's knobs: a head count and a RoPE per layer, output gates of their own projection, the router's cap
+    (GQA, dict(layer_heads=[4]), "layer_heads", "needs 2 entries"),
+    (GQA, dict(layer_heads=[4, 3]), "layer_heads", "a multiple of num_kv_heads"),
+    (MLA, dict(layer_heads=[4, 2]), "layer_heads", "not built for attention='mla'"),
+    (GQA, dict(attn_gate="channel"), "attn_gate", "allowed: none, head, element"),
+    (GQA, dict(attn_gate="head", attn_gate_act="tanh"), "attn_gate_act", "allowed: sigmoid, softplus"),
+    (GQA, dict(attn_gate_act="softplus"), "attn_gate_act", "no gate of its own projection"),
+    (GQA, dict(attn_gate="head", attn_output_gate=True), "attn_gate", "a second output gate"),
+    (MLA, dict(attn_gate="head"), "attn_gate", "not built for attention='mla'"),
+    (GQA, dict(sliding_rope_dim=2), "sliding_rope_dim", "without sliding_rope"),
+    (GQA, dict(sliding_rope=RopeConfig()), "sliding_rope", "no layer is 'sliding'"),
+    (
+        GQA,
+        dict(layer_types=["sliding", "full"], sliding_window=4, sliding_rope=RopeConfig(), sliding_rope_dim=3),
+        "sliding_rope_dim",
+        "must be even",
+    ),
+    (GQA, dict(router_softcap=-1.0), "router_softcap", "must be >= 0"),
     (GQA, dict(linear_num_key_heads=2), "linear_num_key_heads", "without a 'linear' layer"),
     (GQA, dict(linear_conv_kernel=3), "linear_conv_kernel", "without a 'linear' layer"),
     (
@@ -148,6 +166,19 @@ ACCEPTED = [
     GQA | dict(zero_experts=4, top_k=3, score_correction_bias=True),  # LongCat-Flash's zero-computation experts
     # both kinds in one model share the state / conv fields
     MAMBA | dict(num_layers=3, layer_types=["mamba", "mamba1", "full"], mamba_inner_size=8, mamba_dt_rank=2),
+    # Laguna: heads per layer, softplus gates per head, a RoPE of the sliding layers' own, a capped router
+    GQA
+    | dict(
+        layer_types=["sliding", "full"],
+        sliding_window=4,
+        layer_heads=[2, 4],
+        attn_gate="head",
+        attn_gate_act="softplus",
+        sliding_rope=RopeConfig(theta=500.0),
+        sliding_rope_dim=2,
+        router_softcap=5.0,
+    ),  # fmt: skip
+    GQA | dict(attn_gate="element"),  # AFMoE's sigmoid gate per channel
 ]
 
 

@@ -60,6 +60,7 @@ SYNONYMS = {
         "moe_routed_scaling_factor",
         "route_scale",
     ),  # fmt: skip
+    "router_softcap": ("moe_router_logit_softcapping", "router_logit_softcapping"),
 }
 MUP = ("attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling")  # GraniteMoe's
 MLA = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "qk_head_dim")
@@ -97,6 +98,8 @@ READ = {
     # Nemotron-H: layers of one block each (their kinds), Mamba-2 and its un-gated relu2 MLPs under its names
     *NEMOTRON,
     "zero_expert_num",  # zero-computation experts (ModelConfig.zero_experts)
+    # Laguna: a head count per layer, its output gate's activation and granularity, router weights on the output
+    "num_attention_heads_per_layer", "gating", "moe_apply_router_weight_on_input",
 }  # fmt: skip
 INERT = {  # fields that do not change the forward pass (ids, bookkeeping, training-only losses)
     "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
@@ -132,15 +135,12 @@ FEATURES = {
     "attention_chunk_size": "chunked attention",
     "attn_temperature_tuning": "attention temperature tuning",
     **dict.fromkeys(("cca_time0", "cca_time1"), "compressed convolutional attention"),
-    "moe_router_logit_softcapping": "router logit soft-capping",
-    "num_attention_heads_per_layer": "a head count per layer",
     "attention_value_scale": "scaled attention values",
     "shared_expert_combination_strategy": "shared experts combined with the routed ones other than by a sum",
 }
 # tensor names (under a layer) that say the same
 TENSOR_FEATURES = {
     **dict.fromkeys(("pre_mlp_layernorm", "post_mlp_layernorm"), "sandwich norms (a norm before and after each MLP)"),
-    "self_attn.gate_proj": "an attention output gate with a projection of its own",
     "attention_sink_bias": "attention sinks stored as a bias",
 }
 
@@ -252,12 +252,13 @@ def check_known(hf: dict) -> None:
         )
     if hf.get("hidden_act", "silu") != "silu":
         raise UnknownArchitectureError(f"cannot derive a bridge for {arch_name(hf)}: hidden_act={hf['hidden_act']!r}")
-    # Nemotron-H's switches with one value built: its MLPs un-gated relu2, its Mamba's conv SiLU
+    # switches with one value built: Nemotron-H's MLPs un-gated relu2, its Mamba's conv SiLU; Laguna's router weights
     for key, built, feature in (
         ("mlp_hidden_act", "relu2", "un-gated MLPs with another activation"),
         ("mamba_hidden_act", "silu", "a Mamba conv activation other than SiLU"),
         ("moe_latent_size", None, "latent expert projections (the experts in a smaller width)"),
         ("residual_in_fp32", False, "a residual stream kept in fp32 whatever the compute dtype"),
+        ("moe_apply_router_weight_on_input", False, "router weights applied to the experts' input"),
     ):
         if hf.get(key, built) != built:
             raise UnknownArchitectureError(
@@ -297,6 +298,8 @@ class Layout:
     lm_head_bias: bool
     linear: str | None = None  # linear-attention projections: "split" (in_proj_qkv, _z, _b, _a) | "fused" (_qkvz, _ba)
     output_gate: bool = False  # q_proj yields a per-head output gate too (twice o_proj's input)
+    gate_proj: str | None = None  # an output gate's own projection under self_attn: "gate_proj" | "g_proj" (Laguna)
+    gate_kind: str = "none"  # its gates: "element" (as many as o_proj's inputs) | "head" (one per head)
     attention: str = "gqa"  # "mla": multi-head latent attention (q_a_proj / kv_a_proj_with_mqa / kv_b_proj)
     correction_bias: str | None = None  # the router's selection-only bias (DeepSeek-V3's), as the checkpoint names it
     fused_experts: str = "experts"  # 3D experts as experts.{gate_up_proj, down_proj} | "linear": {input, output}_linear
@@ -345,7 +348,10 @@ def read_layout(shapes: dict[str, tuple[int, ...]]) -> Layout:
     shared_at_layer = shared is None and any(p.startswith("model.layers.{i}.shared_mlp.") for p in patterns)
     if shared_at_layer:
         shared = "shared_mlp"
-    bias_re = rf"model\.layers\.\{{i\}}\.{block}\.(?:{re.escape(router)}\.)?(?:e_score_correction_bias|expert_bias)"
+    # under the block, its router or (Laguna's) its experts
+    bias_re = (
+        rf"model\.layers\.\{{i\}}\.{block}\.(?:{re.escape(router)}\.|experts\.)?(?:e_score_correction_bias|expert_bias)"
+    )
     correction_bias = next((p for p in sorted(patterns) if re.fullmatch(bias_re, p)), None)
     linear = next(
         (
@@ -413,7 +419,11 @@ def _attention_layout(patterns: set[str], shapes: dict[str, tuple[int, ...]]) ->
     o_proj = next((shape for n, shape in shapes.items() if n.endswith("self_attn.o_proj.weight")), None)
     output_gate = not mla and o_proj is not None and q_proj[0] == 2 * o_proj[1]
     qk_norm = "none" if q_norm is None else ("full" if q_norm[0] * (2 if output_gate else 1) == q_proj[0] else "head")
+    gate_name = next((g for g in ("gate_proj", "g_proj") if any(f"self_attn.{g}." in p for p in patterns)), None)
+    gate = next((shape for n, shape in shapes.items() if n.endswith(f"self_attn.{gate_name}.weight")), None)
     return {
+        "gate_proj": gate_name,
+        "gate_kind": "none" if gate is None else ("element" if o_proj is not None and gate[0] == o_proj[1] else "head"),
         "qk_norm": qk_norm,
         "qk_norm_names": names,
         "qkv_bias": any(p.endswith("self_attn.q_proj.bias") for p in patterns),
@@ -449,30 +459,39 @@ def moe_layers(c: HFConfig, n: int) -> list[int]:
     return list(range(n))
 
 
-def _one_rope(c: HFConfig, types: list[str]) -> HFConfig:
-    """``c`` with ``rope_parameters`` keyed by layer kind (MiMo, Mellum) reduced to the one RoPE its layers use;
-    different RoPEs per kind are refused by name."""
-    thetas = [t for t in c.opt("layer_rope_theta", list, []) if t]  # GraniteMoeSWA: a theta per layer, 0 = NoPE
-    if thetas:
-        if len(set(thetas)) > 1:
-            raise UnknownArchitectureError(
-                f"{c.source}: layer_rope_theta differs between layers ({sorted(set(thetas))[:4]}): a RoPE per layer "
-                "is not computed by moerl's decoder"
-            )
-        params = dict(c.opt("rope_parameters", dict) or {}) | {"rope_theta": float(thetas[0])}
-        c = HFConfig(c.data | {"rope_parameters": params}, c.source)
-    params = c.opt("rope_parameters", dict)
-    if not params or not all(k in ("full_attention", "sliding_attention") for k in params):
-        return c
+def _one_rope(c: HFConfig, types: list[str]) -> tuple[HFConfig, dict | None]:
+    """``c`` with its RoPE as the full-attention layers use it (``rope_parameters`` keyed by layer kind: MiMo,
+    Mellum, Laguna; ``layer_rope_theta``, a theta per layer: GraniteMoeSWA), and the sliding layers' own
+    ``rope_parameters`` where they differ (None where they rotate as the full ones). A RoPE that differs between
+    layers of one kind is refused by name."""
     kinds = {"full": "full_attention", "sliding": "sliding_attention"}
-    used = [params.get(kinds[t]) for t in dict.fromkeys(types) if t in kinds]
-    if any(u is None for u in used) or any(u != used[0] for u in used):
+    thetas = c.opt("layer_rope_theta", list, [])
+    per_layer = {}  # kind -> the thetas of its layers that rotate (0: NoPE)
+    for t, theta in zip(types, thetas, strict=False):
+        if theta:
+            per_layer.setdefault(t, set()).add(float(theta))
+    if any(len(v) > 1 for v in per_layer.values()):
         raise UnknownArchitectureError(
-            f"{c.source}: rope_parameters differ per layer kind ({', '.join(params)}): a RoPE per layer kind is not "
-            "computed by moerl's decoder"
+            f"{c.source}: layer_rope_theta differs between layers of one kind ({sorted(set(thetas))[:4]}): a RoPE "
+            "per layer is not computed by moerl's decoder"
         )
-    top = {k: v for k, v in used[0].items() if k == "partial_rotary_factor"}
-    return HFConfig(c.data | top | {"rope_parameters": used[0]}, c.source)
+    params = dict(c.opt("rope_parameters", dict) or {})
+    if per_layer and not all(k in kinds.values() for k in params):
+        # a kind whose layers all rotate nothing (theta 0) takes another kind's table, which it never reads
+        some = next(iter(per_layer.values()))
+        params = {kinds[k]: params | {"rope_theta": next(iter(per_layer.get(k, some)))} for k in kinds if k in types}
+    if not params or not all(k in kinds.values() for k in params):
+        return c, None
+    used = {t: params.get(kinds[t]) for t in dict.fromkeys(types) if t in kinds}
+    if not used:
+        return c, None
+    if any(u is None for u in used.values()):
+        missing = [kinds[t] for t, u in used.items() if u is None]
+        raise ConfigError(f"{c.source}: field 'rope_parameters' has no entry for the {', '.join(missing)} layers")
+    first = used.get("full", used.get("sliding"))
+    sliding = used.get("sliding") if "full" in used and used.get("sliding") != first else None
+    top = {k: v for k, v in first.items() if k == "partial_rotary_factor"}
+    return HFConfig(c.data | top | {"rope_parameters": first}, c.source), sliding
 
 
 def _routing(c: HFConfig, layout: Layout, variant: dict) -> dict:
@@ -495,6 +514,7 @@ def _routing(c: HFConfig, layout: Layout, variant: dict) -> dict:
         routed_scaling_factor=next(
             (c.req(k, float) for k in SYNONYMS["routed_scaling_factor"] if c.data.get(k) is not None), 1.0
         ),
+        router_softcap=next((c.req(k, float) for k in SYNONYMS["router_softcap"] if c.data.get(k) is not None), 0.0),
     )
 
 
@@ -525,12 +545,38 @@ def _attention(c: HFConfig, f: dict, layout: Layout, variant: dict, types: list[
         qk_norm_after_rope=variant["qk_norm_after_rope"] and layout.qk_norm == "head",
         clip_qkv=c.opt("clip_qkv", float),
         attn_output_gate=layout.output_gate,
+        attn_gate=layout.gate_kind,
+        # Laguna's ``gating`` field goes with its softplus gates; AFMoE's (no field) are sigmoid
+        attn_gate_act="softplus" if layout.gate_kind != "none" and "gating" in c.data else "sigmoid",
+        layer_heads=_layer_heads(c, f),
         rope_dim=rope_dim,
         # EXAONE-MoE: with sliding layers, the full-attention ones rotate nothing (names cannot tell: a variant)
         nope_layers=sorted(nope),
         attention_sinks=layout.sinks,
         **({"attn_scale": c.req("attention_multiplier", float)} if "attention_multiplier" in c.data else {}),
     )
+
+
+def _sliding_rope(c: HFConfig, f: dict, params: dict | None) -> dict:
+    """The sliding layers' own RoPE and rotated dims from their ``rope_parameters`` (none: they rotate as the full
+    ones)."""
+    if params is None:
+        return {}
+    own = HFConfig({"rope_parameters": params}, f"{c.source} rope_parameters.sliding_attention")
+    return dict(sliding_rope=own.rope(), sliding_rope_dim=partial_rope_dim(own, f["head_dim"]))
+
+
+def _layer_heads(c: HFConfig, f: dict) -> list[int]:
+    """The query heads per layer where the config lists them and they differ from ``num_attention_heads``."""
+    heads = c.opt("num_attention_heads_per_layer", list)
+    if heads is None or all(h == f["num_heads"] for h in heads):
+        return []
+    if len(heads) != f["num_layers"] or not all(isinstance(h, int) and h >= 1 for h in heads):
+        raise ConfigError(
+            f"{c.source}: field 'num_attention_heads_per_layer' must list an int >= 1 for each of the "
+            f"{f['num_layers']} layers, got {heads!r}"
+        )
+    return list(heads)
 
 
 def _indexer(c: HFConfig, layout: Layout, variant: dict, n: int) -> dict:
@@ -594,7 +640,7 @@ def _config(c: HFConfig, layout: Layout, variant: dict) -> ModelConfig:
     types, window = layer_types(
         c, n, all_sliding=use is None, linear=layout.linear is not None, indexed=layout.indexer, mamba=layout.mamba
     )
-    c = _one_rope(c, types)
+    c, sliding = _one_rope(c, types)
     f = common_fields(c)
     f["tie_word_embeddings"] = layout.tied
     moe_size = c.first(SYNONYMS["moe_intermediate_size"] + ("intermediate_size",), int)
@@ -634,6 +680,7 @@ def _config(c: HFConfig, layout: Layout, variant: dict) -> ModelConfig:
         residual_multiplier=c.opt("residual_multiplier", float, 1.0),
         logits_scaling=c.opt("logits_scaling", float, 1.0),
         **_attention(c, f, layout, variant, types),
+        **_sliding_rope(c, f, sliding),
         **_routing(c, layout, variant),
         **(linear_attention_fields(c) if layout.linear is not None else {}),
         **(mamba_fields(c, hidden, variant.get("mamba_norm_groups", 1), layout.mamba) if layout.mamba else {}),
@@ -759,6 +806,8 @@ def _rules(layout: Layout, variant: dict) -> tuple[list[Rule], tuple[Fused, ...]
         fused += FUSED if layout.linear == "fused" else ()
     if layout.shared_gate:
         rules.append(Rule(f"{hf_block}.shared_expert_gate.weight", "layers.{i}.mlp.shared_experts_gate.weight"))
+    if layout.gate_proj == "g_proj":
+        rules.append(Rule("model.layers.{i}.self_attn.g_proj.weight", "layers.{i}.self_attn.gate_proj.weight"))
     return rules, fused
 
 

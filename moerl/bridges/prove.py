@@ -69,9 +69,14 @@ def tiny_config(hf: dict) -> dict:
     offsets = [hf[k] + 1 for k in ("attn_layer_offset", "expert_layer_offset") if isinstance(hf.get(k), int)]
     keep = max([keep, *offsets])
     small["num_hidden_layers"] = min(n, max(keep, 2), max(4, keep if kinds or offsets else 4))
-    for key in ("layer_types", "mlp_layer_types", "layer_rope_theta", "layers_block_type", "indexer_types"):
+    for key in (
+        "layer_types", "mlp_layer_types", "layer_rope_theta", "layers_block_type", "indexer_types",
+        "num_attention_heads_per_layer",
+    ):  # fmt: skip
         if isinstance(small.get(key), list):
             small[key] = small[key][: small["num_hidden_layers"]]
+    if isinstance(small.get("num_attention_heads_per_layer"), list):  # the checkpoint's own head counts, not 4
+        small["num_attention_heads"] = hf["num_attention_heads"]
     if isinstance(hf.get("hybrid_override_pattern"), str) and not hf.get("layers_block_type"):
         small["hybrid_override_pattern"] = "".join(small.pop("layers_block_type"))
     if small.get("sliding_window"):
@@ -183,7 +188,10 @@ def prove(hf: dict) -> tuple[Bridge, dict, Layout]:
         for variant in variants(saved, layout):
             failure = _differs(hf, tmp, derive(saved, layout, variant), ids, logits, choices, hidden)
             if failure is None:
-                return derive(hf, layout, variant), variant, layout
+                bridge = derive(hf, layout, variant)
+                # the checkpoint's own fields, which the tiny instance cut (its layers, their RoPEs): refused here too
+                bridge.config_from_hf(HFConfig(hf, f"{arch_name(hf)} config"))
+                return bridge, variant, layout
             failures.append(failure)
     raise UnknownArchitectureError(
         f"cannot derive a bridge for {arch_name(hf)}: no variant matches transformers at fp32 {TOL} "

@@ -53,7 +53,7 @@ class KernelAttention(Attention):
                 return why
         if len({type(m) for m in (self.q_proj, self.k_proj, self.v_proj)}) > 1:
             return "adapters on some of q / k / v only"
-        if self.output_gate or self.clip_qkv is not None:
+        if self.output_gate or self.gate_kind != "none" or self.clip_qkv is not None:
             return "an attention output gate, or clipped q / k / v"
         if not rope_in_one_call(self):
             return "q / k norms other than per head before RoPE, or interleaved or partial RoPE"

@@ -62,6 +62,8 @@ def _layer_refusal(layer, dtype: torch.dtype) -> str | None:
         return "not a pre-norm decoder layer without a residual multiplier"
     if layer.mask_kind not in ("full", "sliding") or not layer.is_moe:
         return "not attention then a MoE"
+    if layer.rope_kind != "full":  # the step rotates by one table
+        return "a RoPE of the sliding layers' own"
     for name in ("input_layernorm", "self_attn", "post_attention_layernorm"):
         why = _module_refusal(name, getattr(layer, name), dtype)
         if why:

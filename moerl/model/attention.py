@@ -1,6 +1,7 @@
-"""Attention mixers: grouped-query attention (GQA: qk-norm, sliding window, sinks, an output gate, partial / no
-RoPE) and multi-head latent attention (MLA, with DeepSeek sparse attention's indexer), the ``full`` and ``sliding``
-layer kinds of ``moerl.model.mixers``; each reads and writes the engine's paged KV cache through ``KVCacheView``."""
+"""Attention mixers: grouped-query attention (GQA: qk-norm, sliding window, sinks, an output gate in q_proj or of its
+own projection, partial / no RoPE, a head count and a RoPE of its own per layer) and multi-head latent attention (MLA,
+with DeepSeek sparse attention's indexer), the ``full`` and ``sliding`` layer kinds of ``moerl.model.mixers``; each
+reads and writes the engine's paged KV cache through ``KVCacheView``."""
 
 from __future__ import annotations
 
@@ -93,11 +94,16 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        h, nh, nkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h, nh, nkv, d = cfg.hidden_size, cfg.heads(layer), cfg.num_kv_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, d
-        self.rope_dim = 0 if layer in cfg.nope_layers else (cfg.rope_dim or d)  # 0: a layer without RoPE
+        rope_dim = cfg.layer_rope(layer)[1]
+        self.rope_dim = 0 if layer in cfg.nope_layers else (rope_dim or d)  # 0: a layer without RoPE
         self.output_gate = cfg.attn_output_gate  # q_proj yields [q | gate] per head
         self.q_proj = Linear(h, nh * d * (2 if self.output_gate else 1), bias=cfg.qkv_bias)
+        # a gate of its own projection: one per head or per channel, through sigmoid or softplus
+        self.gate_kind, self.gate_act = cfg.attn_gate, cfg.attn_gate_act
+        if self.gate_kind != "none":
+            self.gate_proj = Linear(h, nh * (d if self.gate_kind == "element" else 1), bias=False)
         self.k_proj = Linear(h, nkv * d, bias=cfg.qkv_bias)
         self.v_proj = Linear(h, nkv * d, bias=cfg.qkv_bias)
         self.o_proj = Linear(nh * d, h, bias=cfg.o_bias)
@@ -140,7 +146,18 @@ class Attention(nn.Module):
             else:
                 k, v = k.transpose(1, 2), v.transpose(1, 2)
             out = self.core(q.transpose(1, 2), k, v, mask, self.scale, self.sinks)
+        if self.gate_kind != "none":
+            return self.o_proj(self._gated(out, x))
         return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
+
+    def _gated(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The attention ``out`` [B, T, heads * d] times the gate of its own projection of the layer's input ``x``
+        (the activation in fp32: softplus and sigmoid saturate in bf16)."""
+        g = self.gate_proj(x).float()
+        g = (F.softplus(g) if self.gate_act == "softplus" else torch.sigmoid(g)).to(out.dtype)
+        if self.gate_kind == "head":
+            return (out.unflatten(-1, (self.num_heads, self.head_dim)) * g.unsqueeze(-1)).flatten(-2)
+        return out * g
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v of ``x`` (a backend's attention may make them in one call)."""

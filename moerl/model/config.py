@@ -74,6 +74,11 @@ class ModelConfig:
     attention_sinks: bool = False
     attn_scale: float | None = None  # None: rotary-inclusive q/k head dim ** -0.5
     attn_output_gate: bool = False  # q_proj also yields a per-head gate: o * sigmoid(gate) (Qwen3-Next)
+    # an output gate of its own projection (self_attn.gate_proj: AFMoE, Laguna): o * act(gate_proj(x)), one gate per
+    # head ("head") or per channel ("element"); act: sigmoid | softplus (Laguna's)
+    attn_gate: str = "none"
+    attn_gate_act: str = "sigmoid"
+    layer_heads: list[int] = field(default_factory=list)  # query heads per layer (Laguna's); empty: num_heads in all
     # linear-attention layers (Gated DeltaNet: moerl.model.linear_attention)
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
@@ -99,6 +104,10 @@ class ModelConfig:
     rope_dim: int | None = None  # rotated dims per head (None: all of head_dim)
     rope_interleave: bool = False  # rotary pairs stored interleaved (DeepSeek, Ernie-4.5)
     nope_layers: list[int] = field(default_factory=list)  # attention layers that rotate nothing (EXAONE's full ones)
+    # a RoPE per layer kind (Laguna, Gemma): the sliding layers' own table and rotated dims (None: all of head_dim);
+    # None: the sliding layers rotate as the full ones (``rope``, ``rope_dim``)
+    sliding_rope: RopeConfig | None = None
+    sliding_rope_dim: int | None = None
     # multi-head latent attention (DeepSeek-V3)
     q_lora_rank: int | None = None
     kv_lora_rank: int = 0
@@ -115,6 +124,7 @@ class ModelConfig:
     # "shared" indexer layers)
     index_shared_layers: list[int] = field(default_factory=list)
     # router
+    router_softcap: float = 0.0  # router logits -> cap * tanh(logits / cap) before scoring (Laguna's); 0: none
     scoring: str = "softmax"  # softmax | sigmoid | sparsemixer (PhiMoE, its deterministic eval form; top_k 2)
     sparsemixer_eps: float = 0.01  # sparsemixer: experts this far (relative) below the chosen one are masked
     topk_before_softmax: bool = False  # softmax over the k chosen logits (GPT-OSS)
@@ -203,6 +213,12 @@ class ModelConfig:
         self._validate_sizes()  # before the divisions below
         if self.num_heads % self.num_kv_heads:
             raise self._bad("num_kv_heads", f"must divide num_heads={self.num_heads}")
+        if self.layer_heads and (
+            len(self.layer_heads) != self.num_layers or any(n < 1 or n % self.num_kv_heads for n in self.layer_heads)
+        ):
+            raise self._bad(
+                "layer_heads", f"needs {self.num_layers} entries (num_layers), each a multiple of num_kv_heads >= 1"
+            )
         if (self.num_experts + self.zero_experts) % self.n_group or not 1 <= self.topk_group <= self.n_group:
             raise self._bad("n_group", f"must divide the router's experts and be >= topk_group={self.topk_group}")
         self._validate_unused()
@@ -253,8 +269,18 @@ class ModelConfig:
                 raise self._bad(
                     "qk_norm_after_rope", "not built with rope_interleave (the norm would see reordered dims)"
                 )
-            if self.rope_dim is not None and not (0 < self.rope_dim <= self.head_dim and self.rope_dim % 2 == 0):
-                raise self._bad("rope_dim", f"must be even and lie in [2, head_dim={self.head_dim}]")
+            for name in ("rope_dim", "sliding_rope_dim"):
+                dim = getattr(self, name)
+                if dim is not None and not (0 < dim <= self.head_dim and dim % 2 == 0):
+                    raise self._bad(name, f"must be even and lie in [2, head_dim={self.head_dim}]")
+            if self.attn_gate not in ("none", "head", "element"):
+                raise self._bad("attn_gate", "allowed: none, head, element")
+            if self.attn_gate_act not in ("sigmoid", "softplus"):
+                raise self._bad("attn_gate_act", "allowed: sigmoid, softplus")
+            if self.attn_gate != "none" and self.attn_output_gate:
+                raise self._bad("attn_gate", "a second output gate beside attn_output_gate's (one gate per layer)")
+            if self.attn_gate == "none" and self.attn_gate_act != "sigmoid":
+                raise self._bad("attn_gate_act", "set, but there is no gate of its own projection (attn_gate='none')")
         else:
             mla_defaults = (
                 ("qk_norm", "none"),
@@ -264,6 +290,11 @@ class ModelConfig:
                 ("qk_norm_after_rope", False),
                 ("attn_output_gate", False),
                 ("nope_layers", []),
+                ("attn_gate", "none"),
+                ("attn_gate_act", "sigmoid"),
+                ("layer_heads", []),
+                ("sliding_rope", None),
+                ("sliding_rope_dim", None),
             )
             self._only_defaults("for attention='mla'", mla_defaults)
         self._validate_indexer()
@@ -271,6 +302,14 @@ class ModelConfig:
             raise self._bad("clip_qkv", "must be > 0 (or None)")
         if self.sliding_window is not None and "sliding" not in self.layer_types:
             raise self._bad("sliding_window", "set, but no layer is 'sliding' (layer_types): it would be ignored")
+        if self.sliding_rope is None and self.sliding_rope_dim is not None:
+            raise self._bad("sliding_rope_dim", "set without sliding_rope (the sliding layers rotate as the full ones)")
+        if self.sliding_rope is not None and "sliding" not in self.layer_types:
+            raise self._bad("sliding_rope", "set, but no layer is 'sliding' (layer_types): it would be ignored")
+        if self.sliding_rope is not None and self.sliding_rope.kind not in ("default", "linear", "yarn", "llama3"):
+            raise ConfigError(
+                f"ModelConfig.sliding_rope.kind={self.sliding_rope.kind!r}: allowed: default, linear, yarn, llama3"
+            )
 
     def _validate_mamba(self) -> None:
         """Mamba fields: those of Mamba-2 ('mamba' layers) and of Mamba-1 ('mamba1') at their defaults without such a
@@ -369,6 +408,8 @@ class ModelConfig:
             raise self._bad("norm_topk_min", "must be >= 0")
         if self.group_score != "top2_sum" and self.n_group == 1:
             raise self._bad("group_score", "set, but routing is not group-limited (n_group=1)")
+        if not self.router_softcap >= 0:
+            raise self._bad("router_softcap", "must be >= 0 (0: no soft-capping)")
 
     def _validate_multipliers(self) -> None:
         """Embedding / residual / logit multipliers and the routed scaling factor are > 0."""
@@ -388,3 +429,14 @@ class ModelConfig:
     @property
     def moe_layer_set(self) -> frozenset[int]:
         return frozenset(self.moe_layers)
+
+    def heads(self, layer: int) -> int:
+        """Layer ``layer``'s query heads (``layer_heads`` where the model lists them per layer)."""
+        return self.layer_heads[layer] if self.layer_heads else self.num_heads
+
+    def layer_rope(self, layer: int) -> tuple[RopeConfig, int | None]:
+        """Layer ``layer``'s RoPE and rotated dims per head (None: all of head_dim): the sliding layers' own where
+        the model has a RoPE per layer kind."""
+        if self.sliding_rope is not None and self.layer_types[layer] == "sliding":
+            return self.sliding_rope, self.sliding_rope_dim
+        return self.rope, self.rope_dim

@@ -27,6 +27,7 @@ class Router(nn.Module):
         self.norm_topk_prob, self.scale = cfg.norm_topk_prob, cfg.routed_scaling_factor
         self.norm_min, self.sparsemixer_eps = cfg.norm_topk_min, cfg.sparsemixer_eps
         self.n_group, self.topk_group, self.group_score = cfg.n_group, cfg.topk_group, cfg.group_score
+        self.softcap = cfg.router_softcap
         e = self.num_experts
         self.weight = nn.Parameter(torch.empty(e, cfg.hidden_size, dtype=torch.float32))
         self.bias = nn.Parameter(torch.zeros(e, dtype=torch.float32)) if cfg.router_bias else None
@@ -47,7 +48,7 @@ class Router(nn.Module):
         """Whether this router's rule is a softmax top-k of the router's own scores (no correction bias, groups or
         floor of the normalisation): the rule a backend's one-call router computes."""
         plain = self.scoring == "softmax" and not self.topk_before_softmax and self.e_score_correction_bias is None
-        return plain and self.n_group <= 1 and not self.norm_min
+        return plain and self.n_group <= 1 and not self.norm_min and not self.softcap
 
     def _select(self, logits: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """Top-k expert indices [N, k] by the model's rule."""
@@ -126,6 +127,8 @@ class Router(nn.Module):
         ``replay`` [N, k] replaces the router's own choice; rows holding -1 keep the router's own choice.
         """
         logits = F.linear(x.float(), self.weight, self.bias)
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
         scores = self.scores(logits)
         if replay is None and scores is not None and self.e_score_correction_bias is None and self.n_group <= 1:
             # the top-k of the scores themselves: its values are the gather of them at its indices (one op fewer)

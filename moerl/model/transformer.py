@@ -50,6 +50,8 @@ class DecoderLayer(nn.Module):
         elif self.has_mlp:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, mlp_activation(cfg))
         self.layer = layer
+        # the rotary table this layer's attention takes: the sliding layers' own where the model has a RoPE per kind
+        self.rope_kind = "sliding" if kind == "sliding" and cfg.sliding_rope is not None else "full"
         # ``block`` compiled for training (moerl.trainer.compile); None: eager
         self.compiled: Callable | None = None
         # ``recompute(layer, run, x, cos, sin, mask, replay, chosen)`` runs a training forward's block so that it is
@@ -152,10 +154,28 @@ class MoEModel(nn.Module):
         return self.norm.weight.dtype if self.norm is not None else self.embed_tokens.weight.dtype
 
     def init_rope(self) -> None:
-        """Compute the rotary table: fp32, on the CPU (a plain attribute, so ``to(dtype)`` leaves it fp32)."""
+        """Compute the rotary tables: fp32, on the CPU (plain attributes, so ``to(dtype)`` leaves them fp32); the
+        sliding layers' own (``sliding_inv_freq``, ``sliding_rope_scale``) where the model has a RoPE per kind."""
         cfg = self.config
         dim = cfg.qk_rope_head_dim if cfg.attention == "mla" else (cfg.rope_dim or cfg.head_dim)
         self.inv_freq, self.rope_scale = inv_freq_and_scale(cfg.rope, dim, cfg.max_position_embeddings)
+        self.sliding_inv_freq = None
+        if cfg.sliding_rope is not None:
+            dim = cfg.sliding_rope_dim or cfg.head_dim
+            self.sliding_inv_freq, self.sliding_rope_scale = inv_freq_and_scale(
+                cfg.sliding_rope, dim, cfg.max_position_embeddings
+            )
+
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """cos, sin [B, T, dim] of ``positions`` [B, T] per rotary table (``DecoderLayer.rope_kind``)."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        tables = {"full": rope_cos_sin(self.inv_freq, self.rope_scale, positions, dtype)}
+        if self.sliding_inv_freq is not None:
+            if self.sliding_inv_freq.device != positions.device:
+                self.sliding_inv_freq = self.sliding_inv_freq.to(positions.device)
+            tables["sliding"] = rope_cos_sin(self.sliding_inv_freq, self.sliding_rope_scale, positions, dtype)
+        return tables
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
@@ -249,9 +269,7 @@ class MoEModel(nn.Module):
         x = self.embed_tokens(input_ids) if hidden is None else hidden
         if hidden is None and self.config.embedding_multiplier != 1.0:
             x = x * self.config.embedding_multiplier
-        if self.inv_freq.device != x.device:
-            self.inv_freq = self.inv_freq.to(x.device)
-        cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, positions, x.dtype)
+        tables = self.rope_tables(positions, x.dtype)
         window = self.config.sliding_window if self.config.sliding_window and self.config.sliding_window < t else None
         plain = attention_mask is None or cache is not None  # no padding: the causal kernel, no mask tensor
         masks = {
@@ -268,8 +286,7 @@ class MoEModel(nn.Module):
             col = len(routed)
             x, idx = layer(
                 x,
-                cos,
-                sin,
+                *tables[layer.rope_kind],
                 masks[layer.mask_kind],
                 replay[:, col] if replay is not None and layer.is_moe else None,
                 cache,

@@ -70,10 +70,11 @@ def check_context(cp: int, pp: int, cfg: ModelConfig) -> None:
             f"parallel.cp={cp} with DeepSeek sparse attention (index_topk={cfg.index_topk}): its indexer scores every "
             "key for each query, which split tokens do not have; set parallel.cp=1"
         )
-    if cfg.num_heads % cp:
+    heads = sorted({cfg.heads(i) for i in range(cfg.num_layers)})
+    if any(n % cp for n in heads):
         raise ConfigError(
-            f"parallel.cp={cp} must divide the model's {cfg.num_heads} attention heads (each cp rank attends over "
-            "whole rows for its share of the heads)"
+            f"parallel.cp={cp} must divide the model's {'/'.join(map(str, heads))} attention heads (each cp rank "
+            "attends over whole rows for its share of the heads)"
         )
     if pp > 1:
         raise ConfigError(
