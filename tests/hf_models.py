@@ -404,5 +404,21 @@ DERIVED_CONFIGS["LagunaForCausalLM"] = dict(
     mlp_layer_types=["dense", "sparse", "sparse", "sparse"], moe_router_logit_softcapping=0.05, gating=True,
     vocab_size=VOCAB,
 )  # fmt: skip
+# AFMoE: sandwich norms (before and after attention and MLP), sigmoid output gates of their own projection per
+# channel, sliding layers beside a full one, sigmoid routing with its expert_bias, shared experts, a dense first layer
+DERIVED_CONFIGS["AfmoeForCausalLM"] = dict(
+    model_type="afmoe", hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+    num_dense_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+    num_experts_per_tok=2, num_shared_experts=1, route_scale=1.5, global_attn_every_n_layers=2, sliding_window=4,
+    vocab_size=VOCAB,
+)  # fmt: skip
+# A.X-K1: DeepSeek-V3 (latent attention, interleaved rotary pairs, groups) with a norm after each MoE block alone
+DERIVED_CONFIGS["AXK1ForCausalLM"] = dict(
+    model_type="axk1", hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5,
+    kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, qk_head_dim=24,
+    head_dim=8, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True,
+    rope_interleave=True, vocab_size=VOCAB,
+)  # fmt: skip
 DERIVED_ARCHS = list(DERIVED_CONFIGS)
 CONFIGS |= DERIVED_CONFIGS

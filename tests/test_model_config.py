@@ -49,7 +49,8 @@ REFUSED = [
     (GQA, dict(group_score="max"), "group_score", "not group-limited"),
     (GQA, dict(group_score="mean", n_group=2), "group_score", "allowed: top2_sum, max"),
     (GQA, dict(norm="batch"), "norm", "allowed: rms, layer"),
-    (GQA, dict(norm_placement="sandwich"), "norm_placement", "allowed: pre, post"),
+    (GQA, dict(norm_placement="middle"), "norm_placement", "allowed: pre, post, sandwich"),
+    (GQA, dict(norm_placement="sandwich", moe_output_norm=True), "moe_output_norm", "a pre-norm model's"),
     (GQA, dict(embedding_multiplier=0.0), "embedding_multiplier", "must be > 0"),
     (GQA, dict(residual_multiplier=-1.0), "residual_multiplier", "must be > 0"),
     (GQA, dict(logits_scaling=0.0), "logits_scaling", "must be > 0"),
@@ -178,7 +179,8 @@ ACCEPTED = [
         sliding_rope_dim=2,
         router_softcap=5.0,
     ),  # fmt: skip
-    GQA | dict(attn_gate="element"),  # AFMoE's sigmoid gate per channel
+    GQA | dict(attn_gate="element", norm_placement="sandwich"),  # AFMoE: sigmoid gates per channel, sandwich norms
+    GQA | dict(moe_output_norm=True),  # A.X-K1: a norm after the MoE block
 ]
 
 

@@ -140,7 +140,6 @@ FEATURES = {
 }
 # tensor names (under a layer) that say the same
 TENSOR_FEATURES = {
-    **dict.fromkeys(("pre_mlp_layernorm", "post_mlp_layernorm"), "sandwich norms (a norm before and after each MLP)"),
     "attention_sink_bias": "attention sinks stored as a bias",
 }
 
@@ -310,6 +309,10 @@ class Layout:
     mamba: str | None = None  # the Mamba layers' kind: "mamba" (Mamba-2: mamba.in_proj, ...) | "mamba1" (mamba.x_proj)
     norms: tuple[str, str, str] = ("input_layernorm", "post_attention_layernorm", "norm")  # Jamba: pre_ff_, final_
     one_block: bool = False  # Nemotron-H: a layer is one block under ``mixer`` (attention, Mamba, MLP or MoE), one norm
+    # sandwich norms, before and after each sublayer: the MLP's pair as AFMoE names it ("mlp": pre_mlp_layernorm /
+    # post_mlp_layernorm) or Gemma ("feedforward": pre_feedforward_layernorm / post_feedforward_layernorm)
+    sandwich: str | None = None
+    moe_output_norm: bool = False  # a norm after the MoE block alone (A.X-K1's post_mlp_layernorm, no pre_ one)
 
 
 # a tensor each kind alone has, in order (Nemotron-H's Mamba-2 under ``mixer``)
@@ -381,6 +384,18 @@ def read_layout(shapes: dict[str, tuple[int, ...]]) -> Layout:
         ),
         post_norm=any("post_feedforward_layernorm" in p for p in patterns)
         and not any("input_layernorm" in p for p in patterns),
+        moe_output_norm=any(".post_mlp_layernorm." in p for p in patterns)
+        and not any(".pre_mlp_layernorm." in p for p in patterns),
+        sandwich=next(
+            (
+                kind
+                for kind in ("mlp", "feedforward")
+                if any(f".pre_{kind}_layernorm." in p for p in patterns)
+                and any(f".post_{kind}_layernorm." in p for p in patterns)
+                and any(".input_layernorm." in p for p in patterns)
+            ),
+            None,
+        ),
         tied="lm_head.weight" not in shapes,
         lm_head_bias="lm_head.bias" in shapes,
         linear=linear,
@@ -670,7 +685,8 @@ def _config(c: HFConfig, layout: Layout, variant: dict) -> ModelConfig:
         layer_types=types,
         sliding_window=window,
         norm="layer" if layout.layer_norm else "rms",
-        norm_placement="post" if layout.post_norm else "pre",
+        norm_placement="sandwich" if layout.sandwich else ("post" if layout.post_norm else "pre"),
+        moe_output_norm=layout.moe_output_norm,
         lm_head_bias=layout.lm_head_bias,
         router_bias=layout.router_bias,
         shared_expert_size=shared,
@@ -806,6 +822,15 @@ def _rules(layout: Layout, variant: dict) -> tuple[list[Rule], tuple[Fused, ...]
         fused += FUSED if layout.linear == "fused" else ()
     if layout.shared_gate:
         rules.append(Rule(f"{hf_block}.shared_expert_gate.weight", "layers.{i}.mlp.shared_experts_gate.weight"))
+    if layout.sandwich == "mlp":  # AFMoE's names for the MLP's pair
+        rules += [
+            Rule(
+                f"model.layers.{{i}}.{where}_mlp_layernorm.weight", f"layers.{{i}}.{where}_feedforward_layernorm.weight"
+            )
+            for where in ("pre", "post")
+        ]
+    if layout.moe_output_norm:
+        rules.append(Rule("model.layers.{i}.post_mlp_layernorm.weight", "layers.{i}.post_feedforward_layernorm.weight"))
     if layout.gate_proj == "g_proj":
         rules.append(Rule("model.layers.{i}.self_attn.g_proj.weight", "layers.{i}.self_attn.gate_proj.weight"))
     return rules, fused

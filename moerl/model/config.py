@@ -52,7 +52,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     norm: str = "rms"  # rms | layer (LayerNorm with bias: PhiMoE) for the layer and final norms
-    norm_placement: str = "pre"  # pre: x + f(norm(x)) | post: x + norm(f(x)) (OLMo-2, FlexOlmo)
+    # pre: x + f(norm(x)) | post: x + norm(f(x)) (OLMo-2, FlexOlmo) | sandwich: x + norm2(f(norm1(x))) (AFMoE, Gemma)
+    norm_placement: str = "pre"
+    moe_output_norm: bool = False  # MoE layers norm the MoE block's output, routed and shared (A.X-K1's)
     mlp_bias: bool = False  # dense MLP and shared-expert linears
     lm_head_bias: bool = False
     # multipliers (GraniteMoe): embeddings * m, x + m * sublayer(x), logits / scaling
@@ -163,7 +165,7 @@ class ModelConfig:
         for name, allowed in (
             ("scoring", ("softmax", "sigmoid", "sparsemixer")),
             ("norm", ("rms", "layer")),
-            ("norm_placement", ("pre", "post")),
+            ("norm_placement", ("pre", "post", "sandwich")),
             ("group_score", ("top2_sum", "max")),
         ):
             if getattr(self, name) not in allowed:
@@ -352,6 +354,8 @@ class ModelConfig:
             raise self._bad("mixer_only_layers", "lists an MoE layer (moe_layers): a layer without an MLP / MoE")
         if any(self.layer_types[i] == "none" for i in only):
             raise self._bad("mixer_only_layers", "lists a layer of type 'none': it would hold nothing")
+        if self.moe_output_norm and self.norm_placement != "pre":
+            raise self._bad("moe_output_norm", f"a pre-norm model's (norm_placement={self.norm_placement!r} norms it)")
         if (only or "none" in self.layer_types) and self.norm_placement != "pre":
             raise self._bad("norm_placement", "layers of one block (mixer_only_layers, type 'none') are pre-norm only")
 

@@ -23,28 +23,36 @@ from moerl.model.rope import inv_freq_and_scale, rope_cos_sin
 
 
 class DecoderLayer(nn.Module):
-    """Attention then MLP / MoE, each in a residual branch: ``x + m * f(norm(x))`` (pre-norm, the default) or
-    ``x + m * norm(f(x))`` (post-sublayer norms, OLMo-2 placement); ``m`` is the residual multiplier.
+    """Attention then MLP / MoE, each in a residual branch: ``x + m * f(norm(x))`` (pre-norm, the default),
+    ``x + m * norm(f(x))`` (post-sublayer norms, OLMo-2 placement) or ``x + m * norm2(f(norm1(x)))`` (sandwich
+    norms: AFMoE, Gemma); ``m`` is the residual multiplier. The MLP's input norm is ``post_attention_layernorm``
+    pre-norm, ``pre_feedforward_layernorm`` in a sandwich, where ``post_attention_layernorm`` norms the attention's
+    output as it does post-norm.
 
     A layer of one block (Nemotron-H's) keeps one half and one norm, ``input_layernorm``: a mixer alone (its index in
     ``mixer_only_layers``) or an MLP / MoE alone (layer type "none": no ``self_attn``)."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.post_norm = cfg.norm_placement == "post"
+        self.pre_norm = cfg.norm_placement in ("pre", "sandwich")  # the sublayers' inputs normed
+        self.post_norm = cfg.norm_placement in ("post", "sandwich")  # their outputs normed
         kind = cfg.layer_types[layer]
         self.mask_kind = None if kind == "none" else ("linear" if is_recurrent(kind) else kind)
         self.has_mlp = layer not in cfg.mixer_only_layers
-        if not self.post_norm:
+        if self.pre_norm:
             self.input_layernorm = layer_norm(cfg, cfg.hidden_size)
         if kind != "none":  # attention, Gated DeltaNet, Mamba-1 and -2 (moerl.model.mixers)
             self.self_attn = build_mixer(cfg, layer)
         if self.has_mlp and self.mask_kind is not None:
             self.post_attention_layernorm = layer_norm(cfg, cfg.hidden_size)
-        if self.post_norm:
+        if self.pre_norm and self.post_norm and self.has_mlp:
+            self.pre_feedforward_layernorm = layer_norm(cfg, cfg.hidden_size)
+        self.is_moe = layer in cfg.moe_layer_set
+        # the MLP / MoE's output normed: post-norm layers and sandwiches, and MoE layers where the model says so
+        self.mlp_out_norm = self.post_norm or (self.is_moe and cfg.moe_output_norm)
+        if self.mlp_out_norm:
             self.post_feedforward_layernorm = layer_norm(cfg, cfg.hidden_size)
         self.residual_multiplier = cfg.residual_multiplier
-        self.is_moe = layer in cfg.moe_layer_set
         if self.is_moe:
             self.mlp = MoE(cfg)
         elif self.has_mlp:
@@ -65,17 +73,22 @@ class DecoderLayer(nn.Module):
         if self.mask_kind is None:  # an MLP / MoE alone
             return x, self.input_layernorm(x)
         more = {} if chosen is None else {"chosen": chosen}
+        a = self.self_attn(self.input_layernorm(x) if self.pre_norm else x, cos, sin, mask, cache, **more)
         if self.post_norm:
-            a = self.post_attention_layernorm(self.self_attn(x, cos, sin, mask, cache, **more))
-        else:
-            a = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, **more)
-        norm = self.post_attention_layernorm if self.has_mlp and not self.post_norm else None
+            a = self.post_attention_layernorm(a)
+        norm = self._mlp_norm()
         if m == 1.0 and isinstance(norm, RMSNorm):
             return norm.add_and_norm(x, a)  # one step: a backend's norm takes both in one call
         x = x + (a if m == 1.0 else m * a)  # no extra op per layer where there is no multiplier
         if not self.has_mlp:
             return x, None
-        return x, (x if self.post_norm else self.post_attention_layernorm(x))
+        return x, (x if norm is None else norm(x))
+
+    def _mlp_norm(self) -> nn.Module | None:
+        """The norm of the MLP / MoE's input (None: post-norm layers, and layers without an MLP)."""
+        if not self.has_mlp or not self.pre_norm:
+            return None
+        return self.pre_feedforward_layernorm if self.post_norm else self.post_attention_layernorm
 
     def forward(
         self, x, cos, sin, mask, replay=None, cache=None, chosen=None
@@ -105,7 +118,7 @@ class DecoderLayer(nn.Module):
             out = out.view_as(x)
         else:
             out = self.mlp(h)
-        if self.post_norm:
+        if self.mlp_out_norm:
             out = self.post_feedforward_layernorm(out)
         return x + (out if m == 1.0 else m * out), idx
 
