@@ -420,5 +420,16 @@ DERIVED_CONFIGS["AXK1ForCausalLM"] = dict(
     head_dim=8, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True,
     rope_interleave=True, vocab_size=VOCAB,
 )  # fmt: skip
+# Cohere2-MoE: a parallel block (attention and MLP of one LayerNorm without bias), interleaved rotary pairs, full
+# layers without RoPE but its dense first one, the shared expert averaged with the routed ones, a softmax over the
+# top-k logits, scaled logits, tied embeddings
+DERIVED_CONFIGS["Cohere2MoeForCausalLM"] = dict(
+    model_type="cohere2_moe", hidden_size=64, intermediate_size=32, prefix_dense_intermediate_size=96,
+    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+    num_experts_per_tok=2, num_shared_experts=1, shared_expert_combination_strategy="average",
+    layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"], sliding_window=4,
+    mlp_layer_types=["dense", "sparse", "sparse", "sparse"], prefix_dense_sliding_window_pattern=1,
+    logit_scale=0.25, vocab_size=VOCAB,
+)  # fmt: skip
 DERIVED_ARCHS = list(DERIVED_CONFIGS)
 CONFIGS |= DERIVED_CONFIGS

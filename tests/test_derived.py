@@ -175,6 +175,7 @@ KNOBS = {
     "LagunaForCausalLM": ("router_softcap", 0.0),  # its other knobs: tests/test_laguna.py
     "AfmoeForCausalLM": ("attn_gate_act", "softplus"),  # its norms: tests/test_laguna.py
     "AXK1ForCausalLM": ("routed_scaling_factor", 1.0),
+    "Cohere2MoeForCausalLM": ("shared_combine", "sum"),  # its other knobs: tests/test_norm_placements.py
 }
 
 
@@ -235,7 +236,7 @@ REFUSED = [  # (model_type, config changes, the feature the refusal names)
     ("minimax", {}, "lightning linear-attention layers"),
     ("lfm2_moe", {}, "short-convolution layers"),
     ("llama4_text", {}, "chunked attention; attention temperature tuning"),
-    ("cohere2_moe", {}, "shared experts combined with the routed ones other than by a sum"),
+    ("hy_v4", {}, "hyper-connections"),
     ("mimo_v2_flash", {}, "scaled attention values"),
     ("qwen3_moe", {"v_head_dim": 32}, "latent-attention field.* 'v_head_dim' without latent-attention tensors"),
     ("granitemoe_swa", {"layer_rope_theta": [1e4 * (1 + i) for i in range(32)]}, "a RoPE per layer is not"),

@@ -48,8 +48,10 @@ REFUSED = [
     (GQA, dict(norm_topk_min=1e-12), "norm_topk_min", "normalisation that is off"),
     (GQA, dict(group_score="max"), "group_score", "not group-limited"),
     (GQA, dict(group_score="mean", n_group=2), "group_score", "allowed: top2_sum, max"),
-    (GQA, dict(norm="batch"), "norm", "allowed: rms, layer"),
-    (GQA, dict(norm_placement="middle"), "norm_placement", "allowed: pre, post, sandwich"),
+    (GQA, dict(norm="batch"), "norm", "allowed: rms, layer, layer_nobias"),
+    (GQA, dict(norm_placement="middle"), "norm_placement", "allowed: pre, post, sandwich, parallel"),
+    (GQA, dict(shared_combine="max", shared_expert_size=8), "shared_combine", "allowed: sum, average"),
+    (GQA, dict(shared_combine="average"), "shared_combine", "no shared expert"),
     (GQA, dict(norm_placement="sandwich", moe_output_norm=True), "moe_output_norm", "a pre-norm model's"),
     (GQA, dict(embedding_multiplier=0.0), "embedding_multiplier", "must be > 0"),
     (GQA, dict(residual_multiplier=-1.0), "residual_multiplier", "must be > 0"),
@@ -181,6 +183,8 @@ ACCEPTED = [
     ),  # fmt: skip
     GQA | dict(attn_gate="element", norm_placement="sandwich"),  # AFMoE: sigmoid gates per channel, sandwich norms
     GQA | dict(moe_output_norm=True),  # A.X-K1: a norm after the MoE block
+    # Cohere2-MoE: a parallel block of LayerNorms without bias, the shared expert averaged in, interleaved pairs
+    GQA | dict(norm="layer_nobias", norm_placement="parallel", shared_expert_size=8, shared_combine="average"),
 ]
 
 

@@ -1,5 +1,6 @@
 """Norms around the sublayers, derived with no bridge file: AFMoE's sandwich norms (before and after attention and
-the MLP) and A.X-K1's norm after each MoE block alone. Parity with transformers at fp32 1e-4 with a control per norm,
+the MLP), A.X-K1's norm after each MoE block alone, Cohere2-MoE's parallel block (attention and MLP of one LayerNorm
+without bias). Parity with transformers at fp32 1e-4 with a control per norm,
 the engine's decode against full forwards, every training mode, and the bound CPU decode step refusing them by
 name."""
 
@@ -11,7 +12,12 @@ from mixer_checks import FP32_TOL, assert_matches_transformers, moved, sft_losse
 from moerl.bridges import load_model
 
 SANDWICH = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
-NORMS = {"AfmoeForCausalLM": SANDWICH, "AXK1ForCausalLM": ("post_feedforward_layernorm",)}
+NORMS = {
+    "AfmoeForCausalLM": SANDWICH,
+    "AXK1ForCausalLM": ("post_feedforward_layernorm",),
+    "Cohere2MoeForCausalLM": ("input_layernorm",),
+}
+PLACEMENT = {"AfmoeForCausalLM": "sandwich", "AXK1ForCausalLM": "pre", "Cohere2MoeForCausalLM": "parallel"}
 
 
 def _checkpoint(arch: str, path):
@@ -36,8 +42,8 @@ def test_the_norms_match_transformers_with_a_control_per_norm(checkpoint):
     the logits past the tolerance (the norm is applied where transformers applies it, not dropped)."""
     arch, path, hf = checkpoint
     model = load_model(path, dtype=torch.float32)
-    placement = "sandwich" if arch == "AfmoeForCausalLM" else "pre"
-    assert model.config.norm_placement == placement and model.config.moe_output_norm == (placement == "pre")
+    assert model.config.norm_placement == PLACEMENT[arch]
+    assert model.config.moe_output_norm == (arch == "AXK1ForCausalLM")
     ids = token_ids()
     want = assert_matches_transformers(model, hf, ids)
     for norm in NORMS[arch]:
@@ -46,6 +52,41 @@ def test_the_norms_match_transformers_with_a_control_per_norm(checkpoint):
         assert moved(model, ids, want, lambda w=weights: [x.mul_(1.5) for x in w]) > FP32_TOL, norm
     if arch == "AXK1ForCausalLM":  # the dense first layer has no such norm
         assert not hasattr(model.layers[0], "post_feedforward_layernorm")
+
+
+def test_cohere2_moes_knobs_each_miss_when_set_wrong(tmp_path):
+    """Cohere2-MoE at fp32 1e-4 of transformers (sharp attention, so that where RoPE goes shows); each of its knobs
+    set wrong misses: the LayerNorm as RMSNorm, the rotary pairs in halves, RoPE on its full MoE layer (or none on
+    its dense first one), the shared expert summed, the logits unscaled."""
+    import dataclasses
+
+    from moerl.model.transformer import MoEModel
+
+    path, hf = _checkpoint("Cohere2MoeForCausalLM", tmp_path / "cohere2")
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(8)
+    hf.save_pretrained(path)
+    model = load_model(path, dtype=torch.float32)
+    cfg = model.config
+    assert (cfg.norm, cfg.rope_interleave, cfg.nope_layers) == ("layer_nobias", True, [3])
+    assert (cfg.shared_combine, cfg.logits_scaling, cfg.topk_before_softmax) == ("average", 4.0, True)
+    ids = token_ids()
+    want = assert_matches_transformers(model, hf, ids)
+    wrong = [
+        {"norm": "rms"},
+        {"rope_interleave": False},
+        {"nope_layers": []},
+        {"nope_layers": [0, 3]},
+        {"shared_combine": "sum"},
+        {"logits_scaling": 1.0},
+    ]
+    for fields in wrong:
+        off = MoEModel(dataclasses.replace(cfg, **fields), torch.float32)
+        off.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            assert (off(ids).logits - want).abs().max() > FP32_TOL, fields
 
 
 def test_the_engine_decodes_them_as_their_full_forward(checkpoint):
@@ -63,15 +104,17 @@ def test_the_engine_decodes_them_as_their_full_forward(checkpoint):
 @pytest.mark.parametrize("mode", ["full", "lora", "mxfp8"])
 @pytest.mark.parametrize("arch", list(NORMS))
 def test_they_train_in_every_mode(arch, mode, tmp_path):
-    """Ten SFT steps on one batch lower the loss in each mode; full fine-tuning moves the norms too."""
+    """Ten SFT steps on one batch lower the loss in each mode; full fine-tuning moves the norms too (LayerNorm
+    without bias: its weight)."""
     if mode == "mxfp8":
         pytest.importorskip("torchao")
     path, _ = _checkpoint(arch, tmp_path / arch)
     losses, policy = sft_losses(path, mode)
     assert losses[-1] < (losses[0] - 0.1 if mode == "lora" else 0.85 * losses[0]), losses
-    if mode == "full":  # the output norms train with the rest
-        start = load_model(path, dtype=torch.float32).layers[1].post_feedforward_layernorm.weight
-        now = policy.model.layers[1].post_feedforward_layernorm.weight.detach().float()
+    if mode == "full":  # the norms train with the rest
+        norm = NORMS[arch][-1]
+        start = getattr(load_model(path, dtype=torch.float32).layers[1], norm).weight
+        now = getattr(policy.model.layers[1], norm).weight.detach().float()
         assert (now - start).abs().max() > 1e-3
 
 
@@ -89,5 +132,6 @@ def test_the_bound_decode_step_refuses_them_by_name(checkpoint):
     want = {
         "AfmoeForCausalLM": "not a pre-norm decoder layer without a residual multiplier",
         "AXK1ForCausalLM": "a norm of the MoE's output",
+        "Cohere2MoeForCausalLM": "attention and MLP of one normed input (a parallel block)",
     }
     assert _layer_refusal(model.layers[1], torch.float32) == want[arch]

@@ -100,6 +100,10 @@ READ = {
     "zero_expert_num",  # zero-computation experts (ModelConfig.zero_experts)
     # Laguna: a head count per layer, its output gate's activation and granularity, router weights on the output
     "num_attention_heads_per_layer", "gating", "moe_apply_router_weight_on_input",
+    # Cohere2-MoE: the logits' scale, the router's rule, the shared experts' share, its dense layers' size and
+    # RoPE, LayerNorm (without bias) where rms_norm_eps is null
+    "logit_scale", "expert_selection_fn", "shared_expert_combination_strategy", "prefix_dense_intermediate_size",
+    "prefix_dense_sliding_window_pattern", "layer_norm_eps",
 }  # fmt: skip
 INERT = {  # fields that do not change the forward pass (ids, bookkeeping, training-only losses)
     "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
@@ -136,7 +140,6 @@ FEATURES = {
     "attn_temperature_tuning": "attention temperature tuning",
     **dict.fromkeys(("cca_time0", "cca_time1"), "compressed convolutional attention"),
     "attention_value_scale": "scaled attention values",
-    "shared_expert_combination_strategy": "shared experts combined with the routed ones other than by a sum",
 }
 # tensor names (under a layer) that say the same
 TENSOR_FEATURES = {
@@ -156,6 +159,8 @@ def variants(hf: dict, layout: Layout) -> list[dict]:
         norm_offset=(False, True),
         norm_topk=(False, True) if "norm_topk_prob" not in hf else (False,),
         nope_full=(False, True) if {"full_attention", "sliding_attention"} <= kinds else (False,),
+        # GQA's rotary pairs interleaved (Cohere's) where no field says
+        gqa_interleave=(False, True) if layout.attention == "gqa" and "rope_interleave" not in hf else (False,),
         topk_before_softmax=(False, True) if softmax else (False,),
         qk_norm_after_rope=(False, True) if layout.qk_norm == "head" else (False,),
         # latent attention's rotary pairs where no field says (DeepSeek-V3.2 interleaves them in code)
@@ -168,7 +173,12 @@ def variants(hf: dict, layout: Layout) -> list[dict]:
         mamba_norm_groups=(1, groups) if layout.mamba == "mamba" and groups > 1 else (1,),
     )
     out = [dict(zip(open_, values, strict=True)) for values in itertools.product(*open_.values())]
-    return [v for v in out if not (v["topk_before_softmax"] and v["norm_topk"])]  # the k-softmax sums to 1 anyway
+    # the k-softmax sums to 1 anyway; norms after the rotation would see interleaved pairs reordered (not built)
+    return [
+        v
+        for v in out
+        if not (v["topk_before_softmax"] and v["norm_topk"]) and not (v["qk_norm_after_rope"] and v["gqa_interleave"])
+    ]
 
 
 # what the derived path reads as sizes and switches: checked for type and range before transformers sees them
@@ -312,6 +322,7 @@ class Layout:
     # sandwich norms, before and after each sublayer: the MLP's pair as AFMoE names it ("mlp": pre_mlp_layernorm /
     # post_mlp_layernorm) or Gemma ("feedforward": pre_feedforward_layernorm / post_feedforward_layernorm)
     sandwich: str | None = None
+    parallel: bool = False  # one norm a layer, attention and MLP both of its output (Cohere's parallel block)
     moe_output_norm: bool = False  # a norm after the MoE block alone (A.X-K1's post_mlp_layernorm, no pre_ one)
 
 
@@ -400,6 +411,10 @@ def read_layout(shapes: dict[str, tuple[int, ...]]) -> Layout:
         lm_head_bias="lm_head.bias" in shapes,
         linear=linear,
         mamba=next((k for k, t in MAMBA_KINDS if any(t in p for p in patterns)), None),
+        parallel=any(".input_layernorm." in p for p in patterns)
+        and not any(
+            f".{n}_layernorm." in p for p in patterns for n in ("post_attention", "pre_ff", "post_feedforward")
+        ),
         norms=(
             "input_layernorm",
             "pre_ff_layernorm" if any(".pre_ff_layernorm." in p for p in patterns) else "post_attention_layernorm",
@@ -518,6 +533,11 @@ def _routing(c: HFConfig, layout: Layout, variant: dict) -> dict:
     if method not in ("noaux_tc", "greedy"):  # noaux_tc: groups by their top-2 sum; greedy: no groups
         raise UnknownArchitectureError(f"{c.source}: topk_method={method!r}: allowed: noaux_tc, greedy")
     before = variant["topk_before_softmax"]
+    selection = c.opt("expert_selection_fn", str)  # Cohere2-MoE: softmax over the top-k logits, or sigmoid scores
+    if selection not in (None, "softmax", "sigmoid"):
+        raise UnknownArchitectureError(f"{c.source}: expert_selection_fn={selection!r}: allowed: softmax, sigmoid")
+    if selection is not None:
+        scoring, before = selection, selection == "softmax"
     norm = variant.get("norm_topk") or c.opt("norm_topk_prob", bool, False)
     return dict(
         scoring=scoring,
@@ -550,6 +570,9 @@ def _attention(c: HFConfig, f: dict, layout: Layout, variant: dict, types: list[
     rope_dim = partial_rope_dim(c, f["head_dim"]) if rotary is None else (None if rotary == f["head_dim"] else rotary)
     both = {"full", "sliding"} <= set(types)
     nope = [i for i, t in enumerate(types) if t == "full"] if variant.get("nope_full") and both else []
+    if c.opt("prefix_dense_sliding_window_pattern", int) == 1:  # Cohere2-MoE: its dense full layers rotate after all
+        dense = set(range(f["num_layers"])) - set(moe_layers(c, f["num_layers"]))
+        nope = [i for i in nope if i not in dense]
     nope += [i for i, theta in enumerate(c.opt("layer_rope_theta", list, [])) if theta == 0 and i not in nope]
     if variant.get("nope_attention") or c.data.get("position_embedding_type", "rope") != "rope":  # Granite-4.0-H
         nope = [i for i, t in enumerate(types) if t in ("full", "sliding")]
@@ -565,6 +588,7 @@ def _attention(c: HFConfig, f: dict, layout: Layout, variant: dict, types: list[
         attn_gate_act="softplus" if layout.gate_kind != "none" and "gating" in c.data else "sigmoid",
         layer_heads=_layer_heads(c, f),
         rope_dim=rope_dim,
+        rope_interleave=c.opt("rope_interleave", bool, variant.get("gqa_interleave", False)),
         # EXAONE-MoE: with sliding layers, the full-attention ones rotate nothing (names cannot tell: a variant)
         nope_layers=sorted(nope),
         attention_sinks=layout.sinks,
@@ -656,6 +680,10 @@ def _config(c: HFConfig, layout: Layout, variant: dict) -> ModelConfig:
         c, n, all_sliding=use is None, linear=layout.linear is not None, indexed=layout.indexer, mamba=layout.mamba
     )
     c, sliding = _one_rope(c, types)
+    # Cohere's convention: a null rms_norm_eps means LayerNorm (without bias), of layer_norm_eps
+    layer_norm_eps = c.opt("layer_norm_eps", float) if c.data.get("rms_norm_eps") is None else None
+    if layer_norm_eps is not None:
+        c = HFConfig(c.data | {"rms_norm_eps": layer_norm_eps}, c.source)
     f = common_fields(c)
     f["tie_word_embeddings"] = layout.tied
     moe_size = c.first(SYNONYMS["moe_intermediate_size"] + ("intermediate_size",), int)
@@ -677,15 +705,15 @@ def _config(c: HFConfig, layout: Layout, variant: dict) -> ModelConfig:
     return ModelConfig(
         **f,
         **one_block,
-        intermediate_size=c.opt("intermediate_size", int, 0) if dense else 0,
+        intermediate_size=c.first(("prefix_dense_intermediate_size", "intermediate_size"), int) if dense else 0,
         num_experts=c.first(SYNONYMS["num_experts"], int),
         top_k=c.first(SYNONYMS["top_k"], int),
         moe_intermediate_size=moe_size,
         moe_layers=moe,
         layer_types=types,
         sliding_window=window,
-        norm="layer" if layout.layer_norm else "rms",
-        norm_placement="sandwich" if layout.sandwich else ("post" if layout.post_norm else "pre"),
+        norm="layer" if layout.layer_norm else ("layer_nobias" if layer_norm_eps is not None else "rms"),
+        norm_placement=_placement(layout),
         moe_output_norm=layout.moe_output_norm,
         lm_head_bias=layout.lm_head_bias,
         router_bias=layout.router_bias,
@@ -694,13 +722,34 @@ def _config(c: HFConfig, layout: Layout, variant: dict) -> ModelConfig:
         zero_experts=c.opt("zero_expert_num", int, 0),
         embedding_multiplier=hidden**0.5 if c.opt("mup_enabled", bool) else c.opt(MUP[1], float, 1.0),
         residual_multiplier=c.opt("residual_multiplier", float, 1.0),
-        logits_scaling=c.opt("logits_scaling", float, 1.0),
+        logits_scaling=1 / c.req("logit_scale", float)
+        if "logit_scale" in c.data
+        else c.opt("logits_scaling", float, 1.0),
+        shared_combine=_shared_combine(c, shared),
         **_attention(c, f, layout, variant, types),
         **_sliding_rope(c, f, sliding),
         **_routing(c, layout, variant),
         **(linear_attention_fields(c) if layout.linear is not None else {}),
         **(mamba_fields(c, hidden, variant.get("mamba_norm_groups", 1), layout.mamba) if layout.mamba else {}),
     )
+
+
+def _shared_combine(c: HFConfig, shared: int) -> str:
+    """How the shared experts join the routed ones (Cohere2-MoE's ``shared_expert_combination_strategy``): their
+    sum, or its average; nothing to combine without shared experts."""
+    how = c.opt("shared_expert_combination_strategy", str, "sum")
+    if how not in ("sum", "average"):
+        raise UnknownArchitectureError(f"{c.source}: shared_expert_combination_strategy={how!r}: allowed: sum, average")
+    return how if shared else "sum"
+
+
+def _placement(layout: Layout) -> str:
+    """Where the layers' norms sit, by the tensors: ModelConfig.norm_placement."""
+    if layout.sandwich:
+        return "sandwich"
+    if layout.post_norm:
+        return "post"
+    return "parallel" if layout.parallel else "pre"
 
 
 def one_block_kinds(c: HFConfig) -> list[str]:

@@ -61,10 +61,15 @@ def tiny_config(hf: dict) -> dict:
         small.pop("hybrid_override_pattern")
     if isinstance(small.get("layers_block_type"), list):  # Nemotron-H: the list is the layer count
         n = len(small["layers_block_type"])
+    lists = []
     for key in ("layer_types", "mlp_layer_types", "layers_block_type", "indexer_types"):
         listed = small.get(key) if isinstance(small.get(key), list) else []
         keep = max([keep, *(listed.index(k) + 1 for k in set(listed))])  # a layer of every kind
         kinds += listed
+        lists += [listed] if listed else []
+    if len(lists) > 1:  # and of every combination of kinds (Cohere2-MoE's full MoE layers, not only its dense one)
+        combos = list(zip(*lists, strict=False))
+        keep = max([keep, *(combos.index(k) + 1 for k in set(combos))])
     # Jamba's period fields: up to the first attention layer and the first MoE layer
     offsets = [hf[k] + 1 for k in ("attn_layer_offset", "expert_layer_offset") if isinstance(hf.get(k), int)]
     keep = max([keep, *offsets])

@@ -60,6 +60,8 @@ def refusal(model: MoEModel, cache: KVCache) -> str | None:
 def _layer_refusal(layer, dtype: torch.dtype) -> str | None:
     if not isinstance(layer, DecoderLayer) or layer.post_norm or layer.residual_multiplier != 1.0:
         return "not a pre-norm decoder layer without a residual multiplier"
+    if layer.parallel:
+        return "attention and MLP of one normed input (a parallel block)"
     if layer.mlp_out_norm:
         return "a norm of the MoE's output"
     if layer.mask_kind not in ("full", "sliding") or not layer.is_moe:

@@ -51,8 +51,10 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
-    norm: str = "rms"  # rms | layer (LayerNorm with bias: PhiMoE) for the layer and final norms
+    # rms | layer (LayerNorm with bias: PhiMoE) | layer_nobias (Cohere's) for the layer and final norms
+    norm: str = "rms"
     # pre: x + f(norm(x)) | post: x + norm(f(x)) (OLMo-2, FlexOlmo) | sandwich: x + norm2(f(norm1(x))) (AFMoE, Gemma)
+    # | parallel: x + attn(norm(x)) + mlp(norm(x)), one norm (Cohere's)
     norm_placement: str = "pre"
     moe_output_norm: bool = False  # MoE layers norm the MoE block's output, routed and shared (A.X-K1's)
     mlp_bias: bool = False  # dense MLP and shared-expert linears
@@ -147,6 +149,7 @@ class ModelConfig:
     swiglu_limit: float = 7.0
     shared_expert_size: int = 0  # intermediate size of the shared expert MLP; 0 = none
     shared_expert_gate: bool = False  # sigmoid(Linear(H, 1)) on the shared expert output
+    shared_combine: str = "sum"  # routed + shared | average: (routed + shared) / 2 (Cohere2-MoE's)
     # zero-computation experts (LongCat-Flash): router slots [num_experts, num_experts + zero_experts) whose expert
     # returns its input; a token routed to one gets its gate weight times itself, and no GEMM runs for it
     zero_experts: int = 0
@@ -164,8 +167,8 @@ class ModelConfig:
             raise self._bad("qk_norm", "allowed: none, head, full")
         for name, allowed in (
             ("scoring", ("softmax", "sigmoid", "sparsemixer")),
-            ("norm", ("rms", "layer")),
-            ("norm_placement", ("pre", "post", "sandwich")),
+            ("norm", ("rms", "layer", "layer_nobias")),
+            ("norm_placement", ("pre", "post", "sandwich", "parallel")),
             ("group_score", ("top2_sum", "max")),
         ):
             if getattr(self, name) not in allowed:
@@ -425,6 +428,10 @@ class ModelConfig:
         """Clamped-SwiGLU constants only with that activation; a shared-expert gate only with a shared expert."""
         if self.activation != "swiglu_clamped" and (self.swiglu_alpha, self.swiglu_limit) != (1.702, 7.0):
             raise self._bad("activation", "swiglu_alpha / swiglu_limit set: only activation='swiglu_clamped' uses them")
+        if self.shared_combine not in ("sum", "average"):
+            raise self._bad("shared_combine", "allowed: sum, average")
+        if self.shared_combine != "sum" and not self.shared_expert_size:
+            raise self._bad("shared_combine", "set, but there is no shared expert (shared_expert_size=0)")
         if self.shared_expert_gate and not self.shared_expert_size:
             raise self._bad(
                 "shared_expert_gate", "a gate for a shared expert that does not exist (shared_expert_size=0)"

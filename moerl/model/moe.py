@@ -332,6 +332,7 @@ class MoE(nn.Module):
             else None
         )
         self.shared_experts_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if cfg.shared_expert_gate else None
+        self.shared_combine = cfg.shared_combine
 
     def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> (output [N, H], chosen experts [N, k])."""
@@ -344,7 +345,7 @@ class MoE(nn.Module):
             shared = self.shared_experts(x)
             if self.shared_experts_gate is not None:
                 shared = torch.sigmoid(self.shared_experts_gate(x)) * shared
-            out = out + shared
+            out = out + shared if self.shared_combine == "sum" else (out + shared) * 0.5
         return out, idx
 
     def _experts(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

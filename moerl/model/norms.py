@@ -10,8 +10,11 @@ from moerl.model.config import ModelConfig
 
 
 def layer_norm(cfg: ModelConfig, dim: int) -> nn.Module:
-    """The norm of the decoder layers and the final norm: RMSNorm, or LayerNorm with a bias (``cfg.norm``)."""
-    return RMSNorm(dim, cfg.rms_norm_eps) if cfg.norm == "rms" else nn.LayerNorm(dim, eps=cfg.rms_norm_eps)
+    """The norm of the decoder layers and the final norm (``cfg.norm``): RMSNorm, or LayerNorm with a bias or
+    without."""
+    if cfg.norm == "rms":
+        return RMSNorm(dim, cfg.rms_norm_eps)
+    return nn.LayerNorm(dim, eps=cfg.rms_norm_eps, bias=cfg.norm == "layer")
 
 
 class RMSNorm(nn.Module):

@@ -24,8 +24,9 @@ from moerl.model.rope import inv_freq_and_scale, rope_cos_sin
 
 class DecoderLayer(nn.Module):
     """Attention then MLP / MoE, each in a residual branch: ``x + m * f(norm(x))`` (pre-norm, the default),
-    ``x + m * norm(f(x))`` (post-sublayer norms, OLMo-2 placement) or ``x + m * norm2(f(norm1(x)))`` (sandwich
-    norms: AFMoE, Gemma); ``m`` is the residual multiplier. The MLP's input norm is ``post_attention_layernorm``
+    ``x + m * norm(f(x))`` (post-sublayer norms, OLMo-2 placement), ``x + m * norm2(f(norm1(x)))`` (sandwich
+    norms: AFMoE, Gemma) or ``x + m * attn(norm(x)) + m * mlp(norm(x))`` (a parallel block: Cohere); ``m`` is the
+    residual multiplier. The MLP's input norm is ``post_attention_layernorm``
     pre-norm, ``pre_feedforward_layernorm`` in a sandwich, where ``post_attention_layernorm`` norms the attention's
     output as it does post-norm.
 
@@ -34,7 +35,8 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.pre_norm = cfg.norm_placement in ("pre", "sandwich")  # the sublayers' inputs normed
+        self.pre_norm = cfg.norm_placement in ("pre", "sandwich", "parallel")  # the sublayers' inputs normed
+        self.parallel = cfg.norm_placement == "parallel"  # attention and MLP both of one normed input
         self.post_norm = cfg.norm_placement in ("post", "sandwich")  # their outputs normed
         kind = cfg.layer_types[layer]
         self.mask_kind = None if kind == "none" else ("linear" if is_recurrent(kind) else kind)
@@ -43,7 +45,7 @@ class DecoderLayer(nn.Module):
             self.input_layernorm = layer_norm(cfg, cfg.hidden_size)
         if kind != "none":  # attention, Gated DeltaNet, Mamba-1 and -2 (moerl.model.mixers)
             self.self_attn = build_mixer(cfg, layer)
-        if self.has_mlp and self.mask_kind is not None:
+        if self.has_mlp and self.mask_kind is not None and not self.parallel:
             self.post_attention_layernorm = layer_norm(cfg, cfg.hidden_size)
         if self.pre_norm and self.post_norm and self.has_mlp:
             self.pre_feedforward_layernorm = layer_norm(cfg, cfg.hidden_size)
@@ -73,7 +75,10 @@ class DecoderLayer(nn.Module):
         if self.mask_kind is None:  # an MLP / MoE alone
             return x, self.input_layernorm(x)
         more = {} if chosen is None else {"chosen": chosen}
-        a = self.self_attn(self.input_layernorm(x) if self.pre_norm else x, cos, sin, mask, cache, **more)
+        h = self.input_layernorm(x) if self.pre_norm else x
+        a = self.self_attn(h, cos, sin, mask, cache, **more)
+        if self.parallel:  # the MLP takes the attention's input
+            return x + (a if m == 1.0 else m * a), (h if self.has_mlp else None)
         if self.post_norm:
             a = self.post_attention_layernorm(a)
         norm = self._mlp_norm()
