@@ -431,5 +431,14 @@ DERIVED_CONFIGS["Cohere2MoeForCausalLM"] = dict(
     mlp_layer_types=["dense", "sparse", "sparse", "sparse"], prefix_dense_sliding_window_pattern=1,
     logit_scale=0.25, vocab_size=VOCAB,
 )  # fmt: skip
+# MiMo-V2-Flash: sliding layers with twice the KV heads, sinks of their own and a RoPE of their own (a third of each
+# head rotates), value heads smaller than the query / key heads and scaled, DeepSeek-V3 routing, a dense first layer
+DERIVED_CONFIGS["MiMoV2FlashForCausalLM"] = dict(
+    model_type="mimo_v2_flash", hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32, v_head_dim=16,
+    n_routed_experts=8, num_experts_per_tok=2, layer_types=["full_attention", "sliding_attention",
+    "sliding_attention", "full_attention"], mlp_layer_types=["dense", "sparse", "sparse", "sparse"], sliding_window=4,
+    attention_value_scale=0.5, vocab_size=VOCAB,
+)  # fmt: skip
 DERIVED_ARCHS = list(DERIVED_CONFIGS)
 CONFIGS |= DERIVED_CONFIGS

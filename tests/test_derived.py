@@ -176,6 +176,7 @@ KNOBS = {
     "AfmoeForCausalLM": ("attn_gate_act", "softplus"),  # its norms: tests/test_laguna.py
     "AXK1ForCausalLM": ("routed_scaling_factor", 1.0),
     "Cohere2MoeForCausalLM": ("shared_combine", "sum"),  # its other knobs: tests/test_norm_placements.py
+    "MiMoV2FlashForCausalLM": ("attn_value_scale", 1.0),  # its other knobs: tests/test_mimo_v2_flash.py
 }
 
 
@@ -237,7 +238,6 @@ REFUSED = [  # (model_type, config changes, the feature the refusal names)
     ("lfm2_moe", {}, "short-convolution layers"),
     ("llama4_text", {}, "chunked attention; attention temperature tuning"),
     ("hy_v4", {}, "hyper-connections"),
-    ("mimo_v2_flash", {}, "scaled attention values"),
     ("qwen3_moe", {"v_head_dim": 32}, "latent-attention field.* 'v_head_dim' without latent-attention tensors"),
     ("granitemoe_swa", {"layer_rope_theta": [1e4 * (1 + i) for i in range(32)]}, "a RoPE per layer is not"),
     ("qwen3_moe", {"index_topk": 4}, "indexer field.*'index_topk'.* without indexer tensors"),

@@ -77,7 +77,7 @@ REFUSED = [
     (MLA, dict(attn_output_gate=True), "attn_output_gate", "not built for attention='mla'"),
     # Laguna's knobs: a head count and a RoPE per layer, output gates of their own projection, the router's cap
     (GQA, dict(layer_heads=[4]), "layer_heads", "needs 2 entries"),
-    (GQA, dict(layer_heads=[4, 3]), "layer_heads", "a multiple of num_kv_heads"),
+    (GQA, dict(layer_heads=[4, 3]), "layer_heads", "layer 1's 2 KV heads must divide its 3 heads"),
     (MLA, dict(layer_heads=[4, 2]), "layer_heads", "not built for attention='mla'"),
     (GQA, dict(attn_gate="channel"), "attn_gate", "allowed: none, head, element"),
     (GQA, dict(attn_gate="head", attn_gate_act="tanh"), "attn_gate_act", "allowed: sigmoid, softplus"),
@@ -93,6 +93,20 @@ REFUSED = [
         "must be even",
     ),
     (GQA, dict(router_softcap=-1.0), "router_softcap", "must be >= 0"),
+    # MiMo-V2-Flash's: the sliding layers' KV heads and sinks, values of their own size, scaled
+    (GQA, dict(sliding_kv_heads=4), "sliding_kv_heads", "with a 'sliding' layer"),
+    (
+        GQA,
+        dict(layer_types=["sliding", "full"], sliding_window=4, sliding_kv_heads=3),
+        "sliding_kv_heads",
+        "layer 0's 3 KV heads must divide its 4 heads",
+    ),
+    (GQA, dict(sinks_sliding_only=True, attention_sinks=True), "sinks_sliding_only", "a 'sliding' layer"),
+    (GQA, dict(attn_value_scale=0.0), "attn_value_scale", "must be > 0"),
+    (GQA, dict(v_head_dim=-1), "v_head_dim", "must be >= 1"),
+    (GQA, dict(v_head_dim=2, attn_output_gate=True), "v_head_dim", "attn_output_gate"),
+    (MLA, dict(sliding_kv_heads=4), "sliding_kv_heads", "with a 'sliding' layer"),
+    (MLA, dict(attn_value_scale=0.5), "attn_value_scale", "not built for attention='mla'"),
     (GQA, dict(linear_num_key_heads=2), "linear_num_key_heads", "without a 'linear' layer"),
     (GQA, dict(linear_conv_kernel=3), "linear_conv_kernel", "without a 'linear' layer"),
     (
@@ -183,6 +197,17 @@ ACCEPTED = [
     ),  # fmt: skip
     GQA | dict(attn_gate="element", norm_placement="sandwich"),  # AFMoE: sigmoid gates per channel, sandwich norms
     GQA | dict(moe_output_norm=True),  # A.X-K1: a norm after the MoE block
+    # MiMo-V2-Flash: twice the KV heads in the sliding layer, its sinks alone, values of 2 dims scaled
+    GQA
+    | dict(
+        layer_types=["sliding", "full"],
+        sliding_window=4,
+        sliding_kv_heads=4,
+        attention_sinks=True,
+        sinks_sliding_only=True,
+        v_head_dim=2,
+        attn_value_scale=0.5,
+    ),  # fmt: skip
     # Cohere2-MoE: a parallel block of LayerNorms without bias, the shared expert averaged in, interleaved pairs
     GQA | dict(norm="layer_nobias", norm_placement="parallel", shared_expert_size=8, shared_combine="average"),
 ]

@@ -104,6 +104,8 @@ READ = {
     # RoPE, LayerNorm (without bias) where rms_norm_eps is null
     "logit_scale", "expert_selection_fn", "shared_expert_combination_strategy", "prefix_dense_intermediate_size",
     "prefix_dense_sliding_window_pattern", "layer_norm_eps",
+    # MiMo-V2-Flash: its values scaled (its value heads' own size: v_head_dim, with the latent-attention fields)
+    "attention_value_scale",
 }  # fmt: skip
 INERT = {  # fields that do not change the forward pass (ids, bookkeeping, training-only losses)
     "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
@@ -139,12 +141,9 @@ FEATURES = {
     "attention_chunk_size": "chunked attention",
     "attn_temperature_tuning": "attention temperature tuning",
     **dict.fromkeys(("cca_time0", "cca_time1"), "compressed convolutional attention"),
-    "attention_value_scale": "scaled attention values",
 }
 # tensor names (under a layer) that say the same
-TENSOR_FEATURES = {
-    "attention_sink_bias": "attention sinks stored as a bias",
-}
+TENSOR_FEATURES = {}
 
 
 # behaviour tensor names cannot show, tried in this order where the layout leaves it open: softmax before or after
@@ -315,6 +314,11 @@ class Layout:
     shared_at_layer: bool = False  # the shared MLP sits beside the MoE block (model.layers.{i}.shared_mlp)
     shared_fused: bool = False  # the shared MLP as input_linear (gate rows, then up rows) and output_linear
     sinks: bool = False  # a learned sink logit per head (self_attn.sinks, GPT-OSS's)
+    sink_layers: tuple[int, ...] = ()  # the layers that hold them
+    sinks_sliding_only: bool = False  # held by the sliding layers alone (MiMo-V2-Flash's): ``by_kind``
+    k_rows: tuple[int, ...] = ()  # each attention layer's k_proj rows (0: a layer without one)
+    sliding_kv_factor: int = 1  # the sliding layers' KV heads over the full ones' (MiMo-V2-Flash: 2): ``by_kind``
+    own_values: bool = False  # value heads of their own size (v_proj's rows are not k_proj's)
     indexer: bool = False  # DeepSeek sparse attention's indexer (self_attn.indexer.*) in the latent attention
     mamba: str | None = None  # the Mamba layers' kind: "mamba" (Mamba-2: mamba.in_proj, ...) | "mamba1" (mamba.x_proj)
     norms: tuple[str, str, str] = ("input_layernorm", "post_attention_layernorm", "norm")  # Jamba: pre_ff_, final_
@@ -423,9 +427,21 @@ def read_layout(shapes: dict[str, tuple[int, ...]]) -> Layout:
         correction_bias=correction_bias,
         fused_experts="linear" if any(p.endswith(f"{block}.input_linear.weight") for p in patterns) else "experts",
         shared_at_layer=shared_at_layer,
-        sinks=any(p.endswith("self_attn.sinks") for p in patterns),
+        sinks=any(p.endswith(("self_attn.sinks", "self_attn.attention_sink_bias")) for p in patterns),
+        sink_layers=tuple(sorted({int(m.group(1)) for n in shapes if (m := re.fullmatch(SINKS_RE, n))})),
+        k_rows=_k_rows(shapes),
         shared_fused=shared is not None and any(".shared_mlp.input_linear." in p for p in patterns),
     )
+
+
+def _k_rows(shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
+    """Each layer's k_proj rows (0 where a layer has none), in layer order."""
+    rows = {int(m.group(1)): s[0] for n, s in shapes.items() if (m := re.fullmatch(K_PROJ_RE, n))}
+    return tuple(rows.get(i, 0) for i in range(max(rows) + 1)) if rows else ()
+
+
+K_PROJ_RE = r"model\.layers\.(\d+)\.self_attn\.k_proj\.weight"
+SINKS_RE = r"model\.layers\.(\d+)\.self_attn\.(?:sinks|attention_sink_bias)"
 
 
 def _attention_layout(patterns: set[str], shapes: dict[str, tuple[int, ...]]) -> dict:
@@ -447,11 +463,18 @@ def _attention_layout(patterns: set[str], shapes: dict[str, tuple[int, ...]]) ->
             "no self_attn.q_proj tensor (grouped-query attention), no self_attn.kv_a_proj_with_mqa (latent attention)"
         )
     o_proj = next((shape for n, shape in shapes.items() if n.endswith("self_attn.o_proj.weight")), None)
-    output_gate = not mla and o_proj is not None and q_proj[0] == 2 * o_proj[1]
+    k_name = next((n for n in sorted(shapes) if n.endswith("self_attn.k_proj.weight")), None)
+    k_proj = shapes.get(k_name) if k_name else None
+    v_proj = shapes.get(k_name.replace("k_proj", "v_proj")) if k_name else None  # the same layer's
+    # values of their own size: v_proj's rows are not k_proj's (the same KV heads); else an o_proj taking half of
+    # q_proj's rows means q_proj yields a gate beside each head
+    own_values = not mla and k_proj is not None and v_proj is not None and k_proj[0] != v_proj[0]
+    output_gate = not mla and not own_values and o_proj is not None and q_proj[0] == 2 * o_proj[1]
     qk_norm = "none" if q_norm is None else ("full" if q_norm[0] * (2 if output_gate else 1) == q_proj[0] else "head")
     gate_name = next((g for g in ("gate_proj", "g_proj") if any(f"self_attn.{g}." in p for p in patterns)), None)
     gate = next((shape for n, shape in shapes.items() if n.endswith(f"self_attn.{gate_name}.weight")), None)
     return {
+        "own_values": own_values,
         "gate_proj": gate_name,
         "gate_kind": "none" if gate is None else ("element" if o_proj is not None and gate[0] == o_proj[1] else "head"),
         "qk_norm": qk_norm,
@@ -462,6 +485,42 @@ def _attention_layout(patterns: set[str], shapes: dict[str, tuple[int, ...]]) ->
         "attention": "mla" if mla else "gqa",
         "indexer": any(".self_attn.indexer." in p for p in patterns),
     }
+
+
+def by_kind(layout: Layout, hf_types: list[str]) -> Layout:
+    """``layout`` with what its tensors show per layer kind, from its layers' kinds ``hf_types`` (a config's
+    ``layer_types``): sinks on every attention layer (GPT-OSS's) or on the sliding ones alone, and the sliding
+    layers' KV heads a multiple of the full ones' (MiMo-V2-Flash's, both). Anything else per layer is refused by
+    name."""
+    sliding = {i for i, t in enumerate(hf_types) if t == "sliding_attention"}
+    full = {i for i, t in enumerate(hf_types) if t == "full_attention"}
+    rows = {
+        kind: {layout.k_rows[i] for i in layers if i < len(layout.k_rows)}
+        for kind, layers in (("sliding", sliding), ("full", full))
+    }
+    if any(len(r) > 1 for r in rows.values()):
+        raise UnknownArchitectureError(
+            f"KV heads differ between layers of one kind (k_proj rows {sorted(rows['full'] | rows['sliding'])}): "
+            "moerl's decoder keeps one count for the full layers and one for the sliding ones"
+        )
+    factor = 1
+    if rows["full"] and rows["sliding"] and rows["full"] != rows["sliding"]:
+        (f,), (s,) = rows["full"], rows["sliding"]
+        if s % f:
+            raise UnknownArchitectureError(
+                f"the sliding layers' k_proj rows ({s}) are not a multiple of the full ones' ({f})"
+            )
+        factor = s // f
+    if not layout.sinks:
+        return dataclasses.replace(layout, sliding_kv_factor=factor)
+    held = set(layout.sink_layers)
+    attention = (full | sliding) or held
+    if held not in (attention, sliding):
+        raise UnknownArchitectureError(
+            f"attention sinks on layers {sorted(held)}: moerl's decoder holds them on every attention layer or on the "
+            "sliding ones alone"
+        )
+    return dataclasses.replace(layout, sinks_sliding_only=held != attention, sliding_kv_factor=factor)
 
 
 def moe_layers(c: HFConfig, n: int) -> list[int]:
@@ -561,6 +620,8 @@ def _attention(c: HFConfig, f: dict, layout: Layout, variant: dict, types: list[
         interleave = c.opt("rope_interleave", bool, variant.get("mla_interleave", False))
         fields = mla_fields(c, f["rope"], rope_interleave=interleave)
         return fields | indexer
+    if layout.own_values:  # value heads of their own size: v_head_dim says which
+        mla = [k for k in mla if k != "v_head_dim"]
     if mla and mla != ["qk_head_dim"]:
         raise UnknownArchitectureError(
             f"{c.source}: latent-attention field(s) {', '.join(map(repr, mla))} without latent-attention tensors "
@@ -592,6 +653,10 @@ def _attention(c: HFConfig, f: dict, layout: Layout, variant: dict, types: list[
         # EXAONE-MoE: with sliding layers, the full-attention ones rotate nothing (names cannot tell: a variant)
         nope_layers=sorted(nope),
         attention_sinks=layout.sinks,
+        sinks_sliding_only=layout.sinks_sliding_only,
+        sliding_kv_heads=f["num_kv_heads"] * layout.sliding_kv_factor if layout.sliding_kv_factor > 1 else 0,
+        v_head_dim=c.req("v_head_dim", int) if layout.own_values else 0,
+        attn_value_scale=c.opt("attention_value_scale", float, 1.0),
         **({"attn_scale": c.req("attention_multiplier", float)} if "attention_multiplier" in c.data else {}),
     )
 
@@ -878,6 +943,8 @@ def _rules(layout: Layout, variant: dict) -> tuple[list[Rule], tuple[Fused, ...]
             )
             for where in ("pre", "post")
         ]
+    if layout.sinks:  # MiMo-V2-Flash's name for them
+        rules.append(Rule("model.layers.{i}.self_attn.attention_sink_bias", "layers.{i}.self_attn.sinks"))
     if layout.moe_output_norm:
         rules.append(Rule("model.layers.{i}.post_mlp_layernorm.weight", "layers.{i}.post_feedforward_layernorm.weight"))
     if layout.gate_proj == "g_proj":

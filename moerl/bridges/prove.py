@@ -23,6 +23,7 @@ from moerl.bridges.derive import (
     TOL,
     Layout,
     arch_name,
+    by_kind,
     check_known,
     derive,
     moe_layers,
@@ -84,6 +85,9 @@ def tiny_config(hf: dict) -> dict:
         small["num_attention_heads"] = hf["num_attention_heads"]
     if isinstance(hf.get("hybrid_override_pattern"), str) and not hf.get("layers_block_type"):
         small["hybrid_override_pattern"] = "".join(small.pop("layers_block_type"))
+    factors = _rotary_factors(hf)
+    if factors and "head_dim" in small and not small.get("kv_lora_rank"):  # the tiny head keeps its rotary dims even
+        small["head_dim"] = next((d for d in (16, 32, 48, 64) if _even_rotary(d, factors)), small["head_dim"])
     if small.get("sliding_window"):
         small["sliding_window"] = min(small["sliding_window"], 8)
     # linear-attention layers: 2 key heads, twice as many value heads if it has more
@@ -112,6 +116,21 @@ def tiny_config(hf: dict) -> dict:
         if isinstance(small.get(key), int) and small[key] >= small.get("vocab_size", 128):
             small[key] = default
     return small
+
+
+def _rotary_factors(hf: dict) -> list[float]:
+    """Every ``partial_rotary_factor`` of config ``hf``: at its top, in its ``rope_parameters``, in those of each layer
+    kind."""
+    params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    found = [hf.get("partial_rotary_factor"), params.get("partial_rotary_factor")]
+    found += [p.get("partial_rotary_factor") for p in params.values() if isinstance(p, dict)]
+    return [float(f) for f in found if isinstance(f, int | float) and not isinstance(f, bool)]
+
+
+def _even_rotary(head_dim: int, factors: list[float]) -> bool:
+    """Whether each factor rotates an even number (>= 2) of a ``head_dim`` head's dims, or all of them."""
+    dims = [int(head_dim * f) for f in factors]
+    return all(d == head_dim or (d >= 2 and d % 2 == 0) for d in dims)
 
 
 def hf_forward(model: torch.nn.Module, ids: torch.Tensor, **kwargs) -> tuple[torch.Tensor, list[torch.Tensor], tuple]:
@@ -262,7 +281,7 @@ def _layout(hf: dict, directory: Path, saved: dict) -> Layout:
             "moerl's decoder does not compute"
         )
     try:
-        layout = read_layout(shapes)
+        layout = by_kind(read_layout(shapes), saved.get("layer_types") or [])
     except UnknownArchitectureError as e:
         raise UnknownArchitectureError(f"cannot derive a bridge for {arch_name(hf)}: {e}") from None
     tiny = HFConfig(saved, "the tiny config")

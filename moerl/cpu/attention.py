@@ -55,6 +55,8 @@ class KernelAttention(Attention):
             return "adapters on some of q / k / v only"
         if self.output_gate or self.gate_kind != "none" or self.clip_qkv is not None:
             return "an attention output gate, or clipped q / k / v"
+        if self.v_dim != self.head_dim or self.value_scale != 1.0:
+            return "value heads of their own size, or scaled values"
         if not rope_in_one_call(self):
             return "q / k norms other than per head before RoPE, or interleaved or partial RoPE"
         return None

@@ -9,18 +9,18 @@ from moerl.model.config import ModelConfig
 from moerl.model.mixers import keeps_keys, recurrent_layers, state_shapes
 
 
-def kv_shape(cfg: ModelConfig) -> tuple[int, int, int]:
-    """(kv heads, key dim, value dim) one cached token holds per layer (MLA caches expanded per-head k/v)."""
+def kv_shape(cfg: ModelConfig, layer: int) -> tuple[int, int, int]:
+    """(kv heads, key dim, value dim) one cached token holds in ``layer`` (MLA caches expanded per-head k/v)."""
     if cfg.attention == "mla":
         return cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
-    return cfg.num_kv_heads, cfg.head_dim, cfg.head_dim
+    return cfg.kv_heads(layer), cfg.head_dim, cfg.v_head_dim or cfg.head_dim
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    heads, dk, dv = kv_shape(cfg)
-    attention = sum(keeps_keys(t) for t in cfg.layer_types)  # recurrent layers keep a state, not keys
-    indexed = attention - len(cfg.index_shared_layers) if cfg.index_head_dim else 0  # indexer keys, where an indexer
-    return block_size * (attention * heads * (dk + dv) + indexed * cfg.index_head_dim) * dtype.itemsize
+    attention = [i for i, t in enumerate(cfg.layer_types) if keeps_keys(t)]  # recurrent layers keep a state
+    kv = sum(heads * (dk + dv) for heads, dk, dv in (kv_shape(cfg, i) for i in attention))
+    indexed = len(attention) - len(cfg.index_shared_layers) if cfg.index_head_dim else 0  # indexer keys
+    return block_size * (kv + indexed * cfg.index_head_dim) * dtype.itemsize
 
 
 class LinearStates:
@@ -95,7 +95,7 @@ class KVCache:
     def __init__(
         self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device="cpu", scratch=False
     ):
-        heads, dk, dv = kv_shape(cfg)
+        shapes = [kv_shape(cfg, i) for i in range(cfg.num_layers)]
         self.block_size, self.num_blocks = block_size, num_blocks
         # ``scratch``: one more block, never allocated, that the padding rows of a compiled decode step write to
         self.scratch_block = num_blocks if scratch else None
@@ -103,8 +103,8 @@ class KVCache:
         # recurrent layers and those without a mixer keep no keys: an empty pool holds their place (states:
         # LinearStates)
         rows = [n if keeps_keys(t) else 0 for t in cfg.layer_types]
-        self.k = [torch.zeros(heads, r, dk, dtype=dtype, device=device) for r in rows]
-        self.v = [torch.zeros(heads, r, dv, dtype=dtype, device=device) for r in rows]
+        self.k = [torch.zeros(h, r, dk, dtype=dtype, device=device) for r, (h, dk, _) in zip(rows, shapes, strict=True)]
+        self.v = [torch.zeros(h, r, dv, dtype=dtype, device=device) for r, (h, _, dv) in zip(rows, shapes, strict=True)]
         self.states: LinearStates | None = None  # set by the engine for a model with recurrent layers
         # DeepSeek sparse attention: one indexer key a token per layer ([1, rows, d]: a single head), paged as k / v
         d = cfg.index_head_dim
@@ -120,7 +120,7 @@ class KVCache:
         # asked again in each step's view (a compiled step makes its view inside the graph)
         self.paged = dtype in KINDS and torch.device(device).type == "cpu" and kernel() is not None
         self.sliding_window = cfg.sliding_window
-        self.heads, self.rows = heads, n  # every attention pool's [heads, rows, d]
+        self.heads, self.rows = shapes[0][0], n  # the full layers' pools' [heads, rows, d] (a pool's own: its shape)
         self.attention = [i for i, t in enumerate(cfg.layer_types) if keeps_keys(t)]
         self.released = False
         self._gathered: list[torch.Tensor | None] = [None, None]  # gather_buffer's key and value buffers
@@ -218,16 +218,19 @@ class StepView:
         self.write_rows = write_rows if write_rows is not None else self.write.nonzero().squeeze(1)
         write_slots = self.slots[self.write_rows]
         heads, n = cache.heads, cache.rows
-        self.write_at = (torch.arange(heads, device=write_slots.device)[:, None] * n + write_slots[None, :]).reshape(-1)
+        # each pool row a new key goes to, by the pool's heads (a model may keep more in its sliding layers)
+        self._write_at = {
+            heads: (torch.arange(heads, device=write_slots.device)[:, None] * n + write_slots[None, :]).reshape(-1)
+        }
         s = block_tables.shape[1] * bs
         dev = block_tables.device
         self.key_slots: torch.Tensor | None = None
-        self.read: torch.Tensor | None = None  # the pools' rows ``update`` gathers (made there, eager: see _reads)
+        self.read: dict[int, torch.Tensor] = {}  # by heads, the pools' rows ``update`` gathers (eager: see _reads)
         self.width = bs
         if graph:  # every visible key's row in the pool seen as [H * slots, d], head-major: [H * B * S]
             key_slots = self._visible_slots()
             self.key_slots = key_slots.view(b, s)  # the paged kernel's table in the graph: blocks of one slot
-            self.read, self.width = (torch.arange(heads, device=dev)[:, None] * n + key_slots[None, :]).reshape(-1), 1
+            self.width = 1
         self.b = b
         self.paged = cache.paged  # decode reads the pools in place (``attend``)
         self._q_pos, self._key_pos, self._real = positions[:, :, None], torch.arange(s, device=dev)[None, None, :], real
@@ -244,14 +247,27 @@ class StepView:
         visible = self._key_pos <= self._q_pos
         return torch.where(self._real[:, :, None], visible, self._key_pos == 0).unsqueeze(1)
 
-    def _reads(self) -> torch.Tensor:
-        """Every block's row in the pool seen as [H * blocks, bs * d]: a few long copies, not one per key (16% of
-        small's fp32 decode step). A graph would guard on the blocks per row (S = 16 nb): it reads keys one by one."""
-        if self.read is None:
-            heads, blocks = self.cache.heads, self.cache.rows // self.cache.block_size
+    def _reads(self, heads: int) -> torch.Tensor:
+        """Every block's row in a pool of ``heads`` heads seen as [H * blocks, bs * d]: a few long copies, not one per
+        key. A graph would guard on the blocks per row (S = 16 nb): it reads keys one by one (a pool seen as
+        [H * slots, d])."""
+        read = self.read.get(heads)
+        if read is None and self.key_slots is not None:  # a graph's view: every visible key's row, head-major
+            rows = torch.arange(heads, device=self.block_tables.device)[:, None] * self.cache.rows
+            read = self.read[heads] = (rows + self.key_slots.reshape(1, -1)).reshape(-1)
+        elif read is None:
+            blocks = self.cache.rows // self.cache.block_size
             head_base = torch.arange(heads, device=self.block_tables.device)[:, None] * blocks
-            self.read = (head_base + self.block_tables.reshape(1, -1)).reshape(-1)
-        return self.read
+            read = self.read[heads] = (head_base + self.block_tables.reshape(1, -1)).reshape(-1)
+        return read
+
+    def _writes(self, heads: int) -> torch.Tensor:
+        """The rows of a pool of ``heads`` heads this step's new keys go to, head-major."""
+        at = self._write_at.get(heads)
+        if at is None:
+            slots, n = self._write_slots, self.cache.rows
+            at = self._write_at[heads] = (torch.arange(heads, device=slots.device)[:, None] * n + slots).reshape(-1)
+        return at
 
     def pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The key, value and indexer-key (empty: no indexer) pools ``layer`` reads and writes."""
@@ -263,15 +279,15 @@ class StepView:
         for pool, new in ((kp, k), (vp, v)):
             h, _, d = pool.shape
             rows = new.reshape(-1, h, d)[self.write_rows].transpose(0, 1).reshape(-1, d)  # [H * n, d]
-            pool.view(-1, d).index_copy_(0, self.write_at, rows)  # dim-0 gathers and scatters are the fast ones
+            pool.view(-1, d).index_copy_(0, self._writes(h), rows)  # dim-0 gathers and scatters are the fast ones
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self._write(layer, k, v)
-        read = self._reads()
         out = []
         kp, vp, _ = self.pools(layer)
         for which, pool in ((0, kp), (1, vp)):
             h, _, d = pool.shape
+            read = self._reads(h)
             src = pool.view(-1, self.width * d)
             if torch.compiler.is_compiling():
                 gathered = src.index_select(0, read)
@@ -289,6 +305,8 @@ class StepView:
         k / v [B, 1, Hkv, d], return q [B, 1, Hq, d]'s attention [B, 1, Hq * dv]. None where it does not apply
         (prefill, autograd, another dtype or device, no kernel): the caller takes ``update`` and ``mask``."""
         if not self.paged or q.shape[1] != 1 or q.dtype != self.cache.dtype or torch.is_grad_enabled():
+            return None
+        if v.shape[-1] != q.shape[-1]:  # the kernel reads values of the keys' size
             return None
         b, _, hq, d = q.shape
         if self._pos is None:  # a padded row reads key 0

@@ -94,8 +94,10 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        h, nh, nkv, d = cfg.hidden_size, cfg.heads(layer), cfg.num_kv_heads, cfg.head_dim
+        h, nh, nkv, d = cfg.hidden_size, cfg.heads(layer), cfg.kv_heads(layer), cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, d
+        self.v_dim = dv = cfg.v_head_dim or d  # value heads of their own size (MiMo-V2-Flash's)
+        self.value_scale = cfg.attn_value_scale
         rope_dim = cfg.layer_rope(layer)[1]
         self.rope_dim = 0 if layer in cfg.nope_layers else (rope_dim or d)  # 0: a layer without RoPE
         self.output_gate = cfg.attn_output_gate  # q_proj yields [q | gate] per head
@@ -103,10 +105,10 @@ class Attention(nn.Module):
         # a gate of its own projection: one per head or per channel, through sigmoid or softplus
         self.gate_kind, self.gate_act = cfg.attn_gate, cfg.attn_gate_act
         if self.gate_kind != "none":
-            self.gate_proj = Linear(h, nh * (d if self.gate_kind == "element" else 1), bias=False)
+            self.gate_proj = Linear(h, nh * (dv if self.gate_kind == "element" else 1), bias=False)
         self.k_proj = Linear(h, nkv * d, bias=cfg.qkv_bias)
-        self.v_proj = Linear(h, nkv * d, bias=cfg.qkv_bias)
-        self.o_proj = Linear(nh * d, h, bias=cfg.o_bias)
+        self.v_proj = Linear(h, nkv * dv, bias=cfg.qkv_bias)
+        self.o_proj = Linear(nh * dv, h, bias=cfg.o_bias)
         self.qk_norm, self.qk_norm_after_rope = cfg.qk_norm, cfg.qk_norm_after_rope
         self.interleave = cfg.rope_interleave
         if cfg.qk_norm != "none":
@@ -114,9 +116,10 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(nh * d if full else d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(nkv * d if full else d, cfg.rms_norm_eps)
         self.clip_qkv = cfg.clip_qkv
-        self.sinks = nn.Parameter(torch.zeros(nh)) if cfg.attention_sinks else None
-        self.scale = cfg.attn_scale or d**-0.5
         self.sliding = cfg.layer_types[layer] == "sliding"
+        sinks = cfg.attention_sinks and (self.sliding or not cfg.sinks_sliding_only)
+        self.sinks = nn.Parameter(torch.zeros(nh)) if sinks else None
+        self.scale = cfg.attn_scale or d**-0.5
         self.layer = layer
         # attention over the q / k / v this layer made (``attend``'s signature): split-sequence training puts one that
         # exchanges heads for tokens in its place (moerl.parallel.context)
@@ -135,7 +138,9 @@ class Attention(nn.Module):
             q, k, v = (z.clamp(-self.clip_qkv, self.clip_qkv) for z in (q, k, v))
         q = q.view(b, t, self.num_heads, self.head_dim)
         k = k.view(b, t, self.num_kv_heads, self.head_dim)
-        v = v.view(b, t, self.num_kv_heads, self.head_dim)
+        v = v.view(b, t, self.num_kv_heads, self.v_dim)
+        if self.value_scale != 1.0:
+            v = v * self.value_scale
         q, k = self._norm_and_rotate(q, k, cos, sin)
         # an fp32 CPU decode step reads the pools in place; else the visible keys and values gathered
         out = cache.attend(self.layer, q, k, v, self.sliding, self.scale, self.sinks) if cache is not None else None
@@ -156,7 +161,7 @@ class Attention(nn.Module):
         g = self.gate_proj(x).float()
         g = (F.softplus(g) if self.gate_act == "softplus" else torch.sigmoid(g)).to(out.dtype)
         if self.gate_kind == "head":
-            return (out.unflatten(-1, (self.num_heads, self.head_dim)) * g.unsqueeze(-1)).flatten(-2)
+            return (out.unflatten(-1, (self.num_heads, self.v_dim)) * g.unsqueeze(-1)).flatten(-2)
         return out * g
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

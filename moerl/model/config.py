@@ -76,6 +76,8 @@ class ModelConfig:
     mixer_only_layers: list[int] = field(default_factory=list)  # layers without an MLP / MoE (Nemotron-H's)
     sliding_window: int | None = None
     attention_sinks: bool = False
+    sinks_sliding_only: bool = False  # the sinks on the sliding layers alone (MiMo-V2-Flash's)
+    attn_value_scale: float = 1.0  # the values scaled before attention (MiMo-V2-Flash's attention_value_scale)
     attn_scale: float | None = None  # None: rotary-inclusive q/k head dim ** -0.5
     attn_output_gate: bool = False  # q_proj also yields a per-head gate: o * sigmoid(gate) (Qwen3-Next)
     # an output gate of its own projection (self_attn.gate_proj: AFMoE, Laguna): o * act(gate_proj(x)), one gate per
@@ -83,6 +85,7 @@ class ModelConfig:
     attn_gate: str = "none"
     attn_gate_act: str = "sigmoid"
     layer_heads: list[int] = field(default_factory=list)  # query heads per layer (Laguna's); empty: num_heads in all
+    sliding_kv_heads: int = 0  # the sliding layers' own KV heads (MiMo-V2-Flash: twice the full ones'); 0: num_kv_heads
     # linear-attention layers (Gated DeltaNet: moerl.model.linear_attention)
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
@@ -117,7 +120,7 @@ class ModelConfig:
     kv_lora_rank: int = 0
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
+    v_head_dim: int = 0  # value head size: latent attention's; grouped-query attention's where it differs (0: head_dim)
     # DeepSeek sparse attention (moerl.model.indexer): each latent-attention layer's indexer keeps a query's
     # index_topk best keys; 0: dense attention
     index_topk: int = 0
@@ -218,12 +221,15 @@ class ModelConfig:
         self._validate_sizes()  # before the divisions below
         if self.num_heads % self.num_kv_heads:
             raise self._bad("num_kv_heads", f"must divide num_heads={self.num_heads}")
-        if self.layer_heads and (
-            len(self.layer_heads) != self.num_layers or any(n < 1 or n % self.num_kv_heads for n in self.layer_heads)
-        ):
-            raise self._bad(
-                "layer_heads", f"needs {self.num_layers} entries (num_layers), each a multiple of num_kv_heads >= 1"
-            )
+        if self.sliding_kv_heads and (self.sliding_kv_heads < 0 or "sliding" not in self.layer_types):
+            raise self._bad("sliding_kv_heads", "must be >= 1 (or 0: num_kv_heads), with a 'sliding' layer")
+        if self.layer_heads and (len(self.layer_heads) != self.num_layers or min(self.layer_heads) < 1):
+            raise self._bad("layer_heads", f"needs {self.num_layers} entries (num_layers), each >= 1")
+        bad = next((i for i in range(self.num_layers) if self.heads(i) % self.kv_heads(i)), None)
+        if bad is not None:
+            name = "layer_heads" if self.layer_heads else "sliding_kv_heads"
+            why = f"layer {bad}'s {self.kv_heads(bad)} KV heads must divide its {self.heads(bad)} heads"
+            raise self._bad(name, why)
         if (self.num_experts + self.zero_experts) % self.n_group or not 1 <= self.topk_group <= self.n_group:
             raise self._bad("n_group", f"must divide the router's experts and be >= topk_group={self.topk_group}")
         self._validate_unused()
@@ -265,7 +271,7 @@ class ModelConfig:
     def _validate_attention(self) -> None:
         """Multi-head latent attention fields only with ``attention='mla'``, and GQA-only ones only without it."""
         if self.attention == "gqa":
-            for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim"):
                 if getattr(self, name):
                     raise self._bad(name, "multi-head latent attention field set with attention='gqa'")
             if self.qk_norm_after_rope and self.qk_norm != "head":
@@ -278,6 +284,10 @@ class ModelConfig:
                 dim = getattr(self, name)
                 if dim is not None and not (0 < dim <= self.head_dim and dim % 2 == 0):
                     raise self._bad(name, f"must be even and lie in [2, head_dim={self.head_dim}]")
+            if self.v_head_dim < 0:
+                raise self._bad("v_head_dim", "must be >= 1 (or 0: head_dim)")
+            if self.v_head_dim and self.attn_output_gate:
+                raise self._bad("v_head_dim", "value heads of their own size with attn_output_gate's gate (not built)")
             if self.attn_gate not in ("none", "head", "element"):
                 raise self._bad("attn_gate", "allowed: none, head, element")
             if self.attn_gate_act not in ("sigmoid", "softplus"):
@@ -300,6 +310,9 @@ class ModelConfig:
                 ("layer_heads", []),
                 ("sliding_rope", None),
                 ("sliding_rope_dim", None),
+                ("sinks_sliding_only", False),
+                ("sliding_kv_heads", 0),
+                ("attn_value_scale", 1.0),
             )
             self._only_defaults("for attention='mla'", mla_defaults)
         self._validate_indexer()
@@ -307,6 +320,10 @@ class ModelConfig:
             raise self._bad("clip_qkv", "must be > 0 (or None)")
         if self.sliding_window is not None and "sliding" not in self.layer_types:
             raise self._bad("sliding_window", "set, but no layer is 'sliding' (layer_types): it would be ignored")
+        if self.sinks_sliding_only and not (self.attention_sinks and "sliding" in self.layer_types):
+            raise self._bad("sinks_sliding_only", "needs attention_sinks and a 'sliding' layer (layer_types)")
+        if not self.attn_value_scale > 0:
+            raise self._bad("attn_value_scale", "must be > 0")
         if self.sliding_rope is None and self.sliding_rope_dim is not None:
             raise self._bad("sliding_rope_dim", "set without sliding_rope (the sliding layers rotate as the full ones)")
         if self.sliding_rope is not None and "sliding" not in self.layer_types:
@@ -444,6 +461,12 @@ class ModelConfig:
     def heads(self, layer: int) -> int:
         """Layer ``layer``'s query heads (``layer_heads`` where the model lists them per layer)."""
         return self.layer_heads[layer] if self.layer_heads else self.num_heads
+
+    def kv_heads(self, layer: int) -> int:
+        """Layer ``layer``'s KV heads (the sliding layers' own where the model has them)."""
+        if self.sliding_kv_heads and self.layer_types[layer] == "sliding":
+            return self.sliding_kv_heads
+        return self.num_kv_heads
 
     def layer_rope(self, layer: int) -> tuple[RopeConfig, int | None]:
         """Layer ``layer``'s RoPE and rotated dims per head (None: all of head_dim): the sliding layers' own where
