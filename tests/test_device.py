@@ -278,8 +278,8 @@ def test_a_cpu_index_in_the_engine_step_is_caught(tiny, monkeypatch):
 
     made = kv_cache.StepView._reads
 
-    def on_the_cpu(self):
-        return torch.tensor(made(self).tolist())
+    def on_the_cpu(self, heads):
+        return torch.tensor(made(self, heads).tolist())
 
     monkeypatch.setattr(kv_cache.StepView, "_reads", on_the_cpu)
     with SimCuda(), pytest.raises(DeviceMixError, match=r"index_select"):
