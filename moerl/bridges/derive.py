@@ -313,7 +313,8 @@ class Layout:
     fused_experts: str = "experts"  # 3D experts as experts.{gate_up_proj, down_proj} | "linear": {input, output}_linear
     shared_at_layer: bool = False  # the shared MLP sits beside the MoE block (model.layers.{i}.shared_mlp)
     shared_fused: bool = False  # the shared MLP as input_linear (gate rows, then up rows) and output_linear
-    sinks: bool = False  # a learned sink logit per head (self_attn.sinks, GPT-OSS's)
+    # a learned sink logit per head, as the checkpoint names it: "sinks" (GPT-OSS's) | "attention_sink_bias" (MiMo's)
+    sinks: str | None = None
     sink_layers: tuple[int, ...] = ()  # the layers that hold them
     sinks_sliding_only: bool = False  # held by the sliding layers alone (MiMo-V2-Flash's): ``by_kind``
     k_rows: tuple[int, ...] = ()  # each attention layer's k_proj rows (0: a layer without one)
@@ -384,6 +385,7 @@ def read_layout(shapes: dict[str, tuple[int, ...]]) -> Layout:
         attention = _attention_layout({_pattern(n) for n in renamed}, renamed)
     else:
         attention = _attention_layout(patterns, shapes)
+    sinks = {int(m.group(1)): m.group(2) for n in shapes if (m := re.fullmatch(SINKS_RE, n))}  # layer -> name
     return Layout(
         **attention,
         one_block=one_block,
@@ -427,8 +429,8 @@ def read_layout(shapes: dict[str, tuple[int, ...]]) -> Layout:
         correction_bias=correction_bias,
         fused_experts="linear" if any(p.endswith(f"{block}.input_linear.weight") for p in patterns) else "experts",
         shared_at_layer=shared_at_layer,
-        sinks=any(p.endswith(("self_attn.sinks", "self_attn.attention_sink_bias")) for p in patterns),
-        sink_layers=tuple(sorted({int(m.group(1)) for n in shapes if (m := re.fullmatch(SINKS_RE, n))})),
+        sinks=next(iter(sinks.values()), None),
+        sink_layers=tuple(sorted(sinks)),
         k_rows=_k_rows(shapes),
         shared_fused=shared is not None and any(".shared_mlp.input_linear." in p for p in patterns),
     )
@@ -441,7 +443,7 @@ def _k_rows(shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
 
 
 K_PROJ_RE = r"model\.layers\.(\d+)\.self_attn\.k_proj\.weight"
-SINKS_RE = r"model\.layers\.(\d+)\.self_attn\.(?:sinks|attention_sink_bias)"
+SINKS_RE = r"model\.layers\.(\d+)\.self_attn\.(sinks|attention_sink_bias)"
 
 
 def _attention_layout(patterns: set[str], shapes: dict[str, tuple[int, ...]]) -> dict:
@@ -652,7 +654,7 @@ def _attention(c: HFConfig, f: dict, layout: Layout, variant: dict, types: list[
         rope_interleave=c.opt("rope_interleave", bool, variant.get("gqa_interleave", False)),
         # EXAONE-MoE: with sliding layers, the full-attention ones rotate nothing (names cannot tell: a variant)
         nope_layers=sorted(nope),
-        attention_sinks=layout.sinks,
+        attention_sinks=layout.sinks is not None,
         sinks_sliding_only=layout.sinks_sliding_only,
         sliding_kv_heads=f["num_kv_heads"] * layout.sliding_kv_factor if layout.sliding_kv_factor > 1 else 0,
         v_head_dim=c.req("v_head_dim", int) if layout.own_values else 0,
@@ -943,7 +945,7 @@ def _rules(layout: Layout, variant: dict) -> tuple[list[Rule], tuple[Fused, ...]
             )
             for where in ("pre", "post")
         ]
-    if layout.sinks:  # MiMo-V2-Flash's name for them
+    if layout.sinks == "attention_sink_bias":  # MiMo-V2-Flash's name for them
         rules.append(Rule("model.layers.{i}.self_attn.attention_sink_bias", "layers.{i}.self_attn.sinks"))
     if layout.moe_output_norm:
         rules.append(Rule("model.layers.{i}.post_mlp_layernorm.weight", "layers.{i}.post_feedforward_layernorm.weight"))
