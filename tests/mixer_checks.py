@@ -49,6 +49,20 @@ def assert_matches_transformers(model, hf, ids) -> torch.Tensor:
     return want
 
 
+def assert_left_padded_rows_match(model, hf) -> None:
+    """A left-padded row (its positions from 0 at its first token) beside a full one: every real token's logits of
+    ``model`` within fp32 1e-4 of transformers' ``hf`` given the same mask and positions."""
+    ids = token_ids(t=24)
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        want = hf(ids, attention_mask=mask, position_ids=positions).logits
+        got = model(ids, positions=positions, attention_mask=mask).logits
+    real = mask.bool()
+    assert (got[real] - want[real]).abs().max() <= FP32_TOL
+
+
 def worst_sample(engine, outs, temperature: float = 0.8) -> tuple[float, bool]:
     """The largest k3 of any sample of ``outs`` against a full forward of its tokens, and whether every sample's
     routed experts equal that forward's."""

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 from hf_models import build_hf_model, hf_router_choices
-from mixer_checks import FP32_TOL, moved, sft_losses, token_ids
+from mixer_checks import FP32_TOL, assert_left_padded_rows_match, moved, sft_losses, token_ids
 
 from moerl.bridges import load_model
 from moerl.model.transformer import MoEModel
@@ -74,16 +74,7 @@ def test_left_padded_rows_match_transformers(checkpoint):
     """A left-padded row (its positions from 0 at its first token) and a full one: every real token's logits
     within fp32 1e-4 of transformers given the same mask and positions."""
     path, hf = checkpoint
-    model = load_model(path, dtype=torch.float32)
-    ids = token_ids(t=24)
-    mask = torch.ones_like(ids)
-    mask[0, :7] = 0
-    positions = (mask.cumsum(1) - 1).clamp(min=0)
-    with torch.no_grad():
-        want = hf(ids, attention_mask=mask, position_ids=positions).logits
-        got = model(ids, positions=positions, attention_mask=mask).logits
-    real = mask.bool()
-    assert (got[real] - want[real]).abs().max() <= FP32_TOL
+    assert_left_padded_rows_match(load_model(path, dtype=torch.float32), hf)
 
 
 def test_lagunas_own_default_config_is_derived_and_proved():

@@ -120,7 +120,7 @@ class KVCache:
         # asked again in each step's view (a compiled step makes its view inside the graph)
         self.paged = dtype in KINDS and torch.device(device).type == "cpu" and kernel() is not None
         self.sliding_window = cfg.sliding_window
-        self.heads, self.rows = shapes[0][0], n  # the full layers' pools' [heads, rows, d] (a pool's own: its shape)
+        self.rows = n  # every attention pool's [heads, rows, d] (its heads: the layer's own)
         self.attention = [i for i, t in enumerate(cfg.layer_types) if keeps_keys(t)]
         self.released = False
         self._gathered: list[torch.Tensor | None] = [None, None]  # gather_buffer's key and value buffers
@@ -217,11 +217,8 @@ class StepView:
         self.write = self.slots >= 0
         self.write_rows = write_rows if write_rows is not None else self.write.nonzero().squeeze(1)
         write_slots = self.slots[self.write_rows]
-        heads, n = cache.heads, cache.rows
-        # each pool row a new key goes to, by the pool's heads (a model may keep more in its sliding layers)
-        self._write_at = {
-            heads: (torch.arange(heads, device=write_slots.device)[:, None] * n + write_slots[None, :]).reshape(-1)
-        }
+        # by a pool's heads (a model may keep more in its sliding layers): the rows this step's keys go to (``_writes``)
+        self._write_at: dict[int, torch.Tensor] = {}
         s = block_tables.shape[1] * bs
         dev = block_tables.device
         self.key_slots: torch.Tensor | None = None

@@ -178,8 +178,10 @@ class ModelConfig:
                 raise self._bad(name, f"allowed: {', '.join(allowed)}")
         if self.activation not in ("silu", "swiglu_clamped", "relu2"):
             raise self._bad("activation", "allowed: silu, swiglu_clamped, relu2")
-        if self.rope.kind not in ("default", "linear", "yarn", "llama3"):
-            raise ConfigError(f"ModelConfig.rope.kind={self.rope.kind!r}: allowed: default, linear, yarn, llama3")
+        for name in ("rope", "sliding_rope"):
+            rope = getattr(self, name)
+            if rope is not None and rope.kind not in ("default", "linear", "yarn", "llama3"):
+                raise ConfigError(f"ModelConfig.{name}.kind={rope.kind!r}: allowed: default, linear, yarn, llama3")
         if len(self.layer_types) != self.num_layers:
             raise self._bad("layer_types", f"needs {self.num_layers} entries (num_layers)")
         if any(t not in ("full", "sliding", *RECURRENT_KINDS, "none") for t in self.layer_types):
@@ -328,10 +330,6 @@ class ModelConfig:
             raise self._bad("sliding_rope_dim", "set without sliding_rope (the sliding layers rotate as the full ones)")
         if self.sliding_rope is not None and "sliding" not in self.layer_types:
             raise self._bad("sliding_rope", "set, but no layer is 'sliding' (layer_types): it would be ignored")
-        if self.sliding_rope is not None and self.sliding_rope.kind not in ("default", "linear", "yarn", "llama3"):
-            raise ConfigError(
-                f"ModelConfig.sliding_rope.kind={self.sliding_rope.kind!r}: allowed: default, linear, yarn, llama3"
-            )
 
     def _validate_mamba(self) -> None:
         """Mamba fields: those of Mamba-2 ('mamba' layers) and of Mamba-1 ('mamba1') at their defaults without such a

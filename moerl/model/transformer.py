@@ -26,9 +26,8 @@ class DecoderLayer(nn.Module):
     """Attention then MLP / MoE, each in a residual branch: ``x + m * f(norm(x))`` (pre-norm, the default),
     ``x + m * norm(f(x))`` (post-sublayer norms, OLMo-2 placement), ``x + m * norm2(f(norm1(x)))`` (sandwich
     norms: AFMoE, Gemma) or ``x + m * attn(norm(x)) + m * mlp(norm(x))`` (a parallel block: Cohere); ``m`` is the
-    residual multiplier. The MLP's input norm is ``post_attention_layernorm``
-    pre-norm, ``pre_feedforward_layernorm`` in a sandwich, where ``post_attention_layernorm`` norms the attention's
-    output as it does post-norm.
+    residual multiplier. The MLP's input norm is ``post_attention_layernorm`` pre-norm, ``pre_feedforward_layernorm``
+    in a sandwich, where ``post_attention_layernorm`` norms the attention's output as it does post-norm.
 
     A layer of one block (Nemotron-H's) keeps one half and one norm, ``input_layernorm``: a mixer alone (its index in
     ``mixer_only_layers``) or an MLP / MoE alone (layer type "none": no ``self_attn``)."""
