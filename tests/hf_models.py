@@ -440,5 +440,16 @@ DERIVED_CONFIGS["MiMoV2FlashForCausalLM"] = dict(
     "sliding_attention", "full_attention"], mlp_layer_types=["dense", "sparse", "sparse", "sparse"], sliding_window=4,
     attention_value_scale=0.5, vocab_size=VOCAB,
 )  # fmt: skip
+# Llama 4: chunked layers (chunks of 8) beside a NoPE full one with temperature tuning (a step every 4 positions), a
+# unit-RMS q/k norm without weights on the RoPE layers, interleaved rotary pairs with llama3 scaling, sigmoid scores
+# on the one chosen expert's input, a shared expert, a dense first layer of its own size, experts stored [E, H, 2I]
+DERIVED_CONFIGS["Llama4ForCausalLM"] = dict(
+    model_type="llama4_text", hidden_size=64, intermediate_size=32, intermediate_size_mlp=96, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=1,
+    moe_layers=[1, 2, 3], no_rope_layers=[1, 1, 0, 1], attention_chunk_size=8, attn_temperature_tuning=True,
+    floor_scale=4, attn_scale=0.5, use_qk_norm=True, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5,
+    "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+    vocab_size=VOCAB,
+)  # fmt: skip
 DERIVED_ARCHS = list(DERIVED_CONFIGS)
 CONFIGS |= DERIVED_CONFIGS

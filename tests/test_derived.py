@@ -177,6 +177,7 @@ KNOBS = {
     "AXK1ForCausalLM": ("routed_scaling_factor", 1.0),
     "Cohere2MoeForCausalLM": ("shared_combine", "sum"),  # its other knobs: tests/test_norm_placements.py
     "MiMoV2FlashForCausalLM": ("attn_value_scale", 1.0),  # its other knobs: tests/test_mimo_v2_flash.py
+    "Llama4ForCausalLM": ("router_weight_on_input", False),  # its other knobs: tests/test_llama4.py
 }
 
 
@@ -236,7 +237,6 @@ REFUSED = [  # (model_type, config changes, the feature the refusal names)
     ("kimi_linear", {}, "linear-attention layers other than Gated DeltaNet"),
     ("minimax", {}, "lightning linear-attention layers"),
     ("lfm2_moe", {}, "short-convolution layers"),
-    ("llama4_text", {}, "chunked attention; attention temperature tuning"),
     ("hy_v4", {}, "hyper-connections"),
     ("qwen3_moe", {"v_head_dim": 32}, "latent-attention field.* 'v_head_dim' without latent-attention tensors"),
     ("granitemoe_swa", {"layer_rope_theta": [1e4 * (1 + i) for i in range(32)]}, "a RoPE per layer is not"),

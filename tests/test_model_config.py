@@ -116,7 +116,23 @@ REFUSED = [
         "a multiple of them as value heads",
     ),
     (HYBRID, dict(linear_conv_kernel=0), "linear_key_head_dim", "a conv kernel >= 1"),
-    (GQA, dict(layer_types=["ssm", "full"]), "layer_types", "entries allowed: full, sliding, linear, mamba, mamba1"),
+    (
+        GQA,
+        dict(layer_types=["ssm", "full"]),
+        "layer_types",
+        "entries allowed: full, sliding, chunked, linear, mamba, mamba1",
+    ),
+    # Llama 4's: chunks, temperature tuning of the NoPE layers, the gate weight on the one expert's input
+    (GQA, dict(layer_types=["chunked", "full"]), "attention_chunk", "chunked layers need a chunk >= 1"),
+    (GQA, dict(attention_chunk=8), "attention_chunk", "no layer is 'chunked'"),
+    (MLA, dict(layer_types=["chunked", "full"], attention_chunk=8), "attention_chunk", "not built for attention='mla'"),
+    (GQA, dict(attn_temperature_scale=0.1, attn_temperature_floor=4), "attn_temperature_scale", "nope_layers is empty"),
+    (GQA, dict(attn_temperature_scale=0.1, nope_layers=[1]), "attn_temperature_floor", "must be >= 1"),
+    (GQA, dict(attn_temperature_scale=-0.1, nope_layers=[1]), "attn_temperature_scale", "must be > 0"),
+    (GQA, dict(attn_temperature_floor=4), "attn_temperature_floor", "not built without attn_temperature_scale"),
+    (GQA, dict(router_weight_on_input=True), "router_weight_on_input", "top_k=1, not 2"),
+    (GQA, dict(qk_norm="l2", qk_norm_after_rope=True), "qk_norm_after_rope", "needs per-head norms"),
+    (GQA, dict(qk_norm="rms"), "qk_norm", "allowed: none, head, full, l2"),
     (GQA, dict(mamba_num_heads=2), "mamba_num_heads", "without a 'mamba' layer"),
     (GQA, dict(mamba_head_dim=4), "mamba_head_dim", "without a 'mamba' layer"),
     (GQA, dict(mamba_state_size=4), "mamba_state_size", "without a 'mamba' or 'mamba1' layer"),
@@ -210,6 +226,20 @@ ACCEPTED = [
     ),  # fmt: skip
     # Cohere2-MoE: a parallel block of LayerNorms without bias, the shared expert averaged in, interleaved pairs
     GQA | dict(norm="layer_nobias", norm_placement="parallel", shared_expert_size=8, shared_combine="average"),
+    # Llama 4: a chunked layer beside a NoPE one with temperature tuning, the q/k norm without weights, the gate
+    # weight on the one expert's input
+    GQA
+    | dict(
+        layer_types=["chunked", "full"],
+        attention_chunk=2,
+        nope_layers=[1],
+        attn_temperature_scale=0.1,
+        attn_temperature_floor=2,
+        qk_norm="l2",
+        top_k=1,
+        router_weight_on_input=True,
+        rope_interleave=True,
+    ),  # fmt: skip
 ]
 
 

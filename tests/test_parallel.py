@@ -792,8 +792,11 @@ def test_four_ranks_each_read_only_their_stage_and_their_share_of_the_experts(mo
 
 @pytest.fixture(scope="module")
 def attention_kinds(tmp_path_factory):
-    """gpt-oss (sliding windows of 5 tokens, shorter than the rows, and attention sinks) and DeepSeek-V3 (latent
-    attention): each checkpoint and its one-process step, and their steps at cp 2 (one launch)."""
+    """gpt-oss (sliding windows of 5 tokens, shorter than the rows, and attention sinks), DeepSeek-V3 (latent
+    attention) and Llama 4 (chunks of 8 tokens, temperature tuning): each checkpoint and its one-process step, and their
+    steps at cp 2 (one launch)."""
+    from hf_models import build_hf_model
+
     from moerl.presets import init_model
 
     where = tmp_path_factory.mktemp("kinds")
@@ -801,6 +804,8 @@ def attention_kinds(tmp_path_factory):
         "gpt_oss": init_model("gpt_oss", "tiny", where / "gpt_oss", seed=0, overrides={"sliding_window": 5}),
         "deepseek_v3": init_model("deepseek_v3", "tiny", where / "deepseek_v3", seed=0),
     }
+    build_hf_model("Llama4ForCausalLM").save_pretrained(where / "llama4")  # chunks of 8, derived with no bridge file
+    paths["llama4"] = where / "llama4"
     assert paths["gpt_oss"].config.sliding_window == 5 and paths["gpt_oss"].config.attention_sinks
     assert paths["deepseek_v3"].config.attention == "mla"
     one = {a: _step(where / a, "full", "float32", where / f"one_{a}.json") for a in paths}
@@ -813,11 +818,12 @@ def attention_kinds(tmp_path_factory):
     return one, two
 
 
-@pytest.mark.parametrize("arch", ["gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["gpt_oss", "deepseek_v3", "llama4"])
 def test_context_parallel_attention_kinds_train_as_in_one_process(attention_kinds, arch):
     """At cp 2 each rank holds 6 of a row's 12 tokens: gpt-oss's sliding layers attend over a 5-token window that
     crosses the ranks' boundary, each rank keeping its heads' sinks; DeepSeek-V3's latent attention splits its
-    per-head keys. R3 replay on, packed rows: one step equals one process's (fp32)."""
+    per-head keys; Llama 4's chunks of 8 cross it too. R3 replay on, packed rows: one step equals one process's
+    (fp32)."""
     one, two = attention_kinds
     differences = _step_differences(*one[arch], *two[arch], "full", "float32", 1e-6)
     assert not differences, differences

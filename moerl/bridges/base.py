@@ -234,7 +234,7 @@ def layer_types(
         period, offset = c.req("attn_layer_period", int), c.opt("attn_layer_offset", int, 0)
         types = ["attention" if i % period == offset else "mamba" for i in range(num_layers)]
     if types is not None:
-        known = {"full_attention": "full", "sliding_attention": "sliding"}
+        known = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked"}
         if linear:
             known["linear_attention"] = "linear"
         if indexed:

@@ -106,6 +106,9 @@ READ = {
     "prefix_dense_sliding_window_pattern", "layer_norm_eps",
     # MiMo-V2-Flash: its values scaled (its value heads' own size: v_head_dim, with the latent-attention fields)
     "attention_value_scale",
+    # Llama 4: chunked layers, NoPE layers (with temperature tuning), its dense layers' size, its MoE layers
+    "attention_chunk_size", "no_rope_layers", "no_rope_layer_interval", "attn_temperature_tuning", "floor_scale",
+    "attn_scale", "intermediate_size_mlp", "moe_layers", "interleave_moe_layer_step",
 }  # fmt: skip
 INERT = {  # fields that do not change the forward pass (ids, bookkeeping, training-only losses)
     "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
@@ -138,8 +141,6 @@ FEATURES = {
     **dict.fromkeys(("block_size", "linear_attn_alpha_factor"), "lightning linear-attention layers"),
     **dict.fromkeys(("conv_L_cache", "conv_bias"), "short-convolution layers"),
     **dict.fromkeys(("hc_mult", "hc_eps", "hc_magnitude"), "hyper-connections (several residual streams)"),
-    "attention_chunk_size": "chunked attention",
-    "attn_temperature_tuning": "attention temperature tuning",
     **dict.fromkeys(("cca_time0", "cca_time1"), "compressed convolutional attention"),
 }
 # tensor names (under a layer) that say the same
@@ -154,7 +155,11 @@ def variants(hf: dict, layout: Layout) -> list[dict]:
     softmax = layout.correction_bias is None and hf.get("scoring_func", "softmax") == "softmax"
     groups = hf.get("mamba_n_groups") or hf.get("n_groups") or 1  # Mamba-2's B / C groups (Granite's, Nemotron's)
     kinds = set(hf.get("layer_types") or [])
+    top_k = next((hf[k] for k in SYNONYMS["top_k"] if hf.get(k) is not None), None)
     open_ = dict(
+        # sigmoid scores scaling the one chosen expert's input (Llama 4's) where no field names the scoring: tried
+        # after every softmax variant
+        router_on_input=(False, True) if softmax and top_k == 1 and "scoring_func" not in hf else (False,),
         norm_offset=(False, True),
         norm_topk=(False, True) if "norm_topk_prob" not in hf else (False,),
         nope_full=(False, True) if {"full_attention", "sliding_attention"} <= kinds else (False,),
@@ -176,7 +181,9 @@ def variants(hf: dict, layout: Layout) -> list[dict]:
     return [
         v
         for v in out
-        if not (v["topk_before_softmax"] and v["norm_topk"]) and not (v["qk_norm_after_rope"] and v["gqa_interleave"])
+        if not (v["topk_before_softmax"] and v["norm_topk"])
+        and not (v["qk_norm_after_rope"] and v["gqa_interleave"])
+        and not (v["router_on_input"] and (v["topk_before_softmax"] or v["norm_topk"]))
     ]
 
 
@@ -189,7 +196,8 @@ COUNTS = {  # ints >= 1 (null: absent)
     *LINEAR_FIELDS, "linear_conv_kernel_dim", "full_attention_interval", "n_group", "topk_group", *MLA, *INDEX,
     "rotary_dim", *MAMBA, "attn_layer_period", "expert_layer_period", "ssm_state_size", "mamba_num_heads",
     "mamba_head_dim", "n_groups", "conv_kernel", "expand", "chunk_size",
-    "sliding_window_pattern", "global_attn_every_n_layers",
+    "sliding_window_pattern", "global_attn_every_n_layers", "attention_chunk_size", "floor_scale",
+    "intermediate_size_mlp", "interleave_moe_layer_step", "no_rope_layer_interval",
 }  # fmt: skip
 NOT_NULL = {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", *SYNONYMS["top_k"]}
 INDICES = {  # ints >= 0
@@ -200,10 +208,10 @@ INDICES = {  # ints >= 0
 SWITCHES = {
     "tie_word_embeddings", "norm_topk_prob", "attention_bias", "use_sliding_window", "qkv_bias", "mlp_bias",
     "use_qk_norm", "rope_interleave", "enable_moe_fp32_combine", "mup_enabled", "mamba_conv_bias", "mamba_proj_bias",
-    "use_conv_bias", "use_bias", "residual_in_fp32",
+    "use_conv_bias", "use_bias", "residual_in_fp32", "attn_temperature_tuning", "moe_apply_router_weight_on_input",
 }  # fmt: skip
 POSITIVE = {  # numbers > 0
-    "rms_norm_eps", "layer_norm_epsilon", "rope_theta", "clip_qkv", "partial_rotary_factor", *MUP,
+    "rms_norm_eps", "layer_norm_epsilon", "rope_theta", "clip_qkv", "partial_rotary_factor", *MUP, "attn_scale",
     *SYNONYMS["routed_scaling_factor"],
 }  # fmt: skip
 
@@ -260,13 +268,12 @@ def check_known(hf: dict) -> None:
         )
     if hf.get("hidden_act", "silu") != "silu":
         raise UnknownArchitectureError(f"cannot derive a bridge for {arch_name(hf)}: hidden_act={hf['hidden_act']!r}")
-    # switches with one value built: Nemotron-H's MLPs un-gated relu2, its Mamba's conv SiLU; Laguna's router weights
+    # switches with one value built: Nemotron-H's MLPs un-gated relu2, its Mamba's conv SiLU, the experts' width
     for key, built, feature in (
         ("mlp_hidden_act", "relu2", "un-gated MLPs with another activation"),
         ("mamba_hidden_act", "silu", "a Mamba conv activation other than SiLU"),
         ("moe_latent_size", None, "latent expert projections (the experts in a smaller width)"),
         ("residual_in_fp32", False, "a residual stream kept in fp32 whatever the compute dtype"),
-        ("moe_apply_router_weight_on_input", False, "router weights applied to the experts' input"),
     ):
         if hf.get(key, built) != built:
             raise UnknownArchitectureError(
@@ -329,6 +336,7 @@ class Layout:
     sandwich: str | None = None
     parallel: bool = False  # one norm a layer, attention and MLP both of its output (Cohere's parallel block)
     moe_output_norm: bool = False  # a norm after the MoE block alone (A.X-K1's post_mlp_layernorm, no pre_ one)
+    experts_transposed: bool = False  # 3D experts as [E, H, 2I] and [E, I, H] (Llama 4's), moerl's transposed
 
 
 # a tensor each kind alone has, in order (Nemotron-H's Mamba-2 under ``mixer``)
@@ -433,7 +441,21 @@ def read_layout(shapes: dict[str, tuple[int, ...]]) -> Layout:
         sink_layers=tuple(sorted(sinks)),
         k_rows=_k_rows(shapes),
         shared_fused=shared is not None and any(".shared_mlp.input_linear." in p for p in patterns),
+        experts_transposed=_transposed(shapes, block),
     )
+
+
+def _transposed(shapes: dict[str, tuple[int, ...]], block: str) -> bool:
+    """Whether the 3D experts are stored [E, H, 2I] and [E, I, H] (Llama 4's), not [E, 2I, H] and [E, H, I]: the
+    hidden size where the other sits, in whichever of the two tells them apart (2I or I may equal H)."""
+    hidden = shapes.get("model.embed_tokens.weight", (0, 0))[1]
+    found = [
+        s
+        for w, at in (("gate_up_proj", 1), ("down_proj", 2))
+        for n, s in shapes.items()
+        if n.endswith(f".{block}.experts.{w}") and len(s) == 3 and (s[at] == hidden != s[3 - at])
+    ]
+    return bool(found)
 
 
 def _k_rows(shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
@@ -533,6 +555,14 @@ def moe_layers(c: HFConfig, n: int) -> list[int]:
         if len(kinds) != n:
             raise ConfigError(f"{c.source}: field 'mlp_layer_types' lists {len(kinds)} layers, the model has {n}")
         return [i for i, kind in enumerate(kinds) if kind == "sparse"]
+    listed = c.opt("moe_layers", list)  # Llama 4's: the MoE layers by index, else every step-th
+    if listed is not None:
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in listed):
+            raise ConfigError(f"{c.source}: field 'moe_layers' must list layer indices, got {listed!r}")
+        return sorted(i for i in set(listed) if i < n)
+    if "interleave_moe_layer_step" in d:
+        step = c.req("interleave_moe_layer_step", int)
+        return list(range(step - 1, n, step))
     if "expert_layer_period" in d:  # Jamba's: every period-th layer from the offset
         period, offset = c.req("expert_layer_period", int), c.opt("expert_layer_offset", int, 0)
         return [i for i in range(n) if i % period == offset]
@@ -600,7 +630,11 @@ def _routing(c: HFConfig, layout: Layout, variant: dict) -> dict:
     if selection is not None:
         scoring, before = selection, selection == "softmax"
     norm = variant.get("norm_topk") or c.opt("norm_topk_prob", bool, False)
+    on_input = variant.get("router_on_input", False)
+    if on_input:
+        scoring = "sigmoid"
     return dict(
+        router_weight_on_input=on_input or c.opt("moe_apply_router_weight_on_input", bool, False),
         scoring=scoring,
         score_correction_bias=layout.correction_bias is not None,
         topk_before_softmax=before,
@@ -639,10 +673,20 @@ def _attention(c: HFConfig, f: dict, layout: Layout, variant: dict, types: list[
     nope += [i for i, theta in enumerate(c.opt("layer_rope_theta", list, [])) if theta == 0 and i not in nope]
     if variant.get("nope_attention") or c.data.get("position_embedding_type", "rope") != "rope":  # Granite-4.0-H
         nope = [i for i, t in enumerate(types) if t in ("full", "sliding")]
+    rotates = c.opt("no_rope_layers", list)  # Llama 4's: 1 where a layer rotates, 0 where it does not
+    if rotates is not None:
+        if len(rotates) < f["num_layers"] or not all(r in (0, 1) for r in rotates[: f["num_layers"]]):
+            raise ConfigError(
+                f"{c.source}: field 'no_rope_layers' must list 1 (RoPE) or 0 (none) for each of the "
+                f"{f['num_layers']} layers, got {rotates!r}"
+            )
+        nope += [i for i in range(f["num_layers"]) if not rotates[i] and i not in nope]
+    # q/k norms switched on without tensors: a norm without a weight (Llama 4's)
+    qk_norm = "l2" if layout.qk_norm == "none" and c.opt("use_qk_norm", bool, False) else layout.qk_norm
     return dict(
         qkv_bias=layout.qkv_bias,
         o_bias=layout.o_bias,
-        qk_norm=layout.qk_norm,
+        qk_norm=qk_norm,
         qk_norm_after_rope=variant["qk_norm_after_rope"] and layout.qk_norm == "head",
         clip_qkv=c.opt("clip_qkv", float),
         attn_output_gate=layout.output_gate,
@@ -659,8 +703,17 @@ def _attention(c: HFConfig, f: dict, layout: Layout, variant: dict, types: list[
         sliding_kv_heads=f["num_kv_heads"] * layout.sliding_kv_factor if layout.sliding_kv_factor > 1 else 0,
         v_head_dim=c.req("v_head_dim", int) if layout.own_values else 0,
         attn_value_scale=c.opt("attention_value_scale", float, 1.0),
+        **_temperature(c, nope),
+        attention_chunk=c.req("attention_chunk_size", int) if "chunked" in types else None,
         **({"attn_scale": c.req("attention_multiplier", float)} if "attention_multiplier" in c.data else {}),
     )
+
+
+def _temperature(c: HFConfig, nope: list[int]) -> dict:
+    """Llama 4's temperature tuning of the NoPE layers' queries (none without such a layer)."""
+    if not c.opt("attn_temperature_tuning", bool, False) or not nope:
+        return {}
+    return dict(attn_temperature_scale=c.req("attn_scale", float), attn_temperature_floor=c.req("floor_scale", int))
 
 
 def _sliding_rope(c: HFConfig, f: dict, params: dict | None) -> dict:
@@ -772,7 +825,9 @@ def _config(c: HFConfig, layout: Layout, variant: dict) -> ModelConfig:
     return ModelConfig(
         **f,
         **one_block,
-        intermediate_size=c.first(("prefix_dense_intermediate_size", "intermediate_size"), int) if dense else 0,
+        intermediate_size=c.first(("prefix_dense_intermediate_size", "intermediate_size_mlp", "intermediate_size"), int)
+        if dense
+        else 0,
         num_experts=c.first(SYNONYMS["num_experts"], int),
         top_k=c.first(SYNONYMS["top_k"], int),
         moe_intermediate_size=moe_size,
@@ -895,6 +950,11 @@ def _rules(layout: Layout, variant: dict) -> tuple[list[Rule], tuple[Fused, ...]
             Rule(f"{hf_block}.input_linear.weight", "layers.{i}.mlp.experts.gate_up_proj"),
             Rule(f"{hf_block}.output_linear.weight", "layers.{i}.mlp.experts.down_proj"),
         ]
+    elif layout.experts_transposed:
+        rules += [
+            Rule(f"{hf_block}.experts.{w}", f"layers.{{i}}.mlp.experts.{w}", load=_swap, save=_swap)
+            for w in ("gate_up_proj", "down_proj")
+        ]
     elif layout.block != "mlp":
         rules.append(Rule(f"{hf_block}.experts.{{x}}", "layers.{i}.mlp.experts.{x}"))
     fused: tuple[Fused, ...] = ()
@@ -952,6 +1012,11 @@ def _rules(layout: Layout, variant: dict) -> tuple[list[Rule], tuple[Fused, ...]
     if layout.gate_proj == "g_proj":
         rules.append(Rule("model.layers.{i}.self_attn.g_proj.weight", "layers.{i}.self_attn.gate_proj.weight"))
     return rules, fused
+
+
+def _swap(t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """3D experts' last two dims swapped (Llama 4's [E, H, 2I] <-> moerl's [E, 2I, H]), contiguous."""
+    return t.transpose(1, 2).contiguous()
 
 
 def _no_preset(p: Preset, bos: int, eos: int, pad: int) -> dict:

@@ -1,14 +1,19 @@
-"""The language model of a multimodal checkpoint (Qwen3.5-MoE's ``Qwen3_5MoeForConditionalGeneration``): moerl
-trains and serves text only. The config is the checkpoint's ``text_config`` under its text architecture; the tensors
-are the ``model.language_model.*`` ones, read as the text checkpoint's ``model.*``; the vision tower's and the
-multi-token-prediction layers' tensors are skipped by name. An export writes the text checkpoint."""
+"""The language model of a multimodal checkpoint (Qwen3.5-MoE's ``Qwen3_5MoeForConditionalGeneration``, Llama 4's
+``Llama4ForConditionalGeneration``): moerl trains and serves text only. The config is the checkpoint's ``text_config``
+under its text architecture; the tensors are the ``model.language_model.*`` ones (Llama 4: ``language_model.*``, the
+text checkpoint whole), read as the text checkpoint's; the vision tower's and the multi-token-prediction layers'
+tensors are skipped by name. An export writes the text checkpoint."""
 
 from __future__ import annotations
 
 from moerl.errors import CheckpointError
 
-LANGUAGE = "model.language_model."
-SKIPPED = ("model.visual.", "model.vision_tower.", "model.multi_modal_projector.", "visual.", "mtp.")
+# the language model's prefix -> the text checkpoint's
+LANGUAGE = {"model.language_model.": "model.", "language_model.": ""}
+SKIPPED = (
+    "model.visual.", "model.vision_tower.", "model.multi_modal_projector.", "visual.", "mtp.", "vision_model.",
+    "multi_modal_projector.",
+)  # fmt: skip
 CARRIED = ("tie_word_embeddings", "quantization_config")  # top-level fields that speak for the text model
 
 
@@ -36,8 +41,9 @@ def text_config(hf: dict, source: str) -> dict:
 
 def text_name(name: str) -> str | None:
     """The text checkpoint's name of tensor ``name`` (``None``: a vision or multi-token-prediction tensor)."""
-    if name.startswith(LANGUAGE):
-        return "model." + name[len(LANGUAGE) :]
+    for prefix, text in LANGUAGE.items():
+        if name.startswith(prefix):
+            return text + name[len(prefix) :]
     if name.startswith(SKIPPED):
         return None
     return name

@@ -77,10 +77,12 @@ def tiny_config(hf: dict) -> dict:
     small["num_hidden_layers"] = min(n, max(keep, 2), max(4, keep if kinds or offsets else 4))
     for key in (
         "layer_types", "mlp_layer_types", "layer_rope_theta", "layers_block_type", "indexer_types",
-        "num_attention_heads_per_layer",
+        "num_attention_heads_per_layer", "no_rope_layers",
     ):  # fmt: skip
         if isinstance(small.get(key), list):
             small[key] = small[key][: small["num_hidden_layers"]]
+    if isinstance(small.get("moe_layers"), list):  # Llama 4's MoE layers by index
+        small["moe_layers"] = [i for i in small["moe_layers"] if isinstance(i, int) and i < small["num_hidden_layers"]]
     if isinstance(small.get("num_attention_heads_per_layer"), list):  # the checkpoint's own head counts, not 4
         small["num_attention_heads"] = hf["num_attention_heads"]
     if isinstance(hf.get("hybrid_override_pattern"), str) and not hf.get("layers_block_type"):
@@ -88,8 +90,9 @@ def tiny_config(hf: dict) -> dict:
     factors = _rotary_factors(hf)
     if factors and "head_dim" in small and not small.get("kv_lora_rank"):  # the tiny head keeps its rotary dims even
         small["head_dim"] = next((d for d in (16, 32, 48, 64) if _even_rotary(d, factors)), small["head_dim"])
-    if small.get("sliding_window"):
-        small["sliding_window"] = min(small["sliding_window"], 8)
+    for key, size in (("sliding_window", 8), ("attention_chunk_size", 8), ("floor_scale", 4)):
+        if small.get(key):  # a window, a chunk, a temperature step the proof's 16 tokens cross
+            small[key] = min(small[key], size)
     # linear-attention layers: 2 key heads, twice as many value heads if it has more
     if "linear_num_key_heads" in small:
         more = (hf.get("linear_num_value_heads") or 0) > (hf.get("linear_num_key_heads") or 0)
@@ -143,6 +146,8 @@ def hf_forward(model: torch.nn.Module, ids: torch.Tensor, **kwargs) -> tuple[tor
 
     def one_int(module, tensors) -> None:
         ints = [t for t in tensors if isinstance(t, torch.Tensor) and not t.is_floating_point()]
+        if not ints:  # scores that are zero off the chosen experts (Llama 4's router): where they are not
+            ints = [_nonzero(t) for t in tensors if isinstance(t, torch.Tensor) and _nonzero(t) is not None][:1]
         if len(ints) != 1:
             raise UnknownArchitectureError(f"{type(module).__name__} returned {len(ints)} integer tensors, not 1")
         choices.append(ints[0].detach())
@@ -166,6 +171,18 @@ def hf_forward(model: torch.nn.Module, ids: torch.Tensor, **kwargs) -> tuple[tor
         for h in hooks:
             h.remove()
     return out.logits, choices, out.hidden_states
+
+
+def _nonzero(scores: torch.Tensor) -> torch.Tensor | None:
+    """The chosen experts [N, k] of router scores [N, E] that are zero off them (the same k in every row), else
+    None."""
+    if scores.ndim != 2 or not scores.is_floating_point():
+        return None
+    counts = (scores != 0).sum(-1)
+    k = int(counts[0]) if counts.numel() else 0
+    if not 0 < k < scores.shape[1] or not bool((counts == k).all()):
+        return None
+    return scores.abs().topk(k, dim=-1).indices
 
 
 def _close(ours: torch.Tensor, ref: torch.Tensor) -> bool:
@@ -206,6 +223,8 @@ def prove(hf: dict) -> tuple[Bridge, dict, Layout]:
         ) from None
     failures = []
     with tempfile.TemporaryDirectory() as tmp:
+        # every process proves its own: transformers writes a checkpoint on rank 0 alone once torch.distributed is up
+        ref.should_save_on_this_rank = lambda is_main_process: True
         ref.save_pretrained(tmp)
         saved = loads_config((Path(tmp) / "config.json").read_text())
         layout = _layout(hf, Path(tmp), saved)

@@ -64,8 +64,12 @@ def _layer_refusal(layer, dtype: torch.dtype) -> str | None:
         return "attention and MLP of one normed input (a parallel block)"
     if layer.mlp_out_norm:
         return "a norm of the MoE's output"
+    if layer.mask_kind == "chunked":
+        return "chunked attention"
     if layer.mask_kind not in ("full", "sliding") or not layer.is_moe:
         return "not attention then a MoE"
+    if layer.rope_kind == "temperature":
+        return "temperature tuning of the queries"
     if layer.rope_kind != "full":  # the step rotates by one table
         return "a RoPE of the sliding layers' own"
     for name in ("input_layernorm", "self_attn", "post_attention_layernorm"):

@@ -120,6 +120,7 @@ class KVCache:
         # asked again in each step's view (a compiled step makes its view inside the graph)
         self.paged = dtype in KINDS and torch.device(device).type == "cpu" and kernel() is not None
         self.sliding_window = cfg.sliding_window
+        self.attention_chunk = cfg.attention_chunk
         self.rows = n  # every attention pool's [heads, rows, d] (its heads: the layer's own)
         self.attention = [i for i, t in enumerate(cfg.layer_types) if keeps_keys(t)]
         self.released = False
@@ -235,6 +236,7 @@ class StepView:
         self._base: torch.Tensor | None = self._mask_base() if graph else None
         self.real = real  # [B, C] which new tokens are real (linear-attention layers mask the rest out)
         self._sliding: torch.Tensor | None = None
+        self._chunked: torch.Tensor | None = None
         self._write_slots, self._key_slots = write_slots, s  # update_index's single-head rows (see there)
         self._index_read: torch.Tensor | None = None
         self._pos: torch.Tensor | None = None  # each row's query position for the paged kernel, made once a step
@@ -335,10 +337,16 @@ class StepView:
             self._index_read = self._visible_slots()
         return flat.index_select(0, self._index_read).view(self.b, self._key_slots, d)
 
-    def mask(self, sliding: bool) -> torch.Tensor:
+    def mask(self, kind: str) -> torch.Tensor:
         if self._base is None:
             self._base = self._mask_base()
-        if not sliding or not self.cache.sliding_window:
+        if kind == "chunked":  # keys from the start of the query's chunk (positions count from 0 in each sequence)
+            if self._chunked is None:
+                chunk = self.cache.attention_chunk
+                near = self._key_pos >= torch.div(self._q_pos, chunk, rounding_mode="floor") * chunk
+                self._chunked = self._base & torch.where(self._real[:, :, None], near, True).unsqueeze(1)
+            return self._chunked
+        if kind != "sliding" or not self.cache.sliding_window:
             return self._base
         if self._sliding is None:
             near = (self._q_pos - self._key_pos) < self.cache.sliding_window

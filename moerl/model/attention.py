@@ -1,5 +1,6 @@
-"""Attention mixers: grouped-query attention (GQA: qk-norm, sliding window, sinks, an output gate in q_proj or of its
-own projection, partial / no RoPE, a head count and a RoPE of its own per layer) and multi-head latent attention (MLA,
+"""Attention mixers: grouped-query attention (GQA: qk-norm, sliding window or chunks, sinks, an output gate in q_proj
+or of its own projection, partial / no RoPE, temperature tuning, a head count and a RoPE of its own per layer) and
+multi-head latent attention (MLA,
 with DeepSeek sparse attention's indexer), the ``full`` and ``sliding`` layer kinds of ``moerl.model.mixers``; each
 reads and writes the engine's paged KV cache through ``KVCacheView``."""
 
@@ -34,15 +35,17 @@ class KVCacheView(Protocol):
         """Store this step's k/v [B, C, Hkv, d]; return every visible key/value, head-major [B, Hkv, S, d]."""
         ...
 
-    def mask(self, sliding: bool) -> torch.Tensor:
-        """Boolean [B, 1, C, S]: which cached keys each new query may attend to."""
+    def mask(self, kind: str) -> torch.Tensor:
+        """Boolean [B, 1, C, S]: which cached keys each new query of a ``kind`` layer (full, sliding, chunked) may
+        attend to."""
         ...
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding: bool, scale: float, sinks
     ) -> torch.Tensor | None:
         """Store k / v and return q [B, C, Hq, d]'s attention [B, C, Hq * dv] read from the cache in place, or None
-        where the cache has no such path for this step (then ``update`` and ``mask``)."""
+        where the cache has no such path for this step (then ``update`` and ``mask``; chunked layers always take
+        those)."""
         ...
 
     def update_index(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
@@ -111,12 +114,17 @@ class Attention(nn.Module):
         self.o_proj = Linear(nh * dv, h, bias=cfg.o_bias)
         self.qk_norm, self.qk_norm_after_rope = cfg.qk_norm, cfg.qk_norm_after_rope
         self.interleave = cfg.rope_interleave
-        if cfg.qk_norm != "none":
+        if cfg.qk_norm in ("head", "full"):
             full = cfg.qk_norm == "full"
             self.q_norm = RMSNorm(nh * d if full else d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(nkv * d if full else d, cfg.rms_norm_eps)
         self.clip_qkv = cfg.clip_qkv
-        self.sliding = cfg.layer_types[layer] == "sliding"
+        self.kind = cfg.layer_types[layer]  # full | sliding | chunked: the keys a query sees
+        self.sliding = self.kind == "sliding"
+        # Llama 4's: its unit-RMS q / k norm on the layers with RoPE, its temperature tuning on the others
+        self.l2_norm = cfg.qk_norm == "l2" and self.rope_dim > 0
+        self.l2_eps = cfg.rms_norm_eps
+        self.temperature = cfg.attn_temperature_scale > 0 and self.rope_dim == 0
         sinks = cfg.attention_sinks and (self.sliding or not cfg.sinks_sliding_only)
         self.sinks = nn.Parameter(torch.zeros(nh)) if sinks else None
         self.scale = cfg.attn_scale or d**-0.5
@@ -126,6 +134,8 @@ class Attention(nn.Module):
         self.core = attend
 
     def forward(self, x, cos, sin, mask, cache: KVCacheView | None = None) -> torch.Tensor:
+        """``cos`` / ``sin``: the rotary tables of the layer's positions; a layer with temperature tuning (which has no
+        RoPE) takes its queries' scales [B, T] fp32 as ``cos`` (``MoEModel.rope_tables``)."""
         b, t, _ = x.shape
         q, k, v = self._qkv(x)
         gate = None
@@ -142,12 +152,15 @@ class Attention(nn.Module):
         if self.value_scale != 1.0:
             v = v * self.value_scale
         q, k = self._norm_and_rotate(q, k, cos, sin)
+        if self.temperature:
+            q = (q * cos[:, :, None, None]).to(q.dtype)
         # an fp32 CPU decode step reads the pools in place; else the visible keys and values gathered
-        out = cache.attend(self.layer, q, k, v, self.sliding, self.scale, self.sinks) if cache is not None else None
+        paged = cache is not None and self.kind != "chunked"
+        out = cache.attend(self.layer, q, k, v, self.sliding, self.scale, self.sinks) if paged else None
         if out is None:
             if cache is not None:
                 k, v = cache.update(self.layer, k, v)
-                mask = cache.mask(self.sliding)
+                mask = cache.mask(self.kind)
             else:
                 k, v = k.transpose(1, 2), v.transpose(1, 2)
             out = self.core(q.transpose(1, 2), k, v, mask, self.scale, self.sinks)
@@ -183,6 +196,8 @@ class Attention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=2)
         if self.qk_norm_after_rope:  # HunYuan-MoE-V1 (refused with interleaved pairs: they come out reordered)
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.l2_norm:  # a per-dim norm: the rotate-half order interleaved pairs come out in does not change it
+            q, k = unit_rms(q, self.l2_eps), unit_rms(k, self.l2_eps)
         return q, k
 
 
@@ -210,7 +225,8 @@ class MLAttention(nn.Module):
         self.o_proj = Linear(nh * self.v_dim, h, bias=cfg.o_bias)
         self.interleave = cfg.rope_interleave
         self.scale = cfg.attn_scale or qk_dim**-0.5
-        self.sliding = cfg.layer_types[layer] == "sliding"
+        self.kind = cfg.layer_types[layer]
+        self.sliding = self.kind == "sliding"
         self.layer = layer
         # DeepSeek sparse attention: each query attends to the keys its indexer chooses (moerl.model.indexer), or,
         # in GLM-5's shared layers, the keys the last indexer layer before it chose
@@ -238,7 +254,7 @@ class MLAttention(nn.Module):
         k = torch.cat([k_nope, k_rope], dim=-1)
         if cache is not None:  # the cache holds per-head k/v expanded from the latent
             k, v = cache.update(self.layer, k, v)
-            mask = cache.mask(self.sliding)
+            mask = cache.mask(self.kind)
         else:
             k, v = k.transpose(1, 2), v.transpose(1, 2)
         if self.indexer is not None:
@@ -260,8 +276,23 @@ class MLAttention(nn.Module):
         return self.o_proj(self.core(q.transpose(1, 2), k, v, mask, self.scale, None))
 
 
-def build_mask(attention_mask: torch.Tensor | None, b: int, t: int, window: int | None, device) -> torch.Tensor:
-    """Boolean [B, 1, T, T]: causal, padded keys hidden, optional sliding window (i - j < window).
+def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x`` scaled to unit root-mean-square over its last dim, in fp32, without a weight (Llama 4's L2Norm)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def build_mask(
+    attention_mask: torch.Tensor | None,
+    b: int,
+    t: int,
+    window: int | None,
+    device,
+    chunk: int | None = None,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Boolean [B, 1, T, T]: causal, padded keys hidden, optional sliding window (i - j < window) or chunks (keys in
+    the query's own aligned chunk of ``chunk`` positions, by ``positions`` [B, T]: they restart with each sequence).
 
     ``attention_mask`` [B, T]: 0 = padding, else the token's sequence within a packed row (1, 2, ...): a token
     sees only keys of its own sequence (0/1 masks: every real key). Every query sees itself, so fully padded rows
@@ -272,6 +303,11 @@ def build_mask(attention_mask: torch.Tensor | None, b: int, t: int, window: int 
     if window:
         mask = mask & (i[:, None] - i[None, :] < window)
     mask = mask.expand(b, 1, t, t)
+    if chunk:
+        if positions is None:
+            positions = i.expand(b, t)
+        part = torch.div(positions, chunk, rounding_mode="floor")
+        mask = mask & (part[:, None, :, None] == part[:, None, None, :])
     if attention_mask is not None:
         seg = attention_mask[:, None]
         query, key = seg[..., :, None], seg[..., None, :]

@@ -67,14 +67,18 @@ class ModelConfig:
     attention: str = "gqa"  # gqa | mla
     qkv_bias: bool = False
     o_bias: bool = False
-    qk_norm: str = "none"  # none | head (per head, Qwen3) | full (whole projection, OLMoE)
+    # none | head (per head, Qwen3) | full (whole projection, OLMoE) | l2: each head scaled to unit RMS without a
+    # weight, after the rotation, on the layers with RoPE alone (Llama 4's L2Norm)
+    qk_norm: str = "none"
     qk_norm_after_rope: bool = False  # per-head q/k norms after the rotation (HunYuan-MoE-V1)
     clip_qkv: float | None = None
-    # per layer: "full" | "sliding" | a recurrent kind ("linear": Gated DeltaNet, "mamba", "mamba1") | "none": no token
+    # per layer: "full" | "sliding" | "chunked" (keys of the query's own aligned chunk of ``attention_chunk`` positions:
+    # Llama 4) | a recurrent kind ("linear": Gated DeltaNet, "mamba", "mamba1") | "none": no token
     # mixer, the layer is its MLP / MoE alone (Nemotron-H's one-block layers)
     layer_types: list[str] = field(default_factory=list)
     mixer_only_layers: list[int] = field(default_factory=list)  # layers without an MLP / MoE (Nemotron-H's)
     sliding_window: int | None = None
+    attention_chunk: int | None = None  # the chunked layers' chunk, in positions
     attention_sinks: bool = False
     sinks_sliding_only: bool = False  # the sinks on the sliding layers alone (MiMo-V2-Flash's)
     attn_value_scale: float = 1.0  # the values scaled before attention (MiMo-V2-Flash's attention_value_scale)
@@ -111,6 +115,10 @@ class ModelConfig:
     rope_dim: int | None = None  # rotated dims per head (None: all of head_dim)
     rope_interleave: bool = False  # rotary pairs stored interleaved (DeepSeek, Ernie-4.5)
     nope_layers: list[int] = field(default_factory=list)  # attention layers that rotate nothing (EXAONE's full ones)
+    # the NoPE layers' queries scaled by 1 + scale * log(1 + floor((position + 1) / floor)) (Llama 4's temperature
+    # tuning); scale 0: none
+    attn_temperature_scale: float = 0.0
+    attn_temperature_floor: int = 0
     # a RoPE per layer kind (Laguna, Gemma): the sliding layers' own table and rotated dims (None: all of head_dim);
     # None: the sliding layers rotate as the full ones (``rope``, ``rope_dim``)
     sliding_rope: RopeConfig | None = None
@@ -156,6 +164,8 @@ class ModelConfig:
     # zero-computation experts (LongCat-Flash): router slots [num_experts, num_experts + zero_experts) whose expert
     # returns its input; a token routed to one gets its gate weight times itself, and no GEMM runs for it
     zero_experts: int = 0
+    # the gate weight scales the chosen expert's input, not its output (Llama 4's; top_k 1)
+    router_weight_on_input: bool = False
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -166,8 +176,8 @@ class ModelConfig:
         """Raise ValueError naming the field when the combination cannot be built."""
         if self.attention not in ("gqa", "mla"):
             raise self._bad("attention", "allowed: gqa, mla")
-        if self.qk_norm not in ("none", "head", "full"):
-            raise self._bad("qk_norm", "allowed: none, head, full")
+        if self.qk_norm not in ("none", "head", "full", "l2"):
+            raise self._bad("qk_norm", "allowed: none, head, full, l2")
         for name, allowed in (
             ("scoring", ("softmax", "sigmoid", "sparsemixer")),
             ("norm", ("rms", "layer", "layer_nobias")),
@@ -184,8 +194,9 @@ class ModelConfig:
                 raise ConfigError(f"ModelConfig.{name}.kind={rope.kind!r}: allowed: default, linear, yarn, llama3")
         if len(self.layer_types) != self.num_layers:
             raise self._bad("layer_types", f"needs {self.num_layers} entries (num_layers)")
-        if any(t not in ("full", "sliding", *RECURRENT_KINDS, "none") for t in self.layer_types):
-            raise self._bad("layer_types", f"entries allowed: full, sliding, {', '.join(RECURRENT_KINDS)}, none")
+        if any(t not in ("full", "sliding", "chunked", *RECURRENT_KINDS, "none") for t in self.layer_types):
+            kinds = ", ".join(("full", "sliding", "chunked", *RECURRENT_KINDS, "none"))
+            raise self._bad("layer_types", f"entries allowed: {kinds}")
         self._validate_one_block()
         self._validate_mamba()
         if "linear" not in self.layer_types:  # the linear-attention fields would be ignored
@@ -203,6 +214,8 @@ class ModelConfig:
                 raise self._bad("linear_key_head_dim", "linear layers need head dims and a conv kernel >= 1")
         if "sliding" in self.layer_types and not self.sliding_window:
             raise self._bad("sliding_window", "sliding layers need a window > 0")
+        if "chunked" in self.layer_types and not (self.attention_chunk or 0) >= 1:
+            raise self._bad("attention_chunk", "chunked layers need a chunk >= 1")
         if any(not 0 <= i < self.num_layers for i in self.nope_layers) or len(set(self.nope_layers)) != len(
             self.nope_layers
         ):
@@ -315,6 +328,9 @@ class ModelConfig:
                 ("sinks_sliding_only", False),
                 ("sliding_kv_heads", 0),
                 ("attn_value_scale", 1.0),
+                ("attention_chunk", None),
+                ("attn_temperature_scale", 0.0),
+                ("attn_temperature_floor", 0),
             )
             self._only_defaults("for attention='mla'", mla_defaults)
         self._validate_indexer()
@@ -330,6 +346,21 @@ class ModelConfig:
             raise self._bad("sliding_rope_dim", "set without sliding_rope (the sliding layers rotate as the full ones)")
         if self.sliding_rope is not None and "sliding" not in self.layer_types:
             raise self._bad("sliding_rope", "set, but no layer is 'sliding' (layer_types): it would be ignored")
+        if self.attention_chunk is not None and "chunked" not in self.layer_types:
+            raise self._bad("attention_chunk", "set, but no layer is 'chunked' (layer_types): it would be ignored")
+        self._validate_temperature()
+
+    def _validate_temperature(self) -> None:
+        """Temperature tuning: a scale > 0 with a floor >= 1 and NoPE layers to scale, or neither set."""
+        if not self.attn_temperature_scale:
+            self._only_defaults("without attn_temperature_scale", (("attn_temperature_floor", 0),))
+            return
+        if not self.attn_temperature_scale > 0:
+            raise self._bad("attn_temperature_scale", "must be > 0 (or 0: no temperature tuning)")
+        if not self.attn_temperature_floor >= 1:
+            raise self._bad("attn_temperature_floor", "must be >= 1 with attn_temperature_scale set")
+        if not self.nope_layers:
+            raise self._bad("attn_temperature_scale", "scales the NoPE layers' queries, and nope_layers is empty")
 
     def _validate_mamba(self) -> None:
         """Mamba fields: those of Mamba-2 ('mamba' layers) and of Mamba-1 ('mamba1') at their defaults without such a
@@ -447,6 +478,9 @@ class ModelConfig:
             raise self._bad("shared_combine", "allowed: sum, average")
         if self.shared_combine != "sum" and not self.shared_expert_size:
             raise self._bad("shared_combine", "set, but there is no shared expert (shared_expert_size=0)")
+        if self.router_weight_on_input and (self.top_k != 1 or self.zero_experts):
+            why = f"built for one expert a token (top_k=1, not {self.top_k}) without zero-computation experts"
+            raise self._bad("router_weight_on_input", why)
         if self.shared_expert_gate and not self.shared_expert_size:
             raise self._bad(
                 "shared_expert_gate", "a gate for a shared expert that does not exist (shared_expert_size=0)"

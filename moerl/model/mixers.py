@@ -1,8 +1,8 @@
 """The token mixers a decoder layer holds in its ``self_attn`` slot, by ``ModelConfig.layer_types`` kind.
 
-Attention kinds (``full``, ``sliding``: ``moerl.model.attention``, grouped-query or latent as ``ModelConfig.attention``
-says) keep paged keys in the engine; recurrent kinds keep, per sequence, a conv
-window and a state in a slot (``moerl.engine.kv_cache.LinearStates``). A recurrent mixer is a module called as
+Attention kinds (``full``, ``sliding``, ``chunked``: ``moerl.model.attention``, grouped-query or latent as
+``ModelConfig.attention`` says) keep paged keys in the engine; recurrent kinds keep, per sequence, a conv window and a
+state in a slot (``moerl.engine.kv_cache.LinearStates``). A recurrent mixer is a module called as
 ``mixer(x, cos, sin, mask, cache)`` (``mask``: the forward's ``attention_mask``, its packed sequences; ``cache``: the
 engine's step view) with a ``state_shapes(cfg)`` giving its slot's (conv window, state) shapes. Adding one is its
 file, a line in ``RECURRENT`` and its config fields (``moerl/bridges/README.md``).
@@ -33,7 +33,7 @@ def is_recurrent(kind: str) -> bool:
 
 def keeps_keys(kind: str) -> bool:
     """Whether a layer of ``kind`` keeps paged keys (attention: not a recurrent layer, not one without a mixer)."""
-    return kind in ("full", "sliding")
+    return kind in ("full", "sliding", "chunked")
 
 
 def recurrent_layers(cfg: ModelConfig) -> list[int]:
@@ -42,8 +42,8 @@ def recurrent_layers(cfg: ModelConfig) -> list[int]:
 
 
 def build_mixer(cfg: ModelConfig, layer: int) -> nn.Module:
-    """Layer ``layer``'s token mixer, by its ``layer_types`` kind: attention (``full`` / ``sliding``: latent attention
-    where ``cfg.attention`` says ``mla``) or a recurrent mixer."""
+    """Layer ``layer``'s token mixer, by its ``layer_types`` kind: attention (``full`` / ``sliding`` / ``chunked``:
+    latent attention where ``cfg.attention`` says ``mla``) or a recurrent mixer."""
     kind = cfg.layer_types[layer]
     if kind in RECURRENT:
         return RECURRENT[kind](cfg, layer)

@@ -333,11 +333,15 @@ class MoE(nn.Module):
         )
         self.shared_experts_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if cfg.shared_expert_gate else None
         self.shared_combine = cfg.shared_combine
+        self.weight_on_input = cfg.router_weight_on_input
 
     def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> (output [N, H], chosen experts [N, k])."""
         weights, idx = self.router(x, replay)
-        out = self._experts(x, idx, weights)
+        if self.weight_on_input:  # one expert a token (ModelConfig): its input scaled, its output summed as is
+            out = self._experts(x * weights.to(x.dtype), idx, torch.ones_like(weights))
+        else:
+            out = self._experts(x, idx, weights)
         if self.experts.zero:  # zero-computation experts return their input: each adds its gate weight times x
             share = weights.masked_fill(idx < self.experts.num_experts, 0.0).sum(-1, keepdim=True)
             out = out + share.to(x.dtype) * x

@@ -59,8 +59,11 @@ class DecoderLayer(nn.Module):
         elif self.has_mlp:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, mlp_activation(cfg))
         self.layer = layer
-        # the rotary table this layer's attention takes: the sliding layers' own where the model has a RoPE per kind
+        # the rotary table this layer's attention takes: the sliding layers' own where the model has a RoPE per kind; a
+        # NoPE layer with temperature tuning takes its queries' scales instead
         self.rope_kind = "sliding" if kind == "sliding" and cfg.sliding_rope is not None else "full"
+        if cfg.attn_temperature_scale and layer in cfg.nope_layers:
+            self.rope_kind = "temperature"
         # ``block`` compiled for training (moerl.trainer.compile); None: eager
         self.compiled: Callable | None = None
         # ``recompute(layer, run, x, cos, sin, mask, replay, chosen)`` runs a training forward's block so that it is
@@ -184,7 +187,8 @@ class MoEModel(nn.Module):
             )
 
     def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """cos, sin [B, T, dim] of ``positions`` [B, T] per rotary table (``DecoderLayer.rope_kind``)."""
+        """cos, sin [B, T, dim] of ``positions`` [B, T] per rotary table (``DecoderLayer.rope_kind``); with
+        temperature tuning, "temperature": the NoPE layers' query scales [B, T] fp32 (and None)."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         tables = {"full": rope_cos_sin(self.inv_freq, self.rope_scale, positions, dtype)}
@@ -192,6 +196,10 @@ class MoEModel(nn.Module):
             if self.sliding_inv_freq.device != positions.device:
                 self.sliding_inv_freq = self.sliding_inv_freq.to(positions.device)
             tables["sliding"] = rope_cos_sin(self.sliding_inv_freq, self.sliding_rope_scale, positions, dtype)
+        cfg = self.config
+        if cfg.attn_temperature_scale:
+            steps = torch.floor((positions.float() + 1.0) / cfg.attn_temperature_floor)
+            tables["temperature"] = (torch.log1p(steps) * cfg.attn_temperature_scale + 1.0, None)
         return tables
 
     @torch.no_grad()
@@ -279,7 +287,8 @@ class MoEModel(nn.Module):
             self.adapter_ctx.set(adapters, b, t)
         elif adapters is not None:
             raise ValueError("adapters given but this model has no LoRA attached (moerl.model.lora.attach_lora)")
-        if positions is None:
+        counted = positions is None  # 0..T-1: a chunk of T or more positions holds every row whole
+        if counted:
             positions = torch.arange(t, device=(input_ids if hidden is None else hidden).device).expand(b, t)
         if replay is not None:
             replay = self.check_replay(replay, b, t).flatten(0, 1)
@@ -289,9 +298,12 @@ class MoEModel(nn.Module):
         tables = self.rope_tables(positions, x.dtype)
         window = self.config.sliding_window if self.config.sliding_window and self.config.sliding_window < t else None
         plain = attention_mask is None or cache is not None  # no padding: the causal kernel, no mask tensor
+        chunk = self.config.attention_chunk
+        chunked = chunk is not None and cache is None and not (counted and attention_mask is None and chunk >= t)
         masks = {
             "full": None if plain else build_mask(attention_mask, b, t, None, x.device),
             "sliding": None if plain and window is None else build_mask(attention_mask, b, t, window, x.device),
+            "chunked": build_mask(attention_mask, b, t, None, x.device, chunk, positions) if chunked else None,
             "linear": attention_mask,  # the sequences themselves: states restart at each
             None: None,  # a layer without a mixer
         }

@@ -4,8 +4,8 @@ rows, and each runs the model on its contiguous part of every row's tokens (a ro
 Everything but attention works token by token, so a rank computes its part as one process would. Attention needs
 every earlier key: each attention layer's core (``Attention.core``, ``MLAttention.core``) is swapped for one that
 exchanges a part of the tokens for a part of the heads over the cp group (all-to-all, DeepSpeed-Ulysses' scheme),
-attends over the whole row for its heads with the whole row's mask (packing, padding, sliding windows, sinks), and
-exchanges back. The all-to-alls are differentiable: the backward sends the gradients back the way the rows came.
+attends over the whole row for its heads with the whole row's mask (packing, padding, sliding windows, chunks, sinks),
+and exchanges back. The all-to-alls are differentiable: the backward sends the gradients back the way the rows came.
 R3's replayed experts, positions and per-token adapter slots are split with their tokens.
 
 The logprob head runs on the rank's part: each row predicts the next token (the first token of the next rank's part
@@ -43,9 +43,9 @@ class SplitAttention:
     """An attention layer's core on a cp rank: q / k / v of this rank's tokens in, the attention of those tokens out,
     computed over the whole row for this rank's share of the heads (``attend``'s signature)."""
 
-    def __init__(self, world: World, masks: Masks, sliding: bool):
+    def __init__(self, world: World, masks: Masks, kind: str):
         self.group, self.n, self.rank = world.group("cp"), world.cp, world.cp_rank
-        self.masks, self.sliding = masks, sliding
+        self.masks, self.kind = masks, kind
 
     def __call__(self, q, k, v, mask, scale, sinks=None) -> torch.Tensor:
         hq, hkv = q.shape[1], k.shape[1]
@@ -56,7 +56,7 @@ class SplitAttention:
         q, k, v = (self._to_heads(z) for z in (q, k, v))
         share = hq // self.n
         mine = sinks[self.rank * share : (self.rank + 1) * share] if sinks is not None else None
-        out = attend(q, k, v, self.masks.by_kind["sliding" if self.sliding else "full"], scale, mine)
+        out = attend(q, k, v, self.masks.by_kind[self.kind], scale, mine)
         return self._to_tokens(out)
 
     def _to_heads(self, z: torch.Tensor) -> torch.Tensor:
@@ -106,7 +106,7 @@ class ContextSplit:
         self.model, self.world, self.masks = model, world, Masks()
         for module in model.modules():
             if isinstance(module, (Attention, MLAttention)) and not isinstance(module.core, SplitAttention):
-                module.core = SplitAttention(world, self.masks, module.sliding)
+                module.core = SplitAttention(world, self.masks, module.kind)
 
     def __call__(self, input_ids, positions=None, attention_mask=None, replay=None, adapters=None, head=None):
         if head is None:
@@ -127,9 +127,11 @@ class ContextSplit:
         mask = F.pad(attention_mask, (0, pad)) if attention_mask is not None else None
         window = model.config.sliding_window
         window = window if window and window < whole else None
+        chunk = model.config.attention_chunk
         self.masks.by_kind = {
             "full": None if mask is None else build_mask(mask, b, whole, None, device),
             "sliding": None if mask is None and window is None else build_mask(mask, b, whole, window, device),
+            "chunked": build_mask(mask, b, whole, None, device, chunk, positions) if chunk else None,
         }
         mine = slice(r * c, (r + 1) * c)
         out = model(
