@@ -451,5 +451,16 @@ DERIVED_CONFIGS["Llama4ForCausalLM"] = dict(
     "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
     vocab_size=VOCAB,
 )  # fmt: skip
+# Gemma 4's MoE (26B-A4B's shape): sliding layers beside full ones of twice the head size, half the KV heads, values
+# that are their keys and a proportional RoPE on a quarter of each half-head; normed values, unscaled scores, sandwich
+# norms, GELU-tanh, the experts beside a dense MLP with the router's own norm and per-expert scale, a scalar per
+# layer, embeddings times sqrt(H), capped logits
+DERIVED_CONFIGS["Gemma4ForCausalLM"] = dict(
+    model_type="gemma4_text", hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"], sliding_window=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+    attention_k_eq_v=True, enable_moe_block=True, num_experts=8, top_k_experts=2, hidden_size_per_layer_input=0,
+    final_logit_softcapping=3.0, vocab_size=VOCAB,
+)  # fmt: skip
 DERIVED_ARCHS = list(DERIVED_CONFIGS)
 CONFIGS |= DERIVED_CONFIGS

@@ -178,6 +178,7 @@ KNOBS = {
     "Cohere2MoeForCausalLM": ("shared_combine", "sum"),  # its other knobs: tests/test_norm_placements.py
     "MiMoV2FlashForCausalLM": ("attn_value_scale", 1.0),  # its other knobs: tests/test_mimo_v2_flash.py
     "Llama4ForCausalLM": ("router_weight_on_input", False),  # its other knobs: tests/test_llama4.py
+    "Gemma4ForCausalLM": ("v_norm", False),  # its other knobs: tests/test_gemma4.py
 }
 
 

@@ -156,7 +156,19 @@ REFUSED = [
     (GQA, dict(layer_types=["none", "full"], mixer_only_layers=[0]), "mixer_only_layers", "of type 'none'"),
     (GQA, dict(layer_types=["none", "full"], norm_placement="post"), "norm_placement", "pre-norm only"),
     (GQA, dict(layer_types=["none", "full"], nope_layers=[0]), "nope_layers", "one without a mixer"),
-    (GQA, dict(activation="gelu"), "activation", "allowed: silu, swiglu_clamped, relu2"),
+    (GQA, dict(activation="gelu"), "activation", "allowed: silu, swiglu_clamped, gelu_tanh, relu2"),
+    # Gemma 4's: values that are the keys, normed values, the sliding layers' own head size, capped logits, the MoE
+    # beside its MLP with its router's own norm and per-expert scale
+    (GQA, dict(attn_k_eq_v=True, layer_types=["sliding", "sliding"], sliding_window=4), "attn_k_eq_v", "no layer is"),
+    (GQA, dict(attn_k_eq_v=True, v_head_dim=2), "attn_k_eq_v", "the keys' size"),
+    (MLA, dict(v_norm=True), "v_norm", "not built for attention='mla'"),
+    (GQA, dict(sliding_head_dim=8), "sliding_head_dim", "with a 'sliding' layer"),
+    (GQA, dict(sliding_head_dim=8, layer_types=["sliding", "full"], sliding_window=4), "sliding_head_dim", "needs"),
+    (GQA, dict(final_logit_softcap=-1.0), "final_logit_softcap", "must be >= 0"),
+    (GQA, dict(moe_beside_mlp=True), "moe_beside_mlp", "a sandwich-norm model's"),
+    (GQA, dict(moe_beside_mlp=True, intermediate_size=0, moe_layers=[0, 1]), "moe_beside_mlp", "intermediate_size"),
+    (GQA, dict(router_input_norm=True), "router_input_norm", "moe_beside_mlp"),
+    (GQA, dict(router_expert_scale=True), "router_expert_scale", "moe_beside_mlp"),
     (MAMBA1, dict(mamba_num_heads=2), "mamba_num_heads", "without a 'mamba' layer"),
     (MAMBA, dict(mamba_groups=3), "mamba_groups", "must divide mamba_num_heads=2"),
     (MAMBA, dict(mamba_norm_groups=3), "mamba_norm_groups", "divide the channels"),
@@ -240,6 +252,27 @@ ACCEPTED = [
         router_weight_on_input=True,
         rope_interleave=True,
     ),  # fmt: skip
+    # Gemma 4: sliding layers of half the full ones' head size and twice their KV heads, a proportional RoPE on the
+    # full layer, its values its keys, normed values, GELU-tanh MLPs, the MoE beside its MLP, capped logits
+    GQA
+    | dict(
+        layer_types=["sliding", "full"],
+        sliding_window=4,
+        head_dim=8,
+        sliding_head_dim=4,
+        sliding_kv_heads=4,
+        rope=RopeConfig(kind="proportional", proportion=0.25, theta=1e6),
+        sliding_rope=RopeConfig(theta=1e4),
+        attn_k_eq_v=True,
+        v_norm=True,
+        activation="gelu_tanh",
+        norm_placement="sandwich",
+        moe_beside_mlp=True,
+        router_input_norm=True,
+        router_expert_scale=True,
+        layer_scale=True,
+        final_logit_softcap=30.0,
+    ),  # fmt: skip
 ]
 
 
@@ -282,3 +315,13 @@ def test_unknown_hf_layer_types_are_refused_by_name():
     hf["layer_types"] = ["full_attention", "linear_attention", "full_attention", "full_attention"]
     with pytest.raises(ConfigError, match=r"'layer_types' holds 'linear_attention' \(layer 1\); allowed: full_att"):
         bridge.config_from_hf(HFConfig(hf, "config.json"))
+
+
+def test_a_proportional_ropes_share_is_checked():
+    """Gemma 4's proportional RoPE: its share of each half-head lies in (0, 1], and no other kind takes one."""
+    with pytest.raises(ConfigError, match=r"ModelConfig\.rope\.proportion=1\.5: must lie in \(0, 1\]"):
+        ModelConfig(**GQA, rope=RopeConfig(kind="proportional", proportion=1.5))
+    with pytest.raises(ConfigError, match=r"ModelConfig\.sliding_rope\.proportion set with kind='default'"):
+        ModelConfig(
+            **GQA | dict(layer_types=["sliding", "full"], sliding_window=4), sliding_rope=RopeConfig(proportion=0.5)
+        )

@@ -188,6 +188,8 @@ class HFConfig:
             truncate=sub.opt("truncate", bool, True),
             low_freq_factor=sub.opt("low_freq_factor", float, 1.0),
             high_freq_factor=sub.opt("high_freq_factor", float, 4.0),
+            # the share of each half-head that rotates (Gemma 4's proportional RoPE; a partial rotary elsewhere)
+            proportion=sub.opt("partial_rotary_factor", float, 1.0) if kind == "proportional" else 1.0,
         )
 
 
@@ -258,6 +260,8 @@ def partial_rope_dim(c: HFConfig, head_dim: int, default: float = 1.0) -> int | 
     """Rotary dims per head from ``partial_rotary_factor`` (in ``rope_parameters`` or at the top level; ``default``
     when neither has it); None: all of them."""
     rope = HFConfig(c.opt("rope_parameters", dict) or {}, f"{c.source} rope_parameters")
+    if rope.data.get("rope_type") == "proportional":  # the whole head, some of its frequencies 0 (RopeConfig)
+        return None
     factor = rope.opt("partial_rotary_factor", float, c.opt("partial_rotary_factor", float, default))
     dims = int(head_dim * factor)
     if dims == head_dim:

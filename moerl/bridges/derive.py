@@ -46,7 +46,7 @@ from moerl.model.config import ModelConfig
 TOL = 1e-4
 SYNONYMS = {
     "num_experts": ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
-    "top_k": ("num_experts_per_tok", "experts_per_token", "moe_k", "moe_topk"),
+    "top_k": ("num_experts_per_tok", "experts_per_token", "moe_k", "moe_topk", "top_k_experts"),
     "moe_intermediate_size": ("moe_intermediate_size",),
     "n_shared_experts": ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts"),
     "shared_size": (
@@ -109,6 +109,11 @@ READ = {
     # Llama 4: chunked layers, NoPE layers (with temperature tuning), its dense layers' size, its MoE layers
     "attention_chunk_size", "no_rope_layers", "no_rope_layer_interval", "attn_temperature_tuning", "floor_scale",
     "attn_scale", "intermediate_size_mlp", "moe_layers", "interleave_moe_layer_step",
+    # Gemma 4: GELU-tanh, capped logits, full layers whose values are their keys and their own head size and KV heads,
+    # the MoE beside the MLP; per-layer embeddings, KV-shared layers and bidirectional attention (refused where on)
+    "hidden_activation", "final_logit_softcapping", "attention_k_eq_v", "per_layer_config", "enable_moe_block",
+    "hidden_size_per_layer_input", "vocab_size_per_layer_input", "num_kv_shared_layers", "use_double_wide_mlp",
+    "use_bidirectional_attention", "global_head_dim", "num_global_key_value_heads",
 }  # fmt: skip
 INERT = {  # fields that do not change the forward pass (ids, bookkeeping, training-only losses)
     "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
@@ -156,7 +161,14 @@ def variants(hf: dict, layout: Layout) -> list[dict]:
     groups = hf.get("mamba_n_groups") or hf.get("n_groups") or 1  # Mamba-2's B / C groups (Granite's, Nemotron's)
     kinds = set(hf.get("layer_types") or [])
     top_k = next((hf[k] for k in SYNONYMS["top_k"] if hf.get(k) is not None), None)
+    gemma = layout.sandwich == "feedforward"  # Gemma's names: its embedding scale and (Gemma 4) its values unscaled
     open_ = dict(
+        # embeddings times sqrt(hidden_size) (Gemma's, no field says)
+        embed_sqrt=(False, True) if gemma and not {"mup_enabled", MUP[1]} & set(hf) else (False,),
+        # values normed to unit RMS, scores not scaled (Gemma 4's: its q / k norms scale them)
+        unit_values=(False, True)
+        if gemma and layout.qk_norm == "head" and "query_pre_attn_scalar" not in hf
+        else (False,),
         # sigmoid scores scaling the one chosen expert's input (Llama 4's) where no field names the scoring: tried
         # after every softmax variant
         router_on_input=(False, True) if softmax and top_k == 1 and "scoring_func" not in hf else (False,),
@@ -197,21 +209,24 @@ COUNTS = {  # ints >= 1 (null: absent)
     "rotary_dim", *MAMBA, "attn_layer_period", "expert_layer_period", "ssm_state_size", "mamba_num_heads",
     "mamba_head_dim", "n_groups", "conv_kernel", "expand", "chunk_size",
     "sliding_window_pattern", "global_attn_every_n_layers", "attention_chunk_size", "floor_scale",
-    "intermediate_size_mlp", "interleave_moe_layer_step", "no_rope_layer_interval",
+    "intermediate_size_mlp", "interleave_moe_layer_step", "no_rope_layer_interval", "global_head_dim",
+    "num_global_key_value_heads",
 }  # fmt: skip
 NOT_NULL = {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", *SYNONYMS["top_k"]}
 INDICES = {  # ints >= 0
     "first_k_dense_replace", "moe_layer_start_index", "moe_layer_end_index", "num_nextn_predict_layers",
     "num_dense_layers", *SYNONYMS["n_shared_experts"], *SYNONYMS["shared_size"], "attn_layer_offset",
-    "expert_layer_offset", "zero_expert_num",
+    "expert_layer_offset", "zero_expert_num", "hidden_size_per_layer_input", "num_kv_shared_layers",
 }  # fmt: skip
 SWITCHES = {
     "tie_word_embeddings", "norm_topk_prob", "attention_bias", "use_sliding_window", "qkv_bias", "mlp_bias",
     "use_qk_norm", "rope_interleave", "enable_moe_fp32_combine", "mup_enabled", "mamba_conv_bias", "mamba_proj_bias",
     "use_conv_bias", "use_bias", "residual_in_fp32", "attn_temperature_tuning", "moe_apply_router_weight_on_input",
+    "attention_k_eq_v", "enable_moe_block", "use_double_wide_mlp",
 }  # fmt: skip
 POSITIVE = {  # numbers > 0
     "rms_norm_eps", "layer_norm_epsilon", "rope_theta", "clip_qkv", "partial_rotary_factor", *MUP, "attn_scale",
+    "final_logit_softcapping",
     *SYNONYMS["routed_scaling_factor"],
 }  # fmt: skip
 
@@ -266,20 +281,29 @@ def check_known(hf: dict) -> None:
             f"cannot derive a bridge for {arch_name(hf)}: config field(s) {', '.join(map(repr, unknown))} are not "
             "understood (a bridge file can map them; see moerl/bridges/README.md)"
         )
-    if hf.get("hidden_act", "silu") != "silu":
-        raise UnknownArchitectureError(f"cannot derive a bridge for {arch_name(hf)}: hidden_act={hf['hidden_act']!r}")
+    for key in ("hidden_act", "hidden_activation"):
+        if hf.get(key, "silu") not in ACTIVATIONS:
+            raise UnknownArchitectureError(f"cannot derive a bridge for {arch_name(hf)}: {key}={hf[key]!r}")
     # switches with one value built: Nemotron-H's MLPs un-gated relu2, its Mamba's conv SiLU, the experts' width
     for key, built, feature in (
         ("mlp_hidden_act", "relu2", "un-gated MLPs with another activation"),
         ("mamba_hidden_act", "silu", "a Mamba conv activation other than SiLU"),
         ("moe_latent_size", None, "latent expert projections (the experts in a smaller width)"),
         ("residual_in_fp32", False, "a residual stream kept in fp32 whatever the compute dtype"),
+        ("hidden_size_per_layer_input", 0, "per-layer embeddings"),  # Gemma 4's small dense models'
+        ("num_kv_shared_layers", 0, "layers that reuse an earlier layer's keys and values"),
+        ("use_double_wide_mlp", False, "KV-shared layers' MLPs of twice the size"),
+        ("use_bidirectional_attention", None, "bidirectional attention"),
     ):
         if hf.get(key, built) != built:
             raise UnknownArchitectureError(
                 f"cannot derive a bridge for {arch_name(hf)}: it has {feature} ({key}={hf[key]!r}), which moerl's "
                 "decoder does not compute"
             )
+
+
+# the MLPs' and experts' activation, as transformers names it -> ModelConfig.activation
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 def arch_name(hf: dict) -> str:
@@ -337,6 +361,11 @@ class Layout:
     parallel: bool = False  # one norm a layer, attention and MLP both of its output (Cohere's parallel block)
     moe_output_norm: bool = False  # a norm after the MoE block alone (A.X-K1's post_mlp_layernorm, no pre_ one)
     experts_transposed: bool = False  # 3D experts as [E, H, 2I] and [E, I, H] (Llama 4's), moerl's transposed
+    layer_scalar: bool = False  # a scalar per layer times its output (Gemma 4's layer_scalar)
+    # the router and experts at the layer itself beside its MLP (Gemma 4's: block ""), the router's own input scale
+    # (router.scale) and scale per expert (router.per_expert_scale)
+    router_input_scale: bool = False
+    router_expert_scale: bool = False
 
 
 # a tensor each kind alone has, in order (Nemotron-H's Mamba-2 under ``mixer``)
@@ -348,15 +377,16 @@ def read_layout(shapes: dict[str, tuple[int, ...]]) -> Layout:
     loader, by name). Nemotron-H's checkpoints keep the decoder under ``backbone.``: read as ``model.``."""
     shapes = {model_name(n): s for n, s in shapes.items()}
     patterns = {_pattern(n) for n in shapes}
+    # the router under the MoE block's name, or (Gemma 4's, beside the MLP) at the layer itself
     router_re = (
-        r"model\.layers\.(\d+|\{i\})\.(mlp|block_sparse_moe|feed_forward|mixer)\."
-        r"((?:gate|router)(?:\.wg|\.layer|\.gate)?)\.weight"
+        r"model\.layers\.(\d+|\{i\})\.(?:(mlp|block_sparse_moe|feed_forward|mixer)\.)?"
+        r"((?:gate|router)(?:\.wg|\.layer|\.gate|\.proj)?)\.weight"
     )
     moe = sorted({int(m.group(1)) for n in shapes if (m := re.fullmatch(router_re, n))})
     found = [m for p in patterns if (m := re.fullmatch(router_re, p))]
     if not found:
         raise UnknownArchitectureError("no router tensor (model.layers.{i}.mlp.gate.weight, .router.weight, ...)")
-    block, router = found[0].group(2), found[0].group(3)
+    block, router = found[0].group(2) or "", found[0].group(3)
     one_block = block == "mixer"
     per_expert = {p.split(".experts.{e}.")[1].removesuffix(".weight") for p in patterns if ".experts.{e}." in p}
     experts = None
@@ -442,6 +472,9 @@ def read_layout(shapes: dict[str, tuple[int, ...]]) -> Layout:
         k_rows=_k_rows(shapes),
         shared_fused=shared is not None and any(".shared_mlp.input_linear." in p for p in patterns),
         experts_transposed=_transposed(shapes, block),
+        layer_scalar=any(p.endswith(".layer_scalar") for p in patterns),
+        router_input_scale=any(p.endswith(f".{router.split('.')[0]}.scale") for p in patterns) and not block,
+        router_expert_scale=any(p.endswith(f".{router.split('.')[0]}.per_expert_scale") for p in patterns),
     )
 
 
@@ -453,9 +486,14 @@ def _transposed(shapes: dict[str, tuple[int, ...]], block: str) -> bool:
         s
         for w, at in (("gate_up_proj", 1), ("down_proj", 2))
         for n, s in shapes.items()
-        if n.endswith(f".{block}.experts.{w}") and len(s) == 3 and (s[at] == hidden != s[3 - at])
+        if n.endswith(f"{_under(block)}.experts.{w}") and len(s) == 3 and (s[at] == hidden != s[3 - at])
     ]
     return bool(found)
+
+
+def _under(block: str) -> str:
+    """A layer's MoE tensors' infix: ``.mlp`` and the like, nothing where they sit at the layer (Gemma 4's)."""
+    return f".{block}" if block else ""
 
 
 def _k_rows(shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
@@ -648,8 +686,11 @@ def _routing(c: HFConfig, layout: Layout, variant: dict) -> dict:
     )
 
 
-def _attention(c: HFConfig, f: dict, layout: Layout, variant: dict, types: list[str]) -> dict:
-    """Grouped-query attention's knobs (q/k norms, output gate, partial or no RoPE), or latent attention's sizes."""
+def _attention(
+    c: HFConfig, f: dict, layout: Layout, variant: dict, types: list[str], per_kind_heads: bool = False
+) -> dict:
+    """Grouped-query attention's knobs (q/k norms, output gate, partial or no RoPE), or latent attention's sizes
+    (``per_kind_heads``: the config says each kind's KV heads, ``_per_kind``, not the tensors)."""
     mla = [k for k in MLA if c.data.get(k) is not None]
     indexer = _indexer(c, layout, variant, f["num_layers"])  # refuses indexer fields without an indexer
     if layout.attention == "mla":
@@ -700,13 +741,58 @@ def _attention(c: HFConfig, f: dict, layout: Layout, variant: dict, types: list[
         nope_layers=sorted(nope),
         attention_sinks=layout.sinks is not None,
         sinks_sliding_only=layout.sinks_sliding_only,
-        sliding_kv_heads=f["num_kv_heads"] * layout.sliding_kv_factor if layout.sliding_kv_factor > 1 else 0,
+        **(
+            {}
+            if per_kind_heads
+            else {
+                "sliding_kv_heads": f["num_kv_heads"] * layout.sliding_kv_factor if layout.sliding_kv_factor > 1 else 0
+            }
+        ),
+        attn_k_eq_v=c.opt("attention_k_eq_v", bool, False),
+        **({"v_norm": True, "attn_scale": 1.0} if variant.get("unit_values") else {}),
         v_head_dim=c.req("v_head_dim", int) if layout.own_values else 0,
         attn_value_scale=c.opt("attention_value_scale", float, 1.0),
         **_temperature(c, nope),
         attention_chunk=c.req("attention_chunk_size", int) if "chunked" in types else None,
         **({"attn_scale": c.req("attention_multiplier", float)} if "attention_multiplier" in c.data else {}),
     )
+
+
+def _per_kind(c: HFConfig, f: dict, types: list[str]) -> dict:
+    """Gemma 4's ``per_layer_config`` (or, as its hub configs spell it, ``global_head_dim`` and, where the full layers'
+    values are their keys, ``num_global_key_value_heads``): the full layers' own head size and KV heads (the top-level
+    ones are the sliding layers'), as moerl's ``head_dim`` / ``num_kv_heads`` and the sliding layers'
+    ``sliding_head_dim`` / ``sliding_kv_heads``. Anything else per layer is refused by name."""
+    per = c.opt("per_layer_config", dict)
+    if not per and ("global_head_dim" in c.data or "num_global_key_value_heads" in c.data):
+        own = {"head_dim": c.req("global_head_dim", int)} if "global_head_dim" in c.data else {}
+        if c.opt("attention_k_eq_v", bool, False) and c.data.get("num_global_key_value_heads") is not None:
+            own["num_key_value_heads"] = c.req("num_global_key_value_heads", int)
+        per = {str(i): own for i, t in enumerate(types) if t == "full"}
+    if not per:
+        return {}
+    seen = {}
+    for key, over in per.items():
+        layer = int(key) if str(key).isdigit() else -1
+        if not 0 <= layer < len(types) or not isinstance(over, dict) or set(over) - {"head_dim", "num_key_value_heads"}:
+            raise UnknownArchitectureError(
+                f"{c.source}: field 'per_layer_config' entry {key!r} ({over!r}): moerl's decoder takes a head size "
+                "and KV heads of the full layers' own, by layer index"
+            )
+        seen[layer] = (over.get("head_dim", f["head_dim"]), over.get("num_key_value_heads", f["num_kv_heads"]))
+    full = [i for i, t in enumerate(types) if t == "full"]
+    if sorted(seen) != full or len(set(seen.values())) != 1:
+        raise UnknownArchitectureError(
+            f"{c.source}: field 'per_layer_config' sets layers {sorted(seen)} to {sorted(set(seen.values()))} (head "
+            f"size, KV heads): moerl's decoder keeps one of each for the full layers ({full}) and one for the others"
+        )
+    ((dim, kv),) = set(seen.values())
+    out = dict(head_dim=dim, num_kv_heads=kv)
+    if "sliding" in types and dim != f["head_dim"]:
+        out["sliding_head_dim"] = f["head_dim"]
+    if "sliding" in types and kv != f["num_kv_heads"]:
+        out["sliding_kv_heads"] = f["num_kv_heads"]
+    return out
 
 
 def _temperature(c: HFConfig, nope: list[int]) -> dict:
@@ -778,7 +864,7 @@ def derive(hf: dict, layout: Layout, variant: dict) -> Bridge:
         fused=fused,
         ignore=mtp_layer,
         # where PEFT finds the 3D experts in transformers' model (GraniteMoe's block_sparse_moe, ...)
-        peft_experts=f"model.layers.{{i}}.{layout.block}.experts",
+        peft_experts=f"model.layers.{{i}}{_under(layout.block)}.experts",
     )
 
 
@@ -806,6 +892,9 @@ def _config(c: HFConfig, layout: Layout, variant: dict) -> ModelConfig:
         c = HFConfig(c.data | {"rms_norm_eps": layer_norm_eps}, c.source)
     f = common_fields(c)
     f["tie_word_embeddings"] = layout.tied
+    per_kind = _per_kind(c, f, types)  # Gemma 4's full layers' own head size and KV heads
+    own_heads = bool(per_kind)  # each kind's KV heads from the config, not from the tensors
+    f |= {k: per_kind.pop(k) for k in ("head_dim", "num_kv_heads") if k in per_kind}
     moe_size = c.first(SYNONYMS["moe_intermediate_size"] + ("intermediate_size",), int)
     shared = 0
     if layout.shared is not None:  # its own size, else n shared experts' worth, else one expert's
@@ -820,8 +909,12 @@ def _config(c: HFConfig, layout: Layout, variant: dict) -> ModelConfig:
         moe = [i for i, b in enumerate(blocks) if b == "moe"]
         only = [i for i, b in enumerate(blocks) if b in ("mamba", "attention")]
         one_block = dict(mixer_only_layers=only, activation="relu2")
+    else:
+        act = c.data.get("hidden_act") or c.data.get("hidden_activation") or "silu"
+        one_block = dict(activation=ACTIVATIONS[act])
     hidden = f["hidden_size"]
-    dense = len(moe) + len(one_block.get("mixer_only_layers", [])) < n
+    # Gemma 4: a dense MLP beside the experts in every MoE layer
+    dense = len(moe) + len(one_block.get("mixer_only_layers", [])) < n or not layout.block
     return ModelConfig(
         **f,
         **one_block,
@@ -842,14 +935,22 @@ def _config(c: HFConfig, layout: Layout, variant: dict) -> ModelConfig:
         shared_expert_size=shared,
         shared_expert_gate=layout.shared_gate,
         zero_experts=c.opt("zero_expert_num", int, 0),
-        embedding_multiplier=hidden**0.5 if c.opt("mup_enabled", bool) else c.opt(MUP[1], float, 1.0),
+        embedding_multiplier=hidden**0.5
+        if c.opt("mup_enabled", bool) or variant.get("embed_sqrt")
+        else c.opt(MUP[1], float, 1.0),
         residual_multiplier=c.opt("residual_multiplier", float, 1.0),
         logits_scaling=1 / c.req("logit_scale", float)
         if "logit_scale" in c.data
         else c.opt("logits_scaling", float, 1.0),
         shared_combine=_shared_combine(c, shared),
-        **_attention(c, f, layout, variant, types),
-        **_sliding_rope(c, f, sliding),
+        final_logit_softcap=c.opt("final_logit_softcapping", float, 0.0),
+        layer_scale=layout.layer_scalar,
+        moe_beside_mlp=not layout.block,
+        router_input_norm=layout.router_input_scale,
+        router_expert_scale=layout.router_expert_scale,
+        **per_kind,
+        **_attention(c, f, layout, variant, types, per_kind_heads=own_heads),
+        **_sliding_rope(c, f | {"head_dim": per_kind.get("sliding_head_dim", f["head_dim"])}, sliding),
         **_routing(c, layout, variant),
         **(linear_attention_fields(c) if layout.linear is not None else {}),
         **(mamba_fields(c, hidden, variant.get("mamba_norm_groups", 1), layout.mamba) if layout.mamba else {}),
@@ -931,8 +1032,10 @@ def _rules(layout: Layout, variant: dict) -> tuple[list[Rule], tuple[Fused, ...]
     offset norms, linear attention."""
     if layout.one_block:
         return list(ONE_BLOCK_RULES), ()
-    hf_block = f"model.layers.{{i}}.{layout.block}"
+    hf_block = f"model.layers.{{i}}{_under(layout.block)}"
     rules = [Rule(f"{hf_block}.{layout.router}.weight", "layers.{i}.mlp.router.weight")]
+    if not layout.block:  # Gemma 4: the MLP, its norms and the router's scales beside the experts, at the layer
+        rules += [Rule(f"model.layers.{{i}}.{theirs}", f"layers.{{i}}.mlp.{ours}") for theirs, ours in BESIDE]
     if layout.router_bias:
         rules.append(Rule(f"{hf_block}.{layout.router}.bias", "layers.{i}.mlp.router.bias"))
     if layout.correction_bias is not None:
@@ -1017,6 +1120,18 @@ def _rules(layout: Layout, variant: dict) -> tuple[list[Rule], tuple[Fused, ...]
 def _swap(t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """3D experts' last two dims swapped (Llama 4's [E, H, 2I] <-> moerl's [E, 2I, H]), contiguous."""
     return t.transpose(1, 2).contiguous()
+
+
+# Gemma 4's MoE layer (a dense MLP beside the experts) -> moerl's MoE block that holds both
+BESIDE = (
+    ("mlp.{x}", "shared_experts.{x}"),
+    ("pre_feedforward_layernorm.weight", "shared_input_norm.weight"),
+    ("post_feedforward_layernorm_1.weight", "shared_output_norm.weight"),
+    ("pre_feedforward_layernorm_2.weight", "routed_input_norm.weight"),
+    ("post_feedforward_layernorm_2.weight", "routed_output_norm.weight"),
+    ("router.scale", "router.input_scale"),
+    ("router.per_expert_scale", "router.expert_scale"),
+)
 
 
 def _no_preset(p: Preset, bos: int, eos: int, pad: int) -> dict:

@@ -1,8 +1,8 @@
-"""The language model of a multimodal checkpoint (Qwen3.5-MoE's ``Qwen3_5MoeForConditionalGeneration``, Llama 4's
-``Llama4ForConditionalGeneration``): moerl trains and serves text only. The config is the checkpoint's ``text_config``
-under its text architecture; the tensors are the ``model.language_model.*`` ones (Llama 4: ``language_model.*``, the
-text checkpoint whole), read as the text checkpoint's; the vision tower's and the multi-token-prediction layers'
-tensors are skipped by name. An export writes the text checkpoint."""
+"""The language model of a multimodal checkpoint (Qwen3.5-MoE's ``Qwen3_5MoeForConditionalGeneration``, Gemma 4's,
+Llama 4's ``Llama4ForConditionalGeneration``): moerl trains and serves text only. The config is the checkpoint's
+``text_config`` under its text architecture; the tensors are the ``model.language_model.*`` ones (Llama 4:
+``language_model.*``, the text checkpoint whole), read as the text checkpoint's; the vision and audio towers' and the
+multi-token-prediction layers' tensors are skipped by name. An export writes the text checkpoint."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from moerl.errors import CheckpointError
 LANGUAGE = {"model.language_model.": "model.", "language_model.": ""}
 SKIPPED = (
     "model.visual.", "model.vision_tower.", "model.multi_modal_projector.", "visual.", "mtp.", "vision_model.",
-    "multi_modal_projector.",
+    "multi_modal_projector.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.",
 )  # fmt: skip
 CARRIED = ("tie_word_embeddings", "quantization_config")  # top-level fields that speak for the text model
 

@@ -81,6 +81,15 @@ def tiny_config(hf: dict) -> dict:
     ):  # fmt: skip
         if isinstance(small.get(key), list):
             small[key] = small[key][: small["num_hidden_layers"]]
+    if isinstance(small.get("per_layer_config"), dict):  # Gemma 4's full layers' own head size and KV heads, cut
+        small["per_layer_config"] = _tiny_per_layer(hf, small)
+    if isinstance(hf.get("global_head_dim"), int) and isinstance(hf.get("head_dim"), int):  # its hub configs' spelling
+        small["global_head_dim"] = SHRINK["head_dim"] * (2 if hf["global_head_dim"] > hf["head_dim"] else 1)
+    kv = hf.get("num_key_value_heads") or hf.get("num_attention_heads")
+    if isinstance(hf.get("num_global_key_value_heads"), int) and isinstance(kv, int):
+        small["num_global_key_value_heads"] = max(
+            1, small["num_key_value_heads"] * hf["num_global_key_value_heads"] // kv
+        )
     if isinstance(small.get("moe_layers"), list):  # Llama 4's MoE layers by index
         small["moe_layers"] = [i for i in small["moe_layers"] if isinstance(i, int) and i < small["num_hidden_layers"]]
     if isinstance(small.get("num_attention_heads_per_layer"), list):  # the checkpoint's own head counts, not 4
@@ -119,6 +128,24 @@ def tiny_config(hf: dict) -> dict:
         if isinstance(small.get(key), int) and small[key] >= small.get("vocab_size", 128):
             small[key] = default
     return small
+
+
+def _tiny_per_layer(hf: dict, small: dict) -> dict:
+    """Gemma 4's ``per_layer_config`` for the tiny layers: twice the tiny head size where the checkpoint's is larger
+    than its top-level one, its KV heads in the same ratio to the tiny top-level ones (at least 1)."""
+    out = {}
+    for key, over in hf["per_layer_config"].items():
+        if not (str(key).isdigit() and int(key) < small["num_hidden_layers"] and isinstance(over, dict)):
+            out[key] = over  # out of the tiny model's layers, or not a layer's: refused by name where it matters
+            continue
+        over = dict(over)
+        if isinstance(over.get("head_dim"), int) and isinstance(hf.get("head_dim"), int):
+            over["head_dim"] = 2 * SHRINK["head_dim"] if over["head_dim"] > hf["head_dim"] else SHRINK["head_dim"]
+        kv = hf.get("num_key_value_heads") or hf.get("num_attention_heads")
+        if isinstance(over.get("num_key_value_heads"), int) and isinstance(kv, int):
+            over["num_key_value_heads"] = max(1, small["num_key_value_heads"] * over["num_key_value_heads"] // kv)
+        out[key] = over
+    return {k: v for k, v in out.items() if not (str(k).isdigit() and int(k) >= small["num_hidden_layers"])}
 
 
 def _rotary_factors(hf: dict) -> list[float]:

@@ -32,6 +32,8 @@ class KernelAttention(Attention):
     stands_for = Attention
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.k_eq_v:  # no v_proj: the keys are the values
+            return super()._qkv(x)
         fused = fused_projections(self, (self.q_proj, self.k_proj, self.v_proj), x)
         return fused if fused is not None else super()._qkv(x)
 
@@ -44,6 +46,8 @@ class KernelAttention(Attention):
 
     def bound_refusal(self, dtype: torch.dtype) -> str | None:
         """What of this attention a bound decode step of a ``dtype`` model cannot run."""
+        if self.k_eq_v or self.v_norm:
+            return "values that are the keys, or normed values"
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             m = getattr(self, name)
             if not isinstance(m, KernelLinear):

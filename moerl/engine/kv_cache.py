@@ -13,7 +13,8 @@ def kv_shape(cfg: ModelConfig, layer: int) -> tuple[int, int, int]:
     """(kv heads, key dim, value dim) one cached token holds in ``layer`` (MLA caches expanded per-head k/v)."""
     if cfg.attention == "mla":
         return cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
-    return cfg.kv_heads(layer), cfg.head_dim, cfg.v_head_dim or cfg.head_dim
+    d = cfg.head_size(layer)
+    return cfg.kv_heads(layer), d, cfg.v_head_dim or d
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

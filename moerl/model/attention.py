@@ -97,7 +97,7 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        h, nh, nkv, d = cfg.hidden_size, cfg.heads(layer), cfg.kv_heads(layer), cfg.head_dim
+        h, nh, nkv, d = cfg.hidden_size, cfg.heads(layer), cfg.kv_heads(layer), cfg.head_size(layer)
         self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, d
         self.v_dim = dv = cfg.v_head_dim or d  # value heads of their own size (MiMo-V2-Flash's)
         self.value_scale = cfg.attn_value_scale
@@ -110,7 +110,11 @@ class Attention(nn.Module):
         if self.gate_kind != "none":
             self.gate_proj = Linear(h, nh * (dv if self.gate_kind == "element" else 1), bias=False)
         self.k_proj = Linear(h, nkv * d, bias=cfg.qkv_bias)
-        self.v_proj = Linear(h, nkv * dv, bias=cfg.qkv_bias)
+        # Gemma 4's full layers take their keys, before norm and RoPE, as their values
+        self.k_eq_v = cfg.attn_k_eq_v and cfg.layer_types[layer] == "full"
+        if not self.k_eq_v:
+            self.v_proj = Linear(h, nkv * dv, bias=cfg.qkv_bias)
+        self.v_norm = cfg.v_norm
         self.o_proj = Linear(nh * dv, h, bias=cfg.o_bias)
         self.qk_norm, self.qk_norm_after_rope = cfg.qk_norm, cfg.qk_norm_after_rope
         self.interleave = cfg.rope_interleave
@@ -149,6 +153,8 @@ class Attention(nn.Module):
         q = q.view(b, t, self.num_heads, self.head_dim)
         k = k.view(b, t, self.num_kv_heads, self.head_dim)
         v = v.view(b, t, self.num_kv_heads, self.v_dim)
+        if self.v_norm:
+            v = unit_rms(v, self.l2_eps)
         if self.value_scale != 1.0:
             v = v * self.value_scale
         q, k = self._norm_and_rotate(q, k, cos, sin)
@@ -179,7 +185,8 @@ class Attention(nn.Module):
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v of ``x`` (a backend's attention may make them in one call)."""
-        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        k = self.k_proj(x)
+        return self.q_proj(x), k, (k if self.k_eq_v else self.v_proj(x))
 
     def _norm_and_rotate(self, q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k [B, T, heads, D] normed (where the model norms them per head) and rotated (a backend's attention

@@ -15,7 +15,8 @@ RECURRENT_KINDS = ("linear", "mamba", "mamba1")
 
 @dataclass(slots=True)
 class RopeConfig:
-    """Rotary embedding. ``kind``: default | linear | yarn | llama3."""
+    """Rotary embedding. ``kind``: default | linear | yarn | llama3 | proportional (Gemma 4's: the first
+    ``proportion`` of each half of the head rotates at the whole head's frequencies, the rest not at all)."""
 
     theta: float = 10000.0
     kind: str = "default"
@@ -31,6 +32,8 @@ class RopeConfig:
     # llama3
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
+    # proportional
+    proportion: float = 1.0
 
 
 @dataclass(slots=True)
@@ -59,6 +62,8 @@ class ModelConfig:
     moe_output_norm: bool = False  # MoE layers norm the MoE block's output, routed and shared (A.X-K1's)
     mlp_bias: bool = False  # dense MLP and shared-expert linears
     lm_head_bias: bool = False
+    final_logit_softcap: float = 0.0  # logits -> cap * tanh(logits / cap) (Gemma's); 0: none
+    layer_scale: bool = False  # each layer's output times a scalar of its own, a buffer (Gemma 4's layer_scalar)
     # multipliers (GraniteMoe): embeddings * m, x + m * sublayer(x), logits / scaling
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
@@ -82,6 +87,9 @@ class ModelConfig:
     attention_sinks: bool = False
     sinks_sliding_only: bool = False  # the sinks on the sliding layers alone (MiMo-V2-Flash's)
     attn_value_scale: float = 1.0  # the values scaled before attention (MiMo-V2-Flash's attention_value_scale)
+    v_norm: bool = False  # the values scaled to unit RMS per head, without a weight (Gemma 4's)
+    attn_k_eq_v: bool = False  # the full layers' values are their keys before norm and RoPE, no v_proj (Gemma 4's)
+    sliding_head_dim: int = 0  # the sliding layers' own head size (Gemma 4: half the full ones'); 0: head_dim
     attn_scale: float | None = None  # None: rotary-inclusive q/k head dim ** -0.5
     attn_output_gate: bool = False  # q_proj also yields a per-head gate: o * sigmoid(gate) (Qwen3-Next)
     # an output gate of its own projection (self_attn.gate_proj: AFMoE, Laguna): o * act(gate_proj(x)), one gate per
@@ -153,8 +161,9 @@ class ModelConfig:
     group_score: str = "top2_sum"  # a group's score: top2_sum (DeepSeek-V3) | max (DeepSeek-V2)
     # experts
     expert_bias: bool = False
-    # silu | swiglu_clamped (GPT-OSS) | relu2: relu(x)^2 of un-gated experts and MLPs (Nemotron-H: gate_up_proj holds
-    # the up rows alone, [E, I, H]; the MLPs have no gate_proj)
+    # silu | swiglu_clamped (GPT-OSS) | gelu_tanh: GELU (tanh form) of the gate rows times the up rows, experts and
+    # MLPs (Gemma's) | relu2: relu(x)^2 of un-gated experts and MLPs (Nemotron-H: gate_up_proj holds the up rows alone,
+    # [E, I, H]; the MLPs have no gate_proj)
     activation: str = "silu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
@@ -166,6 +175,12 @@ class ModelConfig:
     zero_experts: int = 0
     # the gate weight scales the chosen expert's input, not its output (Llama 4's; top_k 1)
     router_weight_on_input: bool = False
+    # Gemma 4's MoE layers: a dense MLP of intermediate_size beside the experts, each with a norm in and out (the MoE
+    # block takes the residual stream), the router of its own unit-RMS norm times a learned scale (router_input_norm)
+    # and a learned scale per expert on the gate weights (router_expert_scale)
+    moe_beside_mlp: bool = False
+    router_input_norm: bool = False
+    router_expert_scale: bool = False
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -186,12 +201,17 @@ class ModelConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise self._bad(name, f"allowed: {', '.join(allowed)}")
-        if self.activation not in ("silu", "swiglu_clamped", "relu2"):
-            raise self._bad("activation", "allowed: silu, swiglu_clamped, relu2")
+        if self.activation not in ("silu", "swiglu_clamped", "gelu_tanh", "relu2"):
+            raise self._bad("activation", "allowed: silu, swiglu_clamped, gelu_tanh, relu2")
         for name in ("rope", "sliding_rope"):
             rope = getattr(self, name)
-            if rope is not None and rope.kind not in ("default", "linear", "yarn", "llama3"):
-                raise ConfigError(f"ModelConfig.{name}.kind={rope.kind!r}: allowed: default, linear, yarn, llama3")
+            kinds = ("default", "linear", "yarn", "llama3", "proportional")
+            if rope is not None and rope.kind not in kinds:
+                raise ConfigError(f"ModelConfig.{name}.kind={rope.kind!r}: allowed: {', '.join(kinds)}")
+            if rope is not None and not 0 < rope.proportion <= 1:
+                raise ConfigError(f"ModelConfig.{name}.proportion={rope.proportion!r}: must lie in (0, 1]")
+            if rope is not None and rope.proportion != 1 and rope.kind != "proportional":
+                raise ConfigError(f"ModelConfig.{name}.proportion set with kind={rope.kind!r} (a proportional RoPE's)")
         if len(self.layer_types) != self.num_layers:
             raise self._bad("layer_types", f"needs {self.num_layers} entries (num_layers)")
         if any(t not in ("full", "sliding", "chunked", *RECURRENT_KINDS, "none") for t in self.layer_types):
@@ -331,6 +351,9 @@ class ModelConfig:
                 ("attention_chunk", None),
                 ("attn_temperature_scale", 0.0),
                 ("attn_temperature_floor", 0),
+                ("v_norm", False),
+                ("attn_k_eq_v", False),
+                ("sliding_head_dim", 0),
             )
             self._only_defaults("for attention='mla'", mla_defaults)
         self._validate_indexer()
@@ -349,6 +372,20 @@ class ModelConfig:
         if self.attention_chunk is not None and "chunked" not in self.layer_types:
             raise self._bad("attention_chunk", "set, but no layer is 'chunked' (layer_types): it would be ignored")
         self._validate_temperature()
+        if self.attn_k_eq_v and "full" not in self.layer_types:
+            raise self._bad("attn_k_eq_v", "set, but no layer is 'full' (layer_types): it would be ignored")
+        if self.attn_k_eq_v and (self.v_head_dim or self.attn_output_gate):
+            raise self._bad("attn_k_eq_v", "values that are the keys have the keys' size (no v_head_dim, no q gate)")
+        if self.sliding_head_dim and (self.sliding_head_dim < 0 or "sliding" not in self.layer_types):
+            raise self._bad("sliding_head_dim", "must be >= 1 (or 0: head_dim), with a 'sliding' layer")
+        if self.sliding_head_dim and self.sliding_rope is None:
+            raise self._bad(
+                "sliding_head_dim", "needs sliding_rope (the sliding layers rotate by a table of their size)"
+            )
+        if self.sliding_head_dim and (self.v_head_dim or self.attn_output_gate):
+            raise self._bad("sliding_head_dim", "with values of their own size or a q gate (not built)")
+        if not self.final_logit_softcap >= 0:
+            raise self._bad("final_logit_softcap", "must be >= 0 (0: no soft-capping)")
 
     def _validate_temperature(self) -> None:
         """Temperature tuning: a scale > 0 with a floor >= 1 and NoPE layers to scale, or neither set."""
@@ -478,6 +515,13 @@ class ModelConfig:
             raise self._bad("shared_combine", "allowed: sum, average")
         if self.shared_combine != "sum" and not self.shared_expert_size:
             raise self._bad("shared_combine", "set, but there is no shared expert (shared_expert_size=0)")
+        if self.moe_beside_mlp and not (self.moe_layers and self.intermediate_size >= 1):
+            raise self._bad("moe_beside_mlp", "needs MoE layers and the dense MLP's intermediate_size >= 1")
+        if self.moe_beside_mlp and (self.shared_expert_size or self.norm_placement != "sandwich"):
+            raise self._bad("moe_beside_mlp", "a sandwich-norm model's, without shared experts (its MLP is beside)")
+        if (self.router_input_norm or self.router_expert_scale) and not self.moe_beside_mlp:
+            name = "router_input_norm" if self.router_input_norm else "router_expert_scale"
+            raise self._bad(name, "built with moe_beside_mlp (Gemma 4's router) only")
         if self.router_weight_on_input and (self.top_k != 1 or self.zero_experts):
             why = f"built for one expert a token (top_k=1, not {self.top_k}) without zero-computation experts"
             raise self._bad("router_weight_on_input", why)
@@ -493,6 +537,12 @@ class ModelConfig:
     def heads(self, layer: int) -> int:
         """Layer ``layer``'s query heads (``layer_heads`` where the model lists them per layer)."""
         return self.layer_heads[layer] if self.layer_heads else self.num_heads
+
+    def head_size(self, layer: int) -> int:
+        """Layer ``layer``'s head size (the sliding layers' own where the model has one)."""
+        if self.sliding_head_dim and self.layer_types[layer] == "sliding":
+            return self.sliding_head_dim
+        return self.head_dim
 
     def kv_heads(self, layer: int) -> int:
         """Layer ``layer``'s KV heads (the sliding layers' own where the model has them)."""

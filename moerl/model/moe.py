@@ -12,6 +12,7 @@ from torch import nn
 from moerl.model.config import ModelConfig
 from moerl.model.grouped import Groups, group_mm
 from moerl.model.linear import Linear
+from moerl.model.norms import layer_norm
 
 
 class Router(nn.Module):
@@ -35,6 +36,11 @@ class Router(nn.Module):
             self.e_score_correction_bias = nn.Buffer(torch.zeros(e, dtype=torch.float32))
         else:
             self.e_score_correction_bias = None
+        # Gemma 4's: the input scaled to unit RMS, times a learned scale and 1 / sqrt(H); a learned scale per expert
+        # on the gate weights
+        self.input_scale = nn.Parameter(torch.ones(cfg.hidden_size)) if cfg.router_input_norm else None
+        self.input_eps = cfg.rms_norm_eps
+        self.expert_scale = nn.Parameter(torch.ones(e)) if cfg.router_expert_scale else None
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -48,7 +54,8 @@ class Router(nn.Module):
         """Whether this router's rule is a softmax top-k of the router's own scores (no correction bias, groups or
         floor of the normalisation): the rule a backend's one-call router computes."""
         plain = self.scoring == "softmax" and not self.topk_before_softmax and self.e_score_correction_bias is None
-        return plain and self.n_group <= 1 and not self.norm_min and not self.softcap
+        own = self.input_scale is None and self.expert_scale is None
+        return plain and own and self.n_group <= 1 and not self.norm_min and not self.softcap
 
     def _select(self, logits: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """Top-k expert indices [N, k] by the model's rule."""
@@ -90,9 +97,11 @@ class Router(nn.Module):
             w = self._sparsemixer_weights(logits, idx)
         else:
             w = self._normalized(scores.gather(1, idx))
-        return self._scaled(w)
+        return self._scaled(w, idx)
 
-    def _scaled(self, w: torch.Tensor) -> torch.Tensor:
+    def _scaled(self, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        if self.expert_scale is not None:
+            w = w * self.expert_scale[idx]
         return w * self.scale if self.scale != 1.0 else w
 
     def _normalized(self, w: torch.Tensor) -> torch.Tensor:
@@ -126,14 +135,22 @@ class Router(nn.Module):
 
         ``replay`` [N, k] replaces the router's own choice; rows holding -1 keep the router's own choice.
         """
-        logits = F.linear(x.float(), self.weight, self.bias)
+        x = x.float()
+        if self.input_scale is not None:
+            x = (
+                x
+                * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.input_eps)
+                * self.input_scale
+                * x.shape[-1] ** -0.5
+            )
+        logits = F.linear(x, self.weight, self.bias)
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         scores = self.scores(logits)
         if replay is None and scores is not None and self.e_score_correction_bias is None and self.n_group <= 1:
             # the top-k of the scores themselves: its values are the gather of them at its indices (one op fewer)
             w, idx = scores.topk(self.top_k, dim=-1)
-            return self._scaled(self._normalized(w)), idx
+            return self._scaled(self._normalized(w), idx), idx
         if replay is None:
             idx = self._select(logits, scores)
         else:
@@ -149,6 +166,8 @@ def _activate(gate_up: torch.Tensor, activation: str, alpha: float, limit: float
     gate, up = gate_up.chunk(2, dim=-1)
     if activation == "silu":
         return F.silu(gate) * up
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
     # GPT-OSS: clamped SwiGLU with (up + 1)
     gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
     return (up + 1) * gate * torch.sigmoid(gate * alpha)
@@ -296,12 +315,13 @@ class Experts(nn.Module):
 
 
 class MLP(nn.Module):
-    """Dense SwiGLU MLP (also the shared expert); with ``activation`` "relu2" un-gated: ``down(relu(up(x))^2)``
-    (Nemotron-H's), no ``gate_proj``."""
+    """Dense SwiGLU MLP (also the shared expert), GELU-tanh gated with ``activation`` "gelu_tanh" (Gemma's); with
+    "relu2" un-gated: ``down(relu(up(x))^2)`` (Nemotron-H's), no ``gate_proj``."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False, activation: str = "silu"):
         super().__init__()
         self.gated = activation != "relu2"
+        self.gelu = activation == "gelu_tanh"
         if self.gated:
             self.gate_proj = Linear(hidden, intermediate, bias=bias)
         self.up_proj = Linear(hidden, intermediate, bias=bias)
@@ -310,33 +330,37 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.gated:
             return self.down_proj(F.relu(self.up_proj(x)).square())
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        return self.down_proj((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * self.up_proj(x))
 
 
 def mlp_activation(cfg: ModelConfig) -> str:
-    """The dense and shared MLPs' activation: un-gated relu2 with relu2 experts, else SwiGLU (GPT-OSS's clamped
-    SwiGLU is its experts' alone)."""
-    return "relu2" if cfg.activation == "relu2" else "silu"
+    """The dense and shared MLPs' activation: the experts' (GPT-OSS's clamped SwiGLU is its experts' alone: SwiGLU)."""
+    return "silu" if cfg.activation == "swiglu_clamped" else cfg.activation
 
 
 class MoE(nn.Module):
-    """Router + routed experts + optional (gated) shared expert."""
+    """Router + routed experts + optional (gated) shared expert; or (``moe_beside_mlp``, Gemma 4's) a dense MLP beside
+    the experts, the block taking the residual stream: each part its own norm in and out, the router its own."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.router = Router(cfg)
         self.experts = Experts(cfg)
-        self.shared_experts = (
-            MLP(cfg.hidden_size, cfg.shared_expert_size, cfg.mlp_bias, mlp_activation(cfg))
-            if cfg.shared_expert_size
-            else None
-        )
+        size = cfg.intermediate_size if cfg.moe_beside_mlp else cfg.shared_expert_size
+        self.shared_experts = MLP(cfg.hidden_size, size, cfg.mlp_bias, mlp_activation(cfg)) if size else None
+        self.beside = cfg.moe_beside_mlp
+        if self.beside:
+            for name in ("shared_input_norm", "shared_output_norm", "routed_input_norm", "routed_output_norm"):
+                setattr(self, name, layer_norm(cfg, cfg.hidden_size))
         self.shared_experts_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if cfg.shared_expert_gate else None
         self.shared_combine = cfg.shared_combine
         self.weight_on_input = cfg.router_weight_on_input
 
     def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> (output [N, H], chosen experts [N, k])."""
+        if self.beside:
+            return self._beside(x, replay)
         weights, idx = self.router(x, replay)
         if self.weight_on_input:  # one expert a token (ModelConfig): its input scaled, its output summed as is
             out = self._experts(x * weights.to(x.dtype), idx, torch.ones_like(weights))
@@ -351,6 +375,12 @@ class MoE(nn.Module):
                 shared = torch.sigmoid(self.shared_experts_gate(x)) * shared
             out = out + shared if self.shared_combine == "sum" else (out + shared) * 0.5
         return out, idx
+
+    def _beside(self, x: torch.Tensor, replay: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gemma 4's block of the residual stream ``x``: the MLP and the experts side by side, summed."""
+        weights, idx = self.router(x, replay)
+        routed = self.routed_output_norm(self._experts(self.routed_input_norm(x), idx, weights))
+        return self.shared_output_norm(self.shared_experts(self.shared_input_norm(x))) + routed, idx
 
     def _experts(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum for rows ``x`` (a compiled decode step's MoE may take their dense path,

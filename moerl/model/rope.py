@@ -21,6 +21,9 @@ def inv_freq_and_scale(rope: RopeConfig, dim: int, max_positions: int) -> tuple[
         return inv_freq, 1.0
     if rope.kind == "linear":
         return inv_freq / rope.factor, 1.0
+    if rope.kind == "proportional":  # the first angles at the whole head's frequencies, the others still (0)
+        angles = int(rope.proportion * dim // 2)
+        return torch.cat([inv_freq[:angles], inv_freq.new_zeros(dim // 2 - angles)]) / rope.factor, 1.0
     if rope.kind == "llama3":
         old_len = rope.original_max_position_embeddings or max_positions
         low_wavelen = old_len / rope.low_freq_factor

@@ -46,14 +46,18 @@ class DecoderLayer(nn.Module):
             self.self_attn = build_mixer(cfg, layer)
         if self.has_mlp and self.mask_kind is not None and not self.parallel:
             self.post_attention_layernorm = layer_norm(cfg, cfg.hidden_size)
-        if self.pre_norm and self.post_norm and self.has_mlp:
-            self.pre_feedforward_layernorm = layer_norm(cfg, cfg.hidden_size)
         self.is_moe = layer in cfg.moe_layer_set
+        # Gemma 4's MoE layers: the MoE block takes the residual stream and norms its MLP's input itself
+        self.block_norms_input = self.is_moe and cfg.moe_beside_mlp
+        if self.pre_norm and self.post_norm and self.has_mlp and not self.block_norms_input:
+            self.pre_feedforward_layernorm = layer_norm(cfg, cfg.hidden_size)
         # the MLP / MoE's output normed: post-norm layers and sandwiches, and MoE layers where the model says so
         self.mlp_out_norm = self.post_norm or (self.is_moe and cfg.moe_output_norm)
         if self.mlp_out_norm:
             self.post_feedforward_layernorm = layer_norm(cfg, cfg.hidden_size)
         self.residual_multiplier = cfg.residual_multiplier
+        # the layer's output times a scalar of its own (Gemma 4's layer_scalar: a buffer, not trained)
+        self.layer_scalar = nn.Buffer(torch.ones(1)) if cfg.layer_scale else None
         if self.is_moe:
             self.mlp = MoE(cfg)
         elif self.has_mlp:
@@ -93,7 +97,7 @@ class DecoderLayer(nn.Module):
 
     def _mlp_norm(self) -> nn.Module | None:
         """The norm of the MLP / MoE's input (None: post-norm layers, and layers without an MLP)."""
-        if not self.has_mlp or not self.pre_norm:
+        if not self.has_mlp or not self.pre_norm or self.block_norms_input:
             return None
         return self.pre_feedforward_layernorm if self.post_norm else self.post_attention_layernorm
 
@@ -119,7 +123,7 @@ class DecoderLayer(nn.Module):
         x, h = self.mix(x, cos, sin, mask, cache, chosen)
         idx = None
         if h is None:
-            return x, idx
+            return (x if self.layer_scalar is None else x * self.layer_scalar), idx
         if self.is_moe:
             out, idx = self.mlp(h.flatten(0, 1), replay)
             out = out.view_as(x)
@@ -127,7 +131,8 @@ class DecoderLayer(nn.Module):
             out = self.mlp(h)
         if self.mlp_out_norm:
             out = self.post_feedforward_layernorm(out)
-        return x + (out if m == 1.0 else m * out), idx
+        x = x + (out if m == 1.0 else m * out)
+        return (x if self.layer_scalar is None else x * self.layer_scalar), idx
 
 
 @dataclass(slots=True)
@@ -181,7 +186,7 @@ class MoEModel(nn.Module):
         self.inv_freq, self.rope_scale = inv_freq_and_scale(cfg.rope, dim, cfg.max_position_embeddings)
         self.sliding_inv_freq = None
         if cfg.sliding_rope is not None:
-            dim = cfg.sliding_rope_dim or cfg.head_dim
+            dim = cfg.sliding_rope_dim or cfg.sliding_head_dim or cfg.head_dim
             self.sliding_inv_freq, self.sliding_rope_scale = inv_freq_and_scale(
                 cfg.sliding_rope, dim, cfg.max_position_embeddings
             )
@@ -206,7 +211,7 @@ class MoEModel(nn.Module):
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
         """Random init: normal(0, std) matrices and experts, zero biases, unit norms."""
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(("norm.weight", "router.input_scale", "router.expert_scale")):
                 p.fill_(1.0)
             elif p.ndim == 1:
                 p.zero_()
@@ -342,4 +347,5 @@ class MoEModel(nn.Module):
         )
         if self.config.logits_scaling != 1.0:
             logits = logits / self.config.logits_scaling
-        return logits
+        cap = self.config.final_logit_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap
