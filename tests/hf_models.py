@@ -221,6 +221,18 @@ NEW_CONFIGS = {
         lm_head_bias=True,
         vocab_size=VOCAB,
     ),
+    # DBRX: its own field and tensor names, nested sub-configs, q / k / v fused and clipped, LayerNorms without bias,
+    # each expert matrix flattened over the experts, the top-k renormalised (its L1 norm)
+    "DbrxForCausalLM": dict(
+        model_type="dbrx",
+        d_model=64,
+        n_heads=4,
+        n_layers=2,
+        max_seq_len=256,
+        attn_config=dict(kv_n_heads=2, clip_qkv=8.0, rope_theta=1e4),
+        ffn_config=dict(ffn_hidden_size=32, moe_num_experts=8, moe_top_k=2),
+        vocab_size=VOCAB,
+    ),
 }
 NEW_ARCHS = list(NEW_CONFIGS)
 CONFIGS |= NEW_CONFIGS

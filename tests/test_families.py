@@ -1,5 +1,5 @@
 """The families added by bridge files alone (Ernie-4.5-MoE, HunYuan-MoE-V1, DeepSeek-V2, GraniteMoe, FlexOlmo,
-PhiMoE), each a tiny real-shaped config with its features on: fp32 logits within 1e-4 of transformers with the
+PhiMoE, DBRX), each a tiny real-shaped config with its features on: fp32 logits within 1e-4 of transformers with the
 same router choices, and a negative control per family (its new knob turned off misses the tolerance); export
 round-trips into transformers; the engine's logprobs and routing equal a full forward; replay reproduces the
 logits and other indices change them."""
@@ -38,6 +38,9 @@ def _off(arch: str, model) -> None:
     elif arch == "PhimoeForCausalLM":  # sparsemixer without its mask
         for i in model.moe_layer_ids:
             layers[i].mlp.router.sparsemixer_eps = 1e9
+    elif arch == "DbrxForCausalLM":  # the top-k weights not renormalised
+        for i in model.moe_layer_ids:
+            layers[i].mlp.router.norm_topk_prob = False
     else:
         raise AssertionError(arch)
 
@@ -128,7 +131,7 @@ def test_the_router_helper_fails_saying_it_found_none():
         hf_router_choices(dense, _ids())
 
 
-@pytest.mark.parametrize("arch", NEW_ARCHS)
+@pytest.mark.parametrize("arch", [a for a in NEW_ARCHS if a != "DbrxForCausalLM"])
 def test_new_family_peft_export_reproduces_moerl_in_peft(arch, checkpoints, tmp_path):
     """Adapters on o_proj and the experts, written for PEFT (GraniteMoe's experts live under block_sparse_moe in
     transformers): peft on the transformers model gives moerl's logits (fp32 1e-4), far from the base model's."""
@@ -144,3 +147,18 @@ def test_new_family_peft_export_reproduces_moerl_in_peft(arch, checkpoints, tmp_
     lora = pol.model.layers[pol.model.moe_layer_ids[0]].mlp.experts.lora
     i = pol.model.moe_layer_ids[0]
     assert torch.allclose(again[f"layers.{i}.mlp.experts.gate_up_B"], lora.gate_up_B[0] * lora.scale[0], atol=1e-6)
+
+
+def test_dbrx_peft_export_takes_attention_adapters_and_refuses_expert_ones(checkpoints, tmp_path):
+    """DBRX's experts are three matrices flattened over the experts: PEFT would put one adapter on each whole
+    matrix, not one per expert, so moerl's expert adapters are refused by name; its attention's (out_proj) export and
+    reproduce moerl's logits in peft (fp32 1e-4)."""
+    from test_export import peft_logits
+
+    from moerl.errors import CheckpointError
+
+    path, _ = checkpoints["DbrxForCausalLM"]
+    _, ours, theirs, plain = peft_logits(path, ["o_proj"], tmp_path / "adapter")
+    assert (ours - theirs).abs().max() <= 1e-4 and (ours - plain).abs().max() > 1e-3
+    with pytest.raises(CheckpointError, match=r"LoRA adapter on 'transformer\.blocks\.\{i\}\.ffn\.experts\.mlp\.w1'"):
+        peft_logits(path, ["experts"], tmp_path / "experts")

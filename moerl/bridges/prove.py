@@ -167,26 +167,25 @@ def hf_forward(model: torch.nn.Module, ids: torch.Tensor, **kwargs) -> tuple[tor
     """A transformers model's logits, each MoE layer's chosen experts [N, k] and its per-layer hidden states.
 
     The choices are read off the routers (modules whose class name ends in Router or Gate, as the one integer tensor
-    of their output) or, where the router is a bare linear layer (Jamba's), off the experts' input (modules whose
-    class name ends in Experts, as the one integer tensor among their arguments)."""
-    choices, hooks = [], []
+    of their output, or scores zero off the chosen experts: Llama 4's) or, where the router gives neither (a bare
+    linear layer: Jamba's; logits alone: DBRX's), off the experts' input (modules whose class name ends in Experts, as
+    the one integer tensor among their arguments)."""
+    by_router, by_experts, hooks = [], [], []
 
-    def one_int(module, tensors) -> None:
+    def one_int(module, tensors, into: list, scores: bool) -> None:
         ints = [t for t in tensors if isinstance(t, torch.Tensor) and not t.is_floating_point()]
-        if not ints:  # scores that are zero off the chosen experts (Llama 4's router): where they are not
+        if not ints and scores:
             ints = [_nonzero(t) for t in tensors if isinstance(t, torch.Tensor) and _nonzero(t) is not None][:1]
-        if len(ints) != 1:
+        if len(ints) > 1:
             raise UnknownArchitectureError(f"{type(module).__name__} returned {len(ints)} integer tensors, not 1")
-        choices.append(ints[0].detach())
+        into.extend(t.detach() for t in ints)
 
-    names = {type(m).__name__.lower() for m in model.modules()}
-    by_router = any(n.endswith(("router", "gate")) for n in names)
     for module in model.modules():
         name = type(module).__name__.lower()
-        if by_router and name.endswith(("router", "gate")):
-            hooks.append(module.register_forward_hook(lambda m, args, out: one_int(m, out)))
-        elif not by_router and name.endswith("experts"):
-            hooks.append(module.register_forward_pre_hook(lambda m, args: one_int(m, args)))
+        if name.endswith(("router", "gate")):
+            hooks.append(module.register_forward_hook(lambda m, args, out: one_int(m, out, by_router, True)))
+        elif name.endswith("experts"):
+            hooks.append(module.register_forward_pre_hook(lambda m, args: one_int(m, args, by_experts, False)))
     if not hooks:
         raise UnknownArchitectureError(
             f"no router found in {type(model).__name__} (no module class *Router or *Gate, nor *Experts)"
@@ -197,7 +196,7 @@ def hf_forward(model: torch.nn.Module, ids: torch.Tensor, **kwargs) -> tuple[tor
     finally:
         for h in hooks:
             h.remove()
-    return out.logits, choices, out.hidden_states
+    return out.logits, by_router or by_experts, out.hidden_states
 
 
 def _nonzero(scores: torch.Tensor) -> torch.Tensor | None:

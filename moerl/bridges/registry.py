@@ -10,6 +10,7 @@ from moerl.bridges.base import Bridge
 from moerl.errors import UnknownArchitectureError
 
 FAMILIES = {  # architecture -> its bridge file (a module of moerl.bridges, or a dotted module path)
+    "DbrxForCausalLM": "dbrx",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
