@@ -440,3 +440,48 @@ def test_an_engine_on_the_trainers_gpu_adds_its_weights_cache_and_staging():
     t = together.trace
     assert together.need == e.weights + max(t.peak.total, t.sync.total + e.staging, t.end.total + e.kv)
     assert together.need > apart.need and together.engine == together.need - apart.need
+
+
+def test_a_cut_model_drops_the_fields_of_layer_kinds_it_lacks():
+    """A deep rank is traced on a cut model of its own layer kinds: where a pipeline stage holds no chunked, NoPE,
+    sliding or full layer (Llama 4's, Gemma 4's), the fields about those layers go back to their defaults instead of
+    being refused; the fields of kinds it holds stay."""
+    from dataclasses import replace
+
+    from moerl.model.config import ModelConfig, RopeConfig
+    from moerl.plan.depth import counts, cut
+
+    base = dict(vocab_size=32, hidden_size=16, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=32)
+    base |= dict(num_experts=4, top_k=1, moe_intermediate_size=8, num_layers=4, moe_layers=[0, 1, 2, 3])
+    llama4 = ModelConfig(
+        **base,
+        layer_types=["chunked", "chunked", "chunked", "full"],
+        attention_chunk=8,
+        nope_layers=[3],
+        attn_temperature_scale=0.1,
+        attn_temperature_floor=8,
+    )
+    run = RunConfig()
+    ranges = [range(0, 2), range(2, 4)]
+    small, _ = cut(llama4, run, ranges, counts(llama4, ranges, [0]))  # stage 0: chunked layers alone
+    assert small.layer_types == ["chunked", "chunked", "chunked"] and small.attention_chunk == 8
+    assert (small.nope_layers, small.attn_temperature_scale, small.attn_temperature_floor) == ([], 0.0, 0)
+    gemma = replace(
+        ModelConfig(**base, layer_types=["sliding", "full", "sliding", "full"], sliding_window=4),
+        head_dim=16,
+        sliding_head_dim=8,
+        sliding_kv_heads=4,
+        sliding_rope=RopeConfig(theta=1e4),
+        attn_k_eq_v=True,
+    )
+    small, _ = cut(gemma, run, [range(0, 1), range(1, 4)], counts(gemma, [range(0, 1), range(1, 4)], [0]))
+    assert small.layer_types == ["sliding", "full"] and small.sliding_head_dim == 8 and small.attn_k_eq_v
+    apart = [range(1, 2), range(3, 4)]  # full layers alone: the sliding layers' fields go
+    small, _ = cut(gemma, run, apart, counts(gemma, apart, [0]))
+    assert small.layer_types == ["full", "full"] and (small.sliding_head_dim, small.sliding_kv_heads) == (0, 0)
+    assert small.sliding_window is None and small.sliding_rope is None and small.attn_k_eq_v
+    with pytest.raises(ConfigError, match="with a .sliding. layer"):  # the control: kept, they are refused
+        replace(gemma, num_layers=2, layer_types=["full", "full"], moe_layers=[0, 1])
+    full_only = replace(gemma, layer_types=["full"] * 4, sliding_window=None, sliding_head_dim=0, sliding_kv_heads=0,
+                        sliding_rope=None)  # fmt: skip
+    assert cut(full_only, run, [range(4)], counts(full_only, [range(4)], [0]))[0].attn_k_eq_v

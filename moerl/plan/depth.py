@@ -70,16 +70,38 @@ def cut(cfg: ModelConfig, run: RunConfig, ranges: list[range], layers: dict[int,
         for k, n in mine.items():
             kinds += [k] * n
         sizes.append(sum(mine.values()))
+    types = [k[0] for k in kinds]
+    nope = [i for i, k in enumerate(kinds) if k[2]]
     small = replace(
         cfg,
         num_layers=len(kinds),
-        layer_types=[k[0] for k in kinds],
+        layer_types=types,
         moe_layers=[i for i, k in enumerate(kinds) if k[1]],
-        nope_layers=[i for i, k in enumerate(kinds) if k[2]],
+        nope_layers=nope,
         mixer_only_layers=[i for i, k in enumerate(kinds) if k[3]],
+        **_absent(cfg, set(types), bool(nope)),
     )
     stages = sizes if len(ranges) > 1 else []
     return small, replace(run, parallel=replace(run.parallel, stages=stages))
+
+
+def _absent(cfg: ModelConfig, types: set[str], nope: bool) -> dict:
+    """The fields of ``cfg`` about layers the cut model lacks, at their defaults (a field about no layer is refused):
+    the sliding layers' window and own sizes and RoPE, the chunked layers' chunk, the NoPE layers' temperature, the
+    full layers' values that are their keys."""
+    out = {}
+    if "sliding" not in types:
+        out |= dict(sliding_window=None, sliding_rope=None, sliding_rope_dim=None, sliding_kv_heads=0)
+        out |= dict(sliding_head_dim=0, sinks_sliding_only=False)
+        if cfg.sinks_sliding_only:  # no layer holds them
+            out["attention_sinks"] = False
+    if "chunked" not in types:
+        out["attention_chunk"] = None
+    if not nope:
+        out |= dict(attn_temperature_scale=0.0, attn_temperature_floor=0)
+    if "full" not in types:
+        out["attn_k_eq_v"] = False
+    return {k: v for k, v in out.items() if getattr(cfg, k) != v}
 
 
 def combine(base: Breakdown, steps: list[tuple[Breakdown, int]]) -> Breakdown:
