@@ -219,3 +219,12 @@ def test_the_bound_decode_step_and_vllm_refuse_gemma4_by_name(checkpoint):
     assert model.layers[1].self_attn.bound_refusal(torch.float32) == "values that are the keys, or normed values"
     with pytest.raises(ConfigError, match=rf"rollout.engine=vllm with {ARCH}: moerl has no fp32-router vLLM model"):
         make_engine("vllm", checkpoint[0], EngineConfig())
+
+
+def test_peft_export_of_gemma4s_adapters_reproduces_moerl_in_peft(checkpoint, tmp_path):
+    """Adapters on o_proj and the experts (at the layer itself in transformers' Gemma 4, not under a block), written
+    for PEFT: peft on the transformers model gives moerl's logits (fp32 1e-4), far from the base model's."""
+    from test_export import peft_logits
+
+    _, ours, theirs, plain = peft_logits(checkpoint[0], ["o_proj", "experts"], tmp_path / "adapter")
+    assert (ours - theirs).abs().max() <= 1e-4 and (ours - plain).abs().max() > 1e-3

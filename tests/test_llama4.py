@@ -211,3 +211,16 @@ def test_the_multimodal_checkpoint_loads_its_language_model(tmp_path):
         tensors["language_model.model.layers.1.feed_forward.experts.gate_up_proj"] += 0.05
         save_file(tensors, file, metadata={"format": "pt"})
         assert (load_model(tmp_path, torch.float32)(ids).logits - want).abs().max() > FP32_TOL
+
+
+def test_peft_export_refuses_adapters_on_llama4s_transposed_experts(checkpoint, tmp_path):
+    """Llama 4's experts are stored transposed ([E, H, 2I]): moerl's expert adapters are refused by name for PEFT
+    export (their rows would need transposing too); its attention's export and reproduce moerl's logits in peft."""
+    from test_export import peft_logits
+
+    from moerl.errors import CheckpointError
+
+    _, ours, theirs, plain = peft_logits(checkpoint[0], ["o_proj"], tmp_path / "adapter")
+    assert (ours - theirs).abs().max() <= 1e-4 and (ours - plain).abs().max() > 1e-3
+    with pytest.raises(CheckpointError, match=r"feed_forward\.experts\.gate_up_proj"):
+        peft_logits(checkpoint[0], ["experts"], tmp_path / "experts")
