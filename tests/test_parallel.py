@@ -829,6 +829,37 @@ def test_context_parallel_attention_kinds_train_as_in_one_process(attention_kind
     assert not differences, differences
 
 
+@pytest.fixture(scope="module")
+def expert_kinds(tmp_path_factory):
+    """Llama 4 (the gate weight on the one expert's input) and Gemma 4 (the experts beside a dense MLP, the router's
+    own norm and per-expert scale), derived with no bridge file: each checkpoint and its one-process step, and their
+    steps with the experts split over ep 2 (one launch)."""
+    from hf_models import build_hf_model
+
+    where = tmp_path_factory.mktemp("experts")
+    archs = {"llama4": "Llama4ForCausalLM", "gemma4": "Gemma4ForCausalLM"}
+    for name, arch in archs.items():
+        build_hf_model(arch).save_pretrained(where / name)
+    one = {a: _step(where / a, "full", "float32", where / f"one_{a}.json") for a in archs}
+    spec = [["full", "float32", str(where / f"ep_{a}.json"), [f"model={where / a}"]] for a in archs]
+    (where / "cases.json").write_text(json.dumps(spec))
+    _launch(2, [str(CHECK), "--cases", str(where / "llama4"), "1,2,1", "1f1b", str(where / "cases.json")])
+    two = {
+        a: (json.loads((where / f"ep_{a}.json").read_text()), load_file(str(where / f"ep_{a}.json.st"))) for a in archs
+    }
+    return one, two
+
+
+@pytest.mark.parametrize("arch", ["llama4", "gemma4"])
+def test_expert_parallel_moe_blocks_of_2026_train_as_in_one_process(expert_kinds, arch):
+    """At ep 2 each rank holds 4 of the 8 experts: Llama 4's gate weight scaling the expert's input and Gemma 4's dense
+    MLP beside the experts (replicated, its norms and the router's scales with it) give one process's step (fp32, R3
+    replay on, packed rows)."""
+    one, two = expert_kinds
+    differences = _step_differences(*one[arch], *two[arch], "full", "float32", 1e-6)
+    assert not differences, differences
+
+
 def test_context_parallel_ranks_that_attend_within_their_own_tokens_would_be_caught(one_process, model, tmp_path):
     """The control: at cp 2 each rank's attention layers keep the plain core (each token sees only its own rank's
     part of the row): far outside the tolerances (logprobs 0.55 apart, moments 1.9 of their largest, measured)."""

@@ -1,8 +1,7 @@
 """Attention mixers: grouped-query attention (GQA: qk-norm, sliding window or chunks, sinks, an output gate in q_proj
 or of its own projection, partial / no RoPE, temperature tuning, a head count and a RoPE of its own per layer) and
-multi-head latent attention (MLA,
-with DeepSeek sparse attention's indexer), the ``full`` and ``sliding`` layer kinds of ``moerl.model.mixers``; each
-reads and writes the engine's paged KV cache through ``KVCacheView``."""
+multi-head latent attention (MLA, with DeepSeek sparse attention's indexer), the ``full``, ``sliding`` and ``chunked``
+layer kinds of ``moerl.model.mixers``; each reads and writes the engine's paged KV cache through ``KVCacheView``."""
 
 from __future__ import annotations
 
