@@ -224,3 +224,37 @@ def test_peft_export_refuses_adapters_on_llama4s_transposed_experts(checkpoint, 
     assert (ours - theirs).abs().max() <= 1e-4 and (ours - plain).abs().max() > 1e-3
     with pytest.raises(CheckpointError, match=r"feed_forward\.experts\.gate_up_proj"):
         peft_logits(checkpoint[0], ["experts"], tmp_path / "experts")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_paged_kernel_reads_a_chunked_layers_keys_as_the_chunk_mask_does(checkpoint, dtype):
+    """A decode step of a chunked layer read from the pools in place (the CPU kernel: keys from the start of the
+    query's chunk of 8, ``first_key``) against the gathered keys under the chunk mask (fp32 oracle), rows at positions
+    0, 7, 8, 20 and 45 of tables across blocks: fp32 within 1e-5 of the largest output, bf16 within its rounding.
+    Control: the same keys read as a full layer's differ by more."""
+    from moerl.cpu.kernels import kernel
+    from moerl.engine.kv_cache import KVCache, StepView
+    from moerl.model.attention import attend
+
+    if kernel() is None:
+        pytest.skip("the CPU backend's kernels do not build on this host")
+    cfg = load_model(checkpoint[0], dtype=torch.float32).config
+    cache = KVCache(cfg, num_blocks=16, block_size=16, dtype=dtype)
+    ref = KVCache(cfg, num_blocks=16, block_size=16, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    for pool, into in zip(cache.k + cache.v, ref.k + ref.v, strict=True):
+        pool.copy_(torch.randn(pool.shape, generator=gen))
+        into.copy_(pool)
+    positions = torch.tensor([[0], [7], [8], [20], [45]])
+    tables = torch.randperm(16, generator=gen)[:15].view(5, 3)
+    hkv, _, d = cache.k[0].shape
+    q, k, v = (torch.randn(5, 1, h, d, generator=gen).to(dtype) for h in (cfg.num_heads, hkv, hkv))
+    with torch.no_grad():
+        got = StepView(cache, tables, positions, torch.ones(5, dtype=torch.long)).attend(0, q, k, v, "chunked", 4, None)
+        view = StepView(ref, tables, positions, torch.ones(5, dtype=torch.long))
+        keys, values = view.update(0, k.float(), v.float())
+        want = attend(q.float().transpose(1, 2), keys, values, view.mask("chunked"), 4, None)
+        full = attend(q.float().transpose(1, 2), keys, values, view.mask("full"), 4, None)
+    tol = (1e-5 if dtype == torch.float32 else 2**-8) * want.abs().max().clamp(min=1)
+    assert got is not None and (got.float() - want).abs().max() <= tol
+    assert (got.float() - full).abs().max() > max(tol, 1e-3)

@@ -405,24 +405,24 @@ def test_paged_decode_attention_reads_the_pools_as_the_gathered_path_does(arch, 
     hq = cfg.num_heads
     q, k, v = (torch.randn(4, 1, h, d, generator=gen).to(dtype) for h in (hq, hkv, hkv))
     sinks = torch.randn(hq, generator=gen) if arch == "gpt_oss" else None
-    for sliding in (False, True) if cache.sliding_window else (False,):
+    for kind in ("full", "sliding") if cache.sliding_window else ("full",):
         with torch.no_grad():
             got = StepView(cache, tables, positions, torch.ones(4, dtype=torch.long)).attend(
-                0, q, k, v, sliding, scale, sinks
+                0, q, k, v, kind, scale, sinks
             )
             view = StepView(ref, tables, positions, torch.ones(4, dtype=torch.long))
             keys, values = view.update(0, k.float(), v.float())
-            want = attend(q.float().transpose(1, 2), keys, values, view.mask(sliding), scale, sinks)
-            full = attend(q.float().transpose(1, 2), keys, values, view.mask(False), scale, sinks)
+            want = attend(q.float().transpose(1, 2), keys, values, view.mask(kind), scale, sinks)
+            full = attend(q.float().transpose(1, 2), keys, values, view.mask("full"), scale, sinks)
         tol = (1e-5 if dtype == torch.float32 else 2**-8) * want.abs().max().clamp(min=1)
-        assert got is not None and got.dtype == dtype and (got.float() - want).abs().max() <= tol, sliding
-        if sliding:
+        assert got is not None and got.dtype == dtype and (got.float() - want).abs().max() <= tol, kind
+        if kind == "sliding":
             assert (got.float() - full).abs().max() > max(tol, 1e-3)
     # the kernel wrote this step's keys and values where ``update`` writes them (and nothing else)
     assert torch.equal(cache.k[0].float(), ref.k[0]) and torch.equal(cache.v[0].float(), ref.v[0])
     with torch.enable_grad():  # a trainer's forward (autograd) takes the gathered path
         assert (
-            StepView(cache, tables, positions, torch.ones(4, dtype=torch.long)).attend(0, q, k, v, False, 1, None)
+            StepView(cache, tables, positions, torch.ones(4, dtype=torch.long)).attend(0, q, k, v, "full", 1, None)
             is None
         )
 

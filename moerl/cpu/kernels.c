@@ -687,7 +687,8 @@ int moerl_bf16_linear(const uint16_t* x, const uint16_t* w, int M, int K, int N,
 
 /* Decode attention over the paged cache, read in place: q [B][Hq * D] (rows ldq apart) -> out [B, Hq, Dv], both in
    the pools' dtype (kb; the sums in fp32, rounded once). Pools head-major [Hkv][rows][D] and [Hkv][rows][Dv]; tables
-   [B][nb] block ids; pos [B]: the query's position (keys 0..pos visible; window > 0: only the last `window` of them);
+   [B][nb] block ids; pos [B]: the query's position (keys 0..pos visible; window > 0: only the last `window` of them;
+   window < 0: those of the query's aligned chunk of -window positions, from pos - pos % -window: first_key);
    sinks [Hq] (a logit that joins the softmax) or NULL; scratch: threads x ((Hq / Hkv + 2) * nb * bs + Hq / Hkv * D)
    floats for the scores, the keys' rows and the queries in fp32. One task per (row, KV head): each key and value
    row is read once for the query heads that share it. new_slot [B] (NULL: none): the pool row of each row's new key
@@ -770,13 +771,20 @@ static inline void prefetch_rows(const void* pool, const int64_t* at, int64_t fr
     for (int o = 0; o < bytes; o += 64) __builtin_prefetch((const char*)pool + at[k] * bytes + o);
 }
 
+/* the first key a query at position p sees: the last `window` keys (window > 0), those of its aligned chunk of
+   -window positions (window < 0: Llama 4's chunked layers), or every one (0) */
+static inline int64_t first_key(int64_t p, int64_t window) {
+  if (window > 0) return p - window + 1 > 0 ? p - window + 1 : 0;
+  return window < 0 ? p - p % -window : 0;
+}
+
 /* the key and value rows task t (row t / Hkv, KV head t % Hkv) reads, asked for a task ahead: its blocks are
    whole runs of rows in the pools (bs rows of a head side by side), so a task's cold reads wait on memory together,
    not one block after another */
 static inline void prefetch_task(const void* kp, const void* vp, const int64_t* tables, const int64_t* pos, int Hkv,
                                  int D, int Dv, int64_t rows, int nb, int bs, int64_t window, int t, int64_t es) {
   int b = t / Hkv, kh = t % Hkv;
-  int64_t p = pos[b], lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+  int64_t p = pos[b], lo = first_key(p, window);
   for (int64_t blk = lo / bs; blk <= p / bs && blk < nb; blk++) {
     int64_t first = (int64_t)kh * rows + tables[(int64_t)b * nb + blk] * bs;
     int64_t n = blk == p / bs ? p % bs + 1 : bs;
@@ -826,7 +834,7 @@ static inline __attribute__((always_inline)) void paged_task(const void* q, int6
     memcpy((char*)kp + at * D * es, (const char*)knew + ((int64_t)b * ldk + (int64_t)kh * D) * es, D * es);
     memcpy((char*)vp + at * Dv * es, (const char*)vnew + ((int64_t)b * ldvn + (int64_t)kh * Dv) * es, Dv * es);
   }
-  int64_t p = pos[b], lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0, n = p - lo + 1;
+  int64_t p = pos[b], lo = first_key(p, window), n = p - lo + 1;
   float* s = scratch + (int64_t)omp_get_thread_num() * ((g + 2) * nb * bs + g * D);  /* [g][n] scores, [n] rows */
   int64_t* at = (int64_t*)(s + (int64_t)g * nb * bs);  /* each visible key's pool row (head kh) */
   float* qv = s + (int64_t)(g + 2) * nb * bs;  /* the g query heads of this KV head, in fp32 */

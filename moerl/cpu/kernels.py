@@ -816,7 +816,8 @@ def paged_decode(
     scale: float,
 ) -> torch.Tensor:
     """Decode attention of queries ``q`` [B, Hq, D] over the keys and values of head-major pools [Hkv, rows, D]
-    through block tables [B, nb]: keys 0..``pos`` [B] of each row (the last ``window`` of them where > 0), with
+    through block tables [B, nb]: keys 0..``pos`` [B] of each row (the last ``window`` of them where > 0; where < 0,
+    those of the query's aligned chunk of ``-window`` positions), with
     ``sinks`` [Hq] joining each softmax -> [B, Hq, Dv] in q's dtype (CPU; pools fp32 or bf16, the sums in fp32). One
     op, eager and in a compiled graph."""
     return paged_write_decode(q, k_pool, v_pool, tables, pos, sinks, block_size, window, scale)

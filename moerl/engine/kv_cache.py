@@ -298,7 +298,7 @@ class StepView:
         return out[0], out[1]
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding: bool, scale: float, sinks
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str, scale: float, sinks
     ) -> torch.Tensor | None:
         """An fp32 or bf16 CPU decode step's attention read from the pools in place (``moerl.cpu.kernels``'s paged
         kernel, eager or as one op of the compiled step: no gather of the keys and values, no score tensors): store
@@ -311,7 +311,7 @@ class StepView:
         b, _, hq, d = q.shape
         if self._pos is None:  # a padded row reads key 0
             self._pos = torch.where(self._real[:, 0], self._q_pos[:, 0, 0], 0)
-        window = self.cache.sliding_window if sliding and self.cache.sliding_window else 0
+        window = self._window(kind)
         pools = (q.reshape(b, hq, d), *self.pools(layer)[:2])
         if self.key_slots is not None:  # the graph's view: its key length symbolic, the blocks per row are not
             self._write(layer, k, v)
@@ -321,6 +321,13 @@ class StepView:
             bs = self.cache.block_size
             out = paged_write_decode(*pools, self.block_tables, self._pos, sinks, bs, window, scale, new)
         return out.view(b, 1, -1)
+
+    def _window(self, kind: str) -> int:
+        """The paged kernel's key range of a ``kind`` layer: the last ``window`` keys (> 0), the query's chunk of
+        ``-window`` positions (< 0), or every key (0)."""
+        if kind == "sliding" and self.cache.sliding_window:
+            return self.cache.sliding_window
+        return -self.cache.attention_chunk if kind == "chunked" else 0
 
     def _visible_slots(self) -> torch.Tensor:
         """Every visible key's slot, row by row: the block tables' slots in order [B * S]."""

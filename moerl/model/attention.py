@@ -40,11 +40,11 @@ class KVCacheView(Protocol):
         ...
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding: bool, scale: float, sinks
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str, scale: float, sinks
     ) -> torch.Tensor | None:
-        """Store k / v and return q [B, C, Hq, d]'s attention [B, C, Hq * dv] read from the cache in place, or None
-        where the cache has no such path for this step (then ``update`` and ``mask``; chunked layers always take
-        those)."""
+        """Store k / v and return q [B, C, Hq, d]'s attention [B, C, Hq * dv] of a ``kind`` layer (full, sliding,
+        chunked) read from the cache in place, or None where the cache has no such path for this step (then
+        ``update`` and ``mask``)."""
         ...
 
     def update_index(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
@@ -160,8 +160,7 @@ class Attention(nn.Module):
         if self.temperature:
             q = (q * cos[:, :, None, None]).to(q.dtype)
         # an fp32 CPU decode step reads the pools in place; else the visible keys and values gathered
-        paged = cache is not None and self.kind != "chunked"
-        out = cache.attend(self.layer, q, k, v, self.sliding, self.scale, self.sinks) if paged else None
+        out = cache.attend(self.layer, q, k, v, self.kind, self.scale, self.sinks) if cache is not None else None
         if out is None:
             if cache is not None:
                 k, v = cache.update(self.layer, k, v)
