@@ -163,3 +163,30 @@ def mixers_of(model, kind: str) -> list:
 
 def token_ids(b: int = 2, t: int = 40, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def assert_trains(path, mode: str, adapter: str | None = None):
+    """Ten SFT steps on one batch (``sft_losses``) lower the loss in ``mode``: LoRA by 0.1, the others to 0.85 of the
+    first; in LoRA the adapter ``adapter`` (a parameter name) is there. Returns the policy (MXFP8 without torchao: a
+    skip)."""
+    import pytest
+
+    if mode == "mxfp8":
+        pytest.importorskip("torchao")
+    losses, policy = sft_losses(path, mode)
+    assert losses[-1] < (losses[0] - 0.1 if mode == "lora" else 0.85 * losses[0]), losses
+    if mode == "lora" and adapter is not None:
+        assert adapter in {n for n, _ in policy.model.named_parameters()}
+    return policy
+
+
+def model_with(model, **fields):
+    """A model of ``model``'s config with ``fields`` set otherwise, holding its weights and buffers (fp32): a knob
+    turned wrong for a negative control."""
+    import dataclasses
+
+    from moerl.model.transformer import MoEModel
+
+    off = MoEModel(dataclasses.replace(model.config, **fields), torch.float32)
+    off.load_state_dict(model.state_dict())
+    return off

@@ -10,7 +10,14 @@ import dataclasses
 import pytest
 import torch
 from hf_models import DERIVED_CONFIGS, build_hf_model
-from mixer_checks import FP32_TOL, assert_left_padded_rows_match, assert_matches_transformers, sft_losses, token_ids
+from mixer_checks import (
+    FP32_TOL,
+    assert_left_padded_rows_match,
+    assert_matches_transformers,
+    assert_trains,
+    model_with,
+    token_ids,
+)
 
 from moerl.bridges import load_model
 from moerl.model.transformer import MoEModel
@@ -45,13 +52,6 @@ def _checkpoint(path, **overrides):
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return _checkpoint(tmp_path_factory.mktemp("gemma4") / ARCH)
-
-
-def _off(model: MoEModel, **fields) -> MoEModel:
-    """``model`` with its config's ``fields`` set otherwise and its weights and buffers."""
-    off = MoEModel(dataclasses.replace(model.config, **fields), torch.float32)
-    off.load_state_dict(model.state_dict())
-    return off
 
 
 def _moved(model: MoEModel, ids, want, suffix: str) -> float:
@@ -92,7 +92,7 @@ def test_gemma4_matches_transformers_with_a_control_per_knob(checkpoint):
         {"rope": dataclasses.replace(cfg.rope, kind="default", proportion=1.0)},
     ):
         with torch.no_grad():
-            assert (_off(model, **fields)(ids).logits - want).abs().max() > FP32_TOL, fields
+            assert (model_with(model, **fields)(ids).logits - want).abs().max() > FP32_TOL, fields
     for suffix in (
         "layer_scalar",
         "router.input_scale",
@@ -104,9 +104,9 @@ def test_gemma4_matches_transformers_with_a_control_per_knob(checkpoint):
     ):
         assert _moved(model, ids, want, suffix) > FP32_TOL, suffix
     with pytest.raises(RuntimeError, match=r"layers\.1\.self_attn\.v_proj\.weight"):
-        _off(model, attn_k_eq_v=False)
+        model_with(model, attn_k_eq_v=False)
     with pytest.raises(RuntimeError, match=r"layers\.0\.self_attn\.q_proj\.weight"):
-        _off(model, sliding_head_dim=0)
+        model_with(model, sliding_head_dim=0)
 
 
 def test_left_padded_rows_match_transformers(checkpoint):
@@ -189,14 +189,7 @@ def test_the_engine_decodes_gemma4_as_its_full_forward(checkpoint):
 @pytest.mark.parametrize("mode", ["full", "lora", "mxfp8"])
 def test_gemma4_trains_in_every_mode(mode, tmp_path):
     """Ten SFT steps on one batch lower the loss in each mode; LoRA puts adapters on the MLP beside the experts."""
-    if mode == "mxfp8":
-        pytest.importorskip("torchao")
-    path, _ = _checkpoint(tmp_path / ARCH)
-    losses, policy = sft_losses(path, mode)
-    assert losses[-1] < (losses[0] - 0.1 if mode == "lora" else 0.85 * losses[0]), losses
-    if mode == "lora":
-        names = {n for n, _ in policy.model.named_parameters()}
-        assert "layers.1.mlp.shared_experts.up_proj.lora.lora_A" in names
+    assert_trains(_checkpoint(tmp_path / ARCH)[0], mode, "layers.1.mlp.shared_experts.up_proj.lora.lora_A")
 
 
 def test_the_bound_decode_step_and_vllm_refuse_gemma4_by_name(checkpoint):

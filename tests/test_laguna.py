@@ -3,15 +3,12 @@ and per channel), a RoPE per layer kind, router logits soft-capped. Parity with 
 left-padded) with a control per knob, its own default config proven, the engine's decode against full forwards,
 every training mode, and the bound CPU decode step refusing what it does not bind by name."""
 
-import dataclasses
-
 import pytest
 import torch
 from hf_models import build_hf_model, hf_router_choices
-from mixer_checks import FP32_TOL, assert_left_padded_rows_match, moved, sft_losses, token_ids
+from mixer_checks import FP32_TOL, assert_left_padded_rows_match, assert_trains, model_with, moved, token_ids
 
 from moerl.bridges import load_model
-from moerl.model.transformer import MoEModel
 
 ARCH = "LagunaForCausalLM"
 
@@ -36,13 +33,6 @@ def checkpoint(request, tmp_path_factory):
     return _checkpoint(tmp_path_factory.mktemp("laguna") / ARCH, gating=request.param)
 
 
-def _off(model: MoEModel, **fields) -> MoEModel:
-    """``model`` with its config's ``fields`` set otherwise and its weights."""
-    off = MoEModel(dataclasses.replace(model.config, **fields), torch.float32)
-    off.load_state_dict(model.state_dict())
-    return off
-
-
 def test_laguna_matches_transformers_with_a_control_per_knob(checkpoint):
     """40 tokens: logits within fp32 1e-4 of transformers, the same experts chosen. Each knob set wrong misses:
     the router's cap, the gates' softplus (as sigmoid), the gates' weights, the sliding layers' own RoPE (as the full
@@ -63,11 +53,11 @@ def test_laguna_matches_transformers_with_a_control_per_knob(checkpoint):
         assert torch.equal(ours.sort(-1).values, choice.sort(-1).values), f"MoE layer {j} chose other experts"
     for fields in ({"router_softcap": 0.0}, {"attn_gate_act": "sigmoid"}, {"sliding_rope": None}):
         with torch.no_grad():
-            assert (_off(model, **fields)(ids).logits - want).abs().max() > FP32_TOL, fields
+            assert (model_with(model, **fields)(ids).logits - want).abs().max() > FP32_TOL, fields
     gates = [layer.self_attn.gate_proj.weight for layer in model.layers]
     assert moved(model, ids, want, lambda: [g.mul_(0.5) for g in gates]) > FP32_TOL
     with pytest.raises(RuntimeError, match=r"layers\.1\.self_attn\.q_proj\.weight"):
-        _off(model, layer_heads=[])
+        model_with(model, layer_heads=[])
 
 
 def test_left_padded_rows_match_transformers(checkpoint):
@@ -112,14 +102,7 @@ def test_the_engine_decodes_laguna_as_its_full_forward(checkpoint):
 @pytest.mark.parametrize("mode", ["full", "lora", "mxfp8"])
 def test_laguna_trains_in_every_mode(mode, tmp_path):
     """Ten SFT steps on one batch lower the loss in each mode; LoRA puts adapters on the gates' own projection."""
-    if mode == "mxfp8":
-        pytest.importorskip("torchao")
-    path, _ = _checkpoint(tmp_path / ARCH)
-    losses, policy = sft_losses(path, mode)
-    assert losses[-1] < (losses[0] - 0.1 if mode == "lora" else 0.85 * losses[0]), losses
-    if mode == "lora":
-        names = {n for n, _ in policy.model.named_parameters()}
-        assert "layers.1.self_attn.gate_proj.lora.lora_A" in names
+    assert_trains(_checkpoint(tmp_path / ARCH)[0], mode, "layers.1.self_attn.gate_proj.lora.lora_A")
 
 
 def test_the_bound_decode_step_and_vllm_refuse_lagunas_knobs_by_name(checkpoint):

@@ -4,8 +4,6 @@ experts stored transposed. Parity with transformers at fp32 1e-4 (plain and left
 its own default configs proven, packed rows kept apart chunk by chunk, the engine's decode against full forwards,
 every training mode, and the bound CPU decode step refusing what it does not bind by name."""
 
-import dataclasses
-
 import pytest
 import torch
 from hf_models import build_hf_model
@@ -14,13 +12,13 @@ from mixer_checks import (
     assert_left_padded_rows_match,
     assert_matches_transformers,
     assert_packed_sequences_stay_apart,
+    assert_trains,
+    model_with,
     moved,
-    sft_losses,
     token_ids,
 )
 
 from moerl.bridges import load_model
-from moerl.model.transformer import MoEModel
 
 ARCH = "Llama4ForCausalLM"
 
@@ -43,13 +41,6 @@ def _checkpoint(path, **overrides):
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return _checkpoint(tmp_path_factory.mktemp("llama4") / ARCH)
-
-
-def _off(model: MoEModel, **fields) -> MoEModel:
-    """``model`` with its config's ``fields`` set otherwise and its weights."""
-    off = MoEModel(dataclasses.replace(model.config, **fields), torch.float32)
-    off.load_state_dict(model.state_dict())
-    return off
 
 
 def test_llama4_matches_transformers_with_a_control_per_knob(checkpoint):
@@ -75,7 +66,7 @@ def test_llama4_matches_transformers_with_a_control_per_knob(checkpoint):
         {"rope_interleave": False},
     ):
         with torch.no_grad():
-            assert (_off(model, **fields)(ids).logits - want).abs().max() > FP32_TOL, fields
+            assert (model_with(model, **fields)(ids).logits - want).abs().max() > FP32_TOL, fields
     # the checkpoint's [E, H, 2I] taken as it is stored (square here: 2I = H): the transposition matters
     gate_up = [layer.mlp.experts.gate_up_proj for layer in model.layers if layer.is_moe]
     assert gate_up[0].shape[1:] == (64, 64)
@@ -146,14 +137,7 @@ def test_the_engine_decodes_llama4_as_its_full_forward(checkpoint):
 @pytest.mark.parametrize("mode", ["full", "lora", "mxfp8"])
 def test_llama4_trains_in_every_mode(mode, tmp_path):
     """Ten SFT steps on one batch (20 tokens: three chunks) lower the loss in each mode."""
-    if mode == "mxfp8":
-        pytest.importorskip("torchao")
-    path, _ = _checkpoint(tmp_path / ARCH)
-    losses, policy = sft_losses(path, mode)
-    assert losses[-1] < (losses[0] - 0.1 if mode == "lora" else 0.85 * losses[0]), losses
-    if mode == "lora":
-        names = {n for n, _ in policy.model.named_parameters()}
-        assert "layers.1.mlp.shared_experts.up_proj.lora.lora_A" in names
+    assert_trains(_checkpoint(tmp_path / ARCH)[0], mode, "layers.1.mlp.shared_experts.up_proj.lora.lora_A")
 
 
 def test_the_bound_decode_step_and_vllm_refuse_llama4s_knobs_by_name(checkpoint):

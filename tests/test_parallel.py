@@ -808,12 +808,19 @@ def attention_kinds(tmp_path_factory):
     paths["llama4"] = where / "llama4"
     assert paths["gpt_oss"].config.sliding_window == 5 and paths["gpt_oss"].config.attention_sinks
     assert paths["deepseek_v3"].config.attention == "mla"
-    one = {a: _step(where / a, "full", "float32", where / f"one_{a}.json") for a in paths}
-    spec = [["full", "float32", str(where / f"cp_{a}.json"), [f"model={where / a}"]] for a in paths]
+    return _one_and_launched(where, list(paths), "1,1,1,2")
+
+
+def _one_and_launched(where: Path, names: list[str], layout: str) -> tuple[dict, dict]:
+    """The checkpoints ``where / name``: each one's one-process step, and each one's step on a 2-rank launch of
+    ``layout`` (one launch for them all, a case each)."""
+    one = {a: _step(where / a, "full", "float32", where / f"one_{a}.json") for a in names}
+    spec = [["full", "float32", str(where / f"two_{a}.json"), [f"model={where / a}"]] for a in names]
     (where / "cases.json").write_text(json.dumps(spec))
-    _launch(2, [str(CHECK), "--cases", str(where / "gpt_oss"), "1,1,1,2", "1f1b", str(where / "cases.json")])
+    _launch(2, [str(CHECK), "--cases", str(where / names[0]), layout, "1f1b", str(where / "cases.json")])
     two = {
-        a: (json.loads((where / f"cp_{a}.json").read_text()), load_file(str(where / f"cp_{a}.json.st"))) for a in paths
+        a: (json.loads((where / f"two_{a}.json").read_text()), load_file(f"{where / f'two_{a}.json'}.st"))
+        for a in names
     }
     return one, two
 
@@ -840,14 +847,7 @@ def expert_kinds(tmp_path_factory):
     archs = {"llama4": "Llama4ForCausalLM", "gemma4": "Gemma4ForCausalLM"}
     for name, arch in archs.items():
         build_hf_model(arch).save_pretrained(where / name)
-    one = {a: _step(where / a, "full", "float32", where / f"one_{a}.json") for a in archs}
-    spec = [["full", "float32", str(where / f"ep_{a}.json"), [f"model={where / a}"]] for a in archs]
-    (where / "cases.json").write_text(json.dumps(spec))
-    _launch(2, [str(CHECK), "--cases", str(where / "llama4"), "1,2,1", "1f1b", str(where / "cases.json")])
-    two = {
-        a: (json.loads((where / f"ep_{a}.json").read_text()), load_file(str(where / f"ep_{a}.json.st"))) for a in archs
-    }
-    return one, two
+    return _one_and_launched(where, list(archs), "1,2,1")
 
 
 @pytest.mark.parametrize("arch", ["llama4", "gemma4"])
