@@ -239,6 +239,8 @@ REFUSED = [  # (model_type, config changes, the feature the refusal names)
     ("minimax", {}, "lightning linear-attention layers"),
     ("lfm2_moe", {}, "short-convolution layers"),
     ("hy_v4", {}, "hyper-connections"),
+    ("deepseek_v4", {}, "hyper-connections"),
+    ("deepseek_v4", dict.fromkeys(("hc_mult", "hc_sinkhorn_iters", "hc_eps")), "hash-routed MoE layers.*layer 0"),
     ("qwen3_moe", {"v_head_dim": 32}, "latent-attention field.* 'v_head_dim' without latent-attention tensors"),
     ("granitemoe_swa", {"layer_rope_theta": [1e4 * (1 + i) for i in range(32)]}, "a RoPE per layer is not"),
     ("qwen3_moe", {"index_topk": 4}, "indexer field.*'index_topk'.* without indexer tensors"),

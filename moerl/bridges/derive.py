@@ -266,7 +266,9 @@ def _typed(hf: dict) -> None:
 
 
 def check_known(hf: dict) -> None:
-    _typed(hf)
+    """Refuse ``hf`` naming what moerl's decoder does not compute (before its fields' types: a feature that is missing
+    says more than a value of a field about it), then any field of the wrong type or range, then any field not
+    understood."""
     synonyms = {name for names in SYNONYMS.values() for name in names}
     unknown = sorted(set(hf) - READ - INERT - synonyms)
     features = list(dict.fromkeys(FEATURES[k] for k in unknown if k in FEATURES))
@@ -276,6 +278,13 @@ def check_known(hf: dict) -> None:
             f"cannot derive a bridge for {arch_name(hf)}: it has {'; '.join(features)} (config field(s) "
             f"{', '.join(map(repr, named))}), which moerl's decoder does not compute"
         )
+    kinds = hf.get("mlp_layer_types")
+    if isinstance(kinds, list) and "hash_moe" in kinds:  # DeepSeek-V4's
+        raise UnknownArchitectureError(
+            f"cannot derive a bridge for {arch_name(hf)}: it has hash-routed MoE layers (mlp_layer_types 'hash_moe', "
+            f"layer {kinds.index('hash_moe')}), which moerl's decoder does not compute"
+        )
+    _typed(hf)
     if unknown:
         raise UnknownArchitectureError(
             f"cannot derive a bridge for {arch_name(hf)}: config field(s) {', '.join(map(repr, unknown))} are not "
