@@ -145,7 +145,14 @@ FEATURES = {
     **dict.fromkeys(("linear_num_heads", "linear_head_dim"), "linear-attention layers other than Gated DeltaNet (KDA)"),
     **dict.fromkeys(("block_size", "linear_attn_alpha_factor"), "lightning linear-attention layers"),
     **dict.fromkeys(("conv_L_cache", "conv_bias"), "short-convolution layers"),
-    **dict.fromkeys(("hc_mult", "hc_eps", "hc_magnitude"), "hyper-connections (several residual streams)"),
+    **dict.fromkeys(
+        ("hc_mult", "hc_eps", "hc_magnitude", "hc_count", "hc_lowrank"), "hyper-connections (several residual streams)"
+    ),
+    "kv_channels": "a mixture of attention heads (JetMoE's routed query and output projections)",
+    **dict.fromkeys(
+        ("index_block_size", "index_topk_blocks", "index_local_blocks"),
+        "block-sparse attention (MiniMax-M3's indexer choosing blocks of keys per KV group)",
+    ),
     **dict.fromkeys(("cca_time0", "cca_time1"), "compressed convolutional attention"),
 }
 # tensor names (under a layer) that say the same
