@@ -236,8 +236,7 @@ class StepView:
         # the mask [B, 1, C, S], made on first use: a step the paged kernel attends never needs it (nor ``read``)
         self._base: torch.Tensor | None = self._mask_base() if graph else None
         self.real = real  # [B, C] which new tokens are real (linear-attention layers mask the rest out)
-        self._sliding: torch.Tensor | None = None
-        self._chunked: torch.Tensor | None = None
+        self._by_kind: dict[str, torch.Tensor] = {}  # ``mask``'s sliding and chunked masks, made on first use
         self._write_slots, self._key_slots = write_slots, s  # update_index's single-head rows (see there)
         self._index_read: torch.Tensor | None = None
         self._pos: torch.Tensor | None = None  # each row's query position for the paged kernel, made once a step
@@ -348,15 +347,13 @@ class StepView:
     def mask(self, kind: str) -> torch.Tensor:
         if self._base is None:
             self._base = self._mask_base()
-        if kind == "chunked":  # keys from the start of the query's chunk (positions count from 0 in each sequence)
-            if self._chunked is None:
-                chunk = self.cache.attention_chunk
-                near = self._key_pos >= torch.div(self._q_pos, chunk, rounding_mode="floor") * chunk
-                self._chunked = self._base & torch.where(self._real[:, :, None], near, True).unsqueeze(1)
-            return self._chunked
-        if kind != "sliding" or not self.cache.sliding_window:
+        window = self._window(kind)  # the paged kernel's key range, as a mask
+        if not window:
             return self._base
-        if self._sliding is None:
-            near = (self._q_pos - self._key_pos) < self.cache.sliding_window
-            self._sliding = self._base & torch.where(self._real[:, :, None], near, True).unsqueeze(1)
-        return self._sliding
+        if kind not in self._by_kind:
+            if window > 0:  # the last ``window`` keys
+                near = (self._q_pos - self._key_pos) < window
+            else:  # keys from the start of the query's chunk (positions count from 0 in each sequence)
+                near = self._key_pos >= torch.div(self._q_pos, -window, rounding_mode="floor") * -window
+            self._by_kind[kind] = self._base & torch.where(self._real[:, :, None], near, True).unsqueeze(1)
+        return self._by_kind[kind]

@@ -15,7 +15,7 @@ from moerl.errors import ConfigError
 from moerl.model.config import ModelConfig
 from moerl.model.indexer import Indexer
 from moerl.model.linear import Linear
-from moerl.model.norms import RMSNorm
+from moerl.model.norms import RMSNorm, unit_rms
 from moerl.model.rope import apply_rope
 
 
@@ -126,7 +126,7 @@ class Attention(nn.Module):
         self.sliding = self.kind == "sliding"
         # Llama 4's: its unit-RMS q / k norm on the layers with RoPE, its temperature tuning on the others
         self.l2_norm = cfg.qk_norm == "l2" and self.rope_dim > 0
-        self.l2_eps = cfg.rms_norm_eps
+        self.unit_eps = cfg.rms_norm_eps  # the weightless norms' (q / k: l2, values: v_norm)
         self.temperature = cfg.attn_temperature_scale > 0 and self.rope_dim == 0
         sinks = cfg.attention_sinks and (self.sliding or not cfg.sinks_sliding_only)
         self.sinks = nn.Parameter(torch.zeros(nh)) if sinks else None
@@ -153,7 +153,7 @@ class Attention(nn.Module):
         k = k.view(b, t, self.num_kv_heads, self.head_dim)
         v = v.view(b, t, self.num_kv_heads, self.v_dim)
         if self.v_norm:
-            v = unit_rms(v, self.l2_eps)
+            v = unit_rms(v, self.unit_eps)
         if self.value_scale != 1.0:
             v = v * self.value_scale
         q, k = self._norm_and_rotate(q, k, cos, sin)
@@ -202,7 +202,7 @@ class Attention(nn.Module):
         if self.qk_norm_after_rope:  # HunYuan-MoE-V1 (refused with interleaved pairs: they come out reordered)
             q, k = self.q_norm(q), self.k_norm(k)
         if self.l2_norm:  # a per-dim norm: the rotate-half order interleaved pairs come out in does not change it
-            q, k = unit_rms(q, self.l2_eps), unit_rms(k, self.l2_eps)
+            q, k = unit_rms(q, self.unit_eps), unit_rms(k, self.unit_eps)
         return q, k
 
 
@@ -279,12 +279,6 @@ class MLAttention(nn.Module):
                 )
             mask = chosen[0]
         return self.o_proj(self.core(q.transpose(1, 2), k, v, mask, self.scale, None))
-
-
-def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x`` scaled to unit root-mean-square over its last dim, in fp32, without a weight (Llama 4's L2Norm)."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def build_mask(

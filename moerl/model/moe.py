@@ -12,7 +12,7 @@ from torch import nn
 from moerl.model.config import ModelConfig
 from moerl.model.grouped import Groups, group_mm
 from moerl.model.linear import Linear
-from moerl.model.norms import layer_norm
+from moerl.model.norms import layer_norm, unit_rms
 
 
 class Router(nn.Module):
@@ -137,12 +137,7 @@ class Router(nn.Module):
         """
         x = x.float()
         if self.input_scale is not None:
-            x = (
-                x
-                * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.input_eps)
-                * self.input_scale
-                * x.shape[-1] ** -0.5
-            )
+            x = unit_rms(x, self.input_eps) * self.input_scale * x.shape[-1] ** -0.5
         logits = F.linear(x, self.weight, self.bias)
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap

@@ -17,6 +17,13 @@ def layer_norm(cfg: ModelConfig, dim: int) -> nn.Module:
     return nn.LayerNorm(dim, eps=cfg.rms_norm_eps, bias=cfg.norm == "layer")
 
 
+def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x`` scaled to unit root-mean-square over its last dim, in fp32, without a weight (Llama 4's q / k L2Norm,
+    Gemma 4's value norm and router input norm)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm (torch's fused op: statistics in fp32, one rounding to the input dtype after the weight). The CPU
     backend swaps in its own: one C call in an engine's decode (``moerl.cpu.norms``), the backward as one in
