@@ -233,6 +233,27 @@ NEW_CONFIGS = {
         ffn_config=dict(ffn_hidden_size=32, moe_num_experts=8, moe_top_k=2),
         vocab_size=VOCAB,
     ),
+    # LongCat-Flash: layers of two attention and two MLP sublayers with the MoE's output carried past the second, MLA
+    # with its low-rank parts scaled, zero-computation experts, a selection-only bias, routed scaling
+    "LongcatFlashForCausalLM": dict(
+        model_type="longcat_flash",
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        ffn_hidden_size=48,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=8,
+        zero_expert_num=4,
+        moe_topk=2,
+        expert_ffn_hidden_size=32,
+        routed_scaling_factor=6.0,
+        vocab_size=VOCAB,
+    ),
 }
 NEW_ARCHS = list(NEW_CONFIGS)
 CONFIGS |= NEW_CONFIGS

@@ -234,7 +234,7 @@ def _default_config(model_type: str, **changes) -> dict:
 
 
 REFUSED = [  # (model_type, config changes, the feature the refusal names)
-    ("longcat_flash", {}, "LongCat-Flash's layers of two attention and two MLP sublayers with a shortcut MoE"),
+    ("longcat_flash", {}, r"LongcatFlashForCausalLM's .* through that architecture's bridge file \(moerl.bridges"),
     ("kimi_linear", {}, "linear-attention layers other than Gated DeltaNet"),
     ("minimax", {}, "lightning linear-attention layers"),
     ("lfm2_moe", {}, "short-convolution layers"),

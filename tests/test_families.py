@@ -1,8 +1,8 @@
 """The families added by bridge files alone (Ernie-4.5-MoE, HunYuan-MoE-V1, DeepSeek-V2, GraniteMoe, FlexOlmo,
-PhiMoE, DBRX), each a tiny real-shaped config with its features on: fp32 logits within 1e-4 of transformers with the
-same router choices, and a negative control per family (its new knob turned off misses the tolerance); export
-round-trips into transformers; the engine's logprobs and routing equal a full forward; replay reproduces the
-logits and other indices change them."""
+PhiMoE, DBRX, LongCat-Flash), each a tiny real-shaped config with its features on: fp32 logits within 1e-4 of
+transformers with the same router choices, and a negative control per family (its new knob turned off misses the
+tolerance); export round-trips into transformers; the engine's logprobs and routing equal a full forward; replay
+reproduces the logits and other indices change them."""
 
 import pytest
 import torch
@@ -41,6 +41,9 @@ def _off(arch: str, model) -> None:
     elif arch == "DbrxForCausalLM":  # the top-k weights not renormalised
         for i in model.moe_layer_ids:
             layers[i].mlp.router.norm_topk_prob = False
+    elif arch == "LongcatFlashForCausalLM":  # the kv latent unscaled (mla_lora_scale)
+        for layer in layers:
+            layer.self_attn.latent_scale = None
     else:
         raise AssertionError(arch)
 

@@ -186,6 +186,14 @@ REFUSED = [
     (MLA, dict(index_n_heads=2), "index_n_heads", "not built without an indexer"),
     (MLA, dict(index_head_dim=4), "index_head_dim", "not built without an indexer"),
     (MLA, dict(index_rope_interleave=True), "index_rope_interleave", "not built without an indexer"),
+    # LongCat-Flash's: the low-rank parts of latent attention scaled, the MoE output carried past the next layer
+    (GQA, dict(mla_lora_scale=True), "mla_lora_scale", "multi-head latent attention field set with attention='gqa'"),
+    (MLA, dict(mla_lora_scale=True), "mla_lora_scale", "q_lora_rank is unset"),
+    (GQA, dict(moe_shortcut=True), "moe_shortcut", r"needs layers in pairs, the first of each MoE"),
+    (GQA, dict(moe_shortcut=True, num_layers=3, moe_layers=[0, 2]), "moe_shortcut", "needs layers in pairs"),
+    (GQA, dict(moe_shortcut=True, moe_layers=[0], residual_multiplier=2.0), "moe_shortcut", "without multipliers"),
+    (GQA, dict(moe_shortcut=True, moe_layers=[0], shared_expert_size=8), "moe_shortcut", "without shared experts"),
+    (MAMBA, dict(moe_shortcut=True, moe_layers=[0]), "moe_shortcut", "attention in every layer"),
 ]
 
 
@@ -209,6 +217,8 @@ ACCEPTED = [
     GQA | dict(num_layers=3, layer_types=["full", "none", "none"], moe_layers=[1], mixer_only_layers=[0]),
     GQA | dict(activation="relu2"),
     GQA | dict(zero_experts=4, top_k=3, score_correction_bias=True),  # LongCat-Flash's zero-computation experts
+    # LongCat-Flash's layer pair: the MoE output carried past the second layer, latent attention's parts scaled
+    MLA | dict(q_lora_rank=8, mla_lora_scale=True, moe_layers=[0], moe_shortcut=True, zero_experts=2),
     # both kinds in one model share the state / conv fields
     MAMBA | dict(num_layers=3, layer_types=["mamba", "mamba1", "full"], mamba_inner_size=8, mamba_dt_rank=2),
     # Laguna: heads per layer, softplus gates per head, a RoPE of the sliding layers' own, a capped router

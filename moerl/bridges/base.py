@@ -25,7 +25,8 @@ class Rule:
     the reordering of the parameter's output rows that ``load`` / ``save`` make to LoRA B factors ``[..., out, r]``
     (PEFT import / export). A rule with ``load`` but no ``rows`` takes no adapters (refused by name).
     ``write=False``: a name that loads but that export does not write (a second spelling of a tensor another rule
-    writes).
+    writes). ``stride`` / ``offset``: HF layer ``{i}`` is moerl layer ``stride * i + offset`` (LongCat-Flash's
+    layers hold two sublayers, each a moerl layer).
     """
 
     hf: str
@@ -36,10 +37,26 @@ class Rule:
     rows: Callable[[torch.Tensor, ModelConfig], torch.Tensor] | None = None
     rows_save: Callable[[torch.Tensor, ModelConfig], torch.Tensor] | None = None
     write: bool = True
+    stride: int = 1
+    offset: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "_hf_re", _compile(self.hf))
         object.__setattr__(self, "_moerl_re", _compile(self.moerl))
+
+    def moerl_groups(self, groups: dict) -> dict:
+        """The placeholder values of an HF name's match as the moerl name takes them."""
+        if "i" not in groups or (self.stride, self.offset) == (1, 0):
+            return groups
+        return groups | {"i": str(self.stride * int(groups["i"]) + self.offset)}
+
+    def hf_groups(self, groups: dict) -> dict | None:
+        """The placeholder values of a moerl name's match as the HF name takes them; None: a layer this rule does not
+        hold."""
+        if "i" not in groups or (self.stride, self.offset) == (1, 0):
+            return groups
+        i, j = divmod(int(groups["i"]) - self.offset, self.stride)
+        return None if j or i < 0 else groups | {"i": str(i)}
 
 
 def _compile(template: str) -> re.Pattern:
@@ -126,6 +143,9 @@ class Bridge:
     ignore: Callable[[str, ModelConfig], bool] = field(default=lambda name, cfg: False)
     # where transformers v5 keeps a layer's fused experts module: PEFT's target_parameters address it by that path
     peft_experts: str = "model.layers.{i}.mlp.experts"
+    # tensors an export writes beside the model's own, from those (HF names) and the config: what transformers' model
+    # holds and moerl's computes without (LongCat-Flash's zero-computation experts' gate / up rows)
+    export_extra: Callable[[dict[str, torch.Tensor], ModelConfig], dict[str, torch.Tensor]] | None = None
 
     @property
     def all_rules(self) -> tuple[Rule, ...]:

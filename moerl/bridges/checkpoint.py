@@ -207,7 +207,7 @@ def _destination(
 ) -> tuple[str, torch.Tensor | None] | None:
     """(moerl name, destination view) of a checkpoint tensor, None where no parameter takes it; the view is None for
     an expert outside the share its parameter holds (``shares``: name -> the experts held)."""
-    target = rule.moerl.format(**groups)
+    target = rule.moerl.format(**rule.moerl_groups(groups))
     if target not in params:
         return None
     dest = params[target]
@@ -414,8 +414,13 @@ def read_model(
 
 
 def moerl_rules(bridge: Bridge, name: str) -> list[tuple[Rule, dict]]:
-    """The rules (and placeholder values) that write moerl parameter ``name``: the bridge's own, else the common."""
-    own = [(r, g) for r in bridge.rules if r.write and (g := match(r._moerl_re, name)) is not None]
+    """The rules (and their HF names' placeholder values) that write moerl parameter ``name``: the bridge's own, else
+    the common."""
+    own = [
+        (r, h)
+        for r in bridge.rules
+        if r.write and (g := match(r._moerl_re, name)) is not None and (h := r.hf_groups(g)) is not None
+    ]
     if not own:
         common = bridge.all_rules[len(bridge.rules) :]
         own = [next((r, g) for r in common if (g := match(r._moerl_re, name)) is not None)]
@@ -514,6 +519,8 @@ def write_model(
         if ".lora." not in name:
             for hf_name, t in to_hf(bridge, name, tensor.detach(), model.config):
                 tensors[hf_name], written_from[hf_name] = t, name
+    if bridge.export_extra is not None:
+        tensors |= bridge.export_extra(tensors, model.config)
     for hf_name, t in fused(bridge, tensors, model.config).items():
         nbytes = t.numel() * t.element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:

@@ -137,11 +137,6 @@ INERT = {  # fields that do not change the forward pass (ids, bookkeeping, train
 }  # fmt: skip
 # config fields that say the family needs a feature moerl's decoder does not compute: the refusal names it
 FEATURES = {
-    # LongCat-Flash: its zero-computation experts moerl computes (ModelConfig.zero_experts), its layers not
-    **dict.fromkeys(
-        ("ffn_hidden_size", "expert_ffn_hidden_size"),
-        "LongCat-Flash's layers of two attention and two MLP sublayers with a shortcut MoE",
-    ),
     **dict.fromkeys(("linear_num_heads", "linear_head_dim"), "linear-attention layers other than Gated DeltaNet (KDA)"),
     **dict.fromkeys(("block_size", "linear_attn_alpha_factor"), "lightning linear-attention layers"),
     **dict.fromkeys(("conv_L_cache", "conv_bias"), "short-convolution layers"),
@@ -157,6 +152,8 @@ FEATURES = {
 }
 # tensor names (under a layer) that say the same
 TENSOR_FEATURES = {}
+# config fields of a family whose layers moerl builds through a bridge file, not by derivation: the architecture
+BRIDGE_FILE_FIELDS = dict.fromkeys(("ffn_hidden_size", "expert_ffn_hidden_size"), "LongcatFlashForCausalLM")
 
 
 # behaviour tensor names cannot show, tried in this order where the layout leaves it open: softmax before or after
@@ -278,6 +275,15 @@ def check_known(hf: dict) -> None:
     understood."""
     synonyms = {name for names in SYNONYMS.values() for name in names}
     unknown = sorted(set(hf) - READ - INERT - synonyms)
+    bridged = sorted({BRIDGE_FILE_FIELDS[k] for k in unknown if k in BRIDGE_FILE_FIELDS})
+    if bridged:
+        from moerl.bridges.registry import FAMILIES
+
+        raise UnknownArchitectureError(
+            f"cannot derive a bridge for {arch_name(hf)}: its layers are {bridged[0]}'s (config field(s) "
+            f"{', '.join(repr(k) for k in unknown if k in BRIDGE_FILE_FIELDS)}), which moerl builds through that "
+            f"architecture's bridge file (moerl.bridges.{FAMILIES[bridged[0]]}), not by derivation"
+        )
     features = list(dict.fromkeys(FEATURES[k] for k in unknown if k in FEATURES))
     if features:
         named = [k for k in unknown if k in FEATURES]

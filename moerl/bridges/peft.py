@@ -233,9 +233,12 @@ def _wrapped_experts(rd: _Reading, hf_module: str) -> str | None:
     """The moerl experts module (``layers.{i}.mlp.experts``) when ``hf_module`` is PEFT's ParamWrapper on a layer's
     3D experts (``{experts}`` or its inner ``{experts}.base_layer``); None for any other module."""
     layer = match(_compile(rd.bridge.peft_experts), hf_module.removesuffix(".base_layer"))
-    if layer is not None and f"layers.{layer['i']}.mlp.experts.gate_up_proj" in rd.params:
-        return f"layers.{layer['i']}.mlp.experts"
-    return None
+    if layer is None:
+        return None
+    # the moerl layer of HF layer i, as the bridge's expert rules place it (LongCat-Flash's: 2i)
+    rule = next((r for r in rd.bridge.rules if r.moerl.endswith(".mlp.experts.gate_up_proj")), None)
+    i = layer["i"] if rule is None else rule.moerl_groups(layer)["i"]
+    return f"layers.{i}.mlp.experts" if f"layers.{i}.mlp.experts.gate_up_proj" in rd.params else None
 
 
 def _read_experts(rd: _Reading, hf_module: str, moerl_module: str, a: torch.Tensor, b: torch.Tensor) -> dict:
@@ -243,15 +246,17 @@ def _read_experts(rd: _Reading, hf_module: str, moerl_module: str, a: torch.Tens
     rank-major [out, r * E]; gate_up or down is told by the shapes (by B's rows unless 2 * I == H)."""
     mcfg = rd.model.config
     e, h, i = mcfg.num_experts, mcfg.hidden_size, mcfg.moe_intermediate_size
-    rank = a.shape[0] // e
-    if rank == 0 or a.shape[0] % e:
+    is_gate_up = b.shape[0] == 2 * i if 2 * i != h else a.shape[1] == h
+    # transformers stacks gate_up rows for the zero-computation experts too (LongCat-Flash's): theirs are dropped
+    n = e + mcfg.zero_experts if is_gate_up else e
+    rank = a.shape[0] // n
+    if rank == 0 or a.shape[0] % n:
         raise CheckpointError(
             f"{rd.file}: expert module {hf_module!r} has lora_A {tuple(a.shape)}: its rows must be "
-            f"num_experts={e} x rank r >= 1"
+            f"{'num_experts + zero_experts' if n != e else 'num_experts'}={n} x rank r >= 1"
         )
-    a_e = a.view(e, rank, a.shape[1])  # [E, r, in]
-    b_e = b.view(b.shape[0], rank, e).permute(2, 0, 1)  # [E, out, r]
-    is_gate_up = b.shape[0] == 2 * i if 2 * i != h else a.shape[1] == h
+    a_e = a.view(n, rank, a.shape[1])[:e]  # [E, r, in]
+    b_e = b.view(b.shape[0], rank, n).permute(2, 0, 1)[:e]  # [E, out, r]
     name = "gate_up_proj" if is_gate_up else "down_proj"
     b_e = b_e * rd.scale(f"{hf_module.removesuffix('.base_layer')}.{name}", rank)
     b_e = _rows_of(moerl_rules(rd.bridge, f"{moerl_module}.{name}"), mcfg, b_e, save=False)
@@ -418,13 +423,23 @@ def _write_experts(model, bridge: Bridge, path: str, lora, slot: int) -> tuple[i
     gu_b, dn_b = gu_b * s, dn_b * s
     gu_b = _rows_of(moerl_rules(bridge, f"{path}.gate_up_proj"), model.config, gu_b)
     dn_b = _rows_of(moerl_rules(bridge, f"{path}.down_proj"), model.config, dn_b)
+    if model.config.zero_experts:  # transformers' gate_up has the zero-computation experts' rows too: zero adapters
+        z = model.config.zero_experts
+        gu_a, gu_b = (torch.cat([t, t.new_zeros(z, *t.shape[1:])]) for t in (gu_a, gu_b))
     rank = gu_a.shape[1]
-    hf_experts = bridge.peft_experts.format(i=path.split(".")[1])
+    hf_experts = bridge.peft_experts.format(i=_hf_layer(bridge, path))
     tensors = {}
     for name, a, b in ((f"{hf_experts}.base_layer", gu_a, gu_b), (hf_experts, dn_a, dn_b)):
-        tensors[f"{PREFIX}{name}.lora_A.weight"] = a.reshape(e * rank, a.shape[-1]).contiguous()  # expert-major
-        tensors[f"{PREFIX}{name}.lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], rank * e).contiguous()
+        n = a.shape[0]
+        tensors[f"{PREFIX}{name}.lora_A.weight"] = a.reshape(n * rank, a.shape[-1]).contiguous()  # expert-major
+        tensors[f"{PREFIX}{name}.lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], rank * n).contiguous()
     return rank, tensors
+
+
+def _hf_layer(bridge: Bridge, path: str) -> str:
+    """The HF layer index of moerl experts module ``path`` (``layers.{i}.mlp.experts``)."""
+    ((_, groups), *_) = moerl_rules(bridge, f"{path}.gate_up_proj")
+    return groups["i"]
 
 
 def _auto_mapping(hf_config: dict) -> dict[str, str]:

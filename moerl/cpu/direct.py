@@ -62,6 +62,8 @@ def _layer_refusal(layer, dtype: torch.dtype) -> str | None:
         return "not a pre-norm decoder layer without a residual multiplier"
     if layer.parallel:
         return "attention and MLP of one normed input (a parallel block)"
+    if layer.shortcut is not None:
+        return "a MoE output carried past the next layer (LongCat-Flash's pairs)"
     if layer.mlp_out_norm:
         return "a norm of the MoE's output"
     if layer.mask_kind == "chunked":

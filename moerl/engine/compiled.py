@@ -188,10 +188,10 @@ class CompiledDecode:
         out = self.model(ids, positions=positions, capture=self.capture, cache=layers, adapters=adapters)
         return out.logits[:, 0], out.routed
 
-    def _layer(self, layer, x, cos, sin, replay, chosen, tables, positions, rows, k, v, index):
+    def _layer(self, layer, x, cos, sin, replay, passed, tables, positions, rows, k, v, index):
         """The layer graph: ``layer``'s block over its own pools ``k`` / ``v`` / ``index`` (inputs, so every layer
         of one structure runs the same graph) and its own view of the step, made inside (as ``_forward`` makes it)."""
-        return layer.block(x, cos, sin, None, replay, self._view(tables, positions, rows, (k, v, index)), chosen)
+        return layer.block(x, cos, sin, None, replay, self._view(tables, positions, rows, (k, v, index)), passed)
 
     def _view(self, tables, positions, rows, layer_pools=None) -> StepView:
         """The step's view of the cache as a graph makes it: every row writes one key, at its row (no search for
@@ -251,9 +251,9 @@ class LayerSteps:
     def __init__(self, graph, cache: KVCache, tables: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor):
         self.graph, self.cache, self.tables, self.positions, self.rows = graph, cache, tables, positions, rows
 
-    def run_layer(self, layer, x, cos, sin, replay, chosen) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run_layer(self, layer, x, cos, sin, replay, passed) -> tuple[torch.Tensor, torch.Tensor | None]:
         pools = self.cache.layer_pools(layer.layer)
-        return self.graph(layer, x, cos, sin, replay, chosen, self.tables, self.positions, self.rows, *pools)
+        return self.graph(layer, x, cos, sin, replay, passed, self.tables, self.positions, self.rows, *pools)
 
 
 class StaticInputs:

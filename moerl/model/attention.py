@@ -26,7 +26,7 @@ class KVCacheView(Protocol):
 
     runs_layers: bool
 
-    def run_layer(self, layer, x, cos, sin, replay, chosen) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run_layer(self, layer, x, cos, sin, replay, passed) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``layer``'s ``block`` over this step (a DecoderLayer's output and chosen experts)."""
         ...
 
@@ -230,18 +230,24 @@ class MLAttention(nn.Module):
         self.o_proj = Linear(nh * self.v_dim, h, bias=cfg.o_bias)
         self.interleave = cfg.rope_interleave
         self.scale = cfg.attn_scale or qk_dim**-0.5
+        # LongCat-Flash's: the low-rank query and the normed kv latent times sqrt(hidden / rank); the query's factor
+        # taken into the softmax scale, the latent's before kv_b_proj (the values take it too, the rotated keys not)
+        self.latent_scale = (h / cfg.kv_lora_rank) ** 0.5 if cfg.mla_lora_scale else None
+        if cfg.mla_lora_scale:
+            self.scale *= (h / cfg.q_lora_rank) ** 0.5
         self.kind = cfg.layer_types[layer]
         self.sliding = self.kind == "sliding"
         self.layer = layer
         # DeepSeek sparse attention: each query attends to the keys its indexer chooses (moerl.model.indexer), or,
         # in GLM-5's shared layers, the keys the last indexer layer before it chose
         self.reuses_keys = layer in cfg.index_shared_layers
+        self.hands_keys = bool(cfg.index_shared_layers) and not self.reuses_keys
         self.indexer = Indexer(cfg) if cfg.index_topk and not self.reuses_keys else None
         self.core = attend  # as Attention's
 
-    def forward(self, x, cos, sin, mask, cache: KVCacheView | None = None, chosen: list | None = None) -> torch.Tensor:
-        """``chosen``: a model with shared indexer layers passes one list through a forward's layers; an indexer
-        layer leaves its narrowed mask there for the shared layers after it."""
+    def forward(self, x, cos, sin, mask, cache: KVCacheView | None = None, passed=None) -> torch.Tensor:
+        """``passed``: what layers hand later ones within the forward (``moerl.model.transformer.Handoff``); an
+        indexer layer leaves its narrowed mask there (``keys``) for the shared layers after it."""
         b, t, _ = x.shape
         if hasattr(self, "q_proj"):
             q = q_low = self.q_proj(x)
@@ -251,7 +257,10 @@ class MLAttention(nn.Module):
         q = q.view(b, t, self.num_heads, self.nope + self.rope_dim)
         q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, t, self.num_heads, self.nope + self.v_dim)
+        latent = self.kv_a_layernorm(latent)
+        if self.latent_scale is not None:
+            latent = latent * self.latent_scale
+        kv = self.kv_b_proj(latent).view(b, t, self.num_heads, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         q_rope = apply_rope(q_rope, cos, sin, self.interleave)
         k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin, self.interleave).expand(-1, -1, self.num_heads, -1)
@@ -269,15 +278,15 @@ class MLAttention(nn.Module):
             elif mask is None:
                 mask = build_mask(None, 1, t, None, x.device)
             mask = self.indexer.select(x, q_low, cos, sin, keys, mask)
-            if chosen is not None:
-                chosen[:] = [mask]
+            if self.hands_keys and passed is not None:
+                passed.keys = mask
         elif self.reuses_keys:
-            if not chosen:
+            if passed is None or passed.keys is None:
                 raise ConfigError(
                     f"layer {self.layer} keeps the keys an earlier indexer layer chose (index_shared_layers), and "
                     "none ran before it in this forward: a pipeline stage must start at a layer with an indexer"
                 )
-            mask = chosen[0]
+            mask = passed.keys
         return self.o_proj(self.core(q.transpose(1, 2), k, v, mask, self.scale, None))
 
 

@@ -137,6 +137,8 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0  # value head size: latent attention's; grouped-query attention's where it differs (0: head_dim)
+    # the low-rank query and the normed kv latent times sqrt(hidden_size / their rank) (LongCat-Flash's)
+    mla_lora_scale: bool = False
     # DeepSeek sparse attention (moerl.model.indexer): each latent-attention layer's indexer keeps a query's
     # index_topk best keys; 0: dense attention
     index_topk: int = 0
@@ -181,6 +183,10 @@ class ModelConfig:
     moe_beside_mlp: bool = False
     router_input_norm: bool = False
     router_expert_scale: bool = False
+    # LongCat-Flash's layers in pairs, the even layers MoE: a pair's MoE runs beside the first layer's dense MLP of
+    # intermediate_size, on the same normed input, and its output joins the residual stream at the end of the second
+    # layer (the shortcut) rather than the first's
+    moe_shortcut: bool = False
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -306,7 +312,7 @@ class ModelConfig:
     def _validate_attention(self) -> None:
         """Multi-head latent attention fields only with ``attention='mla'``, and GQA-only ones only without it."""
         if self.attention == "gqa":
-            for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim"):
+            for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "mla_lora_scale"):
                 if getattr(self, name):
                     raise self._bad(name, "multi-head latent attention field set with attention='gqa'")
             if self.qk_norm_after_rope and self.qk_norm != "head":
@@ -356,6 +362,8 @@ class ModelConfig:
                 ("sliding_head_dim", 0),
             )
             self._only_defaults("for attention='mla'", mla_defaults)
+            if self.mla_lora_scale and not self.q_lora_rank:
+                raise self._bad("mla_lora_scale", "scales a low-rank query, and q_lora_rank is unset")
         self._validate_indexer()
         if self.clip_qkv is not None and not self.clip_qkv > 0:
             raise self._bad("clip_qkv", "must be > 0 (or None)")
@@ -525,10 +533,33 @@ class ModelConfig:
         if self.router_weight_on_input and (self.top_k != 1 or self.zero_experts):
             why = f"built for one expert a token (top_k=1, not {self.top_k}) without zero-computation experts"
             raise self._bad("router_weight_on_input", why)
+        self._validate_shortcut()
         if self.shared_expert_gate and not self.shared_expert_size:
             raise self._bad(
                 "shared_expert_gate", "a gate for a shared expert that does not exist (shared_expert_size=0)"
             )
+
+    def _validate_shortcut(self) -> None:
+        """LongCat-Flash's pairs: an even number of plain pre-norm layers, the even ones MoE with a dense MLP beside."""
+        if not self.moe_shortcut:
+            return
+        n = self.num_layers
+        if n % 2 or sorted(self.moe_layers) != list(range(0, n, 2)):
+            why = f"needs layers in pairs, the first of each MoE (moe_layers={self.moe_layers})"
+            raise self._bad("moe_shortcut", why)
+        if self.norm_placement != "pre" or self.residual_multiplier != 1.0 or self.layer_scale:
+            raise self._bad("moe_shortcut", "built for pre-norm layers without multipliers or layer scales")
+        plain = not (self.mixer_only_layers or self.moe_beside_mlp or self.shared_expert_size or self.moe_output_norm)
+        if not plain or any(t in (*RECURRENT_KINDS, "none") for t in self.layer_types):
+            raise self._bad(
+                "moe_shortcut", "built with attention in every layer, without shared experts or other MoE blocks"
+            )
+
+    def stage_bound(self) -> set[int]:
+        """Layers that read what an earlier layer handed on within a forward (GLM-5's shared indexer layers, the
+        second layer of LongCat-Flash's pairs): no pipeline stage starts at one."""
+        pairs = set(range(1, self.num_layers, 2)) if self.moe_shortcut else set()
+        return set(self.index_shared_layers) | pairs
 
     @property
     def moe_layer_set(self) -> frozenset[int]:

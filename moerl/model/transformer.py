@@ -22,6 +22,17 @@ from moerl.model.norms import RMSNorm, layer_norm
 from moerl.model.rope import inv_freq_and_scale, rope_cos_sin
 
 
+class Handoff:
+    """What a layer hands a later one within one forward: ``keys``, the keys the last indexer layer chose (GLM-5's
+    shared layers), and ``carried``, by the layer that adds it, a MoE output carried past a layer (LongCat-Flash's
+    shortcut). An object rather than a container: FSDP copies a module's container inputs as it casts them, and a
+    later layer must see what an earlier one left."""
+
+    def __init__(self):
+        self.keys: torch.Tensor | None = None
+        self.carried: dict[int, torch.Tensor] = {}
+
+
 class DecoderLayer(nn.Module):
     """Attention then MLP / MoE, each in a residual branch: ``x + m * f(norm(x))`` (pre-norm, the default),
     ``x + m * norm(f(x))`` (post-sublayer norms, OLMo-2 placement), ``x + m * norm2(f(norm1(x)))`` (sandwich
@@ -55,6 +66,11 @@ class DecoderLayer(nn.Module):
         self.mlp_out_norm = self.post_norm or (self.is_moe and cfg.moe_output_norm)
         if self.mlp_out_norm:
             self.post_feedforward_layernorm = layer_norm(cfg, cfg.hidden_size)
+        # LongCat-Flash's layers in pairs (moe_shortcut): the first's MoE runs beside its dense MLP on the same input
+        # and its output is carried past the second layer, which adds it at its end ("out" / "in")
+        self.shortcut = None if not cfg.moe_shortcut else ("out" if self.is_moe else "in")
+        if self.shortcut == "out":
+            self.dense_mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, mlp_activation(cfg))
         self.residual_multiplier = cfg.residual_multiplier
         # the layer's output times a scalar of its own (Gemma 4's layer_scalar: a buffer, not trained)
         self.layer_scalar = nn.Buffer(torch.ones(1)) if cfg.layer_scale else None
@@ -63,6 +79,7 @@ class DecoderLayer(nn.Module):
         elif self.has_mlp:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, mlp_activation(cfg))
         self.layer = layer
+        self.shares_keys = bool(cfg.index_shared_layers)  # its attention hands on or reads an indexer's keys (GLM-5)
         # the rotary table this layer's attention takes: the sliding layers' own where the model has a RoPE per kind; a
         # NoPE layer with temperature tuning takes its queries' scales instead
         self.rope_kind = "sliding" if kind == "sliding" and cfg.sliding_rope is not None else "full"
@@ -70,17 +87,17 @@ class DecoderLayer(nn.Module):
             self.rope_kind = "temperature"
         # ``block`` compiled for training (moerl.trainer.compile); None: eager
         self.compiled: Callable | None = None
-        # ``recompute(layer, run, x, cos, sin, mask, replay, chosen)`` runs a training forward's block so that it is
+        # ``recompute(layer, run, x, cos, sin, mask, replay, passed)`` runs a training forward's block so that it is
         # computed again in the backward (moerl.parallel.checkpointing); None: its activations are kept
         self.recompute: Callable | None = None
 
-    def mix(self, x, cos, sin, mask, cache=None, chosen=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def mix(self, x, cos, sin, mask, cache=None, passed=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The attention half of the layer: (the residual stream after attention, the MLP's input; None in a layer
-        without an MLP). ``chosen``: the keys indexer layers chose, in a model with shared indexer layers."""
+        without an MLP). ``passed``: what layers hand later ones within the forward (``Handoff``)."""
         m = self.residual_multiplier
         if self.mask_kind is None:  # an MLP / MoE alone
             return x, self.input_layernorm(x)
-        more = {} if chosen is None else {"chosen": chosen}
+        more = {"passed": passed} if self.shares_keys and passed is not None else {}
         h = self.input_layernorm(x) if self.pre_norm else x
         a = self.self_attn(h, cos, sin, mask, cache, **more)
         if self.parallel:  # the MLP takes the attention's input
@@ -102,36 +119,41 @@ class DecoderLayer(nn.Module):
         return self.pre_feedforward_layernorm if self.post_norm else self.post_attention_layernorm
 
     def forward(
-        self, x, cos, sin, mask, replay=None, cache=None, chosen=None
+        self, x, cos, sin, mask, replay=None, cache=None, passed=None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if cache is not None and cache.runs_layers:  # the engine runs the block (its decode step's layer graph)
-            return cache.run_layer(self, x, cos, sin, replay, chosen)
+            return cache.run_layer(self, x, cos, sin, replay, passed)
         run = self.block
         # a training forward whose input carries a gradient: LoRA's first layer (frozen embeddings below it) runs
         # eager rather than compiling a second graph for an input without one
         if self.compiled is not None and cache is None and self.training and x.requires_grad:
             run = self.compiled
         if self.recompute is not None and cache is None and self.training and torch.is_grad_enabled():
-            return self.recompute(self, run, x, cos, sin, mask, replay, chosen)
-        return run(x, cos, sin, mask, replay, cache, chosen)
+            return self.recompute(self, run, x, cos, sin, mask, replay, passed)
+        return run(x, cos, sin, mask, replay, cache, passed)
 
     def block(
-        self, x, cos, sin, mask, replay=None, cache=None, chosen=None
+        self, x, cos, sin, mask, replay=None, cache=None, passed=None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer: (its output, the MoE's chosen experts [N, k] or None)."""
         m = self.residual_multiplier
-        x, h = self.mix(x, cos, sin, mask, cache, chosen)
+        x, h = self.mix(x, cos, sin, mask, cache, passed)
         idx = None
         if h is None:
             return (x if self.layer_scalar is None else x * self.layer_scalar), idx
         if self.is_moe:
             out, idx = self.mlp(h.flatten(0, 1), replay)
             out = out.view_as(x)
+            if self.shortcut == "out":  # kept by the layer that reads it (a recomputed layer reads it again)
+                passed.carried[self.layer + 1] = out
+                out = self.dense_mlp(h)
         else:
             out = self.mlp(h)
         if self.mlp_out_norm:
             out = self.post_feedforward_layernorm(out)
         x = x + (out if m == 1.0 else m * out)
+        if self.shortcut == "in":
+            x = x + passed.carried[self.layer]
         return (x if self.layer_scalar is None else x * self.layer_scalar), idx
 
 
@@ -313,7 +335,7 @@ class MoEModel(nn.Module):
             None: None,  # a layer without a mixer
         }
         routed = []
-        chosen = [] if self.config.index_shared_layers else None  # the keys indexer layers chose (GLM-5's sharing)
+        passed = Handoff()
         for layer in self.layers:
             if not isinstance(layer, DecoderLayer):  # another pipeline stage's layer
                 continue
@@ -324,7 +346,7 @@ class MoEModel(nn.Module):
                 masks[layer.mask_kind],
                 replay[:, col] if replay is not None and layer.is_moe else None,
                 cache,
-                chosen,
+                passed,
             )
             if idx is not None:
                 routed.append(idx)

@@ -45,8 +45,8 @@ def apply_checkpointing(model: torch.nn.Module, how: str) -> int:
     return n
 
 
-def recompute(layer, block, x, cos, sin, mask, replay, chosen, selective: bool = False):
-    """``block(x, cos, sin, mask, replay, None, chosen)`` of decoder ``layer``, keeping only its inputs for the
+def recompute(layer, block, x, cos, sin, mask, replay, passed, selective: bool = False):
+    """``block(x, cos, sin, mask, replay, None, passed)`` of decoder ``layer``, keeping only its inputs for the
     backward, which computes it again with the experts the forward chose."""
     kept: list[torch.Tensor] = []  # the forward's choice of experts, replayed by the recomputation
     if replay is None and layer.is_moe:
@@ -55,7 +55,7 @@ def recompute(layer, block, x, cos, sin, mask, replay, chosen, selective: bool =
         replay = torch.full((x.shape[0] * x.shape[1], layer.mlp.router.top_k), -1, dtype=torch.long, device=x.device)
 
     def run(x, cos, sin, mask, replay):
-        out, idx = block(x, cos, sin, mask, kept[0] if kept else replay, None, chosen)
+        out, idx = block(x, cos, sin, mask, kept[0] if kept else replay, None, passed)
         if idx is not None and not kept:
             kept.append(idx.detach())
         return out, idx

@@ -52,17 +52,22 @@ def stages_per_rank(schedule: str) -> int:
 def split_layers(model: MoEModel, n_stages: int, given: list[int] | None = None) -> list[range]:
     """Contiguous layer ranges of ``n_stages`` stages: ``given`` layer counts, or the split whose largest stage has
     the fewest parameters (the embedding counted on the first stage, the norm and head on the last). No stage starts
-    at a layer that keeps an earlier layer's choice of keys (``index_shared_layers``: the choice stays in a stage)."""
+    at a layer that reads what an earlier one handed on (``ModelConfig.stage_bound``: GLM-5's shared indexer layers,
+    the second of LongCat-Flash's pairs)."""
     n = len(model.layers)
-    shared = set(model.config.index_shared_layers)
+    shared = model.config.stage_bound()
     if given:  # checked by check_layout
         bounds = [0, *torch.tensor(given).cumsum(0).tolist()]
         starts = [b for b in bounds[1:-1] if b in shared]
         if starts:
-            raise ConfigError(
-                f"parallel.stages={list(given)}: a stage starts at layer {starts[0]}, which keeps the keys the "
-                "indexer layer before it chose (index_shared_layers); start each stage at a layer with an indexer"
+            why = (
+                "keeps the keys the indexer layer before it chose (index_shared_layers); start each stage at a "
+                "layer with an indexer"
+                if starts[0] in model.config.index_shared_layers
+                else "adds the MoE output of the layer before it (moe_shortcut: LongCat-Flash's pairs); start each "
+                "stage at an even layer"
             )
+            raise ConfigError(f"parallel.stages={list(given)}: a stage starts at layer {starts[0]}, which {why}")
         return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
     # adapters not counted: a rank plans its stages before they are attached (HeldStages) as after
     cost = [sum(p.numel() for n, p in layer.named_parameters() if ".lora." not in n) for layer in model.layers]
@@ -85,8 +90,8 @@ def split_layers(model: MoEModel, n_stages: int, given: list[int] | None = None)
                     best[s][i], cut[s][i] = worst, j
     if best[n_stages][n] == math.inf:
         raise ConfigError(
-            f"{n_stages} pipeline stages: the model has fewer layers a stage can start at (layers with an indexer, "
-            "not in index_shared_layers)"
+            f"{n_stages} pipeline stages: the model has fewer layers a stage can start at (not reading an earlier "
+            "layer's keys or MoE output: ModelConfig.stage_bound)"
         )
     ends, i = [], n
     for s in range(n_stages, 0, -1):
