@@ -1,8 +1,8 @@
 """Zero-computation experts (LongCat-Flash's): router slots past the real experts whose expert returns its input. The
 MoE block at fp32 parity with transformers' LongCat-Flash MoE on the same weights (a control: zero experts that
 return nothing miss), no GEMM for a pair routed to one, the grouped / per-expert / dense paths equal, R3 replaying
-them, training through them, and expert parallelism refusing them by name (the config's own checks:
-tests/test_model_config.py)."""
+them and training through them (the config's own checks: tests/test_model_config.py; expert parallelism, where their
+pairs stay on the token's rank: tests/test_parallel.py's LongCat-Flash case)."""
 
 import pytest
 import torch
@@ -132,18 +132,3 @@ def test_a_model_with_zero_experts_trains():
         opt.step()
         losses.append(float(loss))
     assert losses[-1] < 0.5 * losses[0], losses
-
-
-def test_expert_parallelism_refuses_zero_experts_by_name():
-    """Their pairs would have no rank to go to: refused before any expert is sliced."""
-    from moerl.errors import ConfigError
-    from moerl.parallel.expert import shard_experts
-    from moerl.parallel.world import World
-
-    model = MoEModel(CFG, torch.float32)
-    before = model.layers[1].mlp.experts.gate_up_proj.shape
-    with pytest.raises(
-        ConfigError, match=r"parallel.ep=2 with zero-computation experts \(ModelConfig.zero_experts=4\)"
-    ):
-        shard_experts(model, World(rank=0, size=2, ep=2))
-    assert model.layers[1].mlp.experts.gate_up_proj.shape == before

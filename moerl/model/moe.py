@@ -351,6 +351,8 @@ class MoE(nn.Module):
         self.shared_experts_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if cfg.shared_expert_gate else None
         self.shared_combine = cfg.shared_combine
         self.weight_on_input = cfg.router_weight_on_input
+        # the router's slots from here on are zero-computation experts (whatever share of the experts a rank holds)
+        self.real_experts = cfg.num_experts
 
     def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> (output [N, H], chosen experts [N, k])."""
@@ -362,7 +364,7 @@ class MoE(nn.Module):
         else:
             out = self._experts(x, idx, weights)
         if self.experts.zero:  # zero-computation experts return their input: each adds its gate weight times x
-            share = weights.masked_fill(idx < self.experts.num_experts, 0.0).sum(-1, keepdim=True)
+            share = weights.masked_fill(idx < self.real_experts, 0.0).sum(-1, keepdim=True)
             out = out + share.to(x.dtype) * x
         if self.shared_experts is not None:
             shared = self.shared_experts(x)

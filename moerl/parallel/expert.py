@@ -5,11 +5,12 @@ exchange is a pair of hooks on the experts module (torchtitan's input / output f
 pre-hook sends the pairs away and hands the module the pairs it got, the forward hook sends the results back and
 sums them per token. The module itself — plain, LoRA or MXFP8 — runs unchanged on its slice.
 
-The expert index of each pair — the router's own or R3's replayed one — decides where it goes. Its gate weight
-travels with it in fp32, so the router's gradient comes back through the exchange. The receiving rank computes its
-rows as ``k = 1`` rows of the ordinary expert path (grouped GEMM, MXFP8, both adapter layouts): one code path for
-the math, whatever the split. ``shared_outer`` adapters keep their hidden-size factors whole on every rank (they
-are not per expert); FSDP reduces their gradients over the data group like any other replicated weight.
+The expert index of each pair — the router's own or R3's replayed one — decides where it goes; a pair of a
+zero-computation expert (LongCat-Flash's) goes nowhere: the MoE block adds its gate weight times the token itself.
+Its gate weight travels with it in fp32, so the router's gradient comes back through the exchange. The receiving rank
+computes its rows as ``k = 1`` rows of the ordinary expert path (grouped GEMM, MXFP8, both adapter layouts): one code
+path for the math, whatever the split. ``shared_outer`` adapters keep their hidden-size factors whole on every rank
+(they are not per expert); FSDP reduces their gradients over the data group like any other replicated weight.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class ExpertDispatch:
 
     def __init__(self, experts: nn.Module, first: int, total: int, group, ranks: int):
         self.first, self.total, self.local = first, total, total // ranks
+        self.zero = experts.zero  # router slots past the experts (LongCat-Flash's zero-computation experts)
         self.group, self.ranks = group, ranks
         self._back = None  # (x, token, sent, got) of the forward in flight, for the forward hook
         self.handles = (
@@ -77,6 +79,8 @@ class ExpertDispatch:
         k = idx.shape[1]
         flat = idx.reshape(-1)
         order = flat.argsort(stable=True)  # pairs sorted by expert, so grouped by the rank that holds it
+        if self.zero:  # zero-computation experts' pairs (last in the order) stay: the MoE block adds them itself
+            order = order[: int((flat < self.total).sum())]
         token, expert = order // k, flat[order]
         sent = torch.bincount(expert // self.local, minlength=self.ranks)
         got = torch.empty_like(sent)
@@ -113,11 +117,6 @@ def shard_experts(model: nn.Module, world: World) -> dict[str, int]:
     {parameter name: expert dim} of the sliced tensors (plain tensors, not FSDP's: the caller leaves them out of the
     data-parallel units)."""
     check_layout(world.dp, world.ep, world.pp, model.config)
-    if model.config.zero_experts:
-        raise ConfigError(
-            f"parallel.ep={world.ep} with zero-computation experts (ModelConfig.zero_experts="
-            f"{model.config.zero_experts}): not built (their pairs stay on the token's rank); use parallel.ep=1"
-        )
     total = model.config.num_experts
     n = total // world.ep
     first = world.ep_rank * n
