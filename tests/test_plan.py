@@ -146,16 +146,18 @@ def test_a_wrong_plan_is_caught(measured_ranks):
         ("qwen3_moe", "1,2,1", 1, "policy.mode=full policy.dtype=bfloat16"),
         ("qwen3_5_moe", "1,1,2", 1, "policy.mode=lora policy.dtype=bfloat16"),  # linear and full attention layers
         ("deepseek_v3", "1,1,2", 0, "policy.mode=full policy.dtype=bfloat16"),  # dense and MoE layers
+        ("longcat_flash", "1,1,2", 0, "policy.mode=lora policy.dtype=bfloat16"),  # pairs: a MoE, then a dense layer
     ],
 )
 def test_a_deep_rank_extrapolated_from_two_layers_of_each_kind_is_its_whole_trace(arch, layout, rank, case):
-    """moerl.plan.depth: ten layers traced as two layers of each kind plus one more of each, against every layer
-    traced (the peak, the step's end and the sync's peak, per category, 0.5%)."""
+    """moerl.plan.depth: ten layers traced as two layers of each kind plus one more of each (LongCat-Flash's: two
+    pairs, then three), against every layer traced (the peak, the step's end and the sync's peak, per category,
+    0.5%)."""
     from moerl.plan.rank import trace_rank
     from moerl.presets import preset_config
 
     hf = preset_config(arch, "tiny")[0]
-    more = {"num_hidden_layers": 10}
+    more = {"num_layers": 5} if arch == "longcat_flash" else {"num_hidden_layers": 10}  # its pairs: ten layers
     if "layer_types" in hf:  # the hybrid's pattern, continued
         more["layer_types"] = [hf["layer_types"][i % len(hf["layer_types"])] for i in range(10)]
     hf, cfg = preset_config(arch, "tiny", more)

@@ -8,7 +8,9 @@ sum over kinds of (n - BASE) x (deeper - base)``. The base holds two of a kind, 
 once at the peak whatever the depth (FSDP's reduce-scatter of the layer before, in flight) appear from the second
 layer on, and a difference from one layer would count them once per layer. A shallow rank (few layers), or one
 holding two interleaved stages (their peaks overlap as the schedule runs, not linearly in depth), is traced whole.
-``tests/test_plan.py`` checks the extrapolation against whole traces.
+``tests/test_plan.py`` checks the extrapolation against whole traces. LongCat-Flash's layers come in pairs whose
+first hands its MoE output to the second (``moe_shortcut``): there a pair is the unit, counted at its first layer and
+cut as two layers.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ def counts(cfg: ModelConfig, ranges: list[range], mine: list[int]) -> dict[int, 
     for s in mine:
         c: dict[Kind, int] = {}
         for i in ranges[s]:
+            if cfg.moe_shortcut and i % 2:  # the second of a pair: counted with the first
+                continue
             c[kind(cfg, i)] = c.get(kind(cfg, i), 0) + 1
         out[s] = c
     return out
@@ -68,8 +72,9 @@ def cut(cfg: ModelConfig, run: RunConfig, ranges: list[range], layers: dict[int,
     for s, r in enumerate(ranges):
         mine = layers.get(s) or {kind(cfg, r.start): 1}
         for k, n in mine.items():
-            kinds += [k] * n
-        sizes.append(sum(mine.values()))
+            # a pair (moe_shortcut): its MoE layer, then the dense layer of the same attention it hands its output to
+            kinds += ([k, (k[0], False, k[2], False)] if cfg.moe_shortcut else [k]) * n
+        sizes.append(sum(mine.values()) * (2 if cfg.moe_shortcut else 1))
     types = [k[0] for k in kinds]
     nope = [i for i, k in enumerate(kinds) if k[2]]
     small = replace(
