@@ -137,7 +137,7 @@ def step(world, ckpt: str, mode: str, dtype: str, out: str, *extra: str) -> None
     if "dump" in extra:  # the state as loaded
         return _write(world, policy, out, {})
     mcfg = policy.model.config
-    batch = fixed_batch(len(mcfg.moe_layers), mcfg.top_k, mcfg.num_experts + mcfg.zero_experts)
+    batch = fixed_batch(len(mcfg.route_layers()), mcfg.top_k, mcfg.num_experts + mcfg.zero_experts)
     first_old = None
     for i in range(int(opt.get("steps", 1))):  # on-policy steps: the old logprobs are the current policy's
         batch.extras["old_logprobs"], _ = policy.forward_logprobs(batch, replay=True)

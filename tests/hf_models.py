@@ -254,6 +254,20 @@ NEW_CONFIGS = {
         routed_scaling_factor=6.0,
         vocab_size=VOCAB,
     ),
+    # JetMoE: a mixture of attention heads (queries and outputs from routed attention experts over shared keys),
+    # experts routed by a softmax over the k chosen logits, output biases on both blocks, tied embeddings
+    "JetMoeForCausalLM": dict(
+        model_type="jetmoe",
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        kv_channels=16,
+        intermediate_size=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
+    ),
 }
 NEW_ARCHS = list(NEW_CONFIGS)
 CONFIGS |= NEW_CONFIGS

@@ -180,6 +180,19 @@ def assert_trains(path, mode: str, adapter: str | None = None):
     return policy
 
 
+def assert_recomputed_step_is_plain(path, mode: str) -> None:
+    """Activation checkpointing: a step whose blocks are computed again in the backward gives the plain step's loss,
+    gradient norm and every gradient (fp32 1e-6 of each tensor's largest element), R3 on
+    (``tests/test_checkpointing.py``'s step)."""
+    from test_checkpointing import TOL, _off, _step
+
+    plain, want = _step(path, mode, "none", True)
+    stats, got = _step(path, mode, "full", True)
+    assert abs(stats["loss"] - plain["loss"]) <= TOL * abs(plain["loss"]) + 1e-9
+    assert abs(stats["grad_norm"] - plain["grad_norm"]) <= TOL * plain["grad_norm"]
+    assert _off(got, want) <= TOL, _off(got, want)
+
+
 def model_with(model, **fields):
     """A model of ``model``'s config with ``fields`` set otherwise, holding its weights and buffers (fp32): a knob
     turned wrong for a negative control."""

@@ -34,7 +34,7 @@ def _step(path, mode: str, how: str, replay: bool, batch=None) -> tuple[dict, di
                        optim=OptimConfig(lr=1e-2))  # fmt: skip
     pol = Policy(path, cfg)
     mcfg = pol.model.config
-    batch = batch or fixed_batch(len(mcfg.moe_layers), mcfg.top_k, mcfg.num_experts)
+    batch = batch or fixed_batch(len(mcfg.route_layers()), mcfg.top_k, mcfg.num_experts)
     batch.extras["old_logprobs"] = pol.forward_logprobs(batch, replay=replay)[0]
     grads = stepped_grads(pol)
     stats = pol.train_step(batch, make_policy_loss(PolicyLossConfig()), replay=replay)

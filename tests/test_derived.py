@@ -241,7 +241,7 @@ REFUSED = [  # (model_type, config changes, the feature the refusal names)
     ("hy_v4", {}, "hyper-connections"),
     ("deepseek_v4", {}, "hyper-connections"),
     ("qwen4_exp_text", {}, "hyper-connections"),
-    ("jetmoe", {}, "a mixture of attention heads"),
+    ("jetmoe", {}, r"JetMoeForCausalLM's .* through that architecture's bridge file \(moerl.bridges.jetmoe"),
     ("minimax_m3_vl_text", {}, "block-sparse attention"),
     ("deepseek_v4", dict.fromkeys(("hc_mult", "hc_sinkhorn_iters", "hc_eps")), "hash-routed MoE layers.*layer 0"),
     ("qwen3_moe", {"v_head_dim": 32}, "latent-attention field.* 'v_head_dim' without latent-attention tensors"),

@@ -41,11 +41,29 @@ def _off(arch: str, model) -> None:
     elif arch == "DbrxForCausalLM":  # the top-k weights not renormalised
         for i in model.moe_layer_ids:
             layers[i].mlp.router.norm_topk_prob = False
+    elif arch == "JetMoeForCausalLM":  # the query heads paired with key heads in the order GQA groups them
+        for layer in layers:
+            layer.self_attn.forward = _slot_major(layer.self_attn)
     elif arch == "LongcatFlashForCausalLM":  # the kv latent unscaled (mla_lora_scale)
         for layer in layers:
             layer.self_attn.latent_scale = None
     else:
         raise AssertionError(arch)
+
+
+def _slot_major(moa):
+    """JetMoE's negative control: ``moa``'s forward with its query heads taken slot-major (slot j's head h as head
+    j * kv_heads + h, which GQA would pair with key head (j * kv_heads + h) // k), not transformers' repeat."""
+    from moerl.model.moa import MixtureOfAttention
+
+    def attend_swapped(q, k, v, mask, scale, sinks):
+        b, hq, t, d = q.shape
+        q = q.view(b, moa.num_kv_heads, moa.top_k, t, d).transpose(1, 2).reshape(b, hq, t, d)
+        return core(q, k, v, mask, scale, sinks)
+
+    core = moa.core
+    moa.core = attend_swapped
+    return MixtureOfAttention.forward.__get__(moa)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +86,7 @@ def test_new_family_matches_transformers_and_round_trips(arch, checkpoints, tmp_
     with torch.no_grad():
         out = model(ids, capture=True)
     assert (out.logits - ref).abs().max() <= FP32_TOL
-    assert len(ref_choices) == len(model.moe_layer_ids) > 0
+    assert len(ref_choices) == len(model.route_columns) > 0  # JetMoE: its attention's router beside its MoE's
     for layer, choice in enumerate(ref_choices):
         ours = out.routed[:, :, layer].reshape(-1, model.config.top_k)
         assert torch.equal(ours.sort(-1).values, choice.sort(-1).values), f"MoE layer {layer} chose other experts"
@@ -134,7 +152,7 @@ def test_the_router_helper_fails_saying_it_found_none():
         hf_router_choices(dense, _ids())
 
 
-@pytest.mark.parametrize("arch", [a for a in NEW_ARCHS if a != "DbrxForCausalLM"])
+@pytest.mark.parametrize("arch", [a for a in NEW_ARCHS if a not in ("DbrxForCausalLM", "JetMoeForCausalLM")])
 def test_new_family_peft_export_reproduces_moerl_in_peft(arch, checkpoints, tmp_path):
     """Adapters on o_proj and the experts, written for PEFT (GraniteMoe's experts live under block_sparse_moe in
     transformers): peft on the transformers model gives moerl's logits (fp32 1e-4), far from the base model's."""
@@ -165,3 +183,18 @@ def test_dbrx_peft_export_takes_attention_adapters_and_refuses_expert_ones(check
     assert (ours - theirs).abs().max() <= 1e-4 and (ours - plain).abs().max() > 1e-3
     with pytest.raises(CheckpointError, match=r"LoRA adapter on 'transformer\.blocks\.\{i\}\.ffn\.experts\.mlp\.w1'"):
         peft_logits(path, ["experts"], tmp_path / "experts")
+
+
+def test_jetmoe_peft_export_refuses_its_experts_and_fused_keys_by_name(checkpoints, tmp_path):
+    """JetMoE's MoE experts are a module per projection in transformers (PEFT's target_parameters cannot address
+    them) and its keys and values one fused ``kv_proj``: both adapters are refused by name, nothing written."""
+    from test_export import peft_logits
+
+    from moerl.errors import CheckpointError
+
+    path, _ = checkpoints["JetMoeForCausalLM"]
+    with pytest.raises(CheckpointError, match=r"JetMoeForCausalLM's experts in transformers are a module per"):
+        peft_logits(path, ["experts"], tmp_path / "experts")
+    with pytest.raises(CheckpointError, match=r"stores that projection fused"):
+        peft_logits(path, ["k_proj"], tmp_path / "keys")
+    assert not (tmp_path / "experts").exists() and not (tmp_path / "keys").exists()

@@ -13,6 +13,7 @@ from mixer_checks import (
     assert_left_padded_rows_match,
     assert_matches_transformers,
     assert_packed_sequences_stay_apart,
+    assert_recomputed_step_is_plain,
     assert_trains,
     token_ids,
 )
@@ -101,13 +102,7 @@ def test_longcat_trains_in_every_mode(mode, tmp_path):
 def test_a_recomputed_step_is_the_plain_step(checkpoint, mode):
     """Activation checkpointing with the MoE output handed between two recomputed layers: the step's loss, gradient
     norm and every gradient equal the plain step's (fp32 1e-6 of each tensor's largest element), R3 on."""
-    from test_checkpointing import TOL, _off, _step
-
-    plain, want = _step(checkpoint[0], mode, "none", True)
-    stats, got = _step(checkpoint[0], mode, "full", True)
-    assert abs(stats["loss"] - plain["loss"]) <= TOL * abs(plain["loss"]) + 1e-9
-    assert abs(stats["grad_norm"] - plain["grad_norm"]) <= TOL * plain["grad_norm"]
-    assert _off(got, want) <= TOL, _off(got, want)
+    assert_recomputed_step_is_plain(checkpoint[0], mode)
 
 
 def test_pipeline_stages_keep_each_pair_whole(checkpoint):

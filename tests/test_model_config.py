@@ -194,6 +194,14 @@ REFUSED = [
     (GQA, dict(moe_shortcut=True, moe_layers=[0], residual_multiplier=2.0), "moe_shortcut", "without multipliers"),
     (GQA, dict(moe_shortcut=True, moe_layers=[0], shared_expert_size=8), "moe_shortcut", "without shared experts"),
     (MAMBA, dict(moe_shortcut=True, moe_layers=[0]), "moe_shortcut", "attention in every layer"),
+    # JetMoE's: a mixture of attention heads, a bias on the MoE's output, the final norm's own epsilon
+    (GQA, dict(attention="moa", num_heads=8), "num_heads", "must be num_kv_heads x top_k=4"),
+    (GQA, dict(attention="moa", num_heads=4, zero_experts=2), "attention", "no zero-computation ones"),
+    (GQA, dict(attention="moa", num_heads=4, qk_norm="head"), "qk_norm", "not built for attention='moa'"),
+    (GQA, dict(attention="moa", num_heads=4, nope_layers=[0]), "nope_layers", "not built for attention='moa'"),
+    (GQA, dict(attention="moa", num_heads=4, kv_lora_rank=8), "kv_lora_rank", "latent attention field set"),
+    (GQA, dict(moe_output_bias=True, moe_layers=[]), "moe_output_bias", "there is none"),
+    (GQA, dict(final_norm_eps=-1.0), "final_norm_eps", "must be > 0"),
 ]
 
 
@@ -217,6 +225,8 @@ ACCEPTED = [
     GQA | dict(num_layers=3, layer_types=["full", "none", "none"], moe_layers=[1], mixer_only_layers=[0]),
     GQA | dict(activation="relu2"),
     GQA | dict(zero_experts=4, top_k=3, score_correction_bias=True),  # LongCat-Flash's zero-computation experts
+    # JetMoE: a mixture of attention heads (2 KV heads x top_k 2) with an output bias, MoE layers with one
+    GQA | dict(attention="moa", num_heads=4, o_bias=True, moe_layers=[0, 1], moe_output_bias=True, final_norm_eps=1e-5),
     # LongCat-Flash's layer pair: the MoE output carried past the second layer, latent attention's parts scaled
     MLA | dict(q_lora_rank=8, mla_lora_scale=True, moe_layers=[0], moe_shortcut=True, zero_experts=2),
     # both kinds in one model share the state / conv fields
@@ -296,7 +306,7 @@ def test_the_bases_are_accepted_and_build_a_model_that_runs(fields):
     with torch.no_grad():
         out = model(torch.randint(0, cfg.vocab_size, (2, 5)), capture=True)
     assert out.logits.shape == (2, 5, cfg.vocab_size) and out.logits.isfinite().all()
-    assert out.routed.shape == (2, 5, len(cfg.moe_layers), cfg.top_k)
+    assert out.routed.shape == (2, 5, len(cfg.route_layers()), cfg.top_k)  # JetMoE's: its attention's columns too
     assert ((out.routed >= 0) & (out.routed < cfg.num_experts + cfg.zero_experts)).all()  # zero experts: past E
 
 

@@ -793,8 +793,8 @@ def test_four_ranks_each_read_only_their_stage_and_their_share_of_the_experts(mo
 @pytest.fixture(scope="module")
 def attention_kinds(tmp_path_factory):
     """gpt-oss (sliding windows of 5 tokens, shorter than the rows, and attention sinks), DeepSeek-V3 (latent
-    attention) and Llama 4 (chunks of 8 tokens, temperature tuning): each checkpoint and its one-process step, and their
-    steps at cp 2 (one launch)."""
+    attention), Llama 4 (chunks of 8 tokens, temperature tuning) and JetMoE (a mixture of attention heads): each
+    checkpoint and its one-process step, and their steps at cp 2 (one launch)."""
     from hf_models import build_hf_model
 
     from moerl.presets import init_model
@@ -806,6 +806,8 @@ def attention_kinds(tmp_path_factory):
     }
     build_hf_model("Llama4ForCausalLM").save_pretrained(where / "llama4")  # chunks of 8, derived with no bridge file
     paths["llama4"] = where / "llama4"
+    build_hf_model("JetMoeForCausalLM").save_pretrained(where / "jetmoe")  # routed query heads over shared keys
+    paths["jetmoe"] = where / "jetmoe"
     assert paths["gpt_oss"].config.sliding_window == 5 and paths["gpt_oss"].config.attention_sinks
     assert paths["deepseek_v3"].config.attention == "mla"
     return _one_and_launched(where, list(paths), "1,1,1,2")
@@ -825,12 +827,12 @@ def _one_and_launched(where: Path, names: list[str], layout: str) -> tuple[dict,
     return one, two
 
 
-@pytest.mark.parametrize("arch", ["gpt_oss", "deepseek_v3", "llama4"])
+@pytest.mark.parametrize("arch", ["gpt_oss", "deepseek_v3", "llama4", "jetmoe"])
 def test_context_parallel_attention_kinds_train_as_in_one_process(attention_kinds, arch):
     """At cp 2 each rank holds 6 of a row's 12 tokens: gpt-oss's sliding layers attend over a 5-token window that
     crosses the ranks' boundary, each rank keeping its heads' sinks; DeepSeek-V3's latent attention splits its
-    per-head keys; Llama 4's chunks of 8 cross it too. R3 replay on, packed rows: one step equals one process's
-    (fp32)."""
+    per-head keys; Llama 4's chunks of 8 cross it too; JetMoE's routed query heads split with their key heads. R3
+    replay on (JetMoE's attention columns too), packed rows: one step equals one process's (fp32)."""
     one, two = attention_kinds
     differences = _step_differences(*one[arch], *two[arch], "full", "float32", 1e-6)
     assert not differences, differences
@@ -839,19 +841,20 @@ def test_context_parallel_attention_kinds_train_as_in_one_process(attention_kind
 @pytest.fixture(scope="module")
 def expert_kinds(tmp_path_factory):
     """Llama 4 (the gate weight on the one expert's input) and Gemma 4 (the experts beside a dense MLP, the router's
-    own norm and per-expert scale), derived with no bridge file, and LongCat-Flash (zero-computation experts, the MoE
-    output carried to the next layer): each checkpoint and its one-process step, and their steps with the experts
-    split over ep 2 (one launch)."""
+    own norm and per-expert scale), derived with no bridge file, LongCat-Flash (zero-computation experts, the MoE
+    output carried to the next layer) and JetMoE (attention experts routed beside the MoE's, R3 columns for both):
+    each checkpoint and its one-process step, and their steps with the experts split over ep 2 (one launch)."""
     from hf_models import build_hf_model
 
     where = tmp_path_factory.mktemp("experts")
     archs = {"llama4": "Llama4ForCausalLM", "gemma4": "Gemma4ForCausalLM", "longcat": "LongcatFlashForCausalLM"}
+    archs["jetmoe"] = "JetMoeForCausalLM"  # the MoE's experts split, the attention's replicated
     for name, arch in archs.items():
         build_hf_model(arch).save_pretrained(where / name)
     return _one_and_launched(where, list(archs), "1,2,1")
 
 
-@pytest.mark.parametrize("arch", ["llama4", "gemma4", "longcat"])
+@pytest.mark.parametrize("arch", ["llama4", "gemma4", "longcat", "jetmoe"])
 def test_expert_parallel_moe_blocks_of_2026_train_as_in_one_process(expert_kinds, arch):
     """At ep 2 each rank holds 4 of the 8 experts: Llama 4's gate weight scaling the expert's input, Gemma 4's dense
     MLP beside the experts (replicated, its norms and the router's scales with it) and LongCat-Flash's pairs routed to

@@ -147,6 +147,7 @@ def test_a_wrong_plan_is_caught(measured_ranks):
         ("qwen3_5_moe", "1,1,2", 1, "policy.mode=lora policy.dtype=bfloat16"),  # linear and full attention layers
         ("deepseek_v3", "1,1,2", 0, "policy.mode=full policy.dtype=bfloat16"),  # dense and MoE layers
         ("longcat_flash", "1,1,2", 0, "policy.mode=lora policy.dtype=bfloat16"),  # pairs: a MoE, then a dense layer
+        ("jetmoe", "1,1,2", 0, "policy.mode=full policy.dtype=bfloat16"),  # a mixture of attention heads
     ],
 )
 def test_a_deep_rank_extrapolated_from_two_layers_of_each_kind_is_its_whole_trace(arch, layout, rank, case):

@@ -141,8 +141,9 @@ class Bridge:
     rules: tuple[Rule, ...] = ()
     fused: tuple[Fused, ...] = ()
     ignore: Callable[[str, ModelConfig], bool] = field(default=lambda name, cfg: False)
-    # where transformers v5 keeps a layer's fused experts module: PEFT's target_parameters address it by that path
-    peft_experts: str = "model.layers.{i}.mlp.experts"
+    # where transformers v5 keeps a layer's fused experts module: PEFT's target_parameters address it by that path;
+    # None: a family whose experts PEFT cannot address so (JetMoE's: a module per projection)
+    peft_experts: str | None = "model.layers.{i}.mlp.experts"
     # tensors an export writes beside the model's own, from those (HF names) and the config: what transformers' model
     # holds and moerl's computes without (LongCat-Flash's zero-computation experts' gate / up rows)
     export_extra: Callable[[dict[str, torch.Tensor], ModelConfig], dict[str, torch.Tensor]] | None = None

@@ -143,7 +143,6 @@ FEATURES = {
     **dict.fromkeys(
         ("hc_mult", "hc_eps", "hc_magnitude", "hc_count", "hc_lowrank"), "hyper-connections (several residual streams)"
     ),
-    "kv_channels": "a mixture of attention heads (JetMoE's routed query and output projections)",
     **dict.fromkeys(
         ("index_block_size", "index_topk_blocks", "index_local_blocks"),
         "block-sparse attention (MiniMax-M3's indexer choosing blocks of keys per KV group)",
@@ -154,6 +153,7 @@ FEATURES = {
 TENSOR_FEATURES = {}
 # config fields of a family whose layers moerl builds through a bridge file, not by derivation: the architecture
 BRIDGE_FILE_FIELDS = dict.fromkeys(("ffn_hidden_size", "expert_ffn_hidden_size"), "LongcatFlashForCausalLM")
+BRIDGE_FILE_FIELDS["kv_channels"] = "JetMoeForCausalLM"  # its mixture of attention heads
 
 
 # behaviour tensor names cannot show, tried in this order where the layout leaves it open: softmax before or after

@@ -232,6 +232,8 @@ class _Reading:
 def _wrapped_experts(rd: _Reading, hf_module: str) -> str | None:
     """The moerl experts module (``layers.{i}.mlp.experts``) when ``hf_module`` is PEFT's ParamWrapper on a layer's
     3D experts (``{experts}`` or its inner ``{experts}.base_layer``); None for any other module."""
+    if rd.bridge.peft_experts is None:
+        return None
     layer = match(_compile(rd.bridge.peft_experts), hf_module.removesuffix(".base_layer"))
     if layer is None:
         return None
@@ -413,6 +415,12 @@ def _write_linear(model, bridge: Bridge, path: str, lora, slot: int) -> tuple[st
 def _write_experts(model, bridge: Bridge, path: str, lora, slot: int) -> tuple[int, dict[str, torch.Tensor]]:
     """An expert adapter's rank and its two ParamWrapper tensor pairs (gate_up the inner ``base_layer``, down the
     outer): A expert-major [E * r, in], B rank-major [out, r * E], scale folded in, rows in HF order."""
+    if bridge.peft_experts is None:
+        raise CheckpointError(
+            f"adapter on {path!r} cannot be written for PEFT: {bridge.architectures[0]}'s experts in transformers "
+            "are a module per projection, which PEFT's target_parameters do not address; export merged weights "
+            "instead (export_model(..., state_dict=merged_state_dict(model))) or leave experts out of lora.targets"
+        )
     s = lora.scale[slot].detach().float()
     e = lora.num_experts
     gu_a, gu_b, dn_a, dn_b = (
@@ -462,7 +470,7 @@ def _peft_config(
     if len(linear_ranks) > 1 or len(expert_ranks) > 1:
         raise CheckpointError(f"adapter ranks differ between modules ({linear_ranks | expert_ranks}); cannot write")
     r = next(iter(linear_ranks or expert_ranks))
-    experts = bridge.peft_experts.removeprefix("model.layers.{i}.")  # e.g. mlp.experts
+    experts = (bridge.peft_experts or "").removeprefix("model.layers.{i}.")  # e.g. mlp.experts
     config = {
         "peft_type": "LORA",
         "r": r,

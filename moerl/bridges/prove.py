@@ -164,12 +164,13 @@ def _even_rotary(head_dim: int, factors: list[float]) -> bool:
 
 
 def hf_forward(model: torch.nn.Module, ids: torch.Tensor, **kwargs) -> tuple[torch.Tensor, list[torch.Tensor], tuple]:
-    """A transformers model's logits, each MoE layer's chosen experts [N, k] and its per-layer hidden states.
+    """A transformers model's logits, each router's chosen experts [N, k] in the order they ran and its per-layer
+    hidden states.
 
     The choices are read off the routers (modules whose class name ends in Router or Gate, as the one integer tensor
-    of their output, or scores zero off the chosen experts: Llama 4's) or, where the router gives neither (a bare
-    linear layer: Jamba's; logits alone: DBRX's), off the experts' input (modules whose class name ends in Experts, as
-    the one integer tensor among their arguments)."""
+    of their output, or scores zero off the chosen experts: Llama 4's; in Gating, their logits' top-k: JetMoE's) or,
+    where the router gives neither (a bare linear layer: Jamba's; logits alone: DBRX's), off the experts' input
+    (modules whose class name ends in Experts, as the one integer tensor among their arguments)."""
     by_router, by_experts, hooks = [], [], []
 
     def one_int(module, tensors, into: list, scores: bool) -> None:
@@ -184,6 +185,8 @@ def hf_forward(model: torch.nn.Module, ids: torch.Tensor, **kwargs) -> tuple[tor
         name = type(module).__name__.lower()
         if name.endswith(("router", "gate")):
             hooks.append(module.register_forward_hook(lambda m, args, out: one_int(m, out, by_router, True)))
+        elif name.endswith("gating"):  # JetMoE's TopKGating returns its pairs sorted by expert: its logits' top-k
+            hooks.append(module.register_forward_hook(lambda m, args, out: by_router.append(top_logits(m, out))))
         elif name.endswith("experts"):
             hooks.append(module.register_forward_pre_hook(lambda m, args: one_int(m, args, by_experts, False)))
     if not hooks:
@@ -197,6 +200,11 @@ def hf_forward(model: torch.nn.Module, ids: torch.Tensor, **kwargs) -> tuple[tor
         for h in hooks:
             h.remove()
     return out.logits, by_router or by_experts, out.hidden_states
+
+
+def top_logits(module, out) -> torch.Tensor:
+    """The chosen experts [N, k] of a gating module whose last output is its logits [N, E] (``top_k`` of them)."""
+    return out[-1].detach().topk(module.top_k, dim=-1).indices
 
 
 def _nonzero(scores: torch.Tensor) -> torch.Tensor | None:
@@ -223,7 +231,7 @@ def _first_difference(model, bridge_hidden, ref_hidden, ours_routed, ref_choices
     for j, ref in enumerate(ref_choices):
         ours = ours_routed[:, :, j].reshape(-1, ours_routed.shape[-1])
         if not torch.equal(ours.sort(-1).values, ref.sort(-1).values):
-            return f"MoE layer {j} (model layer {model.moe_layer_ids[j]}) chose other experts"
+            return f"router {j} (model layer {model.route_columns[j]}) chose other experts"
     return "the logits differ"
 
 
@@ -358,7 +366,7 @@ def _differs(hf: dict, directory: str, bridge: Bridge, ids, logits, choices, hid
         out = model(ids, capture=True)
     for h in hooks:
         h.remove()
-    routed_ok = len(choices) == len(model.moe_layer_ids) and all(
+    routed_ok = len(choices) == len(model.route_columns) and all(
         torch.equal(out.routed[:, :, j].reshape(-1, model.config.top_k).sort(-1).values, c.sort(-1).values)
         for j, c in enumerate(choices)
     )

@@ -18,6 +18,7 @@ FAMILIES = {  # architecture -> its bridge file (a module of moerl.bridges, or a
     "GptOssForCausalLM": "gpt_oss",
     "GraniteMoeForCausalLM": "granitemoe",
     "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe",
+    "JetMoeForCausalLM": "jetmoe",
     "LongcatFlashForCausalLM": "longcat_flash",
     "MixtralForCausalLM": "mixtral",
     "OlmoeForCausalLM": "olmoe",

@@ -91,6 +91,21 @@ def attend(q, k, v, mask: torch.Tensor | None, scale: float, sinks: torch.Tensor
     return out.view(hkv, b, g, t, dv).permute(1, 3, 0, 2, 4).reshape(b, t, hq * dv)
 
 
+def cached_attention(module, q, k, v, mask, cache: KVCacheView | None, sinks=None) -> torch.Tensor:
+    """Attention [B, T, Hq * dv] of q [B, T, Hq, d] over k / v [B, T, Hkv, d] in ``module``'s layer (its ``layer``,
+    ``kind``, ``scale`` and ``core``): an fp32 CPU decode step reads the engine's pools in place; else the visible keys
+    and values gathered from the cache under its mask, or this forward's own under ``mask``."""
+    out = cache.attend(module.layer, q, k, v, module.kind, module.scale, sinks) if cache is not None else None
+    if out is None:
+        if cache is not None:
+            k, v = cache.update(module.layer, k, v)
+            mask = cache.mask(module.kind)
+        else:
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+        out = module.core(q.transpose(1, 2), k, v, mask, module.scale, sinks)
+    return out
+
+
 class Attention(nn.Module):
     """Grouped-query attention with RoPE and the per-architecture options of ModelConfig."""
 
@@ -159,15 +174,7 @@ class Attention(nn.Module):
         q, k = self._norm_and_rotate(q, k, cos, sin)
         if self.temperature:
             q = (q * cos[:, :, None, None]).to(q.dtype)
-        # an fp32 CPU decode step reads the pools in place; else the visible keys and values gathered
-        out = cache.attend(self.layer, q, k, v, self.kind, self.scale, self.sinks) if cache is not None else None
-        if out is None:
-            if cache is not None:
-                k, v = cache.update(self.layer, k, v)
-                mask = cache.mask(self.kind)
-            else:
-                k, v = k.transpose(1, 2), v.transpose(1, 2)
-            out = self.core(q.transpose(1, 2), k, v, mask, self.scale, self.sinks)
+        out = cached_attention(self, q, k, v, mask, cache, self.sinks)
         if self.gate_kind != "none":
             return self.o_proj(self._gated(out, x))
         return self.o_proj(out if gate is None else out * torch.sigmoid(gate))

@@ -11,6 +11,7 @@ from moerl.errors import ConfigError
 
 # layer kinds with a per-sequence state instead of paged keys (their mixers: moerl.model.mixers.RECURRENT)
 RECURRENT_KINDS = ("linear", "mamba", "mamba1")
+ATTENTION_KINDS = ("full", "sliding", "chunked")  # the layer kinds whose mixer is attention (paged keys)
 
 
 @dataclass(slots=True)
@@ -62,6 +63,7 @@ class ModelConfig:
     moe_output_norm: bool = False  # MoE layers norm the MoE block's output, routed and shared (A.X-K1's)
     mlp_bias: bool = False  # dense MLP and shared-expert linears
     lm_head_bias: bool = False
+    final_norm_eps: float = 0.0  # the final norm's own epsilon (JetMoE's: its layers' norms keep 1e-6); 0: rms_norm_eps
     final_logit_softcap: float = 0.0  # logits -> cap * tanh(logits / cap) (Gemma's); 0: none
     layer_scale: bool = False  # each layer's output times a scalar of its own, a buffer (Gemma 4's layer_scalar)
     # multipliers (GraniteMoe): embeddings * m, x + m * sublayer(x), logits / scaling
@@ -69,7 +71,9 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     # attention
-    attention: str = "gqa"  # gqa | mla
+    # gqa | mla | moa: a mixture of attention heads (JetMoE's: a token's queries and outputs from the top_k attention
+    # experts its router chooses, over keys and values they share; o_bias: the bias on its output)
+    attention: str = "gqa"
     qkv_bias: bool = False
     o_bias: bool = False
     # none | head (per head, Qwen3) | full (whole projection, OLMoE) | l2: each head scaled to unit RMS without a
@@ -187,6 +191,7 @@ class ModelConfig:
     # intermediate_size, on the same normed input, and its output joins the residual stream at the end of the second
     # layer (the shortcut) rather than the first's
     moe_shortcut: bool = False
+    moe_output_bias: bool = False  # a bias on each MoE block's output (JetMoE's)
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -195,8 +200,8 @@ class ModelConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the field when the combination cannot be built."""
-        if self.attention not in ("gqa", "mla"):
-            raise self._bad("attention", "allowed: gqa, mla")
+        if self.attention not in ("gqa", "mla", "moa"):
+            raise self._bad("attention", "allowed: gqa, mla, moa")
         if self.qk_norm not in ("none", "head", "full", "l2"):
             raise self._bad("qk_norm", "allowed: none, head, full, l2")
         for name, allowed in (
@@ -296,7 +301,7 @@ class ModelConfig:
     def _validate_sizes(self) -> None:
         """Every size the built layers use is >= 1; no MoE layer is listed twice."""
         positive = ["vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_position_embeddings"]
-        positive += ["head_dim"] if self.attention == "gqa" else ["kv_lora_rank", "qk_rope_head_dim", "v_head_dim"]
+        positive += ["head_dim"] if self.attention != "mla" else ["kv_lora_rank", "qk_rope_head_dim", "v_head_dim"]
         if self.moe_layers:
             positive += ["num_experts", "moe_intermediate_size"]
         if len(self.moe_layers) + len(self.mixer_only_layers) < self.num_layers:
@@ -306,12 +311,16 @@ class ModelConfig:
                 raise self._bad(name, "must be >= 1")
         if not self.rms_norm_eps > 0:
             raise self._bad("rms_norm_eps", "must be > 0")
+        if not self.final_norm_eps >= 0:
+            raise self._bad("final_norm_eps", "must be > 0 (or 0: rms_norm_eps)")
         if len(set(self.moe_layers)) != len(self.moe_layers):
             raise self._bad("moe_layers", "holds an index twice")
 
     def _validate_attention(self) -> None:
         """Multi-head latent attention fields only with ``attention='mla'``, and GQA-only ones only without it."""
-        if self.attention == "gqa":
+        if self.attention == "moa":
+            self._validate_moa()
+        if self.attention in ("gqa", "moa"):
             for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "mla_lora_scale"):
                 if getattr(self, name):
                     raise self._bad(name, "multi-head latent attention field set with attention='gqa'")
@@ -394,6 +403,35 @@ class ModelConfig:
             raise self._bad("sliding_head_dim", "with values of their own size or a q gate (not built)")
         if not self.final_logit_softcap >= 0:
             raise self._bad("final_logit_softcap", "must be >= 0 (0: no soft-capping)")
+
+    def _validate_moa(self) -> None:
+        """A mixture of attention heads (JetMoE's): each of a token's ``top_k`` attention experts makes
+        ``num_kv_heads`` query heads over the shared keys, so ``num_heads`` is their product; routed as the MoE
+        layers are, over ``num_experts`` experts. The GQA knobs it does not build stay at their defaults."""
+        if self.num_heads != self.num_kv_heads * self.top_k:
+            raise self._bad("num_heads", f"must be num_kv_heads x top_k={self.num_kv_heads * self.top_k} (moa)")
+        if not self.num_experts >= 1 or self.zero_experts:
+            raise self._bad("attention", "moa routes over num_experts >= 1 attention experts, no zero-computation ones")
+        self._only_defaults(
+            "for attention='moa'",
+            (
+                ("qk_norm", "none"),
+                ("clip_qkv", None),
+                ("attention_sinks", False),
+                ("rope_dim", None),
+                ("qkv_bias", False),
+                ("attn_output_gate", False),
+                ("attn_gate", "none"),
+                ("v_head_dim", 0),
+                ("v_norm", False),
+                ("attn_k_eq_v", False),
+                ("layer_heads", []),
+                ("sliding_kv_heads", 0),
+                ("sliding_head_dim", 0),
+                ("attn_value_scale", 1.0),
+                ("nope_layers", []),
+            ),
+        )
 
     def _validate_temperature(self) -> None:
         """Temperature tuning: a scale > 0 with a floor >= 1 and NoPE layers to scale, or neither set."""
@@ -534,6 +572,8 @@ class ModelConfig:
             why = f"built for one expert a token (top_k=1, not {self.top_k}) without zero-computation experts"
             raise self._bad("router_weight_on_input", why)
         self._validate_shortcut()
+        if self.moe_output_bias and not self.moe_layers:
+            raise self._bad("moe_output_bias", "a bias of MoE blocks, and there is none (moe_layers is empty)")
         if self.shared_expert_gate and not self.shared_expert_size:
             raise self._bad(
                 "shared_expert_gate", "a gate for a shared expert that does not exist (shared_expert_size=0)"
@@ -554,6 +594,13 @@ class ModelConfig:
             raise self._bad(
                 "moe_shortcut", "built with attention in every layer, without shared experts or other MoE blocks"
             )
+
+    def route_layers(self) -> list[int]:
+        """The layer of each R3 column: one per MoE layer and, before it, one per layer whose attention routes
+        (``attention`` "moa", JetMoE's)."""
+        moa = self.attention == "moa"
+        routes = [int(moa and t in ATTENTION_KINDS) + (i in self.moe_layer_set) for i, t in enumerate(self.layer_types)]
+        return [i for i, n in enumerate(routes) for _ in range(n)]
 
     def stage_bound(self) -> set[int]:
         """Layers that read what an earlier layer handed on within a forward (GLM-5's shared indexer layers, the

@@ -17,6 +17,7 @@ from moerl.model.config import RECURRENT_KINDS, ModelConfig
 from moerl.model.linear_attention import GatedDeltaNet
 from moerl.model.mamba import Mamba2
 from moerl.model.mamba1 import Mamba1
+from moerl.model.moa import MixtureOfAttention
 
 # layer kind -> the recurrent mixer class (Gated DeltaNet: Qwen3-Next / Qwen3.5; Mamba-2: Granite-4.0-H, Nemotron-H;
 # Mamba-1: Jamba)
@@ -43,11 +44,12 @@ def recurrent_layers(cfg: ModelConfig) -> list[int]:
 
 def build_mixer(cfg: ModelConfig, layer: int) -> nn.Module:
     """Layer ``layer``'s token mixer, by its ``layer_types`` kind: attention (``full`` / ``sliding`` / ``chunked``:
-    latent attention where ``cfg.attention`` says ``mla``) or a recurrent mixer."""
+    latent attention where ``cfg.attention`` says ``mla``, a mixture of attention heads where it says ``moa``) or a
+    recurrent mixer."""
     kind = cfg.layer_types[layer]
     if kind in RECURRENT:
         return RECURRENT[kind](cfg, layer)
-    return (MLAttention if cfg.attention == "mla" else Attention)(cfg, layer)
+    return {"mla": MLAttention, "moa": MixtureOfAttention}.get(cfg.attention, Attention)(cfg, layer)
 
 
 def state_shapes(cfg: ModelConfig, layer: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -353,6 +353,7 @@ class MoE(nn.Module):
         self.weight_on_input = cfg.router_weight_on_input
         # the router's slots from here on are zero-computation experts (whatever share of the experts a rank holds)
         self.real_experts = cfg.num_experts
+        self.bias = nn.Parameter(torch.zeros(cfg.hidden_size)) if cfg.moe_output_bias else None  # JetMoE's
 
     def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> (output [N, H], chosen experts [N, k])."""
@@ -371,6 +372,8 @@ class MoE(nn.Module):
             if self.shared_experts_gate is not None:
                 shared = torch.sigmoid(self.shared_experts_gate(x)) * shared
             out = out + shared if self.shared_combine == "sum" else (out + shared) * 0.5
+        if self.bias is not None:
+            out = out + self.bias
         return out, idx
 
     def _beside(self, x: torch.Tensor, replay: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,12 +9,13 @@ from torch import nn
 from moerl.model.config import ModelConfig
 
 
-def layer_norm(cfg: ModelConfig, dim: int) -> nn.Module:
+def layer_norm(cfg: ModelConfig, dim: int, eps: float | None = None) -> nn.Module:
     """The norm of the decoder layers and the final norm (``cfg.norm``): RMSNorm, or LayerNorm with a bias or
-    without."""
+    without; ``eps``: its own epsilon (default ``cfg.rms_norm_eps``)."""
+    eps = cfg.rms_norm_eps if eps is None else eps
     if cfg.norm == "rms":
-        return RMSNorm(dim, cfg.rms_norm_eps)
-    return nn.LayerNorm(dim, eps=cfg.rms_norm_eps, bias=cfg.norm == "layer")
+        return RMSNorm(dim, eps)
+    return nn.LayerNorm(dim, eps=eps, bias=cfg.norm == "layer")
 
 
 def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -15,7 +15,7 @@ from torch import nn
 
 from moerl.errors import ReplayError
 from moerl.model.attention import KVCacheView, build_mask
-from moerl.model.config import ModelConfig
+from moerl.model.config import ATTENTION_KINDS, ModelConfig
 from moerl.model.mixers import build_mixer, is_recurrent
 from moerl.model.moe import MLP, MoE, mlp_activation
 from moerl.model.norms import RMSNorm, layer_norm
@@ -58,6 +58,9 @@ class DecoderLayer(nn.Module):
         if self.has_mlp and self.mask_kind is not None and not self.parallel:
             self.post_attention_layernorm = layer_norm(cfg, cfg.hidden_size)
         self.is_moe = layer in cfg.moe_layer_set
+        # JetMoE's attention routes its queries too (attention "moa"): R3 columns, the attention's before the MoE's
+        self.routes_attention = cfg.attention == "moa" and kind in ATTENTION_KINDS
+        self.routes = int(self.routes_attention) + int(self.is_moe)
         # Gemma 4's MoE layers: the MoE block takes the residual stream and norms its MLP's input itself
         self.block_norms_input = self.is_moe and cfg.moe_beside_mlp
         if self.pre_norm and self.post_norm and self.has_mlp and not self.block_norms_input:
@@ -91,26 +94,33 @@ class DecoderLayer(nn.Module):
         # computed again in the backward (moerl.parallel.checkpointing); None: its activations are kept
         self.recompute: Callable | None = None
 
-    def mix(self, x, cos, sin, mask, cache=None, passed=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The attention half of the layer: (the residual stream after attention, the MLP's input; None in a layer
-        without an MLP). ``passed``: what layers hand later ones within the forward (``Handoff``)."""
+    def mix(
+        self, x, cos, sin, mask, cache=None, passed=None, replay=None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The attention half of the layer: (the residual stream after attention, the MLP's input: None in a layer
+        without an MLP, the attention experts chosen [N, k]: None unless its attention routes). ``passed``: what
+        layers hand later ones within the forward (``Handoff``); ``replay``: the attention's experts to replay."""
         m = self.residual_multiplier
         if self.mask_kind is None:  # an MLP / MoE alone
-            return x, self.input_layernorm(x)
+            return x, self.input_layernorm(x), None
         more = {"passed": passed} if self.shares_keys and passed is not None else {}
         h = self.input_layernorm(x) if self.pre_norm else x
-        a = self.self_attn(h, cos, sin, mask, cache, **more)
+        chose = None
+        if self.routes_attention:
+            a, chose = self.self_attn(h, cos, sin, mask, cache, replay=replay)
+        else:
+            a = self.self_attn(h, cos, sin, mask, cache, **more)
         if self.parallel:  # the MLP takes the attention's input
-            return x + (a if m == 1.0 else m * a), (h if self.has_mlp else None)
+            return x + (a if m == 1.0 else m * a), (h if self.has_mlp else None), chose
         if self.post_norm:
             a = self.post_attention_layernorm(a)
         norm = self._mlp_norm()
         if m == 1.0 and isinstance(norm, RMSNorm):
-            return norm.add_and_norm(x, a)  # one step: a backend's norm takes both in one call
+            return *norm.add_and_norm(x, a), chose  # one step: a backend's norm takes both in one call
         x = x + (a if m == 1.0 else m * a)  # no extra op per layer where there is no multiplier
         if not self.has_mlp:
-            return x, None
-        return x, (x if norm is None else norm(x))
+            return x, None, chose
+        return x, (x if norm is None else norm(x)), chose
 
     def _mlp_norm(self) -> nn.Module | None:
         """The norm of the MLP / MoE's input (None: post-norm layers, and layers without an MLP)."""
@@ -135,12 +145,19 @@ class DecoderLayer(nn.Module):
     def block(
         self, x, cos, sin, mask, replay=None, cache=None, passed=None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The layer: (its output, the MoE's chosen experts [N, k] or None)."""
+        """The layer: (its output, the experts it chose: its one router's [N, k], its attention's and its MoE's
+        [N, 2, k] where both route (``routes``), or None). ``replay``: the same shape, experts to use instead."""
         m = self.residual_multiplier
-        x, h = self.mix(x, cos, sin, mask, cache, passed)
+        # the attention's replay and the MoE's: columns 0 and 1 where both route
+        attn_replay = replay if self.routes_attention else None
+        if self.routes == 2 and replay is not None:
+            attn_replay, replay = replay[:, 0], replay[:, 1]
+        elif self.routes_attention:
+            replay = None
+        x, h, chose = self.mix(x, cos, sin, mask, cache, passed, attn_replay)
         idx = None
         if h is None:
-            return (x if self.layer_scalar is None else x * self.layer_scalar), idx
+            return (x if self.layer_scalar is None else x * self.layer_scalar), chose
         if self.is_moe:
             out, idx = self.mlp(h.flatten(0, 1), replay)
             out = out.view_as(x)
@@ -154,6 +171,8 @@ class DecoderLayer(nn.Module):
         x = x + (out if m == 1.0 else m * out)
         if self.shortcut == "in":
             x = x + passed.carried[self.layer]
+        if chose is not None:
+            idx = chose if idx is None else torch.stack([chose, idx], dim=1)
         return (x if self.layer_scalar is None else x * self.layer_scalar), idx
 
 
@@ -177,7 +196,7 @@ class MoEModel(nn.Module):
         self.backend: str | None = None  # the kernels installed on it from outside ("cpu": ``moerl.cpu.install``)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = layer_norm(cfg, cfg.hidden_size)
+        self.norm = layer_norm(cfg, cfg.hidden_size, cfg.final_norm_eps or None)
         self.lm_head = (
             None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=cfg.lm_head_bias)
         )
@@ -248,10 +267,17 @@ class MoEModel(nn.Module):
         for i in self.moe_layer_ids:
             self.layers[i].mlp.experts.grouped = grouped
 
+    @property
+    def route_columns(self) -> list[int]:
+        """The layer of each R3 column of this model's forward (of its own layers, on a pipeline stage): one per MoE
+        layer, and before it one per layer whose attention routes (JetMoE's)."""
+        return [layer.layer for layer in self.layers if isinstance(layer, DecoderLayer) for _ in range(layer.routes)]
+
     def check_replay(self, replay: torch.Tensor, b: int, t: int) -> torch.Tensor:
         """``replay`` for a forward of [B=b, T=t] tokens, checked (shape, expert range: ReplayError naming them) and
         given its last row (-1) when it has T-1: int64 [b, t, L_moe, k]."""
-        n_moe, k = len(self.moe_layer_ids), self.config.top_k
+        columns = self.route_columns
+        n_moe, k = len(columns), self.config.top_k
         e = self.config.num_experts + self.config.zero_experts  # a zero-computation expert is replayed as any other
         if (
             replay.ndim != 4
@@ -273,7 +299,7 @@ class MoEModel(nn.Module):
             col = int(bad.nonzero()[0, 2])
             value = int(replay[..., col, :][bad[..., col, :]][0])
             raise ReplayError(
-                f"replay[..., {col}, :] (model layer {self.moe_layer_ids[col]}) holds expert {value}, "
+                f"replay[..., {col}, :] (model layer {columns[col]}) holds expert {value}, "
                 f"outside [0, {e}) (-1 means: use the router's own choice)"
             )
         if replay.shape[1] == t - 1:  # the last token has no recorded row: it routes itself
@@ -344,12 +370,16 @@ class MoEModel(nn.Module):
                 x,
                 *tables[layer.rope_kind],
                 masks[layer.mask_kind],
-                replay[:, col] if replay is not None and layer.is_moe else None,
+                None
+                if replay is None or not layer.routes
+                else replay[:, col : col + 2]
+                if layer.routes == 2
+                else replay[:, col],
                 cache,
                 passed,
             )
             if idx is not None:
-                routed.append(idx)
+                routed.extend(idx.unbind(1) if idx.ndim == 3 else [idx])
         keep = (capture or replay is not None) and routed
         routed = torch.stack(routed, dim=1).view(b, t, len(routed), -1) if keep else None
         if self.norm is None:

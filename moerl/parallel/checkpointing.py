@@ -49,10 +49,12 @@ def recompute(layer, block, x, cos, sin, mask, replay, passed, selective: bool =
     """``block(x, cos, sin, mask, replay, None, passed)`` of decoder ``layer``, keeping only its inputs for the
     backward, which computes it again with the experts the forward chose."""
     kept: list[torch.Tensor] = []  # the forward's choice of experts, replayed by the recomputation
-    if replay is None and layer.is_moe:
+    if replay is None and layer.routes:
         # every row routes itself (-1), through the router's replay path: the path the recomputation takes with the
         # kept choice, so both save the same tensors (torch checks that they do) and compute the same gate weights
-        replay = torch.full((x.shape[0] * x.shape[1], layer.mlp.router.top_k), -1, dtype=torch.long, device=x.device)
+        router = layer.mlp.router if layer.is_moe else layer.self_attn.router
+        rows = (x.shape[0] * x.shape[1], *([2] if layer.routes == 2 else []), router.top_k)
+        replay = torch.full(rows, -1, dtype=torch.long, device=x.device)
 
     def run(x, cos, sin, mask, replay):
         out, idx = block(x, cos, sin, mask, kept[0] if kept else replay, None, passed)

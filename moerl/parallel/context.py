@@ -2,7 +2,8 @@
 rows, and each runs the model on its contiguous part of every row's tokens (a row padded to a multiple of cp).
 
 Everything but attention works token by token, so a rank computes its part as one process would. Attention needs
-every earlier key: each attention layer's core (``Attention.core``, ``MLAttention.core``) is swapped for one that
+every earlier key: each attention layer's core (``Attention.core``, ``MLAttention.core``, JetMoE's
+``MixtureOfAttention.core``) is swapped for one that
 exchanges a part of the tokens for a part of the heads over the cp group (all-to-all, DeepSpeed-Ulysses' scheme),
 attends over the whole row for its heads with the whole row's mask (packing, padding, sliding windows, chunks, sinks),
 and exchanges back. The all-to-alls are differentiable: the backward sends the gradients back the way the rows came.
@@ -25,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moerl.model.attention import Attention, MLAttention, attend, build_mask
+from moerl.model.moa import MixtureOfAttention
 from moerl.parallel.expert import exchange
 from moerl.parallel.plan import check_context
 from moerl.parallel.world import World
@@ -105,7 +107,8 @@ class ContextSplit:
         check_context(world.cp, world.pp, model.config)
         self.model, self.world, self.masks = model, world, Masks()
         for module in model.modules():
-            if isinstance(module, (Attention, MLAttention)) and not isinstance(module.core, SplitAttention):
+            split = isinstance(module, (Attention, MLAttention, MixtureOfAttention))
+            if split and not isinstance(module.core, SplitAttention):
                 module.core = SplitAttention(world, self.masks, module.kind)
 
     def __call__(self, input_ids, positions=None, attention_mask=None, replay=None, adapters=None, head=None):

@@ -239,11 +239,11 @@ class Pipeline:
         self.last_stage = len(plan.ranges) - 1
         self.tied = model.config.tie_word_embeddings
         self.copy = tied_copy(model, plan)  # this rank's embedding is the last stage's copy
-        moe = sorted(model.config.moe_layers)  # the global MoE layer order: R3's columns
+        routed = model.config.route_layers()  # the layer of each of R3's columns, over the whole model
         self.modules = []
         for s in plan.stages:
             view = stage_view(model, plan, s)
-            columns = [moe.index(i) for i in view.moe_layer_ids]
+            columns = [j for j, i in enumerate(routed) if i in plan.ranges[s]]
             self.modules.append(StageModule(view, columns, s == 0, s == self.last_stage, logprobs))
 
     @property

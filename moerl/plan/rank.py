@@ -103,7 +103,7 @@ def worst_batch(cfg: ModelConfig, run: RunConfig, rows: int, length: int | None 
 
     t = length or run.rollout.max_model_len
     new = min(run.rollout.max_tokens, t - 1)
-    n_moe, k, e = len(cfg.moe_layers), cfg.top_k, cfg.num_experts
+    n_moe, k, e = len(cfg.route_layers()), cfg.top_k, cfg.num_experts  # R3 columns: JetMoE routes attention too
     routed = None
     if run.algo.r3 and n_moe:
         token = torch.arange(t - 1)[:, None, None]
