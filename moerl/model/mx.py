@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from moerl.model.grouped import Groups, group_mm, group_mm_wgrad
 from moerl.model.linear import Linear
+from moerl.model.moa import AttentionExperts
 from moerl.model.moe import Experts
 from moerl.model.swap import plain_class, replace_module, swapped
 
@@ -245,6 +246,13 @@ def apply_mxfp8(model: torch.nn.Module, mode: str = "rceil", keep: bool = False)
     _mode(mode)
     swaps = []
     for path, mod in model.named_modules():
+        if isinstance(mod, AttentionExperts):  # their own grouped GEMMs: no MX class of them (yet)
+            from moerl.errors import ConfigError
+
+            raise ConfigError(
+                f"mxfp8: {path} are a mixture of attention heads' experts (JetMoE's), whose grouped GEMMs are not "
+                "built in MXFP8; use policy.mode=full or lora"
+            )
         if not isinstance(mod, Linear | Experts):
             continue
         if plain_class(mod) not in (Linear, Experts):  # another mode's class (LoRA), or MXFP8 applied already
