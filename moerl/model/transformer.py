@@ -365,19 +365,11 @@ class MoEModel(nn.Module):
         for layer in self.layers:
             if not isinstance(layer, DecoderLayer):  # another pipeline stage's layer
                 continue
-            col = len(routed)
-            x, idx = layer(
-                x,
-                *tables[layer.rope_kind],
-                masks[layer.mask_kind],
-                None
-                if replay is None or not layer.routes
-                else replay[:, col : col + 2]
-                if layer.routes == 2
-                else replay[:, col],
-                cache,
-                passed,
-            )
+            rows = None  # the layer's R3 columns: [N, k] of its one router, [N, 2, k] of two (JetMoE's)
+            if replay is not None and layer.routes:
+                col = len(routed)
+                rows = replay[:, col] if layer.routes == 1 else replay[:, col : col + 2]
+            x, idx = layer(x, *tables[layer.rope_kind], masks[layer.mask_kind], rows, cache, passed)
             if idx is not None:
                 routed.extend(idx.unbind(1) if idx.ndim == 3 else [idx])
         keep = (capture or replay is not None) and routed
