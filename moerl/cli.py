@@ -280,14 +280,18 @@ def cmd_check_arch(args) -> None:
 
 def cmd_archs(args) -> None:
     """Each supported architecture, its model_type and what it runs on: every family trains and serves on the
-    native engine; the vLLM engine needs moerl's fp32-router model for it."""
+    native engine; the vLLM engine needs moerl's fp32-router model for it. Families loaded by derivation from their
+    config (any other MoE family transformers has) are listed where vLLM serves them too."""
     from moerl.bridges import bridge_for_arch, supported
-    from moerl.rollout.vllm_plugin import MODELS
+    from moerl.rollout.vllm_plugin import GPU_ONLY, MODELS
 
-    rows = [
-        (a, bridge_for_arch(a).model_type, "full (also vLLM)" if a in MODELS else "native engine only")
-        for a in supported()
-    ]
+    def engines(arch: str) -> str:
+        if arch not in MODELS:
+            return "native engine only"
+        return "full (also vLLM on a GPU build)" if arch in GPU_ONLY else "full (also vLLM)"
+
+    rows = [(a, bridge_for_arch(a).model_type, engines(a)) for a in supported()]
+    rows += [(a, "(derived)", engines(a)) for a in MODELS if a not in supported()]
     width = max(len(a) for a, _, _ in rows)
     print(f"{'architecture':<{width}}  {'model_type':<16} rollout engines")
     for arch, model_type, kinds in rows:

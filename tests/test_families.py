@@ -136,10 +136,14 @@ def test_archs_lists_every_family_and_its_engines(capsys):
 
     assert main(["archs"]) in (None, 0)
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
-    assert set(lines) == set(supported())
-    for arch in NEW_ARCHS + HYBRID_ARCHS:
+    derived_in_vllm = {"LagunaForCausalLM", "Cohere2MoeForCausalLM", "Llama4ForCausalLM", "Gemma4ForCausalLM"}
+    assert set(lines) == set(supported()) | derived_in_vllm
+    for arch in ["Ernie4_5_MoeForCausalLM", "JetMoeForCausalLM", *HYBRID_ARCHS]:
         assert lines[arch].endswith("native engine only")
-    assert lines["Qwen3MoeForCausalLM"].endswith("full (also vLLM)")
+    for arch in ["Qwen3MoeForCausalLM", "DbrxForCausalLM", *derived_in_vllm]:
+        assert lines[arch].endswith("full (also vLLM)"), lines[arch]
+    assert lines["LongcatFlashForCausalLM"].endswith("full (also vLLM on a GPU build)")
+    assert all(lines[a].split()[1] == "(derived)" for a in derived_in_vllm)
 
 
 def test_the_router_helper_fails_saying_it_found_none():

@@ -194,7 +194,8 @@ def test_gemma4_trains_in_every_mode(mode, tmp_path):
 
 def test_the_bound_decode_step_and_vllm_refuse_gemma4_by_name(checkpoint):
     """The CPU backend's bound decode step binds no sandwich norms: it names what it does not bind (the engine then
-    runs the modules); vLLM has no fp32-router model of the family."""
+    runs the modules); vLLM's CPU attention has no kernel for its heads of 16
+    (tests/test_vllm.py serves the family at heads of 32)."""
     from moerl.cpu import install
     from moerl.cpu.direct import _layer_refusal
     from moerl.cpu.kernels import kernel
@@ -210,7 +211,7 @@ def test_the_bound_decode_step_and_vllm_refuse_gemma4_by_name(checkpoint):
         _layer_refusal(model.layers[1], torch.float32) == "not a pre-norm decoder layer without a residual multiplier"
     )
     assert model.layers[1].self_attn.bound_refusal(torch.float32) == "values that are the keys, or normed values"
-    with pytest.raises(ConfigError, match=rf"rollout.engine=vllm with {ARCH}: moerl has no fp32-router vLLM model"):
+    with pytest.raises(ConfigError, match=rf"engine=vllm with {ARCH} .*heads of size \[16\]: vLLM's CPU attention"):
         make_engine("vllm", checkpoint[0], EngineConfig())
 
 

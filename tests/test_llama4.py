@@ -142,7 +142,8 @@ def test_llama4_trains_in_every_mode(mode, tmp_path):
 
 def test_the_bound_decode_step_and_vllm_refuse_llama4s_knobs_by_name(checkpoint):
     """The CPU backend's bound decode step binds neither chunks nor temperature tuning: it names what it does not bind,
-    layer by layer (the engine then runs the modules); vLLM has no fp32-router model of the family."""
+    layer by layer (the engine then runs the modules); vLLM's Llama 4 places its MoE layers by
+    interleave_moe_layer_step alone (tests/test_vllm.py serves the family)."""
     from moerl.cpu import install
     from moerl.cpu.direct import _layer_refusal
     from moerl.cpu.kernels import kernel
@@ -156,7 +157,7 @@ def test_the_bound_decode_step_and_vllm_refuse_llama4s_knobs_by_name(checkpoint)
     install(model)
     assert _layer_refusal(model.layers[1], torch.float32) == "chunked attention"
     assert _layer_refusal(model.layers[2], torch.float32) == "temperature tuning of the queries"
-    with pytest.raises(ConfigError, match=rf"rollout.engine=vllm with {ARCH}: moerl has no fp32-router vLLM model"):
+    with pytest.raises(ConfigError, match=rf"engine=vllm with {ARCH} .*moe_layers \[1, 2, 3\] are not the layers"):
         make_engine("vllm", checkpoint[0], EngineConfig())
 
 

@@ -128,20 +128,35 @@ def test_pipeline_stages_keep_each_pair_whole(checkpoint):
         dataclasses.replace(cfg, q_lora_rank=None)
 
 
-def test_the_bound_decode_step_and_vllm_refuse_longcat_by_name(checkpoint):
+def test_the_bound_decode_step_vllm_on_a_cpu_and_other_zero_experts_are_refused_by_name(checkpoint, tmp_path):
     """The CPU backend's bound decode step does not carry the MoE output between layers: it names it (the engine
-    then runs the modules); vLLM has no fp32-router model of the family."""
+    then runs the modules); vLLM's CPU build cannot route zero-computation experts (a CUDA-only kernel); zero
+    experts other than the identity, and unscaled low-rank parts, are not built."""
+    import json
+    import shutil
+
     from moerl.cpu import install
     from moerl.cpu.direct import _layer_refusal
     from moerl.cpu.kernels import kernel
     from moerl.engine import EngineConfig
     from moerl.rollout import make_engine
 
+    pytest.importorskip("vllm")
+    with pytest.raises(ConfigError, match=rf"engine=vllm with {ARCH} .*CPU build routes zero-computation experts"):
+        make_engine("vllm", checkpoint[0], EngineConfig())
+    for field, value, says in [
+        ("zero_expert_type", "drop", r"field 'zero_expert_type' is 'drop'; .* allow: identity"),
+        ("mla_scale_q_lora", False, r"unscaled low-rank attention parts \(mla_scale_\*_lora false\): not built"),
+    ]:
+        other = tmp_path / field
+        shutil.copytree(checkpoint[0], other)
+        hf = json.loads((other / "config.json").read_text()) | {field: value}
+        (other / "config.json").write_text(json.dumps(hf))
+        with pytest.raises(ConfigError, match=says):
+            load_model(other, dtype=torch.float32)
     if kernel() is None:
         pytest.skip("the CPU backend's kernels do not build on this host")
     model = load_model(checkpoint[0], dtype=torch.float32)
     install(model)
     why = _layer_refusal(model.layers[0], torch.float32)
     assert why == "a MoE output carried past the next layer (LongCat-Flash's pairs)"
-    with pytest.raises(ConfigError, match=rf"rollout.engine=vllm with {ARCH}: moerl has no fp32-router vLLM model"):
-        make_engine("vllm", checkpoint[0], EngineConfig())

@@ -34,6 +34,11 @@ def config_from_hf(c: HFConfig) -> ModelConfig:
         raise ConfigError(f"{c.source}: field 'hidden_act' is {act!r}; LongCat-Flash's MLPs and experts allow: silu")
     if c.opt("mla_scale_q_lora", bool, True) is False or c.opt("mla_scale_kv_lora", bool, True) is False:
         raise ConfigError(f"{c.source}: unscaled low-rank attention parts (mla_scale_*_lora false): not built")
+    zero = c.opt("zero_expert_type", str, "identity")
+    if zero != "identity":  # a zero-computation expert returns its input, times its gate weight
+        raise ConfigError(
+            f"{c.source}: field 'zero_expert_type' is {zero!r}; moerl's zero-computation experts allow: identity"
+        )
     return ModelConfig(
         vocab_size=c.req("vocab_size", int),
         hidden_size=hidden,

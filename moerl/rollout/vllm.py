@@ -46,6 +46,7 @@ class HFStaging:
         self.key, self.layout = None, None
         self.rows: dict[str, torch.Tensor] = {}  # each parted tensor's rows sent so far in this update
         self.joining: dict[str, torch.Tensor] = {}  # parts of a tensor the checkpoint holds whole, in host memory
+        self.fusing: dict[str, torch.Tensor] = {}  # checkpoint tensors the checkpoint fuses into one (``Fused``)
         self.shapes: dict[str, torch.Size] | None = None  # the model's parameter shapes, once a part arrives
 
     def put(self, tensors: dict[str, torch.Tensor]) -> dict | None:
@@ -58,7 +59,7 @@ class HFStaging:
         key = tuple((n, t.data_ptr(), t._version, tuple(t.shape)) for n, t in tensors.items())
         with self.lock:
             if key != self.key:
-                hf = {h: t for n, x in tensors.items() for h, t in self._to_hf(n, x)}
+                hf = self._fuse({h: t for n, x in tensors.items() for h, t in self._to_hf(n, x)})
                 self.key, self.layout = key, self.writer.put(hf, append=True) if hf else None
             return self.layout
 
@@ -86,6 +87,23 @@ class HFStaging:
         del self.joining[name]
         return list(to_hf(self.bridge, name, whole, self.model_config))
 
+    def _fuse(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``hf`` with the parts of a tensor the checkpoint fuses (DBRX's ``Wqkv`` from q / k / v) held back until
+        all of its parts have come, then joined into it: vLLM's loaders take the checkpoint's own tensors."""
+        from moerl.bridges.checkpoint import fused
+
+        parts = [n for n in hf if self._fused_part(n)]
+        if not parts:
+            return hf
+        self.fusing |= {n: hf.pop(n) for n in parts}
+        joined = fused(self.bridge, self.fusing, self.model_config)  # joins complete sets in place
+        return hf | {n: joined.pop(n) for n in list(joined) if not self._fused_part(n)}
+
+    def _fused_part(self, name: str) -> bool:
+        from moerl.bridges.base import match
+
+        return any(match(p, name) is not None for f in self.bridge.fused for p in f._parts_re)
+
     def _shape(self, name: str, key: str) -> torch.Size:
         """Parameter ``name``'s whole shape, from the model built on the meta device (nothing allocated)."""
         if self.shapes is None:
@@ -103,12 +121,17 @@ class HFStaging:
             if not rows.all():
                 missing = (~rows).nonzero().flatten().tolist()
                 raise CheckpointError(f"update_weights: tensor {name!r}: rows {missing[:8]} not sent; nothing applied")
+        if self.fusing:  # e.g. a LoRA sync whose adapters touch q but not k / v of a fused Wqkv
+            raise CheckpointError(
+                f"update_weights: {sorted(self.fusing)[:4]} came without the other tensors the checkpoint fuses them "
+                "with (a vLLM engine loads the fused tensor whole); nothing applied"
+            )
 
     def reset(self) -> None:
         """The next bucket starts a new update at byte 0."""
         with self.lock:
             self.writer.reset()
-            self.key, self.rows, self.joining = None, {}, {}
+            self.key, self.rows, self.joining, self.fusing = None, {}, {}, {}
 
     def release(self) -> None:
         """Every engine has mapped the buffer: its file goes (nothing left in /dev/shm if this process crashes)."""

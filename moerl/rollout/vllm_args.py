@@ -118,7 +118,8 @@ def cpu_binds(n: int, threads: int) -> list[str | None]:
 
 def refuse(spec: EngineSpec, hf_config: dict) -> None:
     """Refuse by name a model vLLM would serve wrongly or die on: a quantized checkpoint (syncs write full-precision
-    tensors), an architecture without moerl's fp32-router model class, an MLA latent vLLM's CPU kernel lacks."""
+    tensors), an architecture without moerl's fp32-router model class, and what vLLM's CPU build lacks a kernel for
+    (LongCat-Flash's router, a head size, an MLA latent) or vLLM's Llama 4 cannot lay out."""
     from moerl.rollout.vllm_plugin import MODELS
 
     if hf_config.get("quantization_config") is not None:  # weight sync sends dequantized tensors
@@ -132,10 +133,61 @@ def refuse(spec: EngineSpec, hf_config: dict) -> None:
             f"rollout.engine=vllm with {arch}: moerl has no fp32-router vLLM model for it (vLLM engines serve "
             f"{', '.join(MODELS)}); use rollout.engine=native"
         )
+    if arch == "LongcatFlashForCausalLM" and cpu_build():
+        raise ConfigError(  # its engine would die at the first prefill, its reason in its own process's log
+            f"rollout.engine=vllm with {arch} ({spec.model}): vLLM's CPU build routes zero-computation experts with "
+            "a CUDA-only kernel (_moe_C.topk_softmax), which its LongCat-Flash takes for every MoE layer; use "
+            "rollout.engine=native, or a GPU build of vLLM"
+        )
+    _refuse_llama4(spec, hf_config, arch)
+    _refuse_cpu_head_sizes(spec, hf_config, arch)
     latent = (hf_config.get("kv_lora_rank"), hf_config.get("qk_rope_head_dim"))
     if latent[0] is not None and latent != (512, 64) and cpu_build():
         raise ConfigError(  # its engine would die at the first decode, its reason in its own process's log
             f"rollout.engine=vllm with {arch} of kv_lora_rank {latent[0]} and qk_rope_head_dim {latent[1]} "
             f"({spec.model}): vLLM's CPU MLA kernel serves only kv_lora_rank 512 with qk_rope_head_dim 64 "
             "(DeepSeek-V3's own); use rollout.engine=native, or a GPU build of vLLM"
+        )
+
+
+def _refuse_llama4(spec: EngineSpec, hf_config: dict, arch: str) -> None:
+    """Llama 4 layouts vLLM's Llama 4 cannot load or serve: it places MoE layers by ``interleave_moe_layer_step``
+    alone (not ``moe_layers``), and its chunked attention needs chunks a whole number of KV blocks."""
+    if arch != "Llama4ForCausalLM":
+        return
+    text = hf_config.get("text_config") or hf_config
+    n, step = text.get("num_hidden_layers"), text.get("interleave_moe_layer_step", 1)
+    placed = [i for i in range(n or 0) if step and (i + 1) % step == 0]
+    if text.get("moe_layers") is not None and list(text["moe_layers"]) != placed:
+        raise ConfigError(
+            f"rollout.engine=vllm with {arch} ({spec.model}): moe_layers {text['moe_layers']} are not the layers "
+            f"interleave_moe_layer_step={step} places ({placed}), and vLLM's Llama 4 places them by the step alone; "
+            "use rollout.engine=native"
+        )
+    chunk, block = text.get("attention_chunk_size"), spec.vllm_args.get("block_size") or (128 if cpu_build() else None)
+    if chunk and block and chunk % block:
+        raise ConfigError(
+            f"rollout.engine=vllm with {arch} ({spec.model}): attention_chunk_size {chunk} is not a multiple of vLLM's "
+            f"KV block size {block} (rollout.vllm_args.block_size; vLLM's CPU attention takes multiples of 32)"
+        )
+
+
+def _refuse_cpu_head_sizes(spec: EngineSpec, hf_config: dict, arch: str) -> None:
+    """Attention heads vLLM's CPU attention has no kernel for (it fails at the first prefill, in its own process)."""
+    from moerl.bridges.base import HFConfig
+    from moerl.bridges.find import get_bridge
+
+    if not cpu_build():
+        return
+    cfg = get_bridge(hf_config, source=spec.model).config_from_hf(HFConfig(hf_config, spec.model))
+    if cfg.attention == "mla":
+        return  # its own kernel, checked by its latent's sizes
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    served = CPUAttentionBackend.get_supported_head_sizes()
+    sizes = {cfg.head_dim, cfg.sliding_head_dim or cfg.head_dim, cfg.v_head_dim or cfg.head_dim}
+    if sizes - set(served):
+        raise ConfigError(
+            f"rollout.engine=vllm with {arch} ({spec.model}): attention heads of size {sorted(sizes - set(served))}: "
+            f"vLLM's CPU attention serves heads of {', '.join(map(str, served))}; use rollout.engine=native"
         )
