@@ -44,7 +44,7 @@ from moerl.engine.kv_cache import KVCache, StepView
 from moerl.errors import ConfigError
 from moerl.model.grouped import device_kernel
 from moerl.model.moe import MoE
-from moerl.model.mx import MXExperts, MXLinear, refresh_kept
+from moerl.model.mx import MXAttentionExperts, MXExperts, MXLinear, refresh_kept
 from moerl.model.swap import replace_module, swapped
 from moerl.model.transformer import MoEModel
 
@@ -209,7 +209,7 @@ class CompiledDecode:
         inputs = self._inputs(ids, positions, tables, adapters)
         if self.first:  # the modules as the graph is compiled for them (a later swap recompiles it: see below)
             modules = list(self.model.modules())
-            self._mx = [m for m in modules if isinstance(m, MXLinear | MXExperts)]
+            self._mx = [m for m in modules if isinstance(m, MXLinear | MXExperts | MXAttentionExperts)]
             self._dense = frozenset(id(m.experts) for m in modules if isinstance(m, GraphMoE) and m.dense)
             self._packed = [m for m in modules if hasattr(m, "refresh_panels")]
         # MXFP8 (applied to the engine's model after it is built): the quantized weights the graph reads, made before

@@ -22,13 +22,22 @@ from moerl.model.rope import apply_rope
 
 
 class AttentionExperts(nn.Module):
-    """E attention experts: ``q_proj`` [E, Hkv * d, H] and ``o_proj`` [E, H, Hkv * d]."""
+    """E attention experts: ``q_proj`` [E, Hkv * d, H] and ``o_proj`` [E, H, Hkv * d], each applied to the (token,
+    slot) pairs sorted by expert as one grouped GEMM (a mode swaps the class: ``moerl.model.mx``)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         e, h, inner = cfg.num_experts, cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
         self.q_proj = nn.Parameter(torch.empty(e, inner, h))
         self.o_proj = nn.Parameter(torch.empty(e, h, inner))
+
+    def queries(self, x: torch.Tensor, groups: Groups) -> torch.Tensor:
+        """x [pairs, H] -> [pairs, Hkv * d]."""
+        return group_mm(x, self.q_proj.transpose(1, 2), groups)
+
+    def outputs(self, x: torch.Tensor, groups: Groups) -> torch.Tensor:
+        """x [pairs, Hkv * d] -> [pairs, H]."""
+        return group_mm(x, self.o_proj.transpose(1, 2), groups)
 
 
 class MixtureOfAttention(nn.Module):
@@ -63,7 +72,7 @@ class MixtureOfAttention(nn.Module):
         # the (token, slot) pairs sorted by expert: one grouped GEMM per projection
         order = idx.reshape(-1).argsort(stable=True)
         token, groups = order // k, Groups(idx.reshape(-1)[order], self.num_experts)
-        q = group_mm(flat.index_select(0, token), self.experts.q_proj.transpose(1, 2), groups)
+        q = self.experts.queries(flat.index_select(0, token), groups)
         q = torch.empty_like(q).index_copy_(0, order, q)  # back to slot order [B * T * k, Hkv * d]
         # query heads ordered (key head, slot): slot j's head h is head h * k + j, which GQA pairs with key head h
         q = q.view(b, t, k, nkv, d).transpose(2, 3).reshape(b, t, nkv * k, d)
@@ -73,7 +82,7 @@ class MixtureOfAttention(nn.Module):
         out = cached_attention(self, q, key, v, mask, cache)
         # [B, T, Hkv * k * d] in (key head, slot) order -> each slot's heads together, in the pairs' order
         out = out.view(b, t, nkv, k, d).transpose(2, 3).reshape(b * t * k, nkv * d).index_select(0, order)
-        y = group_mm(out, self.experts.o_proj.transpose(1, 2), groups)
+        y = self.experts.outputs(out, groups)
         y = y * weights.reshape(-1)[order, None].to(y.dtype)
         y = torch.zeros_like(flat).index_add_(0, token, y)
         if self.bias is not None:

@@ -140,16 +140,18 @@ def mx_group_mm(x: torch.Tensor, w: torch.Tensor, groups, mode: str, wq: torch.T
     return _MXGroupedMM.apply(x, w, groups, mode)
 
 
-def _kept_key(w: torch.Tensor, dim: int, mode: str) -> tuple:
-    """One kept quantization per weight layout: shape, strides (a transposed view is another), dim, mode."""
-    return (tuple(w.shape), w.stride(), dim, mode)
+def _kept_key(w: torch.Tensor, dim: int, mode: str, tag: str) -> tuple:
+    """One kept quantization per weight layout: shape, strides (a transposed view is another), dim, mode, and the
+    owner's ``tag`` for the weight where two of its weights can share a layout (JetMoE's q and o experts when
+    H == Hkv * d)."""
+    return (tuple(w.shape), w.stride(), dim, mode, tag)
 
 
-def kept_quant(owner: torch.nn.Module, w: torch.Tensor, dim: int, mode: str) -> torch.Tensor:
+def kept_quant(owner: torch.nn.Module, w: torch.Tensor, dim: int, mode: str, tag: str = "") -> torch.Tensor:
     """``mx_fake_quant(w, dim, mode)``, kept on ``owner`` while ``w`` is unchanged. An engine's weights change only
     at a sync (an in-place copy, which bumps the tensor's version counter) but every step quantized them again. One
-    entry per weight layout (shape, strides, dim, mode), replaced when the tensor or its version differs."""
-    key = _kept_key(w, dim, mode)
+    entry per weight layout (shape, strides, dim, mode, tag), replaced when the tensor or its version differs."""
+    key = _kept_key(w, dim, mode, tag)
     kept = owner.__dict__.setdefault("_mx_kept", {})
     hit = kept.get(key)
     stamp = (w.data_ptr(), w._version)
@@ -167,21 +169,21 @@ def kept_quant(owner: torch.nn.Module, w: torch.Tensor, dim: int, mode: str) -> 
 
 
 @torch.compiler.substitute_in_graph(kept_quant)
-def _kept_quant_in_graph(owner: torch.nn.Module, w: torch.Tensor, dim: int, mode: str) -> torch.Tensor:
+def _kept_quant_in_graph(owner: torch.nn.Module, w: torch.Tensor, dim: int, mode: str, tag: str = "") -> torch.Tensor:
     """``kept_quant`` as a compiled graph traces it, which cannot check a tensor's version: the tensor kept for ``w``,
     an input of the graph that the compiled decode step brings up to date before each step (``refresh_kept``), or
     where none is kept yet ``w`` quantized in the graph."""
-    q = owner.__dict__.get("_mx_graph", {}).get(_kept_key(w, dim, mode))
+    q = owner.__dict__.get("_mx_graph", {}).get(_kept_key(w, dim, mode, tag))
     return mx_fake_quant(w, dim, mode) if q is None else q
 
 
-def weight_quant(owner: torch.nn.Module, w: torch.Tensor, dim: int, mode: str) -> torch.Tensor | None:
+def weight_quant(owner: torch.nn.Module, w: torch.Tensor, dim: int, mode: str, tag: str = "") -> torch.Tensor | None:
     """``w`` quantized for a forward without autograd (an engine's, kept: ``kept_quant``), or None with autograd (the
     GEMM's autograd function quantizes). None too where ``owner`` keeps nothing (``apply_mxfp8(keep=False)``: a
     trainer's, quantized at every forward)."""
     if torch.is_grad_enabled() or not owner.keeps:
         return None
-    return kept_quant(owner, w, dim, mode)
+    return kept_quant(owner, w, dim, mode, tag)
 
 
 def refresh_kept(modules: Iterable[torch.nn.Module], dense: frozenset[int] = frozenset()) -> None:
@@ -189,9 +191,9 @@ def refresh_kept(modules: Iterable[torch.nn.Module], dense: frozenset[int] = fro
     those given up to date with its weight (``kept_quant``: nothing when unchanged, an in-place update after a sync).
     ``dense``: the ids of the experts the graph runs on their dense path (``Experts._dense``)."""
     for m in modules:
-        if isinstance(m, MXLinear | MXExperts) and m.keeps:
-            for w, dim in m.graph_weights(id(m) in dense):
-                kept_quant(m, w, dim, m.mode)
+        if isinstance(m, MXLinear | MXExperts | MXAttentionExperts) and m.keeps:
+            for w, dim, *tag in m.graph_weights(id(m) in dense):
+                kept_quant(m, w, dim, m.mode, *tag)
 
 
 class MXLinear(Linear):
@@ -237,32 +239,46 @@ class MXExperts(Experts):
         return [(self.gate_up_proj.transpose(1, 2), 1), (self.down_proj.transpose(1, 2), 1)]
 
 
+class MXAttentionExperts(AttentionExperts):
+    """JetMoE's attention experts whose grouped GEMMs take MXFP8 operands (their q and o weights kept apart: a tag
+    each, their layouts can be equal)."""
+
+    mode: str
+    keeps = False  # as MXLinear's
+
+    def queries(self, x: torch.Tensor, groups: Groups) -> torch.Tensor:
+        w = self.q_proj.transpose(1, 2)
+        return mx_group_mm(x, w, groups, self.mode, weight_quant(self, w, 1, self.mode, "q"))
+
+    def outputs(self, x: torch.Tensor, groups: Groups) -> torch.Tensor:
+        w = self.o_proj.transpose(1, 2)
+        return mx_group_mm(x, w, groups, self.mode, weight_quant(self, w, 1, self.mode, "o"))
+
+    def graph_weights(self, dense: bool = False) -> list[tuple[torch.Tensor, int, str]]:
+        """The (weight, reduction dim, tag) triples a compiled forward quantizes."""
+        return [(self.q_proj.transpose(1, 2), 1, "q"), (self.o_proj.transpose(1, 2), 1, "o")]
+
+
 def apply_mxfp8(model: torch.nn.Module, mode: str = "rceil", keep: bool = False) -> None:
-    """Swap every projection and the routed experts of ``model`` for their MXFP8 classes (not the router,
-    embeddings, lm_head, norms or the shared-expert gate: plain modules no mode touches). ``keep``: forwards without
-    autograd quantize each weight once per version of it (``kept_quant``), for an engine, whose weights change only
-    by a sync's in-place copy. Not for a trainer: FSDP writes a layer's gathered weights into the same storage
-    without bumping their version, so a kept quantization would outlive an optimizer step."""
+    """Swap every projection, the routed experts and the attention experts (JetMoE's) of ``model`` for their MXFP8
+    classes (not the router, embeddings, lm_head, norms or the shared-expert gate: plain modules no mode touches).
+    ``keep``: forwards without autograd quantize each weight once per version of it (``kept_quant``), for an engine,
+    whose weights change only by a sync's in-place copy. Not for a trainer: FSDP writes a layer's gathered weights
+    into the same storage without bumping their version, so a kept quantization would outlive an optimizer step."""
     _mode(mode)
     swaps = []
+    classes = {Linear: MXLinear, Experts: MXExperts, AttentionExperts: MXAttentionExperts}
     for path, mod in model.named_modules():
-        if isinstance(mod, AttentionExperts):  # their own grouped GEMMs: no MX class of them (yet)
-            from moerl.errors import ConfigError
-
-            raise ConfigError(
-                f"mxfp8: {path} are a mixture of attention heads' experts (JetMoE's), whose grouped GEMMs are not "
-                "built in MXFP8; use policy.mode=full or lora"
-            )
-        if not isinstance(mod, Linear | Experts):
+        if not isinstance(mod, Linear | Experts | AttentionExperts):
             continue
-        if plain_class(mod) not in (Linear, Experts):  # another mode's class (LoRA), or MXFP8 applied already
+        if plain_class(mod) not in classes:  # another mode's class (LoRA), or MXFP8 applied already
             from moerl.errors import ConfigError
 
             raise ConfigError(
                 f"mxfp8: {path} is a {type(mod).__name__}; MXFP8 applies to a plain model's projections and experts "
                 "only (LoRA and MXFP8 are separate modes, and MXFP8 applies once)"
             )
-        new = swapped(mod, MXLinear if isinstance(mod, Linear) else MXExperts)
+        new = swapped(mod, classes[plain_class(mod)])
         new.mode, new.keeps = mode, keep
         swaps.append((path, new))
     for path, new in swaps:
@@ -273,4 +289,6 @@ def quantized_weight(name: str, model: torch.nn.Module) -> bool:
     """Whether parameter ``name`` of ``model`` is a weight whose GEMMs MXFP8 quantizes (of an MX linear layer or
     MX experts): a weight sync sends it quantized."""
     module = model.get_submodule(name.rsplit(".", 1)[0])
+    if isinstance(module, MXAttentionExperts):
+        return name.endswith(("q_proj", "o_proj"))
     return isinstance(module, MXLinear | MXExperts) and name.endswith(("weight", "gate_up_proj", "down_proj"))
