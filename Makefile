@@ -32,7 +32,7 @@ TEST_WORKERS ?= 2
 test: $(TEST_STAMP)
 	$(PY) -m moerl.precision
 	$(PY) -m ruff check moerl moerl_chat tests benchmarks
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15  # the slowest tests, to keep CI within its budget
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30  # the slowest tests, to keep CI within its budget
 	$(MAKE) docs
 
 # the docs site (mkdocs.yml, docs/) into site/, strict: a broken link or a page missing from the nav fails. Two pages are

@@ -28,6 +28,7 @@ SLOW_FILES = [
     "test_parallel.py",
     "test_compiled_decode.py",
     "test_plan.py",
+    "test_gpu_check.py",  # one test of 1.5-3 min (the GPU check's dry run): not the suite's last
 ]
 
 
