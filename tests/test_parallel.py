@@ -842,24 +842,26 @@ def test_context_parallel_attention_kinds_train_as_in_one_process(attention_kind
 def expert_kinds(tmp_path_factory):
     """Llama 4 (the gate weight on the one expert's input) and Gemma 4 (the experts beside a dense MLP, the router's
     own norm and per-expert scale), derived with no bridge file, LongCat-Flash (zero-computation experts, the MoE
-    output carried to the next layer) and JetMoE (attention experts routed beside the MoE's, R3 columns for both):
-    each checkpoint and its one-process step, and their steps with the experts split over ep 2 (one launch)."""
+    output carried to the next layer), JetMoE (attention experts routed beside the MoE's, R3 columns for both) and
+    GLM-5 (a layer reading the keys an earlier layer's indexer chose, handed on through the sharded forward): each
+    checkpoint and its one-process step, and their steps with the experts split over ep 2 (one launch)."""
     from hf_models import build_hf_model
 
     where = tmp_path_factory.mktemp("experts")
     archs = {"llama4": "Llama4ForCausalLM", "gemma4": "Gemma4ForCausalLM", "longcat": "LongcatFlashForCausalLM"}
     archs["jetmoe"] = "JetMoeForCausalLM"  # the MoE's experts split, the attention's replicated
+    archs["glm5"] = "GlmMoeDsaForCausalLM"  # its second layer reads the keys the first one's indexer chose
     for name, arch in archs.items():
         build_hf_model(arch).save_pretrained(where / name)
     return _one_and_launched(where, list(archs), "1,2,1")
 
 
-@pytest.mark.parametrize("arch", ["llama4", "gemma4", "longcat", "jetmoe"])
+@pytest.mark.parametrize("arch", ["llama4", "gemma4", "longcat", "jetmoe", "glm5"])
 def test_expert_parallel_moe_blocks_of_2026_train_as_in_one_process(expert_kinds, arch):
     """At ep 2 each rank holds 4 of the 8 experts: Llama 4's gate weight scaling the expert's input, Gemma 4's dense
     MLP beside the experts (replicated, its norms and the router's scales with it) and LongCat-Flash's pairs routed to
-    its 4 zero-computation experts (they stay on the token's rank) give one process's step (fp32, R3 replay on, the
-    zero experts among the replayed ones, packed rows)."""
+    its 4 zero-computation experts (they stay on the token's rank) give one process's step, as GLM-5's shared-keys
+    layer does (fp32, R3 replay on, the zero experts among the replayed ones, packed rows)."""
     one, two = expert_kinds
     differences = _step_differences(*one[arch], *two[arch], "full", "float32", 1e-6)
     assert not differences, differences
