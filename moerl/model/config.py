@@ -595,12 +595,14 @@ class ModelConfig:
                 "moe_shortcut", "built with attention in every layer, without shared experts or other MoE blocks"
             )
 
+    def attention_routes(self, layer: int) -> bool:
+        """Whether ``layer``'s attention routes its tokens (``attention`` "moa", JetMoE's): an R3 column of its own."""
+        return self.attention == "moa" and self.layer_types[layer] in ATTENTION_KINDS
+
     def route_layers(self) -> list[int]:
-        """The layer of each R3 column: one per MoE layer and, before it, one per layer whose attention routes
-        (``attention`` "moa", JetMoE's)."""
-        moa = self.attention == "moa"
-        routes = [int(moa and t in ATTENTION_KINDS) + (i in self.moe_layer_set) for i, t in enumerate(self.layer_types)]
-        return [i for i, n in enumerate(routes) for _ in range(n)]
+        """The layer of each R3 column: one per MoE layer and, before it, one per layer whose attention routes."""
+        counts = [int(self.attention_routes(i)) + (i in self.moe_layer_set) for i in range(self.num_layers)]
+        return [i for i, n in enumerate(counts) for _ in range(n)]
 
     def stage_bound(self) -> set[int]:
         """Layers that read what an earlier layer handed on within a forward (GLM-5's shared indexer layers, the

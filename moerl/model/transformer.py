@@ -15,7 +15,7 @@ from torch import nn
 
 from moerl.errors import ReplayError
 from moerl.model.attention import KVCacheView, build_mask
-from moerl.model.config import ATTENTION_KINDS, ModelConfig
+from moerl.model.config import ModelConfig
 from moerl.model.mixers import build_mixer, is_recurrent
 from moerl.model.moe import MLP, MoE, mlp_activation
 from moerl.model.norms import RMSNorm, layer_norm
@@ -59,7 +59,7 @@ class DecoderLayer(nn.Module):
             self.post_attention_layernorm = layer_norm(cfg, cfg.hidden_size)
         self.is_moe = layer in cfg.moe_layer_set
         # JetMoE's attention routes its queries too (attention "moa"): R3 columns, the attention's before the MoE's
-        self.routes_attention = cfg.attention == "moa" and kind in ATTENTION_KINDS
+        self.routes_attention = cfg.attention_routes(layer)
         self.routes = int(self.routes_attention) + int(self.is_moe)
         # Gemma 4's MoE layers: the MoE block takes the residual stream and norms its MLP's input itself
         self.block_norms_input = self.is_moe and cfg.moe_beside_mlp
