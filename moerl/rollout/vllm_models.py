@@ -1,8 +1,10 @@
 """vLLM model classes with fp32 routers (registered by ``moerl.rollout.vllm_plugin``; imported by vLLM only).
 
 Each class is vLLM's own model for one of moerl's architectures, with every MoE gate rebuilt in fp32 after
-``__init__`` and every MoE router hooked to report its chosen experts (``moerl.rollout.vllm_routes``); nothing else
-changes.
+``__init__`` and every MoE router hooked to report its chosen experts (``moerl.rollout.vllm_routes``). Where vLLM's
+own class would route or load a family otherwise than its checkpoint says (Gemma 4's router input in bf16, Laguna's
+selection bias dropped, DBRX's experts not found, sigmoid routing on the CPU build), the class mends that, each
+named where it is done; nothing else changes.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from vllm.model_executor.models.olmoe import OlmoeForCausalLM
 from vllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 
+from moerl.model.norms import unit_rms
 from moerl.rollout.vllm_routes import bind
 
 
@@ -62,15 +65,14 @@ def fp32_gates(model: torch.nn.Module) -> int:
 
 
 class _UnitRMS(torch.nn.Module):
-    """x / sqrt(mean(x^2) + eps) in fp32 from any input dtype (moerl's router input norm)."""
+    """moerl's router input norm (``unit_rms``) in fp32 from any input dtype."""
 
     def __init__(self, eps: float):
         super().__init__()
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.float()
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return unit_rms(x.float(), self.eps)
 
 
 def fp32_router_inputs(model: torch.nn.Module) -> int:
