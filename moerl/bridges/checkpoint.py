@@ -192,7 +192,7 @@ def fused(bridge: Bridge, tensors: dict[str, torch.Tensor], cfg: ModelConfig) ->
     return tensors
 
 
-def _stored_as(bridge: Bridge, name: str) -> str:
+def stored_as(bridge: Bridge, name: str) -> str:
     """The checkpoint name tensor ``name`` is stored under: its fused tensor's, when the bridge fuses it."""
     for f in bridge.fused:
         for part in f._parts_re:
@@ -400,7 +400,7 @@ def read_model(
                 filled[target] += dest.numel()
                 seen.add(part)
     missing = [
-        _stored_as(bridge, hf_name)
+        stored_as(bridge, hf_name)
         for target, n in filled.items()
         if n < params[target].numel()
         for hf_name, _ in to_hf(bridge, target, params[target], cfg, shares.get(target))

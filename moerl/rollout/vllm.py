@@ -90,19 +90,14 @@ class HFStaging:
     def _fuse(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``hf`` with the parts of a tensor the checkpoint fuses (DBRX's ``Wqkv`` from q / k / v) held back until
         all of its parts have come, then joined into it: vLLM's loaders take the checkpoint's own tensors."""
-        from moerl.bridges.checkpoint import fused
+        from moerl.bridges.checkpoint import fused, stored_as
 
-        parts = [n for n in hf if self._fused_part(n)]
+        parts = [n for n in hf if stored_as(self.bridge, n) != n]
         if not parts:
             return hf
         self.fusing |= {n: hf.pop(n) for n in parts}
         joined = fused(self.bridge, self.fusing, self.model_config)  # joins complete sets in place
-        return hf | {n: joined.pop(n) for n in list(joined) if not self._fused_part(n)}
-
-    def _fused_part(self, name: str) -> bool:
-        from moerl.bridges.base import match
-
-        return any(match(p, name) is not None for f in self.bridge.fused for p in f._parts_re)
+        return hf | {n: joined.pop(n) for n in list(joined) if stored_as(self.bridge, n) == n}
 
     def _shape(self, name: str, key: str) -> torch.Size:
         """Parameter ``name``'s whole shape, from the model built on the meta device (nothing allocated)."""

@@ -120,7 +120,7 @@ def refuse(spec: EngineSpec, hf_config: dict) -> None:
     """Refuse by name a model vLLM would serve wrongly or die on: a quantized checkpoint (syncs write full-precision
     tensors), an architecture without moerl's fp32-router model class, and what vLLM's CPU build lacks a kernel for
     (LongCat-Flash's router, a head size, an MLA latent) or vLLM's Llama 4 cannot lay out."""
-    from moerl.rollout.vllm_plugin import MODELS
+    from moerl.rollout.vllm_plugin import GPU_ONLY, MODELS
 
     if hf_config.get("quantization_config") is not None:  # weight sync sends dequantized tensors
         raise ConfigError(
@@ -133,10 +133,9 @@ def refuse(spec: EngineSpec, hf_config: dict) -> None:
             f"rollout.engine=vllm with {arch}: moerl has no fp32-router vLLM model for it (vLLM engines serve "
             f"{', '.join(MODELS)}); use rollout.engine=native"
         )
-    if arch == "LongcatFlashForCausalLM" and cpu_build():
+    if arch in GPU_ONLY and cpu_build():
         raise ConfigError(  # its engine would die at the first prefill, its reason in its own process's log
-            f"rollout.engine=vllm with {arch} ({spec.model}): vLLM's CPU build routes zero-computation experts with "
-            "a CUDA-only kernel (_moe_C.topk_softmax), which its LongCat-Flash takes for every MoE layer; use "
+            f"rollout.engine=vllm with {arch} ({spec.model}): vLLM's CPU build {GPU_ONLY[arch]}; use "
             "rollout.engine=native, or a GPU build of vLLM"
         )
     _refuse_llama4(spec, hf_config, arch)

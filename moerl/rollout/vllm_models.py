@@ -99,8 +99,9 @@ def cpu_sigmoid_routing(model: torch.nn.Module) -> int:
 
     changed = 0
     for router in moe_routers(model):
-        plain = not getattr(router, "use_grouped_topk", True) and getattr(router, "custom_routing_function", 1) is None
-        if type(router).__name__ == "CPURouter" and plain and router.scoring_func != "softmax":
+        if type(router).__name__ != "CPURouter" or router.use_grouped_topk or router.custom_routing_function:
+            continue
+        if router.scoring_func != "softmax":
             router.use_grouped_topk, router.num_expert_group, router.topk_group = True, 1, 1
             changed += 1
     return changed

@@ -32,8 +32,11 @@ MODELS = {
     )
 }
 
-# served by vLLM's GPU builds only: the CPU build lacks a kernel the family's vLLM model takes (refused there by name)
-GPU_ONLY = {"LongcatFlashForCausalLM"}
+# served by vLLM's GPU builds only: what the CPU build lacks that the family's vLLM model takes (refused there by name)
+GPU_ONLY = {
+    "LongcatFlashForCausalLM": "routes zero-computation experts with a CUDA-only kernel (_moe_C.topk_softmax), which "
+    "its LongCat-Flash takes for every MoE layer",
+}
 
 
 def register() -> None:
